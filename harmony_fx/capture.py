@@ -1,0 +1,226 @@
+"""Model → GraphModule whose placeholders are the model's parameters, buffers and inputs.
+
+1. ``torch.export.export(model, args, kwargs, strict=False)`` (the training IR: ATen ops, buffers
+   such as BatchNorm statistics mutated in place, dropout as ``aten.dropout``).
+2. If export fails, ``torch.fx.symbolic_trace`` with a tracer that enters every module, then lift
+   each ``get_attr`` of a parameter or buffer to a placeholder and propagate FakeTensors.
+3. Either way every node carries ``meta["val"]``, every placeholder ``meta[ROLE]``, and the
+   parameters are mapped back to the *model's own* ``nn.Parameter`` objects (tied weights are one
+   object, whatever names they go by).
+
+When both fail, one ``ValueError`` shows both reasons and what to try.
+"""
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from typing import Any, Callable
+
+import torch
+from torch import fx, nn
+from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+from torch.utils import _pytree as pytree
+
+from harmony_fx.ir import meta
+
+__all__ = ["Captured", "capture", "CaptureError"]
+
+
+class CaptureError(ValueError):
+    """The model could not be turned into a graph."""
+
+
+@dataclasses.dataclass
+class Captured:
+    """A captured model.
+
+    ``gm``: placeholders in order: whatever export or tracing produced, each tagged with its role.
+    ``params`` / ``buffers``: placeholder name → the model's own tensor (shared between names
+    when tied). ``inputs``: placeholder names of the user's tensor inputs in flattening order.
+    ``flatten_inputs(args, kwargs)`` returns the user's tensors in that order (and checks the
+    structure); ``unflatten_outputs(flat)`` rebuilds the model's output structure.
+    """
+
+    gm: fx.GraphModule
+    params: dict[str, nn.Parameter]
+    buffers: dict[str, torch.Tensor]
+    inputs: list[str]
+    flatten_inputs: Callable[[tuple, dict], list[Any]]
+    unflatten_outputs: Callable[[list[Any]], Any]
+    method: str
+
+
+def capture(model: nn.Module, args: tuple, kwargs: dict | None = None) -> Captured:
+    """Capture ``model(*args, **kwargs)``; see the module docstring."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"harmony_fx.compile expects an nn.Module, got {type(model).__name__}")
+    if not isinstance(args, tuple):
+        args = (args,)
+    kwargs = dict(kwargs or {})
+    try:
+        return _capture_with_export(model, args, kwargs)
+    except Exception as export_error:  # noqa: BLE001 - every failure falls back to tracing
+        try:
+            return _capture_with_symbolic_trace(model, args, kwargs)
+        except Exception as trace_error:  # noqa: BLE001
+            raise CaptureError(_capture_failure_message(model, export_error, trace_error)) from export_error
+
+
+def _capture_failure_message(model: nn.Module, export_error: Exception, trace_error: Exception) -> str:
+    def first_line(err: Exception) -> str:
+        text = str(err).strip().splitlines()
+        return f"{type(err).__name__}: {text[0] if text else ''}"
+
+    return (
+        f"harmony_fx could not capture {type(model).__name__} as a graph.\n"
+        f"  torch.export (non-strict) failed with   {first_line(export_error)}\n"
+        f"  torch.fx.symbolic_trace failed with     {first_line(trace_error)}\n"
+        "What to try: remove Python control flow that depends on tensor values (if x.sum() > 0: ...) "
+        "or express it with torch.where / torch.cond; turn off caches and other stateful options "
+        "(e.g. use_cache=False for Hugging Face models); pass every tensor the forward needs as an "
+        "input instead of creating it from data inside forward."
+    )
+
+
+# --------------------------------------------------------------------------- torch.export path
+
+
+def _capture_with_export(model: nn.Module, args: tuple, kwargs: dict) -> Captured:
+    from torch.export.graph_signature import InputKind, OutputKind
+
+    exported = torch.export.export(model, args, kwargs, strict=False)
+    signature = exported.graph_signature
+    unsupported = [spec for spec in signature.output_specs if spec.kind != OutputKind.USER_OUTPUT]
+    if unsupported:
+        raise NotImplementedError(f"exported graph has non-user outputs {unsupported}")
+    named_params = dict(model.named_parameters(remove_duplicate=False))
+    named_buffers = dict(model.named_buffers(remove_duplicate=False))
+    gm = exported.graph_module
+    placeholders = {node.name: node for node in gm.graph.find_nodes(op="placeholder")}
+    params, buffers, inputs = {}, {}, []
+    for spec in signature.input_specs:
+        node = placeholders.get(getattr(spec.arg, "name", None))
+        if spec.kind == InputKind.PARAMETER:
+            params[node.name] = named_params[spec.target]
+            node.meta[meta.ROLE], node.meta[meta.TARGET] = meta.Role.PARAM, spec.target
+        elif spec.kind == InputKind.BUFFER:
+            buffers[node.name] = named_buffers[spec.target]
+            node.meta[meta.ROLE], node.meta[meta.TARGET] = meta.Role.BUFFER, spec.target
+        elif spec.kind == InputKind.CONSTANT_TENSOR:
+            buffers[node.name] = exported.constants[spec.target]
+            node.meta[meta.ROLE], node.meta[meta.TARGET] = meta.Role.BUFFER, spec.target
+        elif spec.kind == InputKind.USER_INPUT:
+            if node is not None:
+                inputs.append(node.name)
+                node.meta[meta.ROLE] = meta.Role.INPUT
+        else:
+            raise NotImplementedError(f"unsupported exported input kind {spec.kind}")
+    in_spec, out_spec = exported.call_spec.in_spec, exported.call_spec.out_spec
+    num_inputs = len(inputs)
+
+    def flatten_inputs(call_args: tuple, call_kwargs: dict) -> list[Any]:
+        leaves, spec = pytree.tree_flatten((call_args, call_kwargs))
+        if spec != in_spec:
+            leaves, spec = _reorder_kwargs(call_args, call_kwargs, in_spec)
+        tensors = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
+        if spec != in_spec or len(tensors) != num_inputs:
+            raise ValueError(
+                "the inputs do not have the structure of the example the model was compiled with: "
+                f"expected {in_spec}, got {spec}. Pass the same positional and keyword inputs."
+            )
+        return tensors
+
+    def unflatten_outputs(flat: list[Any]) -> Any:
+        return pytree.tree_unflatten(flat, out_spec)
+
+    return Captured(gm, params, buffers, inputs, flatten_inputs, unflatten_outputs, "torch.export")
+
+
+def _reorder_kwargs(args: tuple, kwargs: dict, in_spec: pytree.TreeSpec):
+    """Keyword inputs given in another order than the example's still match."""
+    example_kwargs_spec = in_spec.children_specs[1]
+    keys = example_kwargs_spec.context if example_kwargs_spec.type is dict else None
+    if keys is not None and set(keys) == set(kwargs):
+        kwargs = {key: kwargs[key] for key in keys}
+    return pytree.tree_flatten((args, kwargs))
+
+
+# ------------------------------------------------------------------- torch.fx.symbolic_trace path
+
+
+class _EnterEveryModuleTracer(fx.Tracer):
+    """Traces down to torch functions so parameters show up as ``get_attr`` nodes we can lift."""
+
+    def is_leaf_module(self, module: nn.Module, qualname: str) -> bool:
+        return False
+
+
+def _capture_with_symbolic_trace(model: nn.Module, args: tuple, kwargs: dict) -> Captured:
+    signature = inspect.signature(model.forward)
+    bound = signature.bind(*args, **kwargs)
+    bound.apply_defaults()
+    concrete = {
+        name: value for name, value in bound.arguments.items() if not isinstance(value, torch.Tensor)
+    }
+    graph = _EnterEveryModuleTracer().trace(model, concrete_args=concrete or None)
+    gm = fx.GraphModule(model, graph)
+    named_params = dict(model.named_parameters(remove_duplicate=False))
+    named_buffers = dict(model.named_buffers(remove_duplicate=False))
+    params, buffers, inputs = {}, {}, []
+    tensor_arg_names = [name for name in bound.arguments if name not in concrete]
+    first_compute = next(n for n in gm.graph.nodes if n.op != "placeholder")
+    for node in list(gm.graph.nodes):
+        if node.op == "placeholder":
+            if node.name in tensor_arg_names or node.target in tensor_arg_names:
+                inputs.append(node.name)
+                node.meta[meta.ROLE] = meta.Role.INPUT
+        elif node.op == "get_attr":
+            target = node.target
+            with gm.graph.inserting_before(first_compute):
+                lifted = gm.graph.placeholder(target.replace(".", "_"))
+            if target in named_params:
+                params[lifted.name] = named_params[target]
+                lifted.meta[meta.ROLE] = meta.Role.PARAM
+            elif target in named_buffers:
+                buffers[lifted.name] = named_buffers[target]
+                lifted.meta[meta.ROLE] = meta.Role.BUFFER
+            else:
+                raise NotImplementedError(f"get_attr of {target!r}, which is neither a parameter nor a buffer")
+            lifted.meta[meta.TARGET] = target
+            node.replace_all_uses_with(lifted)
+            gm.graph.erase_node(node)
+    gm.graph.lint()
+    gm.recompile()
+    # Order of placeholders: user inputs first (as traced), then lifted state.
+    placeholder_order = [n.name for n in gm.graph.find_nodes(op="placeholder")]
+    example = {**{n: bound.arguments[_arg_name(n, tensor_arg_names)] for n in inputs},
+               **params, **buffers}
+    fake_mode = torch._subclasses.FakeTensorMode(allow_non_fake_inputs=True)
+    FakeTensorProp(gm, fake_mode).propagate(*[example[name] for name in placeholder_order])
+    out_structure: dict[str, Any] = {}
+
+    def flatten_inputs(call_args: tuple, call_kwargs: dict) -> list[Any]:
+        try:
+            call_bound = signature.bind(*call_args, **call_kwargs)
+        except TypeError as err:
+            raise ValueError(f"the inputs do not match {type(model).__name__}.forward: {err}") from err
+        call_bound.apply_defaults()
+        return [call_bound.arguments[_arg_name(n, tensor_arg_names)] for n in inputs]
+
+    output_node = gm.graph.find_nodes(op="output")[0]
+    flat_out, out_spec = pytree.tree_flatten(output_node.args[0])
+    output_node.args = (tuple(flat_out),)
+    gm.recompile()
+    out_structure["spec"] = out_spec
+
+    def unflatten_outputs(flat: list[Any]) -> Any:
+        return pytree.tree_unflatten(flat, out_structure["spec"])
+
+    return Captured(gm, params, buffers, inputs, flatten_inputs, unflatten_outputs, "torch.fx.symbolic_trace")
+
+
+def _arg_name(placeholder_name: str, arg_names: list[str]) -> str:
+    for name in arg_names:
+        if placeholder_name == name or placeholder_name.rstrip("_0123456789") == name:
+            return name
+    raise AssertionError(f"placeholder {placeholder_name} matches no forward argument")

@@ -1,0 +1,78 @@
+"""Options of ``harmony_fx.compile`` and ``harmony_fx.Trainer`` as one frozen dataclass, and the
+parsing of sizes such as ``"2GiB"``."""
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Literal
+
+__all__ = ["CompileOptions", "parse_size", "format_size"]
+
+_UNITS = {
+    "": 1, "b": 1,
+    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+    "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40,
+}
+
+
+def parse_size(size: int | float | str | None) -> int | None:
+    """Bytes from ``1024``, ``"512MiB"``, ``"2GiB"``, ``"1.5 GB"``; ``None`` stays ``None``."""
+    if size is None:
+        return None
+    if isinstance(size, bool):
+        raise TypeError(f"a size must be a number of bytes or a string like '2GiB', not {size!r}")
+    if isinstance(size, (int, float)):
+        if size <= 0:
+            raise ValueError(f"a size must be positive, got {size!r}")
+        return int(size)
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", str(size))
+    if not match or match.group(2).lower() not in _UNITS:
+        raise ValueError(
+            f"cannot read the size {size!r}: write a number of bytes or a number with a unit, "
+            "e.g. 1048576, '512MiB', '2GiB', '1.5GB'"
+        )
+    value = float(match.group(1)) * _UNITS[match.group(2).lower()]
+    if value <= 0:
+        raise ValueError(f"a size must be positive, got {size!r}")
+    return int(value)
+
+
+def format_size(num_bytes: int | float) -> str:
+    """``1536 -> '1.5 KiB'``: sizes a person reads."""
+    value = float(num_bytes)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(value) < 1024 or unit == "TiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.2f} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")
+
+
+@dataclasses.dataclass(frozen=True)
+class CompileOptions:
+    """Everything ``compile`` and ``Trainer`` accept besides the model and its inputs.
+
+    ``devices``: ``None`` (every CUDA GPU, else one HostDevice), an int N, or names such as
+    ``["cuda:0", "cuda:1"]`` / ``["host:0"]``.
+    ``memory_budget``: bytes per device (``None``: the device's own capacity).
+    ``microbatches``: how many microbatches a batch is cut into (``None``: 1 for now).
+    ``parallel``: ``"auto" | "dp" | "pp"``.
+    ``verify``: run the program verifier before the first run (cheap; on by default).
+    ``track_memory``: account every tensor a task creates on a HostDevice (the measured peak).
+    """
+
+    devices: object = None
+    memory_budget: int | str | None = None
+    microbatches: int | None = None
+    parallel: Literal["auto", "dp", "pp"] = "auto"
+    verify: bool = True
+    track_memory: bool = True
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "memory_budget", parse_size(self.memory_budget))
+        if self.microbatches is not None and (
+            not isinstance(self.microbatches, int) or self.microbatches < 1
+        ):
+            raise ValueError(f"microbatches must be a positive int or None, got {self.microbatches!r}")
+        if self.parallel not in ("auto", "dp", "pp"):
+            raise ValueError(f"parallel must be 'auto', 'dp' or 'pp', got {self.parallel!r}")

@@ -1,0 +1,83 @@
+"""Program codegen: a list of schedule ``Action``s → a ``torch.fx.GraphModule`` that runs them.
+
+Each action becomes one ``call_method`` node on the runtime placeholder ``rt`` (the harmony ops,
+see ``ir.ops``); an action that records an event returns it, and ``WAIT`` takes it, so the
+synchronisation is visible as data flow. ``HarmonyCodeGen`` prints a comment above each task and
+leaves out FX's ``x = None`` bookkeeping (events are small), so the code reads as the iteration::
+
+    def forward(self, rt):
+        # FWD pack1 (blocks.2 .. blocks.3)
+        e5 = rt.prefetch('act[x@0]', 'h2d')
+        rt.wait(e5, 'compute')
+        e6 = rt.fwd(1, 0)
+        rt.wait(e6, 'd2h')
+        e7 = rt.offload('act[relu_3@0]', 'd2h')
+"""
+from __future__ import annotations
+
+import re
+from typing import Sequence
+
+import torch
+from torch import fx
+
+from harmony_fx.ir import meta
+from harmony_fx.schedule.actions import Action, ActionKind
+
+__all__ = ["generate_program", "HarmonyCodeGen"]
+
+_OP_OF_KIND = {
+    ActionKind.PREFETCH: "prefetch", ActionKind.OFFLOAD: "offload", ActionKind.WAIT: "wait",
+    ActionKind.FWD: "fwd", ActionKind.RECOMPUTE: "recompute", ActionKind.BWD: "bwd", ActionKind.FREE: "free",
+}
+
+
+class HarmonyCodeGen(fx.graph.CodeGen):
+    """FX's codegen, plus a comment above each task and without FX's ``x = None`` lines."""
+
+    def _gen_python_code(self, nodes, root_module, namespace, **kwargs):
+        code = super()._gen_python_code(nodes, root_module, namespace, **kwargs)
+        steps = {node.name: node.meta.get(meta.STEP) for node in nodes}
+        unused = {node.name for node in nodes if not node.users}
+        lines, last_step = [], None
+        for line in code.src.split("\n"):
+            line = re.sub(r";\s+(\w+ = )+None$", "", line)
+            match = re.match(r"(\s+)(\w+) = (rt\..*)", line)
+            if match:
+                indent, name, call = match.groups()
+                step = steps.get(name)
+                if step and step != last_step:
+                    lines.append(f"{indent}# {step}")
+                    last_step = step
+                line = f"{indent}{call}" if name in unused else line
+            lines.append(line)
+        code.src = "\n".join(lines)
+        return code
+
+
+def generate_program(actions: Sequence[Action], steps: Sequence[str], name: str) -> fx.GraphModule:
+    """``steps[i]``: the comment for the task ``actions[i]`` belongs to (printed when it changes)."""
+    graph = fx.Graph()
+    graph.set_codegen(HarmonyCodeGen())
+    rt = graph.placeholder("rt")
+    events: dict[int, fx.Node] = {}
+    for action, step in zip(actions, steps):
+        op = _OP_OF_KIND[action.kind]
+        if action.kind == ActionKind.WAIT:
+            args = (rt, events[action.event], action.stream.value)
+        elif action.kind == ActionKind.FREE:
+            args = (rt, str(action.key))
+        elif action.kind in (ActionKind.PREFETCH, ActionKind.OFFLOAD):
+            args = (rt, str(action.key), action.stream.value)
+        else:
+            args = (rt, action.pack, action.mb)
+        node = graph.call_method(op, args)
+        if action.event is not None and action.kind != ActionKind.WAIT:
+            node.name = f"e{action.event}"
+            events[action.event] = node
+        node.meta[meta.ACTION] = action
+        node.meta[meta.STEP] = step
+        node.meta[meta.FROM_PASS] = action.created_by
+    graph.output(None)
+    graph.lint()
+    return fx.GraphModule(torch.nn.Module(), graph, class_name=name)

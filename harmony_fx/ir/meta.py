@@ -1,0 +1,71 @@
+"""Every per-node fact harmony_fx keeps lives in ``node.meta`` under one of these keys.
+
+This module is the only place the keys are spelled. Capture and analysis write them on the
+captured graph (the model's graph of ATen or torch calls); codegen writes the program keys on
+the nodes of the generated program.
+
+=====================  ==============================  ===========================================
+key                    written by                      value
+=====================  ==============================  ===========================================
+``val``                capture (PyTorch's own key)     FakeTensor (or a Python scalar) of the value
+``harmony_role``       capture                         :class:`Role` of a placeholder
+``harmony_target``     capture                         for params/buffers: their dotted name
+``harmony_nbytes``     analysis.sizes                  bytes of the value (0 for non-tensors)
+``harmony_flops``      analysis.sizes                  forward FLOPs of the op (flop_counter)
+``harmony_reads``      analysis.sizes                  names of the param/buffer placeholders the
+                                                       node reads directly
+``harmony_layer``      passes.find_layers              index of the layer the node belongs to
+``harmony_layer_name`` passes.find_layers              e.g. ``"h.3"`` or the node's own name
+``harmony_pack``       passes.plan_packs               index of the pack the node belongs to
+``harmony_action``     passes.generate_program         the schedule ``Action`` a program node runs
+``harmony_step``       passes.generate_program         the comment codegen prints above a step
+``from_node``          every inserting pass            name of the pass that created the node
+=====================  ==============================  ===========================================
+"""
+from __future__ import annotations
+
+import enum
+
+from torch import fx
+
+__all__ = [
+    "VAL", "ROLE", "TARGET", "NBYTES", "FLOPS", "READS", "LAYER", "LAYER_NAME", "PACK",
+    "ACTION", "STEP", "FROM_PASS", "Role", "role_of", "layer_of", "pack_of", "nbytes_of",
+]
+
+VAL = "val"
+ROLE = "harmony_role"
+TARGET = "harmony_target"
+NBYTES = "harmony_nbytes"
+FLOPS = "harmony_flops"
+READS = "harmony_reads"
+LAYER = "harmony_layer"
+LAYER_NAME = "harmony_layer_name"
+PACK = "harmony_pack"
+ACTION = "harmony_action"
+STEP = "harmony_step"
+FROM_PASS = "from_node"
+
+
+class Role(enum.Enum):
+    """What a placeholder of the captured graph stands for."""
+
+    PARAM = "param"
+    BUFFER = "buffer"
+    INPUT = "input"
+
+
+def role_of(node: fx.Node) -> Role | None:
+    return node.meta.get(ROLE)
+
+
+def layer_of(node: fx.Node) -> int:
+    return node.meta[LAYER]
+
+
+def pack_of(node: fx.Node) -> int:
+    return node.meta[PACK]
+
+
+def nbytes_of(node: fx.Node) -> int:
+    return node.meta.get(NBYTES, 0)

@@ -1,0 +1,47 @@
+"""A pack: a contiguous run of layers compiled into a GraphModule of its own.
+
+The pack's GraphModule takes ``(*act_inputs, *state_inputs)`` and returns ``tuple(outputs)``:
+
+* ``act_inputs``: every value defined before the pack (by an earlier pack, or a model input) and
+  used inside it. Skip connections that jump several packs are inputs of every pack that reads
+  them, and stay on the host (stashed) in between.
+* ``state_inputs``: the parameter and buffer placeholders the pack reads. Tied parameters are one
+  master tensor: ``state_masters`` maps each placeholder to the index of its distinct master.
+* ``outputs``: every value defined inside and used after the pack (by later packs or as a model
+  output), in node order.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from torch import fx
+
+__all__ = ["Pack"]
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Pack:
+    index: int
+    layers: tuple[int, ...]
+    layer_names: tuple[str, ...]
+    gm: fx.GraphModule
+    act_inputs: tuple[str, ...]
+    state_inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+    # distinct master tensors: names of params (trainable) and buffers, one placeholder name each
+    params: tuple[str, ...]
+    buffers: tuple[str, ...]
+    # buffers the pack writes in place (e.g. BatchNorm running statistics)
+    mutated_buffers: tuple[str, ...]
+    # the pack draws random numbers (dropout): recompute must replay the same ones
+    random: bool
+    # state_inputs[i] is fed with the device copy of (params + buffers)[state_slot[i]]
+    state_slot: tuple[int, ...]
+
+    @property
+    def name(self) -> str:
+        return f"p{self.index}"
+
+    def describe_layers(self) -> str:
+        names = self.layer_names
+        return names[0] if len(names) == 1 else f"{names[0]} .. {names[-1]}"

@@ -1,0 +1,70 @@
+"""Find the layers, the units packs are made of.
+
+1. A node's *layer key* is the outermost entry of its ``nn_module_stack`` whose path ends in an
+   integer (``h.3`` for every node inside ``h[3]``, ``blocks.0`` inside ``blocks[0]``): the model's
+   repeated blocks.
+2. A node with no such entry is a layer of its own (``embedding``, ``ln_f``'s ``layer_norm``, ...).
+3. A layer is a maximal *contiguous* run of compute nodes (in topological order) with one key, so
+   layers tile the compute nodes in order and packs can be contiguous ranges of layers.
+
+Placeholders (parameters, buffers, inputs) and the output node belong to no layer; packs reach
+them through their inputs.
+
+Writes ``LAYER`` and ``LAYER_NAME`` on every compute node.
+"""
+from __future__ import annotations
+
+import dataclasses
+import re
+
+from torch import fx
+
+from harmony_fx.ir import meta
+
+__all__ = ["Layer", "find_layers"]
+
+_INDEXED_PATH = re.compile(r"(?:^|\.)\d+$")
+
+
+@dataclasses.dataclass(frozen=True)
+class Layer:
+    index: int
+    name: str
+    nodes: tuple[str, ...]
+
+
+def find_layers(gm: fx.GraphModule) -> list[Layer]:
+    layers: list[Layer] = []
+    current_key, current_nodes = None, []
+
+    def close() -> None:
+        if current_nodes:
+            layers.append(Layer(len(layers), current_key or current_nodes[0], tuple(current_nodes)))
+
+    for node in gm.graph.nodes:
+        if node.op in ("placeholder", "output"):
+            continue
+        key = _block_path(node)
+        if key is None or key != current_key:
+            close()
+            current_key, current_nodes = key, []
+        current_nodes.append(node.name)
+        node.meta[meta.LAYER] = len(layers)
+        node.meta[meta.LAYER_NAME] = key or node.name
+    close()
+    return layers
+
+
+def _block_path(node: fx.Node) -> str | None:
+    stack = node.meta.get("nn_module_stack") or {}
+    for path, _type in stack.values():
+        path = _normalise(path)
+        if _INDEXED_PATH.search(path):
+            return path
+    return None
+
+
+def _normalise(path: str) -> str:
+    """``L['self'].h[3]`` (Dynamo spelling) and ``h.3`` (export spelling) → ``h.3``."""
+    path = re.sub(r"^L\['self'\]\.?", "", path)
+    return re.sub(r"\[(\d+)\]", r".\1", path).lstrip(".")

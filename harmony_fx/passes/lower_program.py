@@ -1,0 +1,258 @@
+"""Lower packs to one device's program: compute, transfers, waits and frees, in issue order.
+
+Forward, pack by pack (input-batch grouping: a pack's weights come in once for all microbatches):
+
+1. ``PREFETCH W[p]`` (issued while the previous pack computes, so two packs' weights can be
+   resident at once), ``WAIT`` for it on the compute stream.
+2. Per microbatch: ``PREFETCH`` every input activation that is not resident (model inputs, and
+   skip values stashed on the host), ``FWD``, then ``OFFLOAD`` every output to the host (the stash
+   for backward, or the model's output). A value stays on the device only while the next pack
+   still needs it.
+3. ``OFFLOAD B[p]`` (buffers updated in place, e.g. BatchNorm statistics) and ``FREE W[p]``.
+
+The last pack runs forward *with* grad and keeps its graph and weights to backward (it would be
+recomputed at once otherwise). Backward, packs in reverse order:
+
+4. ``PREFETCH W[p]``; per microbatch ``PREFETCH`` its stashed inputs, ``RECOMPUTE`` (with the RNG
+   state of its forward), ``BWD`` with the gradients of its outputs (kept on the device, summed
+   over every consumer), giving the gradients of its inputs and, summed over microbatches, of its
+   weights.
+5. ``OFFLOAD dW[p]`` once per pack, ``FREE`` weights and gradients; input gradients that the host
+   wants (model inputs that require grad) are offloaded after their last consumer.
+
+Every transfer is preceded by a ``WAIT`` for what produced its source and every use by a ``WAIT``
+for the transfer; ``FREE`` of a key waits for every copy that reads it.
+"""
+from __future__ import annotations
+
+from typing import Iterable, Sequence
+
+from harmony_fx.ir.pack import Pack
+from harmony_fx.schedule.actions import Action, ActionKind as K, Key, KeyKind, Stream
+
+__all__ = ["lower_program", "grad_inputs", "ProgramSignature", "PASS_NAME"]
+
+PASS_NAME = "lower_program"
+
+
+class ProgramSignature:
+    """What lowering needs to know beyond the packs."""
+
+    def __init__(self, model_inputs: Sequence[str], model_outputs: Sequence[str],
+                 inputs_requiring_grad: Iterable[str], differentiable: Iterable[str],
+                 num_microbatches: int) -> None:
+        self.model_inputs = tuple(model_inputs)
+        self.model_outputs = tuple(dict.fromkeys(model_outputs))
+        self.inputs_requiring_grad = frozenset(inputs_requiring_grad)
+        self.differentiable = frozenset(differentiable)
+        self.num_microbatches = num_microbatches
+
+
+class _Builder:
+    """Emits actions and keeps the bookkeeping that decides waits and frees."""
+
+    def __init__(self) -> None:
+        self.actions: list[Action] = []
+        self.num_events = 0
+        self.ready: dict[Key, int] = {}           # device key -> event after which it is valid
+        self.waited: dict[Stream, set[int]] = {s: set() for s in Stream}
+        self.readers: dict[Key, list[int]] = {}   # device key -> events of copies reading it
+        self.on_host: dict[Key, int | None] = {}  # host key -> event of the copy that wrote it
+        self.copy_events: set[int] = set()
+
+    def emit(self, kind: K, stream: Stream, **fields) -> int | None:
+        event = None
+        if kind not in (K.WAIT, K.FREE):
+            event = self.num_events
+            self.num_events += 1
+        self.actions.append(Action(kind, stream, event=fields.pop("event", event), created_by=PASS_NAME, **fields))
+        return event
+
+    def wait(self, event: int | None, stream: Stream) -> None:
+        # an event the host has waited for is complete for every stream, too
+        if event is not None and event not in self.waited[stream] and event not in self.waited[Stream.HOST]:
+            self.waited[stream].add(event)
+            self.emit(K.WAIT, stream, event=event)
+
+    def resident(self, key: Key) -> bool:
+        return key in self.ready
+
+    def prefetch(self, key: Key) -> None:
+        if self.resident(key):
+            return
+        self.wait(self.on_host.get(key), Stream.H2D)
+        self.ready[key] = self.emit(K.PREFETCH, Stream.H2D, key=key)
+        self.copy_events.add(self.ready[key])
+
+    def use(self, keys: Iterable[Key]) -> None:
+        for key in keys:
+            if self.ready[key] in self.copy_events:  # compute-made keys are in stream order already
+                self.wait(self.ready[key], Stream.COMPUTE)
+
+    def compute(self, kind: K, pack: int, mb: int, produces: Iterable[Key], consumes: Iterable[Key] = (),
+                reads: Iterable[Key] = ()) -> int:
+        """``consumes``: keys the task takes over (and drops); ``produces``: keys it creates or
+        adds to (the latest writer is what later copies wait for)."""
+        consumes = list(consumes)
+        for key in consumes:
+            for reader in self.readers.pop(key, []):
+                self.wait(reader, Stream.COMPUTE)
+        produces = list(produces)
+        event = self.emit(kind, Stream.COMPUTE, pack=pack, mb=mb, reads=tuple(reads),
+                          consumes=tuple(consumes), writes=tuple(produces))
+        for key in consumes:
+            del self.ready[key]
+        for key in produces:
+            self.ready[key] = event
+        return event
+
+    def offload(self, key: Key) -> None:
+        self.wait(self.ready[key], Stream.D2H)
+        event = self.emit(K.OFFLOAD, Stream.D2H, key=key, reads=(key,))
+        self.readers.setdefault(key, []).append(event)
+        self.on_host[key] = event
+
+    def free(self, key: Key) -> None:
+        for event in self.readers.pop(key, []):
+            self.wait(event, Stream.COMPUTE)
+        del self.ready[key]
+        self.emit(K.FREE, Stream.COMPUTE, key=key)
+
+
+def weights(pack: int) -> Key:
+    return Key(KeyKind.WEIGHTS, f"p{pack}")
+
+
+def lower_program(packs: Sequence[Pack], signature: ProgramSignature) -> tuple[list[Action], list[Action]]:
+    """Returns the forward program and the backward program; the device state the forward leaves
+    (the last pack's weights and graph) is what the backward starts from."""
+    b = _Builder()
+    num_mb = signature.num_microbatches
+    last = len(packs) - 1
+    for name in signature.model_inputs:
+        for mb in range(num_mb):
+            b.on_host[Key(KeyKind.ACT, name, mb)] = None  # the caller's tensors, already on host
+    users = _forward_users(packs)
+
+    # ---------------------------------------------------------------- forward
+    b.prefetch(weights(0))
+    for pack in packs:
+        p = pack.index
+        b.use([weights(p)])
+        if p < last:
+            b.prefetch(weights(p + 1))
+        for mb in range(num_mb):
+            inputs = [Key(KeyKind.ACT, v, mb) for v in pack.act_inputs]
+            for key in inputs:
+                b.prefetch(key)
+            b.use(inputs)
+            outputs = [Key(KeyKind.ACT, v, mb) for v in pack.outputs]
+            # a forward that updates buffers in place writes W[p]: copies of it wait for the forward
+            written = outputs + ([weights(p)] if pack.mutated_buffers else [])
+            if p == last:
+                event = b.compute(K.FWD, p, mb, produces=written + [Key(KeyKind.GRAPH, pack.name, mb)],
+                                  consumes=inputs, reads=[weights(p)])
+            else:
+                event = b.compute(K.FWD, p, mb, produces=written, reads=inputs + [weights(p)])
+            for key in outputs:
+                b.offload(key)
+            next_users = users.get(p + 1, set())
+            for key in (inputs if p < last else []) + (outputs if p < last else []):
+                if key.name not in next_users and b.resident(key):
+                    b.free(key)
+        if pack.mutated_buffers:
+            b.wait(event, Stream.D2H)  # after the last microbatch's forward updated them
+            event = b.emit(K.OFFLOAD, Stream.D2H, key=Key(KeyKind.BUFFERS, pack.name), reads=(weights(p),))
+            b.readers.setdefault(weights(p), []).append(event)
+            b.on_host[Key(KeyKind.BUFFERS, pack.name)] = event
+        if p < last:
+            b.free(weights(p))
+    # The forward returns once every copy has landed: the caller reads the outputs, and the
+    # backward program may then use the stash without waiting on the forward's events. The d2h
+    # stream runs in order, so this costs no more than waiting for the outputs.
+    for event in b.on_host.values():
+        if event is not None:
+            b.wait(event, Stream.HOST)
+    num_forward = len(b.actions)
+
+    # ---------------------------------------------------------------- backward
+    grad_owner = _first_backward_touch(packs, signature)
+    lowest_consumer = _lowest_consumer(packs)
+    for pack in reversed(packs):
+        p = pack.index
+        b.prefetch(weights(p))
+        b.use([weights(p)])
+        if p > 0:
+            b.prefetch(weights(p - 1))
+        for mb in range(num_mb):
+            graph = Key(KeyKind.GRAPH, pack.name, mb)
+            if p < last:
+                inputs = [Key(KeyKind.ACT, v, mb) for v in pack.act_inputs]
+                for key in inputs:
+                    b.prefetch(key)
+                b.use(inputs)
+                b.compute(K.RECOMPUTE, p, mb, produces=[graph], consumes=inputs, reads=[weights(p)])
+            output_grads = []
+            for v in pack.outputs:
+                if v not in signature.differentiable:
+                    continue
+                key = Key(KeyKind.GRAD, v, mb)
+                if v in signature.model_outputs and grad_owner[v] == p and not b.resident(key):
+                    b.on_host.setdefault(key, None)  # the caller's grad_output
+                    b.prefetch(key)
+                if b.resident(key):
+                    output_grads.append(key)
+            b.use(output_grads)
+            produced = [Key(KeyKind.GRAD, v, mb) for v in grad_inputs(pack, signature)]
+            produced.append(Key(KeyKind.WGRAD, pack.name))  # created by mb 0, added to by the others
+            consumed = [graph] + output_grads
+            if p == last:
+                consumed += [Key(KeyKind.ACT, v, mb) for v in pack.outputs]
+            b.compute(K.BWD, p, mb, produces=produced, consumes=consumed, reads=[weights(p)])
+            for key in produced:
+                if key.kind == KeyKind.GRAD and key.name in signature.inputs_requiring_grad and lowest_consumer[key.name] == p:
+                    b.offload(key)
+                    b.free(key)
+        if pack.params:
+            b.offload(Key(KeyKind.WGRAD, pack.name))
+        b.free(Key(KeyKind.WGRAD, pack.name))
+        b.free(weights(p))
+    _wait_on_host_for_results(b, signature)
+    assert not b.ready, f"lower_program left keys resident: {sorted(map(str, b.ready))}"
+    return b.actions[:num_forward], b.actions[num_forward:]
+
+
+def grad_inputs(pack: Pack, signature: ProgramSignature) -> tuple[str, ...]:
+    """The inputs of ``pack`` whose gradient its backward produces."""
+    return tuple(v for v in pack.act_inputs if v in signature.differentiable
+                 and (v not in signature.model_inputs or v in signature.inputs_requiring_grad))
+
+
+def _wait_on_host_for_results(b: _Builder, signature: ProgramSignature) -> None:
+    """The caller reads outputs, input gradients, weight gradients and buffers once we return."""
+    for key, event in b.on_host.items():
+        read_by_host = key.kind != KeyKind.ACT or key.name in signature.model_outputs
+        if event is not None and read_by_host:
+            b.wait(event, Stream.HOST)
+
+
+def _forward_users(packs: Sequence[Pack]) -> dict[int, set[str]]:
+    return {pack.index: set(pack.act_inputs) for pack in packs}
+
+
+def _first_backward_touch(packs: Sequence[Pack], signature: ProgramSignature) -> dict[str, int]:
+    """For each model output: the first pack in backward order that reads or writes its gradient."""
+    touch: dict[str, int] = {}
+    for pack in packs:
+        for v in pack.outputs + pack.act_inputs:
+            if v in signature.model_outputs:
+                touch[v] = max(touch.get(v, -1), pack.index)
+    return touch
+
+
+def _lowest_consumer(packs: Sequence[Pack]) -> dict[str, int]:
+    lowest: dict[str, int] = {}
+    for pack in packs:
+        for v in pack.act_inputs:
+            lowest.setdefault(v, pack.index)
+    return lowest

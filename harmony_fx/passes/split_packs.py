@@ -1,0 +1,137 @@
+"""Materialise packs: one GraphModule per contiguous range of layers.
+
+1. Assign ``PACK`` to every compute node from the layer boundaries the packing policy chose.
+2. For each pack, collect its inputs (values defined outside and used inside: activations and
+   model inputs, then parameters and buffers), and its outputs (values used after the pack).
+3. Copy the pack's nodes into a fresh graph whose placeholders are those inputs and whose output
+   is the tuple of those outputs; lint it.
+
+Example: packs ``[blocks.0, blocks.1] [blocks.2, head]`` of an MLP give two GraphModules::
+
+    def forward(self, x, p_blocks_0_0_weight, p_blocks_0_0_bias, p_blocks_1_0_weight, ...):
+        ...
+        return (relu_1,)
+    def forward(self, relu_1, p_blocks_2_0_weight, ..., p_head_weight, p_head_bias):
+        ...
+        return (linear_3,)
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+from torch import fx
+
+from harmony_fx.ir import meta
+from harmony_fx.ir.pack import Pack
+from harmony_fx.passes.find_layers import Layer
+
+__all__ = ["split_packs", "RANDOM_OPS"]
+
+# Ops whose results depend on the RNG: a pack containing one saves and replays the RNG state.
+RANDOM_OPS = {
+    "dropout", "native_dropout", "bernoulli", "bernoulli_", "rand", "rand_like", "randn", "randn_like",
+    "randint", "randint_like", "randperm", "normal", "uniform_", "normal_", "multinomial",
+    "feature_dropout", "alpha_dropout", "feature_alpha_dropout", "rrelu", "rrelu_with_noise",
+}
+
+
+def split_packs(gm: fx.GraphModule, layers: Sequence[Layer], boundaries: Sequence[int],
+                masters: dict[str, object]) -> list[Pack]:
+    """``boundaries``: index of the first layer of each pack (starts with 0, increasing).
+    ``masters``: placeholder name → master tensor, to merge tied parameters."""
+    if not boundaries or boundaries[0] != 0 or list(boundaries) != sorted(set(boundaries)) or boundaries[-1] >= len(layers):
+        raise ValueError(f"split_packs: pack boundaries {list(boundaries)} must start at 0 and increase within {len(layers)} layers")
+    ranges = list(zip(boundaries, list(boundaries[1:]) + [len(layers)]))
+    nodes = {node.name: node for node in gm.graph.nodes}
+    for pack_index, (start, stop) in enumerate(ranges):
+        for layer in layers[start:stop]:
+            for name in layer.nodes:
+                nodes[name].meta[meta.PACK] = pack_index
+    return [_build_pack(gm, layers, pack_index, start, stop, nodes, masters)
+            for pack_index, (start, stop) in enumerate(ranges)]
+
+
+def _build_pack(gm, layers, pack_index, start, stop, nodes, masters) -> Pack:
+    members = [nodes[name] for layer in layers[start:stop] for name in layer.nodes]
+    member_set = set(members)
+    act_inputs, state_inputs = [], []
+    for node in members:
+        for arg in node.all_input_nodes:
+            if arg in member_set:
+                continue
+            role = meta.role_of(arg)
+            target = state_inputs if role in (meta.Role.PARAM, meta.Role.BUFFER) else act_inputs
+            if arg.name not in target:
+                target.append(arg.name)
+    outputs = [node.name for node in members if any(user not in member_set for user in node.users)]
+
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for name in act_inputs + state_inputs:
+        placeholder = graph.placeholder(name)
+        placeholder.meta.update(nodes[name].meta)
+        env[nodes[name]] = placeholder
+    for node in members:
+        env[node] = graph.node_copy(node, lambda arg: env[arg])
+    graph.output(tuple(env[nodes[name]] for name in outputs))
+    graph.lint()
+    pack_gm = fx.GraphModule(gm, graph, class_name=f"Pack{pack_index}")
+
+    # Distinct masters: tied parameters read by one pack are fetched once.
+    slots: dict[int, int] = {}
+    params, buffers = [], []
+    for name in state_inputs:
+        master = masters[name]
+        if id(master) not in slots:
+            is_param = meta.role_of(nodes[name]) == meta.Role.PARAM
+            (params if is_param else buffers).append(name)
+            slots[id(master)] = -1
+    ordered = params + buffers
+    for position, name in enumerate(ordered):
+        slots[id(masters[name])] = position
+    state_slot = tuple(slots[id(masters[name])] for name in state_inputs)
+    mutated = _mutated_buffers(members, set(buffers), masters, {id(masters[b]): b for b in buffers})
+    return Pack(
+        index=pack_index,
+        layers=tuple(range(start, stop)),
+        layer_names=tuple(layer.name for layer in layers[start:stop]),
+        gm=pack_gm,
+        act_inputs=tuple(act_inputs),
+        state_inputs=tuple(state_inputs),
+        outputs=tuple(outputs),
+        params=tuple(params),
+        buffers=tuple(buffers),
+        mutated_buffers=mutated,
+        random=any(_op_name(node) in RANDOM_OPS for node in members),
+        state_slot=state_slot,
+    )
+
+
+def _op_name(node: fx.Node) -> str:
+    target = node.target
+    if isinstance(target, torch._ops.OpOverload):
+        return target._schema.name.split("::")[-1]
+    return getattr(target, "__name__", str(target))
+
+
+def _mutated_buffers(members, buffer_names, masters, master_to_buffer) -> tuple[str, ...]:
+    """Buffers written in place. ATen ops say so in their schema; for plain torch functions (the
+    symbolic_trace path) we cannot tell, so every buffer such a pack reads counts as written."""
+    mutated = []
+    for node in members:
+        written = []
+        if isinstance(node.target, torch._ops.OpOverload):
+            for arg, schema_arg in zip(node.args, node.target._schema.arguments):
+                if isinstance(arg, fx.Node) and schema_arg.alias_info is not None and schema_arg.alias_info.is_write:
+                    written.append(arg)
+            if "batch_norm" in _op_name(node) or "instance_norm" in _op_name(node):
+                # aten.batch_norm updates running statistics without saying so in its schema
+                written += list(node.all_input_nodes)
+        elif node.op in ("call_function", "call_method"):
+            written = list(node.all_input_nodes)
+        for arg in written:
+            name = master_to_buffer.get(id(masters.get(arg.name)))
+            if name is not None and name not in mutated:
+                mutated.append(name)
+    return tuple(mutated)

@@ -1,0 +1,188 @@
+"""Devices: where packs run. One interface, two implementations.
+
+* ``HostDevice``: a stand-in GPU in host memory. Its copies are clones, its streams run inline,
+  and its memory account counts every tensor resident on it and every temporary of the running
+  task (``ir.tracking.AllocationTracker``); going past the budget raises ``DeviceOutOfMemoryError``.
+* ``CudaDevice``: a real GPU: non-blocking copies from/to pinned host memory on their own streams,
+  events between streams, and ``torch.cuda.max_memory_allocated`` as the measured peak.
+
+``resolve_devices`` turns the user's ``devices=`` option into devices.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from harmony_fx.config import format_size
+from harmony_fx.ir.tracking import AllocationTracker
+from harmony_fx.runtime.streams import CudaStreams, HostStreams
+from harmony_fx.schedule.actions import Stream
+
+__all__ = ["Device", "HostDevice", "CudaDevice", "DeviceOutOfMemoryError", "resolve_devices"]
+
+
+class DeviceOutOfMemoryError(RuntimeError):
+    """A task needed more device memory than the budget allows."""
+
+
+class Device:
+    """What the executor needs from a device."""
+
+    name: str
+    budget: int | None
+    streams: HostStreams | CudaStreams
+
+    def to_device(self, host: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def to_host(self, value: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def compute_scope(self):
+        raise NotImplementedError
+
+    def get_rng_state(self) -> torch.Tensor:
+        raise NotImplementedError
+
+    def set_rng_state(self, state: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    def reset_peak(self) -> None:
+        raise NotImplementedError
+
+    def live_bytes(self) -> int:
+        raise NotImplementedError
+
+    def peak_bytes(self) -> int:
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        budget = "unlimited" if self.budget is None else format_size(self.budget)
+        return f"{type(self).__name__}({self.name!r}, budget={budget})"
+
+
+class HostDevice(Device):
+    """A GPU stand-in in host memory (see the module docstring)."""
+
+    def __init__(self, name: str = "host:0", budget: int | None = None, track_memory: bool = True) -> None:
+        self.name = name
+        self.budget = budget
+        self.torch_device = torch.device("cpu")
+        self.streams = HostStreams()
+        self.tracker = AllocationTracker(budget, self._out_of_memory)
+        self.track_memory = track_memory
+        self.context = ""  # what is running, for the out-of-memory message
+
+    def _out_of_memory(self, live: int, cap: int) -> None:
+        raise DeviceOutOfMemoryError(
+            f"{self.name}: out of memory{self.context}: {format_size(live)} in use, budget {format_size(cap)}. "
+            "Give a larger memory_budget, or more microbatches so each task holds less."
+        )
+
+    def to_device(self, host: torch.Tensor) -> torch.Tensor:
+        copy = host.detach().clone()
+        return self.tracker.register(copy) if self.track_memory else copy
+
+    def to_host(self, value: torch.Tensor) -> torch.Tensor:
+        return value.detach().clone()
+
+    def compute_scope(self):
+        return self.tracker.mode() if self.track_memory else contextlib.nullcontext()
+
+    def get_rng_state(self) -> torch.Tensor:
+        return torch.get_rng_state()
+
+    def set_rng_state(self, state: torch.Tensor) -> None:
+        torch.set_rng_state(state)
+
+    def reset_peak(self) -> None:
+        self.tracker.reset_peak()
+
+    def live_bytes(self) -> int:
+        return self.tracker.live
+
+    def peak_bytes(self) -> int:
+        return self.tracker.peak
+
+
+class CudaDevice(Device):
+    """A real GPU (see the module docstring)."""
+
+    def __init__(self, name: str = "cuda:0", budget: int | None = None) -> None:
+        self.name = name
+        self.torch_device = torch.device(name)
+        self.budget = budget if budget is not None else torch.cuda.get_device_properties(self.torch_device).total_memory
+        self.streams = CudaStreams(self.torch_device)
+        self._baseline = torch.cuda.memory_allocated(self.torch_device)
+
+    def to_device(self, host: torch.Tensor) -> torch.Tensor:
+        # Allocate in compute-stream order so the block is free there, then copy on the h2d stream.
+        copy = torch.empty_like(host, device=self.torch_device)
+        allocated = self.streams.record(Stream.COMPUTE)
+        self.streams.wait(allocated, Stream.H2D)
+        source = host if host.is_pinned() else host.pin_memory()
+        with self.streams.on(Stream.H2D):
+            copy.copy_(source, non_blocking=True)
+        copy.record_stream(self.streams.stream(Stream.H2D))
+        return copy
+
+    def to_host(self, value: torch.Tensor) -> torch.Tensor:
+        host = torch.empty(value.shape, dtype=value.dtype, pin_memory=True)
+        with self.streams.on(Stream.D2H):
+            host.copy_(value.detach(), non_blocking=True)
+        value.record_stream(self.streams.stream(Stream.D2H))
+        return host
+
+    def compute_scope(self):
+        return torch.cuda.device(self.torch_device)
+
+    def get_rng_state(self) -> torch.Tensor:
+        return torch.cuda.get_rng_state(self.torch_device)
+
+    def set_rng_state(self, state: torch.Tensor) -> None:
+        torch.cuda.set_rng_state(state, self.torch_device)
+
+    def reset_peak(self) -> None:
+        torch.cuda.synchronize(self.torch_device)
+        self._baseline = torch.cuda.memory_allocated(self.torch_device)
+        torch.cuda.reset_peak_memory_stats(self.torch_device)
+
+    def live_bytes(self) -> int:
+        return torch.cuda.memory_allocated(self.torch_device) - self._baseline
+
+    def peak_bytes(self) -> int:
+        return torch.cuda.max_memory_allocated(self.torch_device) - self._baseline
+
+
+def resolve_devices(devices: object, budget: int | None, track_memory: bool = True) -> list[Device]:
+    """``None``: every CUDA GPU, else one HostDevice; an int N; or names ``cuda:i`` / ``host:i``."""
+    if devices is None:
+        count = torch.cuda.device_count()
+        names = [f"cuda:{i}" for i in range(count)] or ["host:0"]
+    elif isinstance(devices, int) and not isinstance(devices, bool):
+        if devices < 1:
+            raise ValueError(f"devices must be at least 1, got {devices}")
+        prefix = "cuda" if torch.cuda.is_available() else "host"
+        names = [f"{prefix}:{i}" for i in range(devices)]
+    elif isinstance(devices, (list, tuple)) and devices:
+        names = [str(d) for d in devices]
+    elif isinstance(devices, str):
+        names = [devices]
+    else:
+        raise ValueError(f"devices must be None, an int, or a list like ['cuda:0', 'host:0'], got {devices!r}")
+    result: list[Device] = []
+    for name in names:
+        kind, _, index = name.partition(":")
+        if kind == "host" and (index == "" or index.isdigit()):
+            result.append(HostDevice(f"host:{index or 0}", budget, track_memory))
+        elif kind == "cuda" and (index == "" or index.isdigit()):
+            if not torch.cuda.is_available() or int(index or 0) >= torch.cuda.device_count():
+                raise ValueError(
+                    f"unknown device {name!r}: this machine has {torch.cuda.device_count()} CUDA device(s). "
+                    "Use 'host:0' for a GPU stand-in in host memory."
+                )
+            result.append(CudaDevice(f"cuda:{index or 0}", budget))
+        else:
+            raise ValueError(f"unknown device {name!r}: write 'cuda:N' for a GPU or 'host:N' for a HostDevice")
+    return result

@@ -1,0 +1,278 @@
+"""The executor: the runtime object ``rt`` that generated programs call (the harmony ops).
+
+One ``Runtime`` drives one device through one iteration: ``run(forward_program)`` then, if
+gradients are wanted, ``run(backward_program)``. Device values live in ``self.device_values`` under
+schedule ``Key``s; host values (stash, outputs, gradients for the caller) in ``self.host_values``.
+Work that must happen on the host once a copy has landed (writing BatchNorm statistics back to the
+master buffers, summing weight gradients of tied parameters) is attached to the copy's event and
+runs at the program's ``HOST`` wait for it.
+
+Counters: bytes per direction and key kind (``Stats``) and the device's measured peak.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+from typing import Callable, Sequence
+
+import torch
+from torch import fx
+
+from harmony_fx.ir.pack import Pack
+from harmony_fx.ir.tracking import storage_key
+from harmony_fx.runtime.devices import Device
+from harmony_fx.schedule.actions import Key, KeyKind, Stream, parse_key
+
+__all__ = ["Runtime", "Stats", "HostState"]
+
+
+@dataclasses.dataclass
+class Stats:
+    """Measured over the last iteration (forward + backward)."""
+
+    bytes_by_kind: dict[tuple[str, str], int] = dataclasses.field(default_factory=lambda: collections.defaultdict(int))
+    peak_bytes: dict[str, int] = dataclasses.field(default_factory=dict)
+    budget: dict[str, int | None] = dataclasses.field(default_factory=dict)
+
+    @property
+    def bytes_h2d(self) -> int:
+        return sum(n for (direction, _), n in self.bytes_by_kind.items() if direction == "h2d")
+
+    @property
+    def bytes_d2h(self) -> int:
+        return sum(n for (direction, _), n in self.bytes_by_kind.items() if direction == "d2h")
+
+    def as_dict(self) -> dict:
+        return {
+            "bytes_h2d": self.bytes_h2d,
+            "bytes_d2h": self.bytes_d2h,
+            "bytes_by_kind": {f"{d}/{k}": n for (d, k), n in sorted(self.bytes_by_kind.items())},
+            "peak_bytes": dict(self.peak_bytes),
+            "budget": dict(self.budget),
+        }
+
+
+@dataclasses.dataclass
+class HostState:
+    """Host-side tensors of one compiled model: per pack, its masters (params then buffers)."""
+
+    masters: list[list[torch.Tensor]]
+
+
+class _Event:
+    __slots__ = ("device_event", "on_host")
+
+    def __init__(self, device_event) -> None:
+        self.device_event = device_event
+        self.on_host: list[Callable[[], None]] = []
+
+
+class Runtime:
+    """``rt`` in the generated programs; one instance per iteration."""
+
+    def __init__(self, packs: Sequence[Pack], device: Device, host: HostState,
+                 grad_inputs: Sequence[tuple[str, ...]], stats: Stats) -> None:
+        self.packs = packs
+        self.device = device
+        self.host = host
+        self.grad_inputs = grad_inputs
+        self.stats = stats
+        self.last = len(packs) - 1
+        self.device_values: dict[Key, object] = {}
+        self.host_values: dict[Key, object] = {}
+        self.host_grads: dict[int, torch.Tensor] = {}  # id(master) -> summed gradient
+        self.rng_states: dict[tuple[int, int], torch.Tensor] = {}
+        self._keys: dict[str, Key] = {}
+
+    # ------------------------------------------------------------------ running programs
+    def run(self, program: fx.GraphModule) -> None:
+        program(self)
+
+    def release(self) -> None:
+        """Drop everything the device still holds (after a forward that needs no backward, or an
+        error)."""
+        self.device_values.clear()
+
+    def key(self, text: str) -> Key:
+        key = self._keys.get(text)
+        if key is None:
+            key = self._keys[text] = parse_key(text)
+        return key
+
+    # ------------------------------------------------------------------ harmony ops
+    def prefetch(self, key_text: str, stream: str) -> _Event:
+        key = self.key(key_text)
+        device = self.device
+        if key.kind == KeyKind.WEIGHTS:
+            pack = self.packs[int(key.name[1:])]
+            value = []
+            for slot, master in enumerate(self.host.masters[pack.index]):
+                copy = device.to_device(master)
+                if slot < len(pack.params) and master.requires_grad:
+                    copy.requires_grad_(True)
+                value.append(copy)
+        else:
+            value = device.to_device(self.host_values[key])
+        self._count("h2d", key, value)
+        self.device_values[key] = value
+        return _Event(device.streams.record(Stream.H2D))
+
+    def offload(self, key_text: str, stream: str) -> _Event:
+        key = self.key(key_text)
+        device = self.device
+        event = _Event(None)
+        if key.kind == KeyKind.BUFFERS:
+            pack = self.packs[int(key.name[1:])]
+            weights = self.device_values[Key(KeyKind.WEIGHTS, key.name)]
+            first_buffer = len(pack.params)
+            pairs = [(self.host.masters[pack.index][first_buffer + i], device.to_host(weights[first_buffer + i]))
+                     for i, name in enumerate(pack.buffers) if name in pack.mutated_buffers]
+            self._count("d2h", key, [copy for _, copy in pairs])
+            event.on_host.append(lambda: [master.copy_(copy) for master, copy in pairs])
+        elif key.kind == KeyKind.WGRAD:
+            pack = self.packs[int(key.name[1:])]
+            grads = self.device_values[key]
+            pairs = [(self.host.masters[pack.index][i], device.to_host(g)) for i, g in enumerate(grads) if g is not None]
+            self._count("d2h", key, [copy for _, copy in pairs])
+            event.on_host.append(lambda: [self._add_host_grad(master, copy) for master, copy in pairs])
+        else:
+            copy = device.to_host(self.device_values[key])
+            self._count("d2h", key, copy)
+            self.host_values[key] = copy
+        event.device_event = device.streams.record(Stream.D2H)
+        return event
+
+    def wait(self, event: _Event, stream: str) -> None:
+        stream = Stream(stream)
+        self.device.streams.wait(event.device_event, stream)
+        if stream == Stream.HOST:
+            for callback in event.on_host:
+                callback()
+            event.on_host.clear()
+
+    def free(self, key_text: str) -> None:
+        del self.device_values[self.key(key_text)]
+
+    def fwd(self, pack_index: int, mb: int) -> _Event:
+        pack = self.packs[pack_index]
+        keep_graph = pack_index == self.last
+        values = self.device_values
+        inputs = [values.pop(Key(KeyKind.ACT, v, mb)) if keep_graph else values[Key(KeyKind.ACT, v, mb)]
+                  for v in pack.act_inputs]
+        if pack.random:
+            self.rng_states[(pack_index, mb)] = self.device.get_rng_state()
+        if keep_graph:
+            inputs = [_leaf(x) for x in inputs]
+        outputs = self._run_pack(pack, inputs, grad=keep_graph, what="forward")
+        for name, value in zip(pack.outputs, outputs):
+            values[Key(KeyKind.ACT, name, mb)] = value.detach() if isinstance(value, torch.Tensor) else value
+        if keep_graph:
+            values[Key(KeyKind.GRAPH, pack.name, mb)] = (inputs, outputs)
+        return _Event(self.device.streams.record(Stream.COMPUTE))
+
+    def recompute(self, pack_index: int, mb: int) -> _Event:
+        pack = self.packs[pack_index]
+        inputs = [_leaf(self.device_values.pop(Key(KeyKind.ACT, v, mb))) for v in pack.act_inputs]
+        saved_state = None
+        if pack.random:
+            saved_state = self.device.get_rng_state()
+            self.device.set_rng_state(self.rng_states.pop((pack_index, mb)))
+        try:
+            outputs = self._run_pack(pack, inputs, grad=True, what="recompute")
+        finally:
+            if saved_state is not None:
+                self.device.set_rng_state(saved_state)
+        self.device_values[Key(KeyKind.GRAPH, pack.name, mb)] = (inputs, outputs)
+        return _Event(self.device.streams.record(Stream.COMPUTE))
+
+    def bwd(self, pack_index: int, mb: int) -> _Event:
+        pack = self.packs[pack_index]
+        values = self.device_values
+        inputs, outputs = values.pop(Key(KeyKind.GRAPH, pack.name, mb))
+        if pack_index == self.last:
+            for name in pack.outputs:
+                values.pop(Key(KeyKind.ACT, name, mb))
+        roots, root_grads = [], []
+        for name, output in zip(pack.outputs, outputs):
+            grad = values.pop(Key(KeyKind.GRAD, name, mb), None)
+            if grad is not None and isinstance(output, torch.Tensor) and output.requires_grad:
+                roots.append(output)
+                root_grads.append(grad)
+        del outputs
+        weights = values[Key(KeyKind.WEIGHTS, pack.name)]
+        wanted = set(self.grad_inputs[pack_index])
+        input_targets = [(name, x) for name, x in zip(pack.act_inputs, inputs) if name in wanted]
+        weight_targets = [w for w in weights[: len(pack.params)]]
+        targets = [x for _, x in input_targets] + [w for w in weight_targets if w.requires_grad]
+        with self.device.compute_scope(), self._context(pack, "backward"):
+            grads = list(torch.autograd.grad(roots, targets, root_grads, allow_unused=True)) if roots and targets else [None] * len(targets)
+            del roots, root_grads, inputs
+            stored: set[int] = set()
+            for name, x in input_targets:
+                grad = grads.pop(0)
+                if grad is None:
+                    grad = torch.zeros_like(x)
+                elif storage_key(grad) in stored:
+                    # autograd hands one tensor to several inputs (e.g. both sides of an add); each
+                    # key must own its gradient, since each is added to in place later
+                    grad = grad.clone()
+                stored.add(storage_key(grad))
+                self._accumulate(Key(KeyKind.GRAD, name, mb), grad)
+            wgrad_key = Key(KeyKind.WGRAD, pack.name)
+            accumulated = values.setdefault(wgrad_key, [None] * len(weight_targets))
+            for i, w in enumerate(weight_targets):
+                grad = grads.pop(0) if w.requires_grad else None
+                if grad is not None:
+                    accumulated[i] = _own(grad) if accumulated[i] is None else accumulated[i].add_(grad)
+        return _Event(self.device.streams.record(Stream.COMPUTE))
+
+    # ------------------------------------------------------------------ helpers
+    def _run_pack(self, pack: Pack, inputs: list, grad: bool, what: str) -> tuple:
+        weights = self.device_values[Key(KeyKind.WEIGHTS, pack.name)]
+        state = [weights[slot] for slot in pack.state_slot]
+        with self.device.compute_scope(), self._context(pack, what), torch.set_grad_enabled(grad):
+            return pack.gm(*inputs, *state)
+
+    def _context(self, pack: Pack, what: str):
+        device, text = self.device, f" in the {what} of {pack.name} ({pack.describe_layers()})"
+        return _DeviceContext(device, text)
+
+    def _accumulate(self, key: Key, grad: torch.Tensor) -> None:
+        existing = self.device_values.get(key)
+        self.device_values[key] = _own(grad) if existing is None else existing.add_(grad)
+
+    def _add_host_grad(self, master: torch.Tensor, grad: torch.Tensor) -> None:
+        existing = self.host_grads.get(id(master))
+        self.host_grads[id(master)] = grad if existing is None else existing.add_(grad)
+
+    def _count(self, direction: str, key: Key, value: object) -> None:
+        tensors = value if isinstance(value, (list, tuple)) else [value]
+        self.stats.bytes_by_kind[(direction, key.kind.name.lower())] += sum(
+            t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
+
+
+class _DeviceContext:
+    """Names the running task in an out-of-memory error."""
+
+    def __init__(self, device: Device, text: str) -> None:
+        self.device, self.text = device, text
+
+    def __enter__(self):
+        if hasattr(self.device, "context"):
+            self.device.context = self.text
+
+    def __exit__(self, *exc) -> None:
+        if hasattr(self.device, "context"):
+            self.device.context = ""
+
+
+def _leaf(value: object) -> object:
+    """A detached copy-free leaf that records gradients, for a pack input in a graph we keep."""
+    if isinstance(value, torch.Tensor) and value.is_floating_point():
+        return value.detach().requires_grad_(True)
+    return value
+
+
+def _own(grad: torch.Tensor) -> torch.Tensor:
+    """A gradient we may add into in place: not an expanded or otherwise shared view."""
+    return grad if grad._base is None and grad.is_contiguous() else grad.clone(memory_format=torch.contiguous_format)

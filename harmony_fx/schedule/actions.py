@@ -1,0 +1,111 @@
+"""The program as data: ``Action``s over logical streams, events and buffer ``Key``s.
+
+A device program is a ``list[Action]`` in issue order. Compute runs on the ``COMPUTE`` stream,
+host→device copies on ``H2D``, device→host copies on ``D2H``; ``HOST`` is the controller thread.
+Every transfer and compute action records an event (``event``); ``WAIT`` makes a stream (or the
+host) wait for one. ``FREE`` drops the device copy of a key, in compute-stream order.
+
+``repr`` is compact and ``parse_action`` is its exact inverse::
+
+    PREFETCH W[p1] h2d -> e4
+    WAIT e4 compute
+    FWD p1@0 -> e5
+    OFFLOAD act[relu_3@0] d2h -> e6
+"""
+from __future__ import annotations
+
+import dataclasses
+import enum
+import re
+from typing import NamedTuple
+
+__all__ = ["ActionKind", "Stream", "KeyKind", "Key", "Action", "parse_action", "parse_key"]
+
+
+class ActionKind(enum.Enum):
+    PREFETCH = "PREFETCH"    # host → device copy of a key
+    OFFLOAD = "OFFLOAD"      # device → host copy of a key
+    WAIT = "WAIT"            # stream waits for an event
+    FWD = "FWD"              # forward of one pack on one microbatch (no grad, or keeping its graph)
+    RECOMPUTE = "RECOMPUTE"  # forward again with grad from the stashed inputs, in backward
+    BWD = "BWD"              # backward of one pack on one microbatch
+    FREE = "FREE"            # drop the device copy of a key
+
+
+class Stream(enum.Enum):
+    COMPUTE = "compute"
+    H2D = "h2d"
+    D2H = "d2h"
+    HOST = "host"
+
+
+class KeyKind(enum.Enum):
+    WEIGHTS = "W"      # parameters and buffers of a pack (one copy per distinct master)
+    BUFFERS = "B"      # the buffers a pack updates in place (a part of W), written back to host
+    ACT = "act"        # an activation (or model input/output) on one microbatch
+    GRAD = "grad"      # the gradient of an activation on one microbatch
+    WGRAD = "dW"       # the weight gradients of a pack, summed over microbatches
+    GRAPH = "graph"    # the autograd graph of a pack on one microbatch (between RECOMPUTE and BWD)
+
+
+class Key(NamedTuple):
+    """A buffer the program moves or frees: ``W[p1]``, ``act[relu_3@0]``, ``dW[p0]``."""
+
+    kind: KeyKind
+    name: str
+    mb: int | None = None
+
+    def __str__(self) -> str:
+        suffix = "" if self.mb is None else f"@{self.mb}"
+        return f"{self.kind.value}[{self.name}{suffix}]"
+
+
+_KIND_BY_VALUE = {kind.value: kind for kind in KeyKind}
+
+
+def parse_key(text: str) -> Key:
+    match = re.fullmatch(r"(\w+)\[([^@\]]+)(?:@(\d+))?\]", text)
+    if not match or match.group(1) not in _KIND_BY_VALUE:
+        raise ValueError(f"not a key: {text!r}")
+    mb = None if match.group(3) is None else int(match.group(3))
+    return Key(_KIND_BY_VALUE[match.group(1)], match.group(2), mb)
+
+
+@dataclasses.dataclass(frozen=True)
+class Action:
+    kind: ActionKind
+    stream: Stream
+    key: Key | None = None
+    pack: int | None = None
+    mb: int | None = None
+    event: int | None = None       # recorded after the action (or waited on, for WAIT)
+    device: int = 0
+    created_by: str = dataclasses.field(default="", compare=False)
+    # keys a compute task reads and keeps / takes over and drops / creates or adds to
+    reads: tuple[Key, ...] = dataclasses.field(default=(), compare=False)
+    consumes: tuple[Key, ...] = dataclasses.field(default=(), compare=False)
+    writes: tuple[Key, ...] = dataclasses.field(default=(), compare=False)
+
+    def __repr__(self) -> str:
+        kind = self.kind
+        if kind == ActionKind.WAIT:
+            return f"WAIT e{self.event} {self.stream.value}"
+        if kind == ActionKind.FREE:
+            return f"FREE {self.key}"
+        if kind in (ActionKind.PREFETCH, ActionKind.OFFLOAD):
+            return f"{kind.value} {self.key} {self.stream.value} -> e{self.event}"
+        return f"{kind.value} p{self.pack}@{self.mb} -> e{self.event}"
+
+
+def parse_action(text: str) -> Action:
+    """Inverse of ``repr(action)`` (without ``device`` and ``created_by``)."""
+    parts = text.split()
+    kind = ActionKind(parts[0])
+    if kind == ActionKind.WAIT:
+        return Action(kind, Stream(parts[2]), event=int(parts[1][1:]))
+    if kind == ActionKind.FREE:
+        return Action(kind, Stream.COMPUTE, key=parse_key(parts[1]))
+    if kind in (ActionKind.PREFETCH, ActionKind.OFFLOAD):
+        return Action(kind, Stream(parts[2]), key=parse_key(parts[1]), event=int(parts[4][1:]))
+    pack, mb = parts[1][1:].split("@")
+    return Action(kind, Stream.COMPUTE, pack=int(pack), mb=int(mb), event=int(parts[3][1:]))

@@ -1,0 +1,19 @@
+"""What a program moves: bytes per direction and key kind, from the actions and key sizes alone."""
+from __future__ import annotations
+
+import collections
+from typing import Callable, Sequence
+
+from harmony_fx.schedule.actions import Action, ActionKind, Key
+
+__all__ = ["bytes_moved"]
+
+
+def bytes_moved(actions: Sequence[Action], key_bytes: Callable[[Key], int]) -> dict[tuple[str, str], int]:
+    """``{(direction, kind): bytes}``, e.g. ``("h2d", "weights")``; the same keys as ``Stats``."""
+    moved: dict[tuple[str, str], int] = collections.defaultdict(int)
+    for action in actions:
+        if action.kind in (ActionKind.PREFETCH, ActionKind.OFFLOAD):
+            direction = "h2d" if action.kind == ActionKind.PREFETCH else "d2h"
+            moved[(direction, action.key.kind.name.lower())] += key_bytes(action.key)
+    return dict(moved)
