@@ -24,7 +24,7 @@ __all__ = ["MLPChain", "ResidualMLP", "TinyGPT", "GPTConfig", "SmallCNN", "ZooEn
 
 
 class MLPChain(nn.Module):
-    def __init__(self, width: int = 64, depth: int = 6, num_classes: int = 10) -> None:
+    def __init__(self, width: int = 64, depth: int = 12, num_classes: int = 10) -> None:
         super().__init__()
         self.blocks = nn.Sequential(*[nn.Sequential(nn.Linear(width, width), nn.ReLU()) for _ in range(depth)])
         self.head = nn.Linear(width, num_classes)
@@ -36,7 +36,7 @@ class MLPChain(nn.Module):
 class ResidualMLP(nn.Module):
     """``stem -> blocks -> head(h + stem_out)``: the stem's output is used by the last layer."""
 
-    def __init__(self, width: int = 64, depth: int = 6, num_classes: int = 10) -> None:
+    def __init__(self, width: int = 64, depth: int = 8, num_classes: int = 10) -> None:
         super().__init__()
         self.stem = nn.Linear(width, width)
         self.blocks = nn.ModuleList(
@@ -57,7 +57,7 @@ class ResidualMLP(nn.Module):
 class GPTConfig:
     vocab_size: int = 96
     block_size: int = 32
-    n_layer: int = 4
+    n_layer: int = 8
     n_head: int = 4
     n_embd: int = 64
     dropout: float = 0.1
@@ -125,7 +125,7 @@ class TinyGPT(nn.Module):
 
 
 class SmallCNN(nn.Module):
-    def __init__(self, channels: int = 16, depth: int = 4, num_classes: int = 10) -> None:
+    def __init__(self, channels: int = 16, depth: int = 12, num_classes: int = 10) -> None:
         super().__init__()
         self.stem = nn.Conv2d(3, channels, 3, padding=1)
         self.features = nn.Sequential(
@@ -173,7 +173,7 @@ def _gpt_batch(config: GPTConfig, batch: int):
     return make
 
 
-def zoo(batch: int = 8) -> dict[str, ZooEntry]:
+def zoo(batch: int = 32) -> dict[str, ZooEntry]:
     gpt = GPTConfig()
     entries = [
         ZooEntry("mlp_chain", _seeded(lambda: MLPChain(), lambda g: (
