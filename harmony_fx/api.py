@@ -23,6 +23,7 @@ from harmony_fx.ir.pack import Pack
 from harmony_fx.passes.find_layers import find_layers
 from harmony_fx.passes.lower_program import ProgramSignature, grad_inputs, lower_program
 from harmony_fx.passes.plan_packs import balanced, plan_packs
+from harmony_fx.passes.retarget_device import retarget_device
 from harmony_fx.passes.split_packs import split_packs
 from harmony_fx.runtime.devices import Device, HostDevice, resolve_devices
 from harmony_fx.runtime.executor import HostState, Runtime, Stats
@@ -73,6 +74,7 @@ class HarmonyModule:
         mb_args, mb_kwargs = _first_microbatch((example_args, example_kwargs), self.num_microbatches)
         self.captured: Captured = capture(model, mb_args, mb_kwargs)
         gm = self.captured.gm
+        retarget_device(gm, self.device.torch_device)
         annotate_sizes(gm)
         self.layers = find_layers(gm)
         self._nodes = {node.name: node for node in gm.graph.nodes}

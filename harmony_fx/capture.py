@@ -168,7 +168,7 @@ def _capture_with_symbolic_trace(model: nn.Module, args: tuple, kwargs: dict) ->
     named_buffers = dict(model.named_buffers(remove_duplicate=False))
     params, buffers, inputs = {}, {}, []
     tensor_arg_names = [name for name in bound.arguments if name not in concrete]
-    first_compute = next(n for n in gm.graph.nodes if n.op != "placeholder")
+    lifted_by_target: dict[str, fx.Node] = {}
     for node in list(gm.graph.nodes):
         if node.op == "placeholder":
             if node.name in tensor_arg_names or node.target in tensor_arg_names:
@@ -176,17 +176,20 @@ def _capture_with_symbolic_trace(model: nn.Module, args: tuple, kwargs: dict) ->
                 node.meta[meta.ROLE] = meta.Role.INPUT
         elif node.op == "get_attr":
             target = node.target
-            with gm.graph.inserting_before(first_compute):
-                lifted = gm.graph.placeholder(target.replace(".", "_"))
-            if target in named_params:
-                params[lifted.name] = named_params[target]
-                lifted.meta[meta.ROLE] = meta.Role.PARAM
-            elif target in named_buffers:
-                buffers[lifted.name] = named_buffers[target]
-                lifted.meta[meta.ROLE] = meta.Role.BUFFER
-            else:
-                raise NotImplementedError(f"get_attr of {target!r}, which is neither a parameter nor a buffer")
-            lifted.meta[meta.TARGET] = target
+            lifted = lifted_by_target.get(target)
+            if lifted is None:
+                first_non_placeholder = next(n for n in gm.graph.nodes if n.op != "placeholder")
+                with gm.graph.inserting_before(first_non_placeholder):
+                    lifted = lifted_by_target[target] = gm.graph.placeholder(target.replace(".", "_"))
+                if target in named_params:
+                    params[lifted.name] = named_params[target]
+                    lifted.meta[meta.ROLE] = meta.Role.PARAM
+                elif target in named_buffers:
+                    buffers[lifted.name] = named_buffers[target]
+                    lifted.meta[meta.ROLE] = meta.Role.BUFFER
+                else:
+                    raise NotImplementedError(f"get_attr of {target!r}, which is neither a parameter nor a buffer")
+                lifted.meta[meta.TARGET] = target
             node.replace_all_uses_with(lifted)
             gm.graph.erase_node(node)
     gm.graph.lint()

@@ -1,0 +1,57 @@
+"""Step time of harmony_fx vs eager on the small GPT, as ratios measured in one run.
+
+    python -m pytest benchmarks/test_step_time.py --benchmark-json=.benchmarks/step_time.json
+    python benchmarks/report.py .benchmarks/step_time.json
+
+One step is forward, loss, backward (gradients into the model's host parameters). harmony_fx runs
+on one HostDevice: at an unlimited budget (one pack, no recompute: the overhead of the harmony
+runtime alone) and at 25% of what eager training needs (many packs: copies and recompute).
+``track_memory`` off measures the runtime without the HostDevice's per-tensor accounting, which a
+CudaDevice does not have.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import harmony_fx
+from harmony_fx.analysis.memory import eager_training_bytes
+from harmony_fx.testing.models import GPTConfig, TinyGPT
+
+CONFIG = GPTConfig(vocab_size=64, block_size=32, n_layer=8, n_head=4, n_embd=64, dropout=0.0)
+BATCH = 16
+
+
+def _setup():
+    torch.manual_seed(0)
+    model = TinyGPT(CONFIG)
+    idx = torch.randint(0, CONFIG.vocab_size, (BATCH, CONFIG.block_size))
+    target = torch.roll(idx, 1, dims=1)
+    return model, idx, target
+
+
+def _loss(output, target):
+    return torch.nn.functional.cross_entropy(output.reshape(-1, CONFIG.vocab_size), target.reshape(-1))
+
+
+def _step(fn, idx, target, model):
+    _loss(fn(idx), target).backward()
+    model.zero_grad(set_to_none=True)
+
+
+@pytest.mark.benchmark(group="tiny_gpt step")
+def test_eager(benchmark):
+    model, idx, target = _setup()
+    benchmark(_step, model, idx, target, model)
+
+
+@pytest.mark.benchmark(group="tiny_gpt step")
+@pytest.mark.parametrize("fraction", [None, 0.25], ids=["unlimited", "budget25"])
+@pytest.mark.parametrize("track_memory", [True, False], ids=["tracked", "untracked"])
+def test_harmony(benchmark, fraction, track_memory):
+    model, idx, target = _setup()
+    budget = None
+    if fraction is not None:
+        budget = int(fraction * eager_training_bytes(model, (idx,), lambda out: _loss(out, target)))
+    hm = harmony_fx.compile(model, (idx,), devices=["host:0"], memory_budget=budget, track_memory=track_memory)
+    benchmark(_step, hm, idx, target, model)
