@@ -41,7 +41,7 @@ def _demo(args: argparse.Namespace) -> int:
     from harmony_fx.testing.models import GPTConfig, TinyGPT
 
     if args.quick:
-        args.layers, args.width, args.batch = min(args.layers, 4), min(args.width, 32), min(args.batch, 8)
+        args.layers, args.width, args.batch = 6, 32, 8
     config = GPTConfig(vocab_size=64, block_size=32, n_layer=args.layers, n_head=4, n_embd=args.width, dropout=0.0)
     torch.manual_seed(0)
     model = TinyGPT(config)
