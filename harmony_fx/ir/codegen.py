@@ -29,6 +29,7 @@ __all__ = ["generate_program", "HarmonyCodeGen"]
 _OP_OF_KIND = {
     ActionKind.PREFETCH: "prefetch", ActionKind.OFFLOAD: "offload", ActionKind.WAIT: "wait",
     ActionKind.FWD: "fwd", ActionKind.RECOMPUTE: "recompute", ActionKind.BWD: "bwd", ActionKind.FREE: "free",
+    ActionKind.UPDATE: "update",
 }
 
 
@@ -67,6 +68,8 @@ def generate_program(actions: Sequence[Action], steps: Sequence[str], name: str)
             args = (rt, events[action.event], action.stream.value)
         elif action.kind == ActionKind.FREE:
             args = (rt, str(action.key))
+        elif action.kind == ActionKind.UPDATE:
+            args = (rt, action.pack)
         elif action.kind in (ActionKind.PREFETCH, ActionKind.OFFLOAD):
             args = (rt, str(action.key), action.stream.value)
         else:

@@ -40,12 +40,21 @@ class ProgramSignature:
 
     def __init__(self, model_inputs: Sequence[str], model_outputs: Sequence[str],
                  inputs_requiring_grad: Iterable[str], differentiable: Iterable[str],
-                 num_microbatches: int) -> None:
+                 num_microbatches: int, grouping: bool = True, fuse_last: bool = False,
+                 update_packs: Iterable[int] = ()) -> None:
         self.model_inputs = tuple(model_inputs)
         self.model_outputs = tuple(dict.fromkeys(model_outputs))
         self.inputs_requiring_grad = frozenset(inputs_requiring_grad)
         self.differentiable = frozenset(differentiable)
         self.num_microbatches = num_microbatches
+        # weights come in once per pack for all microbatches (False: once per microbatch, the
+        # baseline Harmony is measured against)
+        self.grouping = grouping
+        # the last pack's forward, loss and backward run as one task per microbatch (the Trainer,
+        # whose loss is inside the graph and whose output gradients are known up front)
+        self.fuse_last = fuse_last
+        # packs after whose weight gradients the host updates parameters (``UPDATE`` actions)
+        self.update_packs = frozenset(update_packs)
 
 
 class _Builder:
@@ -62,7 +71,7 @@ class _Builder:
 
     def emit(self, kind: K, stream: Stream, **fields) -> int | None:
         event = None
-        if kind not in (K.WAIT, K.FREE):
+        if kind not in (K.WAIT, K.FREE, K.UPDATE):
             event = self.num_events
             self.num_events += 1
         self.actions.append(Action(kind, stream, event=fields.pop("event", event), created_by=PASS_NAME, **fields))
@@ -132,41 +141,41 @@ def lower_program(packs: Sequence[Pack], signature: ProgramSignature) -> tuple[l
     for name in signature.model_inputs:
         for mb in range(num_mb):
             b.on_host[Key(KeyKind.ACT, name, mb)] = None  # the caller's tensors, already on host
-    users = _forward_users(packs)
+    if signature.fuse_last:
+        for name in signature.model_outputs:
+            for mb in range(num_mb):
+                b.on_host[Key(KeyKind.GRAD, name, mb)] = None  # known before the iteration (loss weights)
+    context = _Context(packs, signature)
+    grouping = signature.grouping
 
     # ---------------------------------------------------------------- forward
-    b.prefetch(weights(0))
+    if grouping:
+        b.prefetch(weights(0))
     for pack in packs:
         p = pack.index
-        b.use([weights(p)])
-        if p < last:
-            b.prefetch(weights(p + 1))
+        if grouping:
+            b.use([weights(p)])
+            if p < last:
+                b.prefetch(weights(p + 1))
         for mb in range(num_mb):
-            inputs = [Key(KeyKind.ACT, v, mb) for v in pack.act_inputs]
-            for key in inputs:
-                b.prefetch(key)
-            b.use(inputs)
-            outputs = [Key(KeyKind.ACT, v, mb) for v in pack.outputs]
-            # a forward that updates buffers in place writes W[p]: copies of it wait for the forward
-            written = outputs + ([weights(p)] if pack.mutated_buffers else [])
-            if p == last:
-                event = b.compute(K.FWD, p, mb, produces=written + [Key(KeyKind.GRAPH, pack.name, mb)],
-                                  consumes=inputs, reads=[weights(p)])
-            else:
-                event = b.compute(K.FWD, p, mb, produces=written, reads=inputs + [weights(p)])
-            for key in outputs:
-                b.offload(key)
-            next_users = users.get(p + 1, set())
-            for key in (inputs if p < last else []) + (outputs if p < last else []):
-                if key.name not in next_users and b.resident(key):
-                    b.free(key)
-        if pack.mutated_buffers:
-            b.wait(event, Stream.D2H)  # after the last microbatch's forward updated them
-            event = b.emit(K.OFFLOAD, Stream.D2H, key=Key(KeyKind.BUFFERS, pack.name), reads=(weights(p),))
-            b.readers.setdefault(weights(p), []).append(event)
-            b.on_host[Key(KeyKind.BUFFERS, pack.name)] = event
-        if p < last:
+            if not grouping:
+                b.prefetch(weights(p))
+                b.use([weights(p)])
+            event = _forward_task(b, context, pack, mb)
+            if p == last and signature.fuse_last:
+                _backward_task(b, context, pack, mb)
+            if not grouping and p < last:
+                _free_weights(b, pack, event)
+            if not grouping and p == last and signature.fuse_last:
+                _weight_grads_out(b, context, pack)
+                b.free(weights(p))
+        if grouping and p < last:
+            _free_weights(b, pack, event)
+        elif grouping and signature.fuse_last:
+            _weight_grads_out(b, context, pack)
             b.free(weights(p))
+        elif pack.mutated_buffers:
+            _buffers_out(b, pack, event)
     # The forward returns once every copy has landed: the caller reads the outputs, and the
     # backward program may then use the stash without waiting on the forward's events. The d2h
     # stream runs in order, so this costs no more than waiting for the outputs.
@@ -176,50 +185,128 @@ def lower_program(packs: Sequence[Pack], signature: ProgramSignature) -> tuple[l
     num_forward = len(b.actions)
 
     # ---------------------------------------------------------------- backward
-    grad_owner = _first_backward_touch(packs, signature)
-    lowest_consumer = _lowest_consumer(packs)
     for pack in reversed(packs):
         p = pack.index
-        b.prefetch(weights(p))
-        b.use([weights(p)])
-        if p > 0:
-            b.prefetch(weights(p - 1))
+        if p == last and signature.fuse_last:
+            continue
+        if grouping:
+            b.prefetch(weights(p))
+            b.use([weights(p)])
+            if p > 0:
+                b.prefetch(weights(p - 1))
         for mb in range(num_mb):
-            graph = Key(KeyKind.GRAPH, pack.name, mb)
-            if p < last:
-                inputs = [Key(KeyKind.ACT, v, mb) for v in pack.act_inputs]
-                for key in inputs:
-                    b.prefetch(key)
-                b.use(inputs)
-                b.compute(K.RECOMPUTE, p, mb, produces=[graph], consumes=inputs, reads=[weights(p)])
-            output_grads = []
-            for v in pack.outputs:
-                if v not in signature.differentiable:
-                    continue
-                key = Key(KeyKind.GRAD, v, mb)
-                if v in signature.model_outputs and grad_owner[v] == p and not b.resident(key):
-                    b.on_host.setdefault(key, None)  # the caller's grad_output
-                    b.prefetch(key)
-                if b.resident(key):
-                    output_grads.append(key)
-            b.use(output_grads)
-            produced = [Key(KeyKind.GRAD, v, mb) for v in grad_inputs(pack, signature)]
-            produced.append(Key(KeyKind.WGRAD, pack.name))  # created by mb 0, added to by the others
-            consumed = [graph] + output_grads
-            if p == last:
-                consumed += [Key(KeyKind.ACT, v, mb) for v in pack.outputs]
-            b.compute(K.BWD, p, mb, produces=produced, consumes=consumed, reads=[weights(p)])
-            for key in produced:
-                if key.kind == KeyKind.GRAD and key.name in signature.inputs_requiring_grad and lowest_consumer[key.name] == p:
-                    b.offload(key)
-                    b.free(key)
-        if pack.params:
-            b.offload(Key(KeyKind.WGRAD, pack.name))
-        b.free(Key(KeyKind.WGRAD, pack.name))
-        b.free(weights(p))
+            if not grouping and not (p == last and mb == 0):
+                b.prefetch(weights(p))
+                b.use([weights(p)])
+            _backward_task(b, context, pack, mb)
+            if not grouping:
+                _weight_grads_out(b, context, pack)
+                b.free(weights(p))
+        if grouping:
+            _weight_grads_out(b, context, pack)
+            b.free(weights(p))
     _wait_on_host_for_results(b, signature)
+    for event in context.dw_events:  # every copy of weight gradients, not only each key's latest
+        b.wait(event, Stream.HOST)
     assert not b.ready, f"lower_program left keys resident: {sorted(map(str, b.ready))}"
     return b.actions[:num_forward], b.actions[num_forward:]
+
+
+class _Context:
+    """Facts about the packs that every task needs."""
+
+    def __init__(self, packs: Sequence[Pack], signature: ProgramSignature) -> None:
+        self.packs = packs
+        self.signature = signature
+        self.last = len(packs) - 1
+        self.next_users = {pack.index: set(packs[pack.index + 1].act_inputs) if pack.index < self.last else set()
+                           for pack in packs}
+        self.grad_owner = _first_backward_touch(packs, signature)
+        self.lowest_consumer = _lowest_consumer(packs)
+        self.dw_events: list[int] = []
+
+
+def _forward_task(b: _Builder, context: _Context, pack: Pack, mb: int) -> int:
+    p, last = pack.index, context.last
+    inputs = [Key(KeyKind.ACT, v, mb) for v in pack.act_inputs]
+    for key in inputs:
+        b.prefetch(key)
+    b.use(inputs)
+    outputs = [Key(KeyKind.ACT, v, mb) for v in pack.outputs]
+    # a forward that updates buffers in place writes W[p]: copies of it wait for the forward
+    written = outputs + ([weights(p)] if pack.mutated_buffers else [])
+    if p == last:
+        event = b.compute(K.FWD, p, mb, produces=written + [Key(KeyKind.GRAPH, pack.name, mb)],
+                          consumes=inputs, reads=[weights(p)])
+    else:
+        event = b.compute(K.FWD, p, mb, produces=written, reads=inputs + [weights(p)])
+    for key in outputs:
+        b.offload(key)
+    if p < last:
+        for key in inputs + outputs:
+            if key.name not in context.next_users[p] and b.resident(key):
+                b.free(key)
+    return event
+
+
+def _backward_task(b: _Builder, context: _Context, pack: Pack, mb: int) -> None:
+    p, signature = pack.index, context.signature
+    graph = Key(KeyKind.GRAPH, pack.name, mb)
+    if p < context.last:
+        inputs = [Key(KeyKind.ACT, v, mb) for v in pack.act_inputs]
+        for key in inputs:
+            b.prefetch(key)
+        b.use(inputs)
+        b.compute(K.RECOMPUTE, p, mb, produces=[graph], consumes=inputs, reads=[weights(p)])
+    output_grads = []
+    for v in pack.outputs:
+        if v not in signature.differentiable:
+            continue
+        key = Key(KeyKind.GRAD, v, mb)
+        if v in signature.model_outputs and context.grad_owner[v] == p and not b.resident(key):
+            b.on_host.setdefault(key, None)  # the caller's grad_output
+            b.prefetch(key)
+        if b.resident(key):
+            output_grads.append(key)
+    b.use(output_grads)
+    produced = [Key(KeyKind.GRAD, v, mb) for v in grad_inputs(pack, signature)]
+    produced.append(Key(KeyKind.WGRAD, pack.name))  # created by the first microbatch, added to by the others
+    consumed = [graph] + output_grads
+    if p == context.last:
+        consumed += [Key(KeyKind.ACT, v, mb) for v in pack.outputs]
+    b.compute(K.BWD, p, mb, produces=produced, consumes=consumed, reads=[weights(p)])
+    for key in produced:
+        if (key.kind == KeyKind.GRAD and key.name in signature.inputs_requiring_grad
+                and context.lowest_consumer[key.name] == p):
+            b.offload(key)
+            b.free(key)
+
+
+def _weight_grads_out(b: _Builder, context: _Context, pack: Pack) -> None:
+    """dW out once per pack (per microbatch without grouping); then, if this pack is the last to
+    add to some parameters' gradients, the host updates them while the device goes on."""
+    key = Key(KeyKind.WGRAD, pack.name)
+    if pack.params:
+        b.offload(key)
+        context.dw_events.append(b.on_host[key])
+    b.free(key)
+    if pack.index in context.signature.update_packs:
+        for event in context.dw_events:
+            b.wait(event, Stream.HOST)
+        b.emit(K.UPDATE, Stream.HOST, pack=pack.index)
+
+
+def _buffers_out(b: _Builder, pack: Pack, after: int) -> None:
+    b.wait(after, Stream.D2H)  # after the last microbatch's forward updated them
+    event = b.emit(K.OFFLOAD, Stream.D2H, key=Key(KeyKind.BUFFERS, pack.name), reads=(weights(pack.index),))
+    b.readers.setdefault(weights(pack.index), []).append(event)
+    b.on_host[Key(KeyKind.BUFFERS, pack.name)] = event
+
+
+def _free_weights(b: _Builder, pack: Pack, last_forward: int) -> None:
+    if pack.mutated_buffers:
+        _buffers_out(b, pack, last_forward)
+    b.free(weights(pack.index))
 
 
 def grad_inputs(pack: Pack, signature: ProgramSignature) -> tuple[str, ...]:
@@ -234,10 +321,6 @@ def _wait_on_host_for_results(b: _Builder, signature: ProgramSignature) -> None:
         read_by_host = key.kind != KeyKind.ACT or key.name in signature.model_outputs
         if event is not None and read_by_host:
             b.wait(event, Stream.HOST)
-
-
-def _forward_users(packs: Sequence[Pack]) -> dict[int, set[str]]:
-    return {pack.index: set(pack.act_inputs) for pack in packs}
 
 
 def _first_backward_touch(packs: Sequence[Pack], signature: ProgramSignature) -> dict[str, int]:

@@ -30,6 +30,7 @@ class ActionKind(enum.Enum):
     RECOMPUTE = "RECOMPUTE"  # forward again with grad from the stashed inputs, in backward
     BWD = "BWD"              # backward of one pack on one microbatch
     FREE = "FREE"            # drop the device copy of a key
+    UPDATE = "UPDATE"        # the host's optimizer updates the parameters whose gradients are complete
 
 
 class Stream(enum.Enum):
@@ -94,6 +95,8 @@ class Action:
             return f"FREE {self.key}"
         if kind in (ActionKind.PREFETCH, ActionKind.OFFLOAD):
             return f"{kind.value} {self.key} {self.stream.value} -> e{self.event}"
+        if kind == ActionKind.UPDATE:
+            return f"UPDATE p{self.pack}"
         return f"{kind.value} p{self.pack}@{self.mb} -> e{self.event}"
 
 
@@ -107,5 +110,7 @@ def parse_action(text: str) -> Action:
         return Action(kind, Stream.COMPUTE, key=parse_key(parts[1]))
     if kind in (ActionKind.PREFETCH, ActionKind.OFFLOAD):
         return Action(kind, Stream(parts[2]), key=parse_key(parts[1]), event=int(parts[4][1:]))
+    if kind == ActionKind.UPDATE:
+        return Action(kind, Stream.HOST, pack=int(parts[1][1:]))
     pack, mb = parts[1][1:].split("@")
     return Action(kind, Stream.COMPUTE, pack=int(pack), mb=int(mb), event=int(parts[3][1:]))

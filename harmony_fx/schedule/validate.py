@@ -9,7 +9,8 @@ it is valid and the copies still reading it, and for each stream the events it h
 3. A host→device copy of a value the program offloaded earlier waits for that offload.
 4. Nothing is freed (``FREE``, or taken over by a task) while a copy that reads it may still run:
    the compute stream must have waited for every such copy.
-5. Every copy whose result the caller reads is waited for on the host before the program ends.
+5. Every copy whose result the caller reads is waited for on the host before the program ends,
+   and an ``UPDATE`` comes after the host waited for every weight-gradient copy before it.
 6. The static peak (from ``simulate`` or the fake run) is within the budget.
 
 Errors are ``ProgramError`` (a ``ValueError``) naming the action, its index, and the pass that
@@ -38,6 +39,7 @@ def verify_program(actions: Sequence[Action], host_keys: Iterable[Key] = (),
     waited: dict[Stream, set[int]] = {stream: set() for stream in Stream}
     on_host: dict[Key, int | None] = {key: None for key in host_keys}
     stream_of_event: dict[int, Stream] = {}
+    dw_offloads: list[tuple[Key, int]] = []
 
     def fail(index: int, action: Action, problem: str) -> None:
         creator = f" (created by {action.created_by})" if action.created_by else ""
@@ -78,8 +80,15 @@ def verify_program(actions: Sequence[Action], host_keys: Iterable[Key] = (),
                 require_ready(index, action, key, Stream.D2H)
                 readers.setdefault(key, []).append(action.event)
             on_host[action.key] = action.event
+            if action.key.kind == KeyKind.WGRAD:
+                dw_offloads.append((action.key, action.event))
             if action.key.kind == KeyKind.BUFFERS:  # written into the masters the next W copy reads
                 on_host[Key(KeyKind.WEIGHTS, action.key.name)] = action.event
+        elif kind == K.UPDATE:
+            pending = [e for key, e in dw_offloads if e not in waited[Stream.HOST]]
+            if pending:
+                fail(index, action, f"updates parameters before the host waited for the gradient copies "
+                                    f"{', '.join(f'e{e}' for e in pending)}")
         elif kind == K.FREE:
             if action.key not in ready:
                 fail(index, action, f"frees {action.key}, which is not on the device")
