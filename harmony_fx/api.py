@@ -1,26 +1,30 @@
 """``harmony_fx.compile``: capture → analyze → plan packs → lower → verify → codegen → run.
 
-Every stage's artifact stays on the ``HarmonyModule``: ``captured`` (the model's graph), ``packs``
-(one GraphModule each), ``forward_actions``/``backward_actions`` (the schedule), ``programs``
-(the generated GraphModules, printed by ``code``), ``plan`` and, after a call, ``stats``.
+Every stage's artifact stays on the ``HarmonyModule``: ``captured`` (the model's graph at the first
+microbatch's size), ``packs`` (one GraphModule each), ``forward_actions``/``backward_actions`` (the
+schedule), ``programs`` (the generated GraphModules, printed by ``code``), ``plan`` and, after a
+call, ``stats``.
+
+Microbatches of different sizes (a batch of 10 in 4) each get the graph captured at their size
+(export bakes sizes into reshapes); the packs of every size share the boundaries and names.
 """
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 from torch import fx, nn
 from torch._subclasses import FakeTensorMode
-from torch.utils import _pytree as pytree
 
+from harmony_fx import microbatch
 from harmony_fx.analysis.sizes import annotate_sizes
 from harmony_fx.capture import Captured, capture
 from harmony_fx.config import CompileOptions
 from harmony_fx.ir import meta
 from harmony_fx.ir.codegen import generate_program
 from harmony_fx.ir.pack import Pack
-from harmony_fx.passes.find_layers import find_layers
+from harmony_fx.passes.find_layers import Layer, find_layers
 from harmony_fx.passes.lower_program import ProgramSignature, grad_inputs, lower_program
 from harmony_fx.passes.plan_packs import balanced, plan_packs
 from harmony_fx.passes.retarget_device import retarget_device
@@ -30,7 +34,7 @@ from harmony_fx.runtime.executor import HostState, Runtime, Stats
 from harmony_fx.schedule.actions import Action, ActionKind, Key, KeyKind
 from harmony_fx.schedule.plan import PackPlan, Plan
 from harmony_fx.schedule.simulate import bytes_moved
-from harmony_fx.schedule.validate import check_peak, verify_program
+from harmony_fx.schedule.validate import verify_program
 
 __all__ = ["compile", "HarmonyModule"]
 
@@ -47,19 +51,35 @@ def compile(model: nn.Module, example_inputs: tuple | torch.Tensor = (), example
 
 
 @dataclasses.dataclass
+class _Variant:
+    """The model captured at one microbatch size."""
+
+    size: int | None
+    captured: Captured
+    layers: list[Layer]
+    nodes: dict[str, fx.Node]
+
+
+@dataclasses.dataclass
 class _Candidate:
     """One packing, lowered, verified and run on FakeTensors."""
 
-    packs: list[Pack]
+    packs_by_size: dict[int | None, list[Pack]]
     forward_actions: list[Action]
     backward_actions: list[Action]
-    peak: int
+    peak: int = 0
 
 
 class HarmonyModule:
-    """A compiled model: call it like the model; ``loss.backward()`` runs the harmony backward."""
+    """A compiled model: call it like the model; ``loss.backward()`` runs the harmony backward.
 
-    def __init__(self, model: nn.Module, example_args: tuple, example_kwargs: dict, options: CompileOptions) -> None:
+    ``_trainer``: the model's output is a scalar loss per microbatch, the last pack runs forward,
+    loss and backward as one task, and (``_update_packs``) the host updates parameters as soon as
+    their gradients are complete. Used by ``harmony_fx.Trainer``.
+    """
+
+    def __init__(self, model: nn.Module, example_args: tuple, example_kwargs: dict, options: CompileOptions,
+                 _trainer: bool = False, _updates: bool = False) -> None:
         self.model = model
         self.options = options
         devices = resolve_devices(options.devices, options.memory_budget, options.track_memory)
@@ -70,20 +90,33 @@ class HarmonyModule:
             )
         self.device: Device = devices[0]
         self.budget = self.device.budget
+        self._trainer = _trainer
+        example = (example_args, example_kwargs)
+        self._example_dims = microbatch.argument_dims(model, example_args, example_kwargs, options.batch_dims)
         self.num_microbatches = options.microbatches or 1
-        mb_args, mb_kwargs = _first_microbatch((example_args, example_kwargs), self.num_microbatches)
-        self.captured: Captured = capture(model, mb_args, mb_kwargs)
-        gm = self.captured.gm
-        retarget_device(gm, self.device.torch_device)
-        annotate_sizes(gm)
-        self.layers = find_layers(gm)
-        self._nodes = {node.name: node for node in gm.graph.nodes}
+        if self.num_microbatches > 1:
+            self.mb_sizes = microbatch.microbatch_sizes(microbatch.batch_size(example, self._example_dims),
+                                                        self.num_microbatches)
+        else:
+            self.mb_sizes = [None]
+        example_mbs = microbatch.split_call(example, self._example_dims, [s for s in self.mb_sizes if s] or [0])
+        self._variants: dict[int | None, _Variant] = {}
+        for size, (mb_args, mb_kwargs) in zip(self.mb_sizes, example_mbs):
+            if size not in self._variants:
+                self._variants[size] = self._capture_variant(model, size, mb_args, mb_kwargs)
+        primary = self._variants[self.mb_sizes[0]]
+        self.captured, self.layers, self._nodes = primary.captured, primary.layers, primary.nodes
         self._masters = {**self.captured.params, **self.captured.buffers}
-        self._example_flat = self.captured.flatten_inputs(example_args, example_kwargs)
-        self._output_args = list(gm.graph.find_nodes(op="output")[0].args[0])
-        self.signature = self._signature([x.requires_grad for x in self._example_flat])
+        self._example_flat = self.captured.flatten_inputs(*example_mbs[0])
+        self._flat_dims = [d for x, d in zip(microbatch.pytree.tree_leaves(example),
+                                             microbatch.pytree.tree_leaves(self._example_dims))
+                           if isinstance(x, torch.Tensor)]
+        self._output_args = list(self.captured.gm.graph.find_nodes(op="output")[0].args[0])
+        self._updates = _updates
+        self.signature = self._signature([x.requires_grad for x in self._example_flat], _trainer)
         boundaries, best = plan_packs(self._layer_costs(), self._evaluate, lambda c: c.peak, self.budget, balanced)
-        self.packs = best.packs
+        self._packs_by_size = best.packs_by_size
+        self.packs = best.packs_by_size[self.mb_sizes[0]]
         self.forward_actions, self.backward_actions = best.forward_actions, best.backward_actions
         self.programs = {
             "forward": generate_program(self.forward_actions, self._steps(self.forward_actions), "HarmonyForward"),
@@ -102,18 +135,32 @@ class HarmonyModule:
         return self.plan.table()
 
     # ------------------------------------------------------------------ planning
-    def _signature(self, requires_grad: Sequence[bool]) -> ProgramSignature:
-        gm_nodes = self._nodes
-        differentiable = [n.name for n in gm_nodes.values()
+    def _capture_variant(self, model: nn.Module, size: int | None, args: tuple, kwargs: dict) -> _Variant:
+        captured = capture(model, args, kwargs)
+        retarget_device(captured.gm, self.device.torch_device)
+        annotate_sizes(captured.gm)
+        layers = find_layers(captured.gm)
+        variant = _Variant(size, captured, layers, {node.name: node for node in captured.gm.graph.nodes})
+        if self._variants:
+            first = next(iter(self._variants.values()))
+            if [layer.nodes for layer in layers] != [layer.nodes for layer in first.layers]:
+                raise ValueError(f"the model's graph at microbatch size {size} differs from the graph at size "
+                                 f"{first.size}; use a batch size divisible by microbatches={self.num_microbatches}.")
+        return variant
+
+    def _signature(self, requires_grad: Sequence[bool], trainer: bool) -> ProgramSignature:
+        differentiable = [n.name for n in self._nodes.values()
                           if isinstance(n.meta.get(meta.VAL), torch.Tensor) and n.meta[meta.VAL].is_floating_point()
                           and meta.role_of(n) not in (meta.Role.PARAM, meta.Role.BUFFER)]
         for arg in self._output_args:
-            if isinstance(arg, fx.Node) and (arg.op == "placeholder"):
+            if isinstance(arg, fx.Node) and arg.op == "placeholder":
                 raise ValueError(f"the model returns its input or state {arg.name!r} unchanged; harmony_fx needs every "
                                  "output to be computed by the model (return a copy, e.g. x.clone()).")
         outputs = [arg.name for arg in self._output_args if isinstance(arg, fx.Node)]
         inputs_requiring_grad = [name for name, flag in zip(self.captured.inputs, requires_grad) if flag]
-        return ProgramSignature(self.captured.inputs, outputs, inputs_requiring_grad, differentiable, self.num_microbatches)
+        return ProgramSignature(tuple(self.captured.inputs), tuple(dict.fromkeys(outputs)),
+                                frozenset(inputs_requiring_grad), frozenset(differentiable),
+                                self.num_microbatches, grouping=self.options.grouping, fuse_last=trainer)
 
     def _layer_costs(self) -> list[int]:
         costs = []
@@ -124,20 +171,45 @@ class HarmonyModule:
         return costs
 
     def _evaluate(self, boundaries: list[int]) -> _Candidate:
-        packs = split_packs(self.captured.gm, self.layers, boundaries, self._masters)
-        forward, backward = lower_program(packs, self.signature)
+        packs_by_size = {size: split_packs(v.captured.gm, v.layers, boundaries, {**v.captured.params, **v.captured.buffers})
+                         for size, v in self._variants.items()}
+        packs = packs_by_size[self.mb_sizes[0]]
+        signature = self.signature
+        if self._updates:
+            signature = dataclasses.replace(signature, update_packs=frozenset(self.update_groups(packs)))
+        forward, backward = lower_program(packs, signature)
         if self.options.verify:
-            host_keys = [Key(KeyKind.ACT, v, mb) for v in self.signature.model_inputs for mb in range(self.num_microbatches)]
-            grad_keys = [Key(KeyKind.GRAD, v, mb) for v in self.signature.model_outputs for mb in range(self.num_microbatches)]
-            forward_results = [a.key for a in forward if a.kind == ActionKind.OFFLOAD and a.key.kind != KeyKind.ACT
-                               or a.kind == ActionKind.OFFLOAD and a.key.name in self.signature.model_outputs]
-            verify_program(forward, host_keys, forward_results)
-            # the backward program continues from the forward's state: check them as one
-            backward_results = [a.key for a in backward if a.kind == ActionKind.OFFLOAD]
-            verify_program(forward + backward, host_keys + grad_keys, backward_results)
-        candidate = _Candidate(packs, forward, backward, 0)
+            self._verify(forward, backward, signature)
+        candidate = _Candidate(packs_by_size, forward, backward)
         candidate.peak = self._fake_peak(candidate)
         return candidate
+
+    def update_groups(self, packs: Sequence[Pack] | None = None) -> dict[int, list[nn.Parameter]]:
+        """``{pack index: the parameters the host updates after that pack's backward}``: each
+        trainable parameter goes with the lowest-index pack that uses it, the last to add to its
+        gradient (backward runs packs in reverse)."""
+        groups: dict[int, list[nn.Parameter]] = {}
+        seen: set[int] = set()
+        for pack in packs if packs is not None else self.packs:
+            for name in pack.params:
+                param = self._masters[name]
+                if param.requires_grad and id(param) not in seen:
+                    seen.add(id(param))
+                    groups.setdefault(pack.index, []).append(param)
+        return groups
+
+    def _verify(self, forward: list[Action], backward: list[Action], signature: ProgramSignature) -> None:
+        mbs = range(self.num_microbatches)
+        host_keys = [Key(KeyKind.ACT, v, mb) for v in signature.model_inputs for mb in mbs]
+        grad_keys = [Key(KeyKind.GRAD, v, mb) for v in signature.model_outputs for mb in mbs]
+        if signature.fuse_last:
+            host_keys += grad_keys
+        forward_results = [a.key for a in forward if a.kind == ActionKind.OFFLOAD
+                           and (a.key.kind != KeyKind.ACT or a.key.name in signature.model_outputs)]
+        verify_program(forward, host_keys, forward_results)
+        # the backward program continues from the forward's state: check them as one
+        backward_results = [a.key for a in backward if a.kind == ActionKind.OFFLOAD]
+        verify_program(forward + backward, host_keys + grad_keys, backward_results)
 
     def _fake_peak(self, candidate: _Candidate) -> int:
         """Run the candidate's programs on FakeTensors on a tracked HostDevice: the static peak."""
@@ -145,30 +217,32 @@ class HarmonyModule:
         device = HostDevice("fake", None)
         programs = [generate_program(actions, [""] * len(actions), "Fake")
                     for actions in (candidate.forward_actions, candidate.backward_actions)]
-        with fake_mode:
+        packs = candidate.packs_by_size[self.mb_sizes[0]]
+        with fake_mode, torch.random.fork_rng(devices=[]):
             fake = {name: fake_mode.from_tensor(t) for name, t in self._masters.items()}
-            host = HostState([[fake[name] for name in pack.params + pack.buffers] for pack in candidate.packs])
-            runtime = Runtime(candidate.packs, device, host, self._grad_inputs(candidate.packs), Stats())
-            for name in self.signature.model_inputs:
-                value = fake_mode.from_tensor(self._nodes[name].meta[meta.VAL])
-                for mb in range(self.num_microbatches):
-                    runtime.host_values[Key(KeyKind.ACT, name, mb)] = value
+            host = HostState([[fake[name] for name in pack.params + pack.buffers] for pack in packs])
+            runtime = self._runtime(candidate.packs_by_size, device, host, Stats())
+            for mb, size in enumerate(self.mb_sizes):
+                nodes = self._variants[size].nodes
+                for name in self.signature.model_inputs:
+                    runtime.host_values[Key(KeyKind.ACT, name, mb)] = fake_mode.from_tensor(nodes[name].meta[meta.VAL])
+                for name in self.signature.model_outputs:
+                    if name in self.signature.differentiable:
+                        runtime.host_values[Key(KeyKind.GRAD, name, mb)] = torch.ones_like(nodes[name].meta[meta.VAL])
             runtime.run(programs[0])
-            for name in self.signature.model_outputs:
-                if name in self.signature.differentiable:
-                    for mb in range(self.num_microbatches):
-                        runtime.host_values[Key(KeyKind.GRAD, name, mb)] = torch.ones_like(self._nodes[name].meta[meta.VAL])
-            with torch.random.fork_rng(devices=[]):
-                runtime.run(programs[1])
+            runtime.run(programs[1])
         return device.peak_bytes()
 
-    def _grad_inputs(self, packs: Sequence[Pack]) -> list[tuple[str, ...]]:
-        return [grad_inputs(pack, self.signature) for pack in packs]
+    def _runtime(self, packs_by_size, device: Device, host: HostState, stats: Stats,
+                 on_update: Callable[[int], None] | None = None) -> Runtime:
+        packs = packs_by_size[self.mb_sizes[0]]
+        return Runtime([packs_by_size[size] for size in self.mb_sizes], device, host,
+                       [grad_inputs(pack, self.signature) for pack in packs], stats, on_update)
 
     def key_bytes(self, key: Key) -> int:
         """Bytes of a key as the plan counts them (from shapes alone)."""
         if key.kind in (KeyKind.ACT, KeyKind.GRAD):
-            return meta.nbytes_of(self._nodes[key.name])
+            return meta.nbytes_of(self._variants[self.mb_sizes[key.mb]].nodes[key.name])
         pack = self.packs[int(key.name[1:])]
         if key.kind == KeyKind.WEIGHTS:
             names = pack.params + pack.buffers
@@ -181,16 +255,14 @@ class HarmonyModule:
         return sum(self._masters[name].numel() * self._masters[name].element_size() for name in names)
 
     def _make_plan(self, best: _Candidate, policy: str) -> Plan:
-        packs = best.packs
+        packs = self.packs
         moved = bytes_moved(best.forward_actions + best.backward_actions, self.key_bytes)
         stash = {pack.index: 0 for pack in packs}
         for action in best.forward_actions:
             if action.kind == ActionKind.OFFLOAD and action.key.kind == KeyKind.ACT:
-                producer = self._nodes[action.key.name].meta.get(meta.PACK)
-                stash[producer] += self.key_bytes(action.key)
+                stash[self._nodes[action.key.name].meta[meta.PACK]] += self.key_bytes(action.key)
         pack_plans = tuple(
-            PackPlan(pack.index, pack.layer_names,
-                     sum(self._masters[n].numel() for n in pack.params),
+            PackPlan(pack.index, pack.layer_names, sum(self._masters[n].numel() for n in pack.params),
                      self.key_bytes(Key(KeyKind.WEIGHTS, pack.name)), stash[pack.index],
                      self.device.name, recompute=pack.index < len(packs) - 1)
             for pack in packs)
@@ -198,43 +270,59 @@ class HarmonyModule:
                     {self.device.name: best.peak}, {f"{d}/{k}": n for (d, k), n in sorted(moved.items())}, policy)
 
     def _steps(self, actions: Sequence[Action]) -> list[str]:
-        """The comment above each task: the pack, its layers and the microbatch."""
-        steps, current = [], "start"
-        for index, action in enumerate(actions):
+        """The comment above each action: the task it serves (transfers before a task belong to it)."""
+        labels: list[str] = [""] * len(actions)
+        upcoming = ""
+        for index in range(len(actions) - 1, -1, -1):
+            action = actions[index]
             if action.kind in (ActionKind.FWD, ActionKind.RECOMPUTE, ActionKind.BWD):
                 pack = self.packs[action.pack]
-                current = f"{action.kind.value} {pack.name} ({pack.describe_layers()}) microbatch {action.mb}"
-            steps.append(current)
-        # transfers issued before a task belong to it: label them with the next task's step
-        labels, upcoming = [None] * len(actions), None
-        for index in range(len(actions) - 1, -1, -1):
-            if actions[index].kind in (ActionKind.FWD, ActionKind.RECOMPUTE, ActionKind.BWD):
-                upcoming = steps[index]
-            labels[index] = upcoming or steps[index]
+                upcoming = f"{action.kind.value} {pack.name} ({pack.describe_layers()}) microbatch {action.mb}"
+            elif action.kind == ActionKind.UPDATE:
+                upcoming = f"UPDATE on the host: parameters last used by p{action.pack}"
+            labels[index] = upcoming or "end of the iteration"
         return labels
 
     # ------------------------------------------------------------------ running
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        flat = self.captured.flatten_inputs(args, kwargs)
-        for given, example, name in zip(flat, self._example_flat, self.captured.inputs):
-            if given.shape != example.shape or given.dtype != example.dtype:
-                raise ValueError(
-                    f"input {name!r} has shape {tuple(given.shape)} and dtype {given.dtype}, but the model was "
-                    f"compiled for {tuple(example.shape)} and {example.dtype}; compile again for the new shape."
-                )
-        if [x.requires_grad for x in flat] != [x.requires_grad for x in self._example_flat]:
-            raise ValueError("which inputs require grad differs from the example inputs; compile with inputs "
-                             "that require grad exactly where the calls do.")
+        per_mb = self._split_inputs(args, kwargs)
         params = self._trainable_params()
-        needs_grad = torch.is_grad_enabled() and (any(p.requires_grad for p in params) or any(x.requires_grad for x in flat))
+        needs_grad = torch.is_grad_enabled() and (
+            any(p.requires_grad for p in params) or any(x.requires_grad for flat in per_mb for x in flat))
         if needs_grad:
-            tensor_outputs = _HarmonyFunction.apply(self, len(flat), *flat, *params)
+            flat_whole = self.captured.flatten_inputs(args, kwargs)
+            tensor_outputs = _HarmonyFunction.apply(self, per_mb, len(flat_whole), *flat_whole, *params)
         else:
-            runtime = self._start(flat)
+            runtime = self.start(per_mb)
             tensor_outputs = self._forward_outputs(runtime)
             runtime.release()
-            self._finish_stats(runtime)
+            self._finish_stats()
         return self._structure_outputs(list(tensor_outputs))
+
+    def _split_inputs(self, args: tuple, kwargs: dict) -> list[list[torch.Tensor]]:
+        """The flat tensor inputs of each microbatch, checked against the example."""
+        call = (args, kwargs)
+        dims = microbatch.argument_dims(self.model, args, kwargs, self.options.batch_dims)
+        sizes = [s for s in self.mb_sizes if s is not None]
+        if sizes and microbatch.batch_size(call, dims) != sum(sizes):
+            raise ValueError(f"the batch has {microbatch.batch_size(call, dims)} samples but the model was compiled for "
+                             f"{sum(sizes)}; compile again for the new batch size.")
+        per_mb = []
+        for size, (mb_args, mb_kwargs) in zip(self.mb_sizes, microbatch.split_call(call, dims, sizes or [0])):
+            flat = self._variants[size].captured.flatten_inputs(mb_args, mb_kwargs)
+            nodes = self._variants[size].nodes
+            for given, name in zip(flat, self.captured.inputs):
+                expected = nodes[name].meta[meta.VAL]
+                if given.shape != expected.shape or given.dtype != expected.dtype:
+                    raise ValueError(
+                        f"input {name!r} has shape {tuple(given.shape)} and dtype {given.dtype} in a microbatch, but "
+                        f"the model was compiled for {tuple(expected.shape)} and {expected.dtype}; compile again "
+                        "for the new shape.")
+            per_mb.append(flat)
+        if [x.requires_grad for x in per_mb[0]] != [x.requires_grad for x in self._example_flat]:
+            raise ValueError("which inputs require grad differs from the example inputs; compile with inputs "
+                             "that require grad exactly where the calls do.")
+        return per_mb
 
     def _trainable_params(self) -> list[nn.Parameter]:
         seen, params = set(), []
@@ -244,13 +332,16 @@ class HarmonyModule:
                 params.append(param)
         return params
 
-    def _start(self, flat: Sequence[torch.Tensor]) -> Runtime:
+    def start(self, per_mb: Sequence[Sequence[torch.Tensor]], on_update: Callable[[int], None] | None = None,
+              output_grads: dict[Key, torch.Tensor] | None = None) -> Runtime:
+        """Run the forward program; the returned runtime holds what the backward program needs."""
         self.stats = Stats(budget={self.device.name: self.budget})
         self.device.reset_peak()
-        runtime = Runtime(self.packs, self.device, self.host_state, self._grad_inputs(self.packs), self.stats)
-        for name, value in zip(self.captured.inputs, flat):
-            for mb, chunk in enumerate(_split(value.detach(), self.num_microbatches)):
-                runtime.host_values[Key(KeyKind.ACT, name, mb)] = chunk
+        runtime = self._runtime(self._packs_by_size, self.device, self.host_state, self.stats, on_update)
+        for mb, flat in enumerate(per_mb):
+            for name, value in zip(self.captured.inputs, flat):
+                runtime.host_values[Key(KeyKind.ACT, name, mb)] = value.detach()
+        runtime.host_values.update(output_grads or {})
         try:
             runtime.run(self.programs["forward"])
         except BaseException:
@@ -258,11 +349,22 @@ class HarmonyModule:
             raise
         return runtime
 
+    def finish(self, runtime: Runtime) -> None:
+        """Run the backward program (output gradients already in ``runtime.host_values``)."""
+        try:
+            runtime.run(self.programs["backward"])
+        finally:
+            runtime.release()
+        self._finish_stats()
+
     def _forward_outputs(self, runtime: Runtime) -> tuple[torch.Tensor, ...]:
         outputs = []
         for name in self.signature.model_outputs:
             chunks = [runtime.host_values[Key(KeyKind.ACT, name, mb)] for mb in range(self.num_microbatches)]
-            outputs.append(chunks[0] if len(chunks) == 1 else torch.cat(chunks))
+            if len(chunks) > 1 and chunks[0].dim() == 0:
+                raise ValueError(f"the model's output {name!r} is a scalar per microbatch, which cannot be put back "
+                                 "into one batch; return per-sample values, or use harmony_fx.Trainer for a loss.")
+            outputs.append(microbatch.merge(chunks, 0))
         return tuple(outputs)
 
     def _structure_outputs(self, tensors: list[torch.Tensor]) -> Any:
@@ -270,30 +372,31 @@ class HarmonyModule:
         flat = [by_name[arg.name] if isinstance(arg, fx.Node) else arg for arg in self._output_args]
         return self.captured.unflatten_outputs(flat)
 
-    def _finish_stats(self, runtime: Runtime) -> None:
+    def _finish_stats(self) -> None:
         self.stats.peak_bytes[self.device.name] = self.device.peak_bytes()
 
     def _backward(self, runtime: Runtime, grad_outputs: Sequence[torch.Tensor | None]) -> tuple[list, list]:
+        sizes = [s for s in self.mb_sizes if s is not None]
         for name, grad in zip(self.signature.model_outputs, grad_outputs):
             if name not in self.signature.differentiable:
                 continue
-            value = self._nodes[name].meta[meta.VAL]
             if grad is None:
-                grad = torch.zeros(value.shape[0] * self.num_microbatches if self.num_microbatches > 1 else value.shape[0],
-                                   *value.shape[1:], dtype=value.dtype)
-            for mb, chunk in enumerate(_split(grad, self.num_microbatches)):
+                grad = torch.zeros_like(self._forward_output_like(name))
+            chunks = torch.split(grad, sizes) if len(sizes) > 1 else (grad,)
+            for mb, chunk in enumerate(chunks):
                 runtime.host_values[Key(KeyKind.GRAD, name, mb)] = chunk
-        try:
-            runtime.run(self.programs["backward"])
-        finally:
-            runtime.release()
-        self._finish_stats(runtime)
+        self.finish(runtime)
         input_grads = []
-        for name in self.captured.inputs:
+        for name, dim in zip(self.captured.inputs, self._flat_dims):
             chunks = [runtime.host_values.get(Key(KeyKind.GRAD, name, mb)) for mb in range(self.num_microbatches)]
-            input_grads.append(None if chunks[0] is None else (chunks[0] if len(chunks) == 1 else torch.cat(chunks)))
+            input_grads.append(microbatch.merge(chunks, dim))
         param_grads = [runtime.host_grads.get(id(param)) for param in self._trainable_params()]
         return input_grads, param_grads
+
+    def _forward_output_like(self, name: str) -> torch.Tensor:
+        vals = [self._variants[size].nodes[name].meta[meta.VAL] for size in self.mb_sizes]
+        shape = (sum(v.shape[0] for v in vals), *vals[0].shape[1:]) if len(vals) > 1 else vals[0].shape
+        return torch.empty(shape, dtype=vals[0].dtype)
 
 
 class _HarmonyFunction(torch.autograd.Function):
@@ -301,11 +404,11 @@ class _HarmonyFunction(torch.autograd.Function):
     the host gradients to autograd, which accumulates them into ``param.grad`` as usual."""
 
     @staticmethod
-    def forward(ctx, hm: HarmonyModule, num_inputs: int, *flat_and_params):
-        runtime = hm._start(flat_and_params[:num_inputs])
+    def forward(ctx, hm: HarmonyModule, per_mb, num_inputs: int, *flat_and_params):
+        runtime = hm.start(per_mb)
         ctx.hm, ctx.runtime = hm, runtime
         outputs = hm._forward_outputs(runtime)
-        hm._finish_stats(runtime)
+        hm._finish_stats()
         ctx.mark_non_differentiable(*[o for o, name in zip(outputs, hm.signature.model_outputs)
                                       if name not in hm.signature.differentiable])
         return outputs
@@ -315,17 +418,4 @@ class _HarmonyFunction(torch.autograd.Function):
     def backward(ctx, *grad_outputs):
         input_grads, param_grads = ctx.hm._backward(ctx.runtime, grad_outputs)
         ctx.runtime = None
-        return (None, None, *input_grads, *param_grads)
-
-
-def _split(value: torch.Tensor, num: int) -> list[torch.Tensor]:
-    if num == 1:
-        return [value]
-    if value.dim() == 0 or value.shape[0] % num:
-        raise ValueError(f"cannot split a batch of shape {tuple(value.shape)} into {num} equal microbatches "
-                         "along dim 0; use a batch size divisible by microbatches.")
-    return list(value.chunk(num))
-
-
-def _first_microbatch(tree: Any, num: int) -> Any:
-    return pytree.tree_map(lambda x: _split(x, num)[0] if isinstance(x, torch.Tensor) else x, tree)
+        return (None, None, None, *input_grads, *param_grads)

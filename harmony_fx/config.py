@@ -59,6 +59,9 @@ class CompileOptions:
     ``parallel``: ``"auto" | "dp" | "pp"``.
     ``verify``: run the program verifier before the first run (cheap; on by default).
     ``track_memory``: account every tensor a task creates on a HostDevice (the measured peak).
+    ``grouping``: a pack's weights come in once for all microbatches (``False``: once per
+    microbatch, the baseline that input-batch grouping is measured against).
+    ``batch_dims``: the batch dim of every input (an int), or ``{argument name: dim or None}``.
     """
 
     devices: object = None
@@ -67,6 +70,8 @@ class CompileOptions:
     parallel: Literal["auto", "dp", "pp"] = "auto"
     verify: bool = True
     track_memory: bool = True
+    grouping: bool = True
+    batch_dims: object = 0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "memory_budget", parse_size(self.memory_budget))

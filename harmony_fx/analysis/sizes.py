@@ -17,15 +17,10 @@ __all__ = ["annotate_sizes", "value_bytes"]
 
 
 def value_bytes(value: object) -> int:
-    """Bytes of every distinct tensor storage in ``value`` (a tensor, tuple, list, or scalar)."""
-    seen, total = set(), 0
-    for leaf in tree_flatten(value)[0]:
-        if isinstance(leaf, torch.Tensor):
-            key = id(leaf) if leaf.device.type == "meta" else leaf.untyped_storage()._cdata
-            if key not in seen:
-                seen.add(key)
-                total += leaf.numel() * leaf.element_size() if leaf.device.type == "meta" else leaf.untyped_storage().nbytes()
-    return total
+    """Bytes of the tensors in ``value`` (a tensor, tuple, list, or scalar): what copying it moves.
+
+    ``numel * element_size``, not the storage's size: a view of a larger tensor moves only itself."""
+    return sum(leaf.numel() * leaf.element_size() for leaf in tree_flatten(value)[0] if isinstance(leaf, torch.Tensor))
 
 
 def annotate_sizes(gm: fx.GraphModule) -> fx.GraphModule:

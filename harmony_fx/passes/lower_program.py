@@ -25,6 +25,7 @@ for the transfer; ``FREE`` of a key waits for every copy that reads it.
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Iterable, Sequence
 
 from harmony_fx.ir.pack import Pack
@@ -35,26 +36,23 @@ __all__ = ["lower_program", "grad_inputs", "ProgramSignature", "PASS_NAME"]
 PASS_NAME = "lower_program"
 
 
+@dataclasses.dataclass(frozen=True)
 class ProgramSignature:
     """What lowering needs to know beyond the packs."""
 
-    def __init__(self, model_inputs: Sequence[str], model_outputs: Sequence[str],
-                 inputs_requiring_grad: Iterable[str], differentiable: Iterable[str],
-                 num_microbatches: int, grouping: bool = True, fuse_last: bool = False,
-                 update_packs: Iterable[int] = ()) -> None:
-        self.model_inputs = tuple(model_inputs)
-        self.model_outputs = tuple(dict.fromkeys(model_outputs))
-        self.inputs_requiring_grad = frozenset(inputs_requiring_grad)
-        self.differentiable = frozenset(differentiable)
-        self.num_microbatches = num_microbatches
-        # weights come in once per pack for all microbatches (False: once per microbatch, the
-        # baseline Harmony is measured against)
-        self.grouping = grouping
-        # the last pack's forward, loss and backward run as one task per microbatch (the Trainer,
-        # whose loss is inside the graph and whose output gradients are known up front)
-        self.fuse_last = fuse_last
-        # packs after whose weight gradients the host updates parameters (``UPDATE`` actions)
-        self.update_packs = frozenset(update_packs)
+    model_inputs: tuple[str, ...]
+    model_outputs: tuple[str, ...]
+    inputs_requiring_grad: frozenset[str]
+    differentiable: frozenset[str]
+    num_microbatches: int
+    # weights come in once per pack for all microbatches (False: once per microbatch, the
+    # baseline Harmony is measured against)
+    grouping: bool = True
+    # the last pack's forward, loss and backward run as one task per microbatch (the Trainer,
+    # whose loss is inside the graph and whose output gradients are known up front)
+    fuse_last: bool = False
+    # packs after whose weight gradients the host updates parameters (``UPDATE`` actions)
+    update_packs: frozenset[int] = frozenset()
 
 
 class _Builder:
@@ -89,7 +87,8 @@ class _Builder:
     def prefetch(self, key: Key) -> None:
         if self.resident(key):
             return
-        self.wait(self.on_host.get(key), Stream.H2D)
+        # weights are read from the masters, which the host writes (buffers copied back)
+        self.wait(self.on_host.get(key), Stream.HOST if key.kind == KeyKind.WEIGHTS else Stream.H2D)
         self.ready[key] = self.emit(K.PREFETCH, Stream.H2D, key=key)
         self.copy_events.add(self.ready[key])
 
@@ -157,25 +156,24 @@ def lower_program(packs: Sequence[Pack], signature: ProgramSignature) -> tuple[l
             b.use([weights(p)])
             if p < last:
                 b.prefetch(weights(p + 1))
+        fused = p == last and signature.fuse_last
         for mb in range(num_mb):
             if not grouping:
                 b.prefetch(weights(p))
                 b.use([weights(p)])
             event = _forward_task(b, context, pack, mb)
-            if p == last and signature.fuse_last:
+            if fused:
                 _backward_task(b, context, pack, mb)
             if not grouping and p < last:
                 _free_weights(b, pack, event)
-            if not grouping and p == last and signature.fuse_last:
-                _weight_grads_out(b, context, pack)
-                b.free(weights(p))
+            elif not grouping and fused:
+                _release_fused(b, context, pack, event)
         if grouping and p < last:
             _free_weights(b, pack, event)
-        elif grouping and signature.fuse_last:
-            _weight_grads_out(b, context, pack)
-            b.free(weights(p))
-        elif pack.mutated_buffers:
-            _buffers_out(b, pack, event)
+        elif grouping and fused:
+            _release_fused(b, context, pack, event)
+        elif p == last and pack.mutated_buffers:
+            _buffers_out(b, pack, event)  # the weights stay for the backward
     # The forward returns once every copy has landed: the caller reads the outputs, and the
     # backward program may then use the stash without waiting on the forward's events. The d2h
     # stream runs in order, so this costs no more than waiting for the outputs.
@@ -194,16 +192,20 @@ def lower_program(packs: Sequence[Pack], signature: ProgramSignature) -> tuple[l
             b.use([weights(p)])
             if p > 0:
                 b.prefetch(weights(p - 1))
+        # the last pack's graphs were built on the weights it kept from the forward: keep them
+        per_microbatch_weights = not grouping and p < last
         for mb in range(num_mb):
-            if not grouping and not (p == last and mb == 0):
+            if per_microbatch_weights:
                 b.prefetch(weights(p))
                 b.use([weights(p)])
             _backward_task(b, context, pack, mb)
             if not grouping:
                 _weight_grads_out(b, context, pack)
+            if per_microbatch_weights:
                 b.free(weights(p))
         if grouping:
             _weight_grads_out(b, context, pack)
+        if not per_microbatch_weights:
             b.free(weights(p))
     _wait_on_host_for_results(b, signature)
     for event in context.dw_events:  # every copy of weight gradients, not only each key's latest
@@ -301,6 +303,14 @@ def _buffers_out(b: _Builder, pack: Pack, after: int) -> None:
     event = b.emit(K.OFFLOAD, Stream.D2H, key=Key(KeyKind.BUFFERS, pack.name), reads=(weights(pack.index),))
     b.readers.setdefault(weights(pack.index), []).append(event)
     b.on_host[Key(KeyKind.BUFFERS, pack.name)] = event
+    b.on_host[weights(pack.index)] = event
+
+
+def _release_fused(b: _Builder, context: _Context, pack: Pack, last_task: int) -> None:
+    if pack.mutated_buffers:
+        _buffers_out(b, pack, last_task)
+    _weight_grads_out(b, context, pack)
+    b.free(weights(pack.index))
 
 
 def _free_weights(b: _Builder, pack: Pack, last_forward: int) -> None:
@@ -318,7 +328,7 @@ def grad_inputs(pack: Pack, signature: ProgramSignature) -> tuple[str, ...]:
 def _wait_on_host_for_results(b: _Builder, signature: ProgramSignature) -> None:
     """The caller reads outputs, input gradients, weight gradients and buffers once we return."""
     for key, event in b.on_host.items():
-        read_by_host = key.kind != KeyKind.ACT or key.name in signature.model_outputs
+        read_by_host = key.kind not in (KeyKind.ACT, KeyKind.WEIGHTS) or key.name in signature.model_outputs
         if event is not None and read_by_host:
             b.wait(event, Stream.HOST)
 

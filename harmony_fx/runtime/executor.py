@@ -70,14 +70,20 @@ class _Event:
 class Runtime:
     """``rt`` in the generated programs; one instance per iteration."""
 
-    def __init__(self, packs: Sequence[Pack], device: Device, host: HostState,
-                 grad_inputs: Sequence[tuple[str, ...]], stats: Stats) -> None:
-        self.packs = packs
+    def __init__(self, packs_for_mb: Sequence[Sequence[Pack]], device: Device, host: HostState,
+                 grad_inputs: Sequence[tuple[str, ...]], stats: Stats,
+                 on_update: Callable[[int], None] | None = None) -> None:
+        """``packs_for_mb[mb]``: the packs compiled at microbatch ``mb``'s size (same boundaries and
+        names for every size). ``on_update(pack)``: the host's optimizer step for the parameters
+        whose gradients are complete after ``pack``'s backward."""
+        self.packs_for_mb = packs_for_mb
+        self.packs = packs_for_mb[0]
+        self.on_update = on_update
         self.device = device
         self.host = host
         self.grad_inputs = grad_inputs
         self.stats = stats
-        self.last = len(packs) - 1
+        self.last = len(self.packs) - 1
         self.device_values: dict[Key, object] = {}
         self.host_values: dict[Key, object] = {}
         self.host_grads: dict[int, torch.Tensor] = {}  # id(master) -> summed gradient
@@ -153,8 +159,12 @@ class Runtime:
     def free(self, key_text: str) -> None:
         del self.device_values[self.key(key_text)]
 
+    def update(self, pack_index: int) -> None:
+        if self.on_update is not None:
+            self.on_update(pack_index)
+
     def fwd(self, pack_index: int, mb: int) -> _Event:
-        pack = self.packs[pack_index]
+        pack = self.packs_for_mb[mb][pack_index]
         keep_graph = pack_index == self.last
         values = self.device_values
         inputs = [values.pop(Key(KeyKind.ACT, v, mb)) if keep_graph else values[Key(KeyKind.ACT, v, mb)]
@@ -171,7 +181,7 @@ class Runtime:
         return _Event(self.device.streams.record(Stream.COMPUTE))
 
     def recompute(self, pack_index: int, mb: int) -> _Event:
-        pack = self.packs[pack_index]
+        pack = self.packs_for_mb[mb][pack_index]
         inputs = [_leaf(self.device_values.pop(Key(KeyKind.ACT, v, mb))) for v in pack.act_inputs]
         saved_state = None
         if pack.random:

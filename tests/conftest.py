@@ -1,0 +1,17 @@
+"""Shared pytest setup. Markers ``cuda`` and ``slow`` are registered in pyproject.toml."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+# The zoo's tensors are tiny: intra-op threads only add OpenMP synchronisation, which on a busy
+# 2-core machine costs whole seconds per step. Harmony and its eager reference both run here, in
+# this one process, so they see the same setting.
+torch.set_num_threads(1)
+
+
+@pytest.fixture(autouse=True)
+def _skip_cuda_tests_without_a_gpu(request: pytest.FixtureRequest) -> None:
+    """Tests marked ``cuda`` run only where a CUDA GPU exists (DESIGN.md §5)."""
+    if request.node.get_closest_marker("cuda") is not None and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU (torch.cuda.is_available() is False)")

@@ -1,0 +1,182 @@
+"""Helpers shared by the tests: one training step with harmony_fx next to one in eager mode.
+
+``train_step(entry, budget_fraction)`` builds two identical copies of a zoo model, measures what an
+eager training step needs (``eager_training_bytes``), compiles one copy under
+``int(need * budget_fraction)`` and runs one step of each with the same seed (dropout).
+``assert_step_equal`` then checks loss, every parameter gradient and every buffer against eager;
+``train_step_equal`` does both. Results and the eager byte counts are cached per process, so a
+model is compiled once per (model, fraction, devices) however many tests look at it.
+"""
+from __future__ import annotations
+
+import dataclasses
+import re
+import functools
+from typing import Any, Sequence
+
+import torch
+from torch import nn
+
+import harmony_fx
+from harmony_fx.analysis.memory import eager_training_bytes
+from harmony_fx.testing.models import ZooEntry, zoo
+
+RTOL, ATOL = 1e-5, 1e-7
+SEED = 5
+
+__all__ = [
+    "RTOL", "ATOL", "SEED", "StepResult", "ZOO", "eager_bytes", "train_step", "cached_train_step",
+    "assert_step_equal", "train_step_equal", "assert_grads_equal", "assert_buffers_equal", "device_names",
+    "smallest_budget", "Prepared", "prepared",
+]
+
+ZOO: dict[str, ZooEntry] = zoo()
+
+
+@dataclasses.dataclass
+class StepResult:
+    entry: ZooEntry
+    budget_fraction: float
+    budget: int
+    need: int
+    hm: harmony_fx.HarmonyModule
+    model: nn.Module          # the compiled copy (host master weights, .grad after the step)
+    reference: nn.Module      # the eager copy
+    inputs: tuple
+    target: torch.Tensor
+    loss: torch.Tensor
+    reference_loss: torch.Tensor
+
+
+@functools.lru_cache(maxsize=None)
+def eager_bytes(name: str) -> int:
+    """Peak bytes of one eager training step of the zoo model ``name`` (cached)."""
+    entry = ZOO[name]
+    model, inputs, target = entry.build(0)
+    return eager_training_bytes(model, inputs, lambda out: entry.loss_fn(out, target))
+
+
+def device_names(devices: object) -> tuple[str, ...]:
+    if devices is None:
+        return ()
+    if isinstance(devices, (str, int)):
+        return (str(devices),)
+    return tuple(str(d) for d in devices)
+
+
+def _to(value: Any, device: torch.device) -> Any:
+    return value.to(device) if isinstance(value, torch.Tensor) else value
+
+
+def train_step(entry: ZooEntry, budget_fraction: float, devices: Sequence[str] | None = None,
+               **compile_options: Any) -> StepResult:
+    """One training step with harmony_fx and one in eager mode on an identical copy."""
+    model, inputs, target = entry.build(0)
+    reference, ref_inputs, ref_target = entry.build(0)
+    if ZOO.get(entry.name) is entry:  # the shared zoo: its eager measurement is cached
+        need = eager_bytes(entry.name)
+    else:
+        need = eager_training_bytes(model, inputs, lambda out: entry.loss_fn(out, target))
+    budget = int(need * budget_fraction)
+    hm = harmony_fx.compile(model, inputs, memory_budget=budget, devices=devices, **compile_options)
+
+    # The eager reference runs where harmony_fx computes, so dropout draws from the same generator.
+    cuda = [name for name in device_names(devices) if name.startswith("cuda")]
+    if cuda:
+        device = torch.device(cuda[0])
+        reference.to(device)
+        ref_inputs = tuple(_to(x, device) for x in ref_inputs)
+        ref_target = ref_target.to(device)
+
+    torch.manual_seed(SEED)
+    loss = entry.loss_fn(hm(*inputs), target)
+    loss.backward()
+    torch.manual_seed(SEED)
+    reference_loss = entry.loss_fn(reference(*ref_inputs), ref_target)
+    reference_loss.backward()
+    return StepResult(entry, budget_fraction, budget, need, hm, model, reference, inputs, target,
+                      loss.detach(), reference_loss.detach().cpu())
+
+
+@functools.lru_cache(maxsize=None)
+def cached_train_step(name: str, budget_fraction: float, devices: tuple[str, ...] | None = None) -> StepResult:
+    """``train_step`` of the zoo model ``name``, once per process for each argument tuple."""
+    return train_step(ZOO[name], budget_fraction, list(devices) if devices else None)
+
+
+def assert_grads_equal(model: nn.Module, reference: nn.Module, rtol: float = RTOL, atol: float = ATOL) -> None:
+    """Every parameter of ``model`` has the gradient ``reference``'s namesake has."""
+    params = dict(model.named_parameters(remove_duplicate=False))
+    ref_params = dict(reference.named_parameters(remove_duplicate=False))
+    assert params.keys() == ref_params.keys()
+    for name, param in params.items():
+        ref = ref_params[name]
+        if ref.grad is None:
+            assert param.grad is None, f"{name}: harmony_fx produced a gradient where eager has none"
+            continue
+        assert param.grad is not None, f"{name}: no gradient (eager has one)"
+        torch.testing.assert_close(param.grad, ref.grad.cpu(), rtol=rtol, atol=atol, msg=lambda m: f"grad of {name}: {m}")
+
+
+def assert_buffers_equal(model: nn.Module, reference: nn.Module, rtol: float = RTOL, atol: float = ATOL) -> None:
+    """Every buffer equals eager's: BatchNorm statistics were updated exactly once."""
+    buffers = dict(model.named_buffers(remove_duplicate=False))
+    ref_buffers = dict(reference.named_buffers(remove_duplicate=False))
+    assert buffers.keys() == ref_buffers.keys()
+    for name, buffer in buffers.items():
+        torch.testing.assert_close(buffer, ref_buffers[name].cpu(), rtol=rtol, atol=atol,
+                                   msg=lambda m: f"buffer {name}: {m}")
+
+
+def assert_step_equal(result: StepResult) -> None:
+    torch.testing.assert_close(result.loss, result.reference_loss, rtol=RTOL, atol=ATOL)
+    assert_grads_equal(result.model, result.reference)
+    assert_buffers_equal(result.model, result.reference)
+
+
+def train_step_equal(entry: ZooEntry, budget_fraction: float, devices: Sequence[str] | None = None) -> StepResult:
+    """Compile ``entry``'s model under ``budget_fraction`` of eager's memory, run one training step
+    next to eager, and assert loss, every gradient and every buffer are equal."""
+    result = train_step(entry, budget_fraction, devices)
+    assert_step_equal(result)
+    return result
+
+
+_SMALLEST = re.compile(r"smallest budget that fits is ([0-9,]+) bytes")
+
+
+def smallest_budget(model: nn.Module, inputs: tuple, **compile_options: Any) -> int:
+    """The smallest memory budget harmony_fx can compile ``model`` under, read from the
+    ``BudgetTooSmallError`` a one-byte budget raises."""
+    try:
+        harmony_fx.compile(model, inputs, memory_budget=1, **compile_options)
+    except harmony_fx.BudgetTooSmallError as error:
+        match = _SMALLEST.search(str(error))
+        assert match, f"BudgetTooSmallError does not name the smallest budget: {error}"
+        return int(match.group(1).replace(",", ""))
+    raise AssertionError("a one-byte budget was accepted")
+
+
+@dataclasses.dataclass
+class Prepared:
+    """A zoo model captured, sized and cut into layers (what the planning passes start from)."""
+
+    model: nn.Module
+    inputs: tuple
+    target: torch.Tensor
+    captured: Any
+    layers: list
+    masters: dict
+
+
+@functools.lru_cache(maxsize=None)
+def prepared(name: str) -> Prepared:
+    from harmony_fx.analysis.sizes import annotate_sizes
+    from harmony_fx.capture import capture
+    from harmony_fx.passes.find_layers import find_layers
+
+    model, inputs, target = ZOO[name].build(0)
+    captured = capture(model, inputs)
+    annotate_sizes(captured.gm)
+    layers = find_layers(captured.gm)
+    return Prepared(model, inputs, target, captured, layers, {**captured.params, **captured.buffers})

@@ -1,0 +1,91 @@
+"""find_layers: layers are the model's repeated blocks, tiling the compute nodes in order."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import fx, nn
+
+from harmony_fx.ir import meta
+from harmony_fx.passes.find_layers import find_layers
+from tests.helpers import ZOO, prepared
+
+
+def _compute_nodes(gm: fx.GraphModule) -> list[str]:
+    return [node.name for node in gm.graph.nodes if node.op not in ("placeholder", "output")]
+
+
+@pytest.mark.parametrize("name", list(ZOO))
+def test_layers_tile_the_compute_nodes_in_order(name):
+    prep = prepared(name)
+    gm = prep.captured.gm
+    assert [layer.index for layer in prep.layers] == list(range(len(prep.layers)))
+    assert [n for layer in prep.layers for n in layer.nodes] == _compute_nodes(gm)
+    nodes = {node.name: node for node in gm.graph.nodes}
+    for layer in prep.layers:
+        assert layer.nodes, f"empty layer {layer}"
+        for node_name in layer.nodes:
+            assert nodes[node_name].meta[meta.LAYER] == layer.index
+    for node in gm.graph.nodes:
+        if node.op in ("placeholder", "output"):
+            assert meta.LAYER not in node.meta
+
+
+def test_mlp_chain_layers_are_its_blocks_then_the_head():
+    prep = prepared("mlp_chain")
+    names = [layer.name for layer in prep.layers]
+    assert names[:12] == [f"blocks.{i}" for i in range(12)]
+    # the head is no repeated block: its nodes are layers of their own, after every block
+    assert all(not name.startswith("blocks.") for name in names[12:]) and len(names) > 12
+    # a block is the outermost indexed module: blocks.3.0 (Linear) and blocks.3.1 (ReLU) are one layer
+    block3 = prep.layers[3]
+    nodes = {node.name: node for node in prep.captured.gm.graph.nodes}
+    paths = {path for n in block3.nodes for path, _ in nodes[n].meta["nn_module_stack"].values()}
+    assert any(p.endswith("blocks.3.0") for p in paths) and any(p.endswith("blocks.3.1") for p in paths)
+    assert all(nodes[n].meta[meta.LAYER_NAME] == "blocks.3" for n in block3.nodes)
+
+
+def test_tiny_gpt_has_one_layer_per_transformer_block():
+    prep = prepared("tiny_gpt")
+    names = [layer.name for layer in prep.layers]
+    blocks = [name for name in names if name.startswith("h.")]
+    assert blocks == [f"h.{i}" for i in range(8)]
+    h3 = next(layer for layer in prep.layers if layer.name == "h.3")
+    # attention, both LayerNorms and the MLP of h[3] are all in layer h.3
+    assert len(h3.nodes) > 10
+
+
+def _graph_with_stacks(stacks: list[dict | None]) -> fx.GraphModule:
+    """x -> relu -> relu -> ...: one node per entry, with that ``nn_module_stack``."""
+    graph = fx.Graph()
+    value = graph.placeholder("x")
+    for stack in stacks:
+        value = graph.call_function(torch.relu, (value,))
+        if stack is not None:
+            value.meta["nn_module_stack"] = stack
+    graph.output(value)
+    return fx.GraphModule(nn.Module(), graph)
+
+
+def test_dynamo_spelling_of_module_paths_is_normalised():
+    gm = _graph_with_stacks([
+        {"a": ("L['self'].h[3]", nn.Module), "b": ("L['self'].h[3].mlp[0]", nn.Linear)},
+        {"a": ("L['self'].h[3]", nn.Module)},
+        {"a": ("L['self'].h[4]", nn.Module)},
+    ])
+    layers = find_layers(gm)
+    assert [(layer.name, len(layer.nodes)) for layer in layers] == [("h.3", 2), ("h.4", 1)]
+
+
+def test_a_block_interrupted_by_other_nodes_gives_separate_layers():
+    block = {"a": ("blocks.0", nn.Sequential)}
+    gm = _graph_with_stacks([block, block, None, block])
+    layers = find_layers(gm)
+    assert [len(layer.nodes) for layer in layers] == [2, 1, 1]
+    assert layers[0].name == "blocks.0" and layers[2].name == "blocks.0"
+    assert layers[1].name == layers[1].nodes[0]  # an unblocked node is named after itself
+
+
+def test_unindexed_modules_are_layers_of_their_own_node():
+    gm = _graph_with_stacks([{"a": ("stem", nn.Linear)}, {"a": ("stem", nn.Linear)}])
+    layers = find_layers(gm)
+    assert [layer.nodes for layer in layers] == [(n,) for n in _compute_nodes(gm)]

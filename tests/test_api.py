@@ -1,0 +1,335 @@
+"""Integration: ``harmony_fx.compile`` end to end against eager PyTorch (DESIGN.md §3-§4)."""
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import harmony_fx
+from harmony_fx.testing.models import MLPChain
+from tests.helpers import (
+    SEED, ZOO, assert_buffers_equal, assert_grads_equal, assert_step_equal, cached_train_step, eager_bytes,
+    smallest_budget, train_step, train_step_equal,
+)
+
+FRACTIONS = (1.0, 0.5, 0.25)
+CASES = [pytest.param(name, fraction, id=f"{name}-{fraction}") for name in ZOO for fraction in FRACTIONS]
+
+
+# ---------------------------------------------------------------------- every zoo model x budget
+
+
+@pytest.mark.parametrize("name,fraction", CASES)
+def test_training_step_matches_eager(name, fraction):
+    """Loss, every parameter gradient and every buffer (BatchNorm statistics updated exactly once)."""
+    assert_step_equal(cached_train_step(name, fraction))
+
+
+@pytest.mark.parametrize("name,fraction", CASES)
+def test_measured_peak_within_budget(name, fraction):
+    result = cached_train_step(name, fraction)
+    peak = result.hm.stats.peak_bytes[result.hm.device.name]
+    assert 0 < peak <= result.budget
+
+
+@pytest.mark.parametrize("name,fraction", CASES)
+def test_measured_bytes_equal_plan(name, fraction):
+    hm = cached_train_step(name, fraction).hm
+    assert hm.stats.bytes_h2d == hm.plan.bytes_h2d
+    assert hm.stats.bytes_d2h == hm.plan.bytes_d2h
+    assert hm.stats.as_dict()["bytes_by_kind"] == hm.plan.predicted_bytes
+    assert hm.stats.bytes_h2d > 0 and hm.stats.bytes_d2h > 0
+
+
+@pytest.mark.parametrize("name,fraction", CASES)
+def test_predicted_peak_equals_measured(name, fraction):
+    hm = cached_train_step(name, fraction).hm
+    assert hm.plan.predicted_peak == hm.stats.peak_bytes
+
+
+@pytest.mark.parametrize("name,fraction", CASES)
+def test_generated_code_moves_data_between_packs(name, fraction):
+    hm = cached_train_step(name, fraction).hm
+    if fraction <= 0.5:
+        # eager needs the whole model at once; half of that cannot hold it in one pack
+        assert len(hm.packs) > 1
+    if len(hm.packs) > 1:
+        for op in ("rt.prefetch(", "rt.offload(", "rt.recompute("):
+            assert op in hm.code, f"{op} missing from the code of a {len(hm.packs)}-pack program"
+    else:
+        assert "rt.recompute(" not in hm.code  # one pack keeps its graph from forward to backward
+
+
+@pytest.mark.parametrize("name,fraction", CASES)
+def test_device_holds_nothing_after_the_step(name, fraction):
+    hm = cached_train_step(name, fraction).hm
+    assert hm.device.live_bytes() == 0
+
+
+# ---------------------------------------------------------------------- several steps with an optimizer
+
+
+@pytest.mark.parametrize("name", ["tiny_gpt", "small_cnn"])
+def test_sgd_momentum_steps_match_eager(name):
+    """Three steps of torch.optim.SGD(momentum) on the harmony model's own (host) parameters."""
+    entry = ZOO[name]
+    model, inputs, target = entry.build(0)
+    reference, _, _ = entry.build(0)
+    hm = harmony_fx.compile(model, inputs, memory_budget=eager_bytes(name) // 2)
+    assert len(hm.packs) > 1
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    ref_optimizer = torch.optim.SGD(reference.parameters(), lr=0.05, momentum=0.9)
+    for step in range(3):
+        optimizer.zero_grad()
+        ref_optimizer.zero_grad()
+        torch.manual_seed(SEED + step)
+        loss = entry.loss_fn(hm(*inputs), target)
+        loss.backward()
+        optimizer.step()
+        torch.manual_seed(SEED + step)
+        ref_loss = entry.loss_fn(reference(*inputs), target)
+        ref_loss.backward()
+        ref_optimizer.step()
+        torch.testing.assert_close(loss.detach(), ref_loss.detach(), rtol=1e-5, atol=1e-7)
+        assert_grads_equal(model, reference)
+        for (pname, param), ref in zip(model.named_parameters(), reference.parameters()):
+            torch.testing.assert_close(param.detach(), ref.detach(), rtol=1e-5, atol=1e-7,
+                                       msg=lambda m: f"step {step}, {pname}: {m}")
+        assert_buffers_equal(model, reference)
+
+
+# ---------------------------------------------------------------------- calling conventions
+
+
+@pytest.mark.parametrize("name", ["tiny_gpt", "small_cnn"])
+def test_no_grad_call_matches_eager_and_leaves_no_grads(name):
+    entry = ZOO[name]
+    model, inputs, _ = entry.build(0)
+    reference, _, _ = entry.build(0)
+    hm = harmony_fx.compile(model, inputs, memory_budget=eager_bytes(name) // 2)
+    with torch.no_grad():
+        torch.manual_seed(SEED)
+        out = hm(*inputs)
+        torch.manual_seed(SEED)
+        expected = reference(*inputs)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-7)
+    assert not out.requires_grad
+    assert all(p.grad is None for p in model.parameters())
+    assert_buffers_equal(model, reference)  # a forward in train mode updates BatchNorm statistics once
+    assert hm.device.live_bytes() == 0
+
+
+class DictNet(nn.Module):
+    """Returns a dict; ``mid`` (an inner block's output) is also consumed by later blocks."""
+
+    def __init__(self, width: int = 16, depth: int = 6) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(width, width), nn.ReLU()) for _ in range(depth))
+        self.head = nn.Linear(width, 4)
+
+    def forward(self, x):
+        for block in self.blocks[:3]:
+            x = block(x)
+        mid = x
+        for block in self.blocks[3:]:
+            x = block(x)
+        return {"logits": self.head(x), "mid": mid}
+
+
+class TupleNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.b = nn.Linear(8, 3)
+
+    def forward(self, x):
+        h = torch.tanh(self.a(x))
+        return self.b(h), h.sum(-1)
+
+
+@functools.lru_cache(maxsize=None)
+def _dict_net_setup():
+    torch.manual_seed(0)
+    model = DictNet()
+    x = torch.randn(8, 16)
+    target = torch.randint(0, 4, (8,))
+    return model, x, target, smallest_budget(model, (x,))
+
+
+def _compiled_dict_net():
+    template, x, target, budget = _dict_net_setup()
+    model, reference = DictNet(), DictNet()
+    model.load_state_dict(template.state_dict())
+    reference.load_state_dict(template.state_dict())
+    hm = harmony_fx.compile(model, (x,), memory_budget=budget)
+    assert len(hm.packs) > 1
+    return hm, model, reference, x, target
+
+
+def test_dict_output_keeps_its_structure():
+    hm, model, reference, x, target = _compiled_dict_net()
+    out = hm(x)
+    expected = reference(x)
+    assert isinstance(out, dict) and list(out) == ["logits", "mid"]
+    for key in out:
+        torch.testing.assert_close(out[key], expected[key], rtol=1e-5, atol=1e-7)
+    F.cross_entropy(out["logits"], target).backward()
+    F.cross_entropy(expected["logits"], target).backward()
+    assert_grads_equal(model, reference)
+
+
+@pytest.mark.xfail(strict=True, reason="BUG: the gradient of a model output that a later pack also consumes "
+                                        "is dropped (lower_program never prefetches the caller's grad_output)")
+def test_gradient_flows_into_an_output_that_later_packs_consume():
+    hm, model, reference, x, target = _compiled_dict_net()
+
+    def loss_fn(out):
+        return F.cross_entropy(out["logits"], target) + out["mid"].pow(2).mean()
+
+    loss_fn(hm(x)).backward()
+    loss_fn(reference(x)).backward()
+    assert_grads_equal(model, reference)
+
+
+def test_tuple_output_keeps_its_structure():
+    torch.manual_seed(0)
+    model, reference = TupleNet(), TupleNet()
+    reference.load_state_dict(model.state_dict())
+    x = torch.randn(5, 8)
+    hm = harmony_fx.compile(model, (x,))
+    out, expected = hm(x), reference(x)
+    assert isinstance(out, tuple) and len(out) == 2
+    for got, want in zip(out, expected):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
+    (out[0].square().sum() + out[1].sum()).backward()
+    (expected[0].square().sum() + expected[1].sum()).backward()
+    assert_grads_equal(model, reference)
+
+
+def test_input_that_requires_grad_gets_eager_grad():
+    entry = ZOO["mlp_chain"]
+    model, (x,), target = entry.build(0)
+    reference, _, _ = entry.build(0)
+    x_harmony = x.clone().requires_grad_(True)
+    x_eager = x.clone().requires_grad_(True)
+    hm = harmony_fx.compile(model, (x_harmony,), memory_budget=eager_bytes("mlp_chain") // 2)
+    assert len(hm.packs) > 1
+    entry.loss_fn(hm(x_harmony), target).backward()
+    entry.loss_fn(reference(x_eager), target).backward()
+    assert x_harmony.grad is not None
+    torch.testing.assert_close(x_harmony.grad, x_eager.grad, rtol=1e-5, atol=1e-7)
+    assert_grads_equal(model, reference)
+
+
+def test_call_with_another_input_shape_asks_to_compile_again():
+    torch.manual_seed(0)
+    model = MLPChain(width=8, depth=2)
+    hm = harmony_fx.compile(model, (torch.randn(4, 8),))
+    with pytest.raises(ValueError, match="compile"):
+        hm(torch.randn(5, 8))
+
+
+@pytest.mark.skipif(torch.cuda.device_count() > 7, reason="this machine has a cuda:7")
+def test_missing_cuda_device_is_named():
+    model = MLPChain(width=8, depth=2)
+    with pytest.raises(ValueError, match="cuda:7"):
+        harmony_fx.compile(model, (torch.randn(4, 8),), devices=["cuda:7"])
+
+
+def test_unknown_device_kind_is_refused():
+    model = MLPChain(width=8, depth=2)
+    with pytest.raises(ValueError, match="gpu:0"):
+        harmony_fx.compile(model, (torch.randn(4, 8),), devices=["gpu:0"])
+
+
+# ---------------------------------------------------------------------- microbatches
+
+
+@functools.lru_cache(maxsize=None)
+def _microbatched_step():
+    return train_step(ZOO["mlp_chain"], 0.5, microbatches=4)
+
+
+def test_microbatched_step_matches_eager():
+    result = _microbatched_step()
+    assert result.hm.num_microbatches == 4
+    assert_step_equal(result)
+    assert result.hm.stats.peak_bytes[result.hm.device.name] <= result.budget
+    # input-batch grouping: the weights of each pack come in once for all microbatches
+    weight_prefetches = [a for a in result.hm.forward_actions
+                         if a.kind.name == "PREFETCH" and a.key.kind.name == "WEIGHTS"]
+    assert len(weight_prefetches) == len(result.hm.packs)
+
+
+@pytest.mark.xfail(strict=True, reason="BUG: with microbatches > 1 the plan sizes a model-input microbatch as the "
+                                        "whole batch's storage, and symbolically (a SymInt), so predicted h2d bytes "
+                                        "are neither ints nor equal to the measured bytes")
+def test_microbatched_bytes_equal_plan():
+    hm = _microbatched_step().hm
+    assert all(isinstance(n, int) for n in hm.plan.predicted_bytes.values()), hm.plan.predicted_bytes
+    assert hm.stats.as_dict()["bytes_by_kind"] == hm.plan.predicted_bytes
+
+
+# ---------------------------------------------------------------------- errors in the middle of an iteration
+
+
+def _out_of_memory_in_forward(hm, inputs):
+    """Lower the device's cap so the forward runs out of memory part-way through."""
+    tracker = hm.device.tracker
+    cap = tracker.cap
+    tracker.cap = hm.plan.predicted_peak[hm.device.name] // 2
+    try:
+        with pytest.raises(harmony_fx.DeviceOutOfMemoryError, match="forward") as info:
+            hm(*inputs)
+    finally:
+        tracker.cap = cap
+    return info.value
+
+
+def test_out_of_memory_in_forward_loses_nothing():
+    entry = ZOO["small_cnn"]
+    model, inputs, _ = entry.build(0)
+    hm = harmony_fx.compile(model, inputs, memory_budget=eager_bytes("small_cnn") // 2)
+    assert len(hm.packs) > 1
+    params = [p.detach().clone() for p in model.parameters()]
+    buffers = [b.clone() for b in model.buffers()]
+    error = _out_of_memory_in_forward(hm, inputs)
+    assert "budget" in str(error)
+    assert all(p.grad is None for p in model.parameters())
+    for before, after in zip(params, model.parameters()):
+        assert torch.equal(before, after)
+    for before, after in zip(buffers, model.buffers()):  # no BatchNorm statistics written back
+        assert torch.equal(before, after)
+
+
+@pytest.mark.xfail(strict=True, reason="BUG: AllocationTracker.register counts the allocation that exceeds the cap "
+                                        "and never releases it, so after a DeviceOutOfMemoryError the HostDevice "
+                                        "leaks those bytes for good (later peaks and budgets are off)")
+def test_after_out_of_memory_the_next_step_is_clean():
+    entry = ZOO["small_cnn"]
+    model, inputs, target = entry.build(0)
+    reference, _, _ = entry.build(0)
+    hm = harmony_fx.compile(model, inputs, memory_budget=eager_bytes("small_cnn") // 2)
+    _out_of_memory_in_forward(hm, inputs)
+    assert hm.device.live_bytes() == 0
+    torch.manual_seed(SEED)
+    entry.loss_fn(hm(*inputs), target).backward()
+    torch.manual_seed(SEED)
+    entry.loss_fn(reference(*inputs), target).backward()
+    assert_grads_equal(model, reference)
+    assert_buffers_equal(model, reference)
+    assert hm.stats.peak_bytes == hm.plan.predicted_peak
+
+
+# ---------------------------------------------------------------------- CUDA (skipped without a GPU)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("name", list(ZOO))
+def test_cuda_training_step_matches_eager(name):
+    result = train_step_equal(ZOO[name], 0.5, devices=["cuda:0"])
+    assert result.hm.stats.peak_bytes["cuda:0"] <= result.budget
+    assert result.hm.stats.as_dict()["bytes_by_kind"] == result.hm.plan.predicted_bytes

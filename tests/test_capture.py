@@ -1,0 +1,113 @@
+"""capture: model → GraphModule with meta["val"] everywhere, parameters mapped to the model's own."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import harmony_fx
+from harmony_fx.capture import CaptureError, capture
+from harmony_fx.ir import meta
+from harmony_fx.testing.models import TinyGPT
+from tests.helpers import ZOO, assert_grads_equal
+
+
+@pytest.fixture(scope="module")
+def captured_zoo():
+    result = {}
+    for name, entry in ZOO.items():
+        model, inputs, _ = entry.build(0)
+        result[name] = (model, inputs, capture(model, inputs))
+    return result
+
+
+@pytest.mark.parametrize("name", list(ZOO))
+def test_zoo_models_capture_with_torch_export(captured_zoo, name):
+    model, inputs, captured = captured_zoo[name]
+    assert captured.method == "torch.export"
+    captured.gm.graph.lint()
+    missing = [node.name for node in captured.gm.graph.nodes if node.op != "output" and meta.VAL not in node.meta]
+    assert not missing, f"nodes without meta['val']: {missing}"
+
+
+@pytest.mark.parametrize("name", list(ZOO))
+def test_placeholders_have_roles_and_map_to_the_models_own_tensors(captured_zoo, name):
+    model, inputs, captured = captured_zoo[name]
+    model_params = {id(p) for p in model.parameters()}
+    model_buffers = {id(b) for b in model.buffers()}
+    assert {id(p) for p in captured.params.values()} == model_params
+    assert {id(b) for b in captured.buffers.values()} == model_buffers
+    roles = {node.name: meta.role_of(node) for node in captured.gm.graph.find_nodes(op="placeholder")}
+    assert all(roles[name] == meta.Role.PARAM for name in captured.params)
+    assert all(roles[name] == meta.Role.BUFFER for name in captured.buffers)
+    assert [n for n, role in roles.items() if role == meta.Role.INPUT] == captured.inputs
+    assert len(captured.inputs) == len(inputs)
+    placeholders = {node.name: node for node in captured.gm.graph.find_nodes(op="placeholder")}
+    for name, value in zip(captured.inputs, inputs):
+        fake = placeholders[name].meta[meta.VAL]
+        assert tuple(fake.shape) == tuple(value.shape) and fake.dtype == value.dtype
+
+
+def test_tied_weights_are_one_parameter_object(captured_zoo):
+    model, _, captured = captured_zoo["tiny_gpt"]
+    assert isinstance(model, TinyGPT) and model.lm_head.weight is model.wte.weight
+    targets = {node.meta[meta.TARGET]: captured.params[node.name]
+               for node in captured.gm.graph.find_nodes(op="placeholder") if node.name in captured.params}
+    tied = [param for target, param in targets.items() if target in ("wte.weight", "lm_head.weight")]
+    assert tied, f"no placeholder for the tied embedding among {sorted(targets)}"
+    assert all(param is model.wte.weight for param in tied)
+    # every distinct model parameter appears once by identity, however many names it has
+    assert len({id(p) for p in captured.params.values()}) == len(list(model.parameters()))
+
+
+class KeywordModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(6, 6)
+        self.gate = nn.Linear(6, 6)
+
+    def forward(self, x, *, y):
+        return self.proj(x) * torch.sigmoid(self.gate(y))
+
+
+def test_keyword_inputs():
+    torch.manual_seed(0)
+    model, reference = KeywordModel(), KeywordModel()
+    reference.load_state_dict(model.state_dict())
+    x, y = torch.randn(4, 6), torch.randn(4, 6)
+    hm = harmony_fx.compile(model, (), {"x": x, "y": y})
+    assert hm.captured.inputs and len(hm.captured.inputs) == 2
+    # keyword order does not matter
+    out = hm(y=y, x=x)
+    expected = reference(x, y=y)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-7)
+    out.square().sum().backward()
+    expected.square().sum().backward()
+    assert_grads_equal(model, reference)
+
+
+class DataDependent(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+
+    def forward(self, x):
+        if x.sum() > 0:
+            return self.linear(x)
+        return -self.linear(x)
+
+
+def test_data_dependent_control_flow_is_refused_with_advice():
+    with pytest.raises(CaptureError) as info:
+        harmony_fx.compile(DataDependent(), (torch.randn(2, 4),))
+    message = str(info.value)
+    assert "torch.export" in message
+    assert "symbolic_trace" in message
+    assert "DataDependent" in message
+    assert "torch.where" in message or "torch.cond" in message  # what to do instead
+    assert isinstance(info.value, ValueError)
+
+
+def test_capture_rejects_a_non_module():
+    with pytest.raises(TypeError, match="nn.Module"):
+        capture(lambda x: x + 1, (torch.randn(2),))
