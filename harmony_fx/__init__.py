@@ -5,8 +5,9 @@ from harmony_fx.config import CompileOptions
 from harmony_fx.passes.plan_packs import BudgetTooSmallError
 from harmony_fx.runtime.devices import CudaDevice, DeviceOutOfMemoryError, HostDevice
 from harmony_fx.schedule.validate import ProgramError
+from harmony_fx.trainer import Trainer
 
 __all__ = [
-    "compile", "HarmonyModule", "CompileOptions", "HostDevice", "CudaDevice",
+    "compile", "HarmonyModule", "Trainer", "CompileOptions", "HostDevice", "CudaDevice",
     "CaptureError", "BudgetTooSmallError", "DeviceOutOfMemoryError", "ProgramError",
 ]

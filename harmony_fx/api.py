@@ -234,7 +234,7 @@ class HarmonyModule:
         return device.peak_bytes()
 
     def _runtime(self, packs_by_size, device: Device, host: HostState, stats: Stats,
-                 on_update: Callable[[int], None] | None = None) -> Runtime:
+                 on_update: Callable[[Runtime, int], None] | None = None) -> Runtime:
         packs = packs_by_size[self.mb_sizes[0]]
         return Runtime([packs_by_size[size] for size in self.mb_sizes], device, host,
                        [grad_inputs(pack, self.signature) for pack in packs], stats, on_update)
@@ -332,7 +332,7 @@ class HarmonyModule:
                 params.append(param)
         return params
 
-    def start(self, per_mb: Sequence[Sequence[torch.Tensor]], on_update: Callable[[int], None] | None = None,
+    def start(self, per_mb: Sequence[Sequence[torch.Tensor]], on_update: Callable[[Runtime, int], None] | None = None,
               output_grads: dict[Key, torch.Tensor] | None = None) -> Runtime:
         """Run the forward program; the returned runtime holds what the backward program needs."""
         self.stats = Stats(budget={self.device.name: self.budget})

@@ -72,9 +72,9 @@ class Runtime:
 
     def __init__(self, packs_for_mb: Sequence[Sequence[Pack]], device: Device, host: HostState,
                  grad_inputs: Sequence[tuple[str, ...]], stats: Stats,
-                 on_update: Callable[[int], None] | None = None) -> None:
+                 on_update: Callable[["Runtime", int], None] | None = None) -> None:
         """``packs_for_mb[mb]``: the packs compiled at microbatch ``mb``'s size (same boundaries and
-        names for every size). ``on_update(pack)``: the host's optimizer step for the parameters
+        names for every size). ``on_update(runtime, pack)``: the host's optimizer step for the parameters
         whose gradients are complete after ``pack``'s backward."""
         self.packs_for_mb = packs_for_mb
         self.packs = packs_for_mb[0]
@@ -161,7 +161,7 @@ class Runtime:
 
     def update(self, pack_index: int) -> None:
         if self.on_update is not None:
-            self.on_update(pack_index)
+            self.on_update(self, pack_index)
 
     def fwd(self, pack_index: int, mb: int) -> _Event:
         pack = self.packs_for_mb[mb][pack_index]

@@ -1,0 +1,71 @@
+"""config: sizes such as "2GiB", and the options dataclass."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from harmony_fx.config import CompileOptions, format_size, parse_size
+
+
+@pytest.mark.parametrize("text,expected", [
+    ("2GiB", 2**31),
+    ("1.5GB", 1_500_000_000),
+    ("1.5 GB", 1_500_000_000),
+    ("512MiB", 512 * 2**20),
+    ("512mib", 512 * 2**20),
+    ("1k", 1024),
+    ("1kb", 1000),
+    ("100", 100),
+    ("100B", 100),
+    (" 3 TiB ", 3 * 2**40),
+    (".5KiB", 512),
+    (1048576, 1048576),
+    (7, 7),
+    (2.5e3, 2500),
+    (None, None),
+])
+def test_parse_size(text, expected):
+    assert parse_size(text) == expected
+
+
+@pytest.mark.parametrize("text", ["", "lots", "2 GiBs", "GiB", "2GiB!", "1e9", "-5MiB", "1,000", "two GB", "0", "0GiB"])
+def test_bad_size_strings_are_refused_with_an_example(text):
+    with pytest.raises(ValueError) as info:
+        parse_size(text)
+    message = str(info.value)
+    assert repr(text) in message
+    if text not in ("0", "0GiB"):
+        assert "2GiB" in message or "512MiB" in message  # shows how to write one
+
+
+@pytest.mark.parametrize("value", [0, -1, -0.5])
+def test_non_positive_sizes_are_refused(value):
+    with pytest.raises(ValueError, match="positive"):
+        parse_size(value)
+
+
+def test_bool_is_not_a_size():
+    with pytest.raises(TypeError):
+        parse_size(True)
+
+
+@pytest.mark.parametrize("num_bytes,text", [(0, "0 B"), (1023, "1023 B"), (1536, "1.50 KiB"), (2**31, "2.00 GiB"),
+                                            (3 * 2**40, "3.00 TiB"), (2**50, "1024.00 TiB")])
+def test_format_size(num_bytes, text):
+    assert format_size(num_bytes) == text
+
+
+def test_compile_options_parse_the_budget_and_are_frozen():
+    options = CompileOptions(memory_budget="1MiB", microbatches=2, parallel="dp")
+    assert options.memory_budget == 2**20
+    assert options.verify and options.track_memory
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        options.memory_budget = 5
+
+
+@pytest.mark.parametrize("kwargs", [{"microbatches": 0}, {"microbatches": 1.5}, {"parallel": "tp"},
+                                    {"memory_budget": "huge"}])
+def test_compile_options_refuse_bad_values(kwargs):
+    with pytest.raises(ValueError):
+        CompileOptions(**kwargs)
