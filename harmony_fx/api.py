@@ -114,7 +114,8 @@ class HarmonyModule:
         self._output_args = list(self.captured.gm.graph.find_nodes(op="output")[0].args[0])
         self._updates = _updates
         self.signature = self._signature([x.requires_grad for x in self._example_flat], _trainer)
-        boundaries, best = plan_packs(self._layer_costs(), self._evaluate, lambda c: c.peak, self.budget, balanced)
+        policy = balanced if options.pack_boundaries is None else _fixed(options.pack_boundaries)
+        boundaries, best = plan_packs(self._layer_costs(), self._evaluate, lambda c: c.peak, self.budget, policy)
         self._packs_by_size = best.packs_by_size
         self.packs = best.packs_by_size[self.mb_sizes[0]]
         self.forward_actions, self.backward_actions = best.forward_actions, best.backward_actions
@@ -122,7 +123,7 @@ class HarmonyModule:
             "forward": generate_program(self.forward_actions, self._steps(self.forward_actions), "HarmonyForward"),
             "backward": generate_program(self.backward_actions, self._steps(self.backward_actions), "HarmonyBackward"),
         }
-        self.plan = self._make_plan(best, "balanced")
+        self.plan = self._make_plan(best, "balanced" if options.pack_boundaries is None else "fixed")
         self.host_state = HostState([[self._masters[name] for name in pack.params + pack.buffers] for pack in self.packs])
         self.stats = Stats()
 
@@ -237,12 +238,14 @@ class HarmonyModule:
                  on_update: Callable[[Runtime, int], None] | None = None) -> Runtime:
         packs = packs_by_size[self.mb_sizes[0]]
         return Runtime([packs_by_size[size] for size in self.mb_sizes], device, host,
-                       [grad_inputs(pack, self.signature) for pack in packs], stats, on_update)
+                       [grad_inputs(pack, self.signature) for pack in packs], stats, on_update,
+                       self.options.compute_dtype)
 
     def key_bytes(self, key: Key) -> int:
-        """Bytes of a key as the plan counts them (from shapes alone)."""
+        """Bytes of a key as the plan counts them (from shapes and the compute dtype alone)."""
         if key.kind in (KeyKind.ACT, KeyKind.GRAD):
-            return meta.nbytes_of(self._variants[self.mb_sizes[key.mb]].nodes[key.name])
+            val = self._variants[self.mb_sizes[key.mb]].nodes[key.name].meta[meta.VAL]
+            return self._moved_bytes(val)
         pack = self.packs[int(key.name[1:])]
         if key.kind == KeyKind.WEIGHTS:
             names = pack.params + pack.buffers
@@ -252,7 +255,12 @@ class HarmonyModule:
             names = tuple(name for name in pack.params if self._masters[name].requires_grad)
         else:
             raise AssertionError(f"{key} is never copied")
-        return sum(self._masters[name].numel() * self._masters[name].element_size() for name in names)
+        return sum(self._moved_bytes(self._masters[name]) for name in names)
+
+    def _moved_bytes(self, tensor: torch.Tensor) -> int:
+        dtype = self.options.compute_dtype
+        itemsize = dtype.itemsize if dtype is not None and tensor.is_floating_point() else tensor.element_size()
+        return tensor.numel() * itemsize
 
     def _make_plan(self, best: _Candidate, policy: str) -> Plan:
         packs = self.packs
@@ -364,7 +372,8 @@ class HarmonyModule:
             if len(chunks) > 1 and chunks[0].dim() == 0:
                 raise ValueError(f"the model's output {name!r} is a scalar per microbatch, which cannot be put back "
                                  "into one batch; return per-sample values, or use harmony_fx.Trainer for a loss.")
-            outputs.append(microbatch.merge(chunks, 0))
+            dtype = self._nodes[name].meta[meta.VAL].dtype
+            outputs.append(microbatch.merge([chunk.to(dtype) for chunk in chunks], 0))
         return tuple(outputs)
 
     def _structure_outputs(self, tensors: list[torch.Tensor]) -> Any:
@@ -388,8 +397,9 @@ class HarmonyModule:
         self.finish(runtime)
         input_grads = []
         for name, dim in zip(self.captured.inputs, self._flat_dims):
+            dtype = self._nodes[name].meta[meta.VAL].dtype
             chunks = [runtime.host_values.get(Key(KeyKind.GRAD, name, mb)) for mb in range(self.num_microbatches)]
-            input_grads.append(microbatch.merge(chunks, dim))
+            input_grads.append(microbatch.merge([c if c is None else c.to(dtype) for c in chunks], dim))
         param_grads = [runtime.host_grads.get(id(param)) for param in self._trainable_params()]
         return input_grads, param_grads
 
@@ -397,6 +407,11 @@ class HarmonyModule:
         vals = [self._variants[size].nodes[name].meta[meta.VAL] for size in self.mb_sizes]
         shape = (sum(v.shape[0] for v in vals), *vals[0].shape[1:]) if len(vals) > 1 else vals[0].shape
         return torch.empty(shape, dtype=vals[0].dtype)
+
+
+def _fixed(boundaries: Sequence[int]):
+    """A packing policy that always answers ``boundaries``."""
+    return lambda layer_costs, num_packs: list(boundaries)
 
 
 class _HarmonyFunction(torch.autograd.Function):

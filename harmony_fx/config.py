@@ -6,6 +6,8 @@ import dataclasses
 import re
 from typing import Literal
 
+import torch
+
 __all__ = ["CompileOptions", "parse_size", "format_size"]
 
 _UNITS = {
@@ -62,6 +64,9 @@ class CompileOptions:
     ``grouping``: a pack's weights come in once for all microbatches (``False``: once per
     microbatch, the baseline that input-batch grouping is measured against).
     ``batch_dims``: the batch dim of every input (an int), or ``{argument name: dim or None}``.
+    ``precision``: ``"bf16"`` computes and moves floating tensors in bfloat16 on the device; master
+    weights, optimizer state and gradients on the host stay fp32.
+    ``pack_boundaries``: fix the packs (the index of each pack's first layer) instead of planning.
     """
 
     devices: object = None
@@ -72,6 +77,12 @@ class CompileOptions:
     track_memory: bool = True
     grouping: bool = True
     batch_dims: object = 0
+    precision: Literal["fp32", "bf16"] = "fp32"
+    pack_boundaries: tuple[int, ...] | None = None
+
+    @property
+    def compute_dtype(self) -> torch.dtype | None:
+        return torch.bfloat16 if self.precision == "bf16" else None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "memory_budget", parse_size(self.memory_budget))
@@ -79,5 +90,7 @@ class CompileOptions:
             not isinstance(self.microbatches, int) or self.microbatches < 1
         ):
             raise ValueError(f"microbatches must be a positive int or None, got {self.microbatches!r}")
+        if self.precision not in ("fp32", "bf16"):
+            raise ValueError(f"precision must be 'fp32' or 'bf16', got {self.precision!r}")
         if self.parallel not in ("auto", "dp", "pp"):
             raise ValueError(f"parallel must be 'auto', 'dp' or 'pp', got {self.parallel!r}")

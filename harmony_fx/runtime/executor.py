@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
+import time
 from typing import Callable, Sequence
 
 import torch
@@ -33,6 +35,9 @@ class Stats:
     bytes_by_kind: dict[tuple[str, str], int] = dataclasses.field(default_factory=lambda: collections.defaultdict(int))
     peak_bytes: dict[str, int] = dataclasses.field(default_factory=dict)
     budget: dict[str, int | None] = dataclasses.field(default_factory=dict)
+    # seconds each stream was busy; on a HostDevice streams run inline, so this is the time the
+    # work took; on a CudaDevice it is the host time spent issuing it
+    busy_seconds: dict[str, float] = dataclasses.field(default_factory=lambda: collections.defaultdict(float))
 
     @property
     def bytes_h2d(self) -> int:
@@ -49,6 +54,7 @@ class Stats:
             "bytes_by_kind": {f"{d}/{k}": n for (d, k), n in sorted(self.bytes_by_kind.items())},
             "peak_bytes": dict(self.peak_bytes),
             "budget": dict(self.budget),
+            "busy_seconds": dict(self.busy_seconds),
         }
 
 
@@ -57,6 +63,23 @@ class HostState:
     """Host-side tensors of one compiled model: per pack, its masters (params then buffers)."""
 
     masters: list[list[torch.Tensor]]
+
+
+def _busy(stream: Stream):
+    """Adds the op's duration to ``stats.busy_seconds[stream]``."""
+
+    def decorate(op):
+        @functools.wraps(op)
+        def timed(self, *args):
+            started = time.perf_counter()
+            try:
+                return op(self, *args)
+            finally:
+                self.stats.busy_seconds[stream.value] += time.perf_counter() - started
+
+        return timed
+
+    return decorate
 
 
 class _Event:
@@ -72,13 +95,15 @@ class Runtime:
 
     def __init__(self, packs_for_mb: Sequence[Sequence[Pack]], device: Device, host: HostState,
                  grad_inputs: Sequence[tuple[str, ...]], stats: Stats,
-                 on_update: Callable[["Runtime", int], None] | None = None) -> None:
+                 on_update: Callable[["Runtime", int], None] | None = None,
+                 compute_dtype: torch.dtype | None = None) -> None:
         """``packs_for_mb[mb]``: the packs compiled at microbatch ``mb``'s size (same boundaries and
         names for every size). ``on_update(runtime, pack)``: the host's optimizer step for the parameters
         whose gradients are complete after ``pack``'s backward."""
         self.packs_for_mb = packs_for_mb
         self.packs = packs_for_mb[0]
         self.on_update = on_update
+        self.compute_dtype = compute_dtype
         self.device = device
         self.host = host
         self.grad_inputs = grad_inputs
@@ -106,6 +131,7 @@ class Runtime:
         return key
 
     # ------------------------------------------------------------------ harmony ops
+    @_busy(Stream.H2D)
     def prefetch(self, key_text: str, stream: str) -> _Event:
         key = self.key(key_text)
         device = self.device
@@ -113,16 +139,17 @@ class Runtime:
             pack = self.packs[int(key.name[1:])]
             value = []
             for slot, master in enumerate(self.host.masters[pack.index]):
-                copy = device.to_device(master)
+                copy = device.to_device(self._compute_dtype(master))
                 if slot < len(pack.params) and master.requires_grad:
                     copy.requires_grad_(True)
                 value.append(copy)
         else:
-            value = device.to_device(self.host_values[key])
+            value = device.to_device(self._compute_dtype(self.host_values[key]))
         self._count("h2d", key, value)
         self.device_values[key] = value
         return _Event(device.streams.record(Stream.H2D))
 
+    @_busy(Stream.D2H)
     def offload(self, key_text: str, stream: str) -> _Event:
         key = self.key(key_text)
         device = self.device
@@ -159,10 +186,12 @@ class Runtime:
     def free(self, key_text: str) -> None:
         del self.device_values[self.key(key_text)]
 
+    @_busy(Stream.HOST)
     def update(self, pack_index: int) -> None:
         if self.on_update is not None:
             self.on_update(self, pack_index)
 
+    @_busy(Stream.COMPUTE)
     def fwd(self, pack_index: int, mb: int) -> _Event:
         pack = self.packs_for_mb[mb][pack_index]
         keep_graph = pack_index == self.last
@@ -180,6 +209,7 @@ class Runtime:
             values[Key(KeyKind.GRAPH, pack.name, mb)] = (inputs, outputs)
         return _Event(self.device.streams.record(Stream.COMPUTE))
 
+    @_busy(Stream.COMPUTE)
     def recompute(self, pack_index: int, mb: int) -> _Event:
         pack = self.packs_for_mb[mb][pack_index]
         inputs = [_leaf(self.device_values.pop(Key(KeyKind.ACT, v, mb))) for v in pack.act_inputs]
@@ -195,6 +225,7 @@ class Runtime:
         self.device_values[Key(KeyKind.GRAPH, pack.name, mb)] = (inputs, outputs)
         return _Event(self.device.streams.record(Stream.COMPUTE))
 
+    @_busy(Stream.COMPUTE)
     def bwd(self, pack_index: int, mb: int) -> _Event:
         pack = self.packs[pack_index]
         values = self.device_values
@@ -251,7 +282,15 @@ class Runtime:
         existing = self.device_values.get(key)
         self.device_values[key] = _own(grad) if existing is None else existing.add_(grad)
 
+    def _compute_dtype(self, value: object) -> object:
+        """Floating tensors travel and compute in ``compute_dtype`` (bf16 halves the bytes);
+        masters, optimizer state and what the caller gets back stay in their own dtype."""
+        if self.compute_dtype is not None and isinstance(value, torch.Tensor) and value.is_floating_point():
+            return value.to(self.compute_dtype)
+        return value
+
     def _add_host_grad(self, master: torch.Tensor, grad: torch.Tensor) -> None:
+        grad = grad.to(master.dtype)
         existing = self.host_grads.get(id(master))
         self.host_grads[id(master)] = grad if existing is None else existing.add_(grad)
 
