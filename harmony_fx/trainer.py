@@ -14,6 +14,7 @@ update runs after the backward, not overlapped with it.
 from __future__ import annotations
 
 import concurrent.futures
+import time
 from typing import Any, Callable, Sequence
 
 import torch
@@ -102,21 +103,24 @@ class Trainer:
             params = self._groups.get(pack_index, [])
             for param in params:
                 param.grad = runtime.host_grads.get(id(param))
-            pending.append(self._workers.submit(_step_subset, self.optimizer, params))
+            pending.append(self._workers.submit(_timed, _step_subset, self.optimizer, params))
 
         runtime = None
         try:
             runtime = self.hm.start(per_mb, on_update=on_update, output_grads=output_grads)
             self.hm.finish(runtime)
         finally:
-            for future in pending:
-                future.result()  # re-raises an update's error here, on the caller's thread
+            waited_from = time.perf_counter()
+            update_seconds = sum(future.result() for future in pending)  # re-raises an update's error here
+            self.stats.update_exposed_seconds = time.perf_counter() - waited_from
+            self.stats.update_seconds = update_seconds
         if self.max_grad_norm is not None:
             params = [p for group in self._groups.values() for p in group]
             for param in params:
                 param.grad = runtime.host_grads.get(id(param))
             torch.nn.utils.clip_grad_norm_(params, self.max_grad_norm)
-            self.optimizer.step()
+            seconds = _timed(self.optimizer.step)
+            self.stats.update_seconds = self.stats.update_exposed_seconds = seconds
         self.step_count += 1
         losses = [runtime.host_values[Key(KeyKind.ACT, self._loss_name, mb)] for mb in range(len(per_mb))]
         return sum(w * loss.detach().float() for w, loss in zip(weights, losses))
@@ -131,6 +135,12 @@ class Trainer:
                              "loss_fn(output, target) takes")
         inputs, target = batch
         return (tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)), target
+
+
+def _timed(fn: Callable, *args) -> float:
+    started = time.perf_counter()
+    fn(*args)
+    return time.perf_counter() - started
 
 
 def _step_subset(optimizer: torch.optim.Optimizer, params: Sequence[nn.Parameter]) -> None:

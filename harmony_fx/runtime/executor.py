@@ -38,6 +38,9 @@ class Stats:
     # seconds each stream was busy; on a HostDevice streams run inline, so this is the time the
     # work took; on a CudaDevice it is the host time spent issuing it
     busy_seconds: dict[str, float] = dataclasses.field(default_factory=lambda: collections.defaultdict(float))
+    # the host optimizer's time (Trainer), and the part of it the iteration waited for at its end
+    update_seconds: float = 0.0
+    update_exposed_seconds: float = 0.0
 
     @property
     def bytes_h2d(self) -> int:
@@ -55,6 +58,8 @@ class Stats:
             "peak_bytes": dict(self.peak_bytes),
             "budget": dict(self.budget),
             "busy_seconds": dict(self.busy_seconds),
+            "update_seconds": self.update_seconds,
+            "update_exposed_seconds": self.update_exposed_seconds,
         }
 
 
