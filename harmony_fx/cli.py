@@ -1,8 +1,8 @@
 """``harmony-fx``: the command line.
 
-``harmony-fx demo``: train a small GPT on one HostDevice whose memory budget is a quarter of what
-eager training needs; print loss, bytes moved and peak vs budget each step; check the first losses
-against eager training of an identical copy.
+``harmony-fx demo``: train a small GPT with ``harmony_fx.Trainer`` on one HostDevice whose memory
+budget is a quarter of what eager training needs; print loss, bytes moved and peak vs budget each
+step; check the first losses against eager training of an identical copy.
 """
 from __future__ import annotations
 
@@ -20,12 +20,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="harmony-fx", description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
     demo = commands.add_parser("demo", help="train a small GPT under a quarter of the memory eager needs")
-    demo.add_argument("--steps", type=int, default=20)
+    demo.add_argument("--steps", type=int, default=150)
     demo.add_argument("--budget-fraction", type=float, default=0.25,
                       help="memory budget as a fraction of what eager training needs (default 0.25)")
     demo.add_argument("--layers", type=int, default=8)
     demo.add_argument("--width", type=int, default=64)
     demo.add_argument("--batch", type=int, default=16)
+    demo.add_argument("--microbatches", type=int, default=1)
+    demo.add_argument("--lr", type=float, default=1e-2)
     demo.add_argument("--check-steps", type=int, default=3, help="steps compared with eager training")
     demo.add_argument("--quick", action="store_true", help="a smaller model, for CI")
     args = parser.parse_args(argv)
@@ -46,7 +48,9 @@ def _demo(args: argparse.Namespace) -> int:
     torch.manual_seed(0)
     model = TinyGPT(config)
     eager_model = copy.deepcopy(model)
-    loss_fn = torch.nn.functional.cross_entropy
+
+    def loss_fn(logits, target):
+        return torch.nn.functional.cross_entropy(logits.reshape(-1, config.vocab_size), target.reshape(-1))
 
     def batch(step: int):
         # a copy task: predict the token one position back (learnable, so the loss falls)
@@ -56,38 +60,33 @@ def _demo(args: argparse.Namespace) -> int:
 
     idx, target = batch(0)
 
-    def step_loss(m, x, y):
-        return loss_fn(m(x).reshape(-1, config.vocab_size), y.reshape(-1))
-
-    need = eager_training_bytes(model, (idx,), lambda out: loss_fn(out.reshape(-1, config.vocab_size), target.reshape(-1)))
+    need = eager_training_bytes(model, (idx,), lambda out: loss_fn(out, target))
     budget = int(need * args.budget_fraction)
     print(f"TinyGPT: {config.n_layer} layers, width {config.n_embd}, "
           f"{sum(p.numel() for p in model.parameters()):,} parameters; batch {args.batch}x{config.block_size}")
     print(f"eager training needs {format_size(need)}; HostDevice budget {format_size(budget)} "
           f"({args.budget_fraction:.0%})")
     started = time.perf_counter()
-    hm = harmony_fx.compile(model, (idx,), devices=["host:0"], memory_budget=budget)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    trainer = harmony_fx.Trainer(model, loss_fn, optimizer, ((idx,), target),
+                                 devices=["host:0"], memory_budget=budget, microbatches=args.microbatches)
     print(f"compiled in {time.perf_counter() - started:.1f} s\n")
-    print(hm.explain())
+    print(trainer.explain())
     print()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    eager_optimizer = torch.optim.AdamW(eager_model.parameters(), lr=3e-3)
+    eager_optimizer = torch.optim.AdamW(eager_model.parameters(), lr=args.lr)
     worst = 0.0
     for step in range(args.steps):
         x, y = batch(step)
         started = time.perf_counter()
-        loss = step_loss(hm, x, y)
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        loss = trainer.step(((x,), y))
         seconds = time.perf_counter() - started
-        stats = hm.stats
+        stats = trainer.stats
         peak = stats.peak_bytes["host:0"]
         line = (f"step {step:3d}  loss {loss.item():.4f}  h2d {format_size(stats.bytes_h2d):>11}  "
                 f"d2h {format_size(stats.bytes_d2h):>11}  peak {format_size(peak):>11} / {format_size(budget)}  "
                 f"{seconds * 1000:.0f} ms")
         if step < args.check_steps:
-            eager_loss = step_loss(eager_model, x, y)
+            eager_loss = loss_fn(eager_model(x), y)
             eager_loss.backward()
             eager_optimizer.step()
             eager_optimizer.zero_grad(set_to_none=True)
@@ -98,6 +97,7 @@ def _demo(args: argparse.Namespace) -> int:
         if peak > budget:
             print(f"FAILED: the measured peak {peak} is over the budget {budget}", file=sys.stderr)
             return 1
+    trainer.close()
     print(f"\nsummary: peak within budget every step; first {min(args.check_steps, args.steps)} losses match eager "
           f"(largest relative difference {worst:.2e})")
     if worst > 1e-5:
