@@ -220,16 +220,16 @@ class HarmonyModule:
                     for actions in (candidate.forward_actions, candidate.backward_actions)]
         packs = candidate.packs_by_size[self.mb_sizes[0]]
         with fake_mode, torch.random.fork_rng(devices=[]):
-            fake = {name: fake_mode.from_tensor(t) for name, t in self._masters.items()}
+            fake = {name: _fake_like(t, self.device.torch_device) for name, t in self._masters.items()}
             host = HostState([[fake[name] for name in pack.params + pack.buffers] for pack in packs])
             runtime = self._runtime(candidate.packs_by_size, device, host, Stats())
             for mb, size in enumerate(self.mb_sizes):
                 nodes = self._variants[size].nodes
                 for name in self.signature.model_inputs:
-                    runtime.host_values[Key(KeyKind.ACT, name, mb)] = fake_mode.from_tensor(nodes[name].meta[meta.VAL])
+                    runtime.host_values[Key(KeyKind.ACT, name, mb)] = _fake_like(nodes[name].meta[meta.VAL], self.device.torch_device)
                 for name in self.signature.model_outputs:
                     if name in self.signature.differentiable:
-                        runtime.host_values[Key(KeyKind.GRAD, name, mb)] = torch.ones_like(nodes[name].meta[meta.VAL])
+                        runtime.host_values[Key(KeyKind.GRAD, name, mb)] = _fake_like(nodes[name].meta[meta.VAL], self.device.torch_device)
             runtime.run(programs[0])
             runtime.run(programs[1])
         return device.peak_bytes()
@@ -407,6 +407,13 @@ class HarmonyModule:
         vals = [self._variants[size].nodes[name].meta[meta.VAL] for size in self.mb_sizes]
         shape = (sum(v.shape[0] for v in vals), *vals[0].shape[1:]) if len(vals) > 1 else vals[0].shape
         return torch.empty(shape, dtype=vals[0].dtype)
+
+
+def _fake_like(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A FakeTensor (inside a FakeTensorMode) shaped like ``tensor``, on the device packs run on, so
+    factory ops retargeted to that device meet tensors of the same device."""
+    fake = torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype, device=device)
+    return fake.requires_grad_(tensor.requires_grad) if tensor.is_floating_point() else fake
 
 
 def _fixed(boundaries: Sequence[int]):
