@@ -1,0 +1,284 @@
+"""Microbatches: cutting a batch (evenly or not), per-input batch dims, and ``harmony_fx.compile``
+with ``microbatches=M`` giving eager's loss and gradients with the bytes the plan predicts."""
+from __future__ import annotations
+
+import copy
+import functools
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+torch.set_num_threads(1)  # tiny ops on a 2-core machine: threads only add synchronisation
+
+import harmony_fx  # noqa: E402
+from harmony_fx import microbatch  # noqa: E402
+from harmony_fx.testing.models import MLPChain, ResidualMLP  # noqa: E402
+
+RTOL, ATOL = 1e-5, 1e-6
+BATCH = 32
+
+
+# ---------------------------------------------------------------------- sizes
+
+
+@pytest.mark.parametrize("batch,num,expected", [
+    (10, 4, [3, 3, 2, 2]),
+    (32, 3, [11, 11, 10]),
+    (32, 4, [8, 8, 8, 8]),
+    (7, 7, [1] * 7),
+    (5, 1, [5]),
+])
+def test_microbatch_sizes(batch, num, expected):
+    sizes = microbatch.microbatch_sizes(batch, num)
+    assert sizes == expected
+    assert sum(sizes) == batch
+    # the same cut as torch.tensor_split
+    assert sizes == [len(chunk) for chunk in torch.tensor_split(torch.arange(batch), num)]
+
+
+def test_more_microbatches_than_samples_is_refused():
+    with pytest.raises(ValueError, match="at most 3 microbatches"):
+        microbatch.microbatch_sizes(3, 4)
+
+
+def test_compile_with_more_microbatches_than_samples_is_refused():
+    model = MLPChain(width=8, depth=2)
+    with pytest.raises(ValueError, match="microbatches"):
+        harmony_fx.compile(model, torch.randn(3, 8), microbatches=4)
+
+
+def test_split_and_merge_round_trip_with_a_shared_input():
+    class Two(nn.Module):
+        def forward(self, x, bias):
+            return x + bias
+
+    x, bias = torch.randn(10, 4), torch.randn(4)
+    call = ((x, bias), {})
+    dims = microbatch.argument_dims(Two(), (x, bias), {}, {"bias": None})
+    assert dims == ((0, None), {})
+    assert microbatch.batch_size(call, dims) == 10
+    parts = microbatch.split_call(call, dims, [3, 3, 2, 2])
+    assert [args[0].shape[0] for args, _ in parts] == [3, 3, 2, 2]
+    assert all(args[1] is bias for args, _ in parts)  # passed whole to every microbatch
+    torch.testing.assert_close(microbatch.merge([args[0] for args, _ in parts], 0), x, rtol=0, atol=0)
+    # a shared value's per-microbatch results (e.g. gradients) are summed
+    torch.testing.assert_close(microbatch.merge([torch.ones(4)] * 4, None), torch.full((4,), 4.0))
+
+
+def test_batch_dims_naming_an_unknown_argument_is_refused():
+    model = MLPChain(width=8, depth=2)
+    with pytest.raises(ValueError, match="not arguments"):
+        harmony_fx.compile(model, torch.randn(8, 8), microbatches=2, batch_dims={"nope": None})
+
+
+# ---------------------------------------------------------------------- compile(microbatches=M) == eager
+
+
+def _mlp_chain():
+    return MLPChain(width=32, depth=6)
+
+
+def _residual_mlp():
+    return ResidualMLP(width=32, depth=4)
+
+
+MODELS = {
+    # (factory, fixed packs: several packs, so activations and gradients cross pack boundaries)
+    "mlp_chain": (_mlp_chain, (0, 3, 5)),
+    "residual_mlp": (_residual_mlp, (0, 2, 4)),
+}
+
+
+@functools.lru_cache(maxsize=None)
+def _run(name: str, num_microbatches: int):
+    """One training step through harmony_fx (compiled with ``num_microbatches``) and one in eager."""
+    factory, boundaries = MODELS[name]
+    torch.manual_seed(0)
+    model = factory()
+    reference = copy.deepcopy(model)
+    generator = torch.Generator().manual_seed(1)
+    x = torch.randn(BATCH, 32, generator=generator)
+    target = torch.randint(0, 10, (BATCH,), generator=generator)
+    hm = harmony_fx.compile(model, x, microbatches=num_microbatches, pack_boundaries=boundaries)
+    out = hm(x)
+    loss = F.cross_entropy(out, target)
+    loss.backward()
+    ref_out = reference(x)
+    ref_loss = F.cross_entropy(ref_out, target)
+    ref_loss.backward()
+    return hm, model, reference, out.detach(), ref_out.detach(), loss.detach(), ref_loss.detach()
+
+
+CASES = [pytest.param(name, m, id=f"{name}-M{m}") for name in MODELS for m in (1, 3, 4)]
+
+
+@pytest.mark.parametrize("name,num_microbatches", CASES)
+def test_microbatched_step_equals_eager(name, num_microbatches):
+    hm, model, reference, out, ref_out, loss, ref_loss = _run(name, num_microbatches)
+    assert len(hm.packs) == 3
+    assert hm.num_microbatches == num_microbatches
+    if num_microbatches == 3:
+        assert hm.mb_sizes == [11, 11, 10]  # uneven: two captured sizes share one packing
+    assert out.shape == ref_out.shape
+    torch.testing.assert_close(out, ref_out, rtol=RTOL, atol=ATOL)
+    torch.testing.assert_close(loss, ref_loss, rtol=RTOL, atol=ATOL)
+    ref_params = dict(reference.named_parameters())
+    for pname, param in model.named_parameters():
+        assert param.grad is not None, f"{pname} has no gradient"
+        torch.testing.assert_close(param.grad, ref_params[pname].grad, rtol=RTOL, atol=ATOL,
+                                   msg=lambda m: f"grad of {pname}: {m}")
+
+
+@pytest.mark.parametrize("name,num_microbatches", CASES)
+def test_microbatched_bytes_equal_plan(name, num_microbatches):
+    hm = _run(name, num_microbatches)[0]
+    measured = hm.stats.as_dict()["bytes_by_kind"]
+    assert measured == hm.plan.predicted_bytes
+    assert measured["h2d/weights"] > 0 and measured["d2h/wgrad"] > 0
+    assert hm.plan.microbatches == num_microbatches
+    assert hm.stats.peak_bytes[hm.device.name] == hm.plan.predicted_peak[hm.device.name]
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_weights_cross_once_per_iteration_whatever_the_microbatches(name):
+    """Grouping (the default): the weights of a pack come in once for all microbatches."""
+    moved = {m: _run(name, m)[0].stats.as_dict()["bytes_by_kind"] for m in (1, 3, 4)}
+    assert moved[1]["h2d/weights"] == moved[3]["h2d/weights"] == moved[4]["h2d/weights"]
+    assert moved[1]["d2h/wgrad"] == moved[3]["d2h/wgrad"] == moved[4]["d2h/wgrad"]
+
+
+# ---------------------------------------------------------------------- per-input batch dims
+
+
+class SharedBias(nn.Module):
+    """``forward(x, bias)``: ``bias`` (shape ``(width,)``) is shared by every sample."""
+
+    def __init__(self, width: int = 16, depth: int = 4) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(width, width), nn.Tanh()) for _ in range(depth))
+        self.head = nn.Linear(width, 5)
+
+    def forward(self, x, bias):
+        for block in self.blocks:
+            x = block(x + bias)
+        return self.head(x)
+
+
+def _shared_bias_setup(bias_requires_grad: bool, x_requires_grad: bool):
+    torch.manual_seed(0)
+    model = SharedBias()
+    reference = copy.deepcopy(model)
+    generator = torch.Generator().manual_seed(3)
+    x = torch.randn(10, 16, generator=generator)
+    bias = torch.randn(16, generator=generator)
+    target = torch.randint(0, 5, (10,), generator=generator)
+    x_ref, bias_ref = x.clone().requires_grad_(x_requires_grad), bias.clone().requires_grad_(bias_requires_grad)
+    x.requires_grad_(x_requires_grad)
+    bias.requires_grad_(bias_requires_grad)
+    return model, reference, x, bias, target, x_ref, bias_ref
+
+
+@pytest.mark.parametrize("bias_requires_grad", [False, True], ids=["bias-const", "bias-grad"])
+def test_shared_input_with_batch_dim_none_equals_eager(bias_requires_grad):
+    model, reference, x, bias, target, x_ref, bias_ref = _shared_bias_setup(bias_requires_grad, False)
+    hm = harmony_fx.compile(model, (x, bias), microbatches=4, batch_dims={"bias": None}, pack_boundaries=(0, 2, 4))
+    assert hm.mb_sizes == [3, 3, 2, 2]
+    assert len(hm.packs) == 3
+    out = hm(x, bias)
+    ref_out = reference(x_ref, bias_ref)
+    torch.testing.assert_close(out, ref_out, rtol=RTOL, atol=ATOL)
+    loss, ref_loss = F.cross_entropy(out, target), F.cross_entropy(ref_out, target)
+    torch.testing.assert_close(loss, ref_loss, rtol=RTOL, atol=ATOL)
+    loss.backward()
+    ref_loss.backward()
+    ref_params = dict(reference.named_parameters())
+    for pname, param in model.named_parameters():
+        torch.testing.assert_close(param.grad, ref_params[pname].grad, rtol=RTOL, atol=ATOL,
+                                   msg=lambda m: f"grad of {pname}: {m}")
+    if bias_requires_grad:
+        # the shared input's gradient is the sum over microbatches, as eager's over the batch
+        assert bias.grad is not None and bias.grad.shape == bias.shape
+        torch.testing.assert_close(bias.grad, bias_ref.grad, rtol=RTOL, atol=ATOL)
+    assert hm.stats.as_dict()["bytes_by_kind"] == hm.plan.predicted_bytes
+
+
+def test_splitting_a_shared_input_along_dim_0_is_refused():
+    """Without ``batch_dims`` the (16,)-shaped bias would be cut along dim 0 too: batch sizes disagree."""
+    model, _, x, bias, _, _, _ = _shared_bias_setup(False, False)
+    with pytest.raises(ValueError, match="disagree on the batch size"):
+        harmony_fx.compile(model, (x, bias), microbatches=2)
+
+
+def test_input_that_requires_grad_gets_eager_grad_with_microbatches():
+    model, reference, x, bias, target, x_ref, bias_ref = _shared_bias_setup(True, True)
+    hm = harmony_fx.compile(model, (x, bias), microbatches=3, batch_dims={"bias": None}, pack_boundaries=(0, 2, 4))
+    assert hm.mb_sizes == [4, 3, 3]
+    F.cross_entropy(hm(x, bias), target).backward()
+    F.cross_entropy(reference(x_ref, bias_ref), target).backward()
+    assert x.grad is not None and x.grad.shape == x.shape
+    torch.testing.assert_close(x.grad, x_ref.grad, rtol=RTOL, atol=ATOL)
+    torch.testing.assert_close(bias.grad, bias_ref.grad, rtol=RTOL, atol=ATOL)
+    ref_params = dict(reference.named_parameters())
+    for pname, param in model.named_parameters():
+        torch.testing.assert_close(param.grad, ref_params[pname].grad, rtol=RTOL, atol=ATOL,
+                                   msg=lambda m: f"grad of {pname}: {m}")
+
+
+def test_input_grad_with_microbatches_on_a_chain():
+    torch.manual_seed(0)
+    model = MLPChain(width=16, depth=4)
+    reference = copy.deepcopy(model)
+    x = torch.randn(12, 16)
+    target = torch.randint(0, 10, (12,))
+    x_ref = x.clone().requires_grad_(True)
+    x.requires_grad_(True)
+    hm = harmony_fx.compile(model, x, microbatches=4, pack_boundaries=(0, 2))
+    F.cross_entropy(hm(x), target).backward()
+    F.cross_entropy(reference(x_ref), target).backward()
+    torch.testing.assert_close(x.grad, x_ref.grad, rtol=RTOL, atol=ATOL)
+
+
+def test_batch_of_another_size_is_refused():
+    model = MLPChain(width=8, depth=2)
+    hm = harmony_fx.compile(model, torch.randn(8, 8), microbatches=2)
+    with pytest.raises(ValueError, match="compiled for 8"):
+        hm(torch.randn(6, 8))
+
+
+# ---------------------------------------------------------------------- the Trainer's microbatched loss
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_trainer_loss_over_uneven_microbatches_equals_eager(reduction):
+    """The Trainer's loss over microbatches of 4, 3, 3 is the batch's loss (size-weighted mean, or
+    sum), and one SGD step lands on eager's parameters."""
+    torch.manual_seed(0)
+    model = MLPChain(width=16, depth=4)
+    reference = copy.deepcopy(model)
+    x = torch.randn(10, 16)
+    target = torch.randint(0, 10, (10,))
+
+    def loss_fn(out, t):
+        return F.cross_entropy(out, t, reduction=reduction)
+
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    ref_optimizer = torch.optim.SGD(reference.parameters(), lr=0.05)
+    trainer = harmony_fx.Trainer(model, loss_fn, optimizer, (x, target), microbatches=3,
+                                 loss_reduction=reduction, pack_boundaries=(0, 2, 4))
+    try:
+        assert trainer.hm.mb_sizes == [4, 3, 3]
+        for _ in range(2):
+            loss = trainer.step((x, target))
+            ref_optimizer.zero_grad()
+            ref_loss = loss_fn(reference(x), target)
+            ref_loss.backward()
+            ref_optimizer.step()
+            torch.testing.assert_close(loss, ref_loss.detach(), rtol=RTOL, atol=ATOL)
+            for (pname, param), ref in zip(model.named_parameters(), reference.parameters()):
+                torch.testing.assert_close(param.detach(), ref.detach(), rtol=RTOL, atol=ATOL,
+                                           msg=lambda m: f"{pname}: {m}")
+        assert trainer.stats.as_dict()["bytes_by_kind"] == trainer.plan.predicted_bytes
+    finally:
+        trainer.close()
