@@ -110,13 +110,16 @@ def _capture_with_export(model: nn.Module, args: tuple, kwargs: dict) -> Capture
             buffers[node.name] = exported.constants[spec.target]
             node.meta[meta.ROLE], node.meta[meta.TARGET] = meta.Role.BUFFER, spec.target
         elif spec.kind == InputKind.USER_INPUT:
-            if node is not None:
+            # a non-tensor input (a float, a flag) is baked into the graph; its placeholder is unused
+            if node is not None and isinstance(node.meta.get(meta.VAL), torch.Tensor):
                 inputs.append(node.name)
                 node.meta[meta.ROLE] = meta.Role.INPUT
         else:
             raise NotImplementedError(f"unsupported exported input kind {spec.kind}")
     in_spec, out_spec = exported.call_spec.in_spec, exported.call_spec.out_spec
     num_inputs = len(inputs)
+    example_leaves = pytree.tree_leaves((args, kwargs))
+    constants = {i: leaf for i, leaf in enumerate(example_leaves) if not isinstance(leaf, torch.Tensor)}
 
     def flatten_inputs(call_args: tuple, call_kwargs: dict) -> list[Any]:
         leaves, spec = pytree.tree_flatten((call_args, call_kwargs))
@@ -128,6 +131,10 @@ def _capture_with_export(model: nn.Module, args: tuple, kwargs: dict) -> Capture
                 "the inputs do not have the structure of the example the model was compiled with: "
                 f"expected {in_spec}, got {spec}. Pass the same positional and keyword inputs."
             )
+        for i, value in constants.items():
+            if leaves[i] != value:
+                raise ValueError(f"a non-tensor input is {leaves[i]!r} but the model was compiled with {value!r}, "
+                                 "which the graph has baked in; compile again for the new value.")
         return tensors
 
     def unflatten_outputs(flat: list[Any]) -> Any:
@@ -138,7 +145,7 @@ def _capture_with_export(model: nn.Module, args: tuple, kwargs: dict) -> Capture
 
 def _reorder_kwargs(args: tuple, kwargs: dict, in_spec: pytree.TreeSpec):
     """Keyword inputs given in another order than the example's still match."""
-    example_kwargs_spec = in_spec.children_specs[1]
+    example_kwargs_spec = in_spec.children()[1]
     keys = example_kwargs_spec.context if example_kwargs_spec.type is dict else None
     if keys is not None and set(keys) == set(kwargs):
         kwargs = {key: kwargs[key] for key in keys}

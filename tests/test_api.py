@@ -182,8 +182,6 @@ def test_dict_output_keeps_its_structure():
     assert_grads_equal(model, reference)
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: the gradient of a model output that a later pack also consumes "
-                                        "is dropped (lower_program never prefetches the caller's grad_output)")
 def test_gradient_flows_into_an_output_that_later_packs_consume():
     hm, model, reference, x, target = _compiled_dict_net()
 
@@ -312,9 +310,6 @@ def test_out_of_memory_in_forward_loses_nothing():
         assert torch.equal(before, after)
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: AllocationTracker.register counts the allocation that exceeds the cap "
-                                        "and never releases it, so after a DeviceOutOfMemoryError the HostDevice "
-                                        "leaks those bytes for good (later peaks and budgets are off)")
 def test_after_out_of_memory_the_next_step_is_clean():
     entry = ZOO["small_cnn"]
     model, inputs, target = entry.build(0)

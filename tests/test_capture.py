@@ -122,9 +122,6 @@ class ScaledModel(nn.Module):
         return self.linear(x) * scale
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: capture lists a non-tensor input (export's ConstantArgument placeholder, "
-                                        "e.g. scale=2.0 or use_cache=False) among the tensor inputs, so compile "
-                                        "fails in flatten_inputs with a 'structure' error that shows two equal specs")
 def test_non_tensor_keyword_input_is_a_constant():
     torch.manual_seed(0)
     model = ScaledModel()

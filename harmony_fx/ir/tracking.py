@@ -47,12 +47,13 @@ class AllocationTracker:
         key = storage_key(tensor)
         entry = self._storages.get(key)
         if entry is None:
-            entry = self._storages[key] = [tensor_bytes(tensor), 0]
-            self.live += entry[0]
+            nbytes = tensor_bytes(tensor)
+            if self.cap is not None and self.live + nbytes > self.cap and self.on_exceed is not None:
+                self.on_exceed(self.live + nbytes, self.cap)  # raises; nothing was counted
+            entry = self._storages[key] = [nbytes, 0]
+            self.live += nbytes
             if self.live > self.peak:
                 self.peak = self.live
-            if self.cap is not None and self.live > self.cap and self.on_exceed is not None:
-                self.on_exceed(self.live, self.cap)
         entry[1] += 1
         weakref.finalize(tensor, self._release, key)
         return tensor

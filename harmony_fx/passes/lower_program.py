@@ -260,23 +260,26 @@ def _backward_task(b: _Builder, context: _Context, pack: Pack, mb: int) -> None:
             b.prefetch(key)
         b.use(inputs)
         b.compute(K.RECOMPUTE, p, mb, produces=[graph], consumes=inputs, reads=[weights(p)])
-    output_grads = []
-    for v in pack.outputs:
-        if v not in signature.differentiable:
-            continue
+    # The caller's gradient of a model output comes in before the first task (in backward order)
+    # that touches it: its producer, or a later pack that also reads it and adds to it.
+    caller_grads = []
+    for v in pack.outputs + pack.act_inputs:
         key = Key(KeyKind.GRAD, v, mb)
-        if v in signature.model_outputs and context.grad_owner[v] == p and not b.resident(key):
-            b.on_host.setdefault(key, None)  # the caller's grad_output
+        if (v in signature.model_outputs and v in signature.differentiable and context.grad_owner[v] == p
+                and not b.resident(key)):
+            b.on_host.setdefault(key, None)
             b.prefetch(key)
-        if b.resident(key):
-            output_grads.append(key)
-    b.use(output_grads)
+            caller_grads.append(key)
+    output_grads = [Key(KeyKind.GRAD, v, mb) for v in pack.outputs
+                    if v in signature.differentiable and b.resident(Key(KeyKind.GRAD, v, mb))]
+    b.use(output_grads + caller_grads)
     produced = [Key(KeyKind.GRAD, v, mb) for v in grad_inputs(pack, signature)]
     produced.append(Key(KeyKind.WGRAD, pack.name))  # created by the first microbatch, added to by the others
     consumed = [graph] + output_grads
     if p == context.last:
         consumed += [Key(KeyKind.ACT, v, mb) for v in pack.outputs]
-    b.compute(K.BWD, p, mb, produces=produced, consumes=consumed, reads=[weights(p)])
+    added_to = [key for key in caller_grads if key not in output_grads]
+    b.compute(K.BWD, p, mb, produces=produced, consumes=consumed, reads=[weights(p)] + added_to)
     for key in produced:
         if (key.kind == KeyKind.GRAD and key.name in signature.inputs_requiring_grad
                 and context.lowest_consumer[key.name] == p):

@@ -94,9 +94,6 @@ def test_cap_calls_on_exceed_when_crossed():
     del x
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: AllocationTracker.register adds the storage to the live bytes before "
-                                        "calling on_exceed, and when on_exceed raises it never registers the "
-                                        "finalizer, so the bytes of the refused allocation stay live forever")
 def test_refused_allocation_is_not_counted_afterwards():
     def on_exceed(live, cap):
         raise MemoryError("over")

@@ -45,8 +45,6 @@ def test_host_device_refuses_to_go_past_its_budget():
     assert isinstance(DeviceOutOfMemoryError("x"), RuntimeError)
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: the allocation a HostDevice refuses stays counted in live_bytes() "
-                                        "forever (AllocationTracker.register never releases it)")
 def test_refused_allocation_does_not_stay_on_the_device():
     device = HostDevice("host:0", budget=MIB)
     with pytest.raises(DeviceOutOfMemoryError):
