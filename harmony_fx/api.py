@@ -18,6 +18,7 @@ from torch import fx, nn
 from torch._subclasses import FakeTensorMode
 
 from harmony_fx import microbatch
+from harmony_fx.analysis.liveness import annotate_liveness
 from harmony_fx.analysis.sizes import annotate_sizes
 from harmony_fx.capture import Captured, capture
 from harmony_fx.config import CompileOptions
@@ -118,6 +119,7 @@ class HarmonyModule:
         boundaries, best = plan_packs(self._layer_costs(), self._evaluate, lambda c: c.peak, self.budget, policy)
         self._packs_by_size = best.packs_by_size
         self.packs = best.packs_by_size[self.mb_sizes[0]]
+        annotate_liveness(self.captured.gm)
         self.forward_actions, self.backward_actions = best.forward_actions, best.backward_actions
         self.programs = {
             "forward": generate_program(self.forward_actions, self._steps(self.forward_actions), "HarmonyForward"),

@@ -22,15 +22,11 @@ import torch
 from torch import fx
 
 from harmony_fx.ir import meta
+from harmony_fx.ir.ops import OP_OF_KIND
 from harmony_fx.schedule.actions import Action, ActionKind
 
 __all__ = ["generate_program", "HarmonyCodeGen"]
 
-_OP_OF_KIND = {
-    ActionKind.PREFETCH: "prefetch", ActionKind.OFFLOAD: "offload", ActionKind.WAIT: "wait",
-    ActionKind.FWD: "fwd", ActionKind.RECOMPUTE: "recompute", ActionKind.BWD: "bwd", ActionKind.FREE: "free",
-    ActionKind.UPDATE: "update",
-}
 
 
 class HarmonyCodeGen(fx.graph.CodeGen):
@@ -63,7 +59,7 @@ def generate_program(actions: Sequence[Action], steps: Sequence[str], name: str)
     rt = graph.placeholder("rt")
     events: dict[int, fx.Node] = {}
     for action, step in zip(actions, steps):
-        op = _OP_OF_KIND[action.kind]
+        op = OP_OF_KIND[action.kind]
         if action.kind == ActionKind.WAIT:
             args = (rt, events[action.event], action.stream.value)
         elif action.kind == ActionKind.FREE:

@@ -14,6 +14,8 @@ key                    written by                      value
 ``harmony_flops``      analysis.sizes                  forward FLOPs of the op (flop_counter)
 ``harmony_reads``      analysis.sizes                  names of the param/buffer placeholders the
                                                        node reads directly
+``harmony_last_use``   analysis.liveness               name of the last node reading the value (or None)
+``harmony_live_packs`` analysis.liveness               (producer pack, last reading pack); -1 = model input
 ``harmony_layer``      passes.find_layers              index of the layer the node belongs to
 ``harmony_layer_name`` passes.find_layers              e.g. ``"h.3"`` or the node's own name
 ``harmony_pack``       passes.plan_packs               index of the pack the node belongs to
@@ -29,7 +31,7 @@ import enum
 from torch import fx
 
 __all__ = [
-    "VAL", "ROLE", "TARGET", "NBYTES", "FLOPS", "READS", "LAYER", "LAYER_NAME", "PACK",
+    "VAL", "ROLE", "TARGET", "NBYTES", "FLOPS", "READS", "LAST_USE", "LIVE_PACKS", "LAYER", "LAYER_NAME", "PACK",
     "ACTION", "STEP", "FROM_PASS", "Role", "role_of", "layer_of", "pack_of", "nbytes_of",
 ]
 
@@ -39,6 +41,8 @@ TARGET = "harmony_target"
 NBYTES = "harmony_nbytes"
 FLOPS = "harmony_flops"
 READS = "harmony_reads"
+LAST_USE = "harmony_last_use"
+LIVE_PACKS = "harmony_live_packs"
 LAYER = "harmony_layer"
 LAYER_NAME = "harmony_layer_name"
 PACK = "harmony_pack"

@@ -96,7 +96,7 @@ class _Event:
 
 
 class Runtime:
-    """``rt`` in the generated programs; one instance per iteration."""
+    """``rt`` in the generated programs (implements ``ir.ops.HarmonyOps``); one per iteration."""
 
     def __init__(self, packs_for_mb: Sequence[Sequence[Pack]], device: Device, host: HostState,
                  grad_inputs: Sequence[tuple[str, ...]], stats: Stats,
