@@ -83,7 +83,7 @@ class HarmonyModule:
                  _trainer: bool = False, _updates: bool = False) -> None:
         self.model = model
         self.options = options
-        devices = resolve_devices(options.devices, options.memory_budget, options.track_memory)
+        devices = resolve_devices(options.devices, options.memory_budget, options.track_memory, options.chaos)
         if len(devices) > 1:
             raise NotImplementedError(
                 f"devices={options.devices!r}: harmony_fx runs on one device today; several devices "
@@ -128,6 +128,10 @@ class HarmonyModule:
         self.plan = self._make_plan(best, "balanced" if options.pack_boundaries is None else "fixed")
         self.host_state = HostState([[self._masters[name] for name in pack.params + pack.buffers] for pack in self.packs])
         self.stats = Stats()
+
+    def close(self) -> None:
+        """Stop the device's stream threads (chaos mode); the module is unusable afterwards."""
+        self.device.streams.close()
 
     # ------------------------------------------------------------------ what people look at
     @property

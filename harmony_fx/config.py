@@ -67,6 +67,8 @@ class CompileOptions:
     ``precision``: ``"bf16"`` computes and moves floating tensors in bfloat16 on the device; master
     weights, optimizer state and gradients on the host stay fp32.
     ``pack_boundaries``: fix the packs (the index of each pack's first layer) instead of planning.
+    ``chaos``: a seed: HostDevice streams run on worker threads with random delays, so a missing
+    wait shows up as a wrong number or an error (a testing aid; slower).
     """
 
     devices: object = None
@@ -79,6 +81,7 @@ class CompileOptions:
     batch_dims: object = 0
     precision: Literal["fp32", "bf16"] = "fp32"
     pack_boundaries: tuple[int, ...] | None = None
+    chaos: int | None = None
 
     @property
     def compute_dtype(self) -> torch.dtype | None:

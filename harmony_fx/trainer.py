@@ -126,7 +126,9 @@ class Trainer:
         return sum(w * loss.detach().float() for w, loss in zip(weights, losses))
 
     def close(self) -> None:
+        """Stop the update worker and the device's stream threads."""
         self._workers.shutdown(wait=True)
+        self.hm.close()
 
     @staticmethod
     def _unpack(batch: tuple) -> tuple[tuple, Any]:

@@ -10,6 +10,7 @@ profile of a task), so prediction and measurement count the same things the same
 """
 from __future__ import annotations
 
+import threading
 import weakref
 from typing import Callable
 
@@ -41,29 +42,33 @@ class AllocationTracker:
         self.live = 0
         self.peak = 0
         self._storages: dict[int, list[int]] = {}  # key -> [nbytes, number of live tensor objects]
+        # stream worker threads register, and tensors die on whichever thread drops them last
+        self._lock = threading.RLock()
 
     def register(self, tensor: torch.Tensor) -> torch.Tensor:
         """Count ``tensor``'s storage until the last tensor object on it is gone."""
         key = storage_key(tensor)
-        entry = self._storages.get(key)
-        if entry is None:
-            nbytes = tensor_bytes(tensor)
-            if self.cap is not None and self.live + nbytes > self.cap and self.on_exceed is not None:
-                self.on_exceed(self.live + nbytes, self.cap)  # raises; nothing was counted
-            entry = self._storages[key] = [nbytes, 0]
-            self.live += nbytes
-            if self.live > self.peak:
-                self.peak = self.live
-        entry[1] += 1
+        with self._lock:
+            entry = self._storages.get(key)
+            if entry is None:
+                nbytes = tensor_bytes(tensor)
+                if self.cap is not None and self.live + nbytes > self.cap and self.on_exceed is not None:
+                    self.on_exceed(self.live + nbytes, self.cap)  # raises; nothing was counted
+                entry = self._storages[key] = [nbytes, 0]
+                self.live += nbytes
+                if self.live > self.peak:
+                    self.peak = self.live
+            entry[1] += 1
         weakref.finalize(tensor, self._release, key)
         return tensor
 
     def _release(self, key: int) -> None:
-        entry = self._storages[key]
-        entry[1] -= 1
-        if entry[1] == 0:
-            self.live -= entry[0]
-            del self._storages[key]
+        with self._lock:
+            entry = self._storages[key]
+            entry[1] -= 1
+            if entry[1] == 0:
+                self.live -= entry[0]
+                del self._storages[key]
 
     def reset_peak(self) -> None:
         self.peak = self.live

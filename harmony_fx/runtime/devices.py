@@ -16,7 +16,7 @@ import torch
 
 from harmony_fx.config import format_size
 from harmony_fx.ir.tracking import AllocationTracker
-from harmony_fx.runtime.streams import CudaStreams, HostStreams
+from harmony_fx.runtime.streams import ChaosStreams, CudaStreams, HostStreams
 from harmony_fx.schedule.actions import Stream
 
 __all__ = ["Device", "HostDevice", "CudaDevice", "DeviceOutOfMemoryError", "resolve_devices"]
@@ -31,7 +31,7 @@ class Device:
 
     name: str
     budget: int | None
-    streams: HostStreams | CudaStreams
+    streams: HostStreams | ChaosStreams | CudaStreams
 
     def to_device(self, host: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
@@ -65,11 +65,13 @@ class Device:
 class HostDevice(Device):
     """A GPU stand-in in host memory (see the module docstring)."""
 
-    def __init__(self, name: str = "host:0", budget: int | None = None, track_memory: bool = True) -> None:
+    def __init__(self, name: str = "host:0", budget: int | None = None, track_memory: bool = True,
+                 chaos: int | None = None) -> None:
+        """``chaos``: a seed; streams then run on worker threads with random delays."""
         self.name = name
         self.budget = budget
         self.torch_device = torch.device("cpu")
-        self.streams = HostStreams()
+        self.streams = HostStreams() if chaos is None else ChaosStreams(chaos)
         self.tracker = AllocationTracker(budget, self._out_of_memory)
         self.track_memory = track_memory
         self.context = ""  # what is running, for the out-of-memory message
@@ -117,21 +119,23 @@ class CudaDevice(Device):
         self._baseline = torch.cuda.memory_allocated(self.torch_device)
 
     def to_device(self, host: torch.Tensor) -> torch.Tensor:
-        # Allocate in compute-stream order so the block is free there, then copy on the h2d stream.
-        copy = torch.empty_like(host, device=self.torch_device)
-        allocated = self.streams.record(Stream.COMPUTE)
-        self.streams.wait(allocated, Stream.H2D)
-        source = host if host.is_pinned() else host.pin_memory()
-        with self.streams.on(Stream.H2D):
-            copy.copy_(source, non_blocking=True)
-        copy.record_stream(self.streams.stream(Stream.H2D))
+        """Runs on the h2d stream. The block is allocated in compute-stream order (where it will be
+        used and freed), and the copy waits for that point."""
+        with torch.cuda.stream(self.streams.compute):
+            copy = torch.empty_like(host, device=self.torch_device)
+            allocated = torch.cuda.Event()
+            allocated.record()
+        copy_stream = torch.cuda.current_stream(self.torch_device)
+        copy_stream.wait_event(allocated)
+        copy.copy_(host if host.is_pinned() else host.pin_memory(), non_blocking=True)
+        copy.record_stream(copy_stream)
         return copy
 
     def to_host(self, value: torch.Tensor) -> torch.Tensor:
+        """Runs on the d2h stream, into pinned memory."""
         host = torch.empty(value.shape, dtype=value.dtype, pin_memory=True)
-        with self.streams.on(Stream.D2H):
-            host.copy_(value.detach(), non_blocking=True)
-        value.record_stream(self.streams.stream(Stream.D2H))
+        host.copy_(value.detach(), non_blocking=True)
+        value.record_stream(torch.cuda.current_stream(self.torch_device))
         return host
 
     def compute_scope(self):
@@ -155,7 +159,8 @@ class CudaDevice(Device):
         return torch.cuda.max_memory_allocated(self.torch_device) - self._baseline
 
 
-def resolve_devices(devices: object, budget: int | None, track_memory: bool = True) -> list[Device]:
+def resolve_devices(devices: object, budget: int | None, track_memory: bool = True,
+                    chaos: int | None = None) -> list[Device]:
     """``None``: every CUDA GPU, else one HostDevice; an int N; or names ``cuda:i`` / ``host:i``."""
     if devices is None:
         count = torch.cuda.device_count()
@@ -175,7 +180,8 @@ def resolve_devices(devices: object, budget: int | None, track_memory: bool = Tr
     for name in names:
         kind, _, index = name.partition(":")
         if kind == "host" and (index == "" or index.isdigit()):
-            result.append(HostDevice(f"host:{index or 0}", budget, track_memory))
+            seed = None if chaos is None else chaos + len(result)
+            result.append(HostDevice(f"host:{index or 0}", budget, track_memory, seed))
         elif kind == "cuda" and (index == "" or index.isdigit()):
             if not torch.cuda.is_available() or int(index or 0) >= torch.cuda.device_count():
                 raise ValueError(

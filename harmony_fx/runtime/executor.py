@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import functools
+import threading
 import time
 from typing import Callable, Sequence
 
@@ -70,23 +70,6 @@ class HostState:
     masters: list[list[torch.Tensor]]
 
 
-def _busy(stream: Stream):
-    """Adds the op's duration to ``stats.busy_seconds[stream]``."""
-
-    def decorate(op):
-        @functools.wraps(op)
-        def timed(self, *args):
-            started = time.perf_counter()
-            try:
-                return op(self, *args)
-            finally:
-                self.stats.busy_seconds[stream.value] += time.perf_counter() - started
-
-        return timed
-
-    return decorate
-
-
 class _Event:
     __slots__ = ("device_event", "on_host")
 
@@ -119,14 +102,25 @@ class Runtime:
         self.host_grads: dict[int, torch.Tensor] = {}  # id(master) -> summed gradient
         self.rng_states: dict[tuple[int, int], torch.Tensor] = {}
         self._keys: dict[str, Key] = {}
+        self._stats_lock = threading.Lock()
+        self._host_lock = threading.Lock()
 
     # ------------------------------------------------------------------ running programs
     def run(self, program: fx.GraphModule) -> None:
-        program(self)
+        """Issue every op of ``program``, then wait until the device's streams ran them all (and
+        raise the first error any of them hit)."""
+        try:
+            program(self)
+        finally:
+            self.device.streams.synchronize()
 
     def release(self) -> None:
         """Drop everything the device still holds (after a forward that needs no backward, or an
         error)."""
+        try:
+            self.device.streams.synchronize()
+        except BaseException:  # noqa: BLE001 - the error that got us here is already on its way up
+            pass
         self.device_values.clear()
 
     def key(self, text: str) -> Key:
@@ -135,50 +129,68 @@ class Runtime:
             key = self._keys[text] = parse_key(text)
         return key
 
+    def _submit(self, stream: Stream, work: Callable[[], None], event: "_Event | None" = None) -> "_Event":
+        """Run ``work`` on ``stream`` (inline, on a stream thread, or issued to the GPU), timed."""
+
+        def timed() -> None:
+            started = time.perf_counter()
+            try:
+                work()
+            finally:
+                with self._stats_lock:
+                    self.stats.busy_seconds[stream.value] += time.perf_counter() - started
+
+        event = event or _Event(None)
+        event.device_event = self.device.streams.submit(stream, timed)
+        return event
+
     # ------------------------------------------------------------------ harmony ops
-    @_busy(Stream.H2D)
     def prefetch(self, key_text: str, stream: str) -> _Event:
         key = self.key(key_text)
-        device = self.device
-        if key.kind == KeyKind.WEIGHTS:
-            pack = self.packs[int(key.name[1:])]
-            value = []
-            for slot, master in enumerate(self.host.masters[pack.index]):
-                copy = device.to_device(self._compute_dtype(master))
-                if slot < len(pack.params) and master.requires_grad:
-                    copy.requires_grad_(True)
-                value.append(copy)
-        else:
-            value = device.to_device(self._compute_dtype(self.host_values[key]))
-        self._count("h2d", key, value)
-        self.device_values[key] = value
-        return _Event(device.streams.record(Stream.H2D))
 
-    @_busy(Stream.D2H)
+        def work() -> None:
+            device = self.device
+            if key.kind == KeyKind.WEIGHTS:
+                pack = self.packs[int(key.name[1:])]
+                value = []
+                for slot, master in enumerate(self.host.masters[pack.index]):
+                    copy = device.to_device(self._compute_dtype(master))
+                    if slot < len(pack.params) and master.requires_grad:
+                        copy.requires_grad_(True)
+                    value.append(copy)
+            else:
+                value = device.to_device(self._compute_dtype(self.host_values[key]))
+            self._count("h2d", key, value)
+            self.device_values[key] = value
+
+        return self._submit(Stream.H2D, work)
+
     def offload(self, key_text: str, stream: str) -> _Event:
         key = self.key(key_text)
-        device = self.device
         event = _Event(None)
-        if key.kind == KeyKind.BUFFERS:
-            pack = self.packs[int(key.name[1:])]
-            weights = self.device_values[Key(KeyKind.WEIGHTS, key.name)]
-            first_buffer = len(pack.params)
-            pairs = [(self.host.masters[pack.index][first_buffer + i], device.to_host(weights[first_buffer + i]))
-                     for i, name in enumerate(pack.buffers) if name in pack.mutated_buffers]
-            self._count("d2h", key, [copy for _, copy in pairs])
-            event.on_host.append(lambda: [master.copy_(copy) for master, copy in pairs])
-        elif key.kind == KeyKind.WGRAD:
-            pack = self.packs[int(key.name[1:])]
-            grads = self.device_values[key]
-            pairs = [(self.host.masters[pack.index][i], device.to_host(g)) for i, g in enumerate(grads) if g is not None]
-            self._count("d2h", key, [copy for _, copy in pairs])
-            event.on_host.append(lambda: [self._add_host_grad(master, copy) for master, copy in pairs])
-        else:
-            copy = device.to_host(self.device_values[key])
-            self._count("d2h", key, copy)
-            self.host_values[key] = copy
-        event.device_event = device.streams.record(Stream.D2H)
-        return event
+
+        def work() -> None:
+            device = self.device
+            if key.kind == KeyKind.BUFFERS:
+                pack = self.packs[int(key.name[1:])]
+                weights = self.device_values[Key(KeyKind.WEIGHTS, key.name)]
+                first_buffer = len(pack.params)
+                pairs = [(self.host.masters[pack.index][first_buffer + i], device.to_host(weights[first_buffer + i]))
+                         for i, name in enumerate(pack.buffers) if name in pack.mutated_buffers]
+                self._count("d2h", key, [copy for _, copy in pairs])
+                event.on_host.append(lambda: [master.copy_(copy) for master, copy in pairs])
+            elif key.kind == KeyKind.WGRAD:
+                pack = self.packs[int(key.name[1:])]
+                grads = self.device_values[key]
+                pairs = [(self.host.masters[pack.index][i], device.to_host(g)) for i, g in enumerate(grads) if g is not None]
+                self._count("d2h", key, [copy for _, copy in pairs])
+                event.on_host.append(lambda: [self._add_host_grad(master, copy) for master, copy in pairs])
+            else:
+                copy = device.to_host(self.device_values[key])
+                self._count("d2h", key, copy)
+                self.host_values[key] = copy
+
+        return self._submit(Stream.D2H, work, event)
 
     def wait(self, event: _Event, stream: str) -> None:
         stream = Stream(stream)
@@ -189,15 +201,26 @@ class Runtime:
             event.on_host.clear()
 
     def free(self, key_text: str) -> None:
-        del self.device_values[self.key(key_text)]
+        key = self.key(key_text)
+        self._submit(Stream.COMPUTE, lambda: self.device_values.pop(key))
 
-    @_busy(Stream.HOST)
     def update(self, pack_index: int) -> None:
         if self.on_update is not None:
+            started = time.perf_counter()
             self.on_update(self, pack_index)
+            self.stats.busy_seconds[Stream.HOST.value] += time.perf_counter() - started
 
-    @_busy(Stream.COMPUTE)
     def fwd(self, pack_index: int, mb: int) -> _Event:
+        return self._submit(Stream.COMPUTE, lambda: self._forward(pack_index, mb))
+
+    def recompute(self, pack_index: int, mb: int) -> _Event:
+        return self._submit(Stream.COMPUTE, lambda: self._recompute(pack_index, mb))
+
+    def bwd(self, pack_index: int, mb: int) -> _Event:
+        return self._submit(Stream.COMPUTE, lambda: self._backward(pack_index, mb))
+
+    # ------------------------------------------------------------------ compute (on the compute stream)
+    def _forward(self, pack_index: int, mb: int) -> None:
         pack = self.packs_for_mb[mb][pack_index]
         keep_graph = pack_index == self.last
         values = self.device_values
@@ -212,10 +235,8 @@ class Runtime:
             values[Key(KeyKind.ACT, name, mb)] = value.detach() if isinstance(value, torch.Tensor) else value
         if keep_graph:
             values[Key(KeyKind.GRAPH, pack.name, mb)] = (inputs, outputs)
-        return _Event(self.device.streams.record(Stream.COMPUTE))
 
-    @_busy(Stream.COMPUTE)
-    def recompute(self, pack_index: int, mb: int) -> _Event:
+    def _recompute(self, pack_index: int, mb: int) -> None:
         pack = self.packs_for_mb[mb][pack_index]
         inputs = [_leaf(self.device_values.pop(Key(KeyKind.ACT, v, mb))) for v in pack.act_inputs]
         saved_state = None
@@ -228,10 +249,8 @@ class Runtime:
             if saved_state is not None:
                 self.device.set_rng_state(saved_state)
         self.device_values[Key(KeyKind.GRAPH, pack.name, mb)] = (inputs, outputs)
-        return _Event(self.device.streams.record(Stream.COMPUTE))
 
-    @_busy(Stream.COMPUTE)
-    def bwd(self, pack_index: int, mb: int) -> _Event:
+    def _backward(self, pack_index: int, mb: int) -> None:
         pack = self.packs[pack_index]
         values = self.device_values
         inputs, outputs = values.pop(Key(KeyKind.GRAPH, pack.name, mb))
@@ -270,7 +289,6 @@ class Runtime:
                 grad = grads.pop(0) if w.requires_grad else None
                 if grad is not None:
                     accumulated[i] = _own(grad) if accumulated[i] is None else accumulated[i].add_(grad)
-        return _Event(self.device.streams.record(Stream.COMPUTE))
 
     # ------------------------------------------------------------------ helpers
     def _run_pack(self, pack: Pack, inputs: list, grad: bool, what: str) -> tuple:
@@ -296,13 +314,15 @@ class Runtime:
 
     def _add_host_grad(self, master: torch.Tensor, grad: torch.Tensor) -> None:
         grad = grad.to(master.dtype)
-        existing = self.host_grads.get(id(master))
-        self.host_grads[id(master)] = grad if existing is None else existing.add_(grad)
+        with self._host_lock:
+            existing = self.host_grads.get(id(master))
+            self.host_grads[id(master)] = grad if existing is None else existing.add_(grad)
 
     def _count(self, direction: str, key: Key, value: object) -> None:
         tensors = value if isinstance(value, (list, tuple)) else [value]
-        self.stats.bytes_by_kind[(direction, key.kind.name.lower())] += sum(
-            t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
+        nbytes = sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
+        with self._stats_lock:
+            self.stats.bytes_by_kind[(direction, key.kind.name.lower())] += nbytes
 
 
 class _DeviceContext:

@@ -1,20 +1,30 @@
 """The one module that touches streams and events.
 
 The program names logical streams (``schedule.actions.Stream``); a device maps them to real ones.
-``HostStreams`` runs every action inline on the calling thread, so each event is complete when it is
-recorded and a wait has nothing to wait for (the verifier still checks that every wait is there).
-``CudaStreams`` uses the current stream for compute and one stream per copy direction; a ``HOST``
-wait blocks the controller thread on the event.
+Every harmony op hands its work to ``submit(stream, work)``, which returns the event that marks the
+work done; ``wait(event, stream)`` makes a stream (or, for ``HOST``, the calling thread) wait.
+
+* ``HostStreams``: the work runs inline, so every event is complete when it is recorded (the
+  verifier still checks that every wait is there).
+* ``ChaosStreams`` (HostDevice with ``chaos=seed``): one worker thread per stream, each sleeping a
+  random while before every item, so a missing wait lets a consumer run before its producer and
+  shows up as an error or a wrong number instead of passing by luck.
+* ``CudaStreams``: the current stream computes, one stream per copy direction; work is issued on the
+  controller thread and the GPU runs it asynchronously.
 """
 from __future__ import annotations
 
-import contextlib
+import queue
+import random
+import threading
+import time
+from typing import Callable
 
 import torch
 
 from harmony_fx.schedule.actions import Stream
 
-__all__ = ["HostStreams", "CudaStreams"]
+__all__ = ["HostStreams", "ChaosStreams", "CudaStreams"]
 
 
 class _DoneEvent:
@@ -25,25 +35,113 @@ class _DoneEvent:
     def synchronize(self) -> None:
         return None
 
-    def query(self) -> bool:
-        return True
-
 
 _DONE = _DoneEvent()
 
 
 class HostStreams:
-    def record(self, stream: Stream) -> _DoneEvent:
+    def submit(self, stream: Stream, work: Callable[[], None]) -> _DoneEvent:
+        work()
         return _DONE
 
-    def wait(self, event: _DoneEvent, stream: Stream) -> None:
-        return None
-
-    def on(self, stream: Stream):
-        return contextlib.nullcontext()
+    def wait(self, event, stream: Stream) -> None:
+        event.synchronize()
 
     def synchronize(self) -> None:
         return None
+
+    def close(self) -> None:
+        return None
+
+
+class _ThreadEvent:
+    __slots__ = ("done", "error")
+
+    def __init__(self) -> None:
+        self.done = threading.Event()
+        self.error: BaseException | None = None
+
+    def synchronize(self) -> None:
+        self.done.wait()
+        if self.error is not None:
+            raise self.error
+
+
+class ChaosStreams:
+    """One worker thread per stream with random delays (see the module docstring)."""
+
+    def __init__(self, seed: int, max_delay: float = 0.002) -> None:
+        self._random = random.Random(seed)
+        self._max_delay = max_delay
+        self._queues: dict[Stream, queue.SimpleQueue] = {}
+        self._threads: list[threading.Thread] = []
+        self._error: BaseException | None = None
+        self._last_compute: _ThreadEvent | None = None
+        for stream in (Stream.COMPUTE, Stream.H2D, Stream.D2H):
+            self._queues[stream] = queue.SimpleQueue()
+            thread = threading.Thread(target=self._serve, args=(self._queues[stream],), daemon=True,
+                                      name=f"harmony-chaos-{stream.value}")
+            thread.start()
+            self._threads.append(thread)
+
+    def _serve(self, items: queue.SimpleQueue) -> None:
+        while True:
+            item = items.get()
+            if item is None:
+                return
+            work, event, delay = item
+            time.sleep(delay)
+            try:
+                if self._error is None:
+                    work()
+            except BaseException as error:  # noqa: BLE001 - handed to the controller at its next wait
+                self._error = self._error or error
+            event.error = self._error
+            event.done.set()
+
+    def submit(self, stream: Stream, work: Callable[[], None]) -> _ThreadEvent:
+        event = _ThreadEvent()
+        if stream == Stream.H2D:
+            # As on a GPU (CudaDevice.to_device), a copy's destination is allocated in compute-stream
+            # order: the copy starts once the compute work issued before it has run, so device
+            # memory is taken and given back in program order and the static peak still holds.
+            fence = self._last_compute
+            work = _after(fence, work)
+        self._queues[stream].put((work, event, self._random.uniform(0, self._max_delay)))
+        if stream == Stream.COMPUTE:
+            self._last_compute = event
+        return event
+
+    def wait(self, event: _ThreadEvent, stream: Stream) -> None:
+        if stream == Stream.HOST:
+            event.synchronize()
+        else:
+            self.submit(stream, event.done.wait)
+
+    def synchronize(self) -> None:
+        """Wait until every stream has run everything submitted; raise the first error."""
+        for stream in self._queues:
+            self.submit(stream, lambda: None).done.wait()
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
+
+    def close(self) -> None:
+        for items in self._queues.values():
+            items.put(None)
+        for thread in self._threads:
+            thread.join()
+
+
+def _after(event: _ThreadEvent | None, work: Callable[[], None]) -> Callable[[], None]:
+    if event is None:
+        return work
+
+    def fenced() -> None:
+        event.done.wait()
+        work()
+
+    return fenced
 
 
 class CudaStreams:
@@ -53,7 +151,14 @@ class CudaStreams:
         self.copy = {Stream.H2D: torch.cuda.Stream(device), Stream.D2H: torch.cuda.Stream(device)}
 
     def stream(self, stream: Stream) -> torch.cuda.Stream:
-        return self.compute if stream == Stream.COMPUTE else self.copy[stream]
+        return self.compute if stream in (Stream.COMPUTE, Stream.HOST) else self.copy[stream]
+
+    def submit(self, stream: Stream, work: Callable[[], None]) -> torch.cuda.Event:
+        with torch.cuda.stream(self.stream(stream)):
+            work()
+        event = torch.cuda.Event()
+        event.record(self.stream(stream))
+        return event
 
     def record(self, stream: Stream) -> torch.cuda.Event:
         event = torch.cuda.Event()
@@ -71,3 +176,8 @@ class CudaStreams:
 
     def synchronize(self) -> None:
         torch.cuda.synchronize(self.device)
+
+    def close(self) -> None:
+        return None
+
+
