@@ -10,6 +10,7 @@ Microbatches of different sizes (a batch of 10 in 4) each get the graph captured
 """
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 from typing import Any, Callable, Sequence
 
@@ -33,6 +34,7 @@ from harmony_fx.passes.split_packs import split_packs
 from harmony_fx.runtime.devices import Device, HostDevice, resolve_devices
 from harmony_fx.runtime.executor import HostState, Runtime, Stats
 from harmony_fx.schedule.actions import Action, ActionKind, Key, KeyKind
+from harmony_fx.schedule.format import format_schedule
 from harmony_fx.schedule.plan import PackPlan, Plan
 from harmony_fx.schedule.simulate import bytes_moved
 from harmony_fx.schedule.validate import verify_program
@@ -66,9 +68,12 @@ class _Candidate:
     """One packing, lowered, verified and run on FakeTensors."""
 
     packs_by_size: dict[int | None, list[Pack]]
-    forward_actions: list[Action]
-    backward_actions: list[Action]
-    peak: int = 0
+    device_actions: list[tuple[list[Action], list[Action]]]  # (forward, backward) per device
+    peaks: list[int]
+
+    @property
+    def peak(self) -> int:
+        return max(self.peaks)
 
 
 class HarmonyModule:
@@ -83,18 +88,26 @@ class HarmonyModule:
                  _trainer: bool = False, _updates: bool = False) -> None:
         self.model = model
         self.options = options
-        devices = resolve_devices(options.devices, options.memory_budget, options.track_memory, options.chaos)
-        if len(devices) > 1:
-            raise NotImplementedError(
-                f"devices={options.devices!r}: harmony_fx runs on one device today; several devices "
-                "(data-parallel and pipeline) are not built yet. Pass one device, e.g. devices=['host:0']."
-            )
-        self.device: Device = devices[0]
+        self.devices: list[Device] = resolve_devices(options.devices, options.memory_budget, options.track_memory,
+                                                     options.chaos)
+        self.device = self.devices[0]
         self.budget = self.device.budget
+        num_devices = len(self.devices)
+        if num_devices > 1 and options.parallel == "pp":
+            raise NotImplementedError("parallel='pp' (the wrap-around pipeline) is not built yet; use parallel='dp'.")
+        # With several devices, "auto" means data-parallel until the planner chooses (see docs/options.md).
+        self.parallel = "dp" if num_devices > 1 else "single"
         self._trainer = _trainer
         example = (example_args, example_kwargs)
         self._example_dims = microbatch.argument_dims(model, example_args, example_kwargs, options.batch_dims)
-        self.num_microbatches = options.microbatches or 1
+        self.num_microbatches = options.microbatches or num_devices
+        if self.num_microbatches < num_devices:
+            raise ValueError(f"microbatches={self.num_microbatches} is fewer than the {num_devices} devices: "
+                             "data-parallel needs at least one microbatch per device.")
+        # device d runs a contiguous run of microbatches
+        sizes = microbatch.microbatch_sizes(self.num_microbatches, num_devices)
+        starts = [sum(sizes[:d]) for d in range(num_devices)]
+        self.device_microbatches = [tuple(range(start, start + n)) for start, n in zip(starts, sizes)]
         if self.num_microbatches > 1:
             self.mb_sizes = microbatch.microbatch_sizes(microbatch.batch_size(example, self._example_dims),
                                                         self.num_microbatches)
@@ -120,18 +133,29 @@ class HarmonyModule:
         self._packs_by_size = best.packs_by_size
         self.packs = best.packs_by_size[self.mb_sizes[0]]
         annotate_liveness(self.captured.gm)
-        self.forward_actions, self.backward_actions = best.forward_actions, best.backward_actions
-        self.programs = {
-            "forward": generate_program(self.forward_actions, self._steps(self.forward_actions), "HarmonyForward"),
-            "backward": generate_program(self.backward_actions, self._steps(self.backward_actions), "HarmonyBackward"),
-        }
+        self.device_actions = best.device_actions
+        self.forward_actions, self.backward_actions = best.device_actions[0]
+        self.device_programs = [
+            {phase: generate_program(actions, self._steps(actions), f"Harmony{phase.title()}")
+             for phase, actions in zip(("forward", "backward"), pair)}
+            for pair in best.device_actions
+        ]
+        if num_devices == 1:
+            self.programs = self.device_programs[0]
+        else:
+            self.programs = {f"{device.name} {phase}": program for device, programs in zip(self.devices, self.device_programs)
+                             for phase, program in programs.items()}
         self.plan = self._make_plan(best, "balanced" if options.pack_boundaries is None else "fixed")
         self.host_state = HostState([[self._masters[name] for name in pack.params + pack.buffers] for pack in self.packs])
         self.stats = Stats()
 
     def close(self) -> None:
-        """Stop the device's stream threads (chaos mode); the module is unusable afterwards."""
-        self.device.streams.close()
+        """Stop the devices' stream threads (chaos mode) and the per-device controller threads; the
+        module is unusable afterwards."""
+        for device in self.devices:
+            device.streams.close()
+        if getattr(self, "_device_threads", None) is not None:
+            self._device_threads.shutdown(wait=True)
 
     # ------------------------------------------------------------------ what people look at
     @property
@@ -139,7 +163,9 @@ class HarmonyModule:
         return "\n".join(f"# ---- {name} program ----{program.code}" for name, program in self.programs.items())
 
     def explain(self) -> str:
-        return self.plan.table()
+        """The plan's table, then the schedule: one column per device, one row per compute task."""
+        return self.plan.table() + "\n\n" + format_schedule(
+            [forward + backward for forward, backward in self.device_actions], [d.name for d in self.devices])
 
     # ------------------------------------------------------------------ planning
     def _capture_variant(self, model: nn.Module, size: int | None, args: tuple, kwargs: dict) -> _Variant:
@@ -167,7 +193,7 @@ class HarmonyModule:
         inputs_requiring_grad = [name for name, flag in zip(self.captured.inputs, requires_grad) if flag]
         return ProgramSignature(tuple(self.captured.inputs), tuple(dict.fromkeys(outputs)),
                                 frozenset(inputs_requiring_grad), frozenset(differentiable),
-                                self.num_microbatches, grouping=self.options.grouping, fuse_last=trainer)
+                                tuple(range(self.num_microbatches)), grouping=self.options.grouping, fuse_last=trainer)
 
     def _layer_costs(self) -> list[int]:
         costs = []
@@ -181,15 +207,16 @@ class HarmonyModule:
         packs_by_size = {size: split_packs(v.captured.gm, v.layers, boundaries, {**v.captured.params, **v.captured.buffers})
                          for size, v in self._variants.items()}
         packs = packs_by_size[self.mb_sizes[0]]
-        signature = self.signature
-        if self._updates:
-            signature = dataclasses.replace(signature, update_packs=frozenset(self.update_groups(packs)))
-        forward, backward = lower_program(packs, signature)
-        if self.options.verify:
-            self._verify(forward, backward, signature)
-        candidate = _Candidate(packs_by_size, forward, backward)
-        candidate.peak = self._fake_peak(candidate)
-        return candidate
+        update_packs = frozenset(self.update_groups(packs)) if self._updates else frozenset()
+        device_actions, peaks = [], []
+        for device, mbs in zip(self.devices, self.device_microbatches):
+            signature = dataclasses.replace(self.signature, microbatches=mbs, update_packs=update_packs)
+            forward, backward = lower_program(packs, signature)
+            if self.options.verify:
+                self._verify(forward, backward, signature)
+            device_actions.append((forward, backward))
+            peaks.append(self._fake_peak(packs_by_size, forward, backward, mbs, device))
+        return _Candidate(packs_by_size, device_actions, peaks)
 
     def update_groups(self, packs: Sequence[Pack] | None = None) -> dict[int, list[nn.Parameter]]:
         """``{pack index: the parameters the host updates after that pack's backward}``: each
@@ -206,7 +233,7 @@ class HarmonyModule:
         return groups
 
     def _verify(self, forward: list[Action], backward: list[Action], signature: ProgramSignature) -> None:
-        mbs = range(self.num_microbatches)
+        mbs = signature.microbatches
         host_keys = [Key(KeyKind.ACT, v, mb) for v in signature.model_inputs for mb in mbs]
         grad_keys = [Key(KeyKind.GRAD, v, mb) for v in signature.model_outputs for mb in mbs]
         if signature.fuse_last:
@@ -218,34 +245,35 @@ class HarmonyModule:
         backward_results = [a.key for a in backward if a.kind == ActionKind.OFFLOAD]
         verify_program(forward + backward, host_keys + grad_keys, backward_results)
 
-    def _fake_peak(self, candidate: _Candidate) -> int:
-        """Run the candidate's programs on FakeTensors on a tracked HostDevice: the static peak."""
+    def _fake_peak(self, packs_by_size, forward: list[Action], backward: list[Action], mbs: Sequence[int],
+                   target: Device) -> int:
+        """Run one device's programs on FakeTensors on a tracked HostDevice: its static peak."""
         fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
         device = HostDevice("fake", None)
-        programs = [generate_program(actions, [""] * len(actions), "Fake")
-                    for actions in (candidate.forward_actions, candidate.backward_actions)]
-        packs = candidate.packs_by_size[self.mb_sizes[0]]
+        programs = [generate_program(actions, [""] * len(actions), "Fake") for actions in (forward, backward)]
+        packs = packs_by_size[self.mb_sizes[0]]
+        where = target.torch_device
         with fake_mode, torch.random.fork_rng(devices=[]):
-            fake = {name: _fake_like(t, self.device.torch_device) for name, t in self._masters.items()}
+            fake = {name: _fake_like(t, where) for name, t in self._masters.items()}
             host = HostState([[fake[name] for name in pack.params + pack.buffers] for pack in packs])
-            runtime = self._runtime(candidate.packs_by_size, device, host, Stats())
-            for mb, size in enumerate(self.mb_sizes):
-                nodes = self._variants[size].nodes
+            runtime = self._runtime(packs_by_size, device, host, Stats())
+            for mb in mbs:
+                nodes = self._variants[self.mb_sizes[mb]].nodes
                 for name in self.signature.model_inputs:
-                    runtime.host_values[Key(KeyKind.ACT, name, mb)] = _fake_like(nodes[name].meta[meta.VAL], self.device.torch_device)
+                    runtime.host_values[Key(KeyKind.ACT, name, mb)] = _fake_like(nodes[name].meta[meta.VAL], where)
                 for name in self.signature.model_outputs:
                     if name in self.signature.differentiable:
-                        runtime.host_values[Key(KeyKind.GRAD, name, mb)] = _fake_like(nodes[name].meta[meta.VAL], self.device.torch_device)
+                        runtime.host_values[Key(KeyKind.GRAD, name, mb)] = _fake_like(nodes[name].meta[meta.VAL], where)
             runtime.run(programs[0])
             runtime.run(programs[1])
         return device.peak_bytes()
 
     def _runtime(self, packs_by_size, device: Device, host: HostState, stats: Stats,
-                 on_update: Callable[[Runtime, int], None] | None = None) -> Runtime:
+                 on_update: Callable[[Runtime, int], None] | None = None, shared: Runtime | None = None) -> Runtime:
         packs = packs_by_size[self.mb_sizes[0]]
         return Runtime([packs_by_size[size] for size in self.mb_sizes], device, host,
                        [grad_inputs(pack, self.signature) for pack in packs], stats, on_update,
-                       self.options.compute_dtype)
+                       self.options.compute_dtype, shared)
 
     def key_bytes(self, key: Key) -> int:
         """Bytes of a key as the plan counts them (from shapes and the compute dtype alone)."""
@@ -270,18 +298,23 @@ class HarmonyModule:
 
     def _make_plan(self, best: _Candidate, policy: str) -> Plan:
         packs = self.packs
-        moved = bytes_moved(best.forward_actions + best.backward_actions, self.key_bytes)
+        every_action = [a for forward, backward in best.device_actions for a in forward + backward]
+        moved = bytes_moved(every_action, self.key_bytes)
         stash = {pack.index: 0 for pack in packs}
-        for action in best.forward_actions:
-            if action.kind == ActionKind.OFFLOAD and action.key.kind == KeyKind.ACT:
-                stash[self._nodes[action.key.name].meta[meta.PACK]] += self.key_bytes(action.key)
+        for action in every_action:
+            if action.kind == ActionKind.OFFLOAD and action.key.kind == KeyKind.ACT and action.key.name in self._nodes:
+                producer = self._nodes[action.key.name].meta.get(meta.PACK)
+                if producer is not None:
+                    stash[producer] += self.key_bytes(action.key)
+        placement = ", ".join(d.name for d in self.devices)
         pack_plans = tuple(
             PackPlan(pack.index, pack.layer_names, sum(self._masters[n].numel() for n in pack.params),
                      self.key_bytes(Key(KeyKind.WEIGHTS, pack.name)), stash[pack.index],
-                     self.device.name, recompute=pack.index < len(packs) - 1)
+                     placement, recompute=pack.index < len(packs) - 1)
             for pack in packs)
-        return Plan(pack_plans, self.num_microbatches, (self.device.name,), self.budget,
-                    {self.device.name: best.peak}, {f"{d}/{k}": n for (d, k), n in sorted(moved.items())}, policy)
+        return Plan(pack_plans, self.num_microbatches, tuple(d.name for d in self.devices), self.budget,
+                    {d.name: peak for d, peak in zip(self.devices, best.peaks)},
+                    {f"{d}/{k}": n for (d, k), n in sorted(moved.items())}, policy, self.parallel)
 
     def _steps(self, actions: Sequence[Action]) -> list[str]:
         """The comment above each action: the task it serves (transfers before a task belong to it)."""
@@ -307,9 +340,9 @@ class HarmonyModule:
             flat_whole = self.captured.flatten_inputs(args, kwargs)
             tensor_outputs = _HarmonyFunction.apply(self, per_mb, len(flat_whole), *flat_whole, *params)
         else:
-            runtime = self.start(per_mb)
-            tensor_outputs = self._forward_outputs(runtime)
-            runtime.release()
+            iteration = self.start(per_mb)
+            tensor_outputs = self._forward_outputs(iteration)
+            iteration.release()
             self._finish_stats()
         return self._structure_outputs(list(tensor_outputs))
 
@@ -347,31 +380,41 @@ class HarmonyModule:
         return params
 
     def start(self, per_mb: Sequence[Sequence[torch.Tensor]], on_update: Callable[[Runtime, int], None] | None = None,
-              output_grads: dict[Key, torch.Tensor] | None = None) -> Runtime:
-        """Run the forward program; the returned runtime holds what the backward program needs."""
-        self.stats = Stats(budget={self.device.name: self.budget})
-        self.device.reset_peak()
-        runtime = self._runtime(self._packs_by_size, self.device, self.host_state, self.stats, on_update)
+              output_grads: dict[Key, torch.Tensor] | None = None) -> "_Iteration":
+        """Run the forward programs (one per device, side by side); the returned iteration holds
+        what the backward programs need."""
+        self.stats = Stats(budget={device.name: self.budget for device in self.devices})
+        runtimes: list[Runtime] = []
+        for device in self.devices:
+            device.reset_peak()
+            shared = runtimes[0] if runtimes else None
+            runtimes.append(self._runtime(self._packs_by_size, device, self.host_state, self.stats, on_update, shared))
+        iteration = _Iteration(runtimes, self._controller())
         for mb, flat in enumerate(per_mb):
             for name, value in zip(self.captured.inputs, flat):
-                runtime.host_values[Key(KeyKind.ACT, name, mb)] = value.detach()
-        runtime.host_values.update(output_grads or {})
-        try:
-            runtime.run(self.programs["forward"])
-        except BaseException:
-            runtime.release()
-            raise
-        return runtime
+                iteration.host_values[Key(KeyKind.ACT, name, mb)] = value.detach()
+        iteration.host_values.update(output_grads or {})
+        iteration.run([programs["forward"] for programs in self.device_programs])
+        return iteration
 
-    def finish(self, runtime: Runtime) -> None:
-        """Run the backward program (output gradients already in ``runtime.host_values``)."""
+    def finish(self, iteration: "_Iteration") -> None:
+        """Run the backward programs (output gradients already in ``iteration.host_values``)."""
         try:
-            runtime.run(self.programs["backward"])
+            iteration.run([programs["backward"] for programs in self.device_programs])
         finally:
-            runtime.release()
+            iteration.release()
         self._finish_stats()
 
-    def _forward_outputs(self, runtime: Runtime) -> tuple[torch.Tensor, ...]:
+    def _controller(self) -> concurrent.futures.ThreadPoolExecutor | None:
+        """One thread per device issues that device's program, so no device waits for another's
+        host-side work; with one device the caller's thread does it."""
+        if len(self.devices) == 1:
+            return None
+        if getattr(self, "_device_threads", None) is None:
+            self._device_threads = concurrent.futures.ThreadPoolExecutor(len(self.devices), "harmony-device")
+        return self._device_threads
+
+    def _forward_outputs(self, runtime: "_Iteration") -> tuple[torch.Tensor, ...]:
         outputs = []
         for name in self.signature.model_outputs:
             chunks = [runtime.host_values[Key(KeyKind.ACT, name, mb)] for mb in range(self.num_microbatches)]
@@ -388,9 +431,10 @@ class HarmonyModule:
         return self.captured.unflatten_outputs(flat)
 
     def _finish_stats(self) -> None:
-        self.stats.peak_bytes[self.device.name] = self.device.peak_bytes()
+        for device in self.devices:
+            self.stats.peak_bytes[device.name] = device.peak_bytes()
 
-    def _backward(self, runtime: Runtime, grad_outputs: Sequence[torch.Tensor | None]) -> tuple[list, list]:
+    def _backward(self, runtime: "_Iteration", grad_outputs: Sequence[torch.Tensor | None]) -> tuple[list, list]:
         sizes = [s for s in self.mb_sizes if s is not None]
         for name, grad in zip(self.signature.model_outputs, grad_outputs):
             if name not in self.signature.differentiable:
@@ -413,6 +457,37 @@ class HarmonyModule:
         vals = [self._variants[size].nodes[name].meta[meta.VAL] for size in self.mb_sizes]
         shape = (sum(v.shape[0] for v in vals), *vals[0].shape[1:]) if len(vals) > 1 else vals[0].shape
         return torch.empty(shape, dtype=vals[0].dtype)
+
+
+class _Iteration:
+    """One iteration in flight: a runtime per device, sharing the host side (inputs, stash,
+    gradients on the host)."""
+
+    def __init__(self, runtimes: list[Runtime], controller: concurrent.futures.ThreadPoolExecutor | None) -> None:
+        self.runtimes = runtimes
+        self.controller = controller
+        self.host_values = runtimes[0].host_values
+        self.host_grads = runtimes[0].host_grads
+
+    def run(self, programs: Sequence[fx.GraphModule]) -> None:
+        """Run each device's program; the first error is raised once every device has stopped, and
+        then nothing stays on any device."""
+        try:
+            if self.controller is None:
+                self.runtimes[0].run(programs[0])
+                return
+            futures = [self.controller.submit(runtime.run, program) for runtime, program in zip(self.runtimes, programs)]
+            errors = [future.exception() for future in futures]
+            first = next((error for error in errors if error is not None), None)
+            if first is not None:
+                raise first
+        except BaseException:
+            self.release()
+            raise
+
+    def release(self) -> None:
+        for runtime in self.runtimes:
+            runtime.release()
 
 
 def _fake_like(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:

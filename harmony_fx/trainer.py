@@ -13,7 +13,9 @@ update runs after the backward, not overlapped with it.
 """
 from __future__ import annotations
 
+import collections
 import concurrent.futures
+import threading
 import time
 from typing import Any, Callable, Sequence
 
@@ -99,11 +101,20 @@ class Trainer:
                         for mb, w in enumerate(weights)}
         pending: list[concurrent.futures.Future] = []
 
+        arrivals: collections.Counter = collections.Counter()
+        arrivals_lock = threading.Lock()
+
         def on_update(runtime: Runtime, pack_index: int) -> None:
-            params = self._groups.get(pack_index, [])
-            for param in params:
-                param.grad = runtime.host_grads.get(id(param))
-            pending.append(self._workers.submit(_timed, _step_subset, self.optimizer, params))
+            # with several devices (data-parallel) the gradients are complete once every device
+            # has sent its share of this pack's
+            with arrivals_lock:
+                arrivals[pack_index] += 1
+                if arrivals[pack_index] < len(self.hm.devices):
+                    return
+                params = self._groups.get(pack_index, [])
+                for param in params:
+                    param.grad = runtime.host_grads.get(id(param))
+                pending.append(self._workers.submit(_timed, _step_subset, self.optimizer, params))
 
         runtime = None
         try:

@@ -44,7 +44,8 @@ class ProgramSignature:
     model_outputs: tuple[str, ...]
     inputs_requiring_grad: frozenset[str]
     differentiable: frozenset[str]
-    num_microbatches: int
+    # the (global) indices of the microbatches this device's program runs
+    microbatches: tuple[int, ...]
     # weights come in once per pack for all microbatches (False: once per microbatch, the
     # baseline Harmony is measured against)
     grouping: bool = True
@@ -135,14 +136,14 @@ def lower_program(packs: Sequence[Pack], signature: ProgramSignature) -> tuple[l
     """Returns the forward program and the backward program; the device state the forward leaves
     (the last pack's weights and graph) is what the backward starts from."""
     b = _Builder()
-    num_mb = signature.num_microbatches
+    microbatches = signature.microbatches
     last = len(packs) - 1
     for name in signature.model_inputs:
-        for mb in range(num_mb):
+        for mb in microbatches:
             b.on_host[Key(KeyKind.ACT, name, mb)] = None  # the caller's tensors, already on host
     if signature.fuse_last:
         for name in signature.model_outputs:
-            for mb in range(num_mb):
+            for mb in microbatches:
                 b.on_host[Key(KeyKind.GRAD, name, mb)] = None  # known before the iteration (loss weights)
     context = _Context(packs, signature)
     grouping = signature.grouping
@@ -157,7 +158,7 @@ def lower_program(packs: Sequence[Pack], signature: ProgramSignature) -> tuple[l
             if p < last:
                 b.prefetch(weights(p + 1))
         fused = p == last and signature.fuse_last
-        for mb in range(num_mb):
+        for mb in microbatches:
             if not grouping:
                 b.prefetch(weights(p))
                 b.use([weights(p)])
@@ -194,7 +195,7 @@ def lower_program(packs: Sequence[Pack], signature: ProgramSignature) -> tuple[l
                 b.prefetch(weights(p - 1))
         # the last pack's graphs were built on the weights it kept from the forward: keep them
         per_microbatch_weights = not grouping and p < last
-        for mb in range(num_mb):
+        for mb in microbatches:
             if per_microbatch_weights:
                 b.prefetch(weights(p))
                 b.use([weights(p)])

@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import contextlib
+import threading
 
 import torch
 
@@ -20,6 +21,9 @@ from harmony_fx.runtime.streams import ChaosStreams, CudaStreams, HostStreams
 from harmony_fx.schedule.actions import Stream
 
 __all__ = ["Device", "HostDevice", "CudaDevice", "DeviceOutOfMemoryError", "resolve_devices"]
+
+
+_HOST_RNG_LOCK = threading.RLock()
 
 
 class DeviceOutOfMemoryError(RuntimeError):
@@ -47,6 +51,10 @@ class Device:
 
     def set_rng_state(self, state: torch.Tensor) -> None:
         raise NotImplementedError
+
+    def rng_lock(self):
+        """Held while a pack that draws random numbers saves, replays or uses the RNG state."""
+        return contextlib.nullcontext()
 
     def reset_peak(self) -> None:
         raise NotImplementedError
@@ -97,6 +105,11 @@ class HostDevice(Device):
 
     def set_rng_state(self, state: torch.Tensor) -> None:
         torch.set_rng_state(state)
+
+    def rng_lock(self):
+        # Every HostDevice draws from the one CPU generator: two devices' random packs must not
+        # interleave, or a recompute would replay numbers another device drew in between.
+        return _HOST_RNG_LOCK
 
     def reset_peak(self) -> None:
         self.tracker.reset_peak()

@@ -12,6 +12,7 @@ Counters: bytes per direction and key kind (``Stats``) and the device's measured
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import threading
 import time
@@ -33,6 +34,8 @@ class Stats:
     """Measured over the last iteration (forward + backward)."""
 
     bytes_by_kind: dict[tuple[str, str], int] = dataclasses.field(default_factory=lambda: collections.defaultdict(int))
+    bytes_by_device: dict[tuple[str, str, str], int] = dataclasses.field(
+        default_factory=lambda: collections.defaultdict(int))
     peak_bytes: dict[str, int] = dataclasses.field(default_factory=dict)
     budget: dict[str, int | None] = dataclasses.field(default_factory=dict)
     # seconds each stream was busy; on a HostDevice streams run inline, so this is the time the
@@ -55,6 +58,7 @@ class Stats:
             "bytes_h2d": self.bytes_h2d,
             "bytes_d2h": self.bytes_d2h,
             "bytes_by_kind": {f"{d}/{k}": n for (d, k), n in sorted(self.bytes_by_kind.items())},
+            "bytes_by_device": {f"{dev} {d}/{k}": n for (dev, d, k), n in sorted(self.bytes_by_device.items())},
             "peak_bytes": dict(self.peak_bytes),
             "budget": dict(self.budget),
             "busy_seconds": dict(self.busy_seconds),
@@ -84,10 +88,11 @@ class Runtime:
     def __init__(self, packs_for_mb: Sequence[Sequence[Pack]], device: Device, host: HostState,
                  grad_inputs: Sequence[tuple[str, ...]], stats: Stats,
                  on_update: Callable[["Runtime", int], None] | None = None,
-                 compute_dtype: torch.dtype | None = None) -> None:
+                 compute_dtype: torch.dtype | None = None, shared: "Runtime | None" = None) -> None:
         """``packs_for_mb[mb]``: the packs compiled at microbatch ``mb``'s size (same boundaries and
         names for every size). ``on_update(runtime, pack)``: the host's optimizer step for the parameters
-        whose gradients are complete after ``pack``'s backward."""
+        whose gradients are complete after ``pack``'s backward. ``shared``: another device's runtime of
+        the same iteration, whose host side (inputs, stash, host gradients) this one shares."""
         self.packs_for_mb = packs_for_mb
         self.packs = packs_for_mb[0]
         self.on_update = on_update
@@ -98,12 +103,16 @@ class Runtime:
         self.stats = stats
         self.last = len(self.packs) - 1
         self.device_values: dict[Key, object] = {}
-        self.host_values: dict[Key, object] = {}
-        self.host_grads: dict[int, torch.Tensor] = {}  # id(master) -> summed gradient
+        if shared is None:
+            self.host_values: dict[Key, object] = {}
+            self.host_grads: dict[int, torch.Tensor] = {}  # id(master) -> summed gradient
+            self._host_lock = threading.Lock()
+            self._stats_lock = threading.Lock()
+        else:
+            self.host_values, self.host_grads = shared.host_values, shared.host_grads
+            self._host_lock, self._stats_lock = shared._host_lock, shared._stats_lock
         self.rng_states: dict[tuple[int, int], torch.Tensor] = {}
         self._keys: dict[str, Key] = {}
-        self._stats_lock = threading.Lock()
-        self._host_lock = threading.Lock()
 
     # ------------------------------------------------------------------ running programs
     def run(self, program: fx.GraphModule) -> None:
@@ -178,7 +187,7 @@ class Runtime:
                 pairs = [(self.host.masters[pack.index][first_buffer + i], device.to_host(weights[first_buffer + i]))
                          for i, name in enumerate(pack.buffers) if name in pack.mutated_buffers]
                 self._count("d2h", key, [copy for _, copy in pairs])
-                event.on_host.append(lambda: [master.copy_(copy) for master, copy in pairs])
+                event.on_host.append(lambda: self._write_buffers(pairs))
             elif key.kind == KeyKind.WGRAD:
                 pack = self.packs[int(key.name[1:])]
                 grads = self.device_values[key]
@@ -226,11 +235,12 @@ class Runtime:
         values = self.device_values
         inputs = [values.pop(Key(KeyKind.ACT, v, mb)) if keep_graph else values[Key(KeyKind.ACT, v, mb)]
                   for v in pack.act_inputs]
-        if pack.random:
-            self.rng_states[(pack_index, mb)] = self.device.get_rng_state()
         if keep_graph:
             inputs = [_leaf(x) for x in inputs]
-        outputs = self._run_pack(pack, inputs, grad=keep_graph, what="forward")
+        with self.device.rng_lock() if pack.random else contextlib.nullcontext():
+            if pack.random:
+                self.rng_states[(pack_index, mb)] = self.device.get_rng_state()
+            outputs = self._run_pack(pack, inputs, grad=keep_graph, what="forward")
         for name, value in zip(pack.outputs, outputs):
             values[Key(KeyKind.ACT, name, mb)] = value.detach() if isinstance(value, torch.Tensor) else value
         if keep_graph:
@@ -239,15 +249,16 @@ class Runtime:
     def _recompute(self, pack_index: int, mb: int) -> None:
         pack = self.packs_for_mb[mb][pack_index]
         inputs = [_leaf(self.device_values.pop(Key(KeyKind.ACT, v, mb))) for v in pack.act_inputs]
-        saved_state = None
-        if pack.random:
-            saved_state = self.device.get_rng_state()
-            self.device.set_rng_state(self.rng_states.pop((pack_index, mb)))
-        try:
+        if not pack.random:
             outputs = self._run_pack(pack, inputs, grad=True, what="recompute")
-        finally:
-            if saved_state is not None:
-                self.device.set_rng_state(saved_state)
+        else:
+            with self.device.rng_lock():
+                saved_state = self.device.get_rng_state()
+                self.device.set_rng_state(self.rng_states.pop((pack_index, mb)))
+                try:
+                    outputs = self._run_pack(pack, inputs, grad=True, what="recompute")
+                finally:
+                    self.device.set_rng_state(saved_state)
         self.device_values[Key(KeyKind.GRAPH, pack.name, mb)] = (inputs, outputs)
 
     def _backward(self, pack_index: int, mb: int) -> None:
@@ -312,6 +323,11 @@ class Runtime:
             return value.to(self.compute_dtype)
         return value
 
+    def _write_buffers(self, pairs) -> None:
+        with self._host_lock:  # several devices may write the same master
+            for master, copy in pairs:
+                master.copy_(copy)
+
     def _add_host_grad(self, master: torch.Tensor, grad: torch.Tensor) -> None:
         grad = grad.to(master.dtype)
         with self._host_lock:
@@ -323,6 +339,7 @@ class Runtime:
         nbytes = sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
         with self._stats_lock:
             self.stats.bytes_by_kind[(direction, key.kind.name.lower())] += nbytes
+            self.stats.bytes_by_device[(self.device.name, direction, key.kind.name.lower())] += nbytes
 
 
 class _DeviceContext:

@@ -27,8 +27,9 @@ class Plan:
     devices: tuple[str, ...]
     budget: int | None
     predicted_peak: dict[str, int]
-    predicted_bytes: dict[str, int]   # "h2d/weights": bytes, ...
+    predicted_bytes: dict[str, int]   # "h2d/weights": bytes, ..., summed over devices
     policy: str
+    parallel: str = "single"          # "single" (one device) | "dp"
 
     @property
     def bytes_h2d(self) -> int:
@@ -54,7 +55,8 @@ class Plan:
         peaks = ", ".join(f"{d}: {format_size(p)}" for d, p in self.predicted_peak.items())
         lines += [
             "",
-            f"{len(self.packs)} pack(s), {self.microbatches} microbatch(es), policy {self.policy}",
+            f"{len(self.packs)} pack(s), {self.microbatches} microbatch(es), policy {self.policy}"
+            + (f", {self.parallel} over {len(self.devices)} devices" if len(self.devices) > 1 else ""),
             f"predicted peak {peaks} (budget {budget})",
             f"predicted bytes per iteration: host->device {format_size(self.bytes_h2d)}, "
             f"device->host {format_size(self.bytes_d2h)}",
