@@ -120,6 +120,8 @@ class HarmonyModule:
                 self._variants[size] = self._capture_variant(model, size, mb_args, mb_kwargs)
         primary = self._variants[self.mb_sizes[0]]
         self.captured, self.layers, self._nodes = primary.captured, primary.layers, primary.nodes
+        if options.precision == "bf16":
+            _refuse_fixed_float_casts(self.captured.gm)
         self._masters = {**self.captured.params, **self.captured.buffers}
         self._example_flat = self.captured.flatten_inputs(*example_mbs[0])
         self._flat_dims = [d for x, d in zip(microbatch.pytree.tree_leaves(example),
@@ -488,6 +490,20 @@ class _Iteration:
     def release(self) -> None:
         for runtime in self.runtimes:
             runtime.release()
+
+
+def _refuse_fixed_float_casts(gm: fx.GraphModule) -> None:
+    """bf16 runs the captured graph on bf16 tensors; a cast to fp32 inside it (``x.float()``) would
+    meet bf16 weights. Say where, instead of failing deep inside the first run."""
+    casts = {torch.ops.aten._to_copy.default, torch.ops.aten.to.dtype, torch.ops.aten.to.dtype_layout,
+             torch.ops.aten._assert_tensor_metadata.default}
+    for node in gm.graph.nodes:
+        if node.target in casts and node.kwargs.get("dtype") in (torch.float32, torch.float64):
+            where = (node.meta.get("stack_trace") or "").strip().splitlines()[-1:] or [node.format_node()]
+            raise ValueError(
+                f"precision='bf16': the model casts to {node.kwargs['dtype']} at {where[0].strip()!r} "
+                f"(node {node.name}); remove the cast (harmony_fx computes in bf16 and keeps fp32 masters "
+                "itself) or use precision='fp32'.")
 
 
 def _fake_like(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -32,11 +32,18 @@ def argument_dims(model: nn.Module, args: tuple, kwargs: dict, batch_dims: int |
     if unknown:
         raise ValueError(f"batch_dims names {sorted(unknown)}, which are not arguments of this call; "
                          f"the arguments are {list(bound.arguments)}")
-    dims_by_name = {name: pytree.tree_map(lambda x, d=batch_dims.get(name, 0): d if isinstance(x, torch.Tensor) else x, value)
-                    for name, value in bound.arguments.items()}
+    dims_by_name = {name: _dims_like(value, batch_dims.get(name, 0)) for name, value in bound.arguments.items()}
     positional = tuple(dims_by_name[name] for name in list(bound.arguments)[: len(args)])
     keyword = {name: dims_by_name[name] for name in kwargs}
     return positional, keyword
+
+
+def _dims_like(value: Any, dim: Any) -> Any:
+    """``value`` with each tensor replaced by its dim; ``dim`` is one dim for the whole value, or a
+    tuple/list with one entry per element of a tuple/list value (e.g. ``*args``)."""
+    if isinstance(dim, (tuple, list)) and isinstance(value, (tuple, list)) and len(dim) == len(value):
+        return type(value)(_dims_like(item, item_dim) for item, item_dim in zip(value, dim))
+    return pytree.tree_map(lambda x: dim if isinstance(x, torch.Tensor) else x, value)
 
 
 def batch_size(call: tuple[tuple, dict], dims: tuple[tuple, dict]) -> int:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import inspect
 import threading
 import time
 from typing import Any, Callable, Sequence
@@ -67,6 +68,11 @@ class Trainer:
         self.max_grad_norm = max_grad_norm
         self.loss_reduction = loss_reduction
         inputs, target = self._unpack(example_batch)
+        if isinstance(options.get("batch_dims"), dict):
+            # name the model's own arguments; the loss model sees (*inputs, target) as one *args
+            names = list(inspect.signature(model.forward).parameters)[: len(inputs)]
+            dims = tuple(options["batch_dims"].get(name, 0) for name in names) + (0,)
+            options = {**options, "batch_dims": {"inputs_and_target": dims}}
         self.hm = HarmonyModule(_LossModel(model, loss_fn), (*inputs, target), {}, CompileOptions(**options),
                                 _trainer=True, _updates=max_grad_norm is None)
         (self._loss_name,) = self.hm.signature.model_outputs

@@ -282,3 +282,43 @@ def test_trainer_loss_over_uneven_microbatches_equals_eager(reduction):
         assert trainer.stats.as_dict()["bytes_by_kind"] == trainer.plan.predicted_bytes
     finally:
         trainer.close()
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_ungrouped_microbatched_step_equals_eager(name):
+    """``grouping=False`` (weights once per microbatch) computes the same as grouping."""
+    factory, boundaries = MODELS[name]
+    torch.manual_seed(0)
+    model = factory()
+    reference = copy.deepcopy(model)
+    generator = torch.Generator().manual_seed(1)
+    x = torch.randn(BATCH, 32, generator=generator)
+    target = torch.randint(0, 10, (BATCH,), generator=generator)
+    hm = harmony_fx.compile(model, x, microbatches=4, grouping=False, pack_boundaries=boundaries)
+    loss = F.cross_entropy(hm(x), target)
+    loss.backward()
+    ref_loss = F.cross_entropy(reference(x), target)
+    ref_loss.backward()
+    torch.testing.assert_close(loss, ref_loss, rtol=RTOL, atol=ATOL)
+    for param, ref in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(param.grad, ref.grad, rtol=RTOL, atol=ATOL)
+    moved = hm.stats.as_dict()["bytes_by_kind"]
+    assert moved == hm.plan.predicted_bytes
+    assert moved["h2d/weights"] > _run(name, 4)[0].stats.as_dict()["bytes_by_kind"]["h2d/weights"]
+
+
+def test_trainer_with_a_shared_input_named_in_batch_dims_equals_eager():
+    model, reference, x, bias, target, x_ref, bias_ref = _shared_bias_setup(False, False)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    trainer = harmony_fx.Trainer(model, F.cross_entropy, optimizer, ((x, bias), target), microbatches=2,
+                                 batch_dims={"bias": None}, pack_boundaries=(0, 2, 4))
+    try:
+        loss = trainer.step(((x, bias), target))
+    finally:
+        trainer.close()
+    ref_loss = F.cross_entropy(reference(x_ref, bias_ref), target)
+    ref_loss.backward()
+    torch.optim.SGD(reference.parameters(), lr=0.1).step()
+    torch.testing.assert_close(loss, ref_loss.detach(), rtol=RTOL, atol=ATOL)
+    for param, ref in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(param.detach(), ref.detach(), rtol=RTOL, atol=ATOL)

@@ -175,6 +175,11 @@ def lower_program(packs: Sequence[Pack], signature: ProgramSignature) -> tuple[l
             _release_fused(b, context, pack, event)
         elif p == last and pack.mutated_buffers:
             _buffers_out(b, pack, event)  # the weights stay for the backward
+        if fused:
+            _update(b, context, pack)
+    # every weight-gradient copy so far (the fused last pack's) lands before the forward returns
+    for event in context.dw_events:
+        b.wait(event, Stream.HOST)
     # The forward returns once every copy has landed: the caller reads the outputs, and the
     # backward program may then use the stash without waiting on the forward's events. The d2h
     # stream runs in order, so this costs no more than waiting for the outputs.
@@ -208,6 +213,7 @@ def lower_program(packs: Sequence[Pack], signature: ProgramSignature) -> tuple[l
             _weight_grads_out(b, context, pack)
         if not per_microbatch_weights:
             b.free(weights(p))
+        _update(b, context, pack)
     _wait_on_host_for_results(b, signature)
     for event in context.dw_events:  # every copy of weight gradients, not only each key's latest
         b.wait(event, Stream.HOST)
@@ -289,13 +295,17 @@ def _backward_task(b: _Builder, context: _Context, pack: Pack, mb: int) -> None:
 
 
 def _weight_grads_out(b: _Builder, context: _Context, pack: Pack) -> None:
-    """dW out once per pack (per microbatch without grouping); then, if this pack is the last to
-    add to some parameters' gradients, the host updates them while the device goes on."""
+    """dW out once per pack (per microbatch without grouping)."""
     key = Key(KeyKind.WGRAD, pack.name)
     if pack.params:
         b.offload(key)
         context.dw_events.append(b.on_host[key])
     b.free(key)
+
+
+def _update(b: _Builder, context: _Context, pack: Pack) -> None:
+    """Once every microbatch's gradients of ``pack`` are on the host: if it is the last pack to add
+    to some parameters' gradients, the host updates them while the device goes on."""
     if pack.index in context.signature.update_packs:
         for event in context.dw_events:
             b.wait(event, Stream.HOST)

@@ -1,0 +1,132 @@
+"""Several HostDevices, data-parallel: every device runs every pack on its share of the
+microbatches; gradients meet on the host; the host updates once every device has sent its share.
+
+Models without dropout or BatchNorm must match eager (BatchNorm normalises per microbatch and
+dropout draws per microbatch, so those two differ from a full-batch eager step by construction;
+for them the bytes and peaks are still checked exactly). Chaos mode runs every stream on its own
+thread with random delays, so a missing wait would show up as a wrong number.
+"""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import harmony_fx
+from harmony_fx.analysis.memory import eager_training_bytes
+from harmony_fx.schedule.actions import ActionKind
+from harmony_fx.testing.models import GPTConfig, MLPChain, ResidualMLP, SmallCNN, TinyGPT
+
+torch.set_num_threads(1)
+
+RTOL, ATOL = 1e-5, 1e-6
+
+
+def _gpt_loss(output, target):
+    return F.cross_entropy(output.reshape(-1, output.shape[-1]), target.reshape(-1))
+
+
+def _build(name: str):
+    torch.manual_seed(0)
+    generator = torch.Generator().manual_seed(1)
+    if name == "mlp_chain":
+        model, x = MLPChain(width=32, depth=8), torch.randn(16, 32, generator=generator)
+        target = torch.randint(0, 10, (16,), generator=generator)
+        return model, x, target, F.cross_entropy
+    if name == "residual_mlp":
+        model, x = ResidualMLP(width=32, depth=6), torch.randn(16, 32, generator=generator)
+        target = torch.randint(0, 10, (16,), generator=generator)
+        return model, x, target, F.cross_entropy
+    if name == "tiny_gpt":
+        config = GPTConfig(vocab_size=64, block_size=16, n_layer=4, n_embd=32, dropout=0.0)
+        model = TinyGPT(config)
+        x = torch.randint(0, 64, (8, 16), generator=generator)
+        return model, x, torch.roll(x, 1, dims=1), _gpt_loss
+    model, x = SmallCNN(channels=8, depth=4), torch.randn(8, 3, 8, 8, generator=generator)
+    return model, x, torch.randint(0, 10, (8,), generator=generator), F.cross_entropy
+
+
+def _train(name: str, num_devices: int, chaos: int | None, steps: int = 3):
+    model, x, target, loss_fn = _build(name)
+    reference = copy.deepcopy(model)
+    budget = int(0.35 * eager_training_bytes(model, (x,), lambda out: loss_fn(out, target)))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    reference_optimizer = torch.optim.SGD(reference.parameters(), lr=0.05, momentum=0.9)
+    trainer = harmony_fx.Trainer(model, loss_fn, optimizer, ((x,), target), memory_budget=budget,
+                                 devices=[f"host:{i}" for i in range(num_devices)],
+                                 microbatches=2 * num_devices, chaos=chaos)
+    losses, reference_losses = [], []
+    try:
+        for _ in range(steps):
+            losses.append(trainer.step(((x,), target)))
+            reference_loss = loss_fn(reference(x), target)
+            reference_loss.backward()
+            reference_optimizer.step()
+            reference_optimizer.zero_grad()
+            reference_losses.append(reference_loss.detach())
+    finally:
+        trainer.close()
+    return trainer, model, reference, losses, reference_losses, budget
+
+
+@pytest.mark.parametrize("num_devices", [2, 3])
+@pytest.mark.parametrize("name", ["mlp_chain", "residual_mlp", "tiny_gpt"])
+@pytest.mark.parametrize("chaos", [None, 0, 1, 2], ids=["inline", "chaos0", "chaos1", "chaos2"])
+def test_dp_trains_like_eager(name, num_devices, chaos):
+    trainer, model, reference, losses, reference_losses, budget = _train(name, num_devices, chaos)
+    for loss, reference_loss in zip(losses, reference_losses):
+        torch.testing.assert_close(loss, reference_loss, rtol=RTOL, atol=ATOL)
+    for (param_name, param), reference_param in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(param, reference_param, rtol=RTOL, atol=ATOL, msg=param_name)
+    stats = trainer.stats
+    assert set(stats.peak_bytes) == {f"host:{i}" for i in range(num_devices)}
+    assert all(peak <= budget for peak in stats.peak_bytes.values())
+    assert stats.peak_bytes == trainer.plan.predicted_peak
+    assert stats.as_dict()["bytes_by_kind"] == trainer.plan.predicted_bytes
+
+
+@pytest.mark.parametrize("chaos", [None, 5])
+def test_dp_with_batchnorm_moves_the_planned_bytes(chaos):
+    trainer, *_, budget = _train("small_cnn", 2, chaos, steps=1)
+    assert trainer.stats.as_dict()["bytes_by_kind"] == trainer.plan.predicted_bytes
+    assert all(peak <= budget for peak in trainer.stats.peak_bytes.values())
+
+
+def test_every_device_runs_every_pack_on_its_own_microbatches():
+    trainer, *_ = _train("mlp_chain", 2, None, steps=1)
+    num_packs = len(trainer.hm.packs)
+    for device_index, (forward, backward) in enumerate(trainer.hm.device_actions):
+        tasks = [a for a in forward + backward if a.kind == ActionKind.FWD]
+        assert {a.pack for a in tasks} == set(range(num_packs))
+        assert {a.mb for a in tasks} == set(trainer.hm.device_microbatches[device_index])
+    assert trainer.hm.device_microbatches == [(0, 1), (2, 3)]
+    per_device = trainer.stats.as_dict()["bytes_by_device"]
+    assert per_device["host:0 h2d/weights"] == per_device["host:1 h2d/weights"] > 0
+
+
+def test_explain_prints_a_step_by_device_grid():
+    trainer, *_ = _train("mlp_chain", 2, None, steps=1)
+    text = trainer.explain()
+    header = next(line for line in text.splitlines() if line.startswith("step"))
+    assert "host:0" in header and "host:1" in header
+    assert "F p0@0" in text and "F p0@2" in text and "U p0" in text
+
+
+def test_busy_seconds_per_stream_are_reported():
+    trainer, *_ = _train("mlp_chain", 2, None, steps=1)
+    busy = trainer.stats.busy_seconds
+    assert busy["compute"] > 0 and busy["h2d"] > 0 and busy["d2h"] > 0
+
+
+def test_fewer_microbatches_than_devices_is_refused():
+    model, x, target, loss_fn = _build("mlp_chain")
+    with pytest.raises(ValueError, match="at least one microbatch per device"):
+        harmony_fx.compile(model, x, devices=["host:0", "host:1"], microbatches=1)
+
+
+def test_pipeline_mode_says_it_is_not_built():
+    model, x, target, loss_fn = _build("mlp_chain")
+    with pytest.raises(NotImplementedError, match="pp"):
+        harmony_fx.compile(model, x, devices=["host:0", "host:1"], parallel="pp")

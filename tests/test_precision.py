@@ -1,0 +1,198 @@
+"""``precision="bf16"``: compute and transfers in bfloat16 on the device, fp32 master weights,
+gradients and optimizer state on the host; half the weight bytes on the wire."""
+from __future__ import annotations
+
+import copy
+import functools
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+torch.set_num_threads(1)  # tiny ops on a 2-core machine: threads only add synchronisation
+
+import harmony_fx  # noqa: E402
+from harmony_fx.schedule.actions import ActionKind, KeyKind  # noqa: E402
+from harmony_fx.testing.models import GPTConfig, MLPChain, TinyGPT  # noqa: E402
+
+CONFIG = GPTConfig(vocab_size=64, block_size=16, n_layer=4, n_embd=32, dropout=0.0)
+# embeddings | h.0, h.1 | h.2, h.3 | ln_f, head and loss
+GPT_BOUNDARIES = (0, 5, 7, 9)
+STEPS = 50
+BATCH = 16
+LR = 3e-3
+BF16_RTOL = 0.03
+
+
+def _loss(logits, target):
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1))
+
+
+@functools.lru_cache(maxsize=None)
+def _batches():
+    generator = torch.Generator().manual_seed(1)
+    batches = []
+    for _ in range(STEPS):
+        idx = torch.randint(0, CONFIG.vocab_size, (BATCH, CONFIG.block_size), generator=generator)
+        batches.append((idx, torch.roll(idx, 1, dims=1)))
+    return batches
+
+
+@functools.lru_cache(maxsize=None)
+def _gpt_runs():
+    """50 steps with precision="bf16" next to eager under autocast(bf16); one fp32 step with the
+    same packs for the byte counts."""
+    torch.manual_seed(0)
+    template = TinyGPT(CONFIG)
+    model, reference, fp32_model = (copy.deepcopy(template) for _ in range(3))
+    batches = _batches()
+
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    trainer = harmony_fx.Trainer(model, _loss, optimizer, batches[0], precision="bf16", pack_boundaries=GPT_BOUNDARIES)
+    ref_optimizer = torch.optim.AdamW(reference.parameters(), lr=LR)
+    losses, ref_losses = [], []
+    try:
+        for idx, target in batches:
+            losses.append(trainer.step((idx, target)))
+            ref_optimizer.zero_grad()
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                ref_loss = _loss(reference(idx), target)
+            ref_loss.backward()
+            ref_optimizer.step()
+            ref_losses.append(ref_loss.detach().float())
+    finally:
+        trainer.close()
+
+    fp32_trainer = harmony_fx.Trainer(fp32_model, _loss, torch.optim.AdamW(fp32_model.parameters(), lr=LR),
+                                      batches[0], pack_boundaries=GPT_BOUNDARIES)
+    try:
+        fp32_trainer.step(batches[0])
+    finally:
+        fp32_trainer.close()
+    return template, model, optimizer, trainer, losses, ref_losses, fp32_trainer
+
+
+def test_bf16_loss_curve_tracks_eager_autocast():
+    _, _, _, trainer, losses, ref_losses, _ = _gpt_runs()
+    assert len(trainer.hm.packs) == len(GPT_BOUNDARIES)
+    for step, (loss, ref) in enumerate(zip(losses, ref_losses)):
+        assert torch.isfinite(loss)
+        assert abs(loss.item() - ref.item()) <= BF16_RTOL * abs(ref.item()), \
+            f"step {step}: bf16 loss {loss.item():.4f}, eager autocast {ref.item():.4f}"
+    # the curve moved: training happened in both, not only a matching first step
+    assert losses[-1].item() < losses[0].item() - 0.3
+    assert ref_losses[-1].item() < ref_losses[0].item() - 0.3
+
+
+def test_bf16_returns_an_fp32_loss():
+    losses = _gpt_runs()[4]
+    assert all(loss.dtype == torch.float32 and loss.dim() == 0 for loss in losses)
+
+
+def test_bf16_master_weights_gradients_and_optimizer_state_stay_fp32():
+    template, model, optimizer, _, _, _, _ = _gpt_runs()
+    for name, param in model.named_parameters():
+        assert param.dtype == torch.float32, name
+        assert param.grad is None or param.grad.dtype == torch.float32, name
+    states = list(optimizer.state.values())
+    assert len(states) == len(list(model.parameters()))
+    for state in states:
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert state[key].dtype == torch.float32
+    # updates accumulate in fp32: after 50 small AdamW steps the masters hold values that bf16
+    # cannot represent (a master kept in bf16, or rounded through it, would not)
+    changed = not_bf16 = 0
+    for param, initial in zip(model.parameters(), template.parameters()):
+        changed += int(not torch.equal(param.detach(), initial.detach()))
+        not_bf16 += int((param.detach() != param.detach().bfloat16().float()).any())
+    assert changed == len(list(model.parameters()))
+    assert not_bf16 == len(list(model.parameters()))
+
+
+def _nonfloat_weight_bytes_moved(trainer) -> int:
+    """Bytes of non-floating masters (e.g. a bool attention mask) the weight copies move: those
+    keep their dtype in bf16."""
+    hm = trainer.hm
+    total = 0
+    for action in hm.forward_actions + hm.backward_actions:
+        if action.kind == ActionKind.PREFETCH and action.key.kind == KeyKind.WEIGHTS:
+            masters = hm.host_state.masters[int(action.key.name[1:])]
+            total += sum(t.numel() * t.element_size() for t in masters if not t.is_floating_point())
+    return total
+
+
+def test_bf16_moves_half_the_weight_bytes_of_fp32():
+    _, _, _, trainer, _, _, fp32_trainer = _gpt_runs()
+    bf16 = trainer.stats.as_dict()["bytes_by_kind"]
+    fp32 = fp32_trainer.stats.as_dict()["bytes_by_kind"]
+    nonfloat = _nonfloat_weight_bytes_moved(trainer)
+    assert nonfloat == _nonfloat_weight_bytes_moved(fp32_trainer) > 0  # TinyGPT's causal masks
+    assert bf16["h2d/weights"] - nonfloat == (fp32["h2d/weights"] - nonfloat) // 2
+    assert 2 * (bf16["h2d/weights"] - nonfloat) == fp32["h2d/weights"] - nonfloat
+    assert 2 * bf16["d2h/wgrad"] == fp32["d2h/wgrad"]
+
+
+def test_bf16_measured_bytes_and_peak_equal_the_plan():
+    _, _, _, trainer, _, _, fp32_trainer = _gpt_runs()
+    device = trainer.hm.device.name
+    assert trainer.stats.as_dict()["bytes_by_kind"] == trainer.plan.predicted_bytes
+    assert fp32_trainer.stats.as_dict()["bytes_by_kind"] == fp32_trainer.plan.predicted_bytes
+    assert trainer.stats.peak_bytes[device] == trainer.plan.predicted_peak[device]
+    # the device holds bf16 copies: well under the fp32 program's peak
+    assert trainer.stats.peak_bytes[device] < 0.6 * fp32_trainer.stats.peak_bytes[device]
+
+
+# ---------------------------------------------------------------------- a model with only floating state
+
+
+@functools.lru_cache(maxsize=None)
+def _mlp_bytes(precision: str, num_microbatches: int):
+    torch.manual_seed(0)
+    model = MLPChain(width=32, depth=8)
+    x = torch.randn(32, 32, generator=torch.Generator().manual_seed(1))
+    target = torch.randint(0, 10, (32,), generator=torch.Generator().manual_seed(2))
+    trainer = harmony_fx.Trainer(model, F.cross_entropy, torch.optim.SGD(model.parameters(), lr=0.1), (x, target),
+                                 precision=precision, microbatches=num_microbatches, pack_boundaries=(0, 3, 6))
+    try:
+        loss = trainer.step((x, target))
+    finally:
+        trainer.close()
+    return trainer, dict(trainer.stats.as_dict()["bytes_by_kind"]), loss
+
+
+@pytest.mark.parametrize("num_microbatches", [1, 4])
+def test_bf16_weight_and_gradient_traffic_is_exactly_half(num_microbatches):
+    bf16_trainer, bf16, loss = _mlp_bytes("bf16", num_microbatches)
+    _, fp32, fp32_loss = _mlp_bytes("fp32", num_microbatches)
+    assert len(bf16_trainer.hm.packs) == 3
+    assert bf16["h2d/weights"] > 0 and 2 * bf16["h2d/weights"] == fp32["h2d/weights"]
+    assert bf16["d2h/wgrad"] > 0 and 2 * bf16["d2h/wgrad"] == fp32["d2h/wgrad"]
+    # stashed activations and the losses travel in bf16 too (every one of them is floating)
+    assert 2 * bf16["d2h/act"] == fp32["d2h/act"]
+    assert 2 * bf16["h2d/grad"] == fp32["h2d/grad"]
+    # inputs: the floating x is halved, the int64 target is not
+    target_bytes = 32 * torch.empty((), dtype=torch.int64).element_size()
+    assert 2 * (bf16["h2d/act"] - target_bytes) == fp32["h2d/act"] - target_bytes
+    assert bf16 == bf16_trainer.plan.predicted_bytes
+    assert loss.dtype == torch.float32
+    torch.testing.assert_close(loss, fp32_loss, rtol=BF16_RTOL, atol=0)
+
+
+def test_bf16_compile_gives_fp32_outputs_and_gradients_close_to_eager():
+    torch.manual_seed(0)
+    model = MLPChain(width=32, depth=6)
+    reference = copy.deepcopy(model)
+    x = torch.randn(16, 32)
+    target = torch.randint(0, 10, (16,))
+    hm = harmony_fx.compile(model, x, precision="bf16", pack_boundaries=(0, 3, 5))
+    out = hm(x)
+    assert out.dtype == torch.float32
+    ref_out = reference(x)
+    torch.testing.assert_close(out, ref_out, rtol=0.05, atol=0.02)
+    F.cross_entropy(out, target).backward()
+    F.cross_entropy(ref_out, target).backward()
+    for param, ref in zip(model.parameters(), reference.parameters()):
+        assert param.dtype == torch.float32 and param.grad.dtype == torch.float32
+        cosine = F.cosine_similarity(param.grad.flatten(), ref.grad.flatten(), dim=0)
+        assert cosine > 0.99
+    assert hm.stats.as_dict()["bytes_by_kind"] == hm.plan.predicted_bytes
