@@ -32,7 +32,7 @@ from torch import fx
 
 __all__ = [
     "VAL", "ROLE", "TARGET", "NBYTES", "FLOPS", "READS", "LAST_USE", "LIVE_PACKS", "LAYER", "LAYER_NAME", "PACK",
-    "ACTION", "STEP", "FROM_PASS", "Role", "role_of", "layer_of", "pack_of", "nbytes_of",
+    "ACTION", "STEP", "FROM_PASS", "Role", "role_of", "nbytes_of",
 ]
 
 VAL = "val"
@@ -61,14 +61,6 @@ class Role(enum.Enum):
 
 def role_of(node: fx.Node) -> Role | None:
     return node.meta.get(ROLE)
-
-
-def layer_of(node: fx.Node) -> int:
-    return node.meta[LAYER]
-
-
-def pack_of(node: fx.Node) -> int:
-    return node.meta[PACK]
 
 
 def nbytes_of(node: fx.Node) -> int:

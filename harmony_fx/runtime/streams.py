@@ -160,19 +160,11 @@ class CudaStreams:
         event.record(self.stream(stream))
         return event
 
-    def record(self, stream: Stream) -> torch.cuda.Event:
-        event = torch.cuda.Event()
-        event.record(self.stream(stream))
-        return event
-
     def wait(self, event: torch.cuda.Event, stream: Stream) -> None:
         if stream == Stream.HOST:
             event.synchronize()
         else:
             self.stream(stream).wait_event(event)
-
-    def on(self, stream: Stream):
-        return torch.cuda.stream(self.stream(stream))
 
     def synchronize(self) -> None:
         torch.cuda.synchronize(self.device)
