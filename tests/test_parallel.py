@@ -126,7 +126,7 @@ def test_fewer_microbatches_than_devices_is_refused():
         harmony_fx.compile(model, x, devices=["host:0", "host:1"], microbatches=1)
 
 
-def _train_pp(name: str, num_devices: int, microbatches: int = 4, steps: int = 3):
+def _train_pp(name: str, num_devices: int, microbatches: int = 4, steps: int = 3, chaos: int | None = None):
     model, x, target, loss_fn = _build(name)
     reference = copy.deepcopy(model)
     budget = int(0.35 * eager_training_bytes(model, (x,), lambda out: loss_fn(out, target)))
@@ -134,7 +134,7 @@ def _train_pp(name: str, num_devices: int, microbatches: int = 4, steps: int = 3
     reference_optimizer = torch.optim.SGD(reference.parameters(), lr=0.05, momentum=0.9)
     trainer = harmony_fx.Trainer(model, loss_fn, optimizer, ((x,), target), memory_budget=budget,
                                  devices=[f"host:{i}" for i in range(num_devices)], microbatches=microbatches,
-                                 parallel="pp")
+                                 parallel="pp", chaos=chaos)
     losses, reference_losses = [], []
     try:
         for _ in range(steps):
@@ -151,8 +151,9 @@ def _train_pp(name: str, num_devices: int, microbatches: int = 4, steps: int = 3
 
 @pytest.mark.parametrize("num_devices", [2, 3])
 @pytest.mark.parametrize("name", ["mlp_chain", "residual_mlp", "tiny_gpt"])
-def test_pp_trains_like_eager(name, num_devices):
-    trainer, model, reference, losses, reference_losses, budget = _train_pp(name, num_devices)
+@pytest.mark.parametrize("chaos", [None, 0, 1], ids=["inline", "chaos0", "chaos1"])
+def test_pp_trains_like_eager(name, num_devices, chaos):
+    trainer, model, reference, losses, reference_losses, budget = _train_pp(name, num_devices, chaos=chaos)
     for loss, reference_loss in zip(losses, reference_losses):
         torch.testing.assert_close(loss, reference_loss, rtol=RTOL, atol=ATOL)
     for (param_name, param), reference_param in zip(model.named_parameters(), reference.parameters()):
@@ -162,6 +163,12 @@ def test_pp_trains_like_eager(name, num_devices):
     assert stats.peak_bytes == trainer.plan.predicted_peak
     assert stats.as_dict()["bytes_by_kind"] == trainer.plan.predicted_bytes
     assert stats.as_dict()["bytes_by_kind"].get("peer/act", 0) > 0  # activations went device to device
+
+
+def test_pp_with_batchnorm_moves_the_planned_bytes():
+    trainer, *_, budget = _train_pp("small_cnn", 2, microbatches=2, steps=1)
+    assert trainer.stats.as_dict()["bytes_by_kind"] == trainer.plan.predicted_bytes
+    assert all(peak <= budget for peak in trainer.stats.peak_bytes.values())
 
 
 def test_pp_places_tasks_round_the_devices():
@@ -201,9 +208,3 @@ def test_verifier_refuses_devices_that_wait_for_each_other():
     programs[receiver].insert(0, last_recv)
     with pytest.raises(ProgramError, match="cycle"):
         verify_devices(programs)
-
-
-def test_chaos_with_the_pipeline_says_it_is_not_supported():
-    model, x, target, loss_fn = _build("mlp_chain")
-    with pytest.raises(NotImplementedError, match="chaos"):
-        harmony_fx.compile(model, x, devices=["host:0", "host:1"], parallel="pp", chaos=0)

@@ -64,6 +64,7 @@ def generate_program(actions: Sequence[Action], steps: Sequence[str], name: str,
         op = OP_OF_KIND[action.kind]
         if action.kind == ActionKind.WAIT:
             if action.event not in events:  # recorded by another device's program
+                assert action.peer is not None, f"{action!r} waits for an event of an earlier program"
                 remote = graph.call_method("remote", (rt, action.event))
                 remote.name = f"e{action.event}"
                 remote.meta[meta.STEP] = step

@@ -148,8 +148,9 @@ def lower_pipeline(packs: Sequence[Pack], signature: ProgramSignature,
             for key in inputs:
                 b.prefetch(key)
             b.use(inputs)
-            if pack.random:
-                # the recompute replays the RNG state the forward saved, maybe on another device
+            if pack.random and fdev(p) != b.device:
+                # the recompute replays the RNG state the forward saved on another device (on this
+                # device the forward program has ended, and with it its work)
                 b.wait(forward_events[(p, mb)], Stream.COMPUTE)
             b.compute(K.RECOMPUTE, p, mb, produces=[graph], consumes=inputs, reads=[weights(p)])
         output_grads = []
