@@ -27,6 +27,7 @@ from harmony_fx.ir import meta
 from harmony_fx.ir.codegen import generate_program
 from harmony_fx.ir.pack import Pack
 from harmony_fx.passes.find_layers import Layer, find_layers
+from harmony_fx.passes.lower_pipeline import lower_pipeline
 from harmony_fx.passes.lower_program import ProgramSignature, grad_inputs, lower_program
 from harmony_fx.passes.plan_packs import balanced, plan_packs
 from harmony_fx.passes.retarget_device import retarget_device
@@ -37,7 +38,7 @@ from harmony_fx.schedule.actions import Action, ActionKind, Key, KeyKind
 from harmony_fx.schedule.format import format_schedule
 from harmony_fx.schedule.plan import PackPlan, Plan
 from harmony_fx.schedule.simulate import bytes_moved
-from harmony_fx.schedule.validate import verify_program
+from harmony_fx.schedule.validate import verify_devices, verify_program
 
 __all__ = ["compile", "HarmonyModule"]
 
@@ -93,21 +94,25 @@ class HarmonyModule:
         self.device = self.devices[0]
         self.budget = self.device.budget
         num_devices = len(self.devices)
-        if num_devices > 1 and options.parallel == "pp":
-            raise NotImplementedError("parallel='pp' (the wrap-around pipeline) is not built yet; use parallel='dp'.")
         # With several devices, "auto" means data-parallel until the planner chooses (see docs/options.md).
-        self.parallel = "dp" if num_devices > 1 else "single"
+        self.parallel = "single" if num_devices == 1 else ("pp" if options.parallel == "pp" else "dp")
         self._trainer = _trainer
         example = (example_args, example_kwargs)
         self._example_dims = microbatch.argument_dims(model, example_args, example_kwargs, options.batch_dims)
         self.num_microbatches = options.microbatches or num_devices
-        if self.num_microbatches < num_devices:
-            raise ValueError(f"microbatches={self.num_microbatches} is fewer than the {num_devices} devices: "
-                             "data-parallel needs at least one microbatch per device.")
-        # device d runs a contiguous run of microbatches
-        sizes = microbatch.microbatch_sizes(self.num_microbatches, num_devices)
-        starts = [sum(sizes[:d]) for d in range(num_devices)]
-        self.device_microbatches = [tuple(range(start, start + n)) for start, n in zip(starts, sizes)]
+        if self.parallel == "pp":
+            # every device runs its packs on every microbatch
+            self.device_microbatches = [tuple(range(self.num_microbatches))] * num_devices
+        else:
+            if self.num_microbatches < num_devices:
+                raise ValueError(f"microbatches={self.num_microbatches} is fewer than the {num_devices} devices: "
+                                 "data-parallel needs at least one microbatch per device.")
+            # device d runs a contiguous run of microbatches
+            sizes = microbatch.microbatch_sizes(self.num_microbatches, num_devices)
+            starts = [sum(sizes[:d]) for d in range(num_devices)]
+            self.device_microbatches = [tuple(range(start, start + n)) for start, n in zip(starts, sizes)]
+        # how many devices report each pack's UPDATE: every one in dp, the one running its backward in pp
+        self.update_arrivals = num_devices if self.parallel == "dp" else 1
         if self.num_microbatches > 1:
             self.mb_sizes = microbatch.microbatch_sizes(microbatch.batch_size(example, self._example_dims),
                                                         self.num_microbatches)
@@ -137,8 +142,10 @@ class HarmonyModule:
         annotate_liveness(self.captured.gm)
         self.device_actions = best.device_actions
         self.forward_actions, self.backward_actions = best.device_actions[0]
+        published = frozenset(a.event for pair in best.device_actions for actions in pair for a in actions
+                              if a.kind == ActionKind.WAIT and a.peer is not None)
         self.device_programs = [
-            {phase: generate_program(actions, self._steps(actions), f"Harmony{phase.title()}")
+            {phase: generate_program(actions, self._steps(actions), f"Harmony{phase.title()}", published)
              for phase, actions in zip(("forward", "backward"), pair)}
             for pair in best.device_actions
         ]
@@ -210,14 +217,25 @@ class HarmonyModule:
                          for size, v in self._variants.items()}
         packs = packs_by_size[self.mb_sizes[0]]
         update_packs = frozenset(self.update_groups(packs)) if self._updates else frozenset()
-        device_actions, peaks = [], []
-        for device, mbs in zip(self.devices, self.device_microbatches):
-            signature = dataclasses.replace(self.signature, microbatches=mbs, update_packs=update_packs)
-            forward, backward = lower_program(packs, signature)
+        if self.parallel == "pp":
+            signature = dataclasses.replace(self.signature, update_packs=update_packs)
+            device_actions = lower_pipeline(packs, signature, len(self.devices))
             if self.options.verify:
-                self._verify(forward, backward, signature)
-            device_actions.append((forward, backward))
-            peaks.append(self._fake_peak(packs_by_size, forward, backward, mbs, device))
+                offloaded = [a.key for pair in device_actions for actions in pair for a in actions
+                             if a.kind == ActionKind.OFFLOAD]
+                for forward, backward in device_actions:
+                    self._verify(forward, backward, signature, elsewhere=offloaded)
+                verify_devices([forward + backward for forward, backward in device_actions])
+        else:
+            device_actions = []
+            for mbs in self.device_microbatches:
+                signature = dataclasses.replace(self.signature, microbatches=mbs, update_packs=update_packs)
+                forward, backward = lower_program(packs, signature)
+                if self.options.verify:
+                    self._verify(forward, backward, signature)
+                device_actions.append((forward, backward))
+        peaks = [self._fake_peak(packs_by_size, forward, backward, mbs, device)
+                 for (forward, backward), mbs, device in zip(device_actions, self.device_microbatches, self.devices)]
         return _Candidate(packs_by_size, device_actions, peaks)
 
     def update_groups(self, packs: Sequence[Pack] | None = None) -> dict[int, list[nn.Parameter]]:
@@ -234,9 +252,12 @@ class HarmonyModule:
                     groups.setdefault(pack.index, []).append(param)
         return groups
 
-    def _verify(self, forward: list[Action], backward: list[Action], signature: ProgramSignature) -> None:
+    def _verify(self, forward: list[Action], backward: list[Action], signature: ProgramSignature,
+                elsewhere: Sequence[Key] = ()) -> None:
+        """``elsewhere``: host keys other devices' programs write (their waits are checked across
+        devices by ``verify_devices``)."""
         mbs = signature.microbatches
-        host_keys = [Key(KeyKind.ACT, v, mb) for v in signature.model_inputs for mb in mbs]
+        host_keys = [Key(KeyKind.ACT, v, mb) for v in signature.model_inputs for mb in mbs] + list(elsewhere)
         grad_keys = [Key(KeyKind.GRAD, v, mb) for v in signature.model_outputs for mb in mbs]
         if signature.fuse_last:
             host_keys += grad_keys
@@ -259,6 +280,8 @@ class HarmonyModule:
             fake = {name: _fake_like(t, where) for name, t in self._masters.items()}
             host = HostState([[fake[name] for name in pack.params + pack.buffers] for pack in packs])
             runtime = self._runtime(packs_by_size, device, host, Stats())
+            runtime.peer_value = lambda key: _fake_like(self._value_of(key), where)
+            runtime.host_values = _MadeOnDemand(lambda key: _fake_like(self._value_of(key), where))
             for mb in mbs:
                 nodes = self._variants[self.mb_sizes[mb]].nodes
                 for name in self.signature.model_inputs:
@@ -270,12 +293,17 @@ class HarmonyModule:
             runtime.run(programs[1])
         return device.peak_bytes()
 
+    def _value_of(self, key: Key) -> torch.Tensor:
+        """The FakeTensor value of an activation (or its gradient) on microbatch ``key.mb``."""
+        return self._variants[self.mb_sizes[key.mb]].nodes[key.name].meta[meta.VAL]
+
     def _runtime(self, packs_by_size, device: Device, host: HostState, stats: Stats,
-                 on_update: Callable[[Runtime, int], None] | None = None, shared: Runtime | None = None) -> Runtime:
+                 on_update: Callable[[Runtime, int], None] | None = None, shared: Runtime | None = None,
+                 index: int = 0) -> Runtime:
         packs = packs_by_size[self.mb_sizes[0]]
         return Runtime([packs_by_size[size] for size in self.mb_sizes], device, host,
                        [grad_inputs(pack, self.signature) for pack in packs], stats, on_update,
-                       self.options.compute_dtype, shared)
+                       self.options.compute_dtype, shared, index)
 
     def key_bytes(self, key: Key) -> int:
         """Bytes of a key as the plan counts them (from shapes and the compute dtype alone)."""
@@ -385,24 +413,42 @@ class HarmonyModule:
               output_grads: dict[Key, torch.Tensor] | None = None) -> "_Iteration":
         """Run the forward programs (one per device, side by side); the returned iteration holds
         what the backward programs need."""
+        iteration = self._begin(per_mb, on_update, output_grads)
+        iteration.run([[programs["forward"]] for programs in self.device_programs])
+        return iteration
+
+    def _begin(self, per_mb, on_update, output_grads) -> "_Iteration":
         self.stats = Stats(budget={device.name: self.budget for device in self.devices})
         runtimes: list[Runtime] = []
         for device in self.devices:
             device.reset_peak()
             shared = runtimes[0] if runtimes else None
-            runtimes.append(self._runtime(self._packs_by_size, device, self.host_state, self.stats, on_update, shared))
+            runtimes.append(self._runtime(self._packs_by_size, device, self.host_state, self.stats, on_update, shared,
+                                          len(runtimes)))
         iteration = _Iteration(runtimes, self._controller())
         for mb, flat in enumerate(per_mb):
             for name, value in zip(self.captured.inputs, flat):
                 iteration.host_values[Key(KeyKind.ACT, name, mb)] = value.detach()
         iteration.host_values.update(output_grads or {})
-        iteration.run([programs["forward"] for programs in self.device_programs])
+        return iteration
+
+    def run_iteration(self, per_mb: Sequence[Sequence[torch.Tensor]], on_update: Callable[[Runtime, int], None],
+                      output_grads: dict[Key, torch.Tensor]) -> "_Iteration":
+        """Forward and backward in one go (the Trainer): each device runs its backward program as
+        soon as its forward program ends, with no barrier between them (a pipeline's fused last task
+        hands gradients to a device that is already in its backward)."""
+        iteration = self._begin(per_mb, on_update, output_grads)
+        try:
+            iteration.run([[programs["forward"], programs["backward"]] for programs in self.device_programs])
+        finally:
+            iteration.release()
+        self._finish_stats()
         return iteration
 
     def finish(self, iteration: "_Iteration") -> None:
         """Run the backward programs (output gradients already in ``iteration.host_values``)."""
         try:
-            iteration.run([programs["backward"] for programs in self.device_programs])
+            iteration.run([[programs["backward"]] for programs in self.device_programs])
         finally:
             iteration.release()
         self._finish_stats()
@@ -461,6 +507,19 @@ class HarmonyModule:
         return torch.empty(shape, dtype=vals[0].dtype)
 
 
+class _MadeOnDemand(dict):
+    """Host values of a standalone FakeTensor run: what other devices would have put on the host
+    is made when first read."""
+
+    def __init__(self, make: Callable[[Key], torch.Tensor]) -> None:
+        super().__init__()
+        self._make = make
+
+    def __missing__(self, key: Key) -> torch.Tensor:
+        value = self[key] = self._make(key)
+        return value
+
+
 class _Iteration:
     """One iteration in flight: a runtime per device, sharing the host side (inputs, stash,
     gradients on the host)."""
@@ -471,14 +530,24 @@ class _Iteration:
         self.host_values = runtimes[0].host_values
         self.host_grads = runtimes[0].host_grads
 
-    def run(self, programs: Sequence[fx.GraphModule]) -> None:
-        """Run each device's program; the first error is raised once every device has stopped, and
-        then nothing stays on any device."""
+    def run(self, programs: Sequence[Sequence[fx.GraphModule]]) -> None:
+        """Run each device's programs, in order; the first error is raised once every device has
+        stopped, and then nothing stays on any device."""
+
+        def run_device(runtime: Runtime, device_programs: Sequence[fx.GraphModule]) -> None:
+            try:
+                for program in device_programs:
+                    runtime.run(program)
+            except BaseException as error:
+                runtime.links.abort(error)  # no other device waits forever for this one
+                raise
+
         try:
             if self.controller is None:
-                self.runtimes[0].run(programs[0])
+                run_device(self.runtimes[0], programs[0])
                 return
-            futures = [self.controller.submit(runtime.run, program) for runtime, program in zip(self.runtimes, programs)]
+            futures = [self.controller.submit(run_device, runtime, device_programs)
+                       for runtime, device_programs in zip(self.runtimes, programs)]
             errors = [future.exception() for future in futures]
             first = next((error for error in errors if error is not None), None)
             if first is not None:

@@ -111,11 +111,10 @@ class Trainer:
         arrivals_lock = threading.Lock()
 
         def on_update(runtime: Runtime, pack_index: int) -> None:
-            # with several devices (data-parallel) the gradients are complete once every device
-            # has sent its share of this pack's
+            # data-parallel: the gradients are complete once every device has sent its share
             with arrivals_lock:
                 arrivals[pack_index] += 1
-                if arrivals[pack_index] < len(self.hm.devices):
+                if arrivals[pack_index] < self.hm.update_arrivals:
                     return
                 params = self._groups.get(pack_index, [])
                 for param in params:
@@ -124,8 +123,7 @@ class Trainer:
 
         runtime = None
         try:
-            runtime = self.hm.start(per_mb, on_update=on_update, output_grads=output_grads)
-            self.hm.finish(runtime)
+            runtime = self.hm.run_iteration(per_mb, on_update, output_grads)
         finally:
             waited_from = time.perf_counter()
             update_seconds = sum(future.result() for future in pending)  # re-raises an update's error here

@@ -126,7 +126,85 @@ def test_fewer_microbatches_than_devices_is_refused():
         harmony_fx.compile(model, x, devices=["host:0", "host:1"], microbatches=1)
 
 
-def test_pipeline_mode_says_it_is_not_built():
-    model, x, target, loss_fn = _build("mlp_chain")
-    with pytest.raises(NotImplementedError, match="pp"):
-        harmony_fx.compile(model, x, devices=["host:0", "host:1"], parallel="pp")
+def _train_pp(name: str, num_devices: int, microbatches: int = 4, steps: int = 3, chaos: int | None = None):
+    model, x, target, loss_fn = _build(name)
+    reference = copy.deepcopy(model)
+    budget = int(0.35 * eager_training_bytes(model, (x,), lambda out: loss_fn(out, target)))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    reference_optimizer = torch.optim.SGD(reference.parameters(), lr=0.05, momentum=0.9)
+    trainer = harmony_fx.Trainer(model, loss_fn, optimizer, ((x,), target), memory_budget=budget,
+                                 devices=[f"host:{i}" for i in range(num_devices)], microbatches=microbatches,
+                                 parallel="pp", chaos=chaos)
+    losses, reference_losses = [], []
+    try:
+        for _ in range(steps):
+            losses.append(trainer.step(((x,), target)))
+            reference_loss = loss_fn(reference(x), target)
+            reference_loss.backward()
+            reference_optimizer.step()
+            reference_optimizer.zero_grad()
+            reference_losses.append(reference_loss.detach())
+    finally:
+        trainer.close()
+    return trainer, model, reference, losses, reference_losses, budget
+
+
+@pytest.mark.parametrize("num_devices", [2, 3])
+@pytest.mark.parametrize("name", ["mlp_chain", "residual_mlp", "tiny_gpt"])
+@pytest.mark.parametrize("chaos", [None, 0, 1], ids=["inline", "chaos0", "chaos1"])
+def test_pp_trains_like_eager(name, num_devices, chaos):
+    trainer, model, reference, losses, reference_losses, budget = _train_pp(name, num_devices, chaos=chaos)
+    for loss, reference_loss in zip(losses, reference_losses):
+        torch.testing.assert_close(loss, reference_loss, rtol=RTOL, atol=ATOL)
+    for (param_name, param), reference_param in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(param, reference_param, rtol=RTOL, atol=ATOL, msg=param_name)
+    stats = trainer.stats
+    assert all(peak <= budget for peak in stats.peak_bytes.values())
+    assert stats.peak_bytes == trainer.plan.predicted_peak
+    assert stats.as_dict()["bytes_by_kind"] == trainer.plan.predicted_bytes
+    assert stats.as_dict()["bytes_by_kind"].get("peer/act", 0) > 0  # activations went device to device
+
+
+def test_pp_with_batchnorm_moves_the_planned_bytes():
+    trainer, *_, budget = _train_pp("small_cnn", 2, microbatches=2, steps=1)
+    assert trainer.stats.as_dict()["bytes_by_kind"] == trainer.plan.predicted_bytes
+    assert all(peak <= budget for peak in trainer.stats.peak_bytes.values())
+
+
+def test_pp_places_tasks_round_the_devices():
+    trainer, *_ = _train_pp("mlp_chain", 2, steps=1)
+    num_packs = len(trainer.hm.packs)
+    for device, (forward, backward) in enumerate(trainer.hm.device_actions):
+        for action in forward + backward:
+            if action.kind == ActionKind.FWD:
+                assert action.pack % 2 == device
+            if action.kind == ActionKind.BWD:
+                assert (2 * (num_packs - 1) - action.pack) % 2 == device
+    kinds = {a.kind for forward, backward in trainer.hm.device_actions for a in forward + backward}
+    assert ActionKind.SEND in kinds and ActionKind.RECV in kinds
+
+
+def test_verifier_refuses_a_recv_without_its_send():
+    from harmony_fx.schedule.validate import ProgramError, verify_devices
+    trainer, *_ = _train_pp("mlp_chain", 2, steps=1)
+    programs = [forward + backward for forward, backward in trainer.hm.device_actions]
+    verify_devices(programs)
+    sender = next(d for d, program in enumerate(programs) if any(a.kind == ActionKind.SEND for a in program))
+    index = next(i for i, a in enumerate(programs[sender]) if a.kind == ActionKind.SEND)
+    broken = [list(program) for program in programs]
+    del broken[sender][index]
+    with pytest.raises(ProgramError, match="no matching SEND"):
+        verify_devices(broken)
+
+
+def test_verifier_refuses_devices_that_wait_for_each_other():
+    from harmony_fx.schedule.validate import ProgramError, verify_devices
+    trainer, *_ = _train_pp("mlp_chain", 2, steps=1)
+    programs = [list(forward + backward) for forward, backward in trainer.hm.device_actions]
+    # move device 0's first RECV to the very start: it now waits for a SEND that comes after a wait for it
+    receiver = next(d for d, program in enumerate(programs) if any(a.kind == ActionKind.RECV for a in program))
+    recvs = [i for i, a in enumerate(programs[receiver]) if a.kind == ActionKind.RECV]
+    last_recv = programs[receiver].pop(recvs[-1])
+    programs[receiver].insert(0, last_recv)
+    with pytest.raises(ProgramError, match="cycle"):
+        verify_devices(programs)

@@ -52,8 +52,10 @@ class HarmonyCodeGen(fx.graph.CodeGen):
         return code
 
 
-def generate_program(actions: Sequence[Action], steps: Sequence[str], name: str) -> fx.GraphModule:
-    """``steps[i]``: the comment for the task ``actions[i]`` belongs to (printed when it changes)."""
+def generate_program(actions: Sequence[Action], steps: Sequence[str], name: str,
+                     published: frozenset[int] = frozenset()) -> fx.GraphModule:
+    """``steps[i]``: the comment for the task ``actions[i]`` belongs to (printed when it changes).
+    ``published``: events of this program that other devices' programs wait for."""
     graph = fx.Graph()
     graph.set_codegen(HarmonyCodeGen())
     rt = graph.placeholder("rt")
@@ -61,6 +63,12 @@ def generate_program(actions: Sequence[Action], steps: Sequence[str], name: str)
     for action, step in zip(actions, steps):
         op = OP_OF_KIND[action.kind]
         if action.kind == ActionKind.WAIT:
+            if action.event not in events:  # recorded by another device's program
+                assert action.peer is not None, f"{action!r} waits for an event of an earlier program"
+                remote = graph.call_method("remote", (rt, action.event))
+                remote.name = f"e{action.event}"
+                remote.meta[meta.STEP] = step
+                events[action.event] = remote
             args = (rt, events[action.event], action.stream.value)
         elif action.kind == ActionKind.FREE:
             args = (rt, str(action.key))
@@ -68,6 +76,8 @@ def generate_program(actions: Sequence[Action], steps: Sequence[str], name: str)
             args = (rt, action.pack)
         elif action.kind in (ActionKind.PREFETCH, ActionKind.OFFLOAD):
             args = (rt, str(action.key), action.stream.value)
+        elif action.kind in (ActionKind.SEND, ActionKind.RECV):
+            args = (rt, str(action.key), action.peer)
         else:
             args = (rt, action.pack, action.mb)
         node = graph.call_method(op, args)
@@ -77,6 +87,9 @@ def generate_program(actions: Sequence[Action], steps: Sequence[str], name: str)
         node.meta[meta.ACTION] = action
         node.meta[meta.STEP] = step
         node.meta[meta.FROM_PASS] = action.created_by
+        if action.kind != ActionKind.WAIT and action.event in published:
+            publish = graph.call_method("publish", (rt, node, action.event))
+            publish.meta[meta.STEP] = step
     graph.output(None)
     graph.lint()
     return fx.GraphModule(torch.nn.Module(), graph, class_name=name)

@@ -21,6 +21,12 @@ bwd           compute                          backward of a pack on a microbatc
 free          compute                          drop the device copy of a key
 update        host                             the host optimizer steps the parameters whose
                                                gradients are complete
+send          peer                             hand a key to another device; its event completes
+                                               once the peer has it
+recv          peer                             take a key another device sent (adds to a gradient
+                                               already here); returns an event
+publish       -                                make an event visible to the other devices' programs
+remote        -                                an event another device's program published
 ============  ===============================  ======================================================
 """
 from __future__ import annotations
@@ -41,6 +47,10 @@ class HarmonyOps(Protocol):
     def bwd(self, pack: int, mb: int) -> Any: ...
     def free(self, key: str) -> None: ...
     def update(self, pack: int) -> None: ...
+    def send(self, key: str, peer: int) -> Any: ...
+    def recv(self, key: str, peer: int) -> Any: ...
+    def publish(self, event: Any, number: int) -> None: ...
+    def remote(self, number: int) -> Any: ...
 
 
 OP_OF_KIND = {
@@ -48,4 +58,5 @@ OP_OF_KIND = {
     ActionKind.WAIT: HarmonyOps.wait.__name__, ActionKind.FWD: HarmonyOps.fwd.__name__,
     ActionKind.RECOMPUTE: HarmonyOps.recompute.__name__, ActionKind.BWD: HarmonyOps.bwd.__name__,
     ActionKind.FREE: HarmonyOps.free.__name__, ActionKind.UPDATE: HarmonyOps.update.__name__,
+    ActionKind.SEND: HarmonyOps.send.__name__, ActionKind.RECV: HarmonyOps.recv.__name__,
 }

@@ -56,31 +56,46 @@ class ProgramSignature:
     update_packs: frozenset[int] = frozenset()
 
 
-class _Builder:
-    """Emits actions and keeps the bookkeeping that decides waits and frees."""
+class _Shared:
+    """What the builders of several devices' programs share: event numbers and the host."""
 
     def __init__(self) -> None:
-        self.actions: list[Action] = []
         self.num_events = 0
+        self.event_device: dict[int, int] = {}
+        self.on_host: dict[Key, int | None] = {}  # host key -> event of the last copy that wrote it
+
+
+class _Builder:
+    """Emits one device's actions and keeps the bookkeeping that decides waits and frees."""
+
+    pass_name = PASS_NAME
+
+    def __init__(self, device: int = 0, shared: _Shared | None = None) -> None:
+        self.device = device
+        self.shared = shared or _Shared()
+        self.on_host = self.shared.on_host
+        self.actions: list[Action] = []
         self.ready: dict[Key, int] = {}           # device key -> event after which it is valid
         self.waited: dict[Stream, set[int]] = {s: set() for s in Stream}
         self.readers: dict[Key, list[int]] = {}   # device key -> events of copies reading it
-        self.on_host: dict[Key, int | None] = {}  # host key -> event of the copy that wrote it
         self.copy_events: set[int] = set()
 
     def emit(self, kind: K, stream: Stream, **fields) -> int | None:
         event = None
         if kind not in (K.WAIT, K.FREE, K.UPDATE):
-            event = self.num_events
-            self.num_events += 1
-        self.actions.append(Action(kind, stream, event=fields.pop("event", event), created_by=PASS_NAME, **fields))
+            event = self.shared.num_events
+            self.shared.num_events += 1
+            self.shared.event_device[event] = self.device
+        self.actions.append(Action(kind, stream, event=fields.pop("event", event), device=self.device,
+                                   created_by=self.pass_name, **fields))
         return event
 
     def wait(self, event: int | None, stream: Stream) -> None:
         # an event the host has waited for is complete for every stream, too
         if event is not None and event not in self.waited[stream] and event not in self.waited[Stream.HOST]:
             self.waited[stream].add(event)
-            self.emit(K.WAIT, stream, event=event)
+            origin = self.shared.event_device[event]
+            self.emit(K.WAIT, stream, event=event, peer=None if origin == self.device else origin)
 
     def resident(self, key: Key) -> bool:
         return key in self.ready

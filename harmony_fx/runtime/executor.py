@@ -75,11 +75,22 @@ class HostState:
 
 
 class _Event:
-    __slots__ = ("device_event", "on_host")
+    """A program's event: the device's (or a peer hand-over's) plus host work that runs once the
+    copy has landed, exactly once, by whichever program's host wait comes first (the others wait
+    for it to finish)."""
+
+    __slots__ = ("device_event", "on_host", "_lock")
 
     def __init__(self, device_event) -> None:
         self.device_event = device_event
         self.on_host: list[Callable[[], None]] = []
+        self._lock = threading.Lock()
+
+    def run_host_work(self) -> None:
+        with self._lock:
+            callbacks, self.on_host = self.on_host, []
+            for callback in callbacks:
+                callback()
 
 
 class Runtime:
@@ -88,11 +99,12 @@ class Runtime:
     def __init__(self, packs_for_mb: Sequence[Sequence[Pack]], device: Device, host: HostState,
                  grad_inputs: Sequence[tuple[str, ...]], stats: Stats,
                  on_update: Callable[["Runtime", int], None] | None = None,
-                 compute_dtype: torch.dtype | None = None, shared: "Runtime | None" = None) -> None:
+                 compute_dtype: torch.dtype | None = None, shared: "Runtime | None" = None, index: int = 0) -> None:
         """``packs_for_mb[mb]``: the packs compiled at microbatch ``mb``'s size (same boundaries and
         names for every size). ``on_update(runtime, pack)``: the host's optimizer step for the parameters
         whose gradients are complete after ``pack``'s backward. ``shared``: another device's runtime of
-        the same iteration, whose host side (inputs, stash, host gradients) this one shares."""
+        the same iteration, whose host side (inputs, stash, host gradients) this one shares; ``index``:
+        this device's number among them (what ``send``/``recv`` name as peers)."""
         self.packs_for_mb = packs_for_mb
         self.packs = packs_for_mb[0]
         self.on_update = on_update
@@ -108,10 +120,18 @@ class Runtime:
             self.host_grads: dict[int, torch.Tensor] = {}  # id(master) -> summed gradient
             self._host_lock = threading.Lock()
             self._stats_lock = threading.Lock()
+            self.links = _Links()
+            # (pack, microbatch) -> RNG state before its forward; the recompute may run elsewhere
+            self.rng_states: dict[tuple[int, int], torch.Tensor] = {}
         else:
             self.host_values, self.host_grads = shared.host_values, shared.host_grads
             self._host_lock, self._stats_lock = shared._host_lock, shared._stats_lock
-        self.rng_states: dict[tuple[int, int], torch.Tensor] = {}
+            self.links = shared.links
+            self.rng_states = shared.rng_states
+        self.index = index  # this device's number in the iteration
+        # a standalone runtime (the FakeTensor run of one device's program) makes what peers would
+        # send from ``peer_value(key)`` and treats other devices' events as done
+        self.peer_value: Callable[[Key], torch.Tensor] | None = None
         self._keys: dict[str, Key] = {}
 
     # ------------------------------------------------------------------ running programs
@@ -197,17 +217,59 @@ class Runtime:
             else:
                 copy = device.to_host(self.device_values[key])
                 self._count("d2h", key, copy)
-                self.host_values[key] = copy
+                if key.kind == KeyKind.GRAD:
+                    # several readers' partial gradients meet on the host (pipeline); the sum is
+                    # made when the program waits for this copy
+                    event.on_host.append(lambda: self._add_host_value(key, copy))
+                else:
+                    self.host_values[key] = copy
 
         return self._submit(Stream.D2H, work, event)
+
+    def send(self, key_text: str, peer: int) -> _Event:
+        key = self.key(key_text)
+        parcel = self.links.parcel(key, self.index, peer)
+        if self.peer_value is not None:
+            return _Event(_PICKED_UP)
+
+        def work() -> None:
+            parcel.value = self.device_values[key]
+            parcel.posted.set()
+
+        self._submit(Stream.PEER, work)
+        return _Event(parcel)
+
+    def recv(self, key_text: str, peer: int) -> _Event:
+        key = self.key(key_text)
+
+        def work() -> None:
+            if self.peer_value is not None:
+                value = self.device.to_device(self._compute_dtype(self.peer_value(key)))
+            else:
+                parcel = self.links.parcel(key, peer, self.index)
+                parcel.posted.wait()
+                self.links.check()
+                value = self.device.to_device(parcel.value)
+                parcel.value = None
+                parcel.picked_up()
+            self._count("peer", key, value)
+            existing = self.device_values.get(key)
+            self.device_values[key] = value if existing is None else existing.add_(value)
+
+        return self._submit(Stream.PEER, work)
+
+    def publish(self, event: _Event, number: int) -> None:
+        if self.peer_value is None:
+            self.links.publish(number, event)
+
+    def remote(self, number: int) -> _Event:
+        return _Event(_PICKED_UP) if self.peer_value is not None else self.links.remote(number)
 
     def wait(self, event: _Event, stream: str) -> None:
         stream = Stream(stream)
         self.device.streams.wait(event.device_event, stream)
         if stream == Stream.HOST:
-            for callback in event.on_host:
-                callback()
-            event.on_host.clear()
+            event.run_host_work()
 
     def free(self, key_text: str) -> None:
         key = self.key(key_text)
@@ -254,7 +316,11 @@ class Runtime:
         else:
             with self.device.rng_lock():
                 saved_state = self.device.get_rng_state()
-                self.device.set_rng_state(self.rng_states.pop((pack_index, mb)))
+                replayed = self.rng_states.pop((pack_index, mb), None)
+                # only a standalone (FakeTensor) run of one device's program lacks the forward's state
+                assert replayed is not None or self.peer_value is not None, f"no RNG state for p{pack_index}@{mb}"
+                if replayed is not None:
+                    self.device.set_rng_state(replayed)
                 try:
                     outputs = self._run_pack(pack, inputs, grad=True, what="recompute")
                 finally:
@@ -328,6 +394,11 @@ class Runtime:
             for master, copy in pairs:
                 master.copy_(copy)
 
+    def _add_host_value(self, key: Key, value: torch.Tensor) -> None:
+        with self._host_lock:
+            existing = self.host_values.get(key)
+            self.host_values[key] = value if existing is None else existing + value
+
     def _add_host_grad(self, master: torch.Tensor, grad: torch.Tensor) -> None:
         grad = grad.to(master.dtype)
         with self._host_lock:
@@ -340,6 +411,83 @@ class Runtime:
         with self._stats_lock:
             self.stats.bytes_by_kind[(direction, key.kind.name.lower())] += nbytes
             self.stats.bytes_by_device[(self.device.name, direction, key.kind.name.lower())] += nbytes
+
+
+class _Parcel:
+    """One key on its way from one device to another: posted by the sender's peer stream, taken
+    by the receiver's; its "picked up" signal is what the sender waits for before freeing."""
+
+    __slots__ = ("value", "posted", "done")
+
+    def __init__(self) -> None:
+        self.value = None
+        self.posted = threading.Event()
+        self.done = threading.Event()
+
+    def picked_up(self) -> None:
+        self.done.set()
+
+    def synchronize(self) -> None:
+        self.done.wait()
+        if self.value is not None and not self.posted.is_set():
+            raise RuntimeError("another device stopped the iteration")
+
+
+class _Done:
+    """An event that is already complete."""
+
+    done = threading.Event()
+    done.set()
+
+    def synchronize(self) -> None:
+        return None
+
+
+_PICKED_UP = _Done()
+
+
+class _Links:
+    """What the devices of one iteration exchange: parcels, and events one program publishes for
+    another's waits (looked up by their number in the schedule)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._parcels: dict[tuple[Key, int, int], _Parcel] = {}
+        self._events: dict[int, _Event] = {}
+        self._published = threading.Condition(self._lock)
+        self.failed: BaseException | None = None
+
+    def parcel(self, key: Key, source: int, target: int) -> _Parcel:
+        with self._lock:
+            parcel = self._parcels.setdefault((key, source, target), _Parcel())
+            if self.failed is not None:
+                parcel.posted.set()
+                parcel.done.set()
+            return parcel
+
+    def publish(self, number: int, event: "_Event") -> None:
+        with self._published:
+            self._events[number] = event
+            self._published.notify_all()
+
+    def remote(self, number: int) -> "_Event":
+        with self._published:
+            self._published.wait_for(lambda: number in self._events or self.failed is not None)
+            self.check()
+            return self._events[number]
+
+    def abort(self, error: BaseException) -> None:
+        """A device failed: wake every device waiting on another, so each stops with an error."""
+        with self._published:
+            self.failed = self.failed or error
+            for parcel in self._parcels.values():
+                parcel.posted.set()
+                parcel.done.set()
+            self._published.notify_all()
+
+    def check(self) -> None:
+        if self.failed is not None:
+            raise RuntimeError(f"another device stopped the iteration: {self.failed!r}") from self.failed
 
 
 class _DeviceContext:

@@ -77,7 +77,7 @@ class ChaosStreams:
         self._threads: list[threading.Thread] = []
         self._error: BaseException | None = None
         self._last_compute: _ThreadEvent | None = None
-        for stream in (Stream.COMPUTE, Stream.H2D, Stream.D2H):
+        for stream in (Stream.COMPUTE, Stream.H2D, Stream.D2H, Stream.PEER):
             self._queues[stream] = queue.SimpleQueue()
             thread = threading.Thread(target=self._serve, args=(self._queues[stream],), daemon=True,
                                       name=f"harmony-chaos-{stream.value}")
@@ -101,7 +101,7 @@ class ChaosStreams:
 
     def submit(self, stream: Stream, work: Callable[[], None]) -> _ThreadEvent:
         event = _ThreadEvent()
-        if stream == Stream.H2D:
+        if stream in (Stream.H2D, Stream.PEER):
             # As on a GPU (CudaDevice.to_device), a copy's destination is allocated in compute-stream
             # order: the copy starts once the compute work issued before it has run, so device
             # memory is taken and given back in program order and the static peak still holds.
@@ -148,7 +148,7 @@ class CudaStreams:
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.compute = torch.cuda.current_stream(device)
-        self.copy = {Stream.H2D: torch.cuda.Stream(device), Stream.D2H: torch.cuda.Stream(device)}
+        self.copy = {stream: torch.cuda.Stream(device) for stream in (Stream.H2D, Stream.D2H, Stream.PEER)}
 
     def stream(self, stream: Stream) -> torch.cuda.Stream:
         return self.compute if stream in (Stream.COMPUTE, Stream.HOST) else self.copy[stream]
@@ -160,9 +160,9 @@ class CudaStreams:
         event.record(self.stream(stream))
         return event
 
-    def wait(self, event: torch.cuda.Event, stream: Stream) -> None:
-        if stream == Stream.HOST:
-            event.synchronize()
+    def wait(self, event, stream: Stream) -> None:
+        if stream == Stream.HOST or not isinstance(event, torch.cuda.Event):
+            event.synchronize()  # the host's, or another device's hand-over: block the issuing thread
         else:
             self.stream(stream).wait_event(event)
 

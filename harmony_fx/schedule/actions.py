@@ -9,6 +9,8 @@ host) wait for one. ``FREE`` drops the device copy of a key, in compute-stream o
 
     PREFETCH W[p1] h2d -> e4
     WAIT e4 compute
+    RECV act[relu_1@0] <- d0 -> e9
+    WAIT e3 h2d from d1
     FWD p1@0 -> e5
     OFFLOAD act[relu_3@0] d2h -> e6
 """
@@ -31,12 +33,15 @@ class ActionKind(enum.Enum):
     BWD = "BWD"              # backward of one pack on one microbatch
     FREE = "FREE"            # drop the device copy of a key
     UPDATE = "UPDATE"        # the host's optimizer updates the parameters whose gradients are complete
+    SEND = "SEND"            # device → device copy of a key (peer stream); done once the peer has it
+    RECV = "RECV"            # take a key a peer sent (peer stream)
 
 
 class Stream(enum.Enum):
     COMPUTE = "compute"
     H2D = "h2d"
     D2H = "d2h"
+    PEER = "peer"
     HOST = "host"
 
 
@@ -81,6 +86,8 @@ class Action:
     mb: int | None = None
     event: int | None = None       # recorded after the action (or waited on, for WAIT)
     device: int = 0
+    # SEND/RECV: the other device; WAIT: the device whose program recorded the event, if not this one
+    peer: int | None = None
     created_by: str = dataclasses.field(default="", compare=False)
     # keys a compute task reads and keeps / takes over and drops / creates or adds to
     reads: tuple[Key, ...] = dataclasses.field(default=(), compare=False)
@@ -90,7 +97,11 @@ class Action:
     def __repr__(self) -> str:
         kind = self.kind
         if kind == ActionKind.WAIT:
-            return f"WAIT e{self.event} {self.stream.value}"
+            remote = "" if self.peer is None else f" from d{self.peer}"
+            return f"WAIT e{self.event} {self.stream.value}{remote}"
+        if kind in (ActionKind.SEND, ActionKind.RECV):
+            arrow = "->" if kind == ActionKind.SEND else "<-"
+            return f"{kind.value} {self.key} {arrow} d{self.peer} -> e{self.event}"
         if kind == ActionKind.FREE:
             return f"FREE {self.key}"
         if kind in (ActionKind.PREFETCH, ActionKind.OFFLOAD):
@@ -105,7 +116,10 @@ def parse_action(text: str) -> Action:
     parts = text.split()
     kind = ActionKind(parts[0])
     if kind == ActionKind.WAIT:
-        return Action(kind, Stream(parts[2]), event=int(parts[1][1:]))
+        peer = int(parts[4][1:]) if len(parts) > 3 else None
+        return Action(kind, Stream(parts[2]), event=int(parts[1][1:]), peer=peer)
+    if kind in (ActionKind.SEND, ActionKind.RECV):
+        return Action(kind, Stream.PEER, key=parse_key(parts[1]), peer=int(parts[3][1:]), event=int(parts[5][1:]))
     if kind == ActionKind.FREE:
         return Action(kind, Stream.COMPUTE, key=parse_key(parts[1]))
     if kind in (ActionKind.PREFETCH, ActionKind.OFFLOAD):

@@ -22,7 +22,7 @@ from typing import Iterable, Sequence
 
 from harmony_fx.schedule.actions import Action, ActionKind as K, Key, KeyKind, Stream
 
-__all__ = ["ProgramError", "verify_program", "check_peak"]
+__all__ = ["ProgramError", "verify_program", "verify_devices", "check_peak"]
 
 
 class ProgramError(ValueError):
@@ -31,9 +31,9 @@ class ProgramError(ValueError):
 
 def verify_program(actions: Sequence[Action], host_keys: Iterable[Key] = (),
                    host_results: Iterable[Key] = (), resident: Iterable[Key] = ()) -> None:
-    """``host_keys``: keys present on the host before the program (model inputs, grad outputs);
-    ``host_results``: host keys the caller reads afterwards; ``resident``: device keys the program
-    starts with (the forward program's leftovers, for a backward program)."""
+    """``host_keys``: keys present on the host before the program (model inputs, grad outputs, and
+    with several devices what the others offload); ``host_results``: host keys the caller reads
+    afterwards; ``resident``: device keys the program starts with."""
     ready: dict[Key, tuple[int | None, Stream]] = {key: (None, Stream.COMPUTE) for key in resident}
     readers: dict[Key, list[int]] = {}
     waited: dict[Stream, set[int]] = {stream: set() for stream in Stream}
@@ -64,9 +64,16 @@ def verify_program(actions: Sequence[Action], host_keys: Iterable[Key] = (),
         if action.event is not None and kind != K.WAIT:
             stream_of_event[action.event] = action.stream
         if kind == K.WAIT:
-            if action.event not in stream_of_event:
+            if action.event not in stream_of_event and action.peer is None:
                 fail(index, action, f"waits for e{action.event}, which no earlier action records")
             waited[action.stream].add(action.event)
+        elif kind == K.SEND:
+            require_ready(index, action, action.key, Stream.PEER)
+            readers.setdefault(action.key, []).append(action.event)
+        elif kind == K.RECV:
+            if action.key in ready:
+                require_no_readers(index, action, action.key)  # it is added to in place
+            ready[action.key] = (action.event, Stream.PEER)
         elif kind == K.PREFETCH:
             if action.key not in on_host and action.key.kind != KeyKind.WEIGHTS:  # masters live on the host
                 fail(index, action, f"{action.key} is not on the host")
@@ -107,6 +114,69 @@ def verify_program(actions: Sequence[Action], host_keys: Iterable[Key] = (),
         if event is not None and event not in waited[Stream.HOST]:
             raise ProgramError(f"verify_program: the caller reads {key}, but the program never waits for "
                                f"its copy e{event} on the host")
+
+
+def verify_devices(programs: Sequence[Sequence[Action]]) -> None:
+    """Cross-device order: every ``SEND`` has exactly one matching ``RECV`` on its peer and the other
+    way round, every wait for another device's event names an event that device records, and the
+    programs, run together (a ``RECV`` blocks until its ``SEND`` ran, a wait for a ``SEND``'s event
+    until the peer's ``RECV`` ran, a wait for another device's event until that device recorded
+    it), all run to the end: no device waits for another in a cycle."""
+    sends: dict[tuple[Key, int, int], tuple[int, int]] = {}
+    recvs: dict[tuple[Key, int, int], tuple[int, int]] = {}
+    recorded: dict[int, int] = {}
+    for device, actions in enumerate(programs):
+        for index, action in enumerate(actions):
+            if action.kind in (K.SEND, K.RECV):
+                table = sends if action.kind == K.SEND else recvs
+                link = (action.key, device, action.peer) if action.kind == K.SEND else (action.key, action.peer, device)
+                if link in table:
+                    raise ProgramError(f"verify_devices: d{device} action #{index} `{action!r}` "
+                                       f"({action.created_by}): {action.key} crosses d{link[1]} -> d{link[2]} twice")
+                table[link] = (device, index)
+            if action.event is not None and action.kind != K.WAIT:
+                recorded[action.event] = device
+    for link in set(sends) ^ set(recvs):
+        device, index = sends.get(link) or recvs[link]
+        action = programs[device][index]
+        other = "RECV" if link in sends else "SEND"
+        raise ProgramError(f"verify_devices: d{device} action #{index} `{action!r}` ({action.created_by}) has no "
+                           f"matching {other} on d{action.peer}")
+    send_event = {programs[d][i].event: link for link, (d, i) in sends.items()}
+    position = [0] * len(programs)
+    ran_events: set[int] = set()
+    ran_recvs: set[tuple[Key, int, int]] = set()
+    ran_sends: set[tuple[Key, int, int]] = set()
+
+    def blocked(device: int, action: Action) -> bool:
+        if action.kind == K.RECV:
+            return (action.key, action.peer, device) not in ran_sends
+        if action.kind == K.WAIT and action.event in send_event:
+            return send_event[action.event] not in ran_recvs
+        if action.kind == K.WAIT and action.peer is not None:
+            if recorded.get(action.event) != action.peer:
+                raise ProgramError(f"verify_devices: d{device} `{action!r}`: d{action.peer} records no e{action.event}")
+            return action.event not in ran_events
+        return False
+
+    progress = True
+    while progress:
+        progress = False
+        for device, actions in enumerate(programs):
+            while position[device] < len(actions) and not blocked(device, actions[position[device]]):
+                action = actions[position[device]]
+                if action.event is not None and action.kind != K.WAIT:
+                    ran_events.add(action.event)
+                if action.kind == K.SEND:
+                    ran_sends.add((action.key, device, action.peer))
+                elif action.kind == K.RECV:
+                    ran_recvs.add((action.key, action.peer, device))
+                position[device] += 1
+                progress = True
+    stuck = [f"d{d} at #{position[d]} `{programs[d][position[d]]!r}`" for d in range(len(programs))
+             if position[d] < len(programs[d])]
+    if stuck:
+        raise ProgramError("verify_devices: the devices wait for each other in a cycle: " + "; ".join(stuck))
 
 
 def check_peak(peak: int, budget: int | None, device: str) -> None:

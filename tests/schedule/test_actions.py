@@ -14,7 +14,9 @@ TASKS = [kind for kind in ActionKind if kind.name in ("FWD", "RECOMPUTE", "BWD")
 
 def _action(kind: ActionKind, draw) -> Action:
     if kind == ActionKind.WAIT:
-        return Action(kind, draw(st.sampled_from(list(Stream))), event=draw(small))
+        return Action(kind, draw(st.sampled_from(list(Stream))), event=draw(small), peer=draw(st.none() | small))
+    if kind in (ActionKind.SEND, ActionKind.RECV):
+        return Action(kind, Stream.PEER, key=draw(keys), peer=draw(small), event=draw(small))
     if kind == ActionKind.FREE:
         return Action(kind, Stream.COMPUTE, key=draw(keys))
     if kind == ActionKind.PREFETCH:
