@@ -48,7 +48,8 @@ def _build(name: str):
     return model, x, torch.randint(0, 10, (8,), generator=generator), F.cross_entropy
 
 
-def _train(name: str, num_devices: int, chaos: int | None, steps: int = 3):
+def _train(name: str, num_devices: int, chaos: int | None, steps: int = 3, parallel: str = "dp",
+           microbatches: int | None = None):
     model, x, target, loss_fn = _build(name)
     reference = copy.deepcopy(model)
     budget = int(0.35 * eager_training_bytes(model, (x,), lambda out: loss_fn(out, target)))
@@ -56,7 +57,7 @@ def _train(name: str, num_devices: int, chaos: int | None, steps: int = 3):
     reference_optimizer = torch.optim.SGD(reference.parameters(), lr=0.05, momentum=0.9)
     trainer = harmony_fx.Trainer(model, loss_fn, optimizer, ((x,), target), memory_budget=budget,
                                  devices=[f"host:{i}" for i in range(num_devices)],
-                                 microbatches=2 * num_devices, chaos=chaos)
+                                 microbatches=microbatches or 2 * num_devices, chaos=chaos, parallel=parallel)
     losses, reference_losses = [], []
     try:
         for _ in range(steps):
@@ -69,6 +70,10 @@ def _train(name: str, num_devices: int, chaos: int | None, steps: int = 3):
     finally:
         trainer.close()
     return trainer, model, reference, losses, reference_losses, budget
+
+
+def _train_pp(name: str, num_devices: int, microbatches: int = 4, steps: int = 3, chaos: int | None = None):
+    return _train(name, num_devices, chaos, steps, parallel="pp", microbatches=microbatches)
 
 
 @pytest.mark.parametrize("num_devices", [2, 3])
@@ -124,29 +129,6 @@ def test_fewer_microbatches_than_devices_is_refused():
     model, x, target, loss_fn = _build("mlp_chain")
     with pytest.raises(ValueError, match="at least one microbatch per device"):
         harmony_fx.compile(model, x, devices=["host:0", "host:1"], microbatches=1)
-
-
-def _train_pp(name: str, num_devices: int, microbatches: int = 4, steps: int = 3, chaos: int | None = None):
-    model, x, target, loss_fn = _build(name)
-    reference = copy.deepcopy(model)
-    budget = int(0.35 * eager_training_bytes(model, (x,), lambda out: loss_fn(out, target)))
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    reference_optimizer = torch.optim.SGD(reference.parameters(), lr=0.05, momentum=0.9)
-    trainer = harmony_fx.Trainer(model, loss_fn, optimizer, ((x,), target), memory_budget=budget,
-                                 devices=[f"host:{i}" for i in range(num_devices)], microbatches=microbatches,
-                                 parallel="pp", chaos=chaos)
-    losses, reference_losses = [], []
-    try:
-        for _ in range(steps):
-            losses.append(trainer.step(((x,), target)))
-            reference_loss = loss_fn(reference(x), target)
-            reference_loss.backward()
-            reference_optimizer.step()
-            reference_optimizer.zero_grad()
-            reference_losses.append(reference_loss.detach())
-    finally:
-        trainer.close()
-    return trainer, model, reference, losses, reference_losses, budget
 
 
 @pytest.mark.parametrize("num_devices", [2, 3])

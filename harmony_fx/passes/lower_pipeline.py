@@ -25,7 +25,8 @@ from typing import Sequence
 
 from harmony_fx.ir.pack import Pack
 from harmony_fx.passes.lower_program import (
-    ProgramSignature, _buffers_out, _Builder, _Context, _Shared, _update, _weight_grads_out, grad_inputs, weights,
+    ProgramSignature, _buffers_out, _Builder, _Context, _forward_compute, _Shared, _update, _weight_grads_out,
+    grad_inputs, weights,
 )
 from harmony_fx.schedule.actions import Action, ActionKind as K, Key, KeyKind, Stream
 
@@ -122,13 +123,7 @@ def lower_pipeline(packs: Sequence[Pack], signature: ProgramSignature,
                 b.prefetch(key)
         b.use(inputs)
         outputs = [Key(KeyKind.ACT, v, mb) for v in pack.outputs]
-        written = outputs + ([weights(p)] if pack.mutated_buffers else [])
-        if p == last:
-            event = b.compute(K.FWD, p, mb, produces=written + [Key(KeyKind.GRAPH, pack.name, mb)],
-                              consumes=inputs, reads=[weights(p)])
-        else:
-            event = b.compute(K.FWD, p, mb, produces=written, reads=inputs + [weights(p)])
-        forward_events[(p, mb)] = event
+        event = forward_events[(p, mb)] = _forward_compute(b, pack, mb, inputs, outputs, last)
         for key in outputs:
             b.offload(key)
             if p < last and key.name in packs[p + 1].act_inputs and fdev(p + 1) != fdev(p):

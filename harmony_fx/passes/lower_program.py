@@ -257,13 +257,7 @@ def _forward_task(b: _Builder, context: _Context, pack: Pack, mb: int) -> int:
         b.prefetch(key)
     b.use(inputs)
     outputs = [Key(KeyKind.ACT, v, mb) for v in pack.outputs]
-    # a forward that updates buffers in place writes W[p]: copies of it wait for the forward
-    written = outputs + ([weights(p)] if pack.mutated_buffers else [])
-    if p == last:
-        event = b.compute(K.FWD, p, mb, produces=written + [Key(KeyKind.GRAPH, pack.name, mb)],
-                          consumes=inputs, reads=[weights(p)])
-    else:
-        event = b.compute(K.FWD, p, mb, produces=written, reads=inputs + [weights(p)])
+    event = _forward_compute(b, pack, mb, inputs, outputs, last)
     for key in outputs:
         b.offload(key)
     if p < last:
@@ -271,6 +265,17 @@ def _forward_task(b: _Builder, context: _Context, pack: Pack, mb: int) -> int:
             if key.name not in context.next_users[p] and b.resident(key):
                 b.free(key)
     return event
+
+
+def _forward_compute(b: _Builder, pack: Pack, mb: int, inputs: list[Key], outputs: list[Key], last: int) -> int:
+    """The ``FWD`` action: the last pack keeps its graph (and takes over its inputs)."""
+    p = pack.index
+    # a forward that updates buffers in place writes W[p]: copies of it wait for the forward
+    written = outputs + ([weights(p)] if pack.mutated_buffers else [])
+    if p == last:
+        return b.compute(K.FWD, p, mb, produces=written + [Key(KeyKind.GRAPH, pack.name, mb)],
+                         consumes=inputs, reads=[weights(p)])
+    return b.compute(K.FWD, p, mb, produces=written, reads=inputs + [weights(p)])
 
 
 def _backward_task(b: _Builder, context: _Context, pack: Pack, mb: int) -> None:
