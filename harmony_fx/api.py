@@ -155,7 +155,7 @@ class HarmonyModule:
             self.programs = {f"{device.name} {phase}": program for device, programs in zip(self.devices, self.device_programs)
                              for phase, program in programs.items()}
         self.plan = self._make_plan(best, "balanced" if options.pack_boundaries is None else "fixed")
-        self.host_state = HostState([[self._masters[name] for name in pack.params + pack.buffers] for pack in self.packs])
+        self.host_state = _host_state(self.packs, self._masters)
         self.stats = Stats()
 
     def close(self) -> None:
@@ -278,7 +278,7 @@ class HarmonyModule:
         where = target.torch_device
         with fake_mode, torch.random.fork_rng(devices=[]):
             fake = {name: _fake_like(t, where) for name, t in self._masters.items()}
-            host = HostState([[fake[name] for name in pack.params + pack.buffers] for pack in packs])
+            host = _host_state(packs, fake)
             runtime = self._runtime(packs_by_size, device, host, Stats())
             runtime.peer_value = lambda key: _fake_like(self._value_of(key), where)
             runtime.host_values = _MadeOnDemand(lambda key: _fake_like(self._value_of(key), where))
@@ -368,7 +368,7 @@ class HarmonyModule:
             any(p.requires_grad for p in params) or any(x.requires_grad for flat in per_mb for x in flat))
         if needs_grad:
             flat_whole = self.captured.flatten_inputs(args, kwargs)
-            tensor_outputs = _HarmonyFunction.apply(self, per_mb, len(flat_whole), *flat_whole, *params)
+            tensor_outputs = _HarmonyFunction.apply(self, per_mb, *flat_whole, *params)
         else:
             iteration = self.start(per_mb)
             tensor_outputs = self._forward_outputs(iteration)
@@ -575,6 +575,11 @@ def _refuse_fixed_float_casts(gm: fx.GraphModule) -> None:
                 "itself) or use precision='fp32'.")
 
 
+def _host_state(packs: Sequence[Pack], masters: dict[str, torch.Tensor]) -> HostState:
+    """Each pack's masters in the order its weight copies use: parameters, then buffers."""
+    return HostState([[masters[name] for name in pack.params + pack.buffers] for pack in packs])
+
+
 def _fake_like(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     """A FakeTensor (inside a FakeTensorMode) shaped like ``tensor``, on the device packs run on, so
     factory ops retargeted to that device meet tensors of the same device."""
@@ -592,7 +597,8 @@ class _HarmonyFunction(torch.autograd.Function):
     the host gradients to autograd, which accumulates them into ``param.grad`` as usual."""
 
     @staticmethod
-    def forward(ctx, hm: HarmonyModule, per_mb, num_inputs: int, *flat_and_params):
+    def forward(ctx, hm: HarmonyModule, per_mb, *inputs_and_params):
+        # the tensors are arguments only so that autograd connects the outputs to them
         runtime = hm.start(per_mb)
         ctx.hm, ctx.runtime = hm, runtime
         outputs = hm._forward_outputs(runtime)
@@ -606,4 +612,4 @@ class _HarmonyFunction(torch.autograd.Function):
     def backward(ctx, *grad_outputs):
         input_grads, param_grads = ctx.hm._backward(ctx.runtime, grad_outputs)
         ctx.runtime = None
-        return (None, None, None, *input_grads, *param_grads)
+        return (None, None, *input_grads, *param_grads)

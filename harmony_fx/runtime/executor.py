@@ -132,7 +132,6 @@ class Runtime:
         # a standalone runtime (the FakeTensor run of one device's program) makes what peers would
         # send from ``peer_value(key)`` and treats other devices' events as done
         self.peer_value: Callable[[Key], torch.Tensor] | None = None
-        self._keys: dict[str, Key] = {}
 
     # ------------------------------------------------------------------ running programs
     def run(self, program: fx.GraphModule) -> None:
@@ -153,10 +152,7 @@ class Runtime:
         self.device_values.clear()
 
     def key(self, text: str) -> Key:
-        key = self._keys.get(text)
-        if key is None:
-            key = self._keys[text] = parse_key(text)
-        return key
+        return parse_key(text)  # cached: programs name the same keys every iteration
 
     def _submit(self, stream: Stream, work: Callable[[], None], event: "_Event | None" = None) -> "_Event":
         """Run ``work`` on ``stream`` (inline, on a stream thread, or issued to the GPU), timed."""

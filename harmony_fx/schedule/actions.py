@@ -17,6 +17,7 @@ host) wait for one. ``FREE`` drops the device copy of a key, in compute-stream o
 from __future__ import annotations
 
 import dataclasses
+import functools
 import enum
 import re
 from typing import NamedTuple
@@ -69,6 +70,7 @@ class Key(NamedTuple):
 _KIND_BY_VALUE = {kind.value: kind for kind in KeyKind}
 
 
+@functools.lru_cache(maxsize=None)
 def parse_key(text: str) -> Key:
     match = re.fullmatch(r"(\w+)\[([^@\]]+)(?:@(\d+))?\]", text)
     if not match or match.group(1) not in _KIND_BY_VALUE:
