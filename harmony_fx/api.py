@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import traceback
 from typing import Any, Callable, Sequence
 
 import torch
@@ -25,6 +26,7 @@ from harmony_fx.capture import Captured, capture
 from harmony_fx.config import CompileOptions
 from harmony_fx.ir import meta
 from harmony_fx.ir.codegen import generate_program
+from harmony_fx.ir.ops import OP_OF_KIND
 from harmony_fx.ir.pack import Pack
 from harmony_fx.passes.find_layers import Layer, find_layers
 from harmony_fx.passes.lower_pipeline import lower_pipeline
@@ -38,7 +40,7 @@ from harmony_fx.schedule.actions import Action, ActionKind, Key, KeyKind
 from harmony_fx.schedule.format import format_schedule
 from harmony_fx.schedule.plan import PackPlan, Plan
 from harmony_fx.schedule.simulate import bytes_moved
-from harmony_fx.schedule.validate import verify_devices, verify_program
+from harmony_fx.schedule.validate import check_peak, verify_devices, verify_program
 
 __all__ = ["compile", "HarmonyModule"]
 
@@ -71,6 +73,10 @@ class _Candidate:
     packs_by_size: dict[int | None, list[Pack]]
     device_actions: list[tuple[list[Action], list[Action]]]  # (forward, backward) per device
     peaks: list[int]
+    # per device: (kind, pack, mb) -> (net bytes, peak bytes above the start) of each compute task
+    task_memory: list[dict[tuple[str, int, int], tuple[int, int]]]
+    # per device: (index in forward + backward, action) after which its program first holds its peak
+    peak_at: list[tuple[int, Action] | None] = dataclasses.field(default_factory=list)
 
     @property
     def peak(self) -> int:
@@ -141,6 +147,7 @@ class HarmonyModule:
         self.packs = best.packs_by_size[self.mb_sizes[0]]
         annotate_liveness(self.captured.gm)
         self.device_actions = best.device_actions
+        self.task_memory = best.task_memory
         self.forward_actions, self.backward_actions = best.device_actions[0]
         published = frozenset(a.event for pair in best.device_actions for actions in pair for a in actions
                               if a.kind == ActionKind.WAIT and a.peer is not None)
@@ -165,6 +172,8 @@ class HarmonyModule:
             device.streams.close()
         if getattr(self, "_device_threads", None) is not None:
             self._device_threads.shutdown(wait=True)
+        for resized in getattr(self, "_resized", {}).values():
+            resized.close()
 
     # ------------------------------------------------------------------ what people look at
     @property
@@ -220,23 +229,34 @@ class HarmonyModule:
         if self.parallel == "pp":
             signature = dataclasses.replace(self.signature, update_packs=update_packs)
             device_actions = lower_pipeline(packs, signature, len(self.devices))
-            if self.options.verify:
-                offloaded = [a.key for pair in device_actions for actions in pair for a in actions
-                             if a.kind == ActionKind.OFFLOAD]
-                for forward, backward in device_actions:
-                    self._verify(forward, backward, signature, elsewhere=offloaded)
-                verify_devices([forward + backward for forward, backward in device_actions])
         else:
-            device_actions = []
-            for mbs in self.device_microbatches:
-                signature = dataclasses.replace(self.signature, microbatches=mbs, update_packs=update_packs)
-                forward, backward = lower_program(packs, signature)
-                if self.options.verify:
-                    self._verify(forward, backward, signature)
-                device_actions.append((forward, backward))
-        peaks = [self._fake_peak(packs_by_size, forward, backward, mbs, device)
-                 for (forward, backward), mbs, device in zip(device_actions, self.device_microbatches, self.devices)]
-        return _Candidate(packs_by_size, device_actions, peaks)
+            device_actions = [lower_program(packs, dataclasses.replace(self.signature, microbatches=mbs,
+                                                                       update_packs=update_packs))
+                              for mbs in self.device_microbatches]
+        if self.options.verify:
+            self.verify(device_actions, update_packs)
+        task_memory = [{} for _ in self.devices]
+        peak_at: list[tuple[int, Action] | None] = []
+        peaks = [self._fake_peak(packs_by_size, forward, backward, mbs, device, memory, peak_at)
+                 for (forward, backward), mbs, device, memory
+                 in zip(device_actions, self.device_microbatches, self.devices, task_memory)]
+        return _Candidate(packs_by_size, device_actions, peaks, task_memory, peak_at)
+
+    def verify(self, device_actions: Sequence[tuple[Sequence[Action], Sequence[Action]]],
+               update_packs: frozenset[int] = frozenset()) -> None:
+        """Run the program verifier over ``(forward, backward)`` actions per device, as compiling
+        does; raises ``ProgramError`` naming the offending action and the pass that made it."""
+        if self.parallel == "pp":
+            signature = dataclasses.replace(self.signature, update_packs=update_packs)
+            offloaded = [a.key for pair in device_actions for actions in pair for a in actions
+                         if a.kind == ActionKind.OFFLOAD]
+            for forward, backward in device_actions:
+                self._verify(list(forward), list(backward), signature, elsewhere=offloaded)
+            verify_devices([list(forward) + list(backward) for forward, backward in device_actions])
+            return
+        for (forward, backward), mbs in zip(device_actions, self.device_microbatches):
+            signature = dataclasses.replace(self.signature, microbatches=mbs, update_packs=update_packs)
+            self._verify(list(forward), list(backward), signature)
 
     def update_groups(self, packs: Sequence[Pack] | None = None) -> dict[int, list[nn.Parameter]]:
         """``{pack index: the parameters the host updates after that pack's backward}``: each
@@ -269,8 +289,11 @@ class HarmonyModule:
         verify_program(forward + backward, host_keys + grad_keys, backward_results)
 
     def _fake_peak(self, packs_by_size, forward: list[Action], backward: list[Action], mbs: Sequence[int],
-                   target: Device) -> int:
-        """Run one device's programs on FakeTensors on a tracked HostDevice: its static peak."""
+                   target: Device, task_memory: dict | None = None, peak_at: list | None = None) -> int:
+        """Run one device's programs on FakeTensors on a tracked HostDevice: its static peak (and,
+        into ``task_memory``, each compute task's net and peak bytes: see ``Runtime._probed``; onto
+        ``peak_at``, the ``(index, action)`` of ``forward + backward`` after which it first holds
+        the peak, which ``check_peak`` names)."""
         fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
         device = HostDevice("fake", None)
         programs = [generate_program(actions, [""] * len(actions), "Fake") for actions in (forward, backward)]
@@ -289,9 +312,16 @@ class HarmonyModule:
                 for name in self.signature.model_outputs:
                     if name in self.signature.differentiable:
                         runtime.host_values[Key(KeyKind.GRAD, name, mb)] = _fake_like(nodes[name].meta[meta.VAL], where)
-            runtime.run(programs[0])
-            runtime.run(programs[1])
-        return device.peak_bytes()
+            runtime.task_memory = task_memory if task_memory is not None else {}
+            traced = _PeakTrace(runtime)
+            programs[0](traced)
+            programs[1](traced)
+        peak = max(device.peak_bytes(), runtime.probe_peak)
+        if peak_at is not None:
+            actions = forward + backward
+            first = next((i for i, seen in enumerate(traced.peaks) if seen >= peak), None)
+            peak_at.append(None if first is None else (first, actions[first]))
+        return peak
 
     def _value_of(self, key: Key) -> torch.Tensor:
         """The FakeTensor value of an activation (or its gradient) on microbatch ``key.mb``."""
@@ -327,6 +357,9 @@ class HarmonyModule:
         return tensor.numel() * itemsize
 
     def _make_plan(self, best: _Candidate, policy: str) -> Plan:
+        if self.options.verify:  # verify's last check: the chosen program fits every device
+            for device, peak, at in zip(self.devices, best.peaks, best.peak_at):
+                check_peak(peak, self.budget, device.name, at)
         packs = self.packs
         every_action = [a for forward, backward in best.device_actions for a in forward + backward]
         moved = bytes_moved(every_action, self.key_bytes)
@@ -362,6 +395,11 @@ class HarmonyModule:
 
     # ------------------------------------------------------------------ running
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        compiled = self.for_batch(args, kwargs)
+        if compiled is not self:
+            outputs = compiled(*args, **kwargs)
+            self.stats = compiled.stats  # the backward, if any, fills in this same object
+            return outputs
         per_mb = self._split_inputs(args, kwargs)
         params = self._trainable_params()
         needs_grad = torch.is_grad_enabled() and (
@@ -375,6 +413,36 @@ class HarmonyModule:
             iteration.release()
             self._finish_stats()
         return self._structure_outputs(list(tensor_outputs))
+
+    def for_batch(self, args: tuple, kwargs: dict) -> "HarmonyModule":
+        """The module that runs a call on ``(args, kwargs)``: this one when the batch has the
+        example's size, else one compiled for the new batch size, planned on its first call and
+        kept for the next ones (the packs and microbatch sizes depend on the batch size). Only the
+        batch dim may change between calls: other shapes are baked into the captured graph."""
+        flat = self.captured.flatten_inputs(args, kwargs)
+        size = example_size = None
+        for name, given, expected, dim in zip(self.captured.inputs, flat, self._example_flat, self._flat_dims):
+            whole = list(expected.shape)
+            if dim is not None and self.mb_sizes[0] is not None:
+                whole[dim] = sum(self.mb_sizes)  # the example's microbatches are cut along this dim
+            fixed = [n if d != dim else "B" for d, n in enumerate(whole)]
+            given_fixed = [n if d != dim else "B" for d, n in enumerate(given.shape)]
+            if given_fixed != fixed or given.dtype != expected.dtype:
+                free = "no dim of it (batch_dims gives it none)" if dim is None else f"only its batch dim {dim}"
+                raise ValueError(
+                    f"input {name!r} has shape {tuple(given.shape)} and dtype {given.dtype}, but the model was compiled "
+                    f"for {tuple(whole)} and {expected.dtype}; {free} may change between calls (a new batch size is "
+                    "planned on its first call), the other dims are baked into the captured graph. Compile again "
+                    "with an example of the new shape, or pad the inputs to the compiled one.")
+            if dim is not None:
+                size, example_size = given.shape[dim], whole[dim]
+        if size == example_size:
+            return self
+        resized = self.__dict__.setdefault("_resized", {})
+        if size not in resized:
+            resized[size] = HarmonyModule(self.model, args, kwargs, self.options, _trainer=self._trainer,
+                                          _updates=self._updates)
+        return resized[size]
 
     def _split_inputs(self, args: tuple, kwargs: dict) -> list[list[torch.Tensor]]:
         """The flat tensor inputs of each microbatch, checked against the example."""
@@ -422,6 +490,7 @@ class HarmonyModule:
         runtimes: list[Runtime] = []
         for device in self.devices:
             device.reset_peak()
+            device.planned_peak = self.plan.predicted_peak.get(device.name)  # named if it runs out of memory
             shared = runtimes[0] if runtimes else None
             runtimes.append(self._runtime(self._packs_by_size, device, self.host_state, self.stats, on_update, shared,
                                           len(runtimes)))
@@ -466,10 +535,11 @@ class HarmonyModule:
         outputs = []
         for name in self.signature.model_outputs:
             chunks = [runtime.host_values[Key(KeyKind.ACT, name, mb)] for mb in range(self.num_microbatches)]
-            if len(chunks) > 1 and chunks[0].dim() == 0:
-                raise ValueError(f"the model's output {name!r} is a scalar per microbatch, which cannot be put back "
-                                 "into one batch; return per-sample values, or use harmony_fx.Trainer for a loss.")
             dtype = self._nodes[name].meta[meta.VAL].dtype
+            if len(chunks) > 1 and chunks[0].dim() == 0:  # a loss: weighted as eager reduces the whole batch
+                runtime.scalar_weights[name] = self._scalar_weights(name, runtime)
+                outputs.append(microbatch.merge_scalars(chunks, runtime.scalar_weights[name]).to(dtype))
+                continue
             outputs.append(microbatch.merge([chunk.to(dtype) for chunk in chunks], 0))
         return tuple(outputs)
 
@@ -489,7 +559,10 @@ class HarmonyModule:
                 continue
             if grad is None:
                 grad = torch.zeros_like(self._forward_output_like(name))
-            chunks = torch.split(grad, sizes) if len(sizes) > 1 else (grad,)
+            if name in runtime.scalar_weights:
+                chunks = [grad * weight for weight in runtime.scalar_weights[name]]
+            else:
+                chunks = torch.split(grad, sizes) if len(sizes) > 1 else (grad,)
             for mb, chunk in enumerate(chunks):
                 runtime.host_values[Key(KeyKind.GRAD, name, mb)] = chunk
         self.finish(runtime)
@@ -501,10 +574,42 @@ class HarmonyModule:
         param_grads = [runtime.host_grads.get(id(param)) for param in self._trainable_params()]
         return input_grads, param_grads
 
+    def _scalar_weights(self, name: str, runtime: "_Iteration") -> list[float]:
+        """Each microbatch's coefficient in the batch's value of the scalar output ``name``."""
+        reductions = [self._variants[size].captured.reductions[name] for size in self.mb_sizes]
+        inputs = [{n: runtime.host_values[Key(KeyKind.ACT, n, mb)] for n in self.captured.inputs}
+                  for mb in range(self.num_microbatches)]
+        return microbatch.scalar_weights(reductions, inputs)
+
     def _forward_output_like(self, name: str) -> torch.Tensor:
         vals = [self._variants[size].nodes[name].meta[meta.VAL] for size in self.mb_sizes]
         shape = (sum(v.shape[0] for v in vals), *vals[0].shape[1:]) if len(vals) > 1 else vals[0].shape
         return torch.empty(shape, dtype=vals[0].dtype)
+
+
+class _PeakTrace:
+    """The runtime as a program sees it, recording the device's high-water mark after every
+    action (a FakeTensor run on HostStreams: each op's work is done when it returns)."""
+
+    _ACTION_OPS = frozenset(OP_OF_KIND.values())
+
+    def __init__(self, runtime: Runtime) -> None:
+        self._runtime = runtime
+        self.peaks: list[int] = []  # one entry per action, in program order
+
+    def __getattr__(self, name: str):
+        op = getattr(self._runtime, name)
+        if name not in self._ACTION_OPS:
+            return op  # remote/publish: not actions of their own
+
+        def traced(*args):
+            result = op(*args)
+            runtime = self._runtime
+            # the per-task probes reset the device's peak: their running maximum is kept aside
+            self.peaks.append(max(runtime.device.peak_bytes(), runtime.probe_peak))
+            return result
+
+        return traced
 
 
 class _MadeOnDemand(dict):
@@ -529,6 +634,7 @@ class _Iteration:
         self.controller = controller
         self.host_values = runtimes[0].host_values
         self.host_grads = runtimes[0].host_grads
+        self.scalar_weights: dict[str, list[float]] = {}  # per scalar output: each microbatch's share
 
     def run(self, programs: Sequence[Sequence[fx.GraphModule]]) -> None:
         """Run each device's programs, in order; the first error is raised once every device has
@@ -542,6 +648,7 @@ class _Iteration:
                 runtime.links.abort(error)  # no other device waits forever for this one
                 raise
 
+        errors: list[BaseException | None] = []
         try:
             if self.controller is None:
                 run_device(self.runtimes[0], programs[0])
@@ -552,8 +659,13 @@ class _Iteration:
             first = next((error for error in errors if error is not None), None)
             if first is not None:
                 raise first
-        except BaseException:
+        except BaseException as error:
             self.release()
+            # The failed tasks' frames hold device tensors, and through the runtime (the links keep
+            # the error) a cycle back to the error: clear them, so the device memory comes back now,
+            # not when the garbage collector runs. The traceback keeps its lines, not its locals.
+            for failed in {id(e): e for e in [error, *errors] if e is not None}.values():
+                traceback.clear_frames(failed.__traceback__)
             raise
 
     def release(self) -> None:

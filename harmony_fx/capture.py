@@ -8,12 +8,20 @@
    parameters are mapped back to the *model's own* ``nn.Parameter`` objects (tied weights are one
    object, whatever names they go by).
 
-When both fail, one ``ValueError`` shows both reasons and what to try.
+When both fail, one ``ValueError`` shows both reasons and what to try; for constructs it recognises
+(a Hugging Face key/value cache in the output, control flow on tensor values) it names the construct
+and the option that avoids it (``use_cache=False``, ``torch.where``/``torch.cond``).
+
+Keyword inputs and structured outputs (dicts, dataclasses such as Hugging Face's ``ModelOutput``)
+go through ``torch.utils._pytree``: ``flatten_inputs`` and ``unflatten_outputs`` convert between them
+and the graph's flat placeholders and outputs. Every scalar output (a loss) also gets a
+``ScalarReduction`` (see ``microbatch``), so a microbatched run can put it back together.
 """
 from __future__ import annotations
 
 import dataclasses
 import inspect
+import re
 from typing import Any, Callable
 
 import torch
@@ -22,6 +30,7 @@ from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 from torch.utils import _pytree as pytree
 
 from harmony_fx.ir import meta
+from harmony_fx.microbatch import ScalarReduction, scalar_reduction
 
 __all__ = ["Captured", "capture", "CaptureError"]
 
@@ -39,6 +48,7 @@ class Captured:
     when tied). ``inputs``: placeholder names of the user's tensor inputs in flattening order.
     ``flatten_inputs(args, kwargs)`` returns the user's tensors in that order (and checks the
     structure); ``unflatten_outputs(flat)`` rebuilds the model's output structure.
+    ``reductions``: output node name → how that scalar output combines across microbatches.
     """
 
     gm: fx.GraphModule
@@ -48,6 +58,7 @@ class Captured:
     flatten_inputs: Callable[[tuple, dict], list[Any]]
     unflatten_outputs: Callable[[list[Any]], Any]
     method: str
+    reductions: dict[str, ScalarReduction] = dataclasses.field(default_factory=dict)
 
 
 def capture(model: nn.Module, args: tuple, kwargs: dict | None = None) -> Captured:
@@ -58,12 +69,27 @@ def capture(model: nn.Module, args: tuple, kwargs: dict | None = None) -> Captur
         args = (args,)
     kwargs = dict(kwargs or {})
     try:
-        return _capture_with_export(model, args, kwargs)
+        captured = _capture_with_export(model, args, kwargs)
     except Exception as export_error:  # noqa: BLE001 - every failure falls back to tracing
         try:
-            return _capture_with_symbolic_trace(model, args, kwargs)
+            captured = _capture_with_symbolic_trace(model, args, kwargs)
         except Exception as trace_error:  # noqa: BLE001
             raise CaptureError(_capture_failure_message(model, export_error, trace_error)) from export_error
+    captured.reductions = _scalar_reductions(captured.gm)
+    return captured
+
+
+def _scalar_reductions(gm: fx.GraphModule) -> dict[str, ScalarReduction]:
+    # read now, before any pass rewrites the graph: the label counting copies part of it to run on the host
+    outputs = gm.graph.find_nodes(op="output")[0].args[0]
+    return {node.name: scalar_reduction(gm, node) for node in outputs
+            if isinstance(node, fx.Node) and isinstance(node.meta.get(meta.VAL), torch.Tensor)
+            and node.meta[meta.VAL].dim() == 0}
+
+
+_CACHE_IN_OUTPUT = re.compile(r"Found <class '([\w.]*Cache)'> in output")
+_UNKNOWN_OUTPUT = re.compile(r"Found <class '([\w.]+)'> in output")
+_DATA_DEPENDENT = ("data-dependent", "data dependent", "GuardOnDataDependentSymNode")
 
 
 def _capture_failure_message(model: nn.Module, export_error: Exception, trace_error: Exception) -> str:
@@ -75,10 +101,29 @@ def _capture_failure_message(model: nn.Module, export_error: Exception, trace_er
         f"harmony_fx could not capture {type(model).__name__} as a graph.\n"
         f"  torch.export (non-strict) failed with   {first_line(export_error)}\n"
         f"  torch.fx.symbolic_trace failed with     {first_line(trace_error)}\n"
-        "What to try: remove Python control flow that depends on tensor values (if x.sum() > 0: ...) "
-        "or express it with torch.where / torch.cond; turn off caches and other stateful options "
-        "(e.g. use_cache=False for Hugging Face models); pass every tensor the forward needs as an "
-        "input instead of creating it from data inside forward."
+        f"What to try: {_advice(export_error)}"
+    )
+
+
+def _advice(export_error: Exception) -> str:
+    """The construct export stopped at, and the option that avoids it, where the error says which."""
+    text = str(export_error)
+    if match := _CACHE_IN_OUTPUT.search(text):
+        return (f"the model returns a key/value cache ({match.group(1)}), which is inference state, not a "
+                "tensor; build the model with use_cache=False (e.g. GPT2Config(use_cache=False), or set "
+                "model.config.use_cache = False) or pass use_cache=False in the call.")
+    if match := _UNKNOWN_OUTPUT.search(text):
+        return (f"the model returns a {match.group(1)}, which harmony_fx cannot take apart into tensors; return "
+                "tensors, tuples, lists, dicts or dataclasses, or register the type with "
+                "torch.utils._pytree.register_pytree_node.")
+    if any(marker in text for marker in _DATA_DEPENDENT):
+        return ("Python control flow depends on a tensor's values (if x.sum() > 0: ...); express it with "
+                "torch.where or torch.cond, or move it out of forward.")
+    return (
+        "remove Python control flow that depends on tensor values (if x.sum() > 0: ...) or express it with "
+        "torch.where / torch.cond; turn off caches and other stateful options (e.g. use_cache=False for Hugging "
+        "Face models); pass every tensor the forward needs as an input instead of creating it from data inside "
+        "forward."
     )
 
 

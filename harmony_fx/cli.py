@@ -1,5 +1,8 @@
 """``harmony-fx``: the command line.
 
+``harmony-fx plan MODEL``: plan a model on hardware that need not be at hand (see
+``commands/plan.py``).
+
 ``harmony-fx demo``: train a small GPT with ``harmony_fx.Trainer`` on one HostDevice whose memory
 budget is a quarter of what eager training needs; print loss, bytes moved and peak vs budget each
 step; check the first losses against eager training of an identical copy.
@@ -12,6 +15,8 @@ import sys
 import time
 
 import torch
+
+from harmony_fx.commands import plan
 
 __all__ = ["main"]
 
@@ -30,9 +35,12 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--lr", type=float, default=1e-2)
     demo.add_argument("--check-steps", type=int, default=3, help="steps compared with eager training")
     demo.add_argument("--quick", action="store_true", help="a smaller model, for CI")
+    plan.add_parser(commands)
     args = parser.parse_args(argv)
     if args.command == "demo":
         return _demo(args)
+    if args.command == "plan":
+        return plan.run(args)
     raise AssertionError(args.command)
 
 

@@ -4,17 +4,33 @@ Sizes need not divide evenly: a batch of 10 in 4 microbatches is ``[3, 3, 2, 2]`
 ``torch.tensor_split``). Each top-level input of ``forward`` is split along its batch dim
 (``batch_dims``: one int for all, or ``{argument name: dim or None}``; ``None`` passes the input
 whole to every microbatch, e.g. a mask shared by the batch).
+
+A scalar output (the loss a Hugging Face model returns) has no batch dim to concatenate along.
+``scalar_reduction`` reads from the graph how the model reduced it, and ``scalar_weights`` turns
+that into one coefficient per microbatch, so that the batch's value is
+``sum(coefficient * microbatch value)`` exactly as eager computes it on the whole batch:
+
+* a mean over labelled items (``cross_entropy``, ``nll_loss``): weighted by how many labels each
+  microbatch has that are not ``ignore_index`` (counted on the host from the labels input);
+* a mean over all elements (``mean``, ``mse_loss``, ...): weighted by the number of elements;
+* a sum: every coefficient is 1.
 """
 from __future__ import annotations
 
+import dataclasses
+import enum
 import inspect
-from typing import Any, Sequence
+import operator
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
-from torch import nn
+from torch import fx, nn
 from torch.utils import _pytree as pytree
 
-__all__ = ["microbatch_sizes", "argument_dims", "batch_size", "split_call", "merge"]
+from harmony_fx.ir import meta
+
+__all__ = ["microbatch_sizes", "argument_dims", "batch_size", "split_call", "merge", "Combine", "ScalarReduction",
+           "scalar_reduction", "scalar_weights", "merge_scalars"]
 
 
 def microbatch_sizes(batch: int, num: int) -> list[int]:
@@ -78,3 +94,143 @@ def merge(chunks: Sequence[Any], dim: int | None) -> Any:
     if any(chunk is None for chunk in chunks):
         return None
     return torch.cat(list(chunks), dim=dim) if dim is not None else torch.stack(list(chunks)).sum(0)
+
+
+# ------------------------------------------------------------------------------ scalar outputs
+
+aten = torch.ops.aten
+
+
+class Combine(enum.Enum):
+    MEAN = "mean"
+    SUM = "sum"
+
+
+@dataclasses.dataclass(frozen=True)
+class ScalarReduction:
+    """How one microbatch's value of a scalar output enters the whole batch's.
+
+    ``combine``: ``MEAN`` weights microbatch i by ``count(inputs_i)`` (the number of items its mean
+    is over; ``inputs_i``: placeholder name → the microbatch's input), ``SUM`` adds the values;
+    ``None`` when the graph does not say, and ``why`` tells the user what to do instead.
+    """
+
+    combine: Combine | None
+    count: Callable[[Mapping[str, torch.Tensor]], int] | None = None
+    why: str = ""
+
+
+# ops a scalar passes through unchanged in kind: a mean stays a mean, a sum a sum
+_PASS_THROUGH = {aten.alias.default, aten.clone.default, aten.view.default, aten.reshape.default,
+                 aten.squeeze.default, aten.to.dtype, aten._to_copy.default, aten.contiguous.default,
+                 aten.detach.default}
+_LABELLED_LOSSES = {aten.cross_entropy_loss.default, aten.nll_loss_nd.default, aten.nll_loss.default,
+                    aten.nll_loss2d.default, aten.nll_loss_forward.default}
+_MEAN_REDUCTION, _SUM_REDUCTION = 1, 2  # at::Reduction
+
+
+def scalar_reduction(gm: fx.GraphModule, node: fx.Node) -> ScalarReduction:
+    """How the scalar ``node`` (an output of the captured ATen graph ``gm``) reduces its batch."""
+    origin = node
+    while node.op == "call_function":
+        if node.target in _PASS_THROUGH:
+            node = node.args[0]
+        elif node.target in (aten.mul.Tensor, aten.div.Tensor) and isinstance(node.args[1], (int, float)):
+            node = node.args[0]  # scaling by a constant commutes with either combination
+        elif node.target is operator.getitem and node.args[1] == 0 and node.args[0].target is aten.nll_loss_forward.default:
+            node = node.args[0]  # (loss, total_weight)
+        else:
+            break
+    target = node.target
+    if target in (aten.sum.default, aten.sum.dim_IntList):
+        return ScalarReduction(Combine.SUM)
+    if target in (aten.mean.default, aten.mean.dim):
+        return _mean_over_elements(node.args[0])
+    reduction = _argument(node, "reduction") if isinstance(target, torch._ops.OpOverload) else None
+    if reduction == _SUM_REDUCTION:
+        return ScalarReduction(Combine.SUM)
+    if reduction == _MEAN_REDUCTION and target in _LABELLED_LOSSES:
+        return _mean_over_labels(gm, node)
+    if reduction == _MEAN_REDUCTION:  # mse_loss, l1_loss, binary_cross_entropy, ...: every element
+        return _mean_over_elements(node.args[0])
+    return ScalarReduction(None, why=(
+        f"the model's output {origin.name!r} is one number per microbatch, made by {node.format_node()}, and "
+        "harmony_fx only knows how to put means and sums of the batch (cross_entropy, mse_loss, mean, sum, ...) "
+        "back together; return per-sample values (reduction='none'), or use microbatches=1."))
+
+
+def scalar_weights(reductions: Sequence[ScalarReduction], inputs: Sequence[Mapping[str, torch.Tensor]]) -> list[float]:
+    """One coefficient per microbatch (``reductions[i]`` and ``inputs[i]`` are microbatch i's): the
+    batch's value is ``sum(coefficient_i * value_i)``, and so microbatch i's gradient is the batch's
+    times ``coefficient_i``."""
+    for reduction in reductions:
+        if reduction.combine is None:
+            raise ValueError(reduction.why)
+    if reductions[0].combine == Combine.SUM:
+        return [1.0] * len(reductions)
+    counts = [reduction.count(mb_inputs) for reduction, mb_inputs in zip(reductions, inputs)]
+    total = sum(counts)
+    return [count / total if total else float("nan") for count in counts]
+
+
+def merge_scalars(values: Sequence[torch.Tensor], weights: Sequence[float]) -> torch.Tensor:
+    """``sum(w * v)``, leaving out microbatches of weight 0: their mean is over nothing (NaN), and
+    eager's mean over the whole batch never sees them."""
+    return torch.stack([value * weight for value, weight in zip(values, weights) if weight != 0]).sum(0)
+
+
+def _mean_over_elements(value: fx.Node) -> ScalarReduction:
+    numel = value.meta[meta.VAL].numel()
+    return ScalarReduction(Combine.MEAN, lambda inputs: numel)
+
+
+def _mean_over_labels(gm: fx.GraphModule, loss: fx.Node) -> ScalarReduction:
+    """A cross entropy's mean is over the targets that are not ``ignore_index``."""
+    if _argument(loss, "weight") is not None:
+        return ScalarReduction(None, why=(
+            f"{loss.format_node()} weights its classes, so a microbatch's share of the batch's mean depends on "
+            "which classes it holds; use reduction='sum' (and divide by the batch's total weight yourself) or "
+            "microbatches=1."))
+    ignore_index = _argument(loss, "ignore_index")
+    target = loss.args[1]
+    try:
+        labels = _input_function(gm, target)
+    except ValueError as error:
+        return ScalarReduction(None, why=str(error))
+    return ScalarReduction(Combine.MEAN, lambda inputs: int((labels(inputs) != ignore_index).sum()))
+
+
+def _input_function(gm: fx.GraphModule, node: fx.Node) -> Callable[[Mapping[str, torch.Tensor]], torch.Tensor]:
+    """``node``'s value computed from the model's inputs alone, by a copy of the part of ``gm`` that
+    makes it (the copy is taken before any pass retargets the graph, so it runs on the host)."""
+    needed: set[fx.Node] = set()
+    stack = [node]
+    while stack:
+        current = stack.pop()
+        if current not in needed:
+            needed.add(current)
+            stack.extend(current.all_input_nodes)
+    placeholders = [n for n in gm.graph.nodes if n in needed and n.op == "placeholder"]
+    state = [n.name for n in placeholders if meta.role_of(n) != meta.Role.INPUT]
+    if state:
+        raise ValueError(f"the labels of {node.name!r} are computed from the model's parameters or buffers {state}; "
+                         "harmony_fx counts each microbatch's labels from its inputs alone. Use microbatches=1.")
+    graph = fx.Graph()
+    copies: dict[fx.Node, fx.Node] = {}
+    for n in gm.graph.nodes:
+        if n in needed:
+            copies[n] = graph.node_copy(n, copies.__getitem__)
+    graph.output(copies[node])
+    function = fx.GraphModule(gm, graph)
+    names = [n.name for n in placeholders]
+    return lambda inputs: function(*[inputs[name] for name in names])
+
+
+def _argument(node: fx.Node, name: str) -> Any:
+    """The value of the ATen op's argument ``name`` at ``node``, its schema default if not given."""
+    for index, argument in enumerate(node.target._schema.arguments):
+        if argument.name == name:
+            if index < len(node.args):
+                return node.args[index]
+            return node.kwargs.get(name, argument.default_value if argument.has_default_value() else None)
+    return None

@@ -10,12 +10,32 @@ the device goes on with the backward of the packs before it. The updates are the
 
 ``max_grad_norm`` needs every gradient before any update (the norm is global), so with clipping the
 update runs after the backward, not overlapped with it.
+
+A step is all or nothing. The overlap means some packs are updated while later tasks of the same
+iteration may still fail (an error in a task, a device out of memory, Ctrl-C, a non-finite loss
+found at the end), so before it updates a pack, the update worker copies that pack's parameters and
+their optimizer state (host to host, on the worker, so the copy overlaps the device's backward as
+the update does); if the step fails, every pack updated so far is put back from its copy, newest
+first, along with the buffers the forward wrote back (BatchNorm statistics) and each parameter's
+``.grad``. Deferring the updates to the end instead would keep no copies but would give up the
+overlap, the point of per-pack updates. The price is host memory: until the step ends, the copies
+of the packs updated so far (at most one more copy of the parameters and optimizer state).
+
+Checkpoints (``state_dict``/``load_state_dict``, ``save``/``load``) hold what decides the next
+losses: the host master weights and buffers (the model's own tensors, which the compiled packs
+read every iteration), the optimizer's state, the step counter and the RNG states. Only the global
+generators matter: a recompute replays an RNG state saved by the forward of the same iteration,
+and each iteration starts with no saved states.
 """
 from __future__ import annotations
 
 import collections
 import concurrent.futures
+import copy
 import inspect
+import os
+import random
+import tempfile
 import threading
 import time
 from typing import Any, Callable, Sequence
@@ -28,7 +48,11 @@ from harmony_fx.config import CompileOptions
 from harmony_fx.runtime.executor import Runtime
 from harmony_fx.schedule.actions import Key, KeyKind
 
-__all__ = ["Trainer"]
+__all__ = ["Trainer", "NonFiniteLossError"]
+
+# Stored in every checkpoint; bump when its layout changes.
+_CHECKPOINT_FORMAT = "harmony_fx.Trainer"
+_CHECKPOINT_VERSION = 1
 
 
 class _LossModel(nn.Module):
@@ -51,11 +75,18 @@ class Trainer:
     ``loss_fn(output, target)`` takes. Both are split into microbatches along dim 0 (the loss of
     the batch is the size-weighted mean of the microbatch losses, as for a ``mean`` reduction; pass
     ``loss_reduction="sum"`` for a summed loss). Other options are those of ``harmony_fx.compile``.
+
+    A batch of another size than ``example_batch`` is planned on its first step and kept (see
+    ``HarmonyModule.for_batch``); other shape changes are refused. A step whose loss is NaN or
+    infinite raises ``NonFiniteLossError`` (a ``FloatingPointError`` and a ``ValueError``) naming the
+    step, and leaves the weights and optimizer state as they were; with ``skip_nonfinite=True`` the
+    step is skipped instead (nothing updated, its number recorded in ``skipped_steps``) and the
+    loss is returned as it is.
     """
 
     def __init__(self, model: nn.Module, loss_fn: Callable[[Any, Any], torch.Tensor],
                  optimizer: torch.optim.Optimizer, example_batch: tuple, *, max_grad_norm: float | None = None,
-                 loss_reduction: str = "mean", **options: Any) -> None:
+                 loss_reduction: str = "mean", skip_nonfinite: bool = False, **options: Any) -> None:
         if loss_reduction not in ("mean", "sum"):
             raise ValueError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
         model_params = {id(p) for p in model.parameters()}
@@ -66,6 +97,8 @@ class Trainer:
         self.model = model
         self.optimizer = optimizer
         self.max_grad_norm = max_grad_norm
+        self.skip_nonfinite = skip_nonfinite
+        self.skipped_steps: list[int] = []  # the step numbers skipped for a non-finite loss
         self.loss_reduction = loss_reduction
         inputs, target = self._unpack(example_batch)
         if isinstance(options.get("batch_dims"), dict):
@@ -77,7 +110,7 @@ class Trainer:
                                 _trainer=True, _updates=max_grad_norm is None)
         (self._loss_name,) = self.hm.signature.model_outputs
         self._groups = self.hm.update_groups()
-        self._workers = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="harmony-update")
+        self._last_hm = self.hm  # the module that ran the last step (one per batch size)
         self.step_count = 0
 
     # ------------------------------------------------------------------ what people look at
@@ -87,7 +120,7 @@ class Trainer:
 
     @property
     def stats(self):
-        return self.hm.stats
+        return self._last_hm.stats
 
     @property
     def code(self) -> str:
@@ -98,51 +131,122 @@ class Trainer:
 
     # ------------------------------------------------------------------ training
     def step(self, batch: tuple) -> torch.Tensor:
+        """One iteration on ``batch``; returns the batch's loss. All or nothing: if anything fails
+        (including Ctrl-C), the weights, buffers and optimizer state are as before the call."""
         inputs, target = self._unpack(batch)
-        per_mb = self.hm._split_inputs((*inputs, target), {})
+        hm = self.hm.for_batch((*inputs, target), {})
+        groups = self._groups if hm is self.hm else hm.update_groups()
+        (loss_name,) = hm.signature.model_outputs
+        per_mb = hm._split_inputs((*inputs, target), {})
         sizes = [flat[0].shape[0] for flat in per_mb]
         weights = [size / sum(sizes) if self.loss_reduction == "mean" else 1.0 for size in sizes]
-        loss_val = self.hm._nodes[self._loss_name].meta["val"]
-        output_grads = {Key(KeyKind.GRAD, self._loss_name, mb): torch.full(loss_val.shape, w, dtype=loss_val.dtype)
+        loss_val = hm._nodes[loss_name].meta["val"]
+        output_grads = {Key(KeyKind.GRAD, loss_name, mb): torch.full(loss_val.shape, w, dtype=loss_val.dtype)
                         for mb, w in enumerate(weights)}
+        undo = _Undo(self.optimizer, [p for group in groups.values() for p in group], _written_buffers(hm))
         pending: list[concurrent.futures.Future] = []
-
         arrivals: collections.Counter = collections.Counter()
         arrivals_lock = threading.Lock()
+        # a worker per step, shut down before the step returns or raises: no update can still be
+        # running when the step is undone, and no thread outlives the step
+        workers = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="harmony-update")
 
         def on_update(runtime: Runtime, pack_index: int) -> None:
             # data-parallel: the gradients are complete once every device has sent its share
             with arrivals_lock:
                 arrivals[pack_index] += 1
-                if arrivals[pack_index] < self.hm.update_arrivals:
+                if arrivals[pack_index] < hm.update_arrivals:
                     return
-                params = self._groups.get(pack_index, [])
+                params = groups.get(pack_index, [])
                 for param in params:
                     param.grad = runtime.host_grads.get(id(param))
-                pending.append(self._workers.submit(_timed, _step_subset, self.optimizer, params))
+                pending.append(workers.submit(_timed, _update, self.optimizer, params, undo))
 
-        runtime = None
+        self._last_hm = hm
         try:
-            runtime = self.hm.run_iteration(per_mb, on_update, output_grads)
-        finally:
-            waited_from = time.perf_counter()
-            update_seconds = sum(future.result() for future in pending)  # re-raises an update's error here
-            self.stats.update_exposed_seconds = time.perf_counter() - waited_from
-            self.stats.update_seconds = update_seconds
-        if self.max_grad_norm is not None:
-            params = [p for group in self._groups.values() for p in group]
-            for param in params:
-                param.grad = runtime.host_grads.get(id(param))
-            torch.nn.utils.clip_grad_norm_(params, self.max_grad_norm)
-            seconds = _timed(self.optimizer.step)
-            self.stats.update_seconds = self.stats.update_exposed_seconds = seconds
+            try:
+                runtime = hm.run_iteration(per_mb, on_update, output_grads)
+            finally:
+                waited_from = time.perf_counter()
+                workers.shutdown(wait=True)
+                hm.stats.update_exposed_seconds = time.perf_counter() - waited_from
+            hm.stats.update_seconds = sum(future.result() for future in pending)  # re-raises an update's error
+            losses = [runtime.host_values[Key(KeyKind.ACT, loss_name, mb)] for mb in range(len(per_mb))]
+            loss = sum(w * loss.detach().float() for w, loss in zip(weights, losses))
+            if not torch.isfinite(loss):
+                raise NonFiniteLossError(
+                    f"Trainer.step: the loss of step {self.step_count} is {loss.item()}; the step was undone "
+                    "(weights and optimizer state are as before it). Lower the learning rate, check the batch, "
+                    "or pass skip_nonfinite=True to skip such steps.")
+            if self.max_grad_norm is not None:
+                params = [p for group in groups.values() for p in group]
+                for param in params:
+                    param.grad = runtime.host_grads.get(id(param))
+                torch.nn.utils.clip_grad_norm_(params, self.max_grad_norm)
+                seconds = _timed(_update, self.optimizer, None, undo)
+                hm.stats.update_seconds = hm.stats.update_exposed_seconds = seconds
+        except BaseException as error:
+            workers.shutdown(wait=True)  # again: a second Ctrl-C may have cut the first wait short
+            undo.restore()
+            if isinstance(error, NonFiniteLossError) and self.skip_nonfinite:
+                self.skipped_steps.append(self.step_count)
+                self.step_count += 1
+                return loss
+            raise
         self.step_count += 1
-        losses = [runtime.host_values[Key(KeyKind.ACT, self._loss_name, mb)] for mb in range(len(per_mb))]
-        return sum(w * loss.detach().float() for w, loss in zip(weights, losses))
+        return loss
+
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        """A copy of everything the next steps depend on; later steps do not change it."""
+        return {
+            "format": _CHECKPOINT_FORMAT,
+            "version": _CHECKPOINT_VERSION,
+            "step_count": self.step_count,
+            "model": {name: t.detach().clone() for name, t in self.model.state_dict().items()},
+            # the optimizer's own state_dict shares its state tensors, which updates modify in place
+            "optimizer": copy.deepcopy(self.optimizer.state_dict()),
+            "rng": _get_rng_states(),
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore ``state_dict`` in place: the values are copied into the existing master tensors,
+        which the compiled packs hold. A checkpoint of another model is refused before anything
+        changes."""
+        if state_dict.get("format") != _CHECKPOINT_FORMAT or state_dict.get("version") != _CHECKPOINT_VERSION:
+            raise ValueError(f"not a {_CHECKPOINT_FORMAT} checkpoint of version {_CHECKPOINT_VERSION} "
+                             f"(format {state_dict.get('format')!r}, version {state_dict.get('version')!r})")
+        _check_same_model(self.model.state_dict(), state_dict["model"])
+        # the optimizer first: it checks its parameter groups before changing anything
+        self.optimizer.load_state_dict(state_dict["optimizer"])
+        self.model.load_state_dict(state_dict["model"])  # copy_ under no_grad: the tensors stay the same objects
+        _set_rng_states(state_dict["rng"])
+        self.step_count = state_dict["step_count"]
+
+    def save(self, path: str | os.PathLike) -> None:
+        """Write ``state_dict()`` to ``path`` atomically: a temporary file in the same directory (so
+        the rename stays on one file system) renamed over ``path``, so a crash mid-write leaves the
+        previous checkpoint whole."""
+        path = os.fspath(path)
+        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)), prefix=f".{os.path.basename(path)}.",
+                                   suffix=".tmp")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                torch.save(self.state_dict(), f)
+                f.flush()
+                os.fsync(f.fileno())  # the bytes are on disk before the rename makes them the checkpoint
+            os.replace(tmp, path)
+        except BaseException:
+            os.unlink(tmp)
+            raise
+
+    def load(self, path: str | os.PathLike) -> None:
+        """Restore this trainer from a file written by ``save``."""
+        # everything in a checkpoint is tensors and plain Python values: no pickled code runs
+        self.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
 
     def close(self) -> None:
-        """Stop the update worker and the device's stream threads."""
-        self._workers.shutdown(wait=True)
+        """Stop the device's stream threads (each step's update worker stops with the step)."""
         self.hm.close()
 
     @staticmethod
@@ -154,10 +258,111 @@ class Trainer:
         return (tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)), target
 
 
+def _check_same_model(expected: dict[str, torch.Tensor], loaded: dict[str, torch.Tensor]) -> None:
+    missing = sorted(expected.keys() - loaded.keys())
+    unexpected = sorted(loaded.keys() - expected.keys())
+    mismatched = [f"{name}: checkpoint {tuple(loaded[name].shape)} {loaded[name].dtype}, "
+                  f"model {tuple(t.shape)} {t.dtype}"
+                  for name, t in expected.items()
+                  if name in loaded and (loaded[name].shape != t.shape or loaded[name].dtype != t.dtype)]
+    problems = ([f"missing from the checkpoint: {', '.join(missing)}"] if missing else []) + \
+               ([f"not in the model: {', '.join(unexpected)}"] if unexpected else []) + mismatched
+    if problems:
+        raise ValueError("the checkpoint is of a different model; " + "; ".join(problems))
+
+
+def _get_rng_states() -> dict[str, Any]:
+    """Every global generator a model or data pipeline commonly draws from. Stored as tensors and
+    plain Python values, so ``torch.load(weights_only=True)`` reads them back."""
+    states: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    # only when CUDA is in use: asking for its states would otherwise initialise it
+    if torch.cuda.is_initialized():
+        states["cuda"] = torch.cuda.get_rng_state_all()
+    numpy = _numpy()
+    if numpy is not None:
+        _, key, pos, has_gauss, gauss = numpy.random.get_state()
+        states["numpy"] = (key.tolist(), pos, has_gauss, gauss)  # a list, not an ndarray: weights_only
+    return states
+
+
+def _set_rng_states(states: dict[str, Any]) -> None:
+    torch.set_rng_state(states["torch"])
+    version, internal, gauss = states["python"]
+    random.setstate((version, tuple(internal), gauss))  # torch.load may hand back lists for tuples
+    if "cuda" in states and torch.cuda.is_available():  # a GPU run resumed on a CPU has no CUDA RNG to set
+        torch.cuda.set_rng_state_all(states["cuda"])
+    numpy = _numpy()
+    if numpy is not None and "numpy" in states:
+        key, pos, has_gauss, gauss = states["numpy"]
+        numpy.random.set_state(("MT19937", numpy.array(key, dtype=numpy.uint32), pos, has_gauss, gauss))
+
+
+def _numpy():
+    try:
+        import numpy
+    except ImportError:  # optional: without numpy there is no numpy RNG to keep
+        return None
+    return numpy
+
+
 def _timed(fn: Callable, *args) -> float:
     started = time.perf_counter()
     fn(*args)
     return time.perf_counter() - started
+
+
+class NonFiniteLossError(FloatingPointError, ValueError):
+    """A step's loss is NaN or infinite (the step was undone, or skipped with ``skip_nonfinite``)."""
+
+
+class _Undo:
+    """What a step changes on the host, kept so that a failed step can be put back (see the module
+    docstring): ``save`` runs on the update worker right before each update."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, params: Sequence[nn.Parameter],
+                 buffers: Sequence[torch.Tensor]) -> None:
+        self.optimizer = optimizer
+        # taken at the start: .grad is replaced (not written into) as each pack's gradients arrive
+        self.grads = [(param, param.grad) for param in params]
+        self.buffers = [(buffer, buffer.clone()) for buffer in buffers]
+        self.saved: list[tuple[nn.Parameter, torch.Tensor, dict | None]] = []
+
+    def save(self, params: Sequence[nn.Parameter]) -> None:
+        for param in params:
+            state = self.optimizer.state.get(param)
+            copied = None if state is None else {k: v.clone() if isinstance(v, torch.Tensor) else copy.deepcopy(v)
+                                                 for k, v in state.items()}
+            self.saved.append((param, param.detach().clone(), copied))
+
+    @torch.no_grad()
+    def restore(self) -> None:
+        for param, data, state in reversed(self.saved):
+            param.copy_(data)
+            if state is None:
+                self.optimizer.state.pop(param, None)  # it had no state before this step
+            else:
+                self.optimizer.state[param] = state
+        self.saved.clear()
+        for buffer, data in self.buffers:
+            buffer.copy_(data)
+        for param, grad in self.grads:
+            param.grad = grad
+
+
+def _written_buffers(hm: HarmonyModule) -> list[torch.Tensor]:
+    """The master buffers the forward writes back (BatchNorm statistics), each once."""
+    buffers = {id(t): t for pack in hm.packs for name in pack.mutated_buffers for t in [hm._masters[name]]}
+    return list(buffers.values())
+
+
+def _update(optimizer: torch.optim.Optimizer, params: Sequence[nn.Parameter] | None, undo: _Undo) -> None:
+    """Save what the update changes, then step ``params`` (``None``: every parameter)."""
+    if params is None:
+        undo.save([p for group in optimizer.param_groups for p in group["params"]])
+        optimizer.step()
+    else:
+        undo.save(params)
+        _step_subset(optimizer, params)
 
 
 def _step_subset(optimizer: torch.optim.Optimizer, params: Sequence[nn.Parameter]) -> None:

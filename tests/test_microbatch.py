@@ -240,11 +240,13 @@ def test_input_grad_with_microbatches_on_a_chain():
     torch.testing.assert_close(x.grad, x_ref.grad, rtol=RTOL, atol=ATOL)
 
 
-def test_batch_of_another_size_is_refused():
+def test_batch_of_another_size_is_cut_into_as_many_microbatches():
     model = MLPChain(width=8, depth=2)
     hm = harmony_fx.compile(model, torch.randn(8, 8), microbatches=2)
-    with pytest.raises(ValueError, match="compiled for 8"):
-        hm(torch.randn(6, 8))
+    x = torch.randn(6, 8)
+    torch.testing.assert_close(hm(x), model(x), rtol=RTOL, atol=ATOL)
+    resized = hm.for_batch((x,), {})
+    assert resized is not hm and resized.mb_sizes == [3, 3]
 
 
 # ---------------------------------------------------------------------- the Trainer's microbatched loss

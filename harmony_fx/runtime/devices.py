@@ -36,6 +36,7 @@ class Device:
     name: str
     budget: int | None
     streams: HostStreams | ChaosStreams | CudaStreams
+    planned_peak: int | None = None  # the static peak of the program running here, if known
 
     def to_device(self, host: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
@@ -77,17 +78,33 @@ class HostDevice(Device):
                  chaos: int | None = None) -> None:
         """``chaos``: a seed; streams then run on worker threads with random delays."""
         self.name = name
-        self.budget = budget
         self.torch_device = torch.device("cpu")
         self.streams = HostStreams() if chaos is None else ChaosStreams(chaos)
         self.tracker = AllocationTracker(budget, self._out_of_memory)
         self.track_memory = track_memory
         self.context = ""  # what is running, for the out-of-memory message
+        # the static peak of the program running here (set by the compiled module), for that message
+        self.planned_peak: int | None = None
+
+    @property
+    def budget(self) -> int | None:
+        return self.tracker.cap
+
+    @budget.setter
+    def budget(self, budget: int | None) -> None:
+        self.tracker.cap = budget  # the account enforces whatever the budget is now
 
     def _out_of_memory(self, live: int, cap: int) -> None:
+        planned = ""
+        if self.planned_peak is not None:
+            planned = f"; the plan's static peak here is {self.planned_peak:,} bytes"
+            if self.planned_peak > cap:
+                planned += (" (the budget was lowered below the plan after compiling: compile again under "
+                            f"memory_budget={cap})")
         raise DeviceOutOfMemoryError(
-            f"{self.name}: out of memory{self.context}: {format_size(live)} in use, budget {format_size(cap)}. "
-            "Give a larger memory_budget, or more microbatches so each task holds less."
+            f"{self.name}: out of memory{self.context}: {live:,} bytes ({format_size(live)}) in use, budget "
+            f"{cap:,} bytes ({format_size(cap)}){planned}. Give a larger memory_budget, or more microbatches so "
+            "each task holds less."
         )
 
     def to_device(self, host: torch.Tensor) -> torch.Tensor:

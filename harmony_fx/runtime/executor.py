@@ -132,6 +132,8 @@ class Runtime:
         # a standalone runtime (the FakeTensor run of one device's program) makes what peers would
         # send from ``peer_value(key)`` and treats other devices' events as done
         self.peer_value: Callable[[Key], torch.Tensor] | None = None
+        self.task_memory: dict[tuple[str, int, int], tuple[int, int]] | None = None
+        self.probe_peak = 0
 
     # ------------------------------------------------------------------ running programs
     def run(self, program: fx.GraphModule) -> None:
@@ -178,13 +180,16 @@ class Runtime:
             if key.kind == KeyKind.WEIGHTS:
                 pack = self.packs[int(key.name[1:])]
                 value = []
-                for slot, master in enumerate(self.host.masters[pack.index]):
-                    copy = device.to_device(self._compute_dtype(master))
-                    if slot < len(pack.params) and master.requires_grad:
-                        copy.requires_grad_(True)
-                    value.append(copy)
+                what = f" while copying the weights of {pack.name} ({pack.describe_layers()}) to the device"
+                with _DeviceContext(device, what):
+                    for slot, master in enumerate(self.host.masters[pack.index]):
+                        copy = device.to_device(self._compute_dtype(master))
+                        if slot < len(pack.params) and master.requires_grad:
+                            copy.requires_grad_(True)
+                        value.append(copy)
             else:
-                value = device.to_device(self._compute_dtype(self.host_values[key]))
+                with _DeviceContext(device, f" while copying {key} to the device"):
+                    value = device.to_device(self._compute_dtype(self.host_values[key]))
             self._count("h2d", key, value)
             self.device_values[key] = value
 
@@ -278,13 +283,32 @@ class Runtime:
             self.stats.busy_seconds[Stream.HOST.value] += time.perf_counter() - started
 
     def fwd(self, pack_index: int, mb: int) -> _Event:
-        return self._submit(Stream.COMPUTE, lambda: self._forward(pack_index, mb))
+        return self._submit(Stream.COMPUTE, self._probed("FWD", pack_index, mb, lambda: self._forward(pack_index, mb)))
 
     def recompute(self, pack_index: int, mb: int) -> _Event:
-        return self._submit(Stream.COMPUTE, lambda: self._recompute(pack_index, mb))
+        return self._submit(Stream.COMPUTE,
+                            self._probed("RECOMPUTE", pack_index, mb, lambda: self._recompute(pack_index, mb)))
 
     def bwd(self, pack_index: int, mb: int) -> _Event:
-        return self._submit(Stream.COMPUTE, lambda: self._backward(pack_index, mb))
+        return self._submit(Stream.COMPUTE, self._probed("BWD", pack_index, mb, lambda: self._backward(pack_index, mb)))
+
+    def _probed(self, kind: str, pack_index: int, mb: int, work: Callable[[], None]) -> Callable[[], None]:
+        """With ``task_memory`` set (the FakeTensor run that plans memory), record each compute
+        task's net bytes and its peak above what was live when it started: the planner's memory
+        profile. ``probe_peak`` keeps the device's overall peak across the per-task resets."""
+        if self.task_memory is None:
+            return work
+
+        def probed() -> None:
+            device = self.device
+            self.probe_peak = max(self.probe_peak, device.peak_bytes())
+            before = device.live_bytes()
+            device.reset_peak()
+            work()
+            peak = device.peak_bytes()
+            self.probe_peak = max(self.probe_peak, peak)
+            self.task_memory[(kind, pack_index, mb)] = (device.live_bytes() - before, peak - before)
+        return probed
 
     # ------------------------------------------------------------------ compute (on the compute stream)
     def _forward(self, pack_index: int, mb: int) -> None:

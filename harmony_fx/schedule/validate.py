@@ -9,12 +9,18 @@ it is valid and the copies still reading it, and for each stream the events it h
 3. A host→device copy of a value the program offloaded earlier waits for that offload.
 4. Nothing is freed (``FREE``, or taken over by a task) while a copy that reads it may still run:
    the compute stream must have waited for every such copy.
-5. Every copy whose result the caller reads is waited for on the host before the program ends,
-   and an ``UPDATE`` comes after the host waited for every weight-gradient copy before it.
-6. The static peak (from ``simulate`` or the fake run) is within the budget.
+5. Every device→host copy is waited for on the host before the program ends (what lands later
+   would race with the caller, who reads the results, and with the next program, which reads the
+   stash without waiting on this one's events), and an ``UPDATE`` comes after the host waited for
+   every weight-gradient copy before it.
+6. The static peak (from the FakeTensor run of the program) is within the budget (``check_peak``).
+
+``verify_devices`` checks what no single device can: every ``SEND`` meets its ``RECV``, a key one
+device copies to the host is read by another only after it waited for that copy, and the devices,
+run together, never wait for each other in a cycle.
 
 Errors are ``ProgramError`` (a ``ValueError``) naming the action, its index, and the pass that
-created it.
+created it (``Action.created_by``).
 """
 from __future__ import annotations
 
@@ -29,6 +35,13 @@ class ProgramError(ValueError):
     """A program that the verifier refuses."""
 
 
+def _describe(index: int, action: Action, device: int | None = None) -> str:
+    """``d1 action #12 `FREE act[x@0]` (created by lower_program)``: what an error names."""
+    where = "" if device is None else f"d{device} "
+    creator = f" (created by {action.created_by})" if action.created_by else ""
+    return f"{where}action #{index} `{action!r}`{creator}"
+
+
 def verify_program(actions: Sequence[Action], host_keys: Iterable[Key] = (),
                    host_results: Iterable[Key] = (), resident: Iterable[Key] = ()) -> None:
     """``host_keys``: keys present on the host before the program (model inputs, grad outputs, and
@@ -40,13 +53,19 @@ def verify_program(actions: Sequence[Action], host_keys: Iterable[Key] = (),
     on_host: dict[Key, int | None] = {key: None for key in host_keys}
     stream_of_event: dict[int, Stream] = {}
     dw_offloads: list[tuple[Key, int]] = []
+    offloads: list[tuple[int, Action]] = []
+    # the action that last took each key off the device: an early FREE shows up at the next use,
+    # and the error names both
+    gone: dict[Key, tuple[int, Action]] = {}
 
     def fail(index: int, action: Action, problem: str) -> None:
-        creator = f" (created by {action.created_by})" if action.created_by else ""
-        raise ProgramError(f"verify_program: action #{index} `{action!r}`{creator}: {problem}")
+        raise ProgramError(f"verify_program: {_describe(index, action)}: {problem}")
 
     def require_ready(index: int, action: Action, key: Key, stream: Stream) -> None:
         if key not in ready:
+            if key in gone:
+                fail(index, action, f"{key} is not on the device here: {_describe(*gone[key])} already "
+                                    f"dropped it; move that FREE after its last use")
             fail(index, action, f"{key} is not on the device here (never fetched, or already freed)")
         event, made_on = ready[key]
         if event is not None and made_on != stream and event not in waited[stream] and event not in waited[Stream.HOST]:
@@ -74,6 +93,7 @@ def verify_program(actions: Sequence[Action], host_keys: Iterable[Key] = (),
             if action.key in ready:
                 require_no_readers(index, action, action.key)  # it is added to in place
             ready[action.key] = (action.event, Stream.PEER)
+            gone.pop(action.key, None)
         elif kind == K.PREFETCH:
             if action.key not in on_host and action.key.kind != KeyKind.WEIGHTS:  # masters live on the host
                 fail(index, action, f"{action.key} is not on the host")
@@ -82,11 +102,13 @@ def verify_program(actions: Sequence[Action], host_keys: Iterable[Key] = (),
                 fail(index, action, f"copies {action.key} from the host before its offload e{source} finished: "
                                     f"WAIT for e{source} on h2d first")
             ready[action.key] = (action.event, Stream.H2D)
+            gone.pop(action.key, None)
         elif kind == K.OFFLOAD:
             for key in action.reads or (action.key,):
                 require_ready(index, action, key, Stream.D2H)
                 readers.setdefault(key, []).append(action.event)
             on_host[action.key] = action.event
+            offloads.append((index, action))
             if action.key.kind == KeyKind.WGRAD:
                 dw_offloads.append((action.key, action.event))
             if action.key.kind == KeyKind.BUFFERS:  # written into the masters the next W copy reads
@@ -101,47 +123,74 @@ def verify_program(actions: Sequence[Action], host_keys: Iterable[Key] = (),
                 fail(index, action, f"frees {action.key}, which is not on the device")
             require_no_readers(index, action, action.key)
             del ready[action.key]
+            gone[action.key] = (index, action)
         else:  # compute
             for key in action.reads + action.consumes:
                 require_ready(index, action, key, Stream.COMPUTE)
             for key in action.consumes:
                 require_no_readers(index, action, key)
                 del ready[key]
+                gone[key] = (index, action)
             for key in action.writes:
                 ready[key] = (action.event, Stream.COMPUTE)
+                gone.pop(key, None)
     for key in host_results:
         event = on_host.get(key)
         if event is not None and event not in waited[Stream.HOST]:
             raise ProgramError(f"verify_program: the caller reads {key}, but the program never waits for "
-                               f"its copy e{event} on the host")
+                               f"its copy e{event} on the host: add WAIT e{event} host at the end")
+    for index, action in offloads:
+        if action.event not in waited[Stream.HOST]:
+            fail(index, action, f"the program ends without the host waiting for this copy: add "
+                                f"WAIT e{action.event} host before the end")
 
 
 def verify_devices(programs: Sequence[Sequence[Action]]) -> None:
-    """Cross-device order: every ``SEND`` has exactly one matching ``RECV`` on its peer and the other
-    way round, every wait for another device's event names an event that device records, and the
-    programs, run together (a ``RECV`` blocks until its ``SEND`` ran, a wait for a ``SEND``'s event
-    until the peer's ``RECV`` ran, a wait for another device's event until that device recorded
-    it), all run to the end: no device waits for another in a cycle."""
+    """Cross-device order (``programs[d]``: device d's actions, forward then backward):
+
+    1. every ``SEND`` has exactly one matching ``RECV`` on its peer and the other way round;
+    2. every wait for another device's event names an event that device records;
+    3. a ``PREFETCH`` of a key another device copies to the host comes after this device waited
+       (on its h2d stream or the host) for that copy: the host is shared, the streams are not;
+    4. the programs, run together (a ``RECV`` blocks until its ``SEND`` ran, a wait for a
+       ``SEND``'s event until the peer's ``RECV`` ran, a wait for another device's event until that
+       device recorded it), all run to the end: no device waits for another in a cycle."""
     sends: dict[tuple[Key, int, int], tuple[int, int]] = {}
     recvs: dict[tuple[Key, int, int], tuple[int, int]] = {}
     recorded: dict[int, int] = {}
+    writers: dict[Key, list[tuple[int, int]]] = {}  # host key -> (device, event) of each copy writing it
+
+    def fail(device: int, index: int, problem: str) -> None:
+        raise ProgramError(f"verify_devices: {_describe(index, programs[device][index], device)}: {problem}")
+
     for device, actions in enumerate(programs):
         for index, action in enumerate(actions):
             if action.kind in (K.SEND, K.RECV):
                 table = sends if action.kind == K.SEND else recvs
                 link = (action.key, device, action.peer) if action.kind == K.SEND else (action.key, action.peer, device)
                 if link in table:
-                    raise ProgramError(f"verify_devices: d{device} action #{index} `{action!r}` "
-                                       f"({action.created_by}): {action.key} crosses d{link[1]} -> d{link[2]} twice")
+                    fail(device, index, f"{action.key} crosses d{link[1]} -> d{link[2]} twice")
                 table[link] = (device, index)
             if action.event is not None and action.kind != K.WAIT:
                 recorded[action.event] = device
+            if action.kind == K.OFFLOAD:
+                writers.setdefault(action.key, []).append((device, action.event))
+                if action.key.kind == KeyKind.BUFFERS:  # written into the masters the next W copy reads
+                    writers.setdefault(Key(KeyKind.WEIGHTS, action.key.name), []).append((device, action.event))
     for link in set(sends) ^ set(recvs):
         device, index = sends.get(link) or recvs[link]
-        action = programs[device][index]
         other = "RECV" if link in sends else "SEND"
-        raise ProgramError(f"verify_devices: d{device} action #{index} `{action!r}` ({action.created_by}) has no "
-                           f"matching {other} on d{action.peer}")
+        fail(device, index, f"has no matching {other} on d{programs[device][index].peer}")
+    for device, actions in enumerate(programs):
+        waited: set[int] = set()
+        for index, action in enumerate(actions):
+            if action.kind == K.WAIT and action.stream in (Stream.H2D, Stream.HOST):
+                waited.add(action.event)
+            elif action.kind == K.PREFETCH:
+                for writer, event in writers.get(action.key, ()):
+                    if writer != device and event not in waited:
+                        fail(device, index, f"copies {action.key} from the host, which d{writer} writes with "
+                                            f"e{event}, without waiting for it: WAIT e{event} h2d from d{writer} first")
     send_event = {programs[d][i].event: link for link, (d, i) in sends.items()}
     position = [0] * len(programs)
     ran_events: set[int] = set()
@@ -155,7 +204,7 @@ def verify_devices(programs: Sequence[Sequence[Action]]) -> None:
             return send_event[action.event] not in ran_recvs
         if action.kind == K.WAIT and action.peer is not None:
             if recorded.get(action.event) != action.peer:
-                raise ProgramError(f"verify_devices: d{device} `{action!r}`: d{action.peer} records no e{action.event}")
+                fail(device, position[device], f"d{action.peer} records no e{action.event}")
             return action.event not in ran_events
         return False
 
@@ -173,12 +222,18 @@ def verify_devices(programs: Sequence[Sequence[Action]]) -> None:
                     ran_recvs.add((action.key, action.peer, device))
                 position[device] += 1
                 progress = True
-    stuck = [f"d{d} at #{position[d]} `{programs[d][position[d]]!r}`" for d in range(len(programs))
+    stuck = [_describe(position[d], programs[d][position[d]], d) for d in range(len(programs))
              if position[d] < len(programs[d])]
     if stuck:
-        raise ProgramError("verify_devices: the devices wait for each other in a cycle: " + "; ".join(stuck))
+        raise ProgramError("verify_devices: the devices wait for each other in a cycle; each is stuck at its "
+                           "first action that waits for another: " + "; ".join(stuck))
 
 
-def check_peak(peak: int, budget: int | None, device: str) -> None:
+def check_peak(peak: int, budget: int | None, device: str, at: tuple[int, Action] | None = None) -> None:
+    """The static peak on ``device`` (from the FakeTensor run of its program) is within ``budget``.
+    ``at``: ``(index, action)`` of the action after which the program first holds ``peak`` bytes,
+    named in the error."""
     if budget is not None and peak > budget:
-        raise ProgramError(f"verify_program: the static peak on {device} is {peak} bytes, over the budget of {budget}")
+        where = "" if at is None else f", reached at {_describe(*at)}"
+        raise ProgramError(f"verify_program: the static peak on {device} is {peak:,} bytes{where}, over the budget "
+                           f"of {budget:,} bytes; raise memory_budget to at least {peak:,} or plan again")

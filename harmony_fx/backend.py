@@ -1,0 +1,217 @@
+"""The ``torch.compile`` backend: ``torch.compile(model, backend="harmony", options={...})``.
+
+Dynamo hands the backend one ``fx.GraphModule`` per graph it captured (several when the forward
+has graph breaks) with that graph's example inputs. Since torch 2.5 Dynamo inlines ``nn.Module``
+calls and lifts the model's parameters and buffers to graph inputs, so the inputs mix the model's
+state with the call's activations. The backend
+
+1. sorts the inputs (``_Kind``): an ``nn.Parameter`` is a parameter; a tensor Dynamo reached
+   through an attribute or a global (``self.bn._buffers['running_mean']``) is a buffer; a Python
+   number Dynamo passes as an input (a symbolic size, a float attribute wrapped in a tensor) is a
+   size when it is a dim of an activation and otherwise a constant; every other tensor (from the
+   call's arguments, or made by the graph before a break) is an activation;
+2. on the first call (when every input is a real value) wraps the graph in ``_DynamoGraph``, an
+   ``nn.Module`` whose parameters and buffers *are* the model's own tensor objects and whose
+   forward takes the activations only, and compiles that with ``harmony_fx.compile`` (``options``
+   are its keyword options): the host masters are the model's own parameters, gradients accumulate
+   into their ``.grad``, buffer updates (BatchNorm statistics) land in the model's buffers;
+3. calls the harmony module with the activations; a new activation shape gets its own program.
+
+Microbatches run the graph at a smaller batch, so its batch dim must be symbolic: with Dynamo's
+default static shapes the batch size is baked into the graph (``x.view(8, -1)``), and the backend
+refuses ``microbatches > 1`` and says to compile with ``dynamic=True`` (or ``mark_dynamic``).
+
+Each graph of a model with graph breaks becomes its own harmony program; gradients cross the break
+through autograd, as between any two autograd functions. The backend is registered through the
+``torch_dynamo_backends`` entry point (``pyproject.toml``): ``backend="harmony"`` works after a
+plain ``import torch``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import enum
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import fx, nn
+from torch.fx import traceback as fx_traceback
+
+from harmony_fx.api import HarmonyModule, compile as harmony_compile
+from harmony_fx.config import CompileOptions
+
+__all__ = ["harmony"]
+
+_OPTION_NAMES = tuple(field.name for field in dataclasses.fields(CompileOptions))
+
+
+class _Kind(enum.Enum):
+    PARAM = "param"
+    BUFFER = "buffer"
+    ACTIVATION = "activation"
+    SIZE = "size"          # a dim of an activation: recomputed from the (micro)batch
+    CONSTANT = "constant"  # any other number: baked in at the first call
+
+
+@dataclasses.dataclass(frozen=True)
+class _Input:
+    name: str
+    kind: _Kind
+    dim_of: tuple[int, int] | None = None  # SIZE: (graph input index of the activation, dim)
+
+
+def harmony(gm: fx.GraphModule, example_inputs: Sequence[Any], *, options: dict | None = None,
+            mode: str | None = None) -> Callable[..., Any]:
+    """Compile one Dynamo graph for harmony; ``options`` are ``harmony_fx.compile``'s keyword options."""
+    if mode not in (None, "default"):
+        raise ValueError(f"torch.compile(mode={mode!r}) has no meaning for the harmony backend; pass harmony's "
+                         f"settings as options={{...}} (any of {', '.join(_OPTION_NAMES)}).")
+    options = dict(options or {})
+    unknown = sorted(set(options) - set(_OPTION_NAMES))
+    if unknown:
+        raise TypeError(f"unknown option(s) {unknown} for backend='harmony'; the options are those of "
+                        f"harmony_fx.compile: {', '.join(_OPTION_NAMES)}.")
+    placeholders = gm.graph.find_nodes(op="placeholder")
+    inputs = _sort_inputs(placeholders, example_inputs)
+    if _num_microbatches(options) > 1 and "batch_dims" not in options:
+        _check_batch_is_symbolic(placeholders, inputs)
+    return _Compiled(gm, inputs, options)
+
+
+def _num_microbatches(options: dict) -> int:
+    """As ``HarmonyModule`` will decide: ``microbatches``, else one per device."""
+    if options.get("microbatches"):
+        return options["microbatches"]
+    devices = options.get("devices")
+    if devices is None:
+        return max(torch.cuda.device_count(), 1)
+    return devices if isinstance(devices, int) else len(devices) if isinstance(devices, (list, tuple)) else 1
+
+
+def _sort_inputs(placeholders: Sequence[fx.Node], example_inputs: Sequence[Any]) -> list[_Input]:
+    from torch._dynamo.source import AttrSource, GlobalSource, TensorProperty, TensorPropertySource
+
+    graphargs = [node.meta.get("grapharg") for node in placeholders]  # Dynamo's record of where each came from
+    sources = [getattr(grapharg, "source", None) for grapharg in graphargs]
+    activation_of_source = {}
+    kinds = []
+    for index, (grapharg, value, source) in enumerate(zip(graphargs, example_inputs, sources)):
+        if isinstance(value, nn.Parameter):
+            kind = _Kind.PARAM
+        elif not isinstance(value, torch.Tensor) or getattr(grapharg, "pass_arg_as_tensor", False):
+            kind = _Kind.CONSTANT  # refined to SIZE below, once every activation is known
+        elif _has_base(source, (AttrSource, GlobalSource)):
+            kind = _Kind.BUFFER
+        else:
+            kind = _Kind.ACTIVATION
+            activation_of_source[source] = index
+        kinds.append(kind)
+    inputs = []
+    for node, kind, source in zip(placeholders, kinds, sources):
+        if (kind == _Kind.CONSTANT and isinstance(source, TensorPropertySource)
+                and source.prop == TensorProperty.SIZE and source.base in activation_of_source):
+            inputs.append(_Input(node.name, _Kind.SIZE, (activation_of_source[source.base], source.idx)))
+        else:
+            inputs.append(_Input(node.name, kind))
+    return inputs
+
+
+def _has_base(source: Any, types: tuple[type, ...]) -> bool:
+    """Whether ``source`` or a source it is reached from is one of ``types``."""
+    while source is not None:
+        if isinstance(source, types):
+            return True
+        source = getattr(source, "base", None)
+    return False
+
+
+def _check_batch_is_symbolic(placeholders: Sequence[fx.Node], inputs: Sequence[_Input]) -> None:
+    for node, item in zip(placeholders, inputs):
+        value = node.meta.get("example_value")
+        if item.kind == _Kind.ACTIVATION and isinstance(value, torch.Tensor) and value.dim() > 0:
+            if not isinstance(value.shape[0], torch.SymInt):
+                raise ValueError(
+                    f"Dynamo baked the batch size into the graph (its input {node.name} has the fixed shape "
+                    f"{tuple(value.shape)}), so harmony cannot run it on microbatches. Compile with "
+                    "torch.compile(model, backend='harmony', dynamic=True, options=...) (or call "
+                    "torch._dynamo.mark_dynamic(x, 0) on each batched input before the first call), or use "
+                    "microbatches=1.")
+
+
+class _DynamoGraph(nn.Module):
+    """Dynamo's graph as a module: the model's parameters and buffers are this module's own (the
+    same tensor objects), and ``forward`` takes the activations only."""
+
+    def __init__(self, gm: fx.GraphModule, inputs: Sequence[_Input], args: Sequence[Any]) -> None:
+        super().__init__()
+        self.graph_module = gm
+        self.inputs = list(inputs)
+        self.constants: dict[int, Any] = {}
+        for index, (item, value) in enumerate(zip(inputs, args)):
+            if item.kind == _Kind.PARAM:
+                self.register_parameter(item.name, value)
+            elif item.kind == _Kind.BUFFER:
+                self.register_buffer(item.name, value)
+            elif item.kind == _Kind.CONSTANT:
+                self.constants[index] = value
+        self.activation_indices = [i for i, item in enumerate(inputs) if item.kind == _Kind.ACTIVATION]
+
+    def forward(self, *inputs: torch.Tensor) -> Any:
+        by_index = dict(zip(self.activation_indices, inputs))
+        args = []
+        for index, item in enumerate(self.inputs):
+            if item.kind == _Kind.ACTIVATION:
+                args.append(by_index[index])
+            elif item.kind == _Kind.SIZE:
+                args.append(by_index[item.dim_of[0]].shape[item.dim_of[1]])
+            elif item.kind == _Kind.CONSTANT:
+                args.append(self.constants[index])
+            else:
+                args.append(getattr(self, item.name))
+        # run node by node with each node's meta current, so the captured graph's nodes inherit
+        # Dynamo's nn_module_stack ("L['self'].h[0]"), from which find_layers cuts the layers
+        with fx_traceback.preserve_node_meta():
+            return fx.Interpreter(self.graph_module).run(*args)
+
+
+class _Compiled:
+    """What Dynamo calls in place of its graph: Dynamo's flat inputs in, the graph's outputs out.
+    The harmony module is compiled at the first call with each set of activation shapes."""
+
+    def __init__(self, gm: fx.GraphModule, inputs: Sequence[_Input], options: dict) -> None:
+        self.gm, self.inputs, self.options = gm, list(inputs), options
+        self.modules: dict[tuple, tuple[_DynamoGraph, HarmonyModule]] = {}
+
+    @property
+    def harmony_modules(self) -> list[HarmonyModule]:
+        """The harmony modules compiled so far (one per activation shape): ``plan``, ``code``, ``stats``."""
+        return [hm for _, hm in self.modules.values()]
+
+    def __call__(self, *args: Any) -> Any:
+        activations = [arg for arg, item in zip(args, self.inputs) if item.kind == _Kind.ACTIVATION]
+        key = tuple((tuple(x.shape), x.dtype, x.requires_grad) for x in activations)
+        if key not in self.modules:
+            module = _DynamoGraph(self.gm, self.inputs, args)
+            options = dict(self.options)
+            # every activation is cut along dim 0, but a 0-dim one (a scalar from before a break) goes whole
+            options.setdefault("batch_dims", {"inputs": tuple(0 if x.dim() else None for x in activations)})
+            self.modules[key] = module, harmony_compile(module, tuple(activations), **options)
+        module, hm = self.modules[key]
+        self._check_state(module, args)
+        return hm(*activations)
+
+    def _check_state(self, module: _DynamoGraph, args: Sequence[Any]) -> None:
+        """The harmony program was planned around the model's tensor objects and the numbers of the
+        first call; say so if Dynamo hands over others without recompiling."""
+        for index, item in enumerate(self.inputs):
+            if item.kind in (_Kind.PARAM, _Kind.BUFFER) and args[index] is not getattr(module, item.name):
+                raise ValueError(f"the model's tensor {item.name!r} was replaced after torch.compile; call "
+                                 "torch._dynamo.reset() and compile again.")
+            if item.kind == _Kind.CONSTANT and not _same(args[index], module.constants[index]):
+                raise ValueError(f"the graph input {item.name!r} is {args[index]!r} but was {module.constants[index]!r} "
+                                 "when harmony compiled the graph; call torch._dynamo.reset() and compile again.")
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        return a.shape == b.shape and bool((a == b).all())
+    return a == b

@@ -1,0 +1,147 @@
+"""``harmony-fx plan MODEL``: choose packs, microbatches and parallelism for a model on hardware
+that need not be at hand, and say how fast one iteration will be and what bounds it."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+from harmony_fx.config import format_size, parse_size
+
+__all__ = ["add_parser", "run"]
+
+_OPTIMIZER_STATE = {"adam": 8, "sgd": 4, "none": 0}
+
+
+def add_parser(commands) -> None:
+    plan = commands.add_parser("plan", help="plan a model (a preset or file.py:function) on N devices",
+                               description=__doc__)
+    plan.add_argument("model", help="gpt2-xl, bert-large, llama-7b, gpt3-175b, or path/to/file.py:function "
+                                    "returning (model, example_inputs)")
+    plan.add_argument("--devices", type=int, default=1)
+    plan.add_argument("--device-spec", default="a100-80gb", help="a GPU preset, or 'host' (this machine, measured)")
+    plan.add_argument("--memory-budget", help="bytes per device (default: the device's memory), e.g. 40GiB")
+    plan.add_argument("--host-memory", help="host memory for masters, optimizer state and stash, e.g. 2TB")
+    plan.add_argument("--host-link", help="all devices' host traffic together, bytes/s per direction "
+                                          "(default: 4 devices' links)")
+    plan.add_argument("--optimizer", choices=sorted(_OPTIMIZER_STATE), default="adam",
+                      help="sizes the optimizer state kept on the host (adam: 8 bytes per parameter)")
+    plan.add_argument("--update-rate", type=float, default=1e9, help="host optimizer throughput, parameters/s")
+    plan.add_argument("--batch-size", type=int, help="samples per iteration (default: the preset's)")
+    plan.add_argument("--microbatches", type=int, help="fix the number of microbatches (default: searched)")
+    plan.add_argument("--parallel", choices=["auto", "dp", "pp"], default="auto")
+    plan.add_argument("--precision", choices=["bf16", "fp32"], default="bf16")
+    plan.add_argument("--json", action="store_true", help="print the plan as JSON")
+    plan.add_argument("--trace", help="write the simulated iteration as a Chrome trace (JSON) here")
+
+
+def run(args: argparse.Namespace) -> int:
+    from harmony_fx.planner.presets import PRESETS, load_profile, preset_profile
+    from harmony_fx.planner.search import PlanningError, search
+    from harmony_fx.planner.specs import HostSpec, get_spec
+    from harmony_fx.trace import write_trace
+
+    started = time.perf_counter()
+    log = (lambda message: print(message, file=sys.stderr)) if args.json else print
+    try:
+        spec = get_spec(args.device_spec)
+        if args.model in PRESETS:
+            profile, batch_size = preset_profile(args.model, args.precision)
+        else:
+            profile, batch_size = load_profile(args.model, args.precision)
+        batch_size = args.batch_size or batch_size
+        link = parse_size(args.host_link) if args.host_link else 4 * spec.host_bandwidth
+        host = HostSpec(memory=parse_size(args.host_memory), link_bandwidth=link,
+                        update_params_per_second=args.update_rate, optimizer_state_bytes=_OPTIMIZER_STATE[args.optimizer])
+        log(f"planning {profile.name}: {profile.num_params / 1e9:.2f}B parameters, {len(profile.layers)} layers, "
+            f"batch {batch_size}, {args.precision}, on {args.devices} x {spec.name}")
+        choice = search(profile, spec, host, batch_size=batch_size, devices=args.devices,
+                        budget=parse_size(args.memory_budget), parallel=args.parallel,
+                        microbatches=args.microbatches, progress=lambda m: log(f"  {m}"))
+    except (PlanningError, ValueError) as error:
+        print(f"harmony-fx plan: {error}", file=sys.stderr)
+        return 2
+    report = _report(profile, choice, spec, host, time.perf_counter() - started)
+    if args.trace:
+        write_trace(args.trace, choice.simulation.trace_events())
+        report["trace"] = args.trace
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        print(_table(profile, choice))
+        print(_summary(report))
+    return 0
+
+
+def _packs(profile, choice) -> list[dict]:
+    from harmony_fx.planner.chain import pack_layers
+
+    schedule = choice.schedule
+    rows = []
+    for index, layers in enumerate(pack_layers(schedule.boundaries, len(profile.layers))):
+        first = profile.layers[layers.start]
+        stash = (profile.input_bytes if layers.start == 0 else profile.layers[layers.start - 1].out_bytes)
+        if schedule.parallel == "pp":
+            count = len(schedule.boundaries)
+            device = f"d{index % schedule.devices}/d{(2 * (count - 1) - index) % schedule.devices}"
+        else:
+            device = "all" if schedule.devices > 1 else "d0"
+        rows.append({
+            "pack": index, "layers": [first.name, profile.layers[layers.stop - 1].name], "num_layers": len(layers),
+            "params": sum(profile.layers[i].num_params for i in layers),
+            "weight_bytes": sum(profile.layers[i].param_bytes for i in layers),
+            "stash_bytes": int(stash * choice.batch_size), "device": device,
+        })
+    return rows
+
+
+def _report(profile, choice, spec, host, seconds: float) -> dict:
+    simulation, schedule = choice.simulation, choice.schedule
+    return {
+        "model": profile.name, "parameters": profile.num_params, "layers": len(profile.layers),
+        "batch_size": choice.batch_size, "precision": profile.precision,
+        "device_spec": spec.name, "devices": schedule.devices, "parallel": schedule.parallel,
+        "microbatches": schedule.microbatches, "packs": _packs(profile, choice), "policy": choice.policy,
+        "iteration_seconds": simulation.seconds, "samples_per_second": choice.samples_per_second(),
+        "lower_bound_seconds": choice.lower_bound, "bound_by": choice.bound,
+        "bytes_moved": {f"{d}/{k}": n for (d, k), n in sorted(simulation.bytes_moved.items())},
+        "peak_bytes": simulation.peak_bytes, "host_bytes": choice.host_bytes,
+        "compared_seconds": choice.compared, "planning_seconds": seconds,
+    }
+
+
+def _table(profile, choice) -> str:
+    rows = [("pack", "layers", "params", "weights", "stash", "devices (fwd/bwd)")]
+    for pack in _packs(profile, choice):
+        first, last = pack["layers"]
+        layers = first if pack["num_layers"] == 1 else f"{first} .. {last} ({pack['num_layers']})"
+        rows.append((str(pack["pack"]), layers, f"{pack['params'] / 1e6:,.1f}M", format_size(pack["weight_bytes"]),
+                     format_size(pack["stash_bytes"]), pack["device"]))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in rows]
+    lines.insert(1, "  ".join("-" * width for width in widths))
+    return "\n".join(lines)
+
+
+def _summary(report: dict) -> str:
+    moved = report["bytes_moved"]
+    by_direction = {}
+    for key, n in moved.items():
+        direction = key.split("/")[0]
+        by_direction[direction] = by_direction.get(direction, 0) + n
+    compared = ", ".join(f"{policy} {seconds:.3g} s" for policy, seconds in report["compared_seconds"].items())
+    return "\n".join([
+        "",
+        f"{len(report['packs'])} packs, {report['microbatches']} microbatches, "
+        + (f"{report['parallel']} over {report['devices']} devices" if report["devices"] > 1 else "one device")
+        + f" (packing: {report['policy']})",
+        f"predicted iteration {report['iteration_seconds']:.4g} s, {report['samples_per_second']:.4g} samples/s",
+        f"lower bound {report['lower_bound_seconds']:.4g} s ({report['bound_by']}-bound): "
+        f"{report['iteration_seconds'] / report['lower_bound_seconds']:.2f}x of it",
+        "bytes moved per iteration: " + ", ".join(f"{d} {format_size(n)}" for d, n in sorted(by_direction.items())),
+        "peak per device: " + ", ".join(format_size(p) for p in report["peak_bytes"]),
+        f"host memory: {format_size(report['host_bytes'])}",
+        f"simulated packings: {compared}",
+        f"planned in {report['planning_seconds']:.1f} s",
+    ])

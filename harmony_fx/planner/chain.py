@@ -1,0 +1,80 @@
+"""A profile's layer chain as packs the lowering passes accept, and their device programs.
+
+The planner needs programs for models it never captures whole (a 175B-parameter preset) and for
+thousands of candidates. ``chain_packs`` makes packs that carry only what lowering reads (indices,
+input and output names, whether they have parameters): pack ``p`` over layers ``[a, b)`` reads
+``x{a}`` and makes ``x{b}``. The programs are the ones ``lower_program`` / ``lower_pipeline``
+emit for a real model, so the simulator sees the real schedule: transfers, waits, frees, updates.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+from harmony_fx.ir.pack import Pack
+from harmony_fx.microbatch import microbatch_sizes
+from harmony_fx.passes.lower_pipeline import lower_pipeline
+from harmony_fx.passes.lower_program import ProgramSignature, lower_program
+from harmony_fx.planner.costs import PackCosts, chain_key_bytes
+from harmony_fx.planner.profile import ModelProfile
+from harmony_fx.planner.specs import DeviceSpec, HostSpec
+from harmony_fx.schedule.actions import Action
+
+__all__ = ["Schedule", "chain_packs", "chain_schedule", "pack_layers"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Schedule:
+    """What the planner chooses."""
+
+    boundaries: tuple[int, ...]   # first layer of each pack
+    microbatches: int             # per iteration, over all devices
+    parallel: str                 # "single" | "dp" | "pp"
+    devices: int
+
+    def describe(self) -> str:
+        mode = "one device" if self.parallel == "single" else f"{self.parallel} over {self.devices} devices"
+        return f"{len(self.boundaries)} packs, {self.microbatches} microbatches, {mode}"
+
+
+def pack_layers(boundaries: Sequence[int], num_layers: int) -> list[range]:
+    ends = [*boundaries[1:], num_layers]
+    return [range(start, end) for start, end in zip(boundaries, ends)]
+
+
+def chain_packs(profile: ModelProfile, boundaries: Sequence[int]) -> list[Pack]:
+    packs = []
+    for index, layers in enumerate(pack_layers(boundaries, len(profile.layers))):
+        has_params = any(profile.layers[i].num_params for i in layers)
+        packs.append(Pack(index=index, layers=tuple(layers), layer_names=tuple(profile.layers[i].name for i in layers),
+                          gm=None, act_inputs=(f"x{layers.start}",), state_inputs=(), outputs=(f"x{layers.stop}",),
+                          params=(f"w{index}",) if has_params else (), buffers=(), mutated_buffers=(), random=False,
+                          state_slot=()))
+    return packs
+
+
+def chain_schedule(profile: ModelProfile, schedule: Schedule, batch_size: int, spec: DeviceSpec,
+                   host: HostSpec) -> tuple[list[list[Action]], PackCosts]:
+    """Every device's program (forward and backward, concatenated) and the costs of its tasks, for
+    a Trainer-style iteration: loss in the last pack, the host updating each pack's parameters."""
+    num_layers = len(profile.layers)
+    packs = chain_packs(profile, schedule.boundaries)
+    sizes = microbatch_sizes(batch_size, schedule.microbatches)
+    signature = ProgramSignature(
+        model_inputs=("x0",), model_outputs=(f"x{num_layers}",), inputs_requiring_grad=frozenset(),
+        differentiable=frozenset(f"x{i}" for i in range(1, num_layers + 1)),
+        microbatches=tuple(range(schedule.microbatches)), fuse_last=True,
+        update_packs=frozenset(pack.index for pack in packs if pack.params))
+    if schedule.parallel == "pp":
+        pairs = lower_pipeline(packs, signature, schedule.devices)
+    else:
+        pairs = []
+        per_device = microbatch_sizes(schedule.microbatches, schedule.devices)
+        start = 0
+        for count in per_device:
+            mbs = tuple(range(start, start + count))
+            start += count
+            pairs.append(lower_program(packs, dataclasses.replace(signature, microbatches=mbs)))
+    layers = pack_layers(schedule.boundaries, num_layers)
+    costs = PackCosts(profile, layers, sizes, spec, host, chain_key_bytes(profile, layers, sizes))
+    return [forward + backward for forward, backward in pairs], costs

@@ -1,0 +1,81 @@
+"""Costs of a program's tasks, from a ``ModelProfile`` and a ``DeviceSpec``, for the simulator.
+
+A task on pack ``p`` and a microbatch of ``m`` samples costs its layers' measured seconds at ``m``
+(interpolated) or, without measurements, the spec's roofline over their FLOPs and bytes. The
+backward is twice the forward's FLOPs. A task's peak memory (``task_peak``): its new keys plus the
+largest single layer's values for that microbatch, since layers run one after another; the
+recompute's autograd graph is the ``graph`` key itself.
+"""
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+from harmony_fx.planner.profile import ModelProfile
+from harmony_fx.planner.specs import DeviceSpec, HostSpec
+from harmony_fx.schedule.actions import Action, ActionKind as K, Key, KeyKind
+
+__all__ = ["PackCosts", "chain_key_bytes"]
+
+
+class PackCosts:
+    """``pack_layers[p]``: the profile's layer indices in pack ``p``; ``sizes[mb]``: samples in
+    microbatch ``mb``; ``key_bytes``: the program's key sizes (GRAPH keys are sized here)."""
+
+    def __init__(self, profile: ModelProfile, pack_layers: Sequence[Sequence[int]], sizes: Sequence[int],
+                 spec: DeviceSpec, host: HostSpec, key_bytes: Callable[[Key], int]) -> None:
+        self.profile, self.sizes, self.spec, self.host = profile, list(sizes), spec, host
+        self.pack_layers = [[profile.layers[i] for i in layers] for layers in pack_layers]
+        self._key_bytes = key_bytes
+        self._seconds: dict[tuple[K, int, int], float] = {}
+
+    def key_bytes(self, key: Key) -> int:
+        if key.kind == KeyKind.GRAPH:
+            pack = int(key.name[1:])
+            return int(sum(layer.saved_bytes for layer in self.pack_layers[pack]) * self.sizes[key.mb])
+        return self._key_bytes(key)
+
+    def compute_seconds(self, action: Action) -> float:
+        size = self.sizes[action.mb]
+        cache_key = (action.kind, action.pack, size)
+        if cache_key not in self._seconds:
+            self._seconds[cache_key] = sum(self._layer_seconds(layer, action.kind, size)
+                                           for layer in self.pack_layers[action.pack])
+        return self._seconds[cache_key]
+
+    def _layer_seconds(self, layer, kind: K, size: int) -> float:
+        measured = layer.measured(size)
+        backward = kind == K.BWD
+        if measured is not None:
+            return measured[1] if backward else measured[0]
+        flops = layer.fwd_flops * size * (2 if backward else 1)
+        touched = layer.saved_bytes * size * (2 if backward else 1) + layer.param_bytes
+        return self.spec.compute_seconds(flops, touched, self.profile.precision)
+
+    def task_peak(self, action: Action, allocated: int = 0) -> int:
+        """Its new keys, and the largest of its layers' values for this microbatch on top (the
+        recompute's graph is its key: nothing on top)."""
+        if action.kind == K.RECOMPUTE:
+            return allocated
+        return allocated + int(max(layer.saved_bytes for layer in self.pack_layers[action.pack]) * self.sizes[action.mb])
+
+    def update_seconds(self, pack: int) -> float:
+        return sum(layer.num_params for layer in self.pack_layers[pack]) / self.host.update_params_per_second
+
+
+def chain_key_bytes(profile: ModelProfile, pack_layers: Sequence[Sequence[int]],
+                    sizes: Sequence[int]) -> Callable[[Key], int]:
+    """Key sizes of a layer-chain program (``planner.chain``): ``act[x{i}@mb]`` is what is live
+    before layer ``i``; weights and their gradients are the pack's parameters."""
+    layers = profile.layers
+
+    def key_bytes(key: Key) -> int:
+        if key.kind in (KeyKind.ACT, KeyKind.GRAD):
+            i = int(key.name[1:])
+            if i == len(layers):
+                return 4  # the loss
+            per_sample = profile.input_bytes if i == 0 else layers[i - 1].out_bytes
+            return int(per_sample * sizes[key.mb])
+        if key.kind in (KeyKind.WEIGHTS, KeyKind.WGRAD):
+            return sum(layers[i].param_bytes for i in pack_layers[int(key.name[1:])])
+        return 0
+    return key_bytes

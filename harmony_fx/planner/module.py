@@ -1,0 +1,62 @@
+"""Predict a compiled module's iteration: its own programs, simulated with its own key sizes.
+
+This is how the cost model is checked against measurements: bytes moved come from the same
+actions and key sizes the runtime counts, and memory from the same residency rules. What a compute
+task holds beyond its keys (the autograd graph a recompute keeps, the working memory of a task)
+comes from the memory profile: each task's net and peak bytes, recorded when the module ran its
+programs on FakeTensors to plan (``Runtime._probed``), exact because memory depends on shapes only.
+"""
+from __future__ import annotations
+
+from harmony_fx.planner.costs import PackCosts
+from harmony_fx.schedule.actions import Action, Key, KeyKind
+from harmony_fx.planner.profile import profile_graph
+from harmony_fx.planner.simulate import Simulation, simulate
+from harmony_fx.planner.specs import DeviceSpec, HostSpec, measure_local
+
+__all__ = ["simulate_module"]
+
+
+def simulate_module(hm, spec: DeviceSpec | None = None, host: HostSpec = HostSpec()) -> Simulation:
+    """Simulate one iteration of ``hm`` (a ``HarmonyModule``) on ``spec`` (default: this machine)."""
+    spec = spec or measure_local()
+    size = hm.mb_sizes[0] or _batch_of(hm)
+    profile = profile_graph("model", hm.captured.gm, size, _itemsize(hm), hm.options.precision)
+    sizes = [s or size for s in hm.mb_sizes]
+    programs = [forward + backward for forward, backward in hm.device_actions]
+    measured = {key: value for memory in hm.task_memory for key, value in memory.items()}
+    costs = _MeasuredCosts(profile, [pack.layers for pack in hm.packs], sizes, spec, host, hm.key_bytes,
+                           measured, [a for program in programs for a in program])
+    return simulate(programs, costs, spec, host, hm.update_arrivals)
+
+
+def _itemsize(hm) -> int | None:
+    dtype = hm.options.compute_dtype
+    return None if dtype is None else dtype.itemsize
+
+
+def _batch_of(hm) -> int:
+    return max((x.shape[d] for x, d in zip(hm._example_flat, hm._flat_dims) if d is not None), default=1)
+
+
+class _MeasuredCosts(PackCosts):
+    """``PackCosts`` whose graph sizes and working memory are the measured ones."""
+
+    def __init__(self, profile, pack_layers, sizes, spec, host, key_bytes, measured, actions: list[Action]) -> None:
+        super().__init__(profile, pack_layers, sizes, spec, host, key_bytes)
+        self.measured = measured
+        self.graph_makers = {key: a for a in actions for key in a.writes if key.kind == KeyKind.GRAPH}
+
+    def key_bytes(self, key: Key) -> int:
+        if key.kind != KeyKind.GRAPH:
+            return self._key_bytes(key)
+        # the task that made the graph grew memory by its net bytes: its other new keys, and the
+        # graph, which also keeps the inputs it consumed alive
+        maker = self.graph_makers[key]
+        net, _ = self.measured[(maker.kind.value, maker.pack, maker.mb)]
+        others = sum(self._key_bytes(k) for k in maker.writes if k.kind not in (KeyKind.WEIGHTS, KeyKind.WGRAD, KeyKind.GRAPH))
+        consumed = sum(self._key_bytes(k) for k in maker.consumes)
+        return max(net - others + consumed, 0)
+
+    def task_peak(self, action: Action, allocated: int = 0) -> int:
+        return self.measured[(action.kind.value, action.pack, action.mb)][1]

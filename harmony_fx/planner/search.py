@@ -1,0 +1,356 @@
+"""Search: pack boundaries, microbatches, data- or pipeline-parallel, and how many devices.
+
+1. **Packs, exactly.** For one (microbatch size, mode, devices) the boundaries come from a dynamic
+   program over contiguous layer ranges. A pack's cost is ``max(compute, transfers)`` (its copies
+   overlap its compute), and the memory constraint is the one the runtime meets: a pack's own need
+   plus the weights of the neighbour being prefetched meanwhile (forward: the next pack, backward:
+   the previous one), for every adjacent pair. The state is the last pack ``[i, j)``; for a next
+   pack ``[j, k)`` the feasible ``i`` form a suffix (a smaller last pack needs less), so a suffix
+   minimum makes each transition O(log L): O(L² log L) in all, exact for this cost model.
+2. **Everything else, by simulation.** Each (microbatches, mode, devices) is ranked by the dynamic
+   program's estimate; the best few are lowered and simulated (``planner.simulate``), and the
+   baselines (one layer per pack, the largest packs that fit, Harmony's greedy and balanced-time
+   packings) are simulated for the winner too. The fastest simulated schedule whose simulated
+   peak fits the budget, and whose stash fits host memory, is the choice.
+"""
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import itertools
+from typing import Callable, Sequence
+
+from harmony_fx.config import format_size
+from harmony_fx.planner.chain import Schedule, chain_schedule
+from harmony_fx.planner.profile import ModelProfile
+from harmony_fx.planner.simulate import Simulation, simulate
+from harmony_fx.planner.specs import DeviceSpec, HostSpec
+
+__all__ = ["PlanChoice", "search", "best_boundaries", "baselines", "lower_bound", "host_bytes",
+           "PlanningError"]
+
+_MASTER_PER_PARAM = 8  # fp32 master and its fp32 gradient
+
+
+class PlanningError(ValueError):
+    """No schedule fits the device or host memory."""
+
+
+@dataclasses.dataclass
+class PlanChoice:
+    schedule: Schedule
+    policy: str
+    simulation: Simulation
+    batch_size: int
+    compared: dict[str, float]          # packing policy -> simulated seconds, for the chosen settings
+    lower_bound: float
+    bound: str                          # "compute" | "transfer": what the lower bound is made of
+    host_bytes: int
+
+    @property
+    def seconds(self) -> float:
+        return self.simulation.seconds
+
+    def samples_per_second(self) -> float:
+        return self.batch_size / self.seconds
+
+
+class _Prefix:
+    """O(1) sums over layer ranges of the per-layer figures the cost model needs."""
+
+    def __init__(self, profile: ModelProfile, size: int, spec: DeviceSpec) -> None:
+        layers = profile.layers
+        self.weights = _prefix([layer.param_bytes for layer in layers])
+        self.saved = _prefix([layer.saved_bytes * size for layer in layers])
+        seconds = [_layer_seconds(layer, size, spec, profile.precision) for layer in layers]
+        self.forward = _prefix([fwd for fwd, _ in seconds])
+        self.backward = _prefix([bwd for _, bwd in seconds])
+        self.num_layers = len(layers)
+        self.boundary = [profile.input_bytes * size] + [layer.out_bytes * size for layer in layers]
+        self._biggest = _SparseMax([layer.saved_bytes * size for layer in layers])
+
+    def biggest(self, a: int, b: int) -> float:
+        return self._biggest.max(a, b)
+
+    def span(self, prefix: list[float], a: int, b: int) -> float:
+        return prefix[b] - prefix[a]
+
+
+class _SparseMax:
+    """Range maximum in O(1) after O(n log n) preparation."""
+
+    def __init__(self, values: Sequence[float]) -> None:
+        self.levels = [list(values)]
+        width = 1
+        while 2 * width <= len(values):
+            prev = self.levels[-1]
+            self.levels.append([max(prev[i], prev[i + width]) for i in range(len(prev) - width)])
+            width *= 2
+
+    def max(self, a: int, b: int) -> float:
+        level = (b - a).bit_length() - 1
+        row = self.levels[level]
+        return max(row[a], row[b - (1 << level)])
+
+
+def _prefix(values: Sequence[float]) -> list[float]:
+    return [0.0, *itertools.accumulate(values)]
+
+
+def _layer_seconds(layer, size: int, spec: DeviceSpec, precision: str) -> tuple[float, float]:
+    """(forward, backward) seconds of one layer on one microbatch (as ``PackCosts`` charges them)."""
+    measured = layer.measured(size)
+    if measured is not None:
+        return measured
+    fwd = spec.compute_seconds(layer.fwd_flops * size, layer.saved_bytes * size + layer.param_bytes, precision)
+    bwd = spec.compute_seconds(2 * layer.fwd_flops * size, 2 * layer.saved_bytes * size + layer.param_bytes, precision)
+    return fwd, bwd
+
+
+class _PackModel:
+    """Need and cost of a pack ``[a, b)`` for one setting."""
+
+    def __init__(self, profile: ModelProfile, size: int, mbs_per_device: int, spec: DeviceSpec,
+                 devices_sharing_link: int, host: HostSpec) -> None:
+        self.p = _Prefix(profile, size, spec)
+        self.mbs = mbs_per_device
+        bandwidth = spec.host_bandwidth
+        if host.link_bandwidth is not None:
+            bandwidth = min(bandwidth, host.link_bandwidth / devices_sharing_link)
+        self.bandwidth = bandwidth
+        self.overhead = 10 * spec.launch_seconds * mbs_per_device
+        self.update_rate = host.update_params_per_second
+        self.params = _prefix([layer.num_params for layer in profile.layers])
+
+    def weights(self, a: int, b: int) -> float:
+        return self.p.span(self.p.weights, a, b)
+
+    def need(self, a: int, b: int) -> float:
+        """Bytes a pack holds in its backward: weights and their gradients, one microbatch's graph,
+        its input and output values and gradients, and the largest layer's working set."""
+        p = self.p
+        io = 2 * (p.boundary[a] + p.boundary[b])
+        return 2 * self.weights(a, b) + p.span(p.saved, a, b) + io + p.biggest(a, b)
+
+    def exposed(self, a: int, b: int) -> float:
+        """What the first pack adds that nothing overlaps: its weights' first copy in, and its
+        update, the last of the iteration."""
+        return self.weights(a, b) / self.bandwidth + self.p.span(self.params, a, b) / self.update_rate
+
+    def cost(self, a: int, b: int) -> float:
+        p = self.p
+        # forward, recompute and backward; the last pack keeps its graph and skips the recompute
+        runs = 1 if b == p.num_layers else 2
+        compute = self.mbs * (runs * p.span(p.forward, a, b) + p.span(p.backward, a, b))
+        moved = 3 * self.weights(a, b) + 2 * self.mbs * (p.boundary[a] + p.boundary[b])
+        # every pack adds synchronisation (waits, event records, a pipeline hand-off per microbatch)
+        return max(compute, moved / self.bandwidth) + self.overhead
+
+
+def best_boundaries(num_layers: int, model: _PackModel, budget: float) -> list[int] | None:
+    """The exact optimum of ``sum(cost)`` over contiguous packings whose adjacent pairs fit."""
+    need, weights, cost = model.need, model.weights, model.cost
+    inf = float("inf")
+    # best[j][i]: cheapest cover of [0, j) whose last pack is [i, j); kept per j as lists over i
+    best: list[dict[int, float]] = [dict() for _ in range(num_layers + 1)]
+    parent: dict[tuple[int, int], int] = {}
+    for k in range(1, num_layers + 1):
+        if need(0, k) <= budget:
+            best[k][0] = cost(0, k) + model.exposed(0, k)
+    for j in range(1, num_layers):
+        if not best[j]:
+            continue
+        starts = sorted(best[j])                    # i ascending: the last pack shrinks
+        last_w = [weights(i, j) for i in starts]    # non-increasing
+        last_need = [need(i, j) for i in starts]    # non-increasing
+        suffix_min, suffix_arg = [inf] * (len(starts) + 1), [-1] * (len(starts) + 1)
+        for idx in range(len(starts) - 1, -1, -1):
+            value = best[j][starts[idx]]
+            if value < suffix_min[idx + 1]:
+                suffix_min[idx], suffix_arg[idx] = value, starts[idx]
+            else:
+                suffix_min[idx], suffix_arg[idx] = suffix_min[idx + 1], suffix_arg[idx + 1]
+        for k in range(j + 1, num_layers + 1):
+            need_k, w_k = need(j, k), weights(j, k)
+            if need_k + last_w[-1] > budget:
+                break  # a longer next pack needs more still
+            first = max(_first_at_most(last_w, budget - need_k), _first_at_most(last_need, budget - w_k))
+            if first >= len(starts):
+                continue
+            value = suffix_min[first] + cost(j, k)
+            if value < best[k].get(j, inf):
+                best[k][j] = value
+                parent[(j, k)] = suffix_arg[first]
+    if not best[num_layers]:
+        return None
+    i = min(best[num_layers], key=best[num_layers].get)
+    boundaries, j = [], num_layers
+    while True:
+        boundaries.append(i)
+        if i == 0:
+            return boundaries[::-1]
+        i, j = parent[(i, j)], i
+
+
+def _first_at_most(non_increasing: list[float], limit: float) -> int:
+    """The first index whose value is ``<= limit``."""
+    lo, hi = 0, len(non_increasing)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if non_increasing[mid] <= limit:
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
+
+
+def baselines(num_layers: int, model: _PackModel, budget: float) -> dict[str, list[int]]:
+    """Packings to beat: one layer per pack, the largest packs that fit (front to back), Harmony's
+    ``greedy_reverse`` (back to front, the rest in the first pack) and ``balanced_time``."""
+    fits = lambda a, b: model.need(a, b) + model.weights(a, b) <= budget  # noqa: E731 - with a neighbour as big
+    result = {"one layer per pack": list(range(num_layers))}
+    largest, a = [], 0
+    while a < num_layers:
+        b = a + 1
+        while b < num_layers and fits(a, b + 1):
+            b += 1
+        largest.append(a)
+        a = b
+    result["largest packs"] = largest
+    starts, b = [], num_layers
+    while b > 0:
+        a = b - 1
+        while a > 0 and fits(a - 1, b):
+            a -= 1
+        starts.append(a)
+        b = a
+    result["harmony greedy"] = starts[::-1]
+    seconds = [f + b for f, b in zip(model.p.forward, model.p.backward)]
+    for count in range(1, num_layers + 1):  # fewest equal-time chunks that all fit
+        cuts = [0] + [bisect.bisect_left(seconds, seconds[-1] * c / count) for c in range(1, count)]
+        cuts = sorted(set(min(max(c, 0), num_layers - 1) for c in cuts))
+        ends = [*cuts[1:], num_layers]
+        if all(fits(a, b) for a, b in zip(cuts, ends)):
+            result["harmony balanced-time"] = cuts
+            break
+    return result
+
+
+def host_bytes(profile: ModelProfile, boundaries: Sequence[int], batch_size: int, host: HostSpec) -> int:
+    """Host memory one iteration holds: fp32 masters and gradients, the optimizer's state, and the
+    stash (every pack's inputs, for every sample)."""
+    stash = sum((profile.input_bytes if b == 0 else profile.layers[b - 1].out_bytes) for b in boundaries)
+    return int(profile.num_params * (_MASTER_PER_PARAM + host.optimizer_state_bytes) + stash * batch_size)
+
+
+def lower_bound(profile: ModelProfile, batch_size: int, devices: int, spec: DeviceSpec, host: HostSpec,
+                recomputed: Sequence[int] = ()) -> tuple[float, str]:
+    """max(the compute, spread over every device at once, the transfers): a bound on any schedule
+    that recomputes the layers ``recomputed``, whatever its overlap.
+
+    Compute: forward and backward of every layer, and the forward again of those recomputed.
+    Transfers: each device's share of the weights in twice and their gradients out once over its
+    own link, and all of it over the shared host link."""
+    compute = 0.0
+    for index, layer in enumerate(profile.layers):
+        forward, backward = _layer_seconds(layer, batch_size, spec, profile.precision)
+        compute += forward + backward + (forward if index in recomputed else 0.0)
+    compute /= devices
+    moved = 3 * profile.param_bytes
+    transfer = moved / spec.host_bandwidth  # data-parallel: every device; pipeline: 1/N each, but N links
+    if devices > 1:
+        transfer = min(transfer, moved / devices / spec.host_bandwidth)
+    if host.link_bandwidth is not None:
+        transfer = max(transfer, moved / host.link_bandwidth)
+    return (compute, "compute") if compute >= transfer else (transfer, "transfer")
+
+
+def _settings(batch_size: int, max_devices: int, parallel: str | None, microbatches: int | None):
+    device_counts = sorted({1, max_devices} | {d for d in (2, 4, 8, 16, 32) if d < max_devices})
+    for devices in device_counts:
+        modes = ["single"] if devices == 1 else ["dp", "pp"]
+        for mode in modes:
+            if parallel not in (None, "auto") and mode != parallel and not (parallel == "single" and devices == 1):
+                continue
+            counts = [microbatches] if microbatches else sorted(
+                {batch_size // size for size in _powers_of_two(batch_size)} | {devices})
+            for count in counts:
+                if count >= devices and count <= batch_size:
+                    yield count, mode, devices
+
+
+def _powers_of_two(limit: int) -> list[int]:
+    return [2**i for i in range(limit.bit_length()) if 2**i <= limit]
+
+
+def search(profile: ModelProfile, spec: DeviceSpec, host: HostSpec, *, batch_size: int, devices: int = 1,
+           budget: int | None = None, parallel: str | None = None, microbatches: int | None = None,
+           simulate_top: int = 6, progress: Callable[[str], None] | None = None) -> PlanChoice:
+    budget = budget or spec.memory
+    num_layers = len(profile.layers)
+    fixed = host_bytes(profile, [], batch_size, host)
+    if host.memory is not None and fixed > host.memory:
+        raise PlanningError(
+            f"search: {profile.name} needs at least {format_size(fixed)} of host memory for its fp32 masters, "
+            f"gradients and optimizer state ({_MASTER_PER_PARAM + host.optimizer_state_bytes} bytes per parameter, "
+            f"{profile.num_params / 1e9:.1f}B parameters), more than the {format_size(host.memory)} given. Use a "
+            "host with more memory, or an optimizer with less state.")
+    ranked = []
+    smallest_need = float("inf")
+    for count, mode, used in _settings(batch_size, devices, parallel, microbatches):
+        size = -(-batch_size // count)
+        per_device = count if mode == "pp" else -(-count // used)
+        model = _PackModel(profile, size, per_device, spec, used, host)
+        smallest_need = min(smallest_need, min(model.need(i, i + 1) + model.weights(i, i + 1) for i in range(num_layers)))
+        boundaries = best_boundaries(num_layers, model, budget)
+        if boundaries is None:
+            continue
+        estimate = model.exposed(0, boundaries[1] if len(boundaries) > 1 else num_layers) + sum(
+            model.cost(a, b) for a, b in zip(boundaries, [*boundaries[1:], num_layers]))
+        ranked.append((estimate / (used if mode == "pp" else 1), count, mode, used, boundaries, model))
+    if not ranked:
+        raise PlanningError(
+            f"search: no packing of {profile.name} fits a device budget of {format_size(budget)}; one layer at "
+            f"one sample per microbatch needs {format_size(smallest_need)}. Use a device with more memory, or "
+            "a smaller batch or sequence.")
+    ranked.sort(key=lambda r: r[0])
+    simulated = []
+    for index, (_, count, mode, used, boundaries, model) in enumerate(ranked[:simulate_top]):
+        schedule = Schedule(tuple(boundaries), count, mode, used)
+        if progress:
+            progress(f"simulating {schedule.describe()} ({index + 1}/{min(simulate_top, len(ranked))})")
+        simulated.append((_simulate(profile, schedule, batch_size, spec, host), schedule, model))
+    fitting = [entry for entry in simulated if max(entry[0].peak_bytes) <= budget]
+    if not fitting:
+        simulation, schedule, _ = min(simulated, key=lambda entry: max(entry[0].peak_bytes))
+        raise PlanningError(
+            f"search: every simulated schedule of {profile.name} exceeds the device budget of {format_size(budget)}; "
+            f"the closest, {schedule.describe()}, peaks at {format_size(max(simulation.peak_bytes))}. "
+            "Use a device with more memory, or a smaller batch or sequence.")
+    simulation, schedule, model = min(fitting, key=lambda entry: entry[0].seconds)
+    # the baselines, for the chosen settings: keep whichever is fastest (and say which)
+    results = {"dynamic programming": (simulation, schedule)}
+    for policy, cuts in baselines(num_layers, model, budget).items():
+        candidate = dataclasses.replace(schedule, boundaries=tuple(cuts))
+        if progress:
+            progress(f"simulating the {policy} baseline")
+        results[policy] = (_simulate(profile, candidate, batch_size, spec, host), candidate)
+    fits_host = lambda cuts: host.memory is None or host_bytes(profile, cuts, batch_size, host) <= host.memory  # noqa: E731
+    compared = {policy: (sim.seconds if max(sim.peak_bytes) <= budget and fits_host(s.boundaries) else float("inf"))
+                for policy, (sim, s) in results.items()}
+    policy = min(compared, key=compared.get)
+    simulation, schedule = results[policy]
+    needed = host_bytes(profile, schedule.boundaries, batch_size, host)
+    if compared[policy] == float("inf"):
+        raise PlanningError(
+            f"search: the stash of batch {batch_size} does not fit host memory: the best schedule needs "
+            f"{format_size(needed)}, the host has {format_size(host.memory)}. Use a smaller batch.")
+    recomputed = range(schedule.boundaries[-1])  # every pack but the last, which keeps its graph
+    bound, what = lower_bound(profile, batch_size, devices, spec, host, recomputed)
+    return PlanChoice(schedule, policy, simulation, batch_size, compared, bound, what, needed)
+
+
+def _simulate(profile: ModelProfile, schedule: Schedule, batch_size: int, spec: DeviceSpec,
+              host: HostSpec) -> Simulation:
+    programs, costs = chain_schedule(profile, schedule, batch_size, spec, host)
+    return simulate(programs, costs, spec, host, schedule.devices if schedule.parallel == "dp" else 1)

@@ -1,0 +1,297 @@
+"""An event-driven simulator of the device programs: iteration time, memory over time, bytes, trace.
+
+It runs the same ``Action`` lists the runtime runs, with the runtime's semantics:
+
+* each device's controller issues its actions in order; a ``WAIT`` on the host stream blocks it
+  (and so everything after it) until the event is recorded;
+* each stream (compute, host→device, device→host, peer) runs its actions in issue order; a
+  ``WAIT`` on a stream holds that stream until the event is recorded;
+* ``UPDATE`` goes to a pool of host (CPU) optimizer workers and does not block the controller; in
+  data-parallel every device issues it, and it runs once all ``update_arrivals`` have;
+* a ``RECV`` completes when its ``SEND`` has;
+* copies between host and device run at the device's link speed, and all devices' copies in one
+  direction share the host's link (``HostSpec.link_bandwidth``), fairly, at every instant.
+
+Memory follows issue order, as a caching allocator does: the controller allocates a copy's
+target or a task's outputs when it issues them and frees a key when it issues its ``FREE`` (or the
+task that consumes it); stream order makes the reuse safe. A compute task's ``work_bytes`` (what it
+holds at its peak, measured or estimated) count at its issue, too. The costs (seconds per task, bytes per key) come from a ``Costs`` object, so the same
+simulator serves a compiled module (exact key sizes) and a planner's layer chain (profiles).
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import heapq
+from typing import Protocol, Sequence
+
+from harmony_fx.planner.specs import DeviceSpec, HostSpec
+from harmony_fx.schedule.actions import Action, ActionKind as K, Key, Stream
+
+__all__ = ["Costs", "Simulation", "simulate", "SimulationDeadlock"]
+
+_COMPUTE = (K.FWD, K.RECOMPUTE, K.BWD)
+_DIRECTION = {K.PREFETCH: "h2d", K.OFFLOAD: "d2h", K.RECV: "peer"}
+
+
+class Costs(Protocol):
+    def key_bytes(self, key: Key) -> int: ...
+    def compute_seconds(self, action: Action) -> float: ...
+    def task_peak(self, action: Action, allocated: int) -> int: ...
+    # bytes above the level at the task's start at its peak; ``allocated``: what its new keys take
+    def update_seconds(self, pack: int) -> float: ...
+
+
+class SimulationDeadlock(ValueError):
+    """The programs wait on each other forever."""
+
+
+@dataclasses.dataclass
+class Simulation:
+    seconds: float                                   # the iteration: until the last action ends
+    peak_bytes: list[int]                            # per device
+    memory: list[list[tuple[float, int]]]            # per device: (time, bytes resident) steps
+    bytes_moved: dict[tuple[str, str], int]          # (direction, key kind) -> bytes, all devices
+    bytes_by_device: list[dict[str, int]]            # per device: direction -> bytes
+    busy: dict[tuple[int, str], float]               # (device, stream) -> busy seconds
+    spans: list[tuple[int, str, str, float, float]]  # (device, stream, label, start, end)
+
+    def trace_events(self) -> list[dict]:
+        from harmony_fx.trace import chrome_events
+        return chrome_events(self.spans, self.memory)
+
+
+@dataclasses.dataclass
+class _Transfer:
+    action: Action
+    device: int
+    lane: str          # "h2d" / "d2h" share the host link; "peer" does not
+    remaining: float
+    size: float
+    start: float
+
+
+def simulate(programs: Sequence[Sequence[Action]], costs: Costs, spec: DeviceSpec,
+             host: HostSpec = HostSpec(), update_arrivals: int = 1) -> Simulation:
+    """Run one iteration of every device's program (forward then backward, concatenated)."""
+    return _Simulator(programs, costs, spec, host, update_arrivals).run()
+
+
+class _Simulator:
+    def __init__(self, programs, costs: Costs, spec: DeviceSpec, host: HostSpec, update_arrivals: int) -> None:
+        self.update_arrivals = update_arrivals
+        self.arrived: collections.Counter = collections.Counter()
+        self.programs = [list(p) for p in programs]
+        self.costs, self.spec, self.host = costs, spec, host
+        n = len(programs)
+        self.now = 0.0
+        self.issued = [0] * n
+        self.queues = {(d, s): collections.deque() for d in range(n) for s in Stream if s != Stream.HOST}
+        self.running: dict[tuple[int, Stream], tuple[float, float, Action]] = {}  # start, end, task
+        self.transfers: list[_Transfer] = []
+        self.updates: list[float] = []      # end times of running CPU updates (a heap)
+        self.update_queue: collections.deque = collections.deque()
+        self.done_events: dict[int, float] = {}
+        self.sent: dict[tuple[int, Key], float] = {}
+        self.resident: list[dict[Key, int]] = [{} for _ in range(n)]
+        self.in_use = [0] * n
+        self.memory = [[(0.0, 0)] for _ in range(n)]
+        self.moved: dict[tuple[str, str], int] = collections.defaultdict(int)
+        self.by_device = [collections.defaultdict(int) for _ in range(n)]
+        self.busy: dict[tuple[int, str], float] = collections.defaultdict(float)
+        self.spans: list[tuple[int, str, str, float, float]] = []
+        self.last_end = 0.0
+
+    # -------------------------------------------------------------- memory
+    def _hold(self, device: int, key: Key) -> None:
+        if key not in self.resident[device]:
+            size = self.costs.key_bytes(key)
+            self.resident[device][key] = size
+            self._memory(device, size)
+
+    def _drop(self, device: int, key: Key) -> None:
+        size = self.resident[device].pop(key, None)
+        if size is not None:
+            self._memory(device, -size)
+
+    def _allocate(self, device: int, action: Action) -> None:
+        """The memory effect of issuing ``action``."""
+        if action.kind in (K.PREFETCH, K.RECV):
+            self._hold(device, action.key)
+        elif action.kind == K.FREE:
+            self._drop(device, action.key)
+        elif action.kind in _COMPUTE:
+            # the task's peak, then what it leaves: its new keys, less what it consumed
+            resident = self.resident[device]
+            new = {key: self.costs.key_bytes(key) for key in action.writes if key not in resident}
+            peak = self.costs.task_peak(action, sum(new.values()))
+            resident.update(new)
+            left = sum(new.values()) - sum(resident.pop(key, 0) for key in action.consumes)
+            self._memory(device, peak)
+            self._memory(device, left - peak)
+
+    def _memory(self, device: int, delta: int) -> None:
+        if delta:
+            self.in_use[device] += delta
+            self.memory[device].append((self.now, self.in_use[device]))
+
+    # -------------------------------------------------------------- issuing and starting
+    def _issue(self, device: int) -> bool:
+        program, progressed = self.programs[device], False
+        while self.issued[device] < len(program):
+            action = program[self.issued[device]]
+            self._allocate(device, action)
+            if action.stream == Stream.HOST:
+                if action.kind == K.WAIT:
+                    if action.event not in self.done_events:
+                        return progressed
+                else:  # UPDATE: handed to the CPU workers once every device has sent its gradients
+                    self.arrived[action.pack] += 1
+                    if self.arrived[action.pack] == self.update_arrivals:
+                        self.update_queue.append((device, action))
+            else:
+                self.queues[(device, action.stream)].append(action)
+            self.issued[device] += 1
+            progressed = True
+        return progressed
+
+    def _start(self, device: int, stream: Stream) -> bool:
+        queue, progressed = self.queues[(device, stream)], False
+        while queue and (device, stream) not in self.running and not self._transferring(device, stream):
+            action = queue[0]
+            if action.kind == K.WAIT:
+                if action.event not in self.done_events:
+                    return progressed
+            elif action.kind == K.FREE:
+                pass  # its memory went back at issue
+            elif action.kind == K.RECV:
+                sent = self.sent.get((action.peer, action.key))
+                if sent is None:
+                    return progressed
+                self._count(device, action)
+                self._record(action)
+            elif action.kind in _COMPUTE:
+                self.running[(device, stream)] = (self.now, self.now + self.costs.compute_seconds(action), action)
+                queue.popleft()
+                return True
+            else:  # PREFETCH / OFFLOAD / SEND
+                lane = {K.PREFETCH: "h2d", K.OFFLOAD: "d2h", K.SEND: "peer"}[action.kind]
+                size = self.costs.key_bytes(action.key)
+                if action.kind != K.SEND:
+                    self._count(device, action)
+                self.transfers.append(_Transfer(action, device, lane, float(size), float(size), self.now))
+                queue.popleft()
+                return True
+            queue.popleft()
+            progressed = True
+        return progressed
+
+    def _transferring(self, device: int, stream: Stream) -> bool:
+        return any(t.device == device and t.action.stream == stream for t in self.transfers)
+
+    def _start_updates(self) -> bool:
+        progressed = False
+        while self.update_queue and len(self.updates) < self.host.update_workers:
+            device, action = self.update_queue.popleft()
+            end = self.now + self.costs.update_seconds(action.pack)
+            heapq.heappush(self.updates, end)
+            self.spans.append((device, "host", f"UPDATE p{action.pack}", self.now, end))
+            self.busy[(device, "host")] += end - self.now
+            self.last_end = max(self.last_end, end)
+            progressed = True
+        return progressed
+
+    def _count(self, device: int, action: Action) -> None:
+        size = self.costs.key_bytes(action.key)
+        direction = _DIRECTION[action.kind]
+        self.moved[(direction, action.key.kind.name.lower())] += size
+        self.by_device[device][direction] += size
+
+    def _record(self, action: Action) -> None:
+        if action.event is not None:
+            self.done_events[action.event] = self.now
+
+    # -------------------------------------------------------------- time
+    def _rates(self) -> list[float]:
+        lanes = collections.Counter(t.lane for t in self.transfers)
+        rates = []
+        for t in self.transfers:
+            if t.lane == "peer":
+                rates.append(self.spec.peer_bandwidth)
+                continue
+            rate = self.spec.host_bandwidth
+            if self.host.link_bandwidth is not None:
+                rate = min(rate, self.host.link_bandwidth / lanes[t.lane])
+            rates.append(rate)
+        return rates
+
+    def _advance(self) -> bool:
+        rates = self._rates()
+        transfer_ends = [self.now + t.remaining / r for t, r in zip(self.transfers, rates)]
+        candidates = [end for _, end, _ in self.running.values()] + transfer_ends
+        if self.updates:
+            candidates.append(self.updates[0])
+        if not candidates:
+            return False
+        then = min(candidates)
+        elapsed = then - self.now
+        self.now = then
+        finished = []
+        for t, rate, end in zip(self.transfers, rates, transfer_ends):
+            t.remaining -= rate * elapsed
+            if end <= then:  # by time, not by bytes left: rounding must not keep a copy alive
+                finished.append(t)
+        for t in finished:
+            self.transfers.remove(t)
+            self._finish(t.device, t.action.stream, t.action, t.start)
+            if t.action.kind == K.SEND:
+                self.sent[(t.device, t.action.key)] = self.now
+        for where, (start, end, action) in list(self.running.items()):
+            if end <= self.now:
+                del self.running[where]
+                self._finish(where[0], where[1], action, start)
+        while self.updates and self.updates[0] <= self.now:
+            heapq.heappop(self.updates)
+        return True
+
+    def _finish(self, device: int, stream: Stream, action: Action, start: float) -> None:
+        self._record(action)
+        self.spans.append((device, stream.value, repr(action).split(" -> ")[0], start, self.now))
+        self.busy[(device, stream.value)] += self.now - start
+        self.last_end = max(self.last_end, self.now)
+
+    def run(self) -> Simulation:
+        devices = range(len(self.programs))
+        while True:
+            progressed = True
+            while progressed:
+                progressed = False
+                for d in devices:
+                    progressed |= self._issue(d)
+                    for stream in Stream:
+                        if stream != Stream.HOST:
+                            progressed |= self._start(d, stream)
+                progressed |= self._start_updates()
+            if not self._advance():
+                break
+        self._check_finished()
+        return Simulation(
+            seconds=self.last_end,
+            peak_bytes=[max(b for _, b in timeline) for timeline in self.memory],
+            memory=self.memory,
+            bytes_moved=dict(self.moved),
+            bytes_by_device=[dict(d) for d in self.by_device],
+            busy=dict(self.busy),
+            spans=self.spans,
+        )
+
+    def _check_finished(self) -> None:
+        stuck = []
+        for d, program in enumerate(self.programs):
+            if self.issued[d] < len(program):
+                stuck.append(f"d{d} controller at {program[self.issued[d]]!r}")
+            for (device, stream), queue in self.queues.items():
+                if device == d and queue:
+                    stuck.append(f"d{d} {stream.value} at {queue[0]!r}")
+        if stuck:
+            raise SimulationDeadlock("simulate: the programs never finish; waiting: " + "; ".join(stuck))

@@ -1,0 +1,68 @@
+"""Tiny Hugging Face ``transformers`` models with random weights, for tests and examples.
+
+``build_hf_model(name)`` makes GPT-2 (``GPT2LMHeadModel``), BERT (``BertForMaskedLM``) or Llama
+(``LlamaForCausalLM``) from a small config: hidden 64, 4 heads, vocab 128, dropout 0 (so a
+microbatched step computes what one full-batch step does), no key/value cache. ``hf_batch(name)``
+is a keyword batch (``input_ids``, ``attention_mask``, ``labels``) whose labels ignore some
+positions (``-100``), so microbatches hold different numbers of labelled tokens and the loss must
+be put back together weighted by them.
+
+``transformers`` is imported when a model is built: it is a test extra, not a dependency.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+__all__ = ["HF_MODELS", "NUM_LAYERS", "build_hf_model", "hf_batch"]
+
+HF_MODELS = ("gpt2", "bert", "llama")
+# 4 blocks, not 2: with 2, one block holds ~40% of the weights, and a pack needs its weights and
+# their gradients at once, so no packing of a 2-block model fits 25% of eager's peak.
+NUM_LAYERS = 4
+VOCAB, HIDDEN, HEADS, POSITIONS = 128, 64, 4, 32
+BATCH, SEQ = 8, 32
+IGNORE_INDEX = -100
+
+
+def build_hf_model(name: str, seed: int = 0, num_layers: int = NUM_LAYERS) -> nn.Module:
+    """A fresh, seeded model in training mode."""
+    import transformers
+
+    torch.manual_seed(seed)
+    if name == "gpt2":
+        config = transformers.GPT2Config(
+            vocab_size=VOCAB, n_positions=POSITIONS, n_embd=HIDDEN, n_layer=num_layers, n_head=HEADS,
+            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False, bos_token_id=0, eos_token_id=0)
+        model = transformers.GPT2LMHeadModel(config)
+    elif name == "bert":
+        config = transformers.BertConfig(
+            vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=num_layers, num_attention_heads=HEADS,
+            intermediate_size=2 * HIDDEN, max_position_embeddings=POSITIONS, hidden_dropout_prob=0.0,
+            attention_probs_dropout_prob=0.0)
+        model = transformers.BertForMaskedLM(config)
+    elif name == "llama":
+        config = transformers.LlamaConfig(
+            vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=2 * HIDDEN, num_hidden_layers=num_layers,
+            num_attention_heads=HEADS, num_key_value_heads=HEADS, max_position_embeddings=POSITIONS,
+            attention_dropout=0.0, use_cache=False, bos_token_id=0, eos_token_id=0, pad_token_id=None)
+        model = transformers.LlamaForCausalLM(config)
+    else:
+        raise ValueError(f"unknown Hugging Face test model {name!r}; choose one of {HF_MODELS}")
+    return model.train()
+
+
+def hf_batch(name: str, seed: int = 1, batch: int = BATCH, seq: int = SEQ) -> dict[str, torch.Tensor]:
+    """Keyword inputs with labels; ``name`` picks the labelling (masked LM or causal LM)."""
+    generator = torch.Generator().manual_seed(seed)
+    input_ids = torch.randint(0, VOCAB, (batch, seq), generator=generator)
+    if name == "bert":
+        # masked LM: about a quarter of the positions carry a label, the rest are ignored
+        labelled = torch.rand(batch, seq, generator=generator) < 0.25
+        labels = torch.where(labelled, input_ids, IGNORE_INDEX)
+    else:
+        # causal LM: the tail of each sequence is ignored, as padding would be, by a different amount per sample
+        labels = input_ids.clone()
+        for row in range(batch):
+            labels[row, seq - 3 * row:] = IGNORE_INDEX
+    return {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids), "labels": labels}

@@ -1,0 +1,212 @@
+"""``planner.search``: the exact packing dynamic program, the full search on presets, and its errors.
+
+The dynamic program is checked against brute force: every contiguous packing of a small random
+layer chain (all ``2**(L-1)`` of them) is enumerated, the feasible ones kept (every adjacent pair of
+packs fits: a pack's need plus its neighbour's weights), and the cheapest one's cost (the packs'
+``cost`` plus the first pack's ``exposed``) must be the dynamic program's.
+"""
+from __future__ import annotations
+
+import functools
+import itertools
+
+import pytest
+from hypothesis import HealthCheck, Phase, given, settings, strategies as st
+
+from harmony_fx.config import format_size
+from harmony_fx.planner.presets import preset_profile
+from harmony_fx.planner.profile import LayerProfile, ModelProfile
+from harmony_fx.planner.search import PlanningError, _PackModel, baselines, best_boundaries, host_bytes, search
+from harmony_fx.planner.specs import DeviceSpec, HostSpec, get_spec
+
+TOY = DeviceSpec("toy", 10**6, {"fp32": 100.0}, memory_bandwidth=1000.0, host_bandwidth=50.0, peer_bandwidth=50.0,
+                 efficiency=1.0, launch_seconds=0.01)
+TOY_HOST = HostSpec(update_params_per_second=100.0)
+
+
+def _packs(cuts: list[int], num_layers: int) -> list[tuple[int, int]]:
+    return list(zip(cuts, [*cuts[1:], num_layers]))
+
+
+def _feasible(model: _PackModel, cuts: list[int], num_layers: int, budget: float) -> bool:
+    packs = _packs(cuts, num_layers)
+    if any(model.need(a, b) > budget for a, b in packs):
+        return False
+    return all(model.need(a, b) + model.weights(c, d) <= budget and model.need(c, d) + model.weights(a, b) <= budget
+               for (a, b), (c, d) in zip(packs, packs[1:]))
+
+
+def _total(model: _PackModel, cuts: list[int], num_layers: int) -> float:
+    packs = _packs(cuts, num_layers)
+    return sum(model.cost(a, b) for a, b in packs) + model.exposed(*packs[0])
+
+
+def _every_packing(num_layers: int):
+    for chosen in itertools.product((False, True), repeat=num_layers - 1):
+        yield [0] + [i + 1 for i, cut in enumerate(chosen) if cut]
+
+
+# (parameters, FLOPs, out bytes, saved bytes); out bytes are small or large, as a chain's are (a
+# loss after the logits, a block's output after its widest activation)
+_layer = st.tuples(st.integers(0, 50), st.integers(0, 100), st.one_of(st.integers(0, 4), st.integers(0, 200)),
+                   st.integers(0, 30))
+
+
+@st.composite
+def _chains(draw):
+    layers = draw(st.lists(_layer, min_size=3, max_size=9))
+    profile = ModelProfile("random", tuple(
+        LayerProfile(f"l{i}", n, 2 * n, float(flops), float(out), float(saved))
+        for i, (n, flops, out, saved) in enumerate(layers)), 1, float(draw(st.integers(0, 50))))
+    size, microbatches = draw(st.integers(1, 3)), draw(st.integers(1, 4))
+    model = _PackModel(profile, size, microbatches, TOY, 1, TOY_HOST)
+    smallest = min(model.need(i, i + 1) + model.weights(i, i + 1) for i in range(len(layers)))
+    budget = draw(st.floats(0.5, 8.0)) * smallest
+    return profile, model, budget
+
+
+# no shrinking: a failure is reported as found (shrinking a 9-layer chain takes minutes)
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow], database=None,
+          phases=[Phase.explicit, Phase.generate], report_multiple_bugs=False)
+@given(_chains())
+def test_best_boundaries_is_feasible_and_exactly_optimal(case) -> None:
+    profile, model, budget = case
+    num_layers = len(profile.layers)
+    feasible = [cuts for cuts in _every_packing(num_layers) if _feasible(model, cuts, num_layers, budget)]
+    got = best_boundaries(num_layers, model, budget)
+    if not feasible:
+        assert got is None
+        return
+    assert got is not None, f"a feasible packing exists, e.g. {feasible[0]}"
+    assert got[0] == 0 and got == sorted(set(got)) and got[-1] < num_layers
+    assert _feasible(model, got, num_layers, budget)
+    best = min(_total(model, cuts, num_layers) for cuts in feasible)
+    assert _total(model, got, num_layers) <= best + 1e-9 * max(best, 1.0)
+
+
+def test_best_boundaries_misses_packings_whose_last_pack_ends_in_a_small_loss() -> None:
+    """BUG (harmony_fx/planner/search.py, ``best_boundaries``): the dynamic program assumes a pack's
+    ``need`` grows as the pack grows at either end (``break  # a longer next pack needs more still``,
+    and the binary searches over ``last_need``). It does not: ``need`` counts the values live at the
+    pack's two boundaries, and a pack that grows over the loss swaps the logits (large) for the loss
+    (a scalar). Here every feasible packing ends with the pack [logits, loss]; the program stops
+    extending [logits, k) at k = 3 (ending at the logits, it does not fit) and returns None. The
+    presets have such heads: on gpt2-xl (v100-32gb, microbatch 2, a budget 40x one layer's need)
+    it also returns None while feasible packings exist, and elsewhere packings up to 2% costlier
+    than the optimum."""
+    layers = (
+        LayerProfile("embed", 10, 20, 10.0, 4.0, 4.0),
+        LayerProfile("block", 10, 20, 10.0, 4.0, 4.0),
+        LayerProfile("logits", 10, 20, 10.0, 100.0, 100.0),   # a large output...
+        LayerProfile("loss", 0, 0, 1.0, 1.0, 1.0),            # ...that the loss reduces to a scalar
+    )
+    profile = ModelProfile("head", layers, 1, 4.0)
+    model = _PackModel(profile, 1, 1, TOY, 1, TOY_HOST)
+    budget = 300.0
+    assert model.need(2, 3) > model.need(2, 4)  # the premise: a longer pack needs less here
+    feasible = [cuts for cuts in _every_packing(4) if _feasible(model, cuts, 4, budget)]
+    assert sorted(feasible) == [[0, 1, 2], [0, 2]]
+    got = best_boundaries(4, model, budget)
+    assert got is not None and _feasible(model, got, 4, budget)
+    assert _total(model, got, 4) == pytest.approx(min(_total(model, cuts, 4) for cuts in feasible))
+
+
+def test_best_boundaries_is_none_when_one_layer_does_not_fit() -> None:
+    profile = ModelProfile("toy", tuple(LayerProfile(f"l{i}", 10, 20, 1.0, 1.0, 1.0) for i in range(4)), 1, 1.0)
+    model = _PackModel(profile, 1, 1, TOY, 1, TOY_HOST)
+    assert best_boundaries(4, model, model.need(0, 1) - 1) is None
+    assert best_boundaries(4, model, model.need(0, 1) + model.weights(1, 2)) is not None or \
+        model.need(1, 2) + model.weights(0, 1) > model.need(0, 1) + model.weights(1, 2)
+    assert best_boundaries(4, model, 10**9) is not None
+
+
+def test_baselines_are_packings_of_every_layer() -> None:
+    profile = ModelProfile("toy", tuple(LayerProfile(f"l{i}", 10, 20, 1.0 + i, 4.0, 8.0) for i in range(6)), 1, 4.0)
+    model = _PackModel(profile, 1, 2, TOY, 1, TOY_HOST)
+    budget = 3 * (model.need(0, 2) + model.weights(0, 2))
+    found = baselines(6, model, budget)
+    assert found["one layer per pack"] == list(range(6))
+    assert set(found) >= {"one layer per pack", "largest packs", "harmony greedy", "harmony balanced-time"}
+    for cuts in found.values():
+        assert cuts[0] == 0 and cuts == sorted(set(cuts)) and cuts[-1] < 6
+
+
+def test_host_bytes_counts_masters_optimizer_state_and_the_stash() -> None:
+    profile = ModelProfile("toy", tuple(LayerProfile(f"l{i}", 100, 200, 1.0, 3.0, 5.0) for i in range(4)), 1, 7.0)
+    host = HostSpec(optimizer_state_bytes=8)
+    # fp32 master and gradient (8 B) and Adam's moments (8 B) per parameter; the inputs of packs 0 and 2
+    assert host_bytes(profile, [0, 2], 10, host) == 400 * 16 + (7 + 3) * 10
+    assert host_bytes(profile, [], 10, HostSpec(optimizer_state_bytes=0)) == 400 * 8
+
+
+# ---------------------------------------------------------------- presets
+
+@functools.lru_cache(maxsize=None)
+def _preset(name: str) -> tuple[ModelProfile, int]:
+    return preset_profile(name)
+
+
+LLAMA_HOST = HostSpec(link_bandwidth=4 * 25e9, update_params_per_second=2e9)
+
+
+@functools.lru_cache(maxsize=None)
+def _choice(name: str, spec: str, devices: int):
+    profile, batch = _preset(name)
+    host = LLAMA_HOST if name == "llama-7b" else HostSpec()
+    return search(profile, get_spec(spec), host, batch_size=batch, devices=devices)
+
+
+CASES = [("gpt2-xl", "v100-32gb", 1), ("llama-7b", "a100-80gb", 4)]
+
+
+@pytest.mark.parametrize("name, spec, devices", CASES)
+def test_search_beats_every_baseline(name: str, spec: str, devices: int) -> None:
+    choice = _choice(name, spec, devices)
+    assert set(choice.compared) >= {"dynamic programming", "one layer per pack", "largest packs", "harmony greedy",
+                                    "harmony balanced-time"}
+    assert choice.compared[choice.policy] == choice.seconds
+    for policy, seconds in choice.compared.items():
+        assert choice.seconds <= seconds, policy
+
+
+@pytest.mark.parametrize("name, spec, devices", CASES)
+def test_search_fits_the_budget_and_the_bound(name: str, spec: str, devices: int) -> None:
+    choice = _choice(name, spec, devices)
+    profile, batch = _preset(name)
+    assert max(choice.simulation.peak_bytes) <= get_spec(spec).memory
+    assert len(choice.simulation.peak_bytes) == choice.schedule.devices <= devices
+    assert choice.batch_size == batch
+    assert choice.schedule.boundaries[0] == 0 and choice.schedule.boundaries[-1] < len(profile.layers)
+    assert 0 < choice.lower_bound <= choice.seconds
+    assert choice.bound in ("compute", "transfer")
+    assert choice.samples_per_second() == pytest.approx(batch / choice.seconds)
+
+
+def test_search_llama_7b_on_4_a100_is_within_20_percent_of_the_lower_bound() -> None:
+    """Fails today (1.24x): the dynamic program's cost model charges the host's optimizer only for
+    the first pack (``_PackModel.exposed``), so it favours one huge last pack (no recompute: 25 of
+    the 32 blocks, 5.4B parameters). That pack's update (2.7 s at 2e9 parameters/s) can start only
+    after its backward and runs past the end of the backward by ~1.5 s. The simulator itself finds
+    faster schedules for the same settings: 32 microbatches, dp over 4, packs (0, 2, 4, 11) take
+    10.97 s (1.11x of their bound) against the chosen (0, 1, 7) at 11.8 s."""
+    choice = _choice("llama-7b", "a100-80gb", 4)
+    assert choice.seconds / choice.lower_bound <= 1.2, (choice.schedule, choice.seconds, choice.lower_bound)
+
+
+def test_search_reports_a_budget_too_small_for_one_layer() -> None:
+    profile, batch = _preset("gpt2-xl")
+    with pytest.raises(PlanningError) as error:
+        search(profile, get_spec("v100-32gb"), HostSpec(), batch_size=batch, budget=2**20)
+    message = str(error.value)
+    assert "gpt2-xl" in message and format_size(2**20) in message
+    assert "needs" in message and "more memory" in message
+
+
+def test_search_reports_host_memory_too_small_with_the_amount_needed() -> None:
+    profile, batch = _preset("gpt2-xl")
+    host = HostSpec(memory=2**30)
+    with pytest.raises(PlanningError) as error:
+        search(profile, get_spec("v100-32gb"), host, batch_size=batch)
+    message = str(error.value)
+    assert format_size(host_bytes(profile, [], batch, host)) in message
+    assert format_size(2**30) in message and "host memory" in message

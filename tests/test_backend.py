@@ -1,0 +1,141 @@
+"""The torch.compile backend: ``torch.compile(model, backend="harmony", options={...})`` trains like
+eager, with gradients in the model's own ``param.grad``, also across graph breaks."""
+from __future__ import annotations
+
+import copy
+from importlib.metadata import entry_points
+from typing import Any, Callable
+
+import pytest
+import torch
+from torch import nn
+
+from harmony_fx.analysis.memory import eager_training_bytes
+from harmony_fx.backend import harmony
+from harmony_fx.testing.hf_models import HF_MODELS, build_hf_model, hf_batch
+from harmony_fx.testing.models import MLPChain, zoo
+
+RTOL = 1e-4
+ATOL = 1e-6  # see tests/test_hf_models.py: BERT's key bias has an exactly zero gradient, i.e. noise
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    """Each test compiles new models of the same classes: start from empty Dynamo caches, so no test
+    runs into another's recompile limit."""
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def _recording_backend(compiled: list) -> Callable:
+    """``harmony``, keeping what it returns so a test can look at the harmony modules it made."""
+    def backend(gm, example_inputs, **kwargs):
+        compiled.append(harmony(gm, example_inputs, **kwargs))
+        return compiled[-1]
+    return backend
+
+
+def _train_like_eager(model: nn.Module, loss_of: Callable[[Any], torch.Tensor], options: dict,
+                      backend: Any = "harmony") -> None:
+    """Three SGD steps through torch.compile next to three on an eager copy: losses and every
+    gradient equal."""
+    reference = copy.deepcopy(model)
+    compiled = torch.compile(model, backend=backend, dynamic=True, options=options)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+    for step in range(3):
+        loss = loss_of(compiled)
+        expected = loss_of(reference)
+        torch.testing.assert_close(loss, expected, rtol=RTOL, atol=ATOL, msg=lambda m: f"step {step}, loss: {m}")
+        loss.backward()
+        expected.backward()
+        for (name, param), ref in zip(model.named_parameters(), reference.parameters()):
+            assert param.grad is not None, f"step {step}: no gradient in {name}.grad"
+            torch.testing.assert_close(param.grad, ref.grad, rtol=RTOL, atol=ATOL,
+                                       msg=lambda m: f"step {step}, grad of {name}: {m}")
+        optimizer.step()
+        optimizer.zero_grad()
+        ref_optimizer.step()
+        ref_optimizer.zero_grad()
+
+
+def test_backend_is_registered_through_the_entry_point():
+    (entry,) = [e for e in entry_points(group="torch_dynamo_backends") if e.name == "harmony"]
+    assert entry.value == "harmony_fx.backend:harmony"
+    assert "harmony" in torch._dynamo.list_backends()
+    assert torch._dynamo.lookup_backend("harmony") is harmony
+
+
+def test_zoo_mlp_trains_like_eager_at_a_quarter_of_the_memory():
+    entry = zoo()["mlp_chain"]
+    model, (x,), target = entry.build(0)
+    budget = eager_training_bytes(model, (x,), lambda out: entry.loss_fn(out, target)) // 4
+    compiled: list = []
+    _train_like_eager(model, lambda m: entry.loss_fn(m(x), target), {"memory_budget": budget, "microbatches": 2},
+                      _recording_backend(compiled))
+    (hm,) = [hm for program in compiled for hm in program.harmony_modules]
+    assert hm.budget == budget and hm.num_microbatches == 2 and len(hm.packs) > 1
+    assert hm.stats.peak_bytes[hm.device.name] <= budget
+
+
+@pytest.mark.parametrize("name", HF_MODELS)
+def test_hf_model_trains_like_eager_at_a_quarter_of_the_memory(name):
+    pytest.importorskip("transformers")
+    model = build_hf_model(name)
+    batch = hf_batch(name)
+    budget = eager_training_bytes(model, (), lambda out: out.loss, batch) // 4
+    _train_like_eager(model, lambda m: m(**batch).loss, {"memory_budget": budget, "microbatches": 2})
+
+
+class BrokenMLP(nn.Module):
+    """An MLP whose forward Dynamo cannot trace in one piece."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = MLPChain(width=32, depth=4, num_classes=32)
+        self.second = MLPChain(width=32, depth=4, num_classes=10)
+
+    def forward(self, x):
+        h = self.first(x)
+        torch._dynamo.graph_break()
+        return self.second(torch.tanh(h))
+
+
+def test_graph_breaks_make_programs_that_train_together_like_eager():
+    torch.manual_seed(0)
+    model = BrokenMLP()
+    x, target = torch.randn(16, 32), torch.randint(0, 10, (16,))
+    budget = eager_training_bytes(model, (x,), lambda out: nn.functional.cross_entropy(out, target)) // 2
+    compiled: list = []
+    _train_like_eager(model, lambda m: nn.functional.cross_entropy(m(x), target),
+                      {"memory_budget": budget, "microbatches": 2}, _recording_backend(compiled))
+    modules = [hm for program in compiled for hm in program.harmony_modules]
+    assert len(modules) >= 2
+    # the second graph's input is the first's output: its gradient goes back through autograd
+    assert any(hm.signature.inputs_requiring_grad for hm in modules)
+
+
+def test_static_batch_with_microbatches_asks_for_dynamic_shapes():
+    torch.manual_seed(0)
+    compiled = torch.compile(MLPChain(width=8, depth=2), backend="harmony", options={"microbatches": 2})
+    with pytest.raises(Exception, match="dynamic=True"):
+        compiled(torch.randn(4, 8))
+
+
+def test_unknown_option_is_refused_with_the_known_ones():
+    compiled = torch.compile(MLPChain(width=8, depth=2), backend="harmony", options={"budget": "1MiB"})
+    with pytest.raises(Exception, match="memory_budget"):
+        compiled(torch.randn(4, 8))
+
+
+def test_without_microbatches_a_static_graph_trains_like_eager():
+    torch.manual_seed(0)
+    model = MLPChain(width=16, depth=4)
+    x, target = torch.randn(8, 16), torch.randint(0, 10, (8,))
+    reference = copy.deepcopy(model)
+    compiled = torch.compile(model, backend="harmony", options={"memory_budget": "1MiB"})
+    nn.functional.cross_entropy(compiled(x), target).backward()
+    nn.functional.cross_entropy(reference(x), target).backward()
+    for param, ref in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(param.grad, ref.grad, rtol=RTOL, atol=ATOL)

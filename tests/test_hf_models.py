@@ -1,0 +1,120 @@
+"""Hugging Face transformers models through ``harmony_fx.compile``: keyword inputs, ``ModelOutput``
+outputs, and a loss the model computes itself, put back together across microbatches as eager
+computes it on the whole batch (weighted by each microbatch's labelled tokens)."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import harmony_fx
+from harmony_fx.analysis.memory import eager_training_bytes
+from harmony_fx.testing.hf_models import HF_MODELS, build_hf_model, hf_batch
+
+RTOL = 1e-4
+# BERT's attention key bias has an exactly zero gradient (softmax ignores a shift shared by every
+# key), so both sides hold rounding noise of ~1e-12 there: compare with an absolute floor too.
+ATOL = 1e-6
+
+
+def _assert_grads_equal(model: nn.Module, reference: nn.Module, step: int) -> None:
+    for (name, param), ref in zip(model.named_parameters(), reference.parameters()):
+        assert param.grad is not None, f"step {step}: {name} has no gradient"
+        torch.testing.assert_close(param.grad, ref.grad, rtol=RTOL, atol=ATOL,
+                                   msg=lambda m: f"step {step}, grad of {name}: {m}")
+
+
+@pytest.mark.parametrize("name", HF_MODELS)
+def test_three_sgd_steps_match_eager_at_a_quarter_of_the_memory(name):
+    pytest.importorskip("transformers")
+    model = build_hf_model(name)
+    reference = copy.deepcopy(model)
+    batch = hf_batch(name)
+    budget = eager_training_bytes(model, (), lambda out: out.loss, batch) // 4
+    hm = harmony_fx.compile(model, (), batch, memory_budget=budget, microbatches=2)
+    assert len(hm.packs) > 1
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+    for step in range(3):
+        out = hm(**batch)
+        expected = reference(**batch)
+        assert type(out) is type(expected) and list(out.keys()) == list(expected.keys())
+        torch.testing.assert_close(out.loss, expected.loss, rtol=RTOL, atol=ATOL)
+        torch.testing.assert_close(out.logits, expected.logits, rtol=RTOL, atol=ATOL)
+        out.loss.backward()
+        expected.loss.backward()
+        _assert_grads_equal(model, reference, step)
+        assert hm.stats.peak_bytes[hm.device.name] <= budget
+        optimizer.step()
+        optimizer.zero_grad()
+        ref_optimizer.step()
+        ref_optimizer.zero_grad()
+
+
+def test_key_value_cache_output_names_use_cache():
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(vocab_size=128, n_positions=32, n_embd=32, n_layer=1, n_head=2, use_cache=True,
+                                     bos_token_id=0, eos_token_id=0)
+    model = transformers.GPT2LMHeadModel(config)
+    ids = torch.randint(0, 128, (2, 8))
+    with pytest.raises(harmony_fx.CaptureError, match=r"DynamicCache.*use_cache=False"):
+        harmony_fx.compile(model, (), {"input_ids": ids})
+
+
+# ---------------------------------------------------------------------- losses the model reduces itself
+
+
+class LossNet(nn.Module):
+    """Returns ``{"loss": ..., "logits": ...}`` like a Hugging Face head, with a chosen reduction."""
+
+    def __init__(self, reduction: str, class_weight: bool = False) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh())
+        self.head = nn.Linear(16, 5)
+        self.reduction = reduction
+        self.register_buffer("class_weight", torch.linspace(0.5, 1.5, 5) if class_weight else None)
+
+    def forward(self, x, labels):
+        logits = self.head(self.body(x))
+        if self.reduction == "max":
+            loss = logits.max()
+        elif self.reduction == "mse":
+            loss = F.mse_loss(logits, F.one_hot(labels.clamp_min(0), 5).float())
+        else:
+            loss = F.cross_entropy(logits, labels, weight=self.class_weight, reduction=self.reduction)
+        return {"loss": loss, "logits": logits}
+
+
+def _labels() -> torch.Tensor:
+    labels = torch.randint(0, 5, (10,), generator=torch.Generator().manual_seed(3))
+    labels[:4] = -100  # the first microbatches have fewer labelled samples than the last
+    return labels
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "mse"])
+def test_a_loss_is_put_back_together_as_eager_reduces_it(reduction):
+    torch.manual_seed(0)
+    model = LossNet(reduction)
+    reference = copy.deepcopy(model)
+    x, labels = torch.randn(10, 8), _labels()
+    hm = harmony_fx.compile(model, (x, labels), microbatches=3)  # sizes 4, 3, 3: uneven on purpose
+    out, expected = hm(x, labels), reference(x, labels)
+    torch.testing.assert_close(out["loss"], expected["loss"], rtol=1e-5, atol=1e-7)
+    out["loss"].backward()
+    expected["loss"].backward()
+    _assert_grads_equal(model, reference, 0)
+
+
+@pytest.mark.parametrize("model,match", [(LossNet("max"), "reduction='none'"),
+                                         (LossNet("mean", class_weight=True), "weights its classes")],
+                         ids=["max", "class-weights"])
+def test_a_loss_that_cannot_be_put_back_together_says_what_to_do(model, match):
+    x, labels = torch.randn(10, 8), _labels()
+    hm = harmony_fx.compile(model, (x, labels), microbatches=2)
+    with pytest.raises(ValueError, match=match):
+        hm(x, labels)
+    assert harmony_fx.compile(model, (x, labels), microbatches=1)(x, labels)["loss"].dim() == 0
