@@ -19,7 +19,7 @@ import torch
 from torch import fx, nn
 from torch._subclasses import FakeTensorMode
 
-from harmony_fx import microbatch
+from harmony_fx import microbatch, pictures
 from harmony_fx.analysis.liveness import annotate_liveness
 from harmony_fx.analysis.sizes import annotate_sizes
 from harmony_fx.capture import Captured, capture
@@ -31,9 +31,11 @@ from harmony_fx.ir.pack import Pack
 from harmony_fx.passes.find_layers import Layer, find_layers
 from harmony_fx.passes.lower_pipeline import lower_pipeline
 from harmony_fx.passes.lower_program import ProgramSignature, grad_inputs, lower_program
-from harmony_fx.passes.plan_packs import balanced, plan_packs
+from harmony_fx.passes.plan_packs import BudgetTooSmallError, balanced, plan_packs
 from harmony_fx.passes.retarget_device import retarget_device
 from harmony_fx.passes.split_packs import split_packs
+from harmony_fx.planner.chain import Schedule
+from harmony_fx.planner.choose import choose_schedule
 from harmony_fx.runtime.devices import Device, HostDevice, resolve_devices
 from harmony_fx.runtime.executor import HostState, Runtime, Stats
 from harmony_fx.schedule.actions import Action, ActionKind, Key, KeyKind
@@ -92,20 +94,28 @@ class HarmonyModule:
     """
 
     def __init__(self, model: nn.Module, example_args: tuple, example_kwargs: dict, options: CompileOptions,
-                 _trainer: bool = False, _updates: bool = False) -> None:
+                 _trainer: bool = False, _updates: bool = False, _plan: bool = True) -> None:
         self.model = model
         self.options = options
         self.devices: list[Device] = resolve_devices(options.devices, options.memory_budget, options.track_memory,
                                                      options.chaos)
         self.device = self.devices[0]
         self.budget = self.device.budget
-        num_devices = len(self.devices)
-        # With several devices, "auto" means data-parallel until the planner chooses (see docs/options.md).
-        self.parallel = "single" if num_devices == 1 else ("pp" if options.parallel == "pp" else "dp")
         self._trainer = _trainer
         example = (example_args, example_kwargs)
         self._example_dims = microbatch.argument_dims(model, example_args, example_kwargs, options.batch_dims)
-        self.num_microbatches = options.microbatches or num_devices
+        self._variants: dict[int | None, _Variant] = {}
+        self.num_microbatches = options.microbatches or len(self.devices)
+        # the planner chooses what the options leave open (planner/choose.py)
+        self.schedule: Schedule | None = None
+        if _plan and options.pack_boundaries is None and (
+                options.microbatches is None or (options.parallel == "auto" and len(self.devices) > 1)):
+            self.schedule = self._choose_schedule(model, example_args, example_kwargs)
+        parallel = options.parallel if self.schedule is None else self.schedule.parallel
+        if self.schedule is not None:
+            self.num_microbatches = self.schedule.microbatches
+        num_devices = len(self.devices)
+        self.parallel = "single" if num_devices == 1 else ("pp" if parallel == "pp" else "dp")
         if self.parallel == "pp":
             # every device runs its packs on every microbatch
             self.device_microbatches = [tuple(range(self.num_microbatches))] * num_devices
@@ -125,7 +135,8 @@ class HarmonyModule:
         else:
             self.mb_sizes = [None]
         example_mbs = microbatch.split_call(example, self._example_dims, [s for s in self.mb_sizes if s] or [0])
-        self._variants: dict[int | None, _Variant] = {}
+        if self.num_microbatches > 1:
+            self._variants.pop(None, None)  # the planner's whole-batch capture
         for size, (mb_args, mb_kwargs) in zip(self.mb_sizes, example_mbs):
             if size not in self._variants:
                 self._variants[size] = self._capture_variant(model, size, mb_args, mb_kwargs)
@@ -142,7 +153,17 @@ class HarmonyModule:
         self._updates = _updates
         self.signature = self._signature([x.requires_grad for x in self._example_flat], _trainer)
         policy = balanced if options.pack_boundaries is None else _fixed(options.pack_boundaries)
-        boundaries, best = plan_packs(self._layer_costs(), self._evaluate, lambda c: c.peak, self.budget, policy)
+        if self.schedule is not None:
+            try:  # the planner's packs, unless its estimate was optimistic
+                boundaries, best = plan_packs(self._layer_costs(), self._evaluate, lambda c: c.peak, self.budget,
+                                              _fixed(self.schedule.boundaries))
+                policy = None
+            except BudgetTooSmallError:
+                # plan as if the planner had not run (what a too-small budget's message describes)
+                self.__init__(model, example_args, example_kwargs, options, _trainer, _updates, _plan=False)
+                return
+        if policy is not None:
+            boundaries, best = plan_packs(self._layer_costs(), self._evaluate, lambda c: c.peak, self.budget, policy)
         self._packs_by_size = best.packs_by_size
         self.packs = best.packs_by_size[self.mb_sizes[0]]
         annotate_liveness(self.captured.gm)
@@ -161,7 +182,8 @@ class HarmonyModule:
         else:
             self.programs = {f"{device.name} {phase}": program for device, programs in zip(self.devices, self.device_programs)
                              for phase, program in programs.items()}
-        self.plan = self._make_plan(best, "balanced" if options.pack_boundaries is None else "fixed")
+        self.plan = self._make_plan(best, "planner" if policy is None else
+                                    "balanced" if options.pack_boundaries is None else "fixed")
         self.host_state = _host_state(self.packs, self._masters)
         self.stats = Stats()
 
@@ -180,12 +202,28 @@ class HarmonyModule:
     def code(self) -> str:
         return "\n".join(f"# ---- {name} program ----{program.code}" for name, program in self.programs.items())
 
+    def save_trace(self, path) -> None:
+        """The last iteration's measured timeline as a Chrome trace (see ``harmony_fx.pictures``)."""
+        pictures.save_trace(self, path)
+
+    def plot_memory(self, path) -> None:
+        """Memory over the last iteration per device, measured and predicted, as a PNG."""
+        pictures.plot_memory(self, path)
+
     def explain(self) -> str:
         """The plan's table, then the schedule: one column per device, one row per compute task."""
         return self.plan.table() + "\n\n" + format_schedule(
             [forward + backward for forward, backward in self.device_actions], [d.name for d in self.devices])
 
     # ------------------------------------------------------------------ planning
+    def _choose_schedule(self, model: nn.Module, args: tuple, kwargs: dict) -> Schedule | None:
+        try:
+            batch = microbatch.batch_size((args, kwargs), self._example_dims)
+        except ValueError:
+            return None  # no batch to cut
+        whole = self._variants[None] = self._capture_variant(model, None, args, kwargs)
+        return choose_schedule(whole.captured.gm, model, batch, self.devices, self.budget, self.options)
+
     def _capture_variant(self, model: nn.Module, size: int | None, args: tuple, kwargs: dict) -> _Variant:
         captured = capture(model, args, kwargs)
         retarget_device(captured.gm, self.device.torch_device)
@@ -656,7 +694,9 @@ class _Iteration:
             futures = [self.controller.submit(run_device, runtime, device_programs)
                        for runtime, device_programs in zip(self.runtimes, programs)]
             errors = [future.exception() for future in futures]
-            first = next((error for error in errors if error is not None), None)
+            # the error that stopped the iteration, not another device's "stopped by another device"
+            root = self.runtimes[0].links.failed
+            first = root if root in errors else next((error for error in errors if error is not None), None)
             if first is not None:
                 raise first
         except BaseException as error:

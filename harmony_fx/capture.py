@@ -69,14 +69,96 @@ def capture(model: nn.Module, args: tuple, kwargs: dict | None = None) -> Captur
         args = (args,)
     kwargs = dict(kwargs or {})
     try:
-        captured = _capture_with_export(model, args, kwargs)
+        try:
+            captured = _capture_with_export(model, args, kwargs)
+        except Exception as error:  # noqa: BLE001
+            # a plain dataclass in the output: teach pytree to take it apart, then export again
+            if not (_UNKNOWN_OUTPUT.search(str(error)) and _register_output_dataclasses(model, args, kwargs)):
+                raise
+            captured = _capture_with_export(model, args, kwargs)
     except Exception as export_error:  # noqa: BLE001 - every failure falls back to tracing
         try:
             captured = _capture_with_symbolic_trace(model, args, kwargs)
         except Exception as trace_error:  # noqa: BLE001
             raise CaptureError(_capture_failure_message(model, export_error, trace_error)) from export_error
+    _refuse_input_mutation(captured.gm)
     captured.reductions = _scalar_reductions(captured.gm)
     return captured
+
+
+def _register_output_dataclasses(model: nn.Module, args: tuple, kwargs: dict) -> bool:
+    """Register with pytree (``torch.export.register_dataclass``) every dataclass type in the model's
+    output that pytree does not know, found by one run on FakeTensors; whether there was any. The
+    registration is process-wide, as Hugging Face's own for ``ModelOutput``: it only lets pytree
+    flatten these types into their fields."""
+    try:
+        with torch._subclasses.FakeTensorMode(allow_non_fake_inputs=True) as mode, torch.no_grad():
+            fake_args, fake_kwargs = pytree.tree_map_only(torch.Tensor, mode.from_tensor, (args, kwargs))
+            output = model(*fake_args, **fake_kwargs)
+    except Exception:  # noqa: BLE001 - then export's own error stands
+        return False
+    found: dict[type, None] = {}
+
+    def visit(value: Any) -> None:
+        if dataclasses.is_dataclass(value) and not isinstance(value, type):
+            if type(value) not in pytree.SUPPORTED_NODES:
+                found[type(value)] = None
+            for field in dataclasses.fields(value):
+                visit(getattr(value, field.name))
+        elif isinstance(value, (tuple, list)):
+            for item in value:
+                visit(item)
+        elif isinstance(value, dict):
+            for item in value.values():
+                visit(item)
+
+    visit(output)
+    for cls in found:
+        torch.export.register_dataclass(cls)
+    return bool(found)
+
+
+def _refuse_input_mutation(gm: fx.GraphModule) -> None:
+    """A model that writes into its input (``x.add_(1)``) is refused: harmony_fx runs each pack on
+    device copies of its inputs, so the write would never reach the caller's tensor, and a
+    recompute would apply it a second time to the stashed copy."""
+    for node in gm.graph.nodes:
+        for written in _written_arguments(node):
+            base = _alias_base(written)
+            if base.op == "placeholder" and meta.role_of(base) == meta.Role.INPUT:
+                where = (node.meta.get("stack_trace") or "").strip().splitlines()[-1:] or [node.format_node()]
+                raise ValueError(
+                    f"the model modifies its input {base.name!r} in place at {where[0].strip()!r} (node {node.name}); "
+                    "harmony_fx runs the model on copies of its inputs, so the change would not reach your tensor. "
+                    f"Compute a new tensor instead (e.g. {base.name} = {base.name} + 1 rather than "
+                    f"{base.name}.add_(1)), or clone the input first.")
+
+
+def _written_arguments(node: fx.Node) -> list[fx.Node]:
+    """The arguments ``node`` writes into: ATen's ``Tensor(a!)`` arguments (export), or the object of
+    an in-place method such as ``add_`` (symbolic trace)."""
+    if node.op == "call_method" and node.target.endswith("_") and not node.target.startswith("__"):
+        return [node.args[0]] if node.args and isinstance(node.args[0], fx.Node) else []
+    if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+        return []
+    written = []
+    for index, argument in enumerate(node.target._schema.arguments):
+        if argument.alias_info is not None and argument.alias_info.is_write:
+            value = node.args[index] if index < len(node.args) else node.kwargs.get(argument.name)
+            if isinstance(value, fx.Node):
+                written.append(value)
+    return written
+
+
+def _alias_base(node: fx.Node) -> fx.Node:
+    """The node whose memory ``node`` shares, through views (``select``, ``view``, ...) and the
+    results of in-place ops."""
+    while node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload) and node.args:
+        returns = node.target._schema.returns
+        if not returns or returns[0].alias_info is None or not isinstance(node.args[0], fx.Node):
+            break
+        node = node.args[0]
+    return node
 
 
 def _scalar_reductions(gm: fx.GraphModule) -> dict[str, ScalarReduction]:

@@ -129,6 +129,14 @@ class Trainer:
     def explain(self) -> str:
         return self.hm.explain()
 
+    def save_trace(self, path) -> None:
+        """The last step's measured timeline as a Chrome trace."""
+        self._last_hm.save_trace(path)
+
+    def plot_memory(self, path) -> None:
+        """Memory over the last step per device, measured and predicted, as a PNG."""
+        self._last_hm.plot_memory(path)
+
     # ------------------------------------------------------------------ training
     def step(self, batch: tuple) -> torch.Tensor:
         """One iteration on ``batch``; returns the batch's loss. All or nothing: if anything fails

@@ -128,7 +128,7 @@ def test_busy_seconds_per_stream_are_reported():
 def test_fewer_microbatches_than_devices_is_refused():
     model, x, target, loss_fn = _build("mlp_chain")
     with pytest.raises(ValueError, match="at least one microbatch per device"):
-        harmony_fx.compile(model, x, devices=["host:0", "host:1"], microbatches=1)
+        harmony_fx.compile(model, x, devices=["host:0", "host:1"], microbatches=1, parallel="dp")
 
 
 @pytest.mark.parametrize("num_devices", [2, 3])

@@ -110,7 +110,7 @@ def profile_graph(name: str, gm: fx.GraphModule, batch_size: int, compute_itemsi
         for i in range(max(born, 0), min(last_reader.get(node.name, -1), len(layers))):
             live_after[i] += nbytes(node)
 
-    profiles = []
+    profiles, counted = [], set()
     for layer in layers:
         layer_nodes = [nodes[n] for n in layer.nodes]
         state = {read for node in layer_nodes for read in node.meta[meta.READS]}
@@ -118,7 +118,8 @@ def profile_graph(name: str, gm: fx.GraphModule, batch_size: int, compute_itemsi
         itemsize = lambda t: compute_itemsize if compute_itemsize and t.is_floating_point() else t.element_size()
         profiles.append(LayerProfile(
             name=_layer_label(layer, layer_nodes),
-            num_params=sum(nodes[s].meta[meta.VAL].numel() for s in state if meta.role_of(nodes[s]) == meta.Role.PARAM),
+            # a tied parameter is moved by every layer reading it, but updated once: the first's
+            num_params=sum(nodes[s].meta[meta.VAL].numel() for s in _first_reads(state, counted, nodes)),
             param_bytes=sum(t.numel() * itemsize(t) for t in params),
             fwd_flops=sum(n.meta[meta.FLOPS] for n in layer_nodes) / batch_size,
             out_bytes=live_after[layer.index] / batch_size,
@@ -126,6 +127,18 @@ def profile_graph(name: str, gm: fx.GraphModule, batch_size: int, compute_itemsi
         ))
     return ModelProfile(name, tuple(profiles), batch_size, sum(nbytes(n) for n in inputs) / batch_size,
                         precision)
+
+
+def _first_reads(state: set[str], counted: set[str], nodes: dict[str, fx.Node]) -> list[str]:
+    """The parameters in ``state`` no earlier layer read (by master tensor: tied names are one)."""
+    first = []
+    for name in sorted(state):
+        node = nodes[name]
+        master = node.meta.get(meta.TARGET, name)
+        if meta.role_of(node) == meta.Role.PARAM and master not in counted:
+            counted.add(master)
+            first.append(name)
+    return first
 
 
 def _layer_label(layer: Layer, nodes: Sequence[fx.Node]) -> str:

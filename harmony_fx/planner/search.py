@@ -143,8 +143,12 @@ class _PackModel:
         runs = 1 if b == p.num_layers else 2
         compute = self.mbs * (runs * p.span(p.forward, a, b) + p.span(p.backward, a, b))
         moved = 3 * self.weights(a, b) + 2 * self.mbs * (p.boundary[a] + p.boundary[b])
+        # the host updates the pack after its backward, while the packs before it run theirs: what
+        # their backward cannot cover is exposed
+        update = self.p.span(self.params, a, b) / self.update_rate
+        tail = max(0.0, update - self.mbs * (p.span(p.forward, 0, a) + p.span(p.backward, 0, a)))
         # every pack adds synchronisation (waits, event records, a pipeline hand-off per microbatch)
-        return max(compute, moved / self.bandwidth) + self.overhead
+        return max(compute, moved / self.bandwidth) + tail + self.overhead
 
 
 def best_boundaries(num_layers: int, model: _PackModel, budget: float) -> list[int] | None:
@@ -161,26 +165,26 @@ def best_boundaries(num_layers: int, model: _PackModel, budget: float) -> list[i
         if not best[j]:
             continue
         starts = sorted(best[j])                    # i ascending: the last pack shrinks
-        last_w = [weights(i, j) for i in starts]    # non-increasing
-        last_need = [need(i, j) for i in starts]    # non-increasing
-        suffix_min, suffix_arg = [inf] * (len(starts) + 1), [-1] * (len(starts) + 1)
-        for idx in range(len(starts) - 1, -1, -1):
-            value = best[j][starts[idx]]
-            if value < suffix_min[idx + 1]:
-                suffix_min[idx], suffix_arg[idx] = value, starts[idx]
-            else:
-                suffix_min[idx], suffix_arg[idx] = suffix_min[idx + 1], suffix_arg[idx + 1]
+        # weights only shrink with the pack (negated, so ascending for bisect); ``need`` need not:
+        # a pack that ends past a loss no longer holds the logits at its edge
+        neg_w = [-weights(i, j) for i in starts]
+        needs = [need(i, j) for i in starts]
         for k in range(j + 1, num_layers + 1):
             need_k, w_k = need(j, k), weights(j, k)
-            if need_k + last_w[-1] > budget:
-                break  # a longer next pack needs more still
-            first = max(_first_at_most(last_w, budget - need_k), _first_at_most(last_need, budget - w_k))
-            if first >= len(starts):
+            if 2 * w_k - neg_w[-1] > budget:
+                break  # need >= 2 * weights, and a longer next pack only has more weights
+            first = bisect.bisect_left(neg_w, need_k - budget)  # smaller packs fit beside it
+            limit, chosen, value = budget - w_k, -1, inf
+            for idx in range(first, len(starts)):
+                candidate = best[j][starts[idx]]
+                if candidate < value and needs[idx] <= limit:
+                    chosen, value = starts[idx], candidate
+            if chosen < 0:
                 continue
-            value = suffix_min[first] + cost(j, k)
+            value += cost(j, k)
             if value < best[k].get(j, inf):
                 best[k][j] = value
-                parent[(j, k)] = suffix_arg[first]
+                parent[(j, k)] = chosen
     if not best[num_layers]:
         return None
     i = min(best[num_layers], key=best[num_layers].get)
@@ -190,18 +194,6 @@ def best_boundaries(num_layers: int, model: _PackModel, budget: float) -> list[i
         if i == 0:
             return boundaries[::-1]
         i, j = parent[(i, j)], i
-
-
-def _first_at_most(non_increasing: list[float], limit: float) -> int:
-    """The first index whose value is ``<= limit``."""
-    lo, hi = 0, len(non_increasing)
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if non_increasing[mid] <= limit:
-            hi = mid
-        else:
-            lo = mid + 1
-    return lo
 
 
 def baselines(num_layers: int, model: _PackModel, budget: float) -> dict[str, list[int]]:
@@ -265,8 +257,9 @@ def lower_bound(profile: ModelProfile, batch_size: int, devices: int, spec: Devi
     return (compute, "compute") if compute >= transfer else (transfer, "transfer")
 
 
-def _settings(batch_size: int, max_devices: int, parallel: str | None, microbatches: int | None):
-    device_counts = sorted({1, max_devices} | {d for d in (2, 4, 8, 16, 32) if d < max_devices})
+def _settings(batch_size: int, max_devices: int, parallel: str | None, microbatches: int | None, all_devices: bool):
+    device_counts = [max_devices] if all_devices else sorted({1, max_devices} | {d for d in (2, 4, 8, 16, 32)
+                                                                                 if d < max_devices})
     for devices in device_counts:
         modes = ["single"] if devices == 1 else ["dp", "pp"]
         for mode in modes:
@@ -285,7 +278,9 @@ def _powers_of_two(limit: int) -> list[int]:
 
 def search(profile: ModelProfile, spec: DeviceSpec, host: HostSpec, *, batch_size: int, devices: int = 1,
            budget: int | None = None, parallel: str | None = None, microbatches: int | None = None,
-           simulate_top: int = 6, progress: Callable[[str], None] | None = None) -> PlanChoice:
+           simulate_top: int = 6, all_devices: bool = False,
+           progress: Callable[[str], None] | None = None) -> PlanChoice:
+    """The fastest simulated schedule; ``all_devices``: use every device (else also fewer)."""
     budget = budget or spec.memory
     num_layers = len(profile.layers)
     fixed = host_bytes(profile, [], batch_size, host)
@@ -297,7 +292,7 @@ def search(profile: ModelProfile, spec: DeviceSpec, host: HostSpec, *, batch_siz
             "host with more memory, or an optimizer with less state.")
     ranked = []
     smallest_need = float("inf")
-    for count, mode, used in _settings(batch_size, devices, parallel, microbatches):
+    for count, mode, used in _settings(batch_size, devices, parallel, microbatches, all_devices):
         size = -(-batch_size // count)
         per_device = count if mode == "pp" else -(-count // used)
         model = _PackModel(profile, size, per_device, spec, used, host)

@@ -9,6 +9,8 @@ It runs the same ``Action`` lists the runtime runs, with the runtime's semantics
 * ``UPDATE`` goes to a pool of host (CPU) optimizer workers and does not block the controller; in
   data-parallel every device issues it, and it runs once all ``update_arrivals`` have;
 * a ``RECV`` completes when its ``SEND`` has;
+* on a device whose streams run inline (``DeviceSpec.inline``: a HostDevice) the controller
+  issues the next action only once the last one has finished;
 * copies between host and device run at the device's link speed, and all devices' copies in one
   direction share the host's link (``HostSpec.link_bandwidth``), fairly, at every instant.
 
@@ -91,7 +93,9 @@ class _Simulator:
         self.transfers: list[_Transfer] = []
         self.updates: list[float] = []      # end times of running CPU updates (a heap)
         self.update_queue: collections.deque = collections.deque()
-        self.done_events: dict[int, float] = {}
+        # (device whose program records it, event) -> time: data-parallel programs number their
+        # events independently, so an event is only named by its device and number together
+        self.done_events: dict[tuple[int, int], float] = {}
         self.sent: dict[tuple[int, Key], float] = {}
         self.resident: list[dict[Key, int]] = [{} for _ in range(n)]
         self.in_use = [0] * n
@@ -139,11 +143,13 @@ class _Simulator:
     def _issue(self, device: int) -> bool:
         program, progressed = self.programs[device], False
         while self.issued[device] < len(program):
+            if self.spec.inline and self._busy(device):
+                return progressed  # each op runs to completion as it is issued
             action = program[self.issued[device]]
             self._allocate(device, action)
             if action.stream == Stream.HOST:
                 if action.kind == K.WAIT:
-                    if action.event not in self.done_events:
+                    if self._waited_event(device, action) not in self.done_events:
                         return progressed
                 else:  # UPDATE: handed to the CPU workers once every device has sent its gradients
                     self.arrived[action.pack] += 1
@@ -160,7 +166,7 @@ class _Simulator:
         while queue and (device, stream) not in self.running and not self._transferring(device, stream):
             action = queue[0]
             if action.kind == K.WAIT:
-                if action.event not in self.done_events:
+                if self._waited_event(device, action) not in self.done_events:
                     return progressed
             elif action.kind == K.FREE:
                 pass  # its memory went back at issue
@@ -169,7 +175,7 @@ class _Simulator:
                 if sent is None:
                     return progressed
                 self._count(device, action)
-                self._record(action)
+                self._record(device, action)
             elif action.kind in _COMPUTE:
                 self.running[(device, stream)] = (self.now, self.now + self.costs.compute_seconds(action), action)
                 queue.popleft()
@@ -185,6 +191,10 @@ class _Simulator:
             queue.popleft()
             progressed = True
         return progressed
+
+    def _busy(self, device: int) -> bool:
+        return (any(d == device for d, _ in self.running) or any(t.device == device for t in self.transfers)
+                or any(queue for (d, _), queue in self.queues.items() if d == device))
 
     def _transferring(self, device: int, stream: Stream) -> bool:
         return any(t.device == device and t.action.stream == stream for t in self.transfers)
@@ -207,9 +217,13 @@ class _Simulator:
         self.moved[(direction, action.key.kind.name.lower())] += size
         self.by_device[device][direction] += size
 
-    def _record(self, action: Action) -> None:
+    def _record(self, device: int, action: Action) -> None:
         if action.event is not None:
-            self.done_events[action.event] = self.now
+            self.done_events[(device, action.event)] = self.now
+
+    @staticmethod
+    def _waited_event(device: int, action: Action) -> tuple[int, int]:
+        return (device if action.peer is None else action.peer, action.event)
 
     # -------------------------------------------------------------- time
     def _rates(self) -> list[float]:
@@ -255,7 +269,7 @@ class _Simulator:
         return True
 
     def _finish(self, device: int, stream: Stream, action: Action, start: float) -> None:
-        self._record(action)
+        self._record(device, action)
         self.spans.append((device, stream.value, repr(action).split(" -> ")[0], start, self.now))
         self.busy[(device, stream.value)] += self.now - start
         self.last_end = max(self.last_end, self.now)

@@ -44,6 +44,11 @@ class Stats:
     # the host optimizer's time (Trainer), and the part of it the iteration waited for at its end
     update_seconds: float = 0.0
     update_exposed_seconds: float = 0.0
+    # the measured timeline: (device index, stream, label, start s, end s) per op, and per device
+    # (time s, bytes live) after each op; times from ``origin`` (the iteration's start)
+    spans: list[tuple[int, str, str, float, float]] = dataclasses.field(default_factory=list)
+    memory: dict[int, list[tuple[float, int]]] = dataclasses.field(default_factory=dict)
+    origin: float = dataclasses.field(default_factory=time.perf_counter)
 
     @property
     def bytes_h2d(self) -> int:
@@ -152,20 +157,27 @@ class Runtime:
         except BaseException:  # noqa: BLE001 - the error that got us here is already on its way up
             pass
         self.device_values.clear()
+        self.links.drop_values()  # what a failed iteration sent and no peer picked up
 
     def key(self, text: str) -> Key:
         return parse_key(text)  # cached: programs name the same keys every iteration
 
-    def _submit(self, stream: Stream, work: Callable[[], None], event: "_Event | None" = None) -> "_Event":
-        """Run ``work`` on ``stream`` (inline, on a stream thread, or issued to the GPU), timed."""
+    def _submit(self, stream: Stream, work: Callable[[], None], event: "_Event | None" = None,
+                label: str = "") -> "_Event":
+        """Run ``work`` on ``stream`` (inline, on a stream thread, or issued to the GPU), timed; the
+        span and the device's memory after it go to the measured timeline (``Stats.spans``)."""
 
         def timed() -> None:
             started = time.perf_counter()
             try:
                 work()
             finally:
+                ended = time.perf_counter()
                 with self._stats_lock:
-                    self.stats.busy_seconds[stream.value] += time.perf_counter() - started
+                    stats = self.stats
+                    stats.busy_seconds[stream.value] += ended - started
+                    stats.spans.append((self.index, stream.value, label, started - stats.origin, ended - stats.origin))
+                    stats.memory.setdefault(self.index, []).append((ended - stats.origin, self.device.live_bytes()))
 
         event = event or _Event(None)
         event.device_event = self.device.streams.submit(stream, timed)
@@ -193,7 +205,7 @@ class Runtime:
             self._count("h2d", key, value)
             self.device_values[key] = value
 
-        return self._submit(Stream.H2D, work)
+        return self._submit(Stream.H2D, work, label=f"PREFETCH {key}")
 
     def offload(self, key_text: str, stream: str) -> _Event:
         key = self.key(key_text)
@@ -225,7 +237,7 @@ class Runtime:
                 else:
                     self.host_values[key] = copy
 
-        return self._submit(Stream.D2H, work, event)
+        return self._submit(Stream.D2H, work, event, label=f"OFFLOAD {key}")
 
     def send(self, key_text: str, peer: int) -> _Event:
         key = self.key(key_text)
@@ -237,7 +249,7 @@ class Runtime:
             parcel.value = self.device_values[key]
             parcel.posted.set()
 
-        self._submit(Stream.PEER, work)
+        self._submit(Stream.PEER, work, label=f"SEND {key} -> d{peer}")
         return _Event(parcel)
 
     def recv(self, key_text: str, peer: int) -> _Event:
@@ -257,7 +269,7 @@ class Runtime:
             existing = self.device_values.get(key)
             self.device_values[key] = value if existing is None else existing.add_(value)
 
-        return self._submit(Stream.PEER, work)
+        return self._submit(Stream.PEER, work, label=f"RECV {key} <- d{peer}")
 
     def publish(self, event: _Event, number: int) -> None:
         if self.peer_value is None:
@@ -274,7 +286,7 @@ class Runtime:
 
     def free(self, key_text: str) -> None:
         key = self.key(key_text)
-        self._submit(Stream.COMPUTE, lambda: self.device_values.pop(key))
+        self._submit(Stream.COMPUTE, lambda: self.device_values.pop(key), label=f"FREE {key}")
 
     def update(self, pack_index: int) -> None:
         if self.on_update is not None:
@@ -283,14 +295,17 @@ class Runtime:
             self.stats.busy_seconds[Stream.HOST.value] += time.perf_counter() - started
 
     def fwd(self, pack_index: int, mb: int) -> _Event:
-        return self._submit(Stream.COMPUTE, self._probed("FWD", pack_index, mb, lambda: self._forward(pack_index, mb)))
+        return self._submit(Stream.COMPUTE, self._probed("FWD", pack_index, mb, lambda: self._forward(pack_index, mb)),
+                            label=f"FWD p{pack_index}@{mb}")
 
     def recompute(self, pack_index: int, mb: int) -> _Event:
         return self._submit(Stream.COMPUTE,
-                            self._probed("RECOMPUTE", pack_index, mb, lambda: self._recompute(pack_index, mb)))
+                            self._probed("RECOMPUTE", pack_index, mb, lambda: self._recompute(pack_index, mb)),
+                            label=f"RECOMPUTE p{pack_index}@{mb}")
 
     def bwd(self, pack_index: int, mb: int) -> _Event:
-        return self._submit(Stream.COMPUTE, self._probed("BWD", pack_index, mb, lambda: self._backward(pack_index, mb)))
+        return self._submit(Stream.COMPUTE, self._probed("BWD", pack_index, mb, lambda: self._backward(pack_index, mb)),
+                            label=f"BWD p{pack_index}@{mb}")
 
     def _probed(self, kind: str, pack_index: int, mb: int, work: Callable[[], None]) -> Callable[[], None]:
         """With ``task_memory`` set (the FakeTensor run that plans memory), record each compute
@@ -495,6 +510,11 @@ class _Links:
             self._published.wait_for(lambda: number in self._events or self.failed is not None)
             self.check()
             return self._events[number]
+
+    def drop_values(self) -> None:
+        with self._lock:
+            for parcel in self._parcels.values():
+                parcel.value = None
 
     def abort(self, error: BaseException) -> None:
         """A device failed: wake every device waiting on another, so each stops with an error."""

@@ -64,8 +64,10 @@ def verify_program(actions: Sequence[Action], host_keys: Iterable[Key] = (),
     def require_ready(index: int, action: Action, key: Key, stream: Stream) -> None:
         if key not in ready:
             if key in gone:
-                fail(index, action, f"{key} is not on the device here: {_describe(*gone[key])} already "
-                                    f"dropped it; move that FREE after its last use")
+                dropped_at, dropper = gone[key]
+                advice = "; move that FREE after this use" if dropper.kind == K.FREE else ""
+                fail(index, action, f"{key} is not on the device here: {_describe(dropped_at, dropper)} "
+                                    f"already dropped it{advice}")
             fail(index, action, f"{key} is not on the device here (never fetched, or already freed)")
         event, made_on = ready[key]
         if event is not None and made_on != stream and event not in waited[stream] and event not in waited[Stream.HOST]:
@@ -134,11 +136,12 @@ def verify_program(actions: Sequence[Action], host_keys: Iterable[Key] = (),
             for key in action.writes:
                 ready[key] = (action.event, Stream.COMPUTE)
                 gone.pop(key, None)
+    last_copy = {action.key: (index, action) for index, action in offloads}
     for key in host_results:
         event = on_host.get(key)
         if event is not None and event not in waited[Stream.HOST]:
-            raise ProgramError(f"verify_program: the caller reads {key}, but the program never waits for "
-                               f"its copy e{event} on the host: add WAIT e{event} host at the end")
+            fail(*last_copy[key], f"the caller reads {key}, but the program never waits for this copy on the "
+                                  f"host: add WAIT e{event} host before the end")
     for index, action in offloads:
         if action.event not in waited[Stream.HOST]:
             fail(index, action, f"the program ends without the host waiting for this copy: add "

@@ -114,10 +114,12 @@ def test_best_boundaries_misses_packings_whose_last_pack_ends_in_a_small_loss() 
 def test_best_boundaries_is_none_when_one_layer_does_not_fit() -> None:
     profile = ModelProfile("toy", tuple(LayerProfile(f"l{i}", 10, 20, 1.0, 1.0, 1.0) for i in range(4)), 1, 1.0)
     model = _PackModel(profile, 1, 1, TOY, 1, TOY_HOST)
-    assert best_boundaries(4, model, model.need(0, 1) - 1) is None
-    assert best_boundaries(4, model, model.need(0, 1) + model.weights(1, 2)) is not None or \
-        model.need(1, 2) + model.weights(0, 1) > model.need(0, 1) + model.weights(1, 2)
-    assert best_boundaries(4, model, 10**9) is not None
+    one_layer = model.need(0, 1)  # every layer alike: every one-layer pack needs as much
+    assert best_boundaries(4, model, one_layer - 1) is None
+    # a one-layer pack and its neighbour's weights just fit; no two-layer pack does
+    assert best_boundaries(4, model, one_layer + model.weights(0, 1)) == [0, 1, 2, 3]
+    roomy = best_boundaries(4, model, 10**9)
+    assert roomy is not None and _feasible(model, roomy, 4, 10**9)
 
 
 def test_baselines_are_packings_of_every_layer() -> None:

@@ -16,6 +16,7 @@ TOY = DeviceSpec("toy", 1000, {"fp32": 100.0, "bf16": 400.0}, memory_bandwidth=1
 def test_every_preset_is_returned_by_name(name: str) -> None:
     spec = get_spec(name)
     assert spec is PRESETS[name]
+    assert not spec.inline  # GPUs overlap copies with compute
     assert spec.name == name
     assert spec.memory > 2**30
     assert spec.flops["fp32"] > 0 and spec.flops["bf16"] >= spec.flops["fp32"]
@@ -83,6 +84,7 @@ def test_measure_local_returns_positive_figures() -> None:
     assert spec.memory_bandwidth > 0 and spec.host_bandwidth > 0 and spec.peer_bandwidth > 0
     assert spec.memory == 2**40  # default: not limited
     assert spec.efficiency == 1.0
+    assert spec.inline  # a HostDevice runs each op as it is issued
     assert spec.compute_seconds(1e6, 1e6) > spec.launch_seconds
 
 

@@ -1,13 +1,22 @@
-"""The verifier refuses programs that race, read freed memory or overflow: mutate a real program."""
+"""The verifier refuses programs that race, read freed memory or overflow: mutate a real program.
+
+Every mutation of a compiled program that breaks it is refused with a ``ProgramError`` naming the
+offending action and the pass that made it: any ``WAIT`` deleted, any ``FREE`` moved before its last
+use or before the copy that reads it has finished, a ``SEND``/``RECV`` order that deadlocks the
+devices or sends what is not made yet, a budget below the static peak.
+"""
 from __future__ import annotations
 
 import functools
+import re
 
 import pytest
+import torch
 
 import harmony_fx
 from harmony_fx.schedule.actions import Action, ActionKind as K, Key, KeyKind, Stream
 from harmony_fx.schedule.validate import ProgramError, check_peak, verify_program
+from harmony_fx.testing.models import MLPChain
 from tests.helpers import ZOO, eager_bytes
 
 COMPUTE = (K.FWD, K.RECOMPUTE, K.BWD)
@@ -136,4 +145,205 @@ def test_check_peak():
     check_peak(peak, None, device)
     with pytest.raises(ProgramError) as info:
         check_peak(peak, peak - 1, device)
-    assert device in str(info.value) and str(peak) in str(info.value)
+    assert device in str(info.value) and f"{peak:,}" in str(info.value)
+
+
+# ---------------------------------------------------------------------- every mutation, as compile verifies
+
+NAMES_ACTION = re.compile(r"action #\d+ `[^`]+` \(created by (lower_program|lower_pipeline)\)")
+
+
+def _refused(verify, device_actions, what: str) -> str:
+    with pytest.raises(ProgramError) as info:
+        verify(device_actions)
+    message = str(info.value)
+    assert NAMES_ACTION.search(message), f"{what}: the error names no action and pass: {message}"
+    return message
+
+
+def _single(program: list[Action], num_forward: int) -> list[tuple[list[Action], list[Action]]]:
+    return [(program[:num_forward], program[num_forward:])]
+
+
+def _uses(action: Action, key: Key) -> bool:
+    return key in action.reads + action.consumes + action.writes or (
+        action.kind in (K.OFFLOAD, K.SEND) and action.key == key)
+
+
+def test_deleting_any_wait_is_refused(program):
+    """(a) each WAIT is needed: without it a use races its transfer, a copy or FREE races what it
+    reads, or the program ends (or updates) before a copy to the host landed."""
+    hm = _compiled()
+    num_forward = len(hm.forward_actions)
+    hm.verify(_single(program, num_forward))
+    waits = [i for i, a in enumerate(program) if a.kind == K.WAIT]
+    assert len(waits) > 20
+    for i in waits:
+        mutated = program[:i] + program[i + 1:]
+        _refused(hm.verify, _single(mutated, num_forward - (i < num_forward)), f"without #{i} {program[i]!r}")
+
+
+def test_moving_any_free_before_its_last_use_is_refused(program):
+    """(b) the error names the FREE that moved, wherever the verifier notices it."""
+    hm = _compiled()
+    num_forward = len(hm.forward_actions)
+    frees = [i for i, a in enumerate(program) if a.kind == K.FREE]
+    assert len(frees) > 5
+    for i in frees:
+        free = program[i]
+        last_use = max(j for j in range(i) if _uses(program[j], free.key))
+        mutated = list(program)
+        mutated.insert(last_use, mutated.pop(i))
+        message = _refused(hm.verify, _single(mutated, num_forward), f"{free!r} before #{last_use}")
+        assert repr(free) in message
+
+
+def test_moving_a_free_before_the_copy_reading_it_finished_is_refused(program):
+    """(b) FREE before the compute stream waited for the OFFLOAD that reads the key."""
+    hm = _compiled()
+    num_forward = len(hm.forward_actions)
+    moved = 0
+    for i, free in enumerate(program):
+        if free.kind != K.FREE:
+            continue
+        copies = {a.event for a in program[:i] if a.kind == K.OFFLOAD and free.key in (a.reads or (a.key,))}
+        waits = [j for j in range(i) if program[j].kind == K.WAIT and program[j].event in copies
+                 and program[j].stream == Stream.COMPUTE]
+        if not waits:
+            continue
+        mutated = list(program)
+        mutated.insert(waits[-1], mutated.pop(i))
+        message = _refused(hm.verify, _single(mutated, num_forward), f"{free!r} before its copy finished")
+        assert repr(free) in message and "may still read it" in message
+        moved += 1
+    assert moved >= 3  # activations, weight gradients
+
+
+def test_budget_below_the_static_peak_is_refused():
+    """(d) the error names the action after which the program holds its peak."""
+    hm = _compiled()
+    boundaries = [min(pack.layers) for pack in hm.packs]
+    candidate = hm._evaluate(boundaries)
+    device, peak, at = hm.device.name, candidate.peaks[0], candidate.peak_at[0]
+    assert peak == hm.plan.predicted_peak[device]
+    index, action = at
+    assert action.kind in (K.PREFETCH, K.FWD, K.RECOMPUTE, K.BWD, K.RECV)  # what takes memory
+    check_peak(peak, peak, device, at)
+    with pytest.raises(ProgramError) as info:
+        check_peak(peak, peak - 1, device, at)
+    message = str(info.value)
+    assert NAMES_ACTION.search(message) and repr(action) in message and f"#{index}" in message
+    assert f"{peak:,}" in message and f"{peak - 1:,}" in message
+    # compile's own last check: the plan chosen must fit the budget the devices have
+    budget = hm.budget
+    try:
+        hm.budget = peak - 1
+        with pytest.raises(ProgramError, match=re.escape(repr(action))):
+            hm._make_plan(candidate, "balanced")
+    finally:
+        hm.budget = budget
+
+
+# ---------------------------------------------------------------------- several devices: a pipeline
+
+
+@functools.lru_cache(maxsize=None)
+def _pipeline():
+    torch.manual_seed(0)
+    model = MLPChain(width=16, depth=6)
+    hm = harmony_fx.compile(model, torch.randn(8, 16), devices=["host:0", "host:1"], parallel="pp",
+                            microbatches=2, pack_boundaries=(0, 2, 4))
+    assert len(hm.packs) == 3
+    return hm
+
+
+def _mutate(device: int, change) -> list[tuple[list[Action], list[Action]]]:
+    """The pipeline's programs with device ``device``'s forward + backward replaced by
+    ``change(actions)`` (same length: the forward/backward split stays)."""
+    hm = _pipeline()
+    programs = [(list(forward), list(backward)) for forward, backward in hm.device_actions]
+    forward, backward = programs[device]
+    changed = change(forward + backward)
+    programs[device] = (changed[:len(forward)], changed[len(forward):])
+    return programs
+
+
+def _swap(i: int, j: int):
+    def change(actions):
+        actions = list(actions)
+        actions[i], actions[j] = actions[j], actions[i]
+        return actions
+    return change
+
+
+def test_pipeline_verifies():
+    hm = _pipeline()
+    hm.verify(hm.device_actions)
+    kinds = {a.kind for forward, backward in hm.device_actions for a in forward + backward}
+    assert {K.SEND, K.RECV} <= kinds
+
+
+def test_deleting_any_wait_of_a_pipeline_is_refused():
+    """(a) including a device's wait for another device's copy to the host (``WAIT e3 h2d from
+    d0``), which no single device's program can check."""
+    hm = _pipeline()
+    cross_device = 0
+    for device, (forward, backward) in enumerate(hm.device_actions):
+        program = forward + backward
+        for i, wait in enumerate(program):
+            if wait.kind != K.WAIT:
+                continue
+            programs = [(list(f), list(b)) for f, b in hm.device_actions]
+            mutated = program[:i] + program[i + 1:]
+            cut = len(forward) - (i < len(forward))
+            programs[device] = (mutated[:cut], mutated[cut:])
+            message = _refused(hm.verify, programs, f"d{device} without #{i} {wait!r}")
+            if wait.peer is not None and wait.stream == Stream.H2D:
+                assert f"from d{wait.peer}" in message
+                cross_device += 1
+    assert cross_device > 0
+
+
+def test_swapping_a_send_and_a_recv_into_a_cycle_is_refused():
+    """(c) device 0 now waits to receive what device 1 makes from what device 0 sends only after."""
+    hm = _pipeline()
+    program = hm.device_actions[0][0] + hm.device_actions[0][1]
+    send = next(i for i, a in enumerate(program) if a.kind == K.SEND)
+    # the first RECV whose key device 1 can only make from what this SEND hands it: the next pack's output
+    recv = next(i for i, a in enumerate(program) if a.kind == K.RECV and a.key.mb == program[send].key.mb
+                and a.key.kind == KeyKind.ACT)
+    assert send < recv
+
+    def recv_first(actions):  # the RECV moves up to just before the SEND; their waits stay where they were
+        actions = list(actions)
+        actions.insert(send, actions.pop(recv))
+        return actions
+
+    message = _refused(hm.verify, _mutate(0, recv_first), "RECV before SEND")
+    assert "cycle" in message and repr(program[recv]) in message
+
+
+def test_swapping_two_sends_is_refused():
+    """(c) the earlier SEND now hands over a value its device has not made yet."""
+    hm = _pipeline()
+    program = hm.device_actions[0][0] + hm.device_actions[0][1]
+    first, second = [i for i, a in enumerate(program) if a.kind == K.SEND][:2]
+    message = _refused(hm.verify, _mutate(0, _swap(first, second)), "two SENDs swapped")
+    assert repr(program[second]) in message and "not on the device" in message
+
+
+def test_a_send_to_the_wrong_device_is_refused():
+    """(c) the pairing breaks: the SEND has no RECV on its new peer, nor its RECV a SEND."""
+    hm = _pipeline()
+    program = hm.device_actions[0][0] + hm.device_actions[0][1]
+    index = next(i for i, a in enumerate(program) if a.kind == K.SEND)
+    send = program[index]
+
+    def retarget(actions):
+        actions = list(actions)
+        actions[index] = Action(K.SEND, Stream.PEER, key=send.key, event=send.event, peer=0,
+                                created_by=send.created_by, reads=send.reads)
+        return actions
+
+    message = _refused(hm.verify, _mutate(0, retarget), "SEND retargeted")
+    assert "no matching" in message

@@ -1,0 +1,63 @@
+"""``compile``'s use of the planner: ``microbatches=None`` and ``parallel="auto"`` are searched.
+
+The model's own graph is profiled (FLOPs and bytes per layer), the device described by a spec
+(this machine, measured, for HostDevices; the closest preset for a GPU), and ``search`` picks
+microbatches, data- or pipeline-parallel over the devices given, and the pack boundaries. ``compile``
+still lowers and runs the choice on FakeTensors, so the budget is checked exactly; if the
+planner's estimate was optimistic it falls back to the fewest balanced packs that fit.
+
+When cutting the batch would change what the model computes (dropout draws per microbatch,
+BatchNorm normalises per microbatch), the planner keeps one microbatch per device.
+"""
+from __future__ import annotations
+
+import torch
+from torch import fx, nn
+
+from harmony_fx.config import CompileOptions
+from harmony_fx.passes.split_packs import RANDOM_OPS, _op_name
+from harmony_fx.planner.chain import Schedule
+from harmony_fx.planner.profile import profile_graph
+from harmony_fx.planner.search import PlanningError, search
+from harmony_fx.planner.specs import PRESETS, DeviceSpec, HostSpec, measure_local
+
+__all__ = ["choose_schedule"]
+
+
+def choose_schedule(gm: fx.GraphModule, model: nn.Module, batch_size: int, devices: list, budget: int | None,
+                    options: CompileOptions) -> Schedule | None:
+    """The planner's schedule, or ``None`` when it finds none (``compile`` then uses its defaults)."""
+    dtype = options.compute_dtype
+    profile = profile_graph("model", gm, batch_size, None if dtype is None else dtype.itemsize, options.precision)
+    microbatches = options.microbatches
+    if microbatches is None and _split_changes_results(gm, model):
+        microbatches = len(devices)
+    parallel = None if options.parallel == "auto" or len(devices) == 1 else options.parallel
+    try:
+        choice = search(profile, _spec_of(devices[0], budget), HostSpec(), batch_size=batch_size,
+                        devices=len(devices), budget=budget, parallel=parallel, microbatches=microbatches,
+                        simulate_top=3, all_devices=True)
+    except PlanningError:
+        return None
+    return choice.schedule
+
+
+def _split_changes_results(gm: fx.GraphModule, model: nn.Module) -> bool:
+    random = any(_op_name(node) in RANDOM_OPS and not _is_zero_dropout(node) for node in gm.graph.nodes)
+    batch_norm = any(isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training for m in model.modules())
+    return random or batch_norm
+
+
+def _is_zero_dropout(node: fx.Node) -> bool:
+    return "dropout" in _op_name(node) and len(node.args) > 1 and node.args[1] == 0
+
+
+def _spec_of(device, budget: int | None) -> DeviceSpec:
+    torch_device = device.torch_device
+    if torch_device.type == "cuda":
+        name = torch.cuda.get_device_name(torch_device).lower()
+        for key, spec in PRESETS.items():
+            if key.split("-")[0] in name.replace(" ", ""):
+                return spec
+        return PRESETS["a100-80gb"]
+    return measure_local(budget)

@@ -1,0 +1,80 @@
+"""``harmony-fx plan``: the command line of the planner (``harmony_fx/commands/plan.py``)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from harmony_fx.cli import main
+from harmony_fx.config import format_size
+from harmony_fx.planner.presets import preset_profile
+from harmony_fx.planner.search import host_bytes
+from harmony_fx.planner.specs import PRESETS, HostSpec
+
+
+def test_plan_json_and_trace(tmp_path, capsys) -> None:
+    trace = tmp_path / "plan.json"
+    code = main(["plan", "gpt2-xl", "--devices", "2", "--device-spec", "v100-32gb", "--json", "--trace", str(trace)])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    report = json.loads(out)  # stdout is the JSON alone: progress goes to stderr
+    assert {"iteration_seconds", "packs", "bytes_moved", "peak_bytes", "bound_by"} <= set(report)
+    assert report["model"] == "gpt2-xl" and report["device_spec"] == "v100-32gb"
+    assert report["iteration_seconds"] >= report["lower_bound_seconds"] > 0
+    assert report["bound_by"] in ("compute", "transfer")
+    assert report["packs"] and sum(pack["num_layers"] for pack in report["packs"]) == report["layers"]
+    assert sum(pack["params"] for pack in report["packs"]) == report["parameters"]
+    assert len(report["peak_bytes"]) == report["devices"] <= 2
+    assert max(report["peak_bytes"]) <= PRESETS["v100-32gb"].memory
+    assert report["bytes_moved"]["h2d/weights"] > 0 and report["bytes_moved"]["d2h/wgrad"] > 0
+    assert report["trace"] == str(trace)
+    assert "planning gpt2-xl" in err
+
+    events = json.loads(trace.read_text())["traceEvents"]
+    rows = {(e["pid"], e["tid"]): e["args"]["name"] for e in events if e["name"] == "thread_name"}
+    slices = [e for e in events if e["ph"] == "X"]
+    for stream in ("compute", "h2d"):
+        assert any(rows[(e["pid"], e["tid"])] == stream for e in slices), stream
+    assert all(e["cat"] == rows[(e["pid"], e["tid"])] for e in slices)
+    assert max(e["ts"] + e["dur"] for e in slices) == pytest.approx(report["iteration_seconds"] * 1e6, rel=1e-6)
+
+
+def test_plan_text_output(capsys) -> None:
+    code = main(["plan", "bert-large", "--device-spec", "v100-32gb", "--batch-size", "16"])
+    out, _ = capsys.readouterr()
+    assert code == 0
+    assert "predicted iteration" in out
+    assert "lower bound" in out
+    assert "planning bert-large" in out and "batch 16" in out
+    table = [line for line in out.splitlines() if line.startswith("pack ")]
+    assert len(table) == 1 and "layers" in table[0] and "stash" in table[0]
+
+
+def test_unknown_device_spec_exits_2_with_a_message(capsys) -> None:
+    code = main(["plan", "gpt2-xl", "--device-spec", "tpu-v9"])
+    out, err = capsys.readouterr()
+    assert code == 2
+    assert "tpu-v9" in err and "v100-32gb" in err
+    assert "predicted" not in out
+
+
+def test_unknown_model_exits_2_with_a_message(capsys) -> None:
+    code = main(["plan", "gpt5"])
+    _, err = capsys.readouterr()
+    assert code == 2
+    assert "gpt5" in err and "file.py:function" in err
+
+
+def test_host_memory_too_small_exits_2_naming_what_is_needed(capsys) -> None:
+    code = main(["plan", "gpt3-175b", "--host-memory", "2TB", "--json"])
+    out, err = capsys.readouterr()
+    assert code == 2
+    assert out == ""
+    message = err.strip().splitlines()[-1]
+    assert message.startswith("harmony-fx plan:")
+    assert "host memory" in message
+    profile, batch = preset_profile("gpt3-175b")
+    needed = host_bytes(profile, [], batch, HostSpec(optimizer_state_bytes=8))  # Adam, the default
+    assert needed > 2 * 10**12
+    assert format_size(needed) in message
+    assert format_size(2 * 10**12) in message  # what was given
