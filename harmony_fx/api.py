@@ -468,10 +468,10 @@ class HarmonyModule:
             if given_fixed != fixed or given.dtype != expected.dtype:
                 free = "no dim of it (batch_dims gives it none)" if dim is None else f"only its batch dim {dim}"
                 raise ValueError(
-                    f"input {name!r} has shape {tuple(given.shape)} and dtype {given.dtype}, but the model was compiled "
-                    f"for {tuple(whole)} and {expected.dtype}; {free} may change between calls (a new batch size is "
-                    "planned on its first call), the other dims are baked into the captured graph. Compile again "
-                    "with an example of the new shape, or pad the inputs to the compiled one.")
+                    f"input {name!r} has shape {tuple(given.shape)} and dtype {given.dtype}, but the model was "
+                    f"compiled for {tuple(whole)} and {expected.dtype}; {free} may change between calls (a new batch "
+                    "size is planned on its first call), the other dims are baked into the captured graph. Compile "
+                    "again with an example of the new shape, or pad the inputs to the compiled one.")
             if dim is not None:
                 size, example_size = given.shape[dim], whole[dim]
         if size == example_size:

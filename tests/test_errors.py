@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import itertools
 import re
 import threading
 
@@ -371,15 +372,18 @@ def _fail_on_call(monkeypatch, number: int, when: str, error: type[BaseException
     """Every harmony op of the Runtime counts its calls; call ``number`` raises ``error`` before
     or after the op ran. Returns the log of ops called."""
     calls: list[str] = []
+    counter = itertools.count()  # next() is atomic: the devices' controller threads share it
+
     for name in OP_OF_KIND.values():
         real = getattr(Runtime, name)
 
         def op(self, *args, _real=real, _name=name):
+            index = next(counter)
             calls.append(_name)
-            if len(calls) - 1 == number and when == "before":
+            if index == number and when == "before":
                 raise error(f"injected before op #{number} ({_name})")
             result = _real(self, *args)
-            if len(calls) - 1 == number and when == "after":
+            if index == number and when == "after":
                 raise error(f"injected after op #{number} ({_name})")
             return result
 
@@ -424,6 +428,14 @@ def test_an_error_inside_an_update_undoes_every_update_of_the_step(optimizer_nam
     before it are put back."""
     (trainer, model, optimizer), (reference, ref_model, ref_optimizer) = _trainers(optimizer_name)
     try:
+        # the very first step: the optimizer had no state, and has none after
+        saved = _state(model, optimizer)
+        with monkeypatch.context() as patch:
+            _fail_on_call(patch, len(trainer.hm.forward_actions + trainer.hm.backward_actions) - 1, "before")
+            with pytest.raises(Injected):
+                trainer.step(_batch(seed=1))
+        assert not optimizer.state
+        _assert_state_equal(model, optimizer, saved)
         trainer.step(_batch(seed=1))
         reference.step(_batch(seed=1))
         saved = _state(model, optimizer)
@@ -467,7 +479,8 @@ def test_out_of_memory_names_the_pack_the_planned_peak_and_the_budget():
             del info
         finally:
             device.budget = budget
-        assert re.search(r"out of memory (in the (forward|recompute|backward)|while copying the weights) of p\d", message)
+        assert re.search(r"out of memory (in the (forward|recompute|backward)|while copying the weights) of p\d",
+                         message)
         assert f"static peak here is {planned:,} bytes" in message
         assert f"budget {planned - 1:,} bytes" in message and f"memory_budget={planned - 1}" in message
         _assert_state_equal(model, optimizer, saved)
@@ -507,3 +520,29 @@ def test_ctrl_c_in_a_task_leaves_the_step_undone_and_no_thread_running(monkeypat
     finally:
         trainer.close()
         reference.close()
+
+
+@pytest.mark.parametrize("parallel", ["dp", "pp"])
+def test_an_error_on_one_of_several_devices_leaves_the_step_undone(parallel, monkeypatch):
+    """Two devices with chaos streams (every stream on its own thread): the failing device stops the
+    other; the error raised is the original one; both give their memory back; no thread is left."""
+    model = _mlp()
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    trainer = harmony_fx.Trainer(model, F.cross_entropy, optimizer, _batch(), microbatches=4,
+                                 pack_boundaries=BOUNDARIES, devices=["host:0", "host:1"], parallel=parallel, chaos=3)
+    try:
+        trainer.step(_batch(seed=1))
+        saved, threads = _state(model, optimizer), set(threading.enumerate())
+        num_ops = sum(len(forward) + len(backward) for forward, backward in trainer.hm.device_actions)
+        for number in range(0, num_ops, 11):  # a spread of them: chaos steps are slower
+            with monkeypatch.context() as patch:
+                _fail_on_call(patch, number, "before")
+                with pytest.raises(Injected, match=f"op #{number} "):
+                    trainer.step(_batch(seed=2))
+            _assert_state_equal(model, optimizer, saved)
+            assert [device.live_bytes() for device in trainer.hm.devices] == [0, 0]
+            assert set(threading.enumerate()) == threads
+        trainer.step(_batch(seed=2))
+        assert trainer.step_count == 2
+    finally:
+        trainer.close()
