@@ -34,7 +34,7 @@ def test_three_sgd_steps_match_eager_at_a_quarter_of_the_memory(name):
     reference = copy.deepcopy(model)
     batch = hf_batch(name)
     budget = eager_training_bytes(model, (), lambda out: out.loss, batch) // 4
-    hm = harmony_fx.compile(model, (), batch, memory_budget=budget, microbatches=2)
+    hm = harmony_fx.compile(model, (), batch, memory_budget=budget, microbatches=4)
     assert len(hm.packs) > 1
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     ref_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
