@@ -26,7 +26,7 @@ CASES = [  # (preset, devices, spec, host memory)
 @pytest.mark.parametrize("preset, devices, spec_name, host_memory", CASES)
 def test_plan_quality(benchmark, preset, devices, spec_name, host_memory):
     spec = get_spec(spec_name)
-    host = HostSpec(memory=host_memory, link_bandwidth=4 * spec.host_bandwidth)
+    host = HostSpec(memory=host_memory, link_bandwidth=4 * spec.host_bandwidth, update_params_per_second=2e9)
     profile, batch = preset_profile(preset)
     choice = benchmark.pedantic(lambda: search(profile, spec, host, batch_size=batch, devices=devices),
                                 rounds=1, iterations=1)

@@ -27,7 +27,8 @@ def add_parser(commands) -> None:
                                           "(default: 4 devices' links)")
     plan.add_argument("--optimizer", choices=sorted(_OPTIMIZER_STATE), default="adam",
                       help="sizes the optimizer state kept on the host (adam: 8 bytes per parameter)")
-    plan.add_argument("--update-rate", type=float, default=1e9, help="host optimizer throughput, parameters/s")
+    plan.add_argument("--update-rate", type=float, default=2e9,
+                      help="host optimizer throughput, parameters/s (default: a two-socket server)")
     plan.add_argument("--batch-size", type=int, help="samples per iteration (default: the preset's)")
     plan.add_argument("--microbatches", type=int, help="fix the number of microbatches (default: searched)")
     plan.add_argument("--parallel", choices=["auto", "dp", "pp"], default="auto")

@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
-import itertools
 from typing import Callable, Sequence
+
+import numpy as np
 
 from harmony_fx.config import format_size
 from harmony_fx.planner.chain import Schedule, chain_schedule
@@ -55,48 +56,6 @@ class PlanChoice:
         return self.batch_size / self.seconds
 
 
-class _Prefix:
-    """O(1) sums over layer ranges of the per-layer figures the cost model needs."""
-
-    def __init__(self, profile: ModelProfile, size: int, spec: DeviceSpec) -> None:
-        layers = profile.layers
-        self.weights = _prefix([layer.param_bytes for layer in layers])
-        self.saved = _prefix([layer.saved_bytes * size for layer in layers])
-        seconds = [_layer_seconds(layer, size, spec, profile.precision) for layer in layers]
-        self.forward = _prefix([fwd for fwd, _ in seconds])
-        self.backward = _prefix([bwd for _, bwd in seconds])
-        self.num_layers = len(layers)
-        self.boundary = [profile.input_bytes * size] + [layer.out_bytes * size for layer in layers]
-        self._biggest = _SparseMax([layer.saved_bytes * size for layer in layers])
-
-    def biggest(self, a: int, b: int) -> float:
-        return self._biggest.max(a, b)
-
-    def span(self, prefix: list[float], a: int, b: int) -> float:
-        return prefix[b] - prefix[a]
-
-
-class _SparseMax:
-    """Range maximum in O(1) after O(n log n) preparation."""
-
-    def __init__(self, values: Sequence[float]) -> None:
-        self.levels = [list(values)]
-        width = 1
-        while 2 * width <= len(values):
-            prev = self.levels[-1]
-            self.levels.append([max(prev[i], prev[i + width]) for i in range(len(prev) - width)])
-            width *= 2
-
-    def max(self, a: int, b: int) -> float:
-        level = (b - a).bit_length() - 1
-        row = self.levels[level]
-        return max(row[a], row[b - (1 << level)])
-
-
-def _prefix(values: Sequence[float]) -> list[float]:
-    return [0.0, *itertools.accumulate(values)]
-
-
 def _layer_seconds(layer, size: int, spec: DeviceSpec, precision: str) -> tuple[float, float]:
     """(forward, backward) seconds of one layer on one microbatch (as ``PackCosts`` charges them)."""
     measured = layer.measured(size)
@@ -107,12 +66,18 @@ def _layer_seconds(layer, size: int, spec: DeviceSpec, precision: str) -> tuple[
     return fwd, bwd
 
 
+def _prefix(values: Sequence[float]) -> np.ndarray:
+    return np.concatenate([[0.0], np.cumsum(np.asarray(values, dtype=np.float64))])
+
+
 class _PackModel:
-    """Need and cost of a pack ``[a, b)`` for one setting."""
+    """Need and cost of packs ``[a, b)`` for one setting, from prefix sums: every method takes
+    ints or numpy arrays of them (broadcast), so the dynamic program works a row at a time."""
 
     def __init__(self, profile: ModelProfile, size: int, mbs_per_device: int, spec: DeviceSpec,
                  devices_sharing_link: int, host: HostSpec) -> None:
-        self.p = _Prefix(profile, size, spec)
+        layers = profile.layers
+        self.num_layers = len(layers)
         self.mbs = mbs_per_device
         bandwidth = spec.host_bandwidth
         if host.link_bandwidth is not None:
@@ -120,71 +85,90 @@ class _PackModel:
         self.bandwidth = bandwidth
         self.overhead = 10 * spec.launch_seconds * mbs_per_device
         self.update_rate = host.update_params_per_second
-        self.params = _prefix([layer.num_params for layer in profile.layers])
+        seconds = [_layer_seconds(layer, size, spec, profile.precision) for layer in layers]
+        self.forward = _prefix([fwd for fwd, _ in seconds])
+        self.backward = _prefix([bwd for _, bwd in seconds])
+        self.params = _prefix([layer.num_params for layer in layers])
+        self._weights = _prefix([layer.param_bytes for layer in layers])
+        self.saved = np.asarray([layer.saved_bytes * size for layer in layers], dtype=np.float64)
+        self._saved = _prefix(self.saved)
+        self.boundary = np.asarray([profile.input_bytes * size] + [layer.out_bytes * size for layer in layers])
+        # range maximum of ``saved`` in O(1): a sparse table, level l holding maxima of 2**l layers
+        levels = [self.saved]
+        while 2 ** len(levels) <= len(layers):
+            prev, width = levels[-1], 2 ** (len(levels) - 1)
+            levels.append(np.maximum(prev[:-width], prev[width:]))
+        self._table = np.full((len(levels), len(layers)), -np.inf)
+        for level, row in enumerate(levels):
+            self._table[level, :len(row)] = row
 
-    def weights(self, a: int, b: int) -> float:
-        return self.p.span(self.p.weights, a, b)
+    def biggest(self, a, b):
+        level = np.log2(np.asarray(b) - np.asarray(a)).astype(int)
+        return np.maximum(self._table[level, a], self._table[level, np.asarray(b) - (1 << level)])
 
-    def need(self, a: int, b: int) -> float:
+    def weights(self, a, b):
+        return self._weights[b] - self._weights[a]
+
+    def need(self, a, b):
         """Bytes a pack holds in its backward: weights and their gradients, one microbatch's graph,
         its input and output values and gradients, and the largest layer's working set."""
-        p = self.p
-        io = 2 * (p.boundary[a] + p.boundary[b])
-        return 2 * self.weights(a, b) + p.span(p.saved, a, b) + io + p.biggest(a, b)
+        io = 2 * (self.boundary[a] + self.boundary[b])
+        return 2 * self.weights(a, b) + (self._saved[b] - self._saved[a]) + io + self.biggest(a, b)
 
-    def exposed(self, a: int, b: int) -> float:
+    def exposed(self, a, b):
         """What the first pack adds that nothing overlaps: its weights' first copy in, and its
         update, the last of the iteration."""
-        return self.weights(a, b) / self.bandwidth + self.p.span(self.params, a, b) / self.update_rate
+        return self.weights(a, b) / self.bandwidth + (self.params[b] - self.params[a]) / self.update_rate
 
-    def cost(self, a: int, b: int) -> float:
-        p = self.p
+    def cost(self, a, b):
         # forward, recompute and backward; the last pack keeps its graph and skips the recompute
-        runs = 1 if b == p.num_layers else 2
-        compute = self.mbs * (runs * p.span(p.forward, a, b) + p.span(p.backward, a, b))
-        moved = 3 * self.weights(a, b) + 2 * self.mbs * (p.boundary[a] + p.boundary[b])
+        runs = np.where(np.asarray(b) == self.num_layers, 1, 2)
+        compute = self.mbs * (runs * (self.forward[b] - self.forward[a]) + (self.backward[b] - self.backward[a]))
+        moved = 3 * self.weights(a, b) + 2 * self.mbs * (self.boundary[a] + self.boundary[b])
         # the host updates the pack after its backward, while the packs before it run theirs: what
         # their backward cannot cover is exposed
-        update = self.p.span(self.params, a, b) / self.update_rate
-        tail = max(0.0, update - self.mbs * (p.span(p.forward, 0, a) + p.span(p.backward, 0, a)))
+        update = (self.params[b] - self.params[a]) / self.update_rate
+        tail = np.maximum(0.0, update - self.mbs * (self.forward[a] + self.backward[a]))
         # every pack adds synchronisation (waits, event records, a pipeline hand-off per microbatch)
-        return max(compute, moved / self.bandwidth) + tail + self.overhead
+        return np.maximum(compute, moved / self.bandwidth) + tail + self.overhead
 
 
 def best_boundaries(num_layers: int, model: _PackModel, budget: float) -> list[int] | None:
-    """The exact optimum of ``sum(cost)`` over contiguous packings whose adjacent pairs fit."""
-    need, weights, cost = model.need, model.weights, model.cost
-    inf = float("inf")
-    # best[j][i]: cheapest cover of [0, j) whose last pack is [i, j); kept per j as lists over i
+    """The exact optimum of ``sum(cost)`` over contiguous packings whose adjacent pairs fit.
+
+    ``best[j]``: for each last pack ``[i, j)`` of a cover of ``[0, j)``, its cheapest cost. For a
+    next pack ``[j, k)`` every ``i`` is checked (a pack's ``need`` is not monotone: one that ends
+    past a loss no longer holds the logits), as one matrix over (i, k) per ``j``; the ``k`` stop
+    where even the next pack's weights and gradients no longer fit beside the smallest last pack.
+    """
     best: list[dict[int, float]] = [dict() for _ in range(num_layers + 1)]
     parent: dict[tuple[int, int], int] = {}
-    for k in range(1, num_layers + 1):
-        if need(0, k) <= budget:
-            best[k][0] = cost(0, k) + model.exposed(0, k)
+    ks = np.arange(1, num_layers + 1)
+    first = model.cost(0, ks) + model.exposed(0, ks)
+    for k, fits, value in zip(ks, model.need(0, ks) <= budget, first):
+        if fits:
+            best[k][0] = float(value)
     for j in range(1, num_layers):
         if not best[j]:
             continue
-        starts = sorted(best[j])                    # i ascending: the last pack shrinks
-        # weights only shrink with the pack (negated, so ascending for bisect); ``need`` need not:
-        # a pack that ends past a loss no longer holds the logits at its edge
-        neg_w = [-weights(i, j) for i in starts]
-        needs = [need(i, j) for i in starts]
-        for k in range(j + 1, num_layers + 1):
-            need_k, w_k = need(j, k), weights(j, k)
-            if 2 * w_k - neg_w[-1] > budget:
-                break  # need >= 2 * weights, and a longer next pack only has more weights
-            first = bisect.bisect_left(neg_w, need_k - budget)  # smaller packs fit beside it
-            limit, chosen, value = budget - w_k, -1, inf
-            for idx in range(first, len(starts)):
-                candidate = best[j][starts[idx]]
-                if candidate < value and needs[idx] <= limit:
-                    chosen, value = starts[idx], candidate
-            if chosen < 0:
-                continue
-            value += cost(j, k)
-            if value < best[k].get(j, inf):
-                best[k][j] = value
-                parent[(j, k)] = chosen
+        starts = np.fromiter(best[j], dtype=int)
+        values = np.fromiter(best[j].values(), dtype=np.float64)
+        last_weights, last_need = model.weights(starts, j), model.need(starts, j)
+        ks = np.arange(j + 1, num_layers + 1)
+        next_weights = model.weights(j, ks)
+        ks = ks[2 * next_weights + last_weights.min() <= budget]  # need >= 2 * weights, which only grow
+        if not len(ks):
+            continue
+        next_need, next_weights = model.need(j, ks), model.weights(j, ks)
+        fits = ((last_weights[:, None] <= budget - next_need[None, :])
+                & (last_need[:, None] <= budget - next_weights[None, :]))
+        candidates = np.where(fits, values[:, None], np.inf)
+        chosen = candidates.argmin(axis=0)
+        totals = candidates[chosen, np.arange(len(ks))] + model.cost(j, ks)
+        for k, i, total in zip(ks, starts[chosen], totals):
+            if total < best[k].get(j, np.inf):
+                best[k][j] = float(total)
+                parent[(j, int(k))] = int(i)
     if not best[num_layers]:
         return None
     i = min(best[num_layers], key=best[num_layers].get)
@@ -217,7 +201,7 @@ def baselines(num_layers: int, model: _PackModel, budget: float) -> dict[str, li
         starts.append(a)
         b = a
     result["harmony greedy"] = starts[::-1]
-    seconds = [f + b for f, b in zip(model.p.forward, model.p.backward)]
+    seconds = list(model.forward + model.backward)
     for count in range(1, num_layers + 1):  # fewest equal-time chunks that all fit
         cuts = [0] + [bisect.bisect_left(seconds, seconds[-1] * c / count) for c in range(1, count)]
         cuts = sorted(set(min(max(c, 0), num_layers - 1) for c in cuts))
