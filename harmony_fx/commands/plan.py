@@ -33,6 +33,8 @@ def add_parser(commands) -> None:
     plan.add_argument("--microbatches", type=int, help="fix the number of microbatches (default: searched)")
     plan.add_argument("--parallel", choices=["auto", "dp", "pp"], default="auto")
     plan.add_argument("--precision", choices=["bf16", "fp32"], default="bf16")
+    plan.add_argument("--measure", action="store_true",
+                      help="file.py models: time every layer on this machine (for --device-spec host)")
     plan.add_argument("--json", action="store_true", help="print the plan as JSON")
     plan.add_argument("--trace", help="write the simulated iteration as a Chrome trace (JSON) here")
 
@@ -47,10 +49,12 @@ def run(args: argparse.Namespace) -> int:
     log = (lambda message: print(message, file=sys.stderr)) if args.json else print
     try:
         spec = get_spec(args.device_spec)
+        if args.model in PRESETS and args.measure:
+            raise ValueError("--measure needs a model you can run: presets are built on the meta device")
         if args.model in PRESETS:
             profile, batch_size = preset_profile(args.model, args.precision)
         else:
-            profile, batch_size = load_profile(args.model, args.precision)
+            profile, batch_size = load_profile(args.model, args.precision, measure=args.measure)
         batch_size = args.batch_size or batch_size
         link = parse_size(args.host_link) if args.host_link else 4 * spec.host_bandwidth
         host = HostSpec(memory=parse_size(args.host_memory), link_bandwidth=link,

@@ -9,15 +9,16 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import os
+import time
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from harmony_fx.capture import capture
-from harmony_fx.planner.profile import ModelProfile, profile_graph, repeat_block
+from harmony_fx.planner.profile import ModelProfile, measure_seconds, profile_graph, repeat_block
 
-__all__ = ["PRESETS", "TransformerConfig", "Transformer", "preset_profile", "load_profile"]
+__all__ = ["PRESETS", "TransformerConfig", "Transformer", "preset_profile", "load_profile", "measured_profile"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,9 +123,10 @@ def preset_profile(name: str, precision: str = "bf16") -> tuple[ModelProfile, in
     return repeat_block(profile, "blocks.", config.n_layer), config.batch_size
 
 
-def load_profile(spec: str, precision: str = "fp32") -> tuple[ModelProfile, int]:
+def load_profile(spec: str, precision: str = "fp32", measure: bool = False) -> tuple[ModelProfile, int]:
     """``path/to/file.py:function``; the function returns ``(model, example_inputs)`` and the model's
-    output is what training minimises (a loss), or anything: only costs are read."""
+    output is what training minimises (a loss), or anything: only costs are read. ``measure``: time
+    every layer on this machine at a few microbatch sizes (``measured_profile``)."""
     path, _, function = spec.rpartition(":")
     if not path or not os.path.exists(path):
         raise ValueError(f"cannot find {path or spec!r}: pass a preset name or file.py:function")
@@ -139,5 +141,39 @@ def load_profile(spec: str, precision: str = "fp32") -> tuple[ModelProfile, int]
     batch = example_inputs[0].shape[0] if example_inputs and isinstance(example_inputs[0], torch.Tensor) else 1
     captured = capture(model, example_inputs)
     itemsize = 2 if precision == "bf16" else None
-    return profile_graph(function, captured.gm, batch, itemsize, precision), batch
+    profile = profile_graph(function, captured.gm, batch, itemsize, precision)
+    if measure:
+        profile = measured_profile(profile, model, example_inputs)
+    return profile, batch
+
+
+def measured_profile(profile: ModelProfile, model: nn.Module, example_inputs: tuple,
+                     sizes: tuple[int, ...] | None = None) -> ModelProfile:
+    """``profile`` with every layer's forward and backward seconds measured on this machine at a
+    few microbatch sizes (1, a quarter, and the whole example batch; dim 0 of every input)."""
+    batch = profile.batch_size
+    sizes = sizes or tuple(sorted({1, max(batch // 4, 1), batch}))
+
+    def run_at(size: int):
+        args = tuple(x[:size] if isinstance(x, torch.Tensor) else x for x in example_inputs)
+        captured = capture(model, args)
+        values = {**captured.params, **captured.buffers}
+        flat = iter(captured.flatten_inputs(args, {}))
+        example = [values[node.name].detach() if node.name in values else next(flat)
+                   for node in captured.gm.graph.find_nodes(op="placeholder")]
+        backward = min(_backward_seconds(model, args) for _ in range(3))
+        return captured.gm, example, backward
+
+    return measure_seconds(profile, run_at, sizes)
+
+
+def _backward_seconds(model: nn.Module, args: tuple) -> float:
+    """Seconds of ``output.sum().backward()`` in eager (gradients dropped afterwards)."""
+    output = model(*args)
+    loss = output if output.dim() == 0 else output.float().sum()
+    started = time.perf_counter()
+    loss.backward()
+    seconds = time.perf_counter() - started
+    model.zero_grad(set_to_none=True)
+    return seconds
 

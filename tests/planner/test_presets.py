@@ -109,3 +109,21 @@ def test_load_profile_errors(tmp_path) -> None:
 def _tied(name: str, config) -> int:
     """The head shares the token embedding (all but Llama): moved twice, one parameter."""
     return 0 if config.llama else config.vocab * config.d_model
+
+
+def test_measured_profile_times_every_layer_at_three_sizes(tmp_path) -> None:
+    path = tmp_path / "chain.py"
+    path.write_text(textwrap.dedent("""
+        import torch
+        from torch import nn
+
+        def build():
+            torch.manual_seed(0)
+            return nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4)), torch.randn(8, 16)
+    """))
+    profile, batch = load_profile(f"{path}:build", measure=True)
+    assert batch == 8
+    for layer in profile.layers:
+        assert [size for size, _, _ in layer.seconds] == [1, 2, 8]
+        assert all(fwd > 0 and bwd >= 0 for _, fwd, bwd in layer.seconds)
+        assert layer.measured(4) is not None
