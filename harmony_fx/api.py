@@ -42,7 +42,7 @@ from harmony_fx.schedule.actions import Action, ActionKind, Key, KeyKind
 from harmony_fx.schedule.format import format_schedule
 from harmony_fx.schedule.plan import PackPlan, Plan
 from harmony_fx.schedule.simulate import bytes_moved
-from harmony_fx.schedule.validate import check_peak, verify_devices, verify_program
+from harmony_fx.schedule.validate import check_peak, verify_devices, verify_packs, verify_program
 
 __all__ = ["compile", "HarmonyModule"]
 
@@ -272,6 +272,8 @@ class HarmonyModule:
                                                                        update_packs=update_packs))
                               for mbs in self.device_microbatches]
         if self.options.verify:
+            for variant in self._variants.values():
+                verify_packs(variant.captured.gm)
             self.verify(device_actions, update_packs)
         task_memory = [{} for _ in self.devices]
         peak_at: list[tuple[int, Action] | None] = []

@@ -15,6 +15,10 @@ it is valid and the copies still reading it, and for each stream the events it h
    every weight-gradient copy before it.
 6. The static peak (from the FakeTensor run of the program) is within the budget (``check_peak``).
 
+``verify_packs`` checks the captured graph after ``split_packs``: it lints, every compute node
+belongs to one pack, and packs are convex (no value flows from a later pack back into an earlier
+one), which is what lets the program run them in order.
+
 ``verify_devices`` checks what no single device can: every ``SEND`` meets its ``RECV``, a key one
 device copies to the host is read by another only after it waited for that copy, and the devices,
 run together, never wait for each other in a cycle.
@@ -26,9 +30,12 @@ from __future__ import annotations
 
 from typing import Iterable, Sequence
 
+from torch import fx
+
+from harmony_fx.ir import meta
 from harmony_fx.schedule.actions import Action, ActionKind as K, Key, KeyKind, Stream
 
-__all__ = ["ProgramError", "verify_program", "verify_devices", "check_peak"]
+__all__ = ["ProgramError", "verify_packs", "verify_program", "verify_devices", "check_peak"]
 
 
 class ProgramError(ValueError):
@@ -40,6 +47,23 @@ def _describe(index: int, action: Action, device: int | None = None) -> str:
     where = "" if device is None else f"d{device} "
     creator = f" (created by {action.created_by})" if action.created_by else ""
     return f"{where}action #{index} `{action!r}`{creator}"
+
+
+def verify_packs(gm: fx.GraphModule) -> None:
+    """The graph lints and its packs (``meta.PACK`` on every compute node) are convex."""
+    gm.graph.lint()
+    for node in gm.graph.nodes:
+        if node.op in ("placeholder", "output"):
+            continue
+        pack = node.meta.get(meta.PACK)
+        if pack is None:
+            raise ProgramError(f"verify_packs: node {node.name!r} belongs to no pack (pass split_packs)")
+        for arg in node.all_input_nodes:
+            source = arg.meta.get(meta.PACK)
+            if source is not None and source > pack:
+                raise ProgramError(
+                    f"verify_packs: node {node.name!r} in pack p{pack} reads {arg.name!r} from the later pack "
+                    f"p{source}: packs are not convex (pass split_packs)")
 
 
 def verify_program(actions: Sequence[Action], host_keys: Iterable[Key] = (),

@@ -347,3 +347,26 @@ def test_a_send_to_the_wrong_device_is_refused():
 
     message = _refused(hm.verify, _mutate(0, retarget), "SEND retargeted")
     assert "no matching" in message
+
+
+# ---------------------------------------------------------------------- packs (the graph after split_packs)
+
+
+def test_packs_of_a_compiled_model_verify():
+    from harmony_fx.schedule.validate import verify_packs
+    model, inputs, _ = ZOO["residual_mlp"].build(0)
+    hm = harmony_fx.compile(model, inputs, pack_boundaries=(0, 3, 6), microbatches=1)
+    verify_packs(hm.captured.gm)
+
+
+def test_a_node_moved_into_an_earlier_pack_is_refused_naming_it_and_the_pass():
+    from harmony_fx.ir import meta
+    from harmony_fx.schedule.validate import verify_packs
+    model, inputs, _ = ZOO["residual_mlp"].build(0)
+    hm = harmony_fx.compile(model, inputs, pack_boundaries=(0, 3, 6), microbatches=1)
+    gm = hm.captured.gm
+    victim = next(n for n in gm.graph.nodes if n.meta.get(meta.PACK) == 2
+                  and any(a.meta.get(meta.PACK) == 2 for a in n.all_input_nodes))
+    victim.meta[meta.PACK] = 0  # reads a value of pack 2 from pack 0
+    with pytest.raises(ProgramError, match=rf"{victim.name}.*not convex.*split_packs"):
+        verify_packs(gm)
