@@ -111,6 +111,12 @@ class HarmonyModule:
         if _plan and options.pack_boundaries is None and (
                 options.microbatches is None or (options.parallel == "auto" and len(self.devices) > 1)):
             self.schedule = self._choose_schedule(model, example_args, example_kwargs)
+        # larger forward packs for these boundaries: (boundaries, first pack of each forward group)
+        self._forward_groups: tuple[tuple[int, ...], tuple[int, ...]] | None = None
+        if options.forward_groups is not None:
+            self._forward_groups = (tuple(options.pack_boundaries), tuple(options.forward_groups))
+        elif self.schedule is not None and self.schedule.forward_groups:
+            self._forward_groups = (self.schedule.boundaries, self.schedule.forward_groups)
         parallel = options.parallel if self.schedule is None else self.schedule.parallel
         if self.schedule is not None:
             self.num_microbatches = self.schedule.microbatches
@@ -268,8 +274,10 @@ class HarmonyModule:
             signature = dataclasses.replace(self.signature, update_packs=update_packs)
             device_actions = lower_pipeline(packs, signature, len(self.devices))
         else:
+            planned = self._forward_groups
+            groups = planned[1] if planned and tuple(boundaries) == planned[0] else ()
             device_actions = [lower_program(packs, dataclasses.replace(self.signature, microbatches=mbs,
-                                                                       update_packs=update_packs))
+                                                                       update_packs=update_packs, forward_groups=groups))
                               for mbs in self.device_microbatches]
         if self.options.verify:
             for variant in self._variants.values():

@@ -67,6 +67,8 @@ class CompileOptions:
     ``precision``: ``"bf16"`` computes and moves floating tensors in bfloat16 on the device; master
     weights, optimizer state and gradients on the host stay fp32.
     ``pack_boundaries``: fix the packs (the index of each pack's first layer) instead of planning.
+    ``forward_groups``: with ``pack_boundaries``, larger packs for the forward (which holds no graph
+    and no gradients): the first pack of each group. One device or data-parallel.
     ``chaos``: a seed: HostDevice streams run on worker threads with random delays, so a missing
     wait shows up as a wrong number or an error (a testing aid; slower).
     """
@@ -81,6 +83,7 @@ class CompileOptions:
     batch_dims: object = 0
     precision: Literal["fp32", "bf16"] = "fp32"
     pack_boundaries: tuple[int, ...] | None = None
+    forward_groups: tuple[int, ...] | None = None
     chaos: int | None = None
 
     @property
@@ -95,5 +98,7 @@ class CompileOptions:
             raise ValueError(f"microbatches must be a positive int or None, got {self.microbatches!r}")
         if self.precision not in ("fp32", "bf16"):
             raise ValueError(f"precision must be 'fp32' or 'bf16', got {self.precision!r}")
+        if self.forward_groups is not None and self.pack_boundaries is None:
+            raise ValueError("forward_groups groups the packs of pack_boundaries: give both, or neither")
         if self.parallel not in ("auto", "dp", "pp"):
             raise ValueError(f"parallel must be 'auto', 'dp' or 'pp', got {self.parallel!r}")

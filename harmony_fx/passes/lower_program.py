@@ -31,7 +31,7 @@ from typing import Iterable, Sequence
 from harmony_fx.ir.pack import Pack
 from harmony_fx.schedule.actions import Action, ActionKind as K, Key, KeyKind, Stream
 
-__all__ = ["lower_program", "grad_inputs", "ProgramSignature", "PASS_NAME"]
+__all__ = ["lower_program", "forward_groups", "grad_inputs", "ProgramSignature", "PASS_NAME"]
 
 PASS_NAME = "lower_program"
 
@@ -54,6 +54,10 @@ class ProgramSignature:
     fuse_last: bool = False
     # packs after whose weight gradients the host updates parameters (``UPDATE`` actions)
     update_packs: frozenset[int] = frozenset()
+    # the forward's packs may be larger than the backward's (no graph, no gradients to hold): the
+    # first pack of each forward group; a group's weights come in together and its packs run back
+    # to back on each microbatch. Empty: every pack is a group of its own.
+    forward_groups: tuple[int, ...] = ()
 
 
 class _Shared:
@@ -164,34 +168,39 @@ def lower_program(packs: Sequence[Pack], signature: ProgramSignature) -> tuple[l
     grouping = signature.grouping
 
     # ---------------------------------------------------------------- forward
+    groups = forward_groups(signature, len(packs))
     if grouping:
-        b.prefetch(weights(0))
-    for pack in packs:
-        p = pack.index
+        for p in groups[0]:
+            b.prefetch(weights(p))
+    for g, group in enumerate(groups):
         if grouping:
-            b.use([weights(p)])
-            if p < last:
-                b.prefetch(weights(p + 1))
-        fused = p == last and signature.fuse_last
-        for mb in microbatches:
-            if not grouping:
+            b.use([weights(p) for p in group])
+            for p in groups[g + 1] if g + 1 < len(groups) else ():
                 b.prefetch(weights(p))
-                b.use([weights(p)])
-            event = _forward_task(b, context, pack, mb)
-            if fused:
-                _backward_task(b, context, pack, mb)
-            if not grouping and p < last:
+        last_task = {}
+        for mb in microbatches:
+            for p in group:  # a forward group runs its packs back to back on each microbatch
+                pack, fused = packs[p], p == last and signature.fuse_last
+                if not grouping:
+                    b.prefetch(weights(p))
+                    b.use([weights(p)])
+                event = last_task[p] = _forward_task(b, context, pack, mb)
+                if fused:
+                    _backward_task(b, context, pack, mb)
+                if not grouping and p < last:
+                    _free_weights(b, pack, event)
+                elif not grouping and fused:
+                    _release_fused(b, context, pack, event)
+        for p in group:
+            pack, fused, event = packs[p], p == last and signature.fuse_last, last_task[p]
+            if grouping and p < last:
                 _free_weights(b, pack, event)
-            elif not grouping and fused:
+            elif grouping and fused:
                 _release_fused(b, context, pack, event)
-        if grouping and p < last:
-            _free_weights(b, pack, event)
-        elif grouping and fused:
-            _release_fused(b, context, pack, event)
-        elif p == last and pack.mutated_buffers:
-            _buffers_out(b, pack, event)  # the weights stay for the backward
-        if fused:
-            _update(b, context, pack)
+            elif p == last and pack.mutated_buffers:
+                _buffers_out(b, pack, event)  # the weights stay for the backward
+            if fused:
+                _update(b, context, pack)
     # every weight-gradient copy so far (the fused last pack's) lands before the forward returns
     for event in context.dw_events:
         b.wait(event, Stream.HOST)
@@ -351,6 +360,15 @@ def _free_weights(b: _Builder, pack: Pack, last_forward: int) -> None:
     if pack.mutated_buffers:
         _buffers_out(b, pack, last_forward)
     b.free(weights(pack.index))
+
+
+def forward_groups(signature: ProgramSignature, num_packs: int) -> list[range]:
+    """The forward's groups of packs (see ``ProgramSignature.forward_groups``)."""
+    starts = list(signature.forward_groups) or list(range(num_packs))
+    if starts[0] != 0 or starts != sorted(set(starts)) or starts[-1] >= num_packs:
+        raise ValueError(f"{PASS_NAME}: forward groups {starts} must start at pack 0 and increase within "
+                         f"{num_packs} packs")
+    return [range(start, end) for start, end in zip(starts, [*starts[1:], num_packs])]
 
 
 def grad_inputs(pack: Pack, signature: ProgramSignature) -> tuple[str, ...]:

@@ -31,10 +31,13 @@ class Schedule:
     microbatches: int             # per iteration, over all devices
     parallel: str                 # "single" | "dp" | "pp"
     devices: int
+    # the forward's larger packs: the first (backward) pack of each group; () = the same packs
+    forward_groups: tuple[int, ...] = ()
 
     def describe(self) -> str:
         mode = "one device" if self.parallel == "single" else f"{self.parallel} over {self.devices} devices"
-        return f"{len(self.boundaries)} packs, {self.microbatches} microbatches, {mode}"
+        forward = f" ({len(self.forward_groups)} in the forward)" if self.forward_groups else ""
+        return f"{len(self.boundaries)} packs{forward}, {self.microbatches} microbatches, {mode}"
 
 
 def pack_layers(boundaries: Sequence[int], num_layers: int) -> list[range]:
@@ -64,7 +67,7 @@ def chain_schedule(profile: ModelProfile, schedule: Schedule, batch_size: int, s
         model_inputs=("x0",), model_outputs=(f"x{num_layers}",), inputs_requiring_grad=frozenset(),
         differentiable=frozenset(f"x{i}" for i in range(1, num_layers + 1)),
         microbatches=tuple(range(schedule.microbatches)), fuse_last=True,
-        update_packs=frozenset(pack.index for pack in packs if pack.params))
+        update_packs=frozenset(pack.index for pack in packs if pack.params), forward_groups=schedule.forward_groups)
     if schedule.parallel == "pp":
         pairs = lower_pipeline(packs, signature, schedule.devices)
     else:

@@ -133,6 +133,44 @@ class _PackModel:
         return np.maximum(compute, moved / self.bandwidth) + tail + self.overhead
 
 
+class _ForwardModel:
+    """Groups ``[u, v)`` of the backward's packs ``boundaries`` run as one forward pack: it holds
+    its weights, one layer's values and its edges (no graph, no gradients), beside the next
+    group's weights coming in; it costs the slower of its forward and its weights' copy."""
+
+    def __init__(self, model: _PackModel, boundaries: Sequence[int]) -> None:
+        self.model = model
+        self.edges = np.asarray([*boundaries, model.num_layers])
+        self.num_layers = len(boundaries) - 1  # the last pack stays alone: it keeps its graph
+
+    def weights(self, u, v):
+        return self.model.weights(self.edges[u], self.edges[v])
+
+    def need(self, u, v):
+        model, a, b = self.model, self.edges[u], self.edges[v]
+        return self.weights(u, v) + model.biggest(a, b) + 2 * (model.boundary[a] + model.boundary[b])
+
+    def exposed(self, u, v):
+        return self.weights(u, v) / self.model.bandwidth
+
+    def cost(self, u, v):
+        model, a, b = self.model, self.edges[u], self.edges[v]
+        compute = model.mbs * (model.forward[b] - model.forward[a])
+        return np.maximum(compute, self.weights(u, v) / model.bandwidth) + model.overhead
+
+
+def forward_groups(model: _PackModel, boundaries: Sequence[int], budget: float) -> tuple[int, ...]:
+    """The exact best grouping of the backward's packs into forward packs (the last one alone), as
+    ``ProgramSignature.forward_groups``; () when no grouping beats one pack per group."""
+    if len(boundaries) < 3:
+        return ()
+    forward = _ForwardModel(model, boundaries)
+    groups = best_boundaries(forward.num_layers, forward, budget)
+    if groups is None or len(groups) == forward.num_layers:
+        return ()
+    return (*groups, len(boundaries) - 1)
+
+
 def best_boundaries(num_layers: int, model: _PackModel, budget: float) -> list[int] | None:
     """The exact optimum of ``sum(cost)`` over contiguous packings whose adjacent pairs fit.
 
@@ -314,6 +352,17 @@ def search(profile: ModelProfile, spec: DeviceSpec, host: HostSpec, *, batch_siz
         if progress:
             progress(f"simulating the {policy} baseline")
         results[policy] = (_simulate(profile, candidate, batch_size, spec, host), candidate)
+    # larger packs for the forward, if the simulator says they help
+    chosen = min(results, key=lambda policy: results[policy][0].seconds
+                 if max(results[policy][0].peak_bytes) <= budget else float("inf"))
+    grouped = results[chosen][1]
+    if grouped.parallel != "pp":
+        groups = forward_groups(model, list(grouped.boundaries), budget)
+        if groups:
+            candidate = dataclasses.replace(grouped, forward_groups=groups)
+            if progress:
+                progress(f"simulating {len(groups)} forward packs over the {chosen} packing")
+            results[f"{chosen} + forward groups"] = (_simulate(profile, candidate, batch_size, spec, host), candidate)
     fits_host = lambda cuts: host.memory is None or host_bytes(profile, cuts, batch_size, host) <= host.memory  # noqa: E731
     compared = {policy: (sim.seconds if max(sim.peak_bytes) <= budget and fits_host(s.boundaries) else float("inf"))
                 for policy, (sim, s) in results.items()}

@@ -212,3 +212,23 @@ def test_search_reports_host_memory_too_small_with_the_amount_needed() -> None:
     message = str(error.value)
     assert format_size(host_bytes(profile, [], batch, host)) in message
     assert format_size(2**30) in message and "host memory" in message
+
+
+@settings(max_examples=100, deadline=None, database=None, phases=[Phase.explicit, Phase.generate])
+@given(_chains())
+def test_forward_groups_are_whole_backward_packs_with_the_last_alone(case) -> None:
+    from harmony_fx.planner.search import _ForwardModel, forward_groups
+
+    profile, model, budget = case
+    boundaries = best_boundaries(len(profile.layers), model, budget)
+    if boundaries is None:
+        return
+    groups = forward_groups(model, boundaries, budget)
+    if not groups:
+        return
+    assert groups[0] == 0 and list(groups) == sorted(set(groups)) and groups[-1] == len(boundaries) - 1
+    forward = _ForwardModel(model, boundaries)
+    ends = [*groups[1:-1], len(boundaries) - 1]
+    grouped = sum(forward.cost(u, v) for u, v in zip(groups[:-1], ends)) + forward.exposed(groups[0], ends[0])
+    alone = sum(forward.cost(u, u + 1) for u in range(len(boundaries) - 1)) + forward.exposed(0, 1)
+    assert grouped <= alone + 1e-9  # exact: never worse than a pack per group
