@@ -231,29 +231,31 @@ def _forward_then_update(device: int, first_event: int, pack: int = 0) -> list[A
                    device=device)
 
 
-def _updates(sim: Simulation) -> list[tuple[float, float]]:
-    return sorted((start, end) for _, stream, _, start, end in sim.spans if stream == "host")
+def _updates(sim: Simulation) -> list[float]:
+    """(start, end) of every update in time order, flattened (``pytest.approx`` takes flat lists)."""
+    return [t for span in sorted((start, end) for _, stream, _, start, end in sim.spans if stream == "host")
+            for t in span]
 
 
 def test_an_update_waits_for_every_device_to_arrive() -> None:
     programs = [_forward_then_update(0, 0), _forward_then_update(1, 10)]
     costs = FakeCosts(seconds={"FWD p0@1": 3.0})  # d0 arrives at 2, d1 at 3
     sim = simulate(programs, costs, SPEC, HostSpec(), update_arrivals=2)
-    assert _updates(sim) == pytest.approx([(3.0, 3.5)])  # once, when the last arrives
+    assert _updates(sim) == pytest.approx([3.0, 3.5])  # once, when the last arrives
     assert sim.seconds == pytest.approx(3.5)
 
 
 def test_without_arrivals_to_wait_for_each_pack_updates_as_issued() -> None:
     programs = [_forward_then_update(0, 0), _forward_then_update(1, 10, pack=1)]
     sim = simulate(programs, FakeCosts(seconds={"FWD p0@1": 3.0}), SPEC, HostSpec(), update_arrivals=1)
-    assert _updates(sim) == pytest.approx([(2.0, 2.5), (3.0, 3.5)])
+    assert _updates(sim) == pytest.approx([2.0, 2.5, 3.0, 3.5])
 
 
 @pytest.mark.parametrize("workers, expected", [(1, [(2.0, 2.5), (2.5, 3.0)]), (2, [(2.0, 2.5), (2.0, 2.5)])])
 def test_updates_queue_for_the_host_workers(workers: int, expected: list) -> None:
     programs = [_forward_then_update(0, 0), _forward_then_update(1, 10, pack=1)]
     sim = simulate(programs, FakeCosts(), SPEC, HostSpec(update_workers=workers), update_arrivals=1)
-    assert _updates(sim) == pytest.approx(expected)
+    assert _updates(sim) == pytest.approx([t for span in expected for t in span])
     assert sim.seconds == pytest.approx(expected[-1][1])
 
 
