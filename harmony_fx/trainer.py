@@ -243,6 +243,7 @@ class Trainer:
                 torch.save(self.state_dict(), f)
                 f.flush()
                 os.fsync(f.fileno())  # the bytes are on disk before the rename makes them the checkpoint
+            os.chmod(tmp, 0o666 & ~_umask())  # mkstemp's file is private; a checkpoint is an ordinary file
             os.replace(tmp, path)
         except BaseException:
             os.unlink(tmp)
@@ -385,3 +386,9 @@ def _step_subset(optimizer: torch.optim.Optimizer, params: Sequence[nn.Parameter
     finally:
         for group, original in zip(optimizer.param_groups, saved):
             group["params"] = original
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask

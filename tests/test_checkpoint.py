@@ -174,3 +174,25 @@ def test_load_refuses_another_model(tmp_path, width, depth, message):
             assert torch.equal(t, before[name]), name
     finally:
         other.close()
+
+
+def test_checkpoint_gets_ordinary_file_permissions(tmp_path):
+    import os
+    import stat
+
+    import harmony_fx
+    from harmony_fx.testing.models import MLPChain
+
+    torch.manual_seed(0)
+    model = MLPChain(width=8, depth=2)
+    x, target = torch.randn(4, 8), torch.randint(0, 10, (4,))
+    trainer = harmony_fx.Trainer(model, torch.nn.functional.cross_entropy, torch.optim.SGD(model.parameters(), lr=0.1),
+                                 ((x,), target), microbatches=1)
+    path = tmp_path / "ckpt.pt"
+    mask = os.umask(0o022)
+    try:
+        trainer.save(path)
+    finally:
+        os.umask(mask)
+        trainer.close()
+    assert stat.S_IMODE(path.stat().st_mode) == 0o644
