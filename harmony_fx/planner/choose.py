@@ -1,7 +1,8 @@
 """``compile``'s use of the planner: ``microbatches=None`` and ``parallel="auto"`` are searched.
 
 The model's own graph is profiled (FLOPs and bytes per layer), the device described by a spec
-(this machine, measured, for HostDevices; the closest preset for a GPU), and ``search`` picks
+(fixed round figures for HostDevices, so a model plans the same on every run; the closest preset
+for a GPU), and ``search`` picks
 microbatches, data- or pipeline-parallel over the devices given, and the pack boundaries. ``compile``
 still lowers and runs the choice on FakeTensors, so the budget is checked exactly; if the
 planner's estimate was optimistic it falls back to the fewest balanced packs that fit.
@@ -19,7 +20,7 @@ from harmony_fx.passes.split_packs import RANDOM_OPS, _op_name
 from harmony_fx.planner.chain import Schedule
 from harmony_fx.planner.profile import profile_graph
 from harmony_fx.planner.search import PlanningError, search
-from harmony_fx.planner.specs import PRESETS, DeviceSpec, HostSpec, measure_local
+from harmony_fx.planner.specs import PRESETS, DeviceSpec, HostSpec, host_nominal
 
 __all__ = ["choose_schedule"]
 
@@ -60,4 +61,4 @@ def _spec_of(device, budget: int | None) -> DeviceSpec:
             if key.split("-")[0] in name.replace(" ", ""):
                 return spec
         return PRESETS["a100-80gb"]
-    return measure_local(budget)
+    return host_nominal(budget)

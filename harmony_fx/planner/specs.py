@@ -1,8 +1,9 @@
 """Device and host specifications: the numbers the cost model turns FLOPs and bytes into seconds.
 
 Specs are data. ``PRESETS`` holds common GPUs (vendor peak figures; ``efficiency`` is the fraction
-of peak FLOP/s a training step's kernels reach); ``measure_local()`` measures this machine for
-HostDevices (a matmul for FLOP/s, a large copy for bandwidth).
+of peak FLOP/s a training step's kernels reach); ``measure_local()`` measures this machine (a
+matmul for FLOP/s, a large copy for bandwidth); ``host_nominal()`` is the fixed HostDevice spec
+``compile`` plans with, so plans do not change from run to run with the machine's load.
 """
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import torch
 
 from harmony_fx.config import parse_size
 
-__all__ = ["DeviceSpec", "HostSpec", "PRESETS", "get_spec", "measure_local"]
+__all__ = ["DeviceSpec", "HostSpec", "PRESETS", "get_spec", "host_nominal", "measure_local"]
 
 GB = 10**9
 TFLOPS = 10**12
@@ -75,6 +76,14 @@ def get_spec(name: str) -> DeviceSpec:
         return PRESETS[name.lower()]
     except KeyError:
         raise ValueError(f"unknown device spec {name!r}; choose one of {', '.join(['host', *PRESETS])}") from None
+
+
+def host_nominal(memory: int | str | None = None) -> DeviceSpec:
+    """A HostDevice as ``compile`` plans for it: fixed round figures of a 2-core machine like this
+    one (matmul 8e10 FLOP/s, copies 1e10 B/s), so the same model compiles to the same plan on
+    every run; ``measure_local`` is for ``harmony-fx plan --device-spec host``."""
+    return DeviceSpec("host", parse_size(memory) or 2**40, {"fp32": 8e10, "bf16": 2e10}, 1e10, 1e10, 1e10,
+                      efficiency=1.0, launch_seconds=300e-6, inline=True)
 
 
 @functools.lru_cache(maxsize=None)

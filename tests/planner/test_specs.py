@@ -91,3 +91,11 @@ def test_measure_local_returns_positive_figures() -> None:
 def test_measure_local_is_measured_once_and_takes_a_memory_size() -> None:
     assert get_spec("host") is measure_local()
     assert measure_local("1GiB").memory == 2**30
+
+
+def test_compile_plans_host_devices_with_fixed_figures():
+    """The same model compiles to the same plan on every run, whatever the machine's load."""
+    from harmony_fx.planner.specs import host_nominal
+
+    assert host_nominal("1MiB") == host_nominal("1MiB") and host_nominal("1MiB").memory == 2**20
+    assert host_nominal().inline
