@@ -18,7 +18,6 @@ import torch
 from harmony_fx.config import format_size
 from harmony_fx.ir.tracking import AllocationTracker
 from harmony_fx.runtime.streams import ChaosStreams, CudaStreams, HostStreams
-from harmony_fx.schedule.actions import Stream
 
 __all__ = ["Device", "HostDevice", "CudaDevice", "DeviceOutOfMemoryError", "resolve_devices"]
 
