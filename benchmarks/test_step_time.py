@@ -53,5 +53,8 @@ def test_harmony(benchmark, fraction, track_memory):
     budget = None
     if fraction is not None:
         budget = int(fraction * eager_training_bytes(model, (idx,), lambda out: _loss(out, target)))
-    hm = harmony_fx.compile(model, (idx,), devices=["host:0"], memory_budget=budget, track_memory=track_memory)
+    # one microbatch, the fewest balanced packs: the runtime's own overhead against eager (the planner
+    # would choose microbatches and packs for speed on a GPU, not for this comparison)
+    hm = harmony_fx.compile(model, (idx,), devices=["host:0"], memory_budget=budget, track_memory=track_memory,
+                            microbatches=1)
     benchmark(_step, hm, idx, target, model)
