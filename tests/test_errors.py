@@ -5,6 +5,7 @@ the same as a fresh trainer's.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import itertools
@@ -296,17 +297,23 @@ OPTIMIZERS = {
 }
 
 
+@contextlib.contextmanager
 def _trainers(optimizer_name: str, **options):
-    """A trainer over three packs, and an identical twin that never fails (the reference)."""
+    """A trainer over three packs, and an identical twin that never fails (the reference); both
+    closed on the way out."""
     pair = []
-    for _ in range(2):
-        model = _mlp()
-        optimizer = OPTIMIZERS[optimizer_name](model.parameters())
-        trainer = harmony_fx.Trainer(model, F.cross_entropy, optimizer, _batch(), microbatches=2,
-                                     pack_boundaries=BOUNDARIES, **options)
-        assert len(trainer.hm.packs) == 3
-        pair.append((trainer, model, optimizer))
-    return pair
+    try:
+        for _ in range(2):
+            model = _mlp()
+            optimizer = OPTIMIZERS[optimizer_name](model.parameters())
+            trainer = harmony_fx.Trainer(model, F.cross_entropy, optimizer, _batch(), microbatches=2,
+                                         pack_boundaries=BOUNDARIES, **options)
+            pair.append((trainer, model, optimizer))
+            assert len(trainer.hm.packs) == 3
+        yield pair
+    finally:
+        for trainer, _, _ in pair:
+            trainer.close()
 
 
 def _assert_twins(model: nn.Module, optimizer, reference: nn.Module, ref_optimizer) -> None:
@@ -316,8 +323,7 @@ def _assert_twins(model: nn.Module, optimizer, reference: nn.Module, ref_optimiz
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")], ids=["nan", "inf"])
 def test_a_non_finite_loss_is_reported_with_its_step_and_undone(bad):
-    (trainer, model, optimizer), (reference, ref_model, ref_optimizer) = _trainers("adam")
-    try:
+    with _trainers("adam") as ((trainer, model, optimizer), (reference, ref_model, ref_optimizer)):
         trainer.step(_batch(seed=1))
         reference.step(_batch(seed=1))
         x, target = _batch(seed=2)
@@ -334,14 +340,10 @@ def test_a_non_finite_loss_is_reported_with_its_step_and_undone(bad):
         trainer.step(_batch(seed=3))
         reference.step(_batch(seed=3))
         _assert_twins(model, optimizer, ref_model, ref_optimizer)
-    finally:
-        trainer.close()
-        reference.close()
 
 
 def test_skip_nonfinite_skips_the_step_and_training_goes_on():
-    (trainer, model, optimizer), (reference, ref_model, ref_optimizer) = _trainers("sgd", skip_nonfinite=True)
-    try:
+    with _trainers("sgd", skip_nonfinite=True) as ((trainer, model, optimizer), (reference, ref_model, ref_optimizer)):
         trainer.step(_batch(seed=1))
         reference.step(_batch(seed=1))
         x, target = _batch(seed=2)
@@ -356,9 +358,6 @@ def test_skip_nonfinite_skips_the_step_and_training_goes_on():
             reference.step(_batch(seed=seed))
         _assert_twins(model, optimizer, ref_model, ref_optimizer)
         assert trainer.skipped_steps == [1]
-    finally:
-        trainer.close()
-        reference.close()
 
 
 # ---------------------------------------------------------------------- faults in the middle of a step
@@ -393,9 +392,8 @@ def _fail_on_call(monkeypatch, number: int, when: str, error: type[BaseException
 
 @pytest.mark.parametrize("optimizer_name", ["sgd", "adam"])
 def test_an_error_in_any_task_leaves_the_step_undone(optimizer_name, monkeypatch):
-    (trainer, model, optimizer), (reference, ref_model, ref_optimizer) = _trainers(optimizer_name)
-    device = trainer.hm.device
-    try:
+    with _trainers(optimizer_name) as ((trainer, model, optimizer), (reference, ref_model, ref_optimizer)):
+        device = trainer.hm.device
         trainer.step(_batch(seed=1))  # the optimizer has state to keep from here on
         reference.step(_batch(seed=1))
         num_ops = len(trainer.hm.forward_actions + trainer.hm.backward_actions)  # one op call per action
@@ -417,17 +415,13 @@ def test_an_error_in_any_task_leaves_the_step_undone(optimizer_name, monkeypatch
         trainer.step(_batch(seed=2))
         reference.step(_batch(seed=2))
         _assert_twins(model, optimizer, ref_model, ref_optimizer)
-    finally:
-        trainer.close()
-        reference.close()
 
 
 @pytest.mark.parametrize("optimizer_name", ["sgd", "adam"])
 def test_an_error_inside_an_update_undoes_every_update_of_the_step(optimizer_name, monkeypatch):
     """The host worker fails after it changed a group's parameters: that group and the ones updated
     before it are put back."""
-    (trainer, model, optimizer), (reference, ref_model, ref_optimizer) = _trainers(optimizer_name)
-    try:
+    with _trainers(optimizer_name) as ((trainer, model, optimizer), (reference, ref_model, ref_optimizer)):
         # the very first step: the optimizer had no state, and has none after
         saved = _state(model, optimizer)
         with monkeypatch.context() as patch:
@@ -458,16 +452,12 @@ def test_an_error_inside_an_update_undoes_every_update_of_the_step(optimizer_nam
         trainer.step(_batch(seed=2))
         reference.step(_batch(seed=2))
         _assert_twins(model, optimizer, ref_model, ref_optimizer)
-    finally:
-        trainer.close()
-        reference.close()
 
 
 def test_out_of_memory_names_the_pack_the_planned_peak_and_the_budget():
-    (trainer, model, optimizer), (reference, ref_model, ref_optimizer) = _trainers("adam")
-    device = trainer.hm.device
-    planned = trainer.plan.predicted_peak[device.name]
-    try:
+    with _trainers("adam") as ((trainer, model, optimizer), (reference, ref_model, ref_optimizer)):
+        device = trainer.hm.device
+        planned = trainer.plan.predicted_peak[device.name]
         trainer.step(_batch(seed=1))
         reference.step(_batch(seed=1))
         saved = _state(model, optimizer)
@@ -489,14 +479,10 @@ def test_out_of_memory_names_the_pack_the_planned_peak_and_the_budget():
         reference.step(_batch(seed=2))
         _assert_twins(model, optimizer, ref_model, ref_optimizer)
         assert trainer.stats.peak_bytes[device.name] == planned
-    finally:
-        trainer.close()
-        reference.close()
 
 
 def test_ctrl_c_in_a_task_leaves_the_step_undone_and_no_thread_running(monkeypatch):
-    (trainer, model, optimizer), (reference, ref_model, ref_optimizer) = _trainers("sgd")
-    try:
+    with _trainers("sgd") as ((trainer, model, optimizer), (reference, ref_model, ref_optimizer)):
         trainer.step(_batch(seed=1))
         reference.step(_batch(seed=1))
         saved = _state(model, optimizer)
@@ -517,9 +503,6 @@ def test_ctrl_c_in_a_task_leaves_the_step_undone_and_no_thread_running(monkeypat
         reference.step(_batch(seed=2))
         _assert_twins(model, optimizer, ref_model, ref_optimizer)
         assert set(threading.enumerate()) == threads
-    finally:
-        trainer.close()
-        reference.close()
 
 
 @pytest.mark.parametrize("parallel", ["dp", "pp"])
