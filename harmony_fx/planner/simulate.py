@@ -16,9 +16,10 @@ It runs the same ``Action`` lists the runtime runs, with the runtime's semantics
 
 Memory follows issue order, as a caching allocator does: the controller allocates a copy's
 target or a task's outputs when it issues them and frees a key when it issues its ``FREE`` (or the
-task that consumes it); stream order makes the reuse safe. A compute task's ``work_bytes`` (what it
-holds at its peak, measured or estimated) count at its issue, too. The costs (seconds per task, bytes per key) come from a ``Costs`` object, so the same
-simulator serves a compiled module (exact key sizes) and a planner's layer chain (profiles).
+task that consumes it); stream order makes the reuse safe. A compute task's peak
+(``Costs.task_peak``, measured or estimated) counts at its issue, too. The costs (seconds per
+task, bytes per key) come from a ``Costs`` object, so the same simulator serves a compiled module
+(exact key sizes, measured task memory) and a planner's layer chain (profiles).
 """
 from __future__ import annotations
 
