@@ -91,9 +91,8 @@ MODELS = {
 }
 
 
-@functools.lru_cache(maxsize=None)
-def _run(name: str, num_microbatches: int):
-    """One training step through harmony_fx (compiled with ``num_microbatches``) and one in eager."""
+def _twins(name: str):
+    """A zoo-like model, an identical copy for eager, a batch and its targets, and the packs."""
     factory, boundaries = MODELS[name]
     torch.manual_seed(0)
     model = factory()
@@ -101,6 +100,13 @@ def _run(name: str, num_microbatches: int):
     generator = torch.Generator().manual_seed(1)
     x = torch.randn(BATCH, 32, generator=generator)
     target = torch.randint(0, 10, (BATCH,), generator=generator)
+    return model, reference, x, target, boundaries
+
+
+@functools.lru_cache(maxsize=None)
+def _run(name: str, num_microbatches: int):
+    """One training step through harmony_fx (compiled with ``num_microbatches``) and one in eager."""
+    model, reference, x, target, boundaries = _twins(name)
     hm = harmony_fx.compile(model, x, microbatches=num_microbatches, pack_boundaries=boundaries)
     out = hm(x)
     loss = F.cross_entropy(out, target)
@@ -289,13 +295,7 @@ def test_trainer_loss_over_uneven_microbatches_equals_eager(reduction):
 @pytest.mark.parametrize("name", list(MODELS))
 def test_ungrouped_microbatched_step_equals_eager(name):
     """``grouping=False`` (weights once per microbatch) computes the same as grouping."""
-    factory, boundaries = MODELS[name]
-    torch.manual_seed(0)
-    model = factory()
-    reference = copy.deepcopy(model)
-    generator = torch.Generator().manual_seed(1)
-    x = torch.randn(BATCH, 32, generator=generator)
-    target = torch.randint(0, 10, (BATCH,), generator=generator)
+    model, reference, x, target, boundaries = _twins(name)
     hm = harmony_fx.compile(model, x, microbatches=4, grouping=False, pack_boundaries=boundaries)
     loss = F.cross_entropy(hm(x), target)
     loss.backward()

@@ -56,9 +56,9 @@ def _is_zero_dropout(node: fx.Node) -> bool:
 def _spec_of(device, budget: int | None) -> DeviceSpec:
     torch_device = device.torch_device
     if torch_device.type == "cuda":
-        name = torch.cuda.get_device_name(torch_device).lower()
-        for key, spec in PRESETS.items():
-            if key.split("-")[0] in name.replace(" ", ""):
-                return spec
-        return PRESETS["a100-80gb"]
+        # the preset of this GPU's model, the one whose memory is closest (A100 40 GB vs 80 GB)
+        name = torch.cuda.get_device_name(torch_device).lower().replace(" ", "")
+        memory = torch.cuda.get_device_properties(torch_device).total_memory
+        matching = [spec for key, spec in PRESETS.items() if key.split("-")[0] in name] or [PRESETS["a100-80gb"]]
+        return min(matching, key=lambda spec: abs(spec.memory - memory))
     return host_nominal(budget)
