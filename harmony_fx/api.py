@@ -21,10 +21,12 @@ from torch._subclasses import FakeTensorMode
 
 from harmony_fx import microbatch, pictures
 from harmony_fx.analysis.liveness import annotate_liveness
+from harmony_fx.analysis.requires_grad import annotate_requires_grad, any_requires_grad, requires_grad_of
 from harmony_fx.analysis.sizes import annotate_sizes
 from harmony_fx.capture import Captured, capture
 from harmony_fx.config import CompileOptions
 from harmony_fx.ir import meta
+from harmony_fx.ir import values as pytrees
 from harmony_fx.ir.codegen import generate_program
 from harmony_fx.ir.ops import OP_OF_KIND
 from harmony_fx.ir.pack import Pack
@@ -47,14 +49,22 @@ from harmony_fx.schedule.validate import check_peak, verify_devices, verify_pack
 __all__ = ["compile", "HarmonyModule"]
 
 
-def compile(model: nn.Module, example_inputs: tuple | torch.Tensor = (), example_kwargs: dict | None = None, *,
+def compile(model: nn.Module, example_inputs: tuple | torch.Tensor | None = None, example_kwargs: dict | None = None, *,
             devices: object = None, memory_budget: int | str | None = None, microbatches: int | None = None,
             parallel: str = "auto", **options: Any) -> "HarmonyModule":
-    """Compile ``model`` for training larger than device memory; see DESIGN.md §3."""
-    if not isinstance(example_inputs, tuple):
-        example_inputs = (example_inputs,)
+    """Compile ``model`` for training larger than device memory.
+
+    With example inputs (positional, and ``example_kwargs``) the model is captured and planned now;
+    without them, on the first call, with that call's inputs (as ``torch.compile`` does). Either way
+    a batch of another size is planned on its first call. The options are ``CompileOptions``'."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"harmony_fx.compile expects an nn.Module, got {type(model).__name__}")
     opts = CompileOptions(devices=devices, memory_budget=memory_budget, microbatches=microbatches,
                           parallel=parallel, **options)
+    if example_inputs is None and example_kwargs is None:
+        return HarmonyModule(model, None, None, opts)
+    if not isinstance(example_inputs, tuple):
+        example_inputs = () if example_inputs is None else (example_inputs,)
     return HarmonyModule(model, example_inputs, dict(example_kwargs or {}), opts)
 
 
@@ -88,15 +98,23 @@ class _Candidate:
 class HarmonyModule:
     """A compiled model: call it like the model; ``loss.backward()`` runs the harmony backward.
 
+    ``example_args=None``: nothing is captured until the first call, which compiles with its own
+    inputs; until then what the plan makes (``plan``, ``code``, ``explain()``, ``stats``, ...) does
+    not exist, and asking for it says so.
+
     ``_trainer``: the model's output is a scalar loss per microbatch, the last pack runs forward,
     loss and backward as one task, and (``_update_packs``) the host updates parameters as soon as
     their gradients are complete. Used by ``harmony_fx.Trainer``.
     """
 
-    def __init__(self, model: nn.Module, example_args: tuple, example_kwargs: dict, options: CompileOptions,
-                 _trainer: bool = False, _updates: bool = False, _plan: bool = True) -> None:
+    def __init__(self, model: nn.Module, example_args: tuple | None, example_kwargs: dict | None,
+                 options: CompileOptions, _trainer: bool = False, _updates: bool = False, _plan: bool = True) -> None:
         self.model = model
         self.options = options
+        if example_args is None:
+            self._first_call = (_trainer, _updates)  # compiled by __call__
+            return
+        self.__dict__.pop("_first_call", None)
         self.devices: list[Device] = resolve_devices(options.devices, options.memory_budget, options.track_memory,
                                                      options.chaos)
         self.device = self.devices[0]
@@ -193,10 +211,19 @@ class HarmonyModule:
         self.host_state = _host_state(self.packs, self._masters)
         self.stats = Stats()
 
+    def __getattr__(self, name: str) -> Any:
+        # only reached for what __init__ did not set: before the first call of compile(model)
+        if "_first_call" in self.__dict__ and not name.startswith("__"):
+            raise AttributeError(
+                f"HarmonyModule.{name} exists after the first call: harmony_fx.compile(model) without example "
+                "inputs captures and plans the model when it is first called (as torch.compile does). Call it "
+                "once (hm(*inputs)), or pass example inputs: harmony_fx.compile(model, (x,)).")
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
     def close(self) -> None:
         """Stop the devices' stream threads (chaos mode) and the per-device controller threads; the
         module is unusable afterwards."""
-        for device in self.devices:
+        for device in getattr(self, "devices", ()):
             device.streams.close()
         if getattr(self, "_device_threads", None) is not None:
             self._device_threads.shutdown(wait=True)
@@ -234,6 +261,9 @@ class HarmonyModule:
         captured = capture(model, args, kwargs)
         retarget_device(captured.gm, self.device.torch_device)
         annotate_sizes(captured.gm)
+        flags = {name: x.requires_grad for name, x in zip(captured.inputs, captured.flatten_inputs(args, kwargs))}
+        flags.update({name: param.requires_grad for name, param in captured.params.items()})
+        annotate_requires_grad(captured.gm, flags)
         layers = find_layers(captured.gm)
         variant = _Variant(size, captured, layers, {node.name: node for node in captured.gm.graph.nodes})
         if self._variants:
@@ -245,8 +275,7 @@ class HarmonyModule:
 
     def _signature(self, requires_grad: Sequence[bool], trainer: bool) -> ProgramSignature:
         differentiable = [n.name for n in self._nodes.values()
-                          if isinstance(n.meta.get(meta.VAL), torch.Tensor) and n.meta[meta.VAL].is_floating_point()
-                          and meta.role_of(n) not in (meta.Role.PARAM, meta.Role.BUFFER)]
+                          if any_requires_grad(n) and meta.role_of(n) not in (meta.Role.PARAM, meta.Role.BUFFER)]
         for arg in self._output_args:
             if isinstance(arg, fx.Node) and arg.op == "placeholder":
                 raise ValueError(f"the model returns its input or state {arg.name!r} unchanged; harmony_fx needs every "
@@ -351,15 +380,16 @@ class HarmonyModule:
             fake = {name: _fake_like(t, where) for name, t in self._masters.items()}
             host = _host_state(packs, fake)
             runtime = self._runtime(packs_by_size, device, host, Stats())
-            runtime.peer_value = lambda key: _fake_like(self._value_of(key), where)
-            runtime.host_values = _MadeOnDemand(lambda key: _fake_like(self._value_of(key), where))
+            runtime.peer_value = lambda key: self._fake_value(key, where)
+            runtime.host_values = _MadeOnDemand(lambda key: self._fake_value(key, where))
             for mb in mbs:
                 nodes = self._variants[self.mb_sizes[mb]].nodes
                 for name in self.signature.model_inputs:
-                    runtime.host_values[Key(KeyKind.ACT, name, mb)] = _fake_like(nodes[name].meta[meta.VAL], where)
+                    runtime.host_values[Key(KeyKind.ACT, name, mb)] = self._fake_value(Key(KeyKind.ACT, name, mb), where)
                 for name in self.signature.model_outputs:
                     if name in self.signature.differentiable:
-                        runtime.host_values[Key(KeyKind.GRAD, name, mb)] = _fake_like(nodes[name].meta[meta.VAL], where)
+                        key = Key(KeyKind.GRAD, name, mb)
+                        runtime.host_values[key] = self._fake_value(key, where)
             runtime.task_memory = task_memory if task_memory is not None else {}
             traced = _PeakTrace(runtime)
             programs[0](traced)
@@ -371,9 +401,19 @@ class HarmonyModule:
             peak_at.append(None if first is None else (first, actions[first]))
         return peak
 
-    def _value_of(self, key: Key) -> torch.Tensor:
-        """The FakeTensor value of an activation (or its gradient) on microbatch ``key.mb``."""
-        return self._variants[self.mb_sizes[key.mb]].nodes[key.name].meta[meta.VAL]
+    def _value_of(self, key: Key) -> object:
+        """The FakeTensor value (a tensor or a pytree of them) of an activation on microbatch
+        ``key.mb``, or of its gradient: the value's structure, ``None`` at the leaves without one."""
+        node = self._variants[self.mb_sizes[key.mb]].nodes[key.name]
+        value = node.meta[meta.VAL]
+        if key.kind == KeyKind.GRAD:
+            flags = requires_grad_of(node)
+            value = pytrees.with_leaves(value, [leaf if flag else None
+                                                for leaf, flag in zip(pytrees.leaves(value), flags, strict=True)])
+        return value
+
+    def _fake_value(self, key: Key, where: torch.device) -> object:
+        return pytrees.map_tensors(lambda t: _fake_like(t, where), self._value_of(key))
 
     def _runtime(self, packs_by_size, device: Device, host: HostState, stats: Stats,
                  on_update: Callable[[Runtime, int], None] | None = None, shared: Runtime | None = None,
@@ -386,8 +426,7 @@ class HarmonyModule:
     def key_bytes(self, key: Key) -> int:
         """Bytes of a key as the plan counts them (from shapes and the compute dtype alone)."""
         if key.kind in (KeyKind.ACT, KeyKind.GRAD):
-            val = self._variants[self.mb_sizes[key.mb]].nodes[key.name].meta[meta.VAL]
-            return self._moved_bytes(val)
+            return pytrees.value_bytes(self._value_of(key), self._moved_itemsize)
         pack = self.packs[int(key.name[1:])]
         if key.kind == KeyKind.WEIGHTS:
             names = pack.params + pack.buffers
@@ -397,12 +436,11 @@ class HarmonyModule:
             names = tuple(name for name in pack.params if self._masters[name].requires_grad)
         else:
             raise AssertionError(f"{key} is never copied")
-        return sum(self._moved_bytes(self._masters[name]) for name in names)
+        return sum(pytrees.value_bytes(self._masters[name], self._moved_itemsize) for name in names)
 
-    def _moved_bytes(self, tensor: torch.Tensor) -> int:
+    def _moved_itemsize(self, tensor: torch.Tensor) -> int:
         dtype = self.options.compute_dtype
-        itemsize = dtype.itemsize if dtype is not None and tensor.is_floating_point() else tensor.element_size()
-        return tensor.numel() * itemsize
+        return dtype.itemsize if dtype is not None and tensor.is_floating_point() else tensor.element_size()
 
     def _make_plan(self, best: _Candidate, policy: str) -> Plan:
         if self.options.verify:  # verify's last check: the chosen program fits every device
@@ -443,12 +481,15 @@ class HarmonyModule:
 
     # ------------------------------------------------------------------ running
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if "_first_call" in self.__dict__:
+            trainer, updates = self._first_call
+            self.__init__(self.model, args, kwargs, self.options, trainer, updates)
         compiled = self.for_batch(args, kwargs)
         if compiled is not self:
             outputs = compiled(*args, **kwargs)
             self.stats = compiled.stats  # the backward, if any, fills in this same object
             return outputs
-        per_mb = self._split_inputs(args, kwargs)
+        per_mb = self.split_inputs(args, kwargs)
         params = self._trainable_params()
         needs_grad = torch.is_grad_enabled() and (
             any(p.requires_grad for p in params) or any(x.requires_grad for flat in per_mb for x in flat))
@@ -492,7 +533,7 @@ class HarmonyModule:
                                           _updates=self._updates)
         return resized[size]
 
-    def _split_inputs(self, args: tuple, kwargs: dict) -> list[list[torch.Tensor]]:
+    def split_inputs(self, args: tuple, kwargs: dict) -> list[list[torch.Tensor]]:
         """The flat tensor inputs of each microbatch, checked against the example."""
         call = (args, kwargs)
         dims = microbatch.argument_dims(self.model, args, kwargs, self.options.batch_dims)
@@ -585,7 +626,9 @@ class HarmonyModule:
             chunks = [runtime.host_values[Key(KeyKind.ACT, name, mb)] for mb in range(self.num_microbatches)]
             dtype = self._nodes[name].meta[meta.VAL].dtype
             if len(chunks) > 1 and chunks[0].dim() == 0:  # a loss: weighted as eager reduces the whole batch
-                runtime.scalar_weights[name] = self._scalar_weights(name, runtime)
+                per_mb = [[runtime.host_values[Key(KeyKind.ACT, n, mb)] for n in self.captured.inputs]
+                          for mb in range(self.num_microbatches)]
+                runtime.scalar_weights[name] = self.scalar_weights(name, per_mb)
                 outputs.append(microbatch.merge_scalars(chunks, runtime.scalar_weights[name]).to(dtype))
                 continue
             outputs.append(microbatch.merge([chunk.to(dtype) for chunk in chunks], 0))
@@ -606,7 +649,7 @@ class HarmonyModule:
             if name not in self.signature.differentiable:
                 continue
             if grad is None:
-                grad = torch.zeros_like(self._forward_output_like(name))
+                grad = torch.zeros_like(self.output_like(name))
             if name in runtime.scalar_weights:
                 chunks = [grad * weight for weight in runtime.scalar_weights[name]]
             else:
@@ -622,16 +665,24 @@ class HarmonyModule:
         param_grads = [runtime.host_grads.get(id(param)) for param in self._trainable_params()]
         return input_grads, param_grads
 
-    def _scalar_weights(self, name: str, runtime: "_Iteration") -> list[float]:
-        """Each microbatch's coefficient in the batch's value of the scalar output ``name``."""
+    def scalar_weights(self, name: str, per_mb: Sequence[Sequence[torch.Tensor]],
+                       otherwise: list[float] | None = None) -> list[float]:
+        """Each microbatch's coefficient in the batch's value of the scalar output ``name`` (its
+        loss), from how the graph reduces it (``microbatch.scalar_reduction``), given each
+        microbatch's flat inputs ``per_mb``. Where the graph does not say, ``otherwise`` if given,
+        else a ``ValueError`` saying what to do."""
         reductions = [self._variants[size].captured.reductions[name] for size in self.mb_sizes]
-        inputs = [{n: runtime.host_values[Key(KeyKind.ACT, n, mb)] for n in self.captured.inputs}
-                  for mb in range(self.num_microbatches)]
+        if otherwise is not None and any(reduction.combine is None for reduction in reductions):
+            return otherwise
+        inputs = [dict(zip(self.captured.inputs, flat)) for flat in per_mb]
         return microbatch.scalar_weights(reductions, inputs)
 
-    def _forward_output_like(self, name: str) -> torch.Tensor:
+    def output_like(self, name: str) -> torch.Tensor:
+        """An empty tensor shaped as the model's output ``name`` on the whole batch (a scalar, such
+        as a loss, stays a scalar)."""
         vals = [self._variants[size].nodes[name].meta[meta.VAL] for size in self.mb_sizes]
-        shape = (sum(v.shape[0] for v in vals), *vals[0].shape[1:]) if len(vals) > 1 else vals[0].shape
+        batched = len(vals) > 1 and vals[0].dim() > 0
+        shape = (sum(v.shape[0] for v in vals), *vals[0].shape[1:]) if batched else vals[0].shape
         return torch.empty(shape, dtype=vals[0].dtype)
 
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import re
+import warnings
 from typing import Any, Callable
 
 import torch
@@ -29,6 +30,7 @@ from torch import fx, nn
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 from torch.utils import _pytree as pytree
 
+from harmony_fx.analysis.aliasing import alias_base, written_arguments
 from harmony_fx.ir import meta
 from harmony_fx.microbatch import ScalarReduction, scalar_reduction
 
@@ -123,8 +125,8 @@ def _refuse_input_mutation(gm: fx.GraphModule) -> None:
     device copies of its inputs, so the write would never reach the caller's tensor, and a
     recompute would apply it a second time to the stashed copy."""
     for node in gm.graph.nodes:
-        for written in _written_arguments(node):
-            base = _alias_base(written)
+        for written in written_arguments(node):
+            base = alias_base(written)
             if base.op == "placeholder" and meta.role_of(base) == meta.Role.INPUT:
                 where = (node.meta.get("stack_trace") or "").strip().splitlines()[-1:] or [node.format_node()]
                 raise ValueError(
@@ -132,33 +134,6 @@ def _refuse_input_mutation(gm: fx.GraphModule) -> None:
                     "harmony_fx runs the model on copies of its inputs, so the change would not reach your tensor. "
                     f"Compute a new tensor instead (e.g. {base.name} = {base.name} + 1 rather than "
                     f"{base.name}.add_(1)), or clone the input first.")
-
-
-def _written_arguments(node: fx.Node) -> list[fx.Node]:
-    """The arguments ``node`` writes into: ATen's ``Tensor(a!)`` arguments (export), or the object of
-    an in-place method such as ``add_`` (symbolic trace)."""
-    if node.op == "call_method" and node.target.endswith("_") and not node.target.startswith("__"):
-        return [node.args[0]] if node.args and isinstance(node.args[0], fx.Node) else []
-    if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
-        return []
-    written = []
-    for index, argument in enumerate(node.target._schema.arguments):
-        if argument.alias_info is not None and argument.alias_info.is_write:
-            value = node.args[index] if index < len(node.args) else node.kwargs.get(argument.name)
-            if isinstance(value, fx.Node):
-                written.append(value)
-    return written
-
-
-def _alias_base(node: fx.Node) -> fx.Node:
-    """The node whose memory ``node`` shares, through views (``select``, ``view``, ...) and the
-    results of in-place ops."""
-    while node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload) and node.args:
-        returns = node.target._schema.returns
-        if not returns or returns[0].alias_info is None or not isinstance(node.args[0], fx.Node):
-            break
-        node = node.args[0]
-    return node
 
 
 def _scalar_reductions(gm: fx.GraphModule) -> dict[str, ScalarReduction]:
@@ -215,7 +190,11 @@ def _advice(export_error: Exception) -> str:
 def _capture_with_export(model: nn.Module, args: tuple, kwargs: dict) -> Captured:
     from torch.export.graph_signature import InputKind, OutputKind
 
-    exported = torch.export.export(model, args, kwargs, strict=False)
+    with warnings.catch_warnings():
+        # nn.RNN/LSTM/GRU re-assign their own _flat_weights on every call: torch's advice to register
+        # them as buffers is about torch's code, not the user's
+        warnings.filterwarnings("ignore", message=r"The tensor attributes (\S+\._flat_weights\[\d+\](, )?)+ were")
+        exported = torch.export.export(model, args, kwargs, strict=False)
     signature = exported.graph_signature
     unsupported = [spec for spec in signature.output_specs if spec.kind != OutputKind.USER_OUTPUT]
     if unsupported:

@@ -3,7 +3,7 @@
 Sizes need not divide evenly: a batch of 10 in 4 microbatches is ``[3, 3, 2, 2]`` (as
 ``torch.tensor_split``). Each top-level input of ``forward`` is split along its batch dim
 (``batch_dims``: one int for all, or ``{argument name: dim or None}``; ``None`` passes the input
-whole to every microbatch, e.g. a mask shared by the batch).
+whole to every microbatch, e.g. a mask shared by the batch; a 0-dim tensor always goes whole).
 
 A scalar output (the loss a Hugging Face model returns) has no batch dim to concatenate along.
 ``scalar_reduction`` reads from the graph how the model reduced it, and ``scalar_weights`` turns
@@ -40,9 +40,10 @@ def microbatch_sizes(batch: int, num: int) -> list[int]:
 
 
 def argument_dims(model: nn.Module, args: tuple, kwargs: dict, batch_dims: int | dict) -> tuple[tuple, dict]:
-    """``(args, kwargs)`` with every tensor replaced by its batch dim (``None``: not split)."""
+    """``(args, kwargs)`` with every tensor replaced by its batch dim (``None``: not split). A 0-dim
+    tensor (a scalar) has no batch dim: every microbatch gets it whole."""
     if isinstance(batch_dims, int):
-        return pytree.tree_map(lambda x: batch_dims if isinstance(x, torch.Tensor) else x, (args, kwargs))
+        return pytree.tree_map(lambda x: _batch_dim(x, batch_dims) if isinstance(x, torch.Tensor) else x, (args, kwargs))
     bound = inspect.signature(model.forward).bind(*args, **kwargs)
     unknown = set(batch_dims) - set(bound.arguments)
     if unknown:
@@ -59,7 +60,18 @@ def _dims_like(value: Any, dim: Any) -> Any:
     tuple/list with one entry per element of a tuple/list value (e.g. ``*args``)."""
     if isinstance(dim, (tuple, list)) and isinstance(value, (tuple, list)) and len(dim) == len(value):
         return type(value)(_dims_like(item, item_dim) for item, item_dim in zip(value, dim))
-    return pytree.tree_map(lambda x: dim if isinstance(x, torch.Tensor) else x, value)
+    if isinstance(dim, dict) and isinstance(value, dict):
+        return {key: _dims_like(item, dim.get(key, 0)) for key, item in value.items()}
+    return pytree.tree_map(lambda x: _batch_dim(x, dim) if isinstance(x, torch.Tensor) else x, value)
+
+
+def _batch_dim(tensor: torch.Tensor, dim: int | None) -> int | None:
+    if dim is None or tensor.dim() == 0:
+        return None
+    if not -tensor.dim() <= dim < tensor.dim():
+        raise ValueError(f"batch_dims says dim {dim} of an input of shape {tuple(tensor.shape)}, which has no such "
+                         "dim; give None for an input every microbatch shares whole.")
+    return dim % tensor.dim()
 
 
 def batch_size(call: tuple[tuple, dict], dims: tuple[tuple, dict]) -> int:

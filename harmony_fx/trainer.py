@@ -56,25 +56,79 @@ _CHECKPOINT_VERSION = 1
 
 
 class _LossModel(nn.Module):
-    """``model`` and ``loss_fn`` as one module, so both are captured in one graph."""
+    """``model`` and its loss as one module, so both are captured in one graph.
 
-    def __init__(self, model: nn.Module, loss_fn: Callable[[Any, Any], torch.Tensor]) -> None:
+    ``takes_target``: ``forward(*inputs, target, **keyword_inputs)`` returns ``loss_fn(output,
+    target)``; otherwise ``forward(*inputs, **keyword_inputs)`` returns ``loss_fn(output)``, or with
+    no ``loss_fn`` the loss the model returns (see ``_loss_of``)."""
+
+    def __init__(self, model: nn.Module, loss_fn: Callable[..., torch.Tensor] | None, takes_target: bool) -> None:
         super().__init__()
         self.model = model
         self.loss_fn = loss_fn
+        self.takes_target = takes_target
 
-    def forward(self, *inputs_and_target):
-        *inputs, target = inputs_and_target
-        return self.loss_fn(self.model(*inputs), target)
+    def forward(self, *args, **kwargs):
+        if self.takes_target:
+            *inputs, target = args
+            return self.loss_fn(self.model(*inputs, **kwargs), target)
+        output = self.model(*args, **kwargs)
+        return _loss_of(output) if self.loss_fn is None else self.loss_fn(output)
+
+
+def _loss_of(output: Any) -> torch.Tensor:
+    """The loss a model returns: the output itself, its ``.loss`` (Hugging Face), or its ``"loss"``."""
+    if isinstance(output, torch.Tensor):
+        loss = output
+    elif isinstance(output, dict) and "loss" in output:
+        loss = output["loss"]
+    elif getattr(output, "loss", None) is not None:
+        loss = output.loss
+    else:
+        raise ValueError(
+            f"loss_fn=None means the model returns its loss, but it returned a {type(output).__name__}; name the "
+            "loss with a one-argument loss_fn (e.g. loss_fn=lambda out: out[1] for nanoGPT's (logits, loss)), "
+            "or pass labels so that a Hugging Face model computes .loss.")
+    if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+        raise ValueError(f"the loss must be a scalar tensor, got {type(loss).__name__} of shape "
+                         f"{tuple(getattr(loss, 'shape', ()))}; reduce it (e.g. .mean()) in the model or in loss_fn.")
+    return loss
+
+
+def _takes_target(loss_fn: Callable | None) -> bool:
+    """Whether ``loss_fn`` is the two-argument ``(output, target)`` form (the one-argument form
+    gets the output alone). A callable whose signature says nothing is taken as two-argument."""
+    if loss_fn is None:
+        return False
+    function = loss_fn.forward if isinstance(loss_fn, nn.Module) else loss_fn
+    try:
+        parameters = inspect.signature(function).parameters.values()
+    except (TypeError, ValueError):
+        return True
+    if any(p.kind == p.VAR_POSITIONAL for p in parameters):
+        return True
+    required = [p for p in parameters if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return len(required) != 1
 
 
 class Trainer:
-    """``trainer.step((inputs, target))`` runs forward, backward and the optimizer step.
+    """``trainer.step(batch)`` runs forward, backward and the optimizer step.
 
-    ``inputs``: a tensor or a tuple of tensors passed positionally to the model; ``target``: what
-    ``loss_fn(output, target)`` takes. Both are split into microbatches along dim 0 (the loss of
-    the batch is the size-weighted mean of the microbatch losses, as for a ``mean`` reduction; pass
-    ``loss_reduction="sum"`` for a summed loss). Other options are those of ``harmony_fx.compile``.
+    The batch and the loss, in one of three forms:
+
+    * ``loss_fn(output, target)`` (two arguments): ``batch = (inputs, target)``, ``inputs`` a tensor,
+      a tuple of positional inputs or a dict of keyword inputs;
+    * ``loss_fn=None``: the model returns its loss (a scalar tensor, an output with ``.loss`` as
+      Hugging Face models give when passed ``labels``, or a dict with ``"loss"``); ``batch`` is a dict
+      of keyword inputs, a tuple of positional inputs, or a tensor;
+    * ``loss_fn(output)`` (one argument): the same batches; ``loss_fn`` picks the loss out of what
+      the model returns (``lambda out: out[1]`` for nanoGPT's ``(logits, loss)``).
+
+    Inputs are split into microbatches along their batch dims (``batch_dims``, dim 0 by default). The
+    batch's loss combines the microbatches' losses as eager computes it on the whole batch: the graph
+    says how the loss reduces (a mean over labelled tokens, over elements, a sum); where it cannot
+    tell, the microbatch losses are averaged weighted by microbatch size (``loss_reduction="sum"``:
+    added). Other options are those of ``harmony_fx.compile``.
 
     A batch of another size than ``example_batch`` is planned on its first step and kept (see
     ``HarmonyModule.for_batch``); other shape changes are refused. A step whose loss is NaN or
@@ -84,8 +138,8 @@ class Trainer:
     loss is returned as it is.
     """
 
-    def __init__(self, model: nn.Module, loss_fn: Callable[[Any, Any], torch.Tensor],
-                 optimizer: torch.optim.Optimizer, example_batch: tuple, *, max_grad_norm: float | None = None,
+    def __init__(self, model: nn.Module, loss_fn: Callable[..., torch.Tensor] | None,
+                 optimizer: torch.optim.Optimizer, example_batch: Any, *, max_grad_norm: float | None = None,
                  loss_reduction: str = "mean", skip_nonfinite: bool = False, **options: Any) -> None:
         if loss_reduction not in ("mean", "sum"):
             raise ValueError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
@@ -100,14 +154,20 @@ class Trainer:
         self.skip_nonfinite = skip_nonfinite
         self.skipped_steps: list[int] = []  # the step numbers skipped for a non-finite loss
         self.loss_reduction = loss_reduction
-        inputs, target = self._unpack(example_batch)
+        self._takes_target = _takes_target(loss_fn)
+        args, kwargs = self._call_of(example_batch)
         if isinstance(options.get("batch_dims"), dict):
-            # name the model's own arguments; the loss model sees (*inputs, target) as one *args
-            names = list(inspect.signature(model.forward).parameters)[: len(inputs)]
-            dims = tuple(options["batch_dims"].get(name, 0) for name in names) + (0,)
-            options = {**options, "batch_dims": {"inputs_and_target": dims}}
-        self.hm = HarmonyModule(_LossModel(model, loss_fn), (*inputs, target), {}, CompileOptions(**options),
-                                _trainer=True, _updates=max_grad_norm is None)
+            # the user names the model's own arguments; the loss model takes them as *args, **kwargs
+            dims = options["batch_dims"]
+            names = list(inspect.signature(model.forward).parameters)
+            positional = len(args) - self._takes_target
+            args_dims = tuple(dims.get(name, 0) for name in names[:positional]) + (0,) * self._takes_target
+            loss_model_dims = {"args": args_dims} if args else {}
+            if kwargs:
+                loss_model_dims["kwargs"] = {name: dims.get(name, 0) for name in kwargs}
+            options = {**options, "batch_dims": loss_model_dims}
+        self.hm = HarmonyModule(_LossModel(model, loss_fn, self._takes_target), args, kwargs,
+                                CompileOptions(**options), _trainer=True, _updates=max_grad_norm is None)
         (self._loss_name,) = self.hm.signature.model_outputs
         self._groups = self.hm.update_groups()
         self._last_hm = self.hm  # the module that ran the last step (one per batch size)
@@ -141,15 +201,14 @@ class Trainer:
     def step(self, batch: tuple) -> torch.Tensor:
         """One iteration on ``batch``; returns the batch's loss. All or nothing: if anything fails
         (including Ctrl-C), the weights, buffers and optimizer state are as before the call."""
-        inputs, target = self._unpack(batch)
-        hm = self.hm.for_batch((*inputs, target), {})
+        args, kwargs = self._call_of(batch)
+        hm = self.hm.for_batch(args, kwargs)
         groups = self._groups if hm is self.hm else hm.update_groups()
         (loss_name,) = hm.signature.model_outputs
-        per_mb = hm._split_inputs((*inputs, target), {})
-        sizes = [flat[0].shape[0] for flat in per_mb]
-        weights = [size / sum(sizes) if self.loss_reduction == "mean" else 1.0 for size in sizes]
-        loss_val = hm._nodes[loss_name].meta["val"]
-        output_grads = {Key(KeyKind.GRAD, loss_name, mb): torch.full(loss_val.shape, w, dtype=loss_val.dtype)
+        per_mb = hm.split_inputs(args, kwargs)
+        weights = hm.scalar_weights(loss_name, per_mb, otherwise=self._size_weights(hm))
+        loss_like = hm.output_like(loss_name)
+        output_grads = {Key(KeyKind.GRAD, loss_name, mb): torch.full(loss_like.shape, w, dtype=loss_like.dtype)
                         for mb, w in enumerate(weights)}
         undo = _Undo(self.optimizer, [p for group in groups.values() for p in group], _written_buffers(hm))
         pending: list[concurrent.futures.Future] = []
@@ -258,13 +317,33 @@ class Trainer:
         """Stop the device's stream threads (each step's update worker stops with the step)."""
         self.hm.close()
 
-    @staticmethod
-    def _unpack(batch: tuple) -> tuple[tuple, Any]:
-        if not isinstance(batch, (tuple, list)) or len(batch) != 2:
-            raise ValueError("a batch is (inputs, target): inputs a tensor or a tuple of tensors, target what "
-                             "loss_fn(output, target) takes")
-        inputs, target = batch
-        return (tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)), target
+    def _call_of(self, batch: Any) -> tuple[tuple, dict]:
+        """The loss model's ``(args, kwargs)`` for ``batch`` (see the class docstring)."""
+        if self._takes_target:
+            if not isinstance(batch, (tuple, list)) or len(batch) != 2:
+                raise ValueError("with a two-argument loss_fn(output, target), a batch is (inputs, target): inputs a "
+                                 "tensor, a tuple of positional inputs or a dict of keyword inputs. For a model that "
+                                 "returns its own loss, pass loss_fn=None and the batch alone.")
+            inputs, target = batch
+            args, kwargs = _as_call(inputs)
+            return (*args, target), kwargs
+        return _as_call(batch)
+
+    def _size_weights(self, hm: HarmonyModule) -> list[float]:
+        """Microbatch weights where the graph does not say how the loss reduces: by the sizes the
+        batch was actually cut into (mean), or all 1 (sum)."""
+        sizes = [size or 1 for size in hm.mb_sizes]
+        return [size / sum(sizes) if self.loss_reduction == "mean" else 1.0 for size in sizes]
+
+
+def _as_call(inputs: Any) -> tuple[tuple, dict]:
+    """A model's ``(args, kwargs)`` from a dict of keyword inputs, a tuple/list of positional ones, or
+    one tensor."""
+    if isinstance(inputs, dict):
+        return (), dict(inputs)
+    if isinstance(inputs, (tuple, list)):
+        return tuple(inputs), {}
+    return (inputs,), {}
 
 
 def _check_same_model(expected: dict[str, torch.Tensor], loaded: dict[str, torch.Tensor]) -> None:

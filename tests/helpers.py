@@ -146,14 +146,15 @@ _SMALLEST = re.compile(r"smallest budget that fits is ([0-9,]+) bytes")
 
 
 def smallest_budget(model: nn.Module, inputs: tuple, **compile_options: Any) -> int:
-    """The smallest memory budget harmony_fx can compile ``model`` under, read from the
-    ``BudgetTooSmallError`` a one-byte budget raises."""
+    """The smallest memory budget harmony_fx can compile ``model`` under: the
+    ``BudgetTooSmallError`` a one-byte budget raises says it (in its message and ``smallest_budget``)."""
     try:
         harmony_fx.compile(model, inputs, memory_budget=1, **compile_options)
     except harmony_fx.BudgetTooSmallError as error:
         match = _SMALLEST.search(str(error))
-        assert match, f"BudgetTooSmallError does not name the smallest budget: {error}"
-        return int(match.group(1).replace(",", ""))
+        assert match and int(match.group(1).replace(",", "")) == error.smallest_budget, \
+            f"BudgetTooSmallError's message and smallest_budget disagree: {error}"
+        return error.smallest_budget
     raise AssertionError("a one-byte budget was accepted")
 
 

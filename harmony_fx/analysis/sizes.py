@@ -12,15 +12,9 @@ from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.flop_counter import FlopCounterMode
 
 from harmony_fx.ir import meta
+from harmony_fx.ir.values import value_bytes
 
-__all__ = ["annotate_sizes", "value_bytes"]
-
-
-def value_bytes(value: object) -> int:
-    """Bytes of the tensors in ``value`` (a tensor, tuple, list, or scalar): what copying it moves.
-
-    ``numel * element_size``, not the storage's size: a view of a larger tensor moves only itself."""
-    return sum(leaf.numel() * leaf.element_size() for leaf in tree_flatten(value)[0] if isinstance(leaf, torch.Tensor))
+__all__ = ["annotate_sizes"]
 
 
 def annotate_sizes(gm: fx.GraphModule) -> fx.GraphModule:

@@ -4,25 +4,27 @@ This module is the only place the keys are spelled. Capture and analysis write t
 captured graph (the model's graph of ATen or torch calls); codegen writes the program keys on
 the nodes of the generated program.
 
-=====================  ==============================  ===========================================
-key                    written by                      value
-=====================  ==============================  ===========================================
-``val``                capture (PyTorch's own key)     FakeTensor (or a Python scalar) of the value
-``harmony_role``       capture                         :class:`Role` of a placeholder
-``harmony_target``     capture                         for params/buffers: their dotted name
-``harmony_nbytes``     analysis.sizes                  bytes of the value (0 for non-tensors)
-``harmony_flops``      analysis.sizes                  forward FLOPs of the op (flop_counter)
-``harmony_reads``      analysis.sizes                  names of the param/buffer placeholders the
-                                                       node reads directly
-``harmony_last_use``   analysis.liveness               name of the last node reading the value (or None)
-``harmony_live_packs`` analysis.liveness               (producer pack, last reading pack); -1 = model input
-``harmony_layer``      passes.find_layers              index of the layer the node belongs to
-``harmony_layer_name`` passes.find_layers              e.g. ``"h.3"`` or the node's own name
-``harmony_pack``       passes.plan_packs               index of the pack the node belongs to
-``harmony_action``     passes.generate_program         the schedule ``Action`` a program node runs
-``harmony_step``       passes.generate_program         the comment codegen prints above a step
-``from_node``          every inserting pass            name of the pass that created the node
-=====================  ==============================  ===========================================
+=========================  ==============================  ===========================================
+key                        written by                      value
+=========================  ==============================  ===========================================
+``val``                    capture (PyTorch's own key)     FakeTensor (or a Python scalar) of the value
+``harmony_role``           capture                         :class:`Role` of a placeholder
+``harmony_target``         capture                         for params/buffers: their dotted name
+``harmony_nbytes``         analysis.sizes                  bytes of the value (0 for non-tensors)
+``harmony_flops``          analysis.sizes                  forward FLOPs of the op (flop_counter)
+``harmony_reads``          analysis.sizes                  names of the param/buffer placeholders the
+                                                           node reads directly
+``harmony_requires_grad``  analysis.requires_grad          one bool per leaf of the value: requires grad
+                                                           (as in eager)
+``harmony_last_use``       analysis.liveness               name of the last node reading the value (or None)
+``harmony_live_packs``     analysis.liveness               (producer pack, last reading pack); -1 = model input
+``harmony_layer``          passes.find_layers              index of the layer the node belongs to
+``harmony_layer_name``     passes.find_layers              e.g. ``"h.3"`` or the node's own name
+``harmony_pack``           passes.plan_packs               index of the pack the node belongs to
+``harmony_action``         passes.generate_program         the schedule ``Action`` a program node runs
+``harmony_step``           passes.generate_program         the comment codegen prints above a step
+``from_node``              every inserting pass            name of the pass that created the node
+=========================  ==============================  ===========================================
 """
 from __future__ import annotations
 
@@ -31,7 +33,7 @@ import enum
 from torch import fx
 
 __all__ = [
-    "VAL", "ROLE", "TARGET", "NBYTES", "FLOPS", "READS", "LAST_USE", "LIVE_PACKS", "LAYER", "LAYER_NAME", "PACK",
+    "VAL", "ROLE", "TARGET", "NBYTES", "FLOPS", "READS", "REQUIRES_GRAD", "LAST_USE", "LIVE_PACKS", "LAYER", "LAYER_NAME", "PACK",
     "ACTION", "STEP", "FROM_PASS", "Role", "role_of", "nbytes_of",
 ]
 
@@ -41,6 +43,7 @@ TARGET = "harmony_target"
 NBYTES = "harmony_nbytes"
 FLOPS = "harmony_flops"
 READS = "harmony_reads"
+REQUIRES_GRAD = "harmony_requires_grad"
 LAST_USE = "harmony_last_use"
 LIVE_PACKS = "harmony_live_packs"
 LAYER = "harmony_layer"

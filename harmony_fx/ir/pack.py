@@ -37,6 +37,9 @@ class Pack:
     random: bool
     # state_inputs[i] is fed with the device copy of (params + buffers)[state_slot[i]]
     state_slot: tuple[int, ...]
+    # per act input, one flag per leaf of its value: it requires grad in the model (see
+    # analysis.requires_grad); a recompute makes exactly these leaves record gradients
+    input_requires_grad: tuple[tuple[bool, ...], ...] = ()
 
     @property
     def name(self) -> str:

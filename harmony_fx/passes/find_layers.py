@@ -6,6 +6,10 @@
 2. A node with no such entry is a layer of its own (``embedding``, ``ln_f``'s ``layer_norm``, ...).
 3. A layer is a maximal *contiguous* run of compute nodes (in topological order) with one key, so
    layers tile the compute nodes in order and packs can be contiguous ranges of layers.
+4. An op that writes in place into an activation (``relu_``, ``x[:, 0] = 0``) joins one layer with
+   the node that made that activation, and every layer between: a pack then never writes into
+   one of its inputs, so what it stashes, sends and recomputes is what eager saw (and autograd never
+   meets an in-place write into a leaf).
 
 Placeholders (parameters, buffers, inputs) and the output node belong to no layer; packs reach
 them through their inputs.
@@ -19,6 +23,7 @@ import re
 
 from torch import fx
 
+from harmony_fx.analysis.aliasing import alias_base, written_arguments
 from harmony_fx.ir import meta
 
 __all__ = ["Layer", "find_layers"]
@@ -52,7 +57,36 @@ def find_layers(gm: fx.GraphModule) -> list[Layer]:
         node.meta[meta.LAYER] = len(layers)
         node.meta[meta.LAYER_NAME] = key or node.name
     close()
-    return layers
+    return _merge_in_place_writes(gm, layers)
+
+
+def _merge_in_place_writes(gm: fx.GraphModule, layers: list[Layer]) -> list[Layer]:
+    """Step 4 of the module docstring: merge each run of layers from an activation's producer to
+    an op writing into it."""
+    reach = list(range(len(layers)))  # reach[i]: the last layer that layer i must share a pack with
+    for node in gm.graph.nodes:
+        for written in written_arguments(node):
+            base = alias_base(written)
+            if base.op != "placeholder" and base.meta[meta.LAYER] < node.meta[meta.LAYER]:
+                start = base.meta[meta.LAYER]
+                reach[start] = max(reach[start], node.meta[meta.LAYER])
+    merged: list[Layer] = []
+    start = 0
+    while start < len(layers):
+        stop, end = start, reach[start]
+        while stop < end:  # a layer inside the run may reach further still
+            stop += 1
+            end = max(end, reach[stop])
+        group = layers[start:stop + 1]
+        name = group[0].name if len(group) == 1 else f"{group[0].name}+{group[-1].name}"
+        merged.append(Layer(len(merged), name, tuple(n for layer in group for n in layer.nodes)))
+        start = stop + 1
+    if len(merged) != len(layers):
+        nodes = {node.name: node for node in gm.graph.nodes}
+        for layer in merged:
+            for name in layer.nodes:
+                nodes[name].meta[meta.LAYER] = layer.index
+    return merged
 
 
 def _block_path(node: fx.Node) -> str | None:

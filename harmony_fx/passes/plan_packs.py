@@ -21,7 +21,12 @@ C = TypeVar("C")
 
 
 class BudgetTooSmallError(ValueError):
-    """No packing fits the budget."""
+    """No packing fits the budget. ``smallest_budget``: the smallest budget that fits, in bytes
+    (what a tool that retries should ask for)."""
+
+    def __init__(self, message: str, smallest_budget: int) -> None:
+        super().__init__(message)
+        self.smallest_budget = smallest_budget
 
 
 def balanced(layer_costs: Sequence[int], num_packs: int) -> list[int]:
@@ -55,5 +60,6 @@ def plan_packs(layer_costs: Sequence[int], evaluate: Callable[[list[int]], C], p
     raise BudgetTooSmallError(
         f"plan_packs: no packing fits the memory budget of {budget:,} bytes; the smallest budget that "
         f"fits is {smallest:,} bytes ({smallest / 2**20:.2f} MiB). Raise memory_budget to at least that, "
-        "or use more microbatches so each task holds fewer activations."
+        "or use more microbatches so each task holds fewer activations.",
+        smallest,
     )

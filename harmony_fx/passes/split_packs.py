@@ -22,18 +22,13 @@ from typing import Sequence
 import torch
 from torch import fx
 
+from harmony_fx.analysis.random_ops import draws_random
+from harmony_fx.analysis.requires_grad import requires_grad_of
 from harmony_fx.ir import meta
 from harmony_fx.ir.pack import Pack
 from harmony_fx.passes.find_layers import Layer
 
-__all__ = ["split_packs", "RANDOM_OPS"]
-
-# Ops whose results depend on the RNG: a pack containing one saves and replays the RNG state.
-RANDOM_OPS = {
-    "dropout", "native_dropout", "bernoulli", "bernoulli_", "rand", "rand_like", "randn", "randn_like",
-    "randint", "randint_like", "randperm", "normal", "uniform_", "normal_", "multinomial",
-    "feature_dropout", "alpha_dropout", "feature_alpha_dropout", "rrelu", "rrelu_with_noise",
-}
+__all__ = ["split_packs"]
 
 
 def split_packs(gm: fx.GraphModule, layers: Sequence[Layer], boundaries: Sequence[int],
@@ -103,7 +98,8 @@ def _build_pack(gm, layers, pack_index, start, stop, nodes, masters) -> Pack:
         params=tuple(params),
         buffers=tuple(buffers),
         mutated_buffers=mutated,
-        random=any(_op_name(node) in RANDOM_OPS for node in members),
+        random=any(draws_random(node) for node in members),
+        input_requires_grad=tuple(requires_grad_of(nodes[name]) for name in act_inputs),
         state_slot=state_slot,
     )
 

@@ -16,7 +16,7 @@ import torch
 from torch import fx, nn
 
 from harmony_fx.config import CompileOptions
-from harmony_fx.passes.split_packs import RANDOM_OPS, _op_name
+from harmony_fx.analysis.random_ops import draws_random
 from harmony_fx.planner.chain import Schedule
 from harmony_fx.planner.profile import profile_graph
 from harmony_fx.planner.search import PlanningError, search
@@ -44,13 +44,9 @@ def choose_schedule(gm: fx.GraphModule, model: nn.Module, batch_size: int, devic
 
 
 def _split_changes_results(gm: fx.GraphModule, model: nn.Module) -> bool:
-    random = any(_op_name(node) in RANDOM_OPS and not _is_zero_dropout(node) for node in gm.graph.nodes)
+    random = any(draws_random(node) for node in gm.graph.nodes)
     batch_norm = any(isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training for m in model.modules())
     return random or batch_norm
-
-
-def _is_zero_dropout(node: fx.Node) -> bool:
-    return "dropout" in _op_name(node) and len(node.args) > 1 and node.args[1] == 0
 
 
 def _spec_of(device, budget: int | None) -> DeviceSpec:

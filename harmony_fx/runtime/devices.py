@@ -46,10 +46,10 @@ class Device:
     def compute_scope(self):
         raise NotImplementedError
 
-    def get_rng_state(self) -> torch.Tensor:
+    def get_rng_state(self) -> object:
         raise NotImplementedError
 
-    def set_rng_state(self, state: torch.Tensor) -> None:
+    def set_rng_state(self, state: object) -> None:
         raise NotImplementedError
 
     def rng_lock(self):
@@ -170,11 +170,16 @@ class CudaDevice(Device):
     def compute_scope(self):
         return torch.cuda.device(self.torch_device)
 
-    def get_rng_state(self) -> torch.Tensor:
-        return torch.cuda.get_rng_state(self.torch_device)
+    def get_rng_state(self) -> tuple[torch.Tensor, torch.Tensor]:
+        # a pack may draw on the host's generator too (a CPU randperm in the model): keep both
+        return torch.get_rng_state(), torch.cuda.get_rng_state(self.torch_device)
 
-    def set_rng_state(self, state: torch.Tensor) -> None:
-        torch.cuda.set_rng_state(state, self.torch_device)
+    def set_rng_state(self, state: tuple[torch.Tensor, torch.Tensor]) -> None:
+        torch.set_rng_state(state[0])
+        torch.cuda.set_rng_state(state[1], self.torch_device)
+
+    def rng_lock(self):
+        return _HOST_RNG_LOCK  # the host's generator is shared by every device
 
     def reset_peak(self) -> None:
         torch.cuda.synchronize(self.torch_device)

@@ -22,6 +22,7 @@ import torch
 from torch import fx
 
 from harmony_fx.ir.pack import Pack
+from harmony_fx.ir import values as pytrees
 from harmony_fx.ir.tracking import storage_key
 from harmony_fx.runtime.devices import Device
 from harmony_fx.schedule.actions import Key, KeyKind, Stream, parse_key
@@ -201,7 +202,7 @@ class Runtime:
                         value.append(copy)
             else:
                 with _DeviceContext(device, f" while copying {key} to the device"):
-                    value = device.to_device(self._compute_dtype(self.host_values[key]))
+                    value = pytrees.map_tensors(lambda t: device.to_device(self._compute_dtype(t)), self.host_values[key])
             self._count("h2d", key, value)
             self.device_values[key] = value
 
@@ -228,7 +229,7 @@ class Runtime:
                 self._count("d2h", key, [copy for _, copy in pairs])
                 event.on_host.append(lambda: [self._add_host_grad(master, copy) for master, copy in pairs])
             else:
-                copy = device.to_host(self.device_values[key])
+                copy = pytrees.map_tensors(device.to_host, self.device_values[key])
                 self._count("d2h", key, copy)
                 if key.kind == KeyKind.GRAD:
                     # several readers' partial gradients meet on the host (pipeline); the sum is
@@ -257,17 +258,17 @@ class Runtime:
 
         def work() -> None:
             if self.peer_value is not None:
-                value = self.device.to_device(self._compute_dtype(self.peer_value(key)))
+                value = pytrees.map_tensors(lambda t: self.device.to_device(self._compute_dtype(t)), self.peer_value(key))
             else:
                 parcel = self.links.parcel(key, peer, self.index)
                 parcel.posted.wait()
                 self.links.check()
-                value = self.device.to_device(parcel.value)
+                value = pytrees.map_tensors(self.device.to_device, parcel.value)
                 parcel.value = None
                 parcel.picked_up()
             self._count("peer", key, value)
             existing = self.device_values.get(key)
-            self.device_values[key] = value if existing is None else existing.add_(value)
+            self.device_values[key] = value if existing is None else pytrees.add_grads(existing, value, inplace=True)
 
         return self._submit(Stream.PEER, work, label=f"RECV {key} <- d{peer}")
 
@@ -333,19 +334,20 @@ class Runtime:
         inputs = [values.pop(Key(KeyKind.ACT, v, mb)) if keep_graph else values[Key(KeyKind.ACT, v, mb)]
                   for v in pack.act_inputs]
         if keep_graph:
-            inputs = [_leaf(x) for x in inputs]
+            inputs = [_leaf(x, flags) for x, flags in zip(inputs, pack.input_requires_grad)]
         with self.device.rng_lock() if pack.random else contextlib.nullcontext():
             if pack.random:
                 self.rng_states[(pack_index, mb)] = self.device.get_rng_state()
             outputs = self._run_pack(pack, inputs, grad=keep_graph, what="forward")
         for name, value in zip(pack.outputs, outputs):
-            values[Key(KeyKind.ACT, name, mb)] = value.detach() if isinstance(value, torch.Tensor) else value
+            values[Key(KeyKind.ACT, name, mb)] = pytrees.map_tensors(torch.Tensor.detach, value)
         if keep_graph:
             values[Key(KeyKind.GRAPH, pack.name, mb)] = (inputs, outputs)
 
     def _recompute(self, pack_index: int, mb: int) -> None:
         pack = self.packs_for_mb[mb][pack_index]
-        inputs = [_leaf(self.device_values.pop(Key(KeyKind.ACT, v, mb))) for v in pack.act_inputs]
+        inputs = [_leaf(self.device_values.pop(Key(KeyKind.ACT, v, mb)), flags)
+                  for v, flags in zip(pack.act_inputs, pack.input_requires_grad)]
         if not pack.random:
             outputs = self._run_pack(pack, inputs, grad=True, what="recompute")
         else:
@@ -369,32 +371,34 @@ class Runtime:
         if pack_index == self.last:
             for name in pack.outputs:
                 values.pop(Key(KeyKind.ACT, name, mb))
-        roots, root_grads = [], []
-        for name, output in zip(pack.outputs, outputs):
-            grad = values.pop(Key(KeyKind.GRAD, name, mb), None)
-            if grad is not None and isinstance(output, torch.Tensor) and output.requires_grad:
-                roots.append(output)
-                root_grads.append(grad)
+        roots, root_grads = _roots(outputs, [values.pop(Key(KeyKind.GRAD, name, mb), None) for name in pack.outputs])
         del outputs
         weights = values[Key(KeyKind.WEIGHTS, pack.name)]
         wanted = set(self.grad_inputs[pack_index])
         input_targets = [(name, x) for name, x in zip(pack.act_inputs, inputs) if name in wanted]
         weight_targets = [w for w in weights[: len(pack.params)]]
-        targets = [x for _, x in input_targets] + [w for w in weight_targets if w.requires_grad]
+        targets = [leaf for _, x in input_targets for leaf in _differentiable(x)]
+        targets += [w for w in weight_targets if w.requires_grad]
         with self.device.compute_scope(), self._context(pack, "backward"):
             grads = list(torch.autograd.grad(roots, targets, root_grads, allow_unused=True)) if roots and targets else [None] * len(targets)
             del roots, root_grads, inputs
             stored: set[int] = set()
             for name, x in input_targets:
-                grad = grads.pop(0)
-                if grad is None:
-                    grad = torch.zeros_like(x)
-                elif storage_key(grad) in stored:
-                    # autograd hands one tensor to several inputs (e.g. both sides of an add); each
-                    # key must own its gradient, since each is added to in place later
-                    grad = grad.clone()
-                stored.add(storage_key(grad))
-                self._accumulate(Key(KeyKind.GRAD, name, mb), grad)
+                leaf_grads = []
+                for leaf in pytrees.leaves(x):
+                    if not (isinstance(leaf, torch.Tensor) and leaf.requires_grad):
+                        leaf_grads.append(None)
+                        continue
+                    grad = grads.pop(0)
+                    if grad is None:
+                        grad = torch.zeros_like(leaf)
+                    elif storage_key(grad) in stored:
+                        # autograd hands one tensor to several inputs (e.g. both sides of an add);
+                        # each key must own its gradient, since each is added to in place later
+                        grad = grad.clone()
+                    stored.add(storage_key(grad))
+                    leaf_grads.append(grad)
+                self._accumulate(Key(KeyKind.GRAD, name, mb), pytrees.with_leaves(x, leaf_grads))
             wgrad_key = Key(KeyKind.WGRAD, pack.name)
             accumulated = values.setdefault(wgrad_key, [None] * len(weight_targets))
             for i, w in enumerate(weight_targets):
@@ -413,9 +417,10 @@ class Runtime:
         device, text = self.device, f" in the {what} of {pack.name} ({pack.describe_layers()})"
         return _DeviceContext(device, text)
 
-    def _accumulate(self, key: Key, grad: torch.Tensor) -> None:
+    def _accumulate(self, key: Key, grad: object) -> None:
         existing = self.device_values.get(key)
-        self.device_values[key] = _own(grad) if existing is None else existing.add_(grad)
+        self.device_values[key] = (pytrees.map_tensors(_own, grad) if existing is None
+                                   else pytrees.add_grads(existing, grad, inplace=True))
 
     def _compute_dtype(self, value: object) -> object:
         """Floating tensors travel and compute in ``compute_dtype`` (bf16 halves the bytes);
@@ -432,7 +437,7 @@ class Runtime:
     def _add_host_value(self, key: Key, value: torch.Tensor) -> None:
         with self._host_lock:
             existing = self.host_values.get(key)
-            self.host_values[key] = value if existing is None else existing + value
+            self.host_values[key] = value if existing is None else pytrees.add_grads(existing, value, inplace=False)
 
     def _add_host_grad(self, master: torch.Tensor, grad: torch.Tensor) -> None:
         grad = grad.to(master.dtype)
@@ -441,8 +446,7 @@ class Runtime:
             self.host_grads[id(master)] = grad if existing is None else existing.add_(grad)
 
     def _count(self, direction: str, key: Key, value: object) -> None:
-        tensors = value if isinstance(value, (list, tuple)) else [value]
-        nbytes = sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
+        nbytes = pytrees.value_bytes(value)
         with self._stats_lock:
             self.stats.bytes_by_kind[(direction, key.kind.name.lower())] += nbytes
             self.stats.bytes_by_device[(self.device.name, direction, key.kind.name.lower())] += nbytes
@@ -545,11 +549,30 @@ class _DeviceContext:
             self.device.context = ""
 
 
-def _leaf(value: object) -> object:
-    """A detached copy-free leaf that records gradients, for a pack input in a graph we keep."""
-    if isinstance(value, torch.Tensor) and value.is_floating_point():
-        return value.detach().requires_grad_(True)
-    return value
+def _leaf(value: object, requires_grad: Sequence[bool]) -> object:
+    """A pack input in a graph we keep, detached without a copy: each tensor leaf records gradients
+    where it required grad in the model (``requires_grad``, one flag per leaf), as in eager."""
+    fresh = [leaf.detach().requires_grad_(flag) if isinstance(leaf, torch.Tensor) else leaf
+             for leaf, flag in zip(pytrees.leaves(value), requires_grad, strict=True)]
+    return pytrees.with_leaves(value, fresh)
+
+
+def _roots(outputs: Sequence[object], grads: Sequence[object]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """The tensors to differentiate and their gradients: each output leaf that records gradients
+    and has one. (A function of its own so that no loop variable keeps a gradient alive.)"""
+    roots, root_grads = [], []
+    for output, grad in zip(outputs, grads):
+        if grad is None:
+            continue
+        for leaf, leaf_grad in zip(pytrees.leaves(output), pytrees.leaves(grad), strict=True):
+            if leaf_grad is not None and isinstance(leaf, torch.Tensor) and leaf.requires_grad:
+                roots.append(leaf)
+                root_grads.append(leaf_grad)
+    return roots, root_grads
+
+
+def _differentiable(value: object) -> list[torch.Tensor]:
+    return [leaf for leaf in pytrees.tensors(value) if leaf.requires_grad]
 
 
 def _own(grad: torch.Tensor) -> torch.Tensor:

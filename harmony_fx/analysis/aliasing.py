@@ -1,0 +1,48 @@
+"""Which values an op writes into, and whose memory a view shares: what in-place ops touch.
+
+Read-only helpers over a captured graph. ATen ops say it in their schema (``Tensor(a!)`` for an
+argument written in place, ``Tensor(a)`` for a result that aliases its first argument); the
+``torch.fx.symbolic_trace`` path records in-place methods by their trailing underscore.
+"""
+from __future__ import annotations
+
+import operator
+
+import torch
+from torch import fx
+
+__all__ = ["written_arguments", "alias_base"]
+
+
+def written_arguments(node: fx.Node) -> list[fx.Node]:
+    """The arguments ``node`` writes into: ATen's ``Tensor(a!)`` arguments (export), or the object of
+    an in-place method such as ``add_`` (symbolic trace)."""
+    if node.op == "call_method" and node.target.endswith("_") and not node.target.startswith("__"):
+        return [node.args[0]] if node.args and isinstance(node.args[0], fx.Node) else []
+    if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+        return []
+    written = []
+    for index, argument in enumerate(node.target._schema.arguments):
+        if argument.alias_info is not None and argument.alias_info.is_write:
+            value = node.args[index] if index < len(node.args) else node.kwargs.get(argument.name)
+            if isinstance(value, fx.Node):
+                written.append(value)
+    return written
+
+
+def alias_base(node: fx.Node) -> fx.Node:
+    """The node whose memory ``node`` shares, through views (``select``, ``view``, an item of
+    ``split``'s list, ...) and the results of in-place ops."""
+    while node.op == "call_function" and node.args and isinstance(node.args[0], fx.Node):
+        target = node.target
+        if target is operator.getitem:  # an item of a list of views
+            target = node.args[0].target
+        if not isinstance(target, torch._ops.OpOverload):
+            break
+        returns = target._schema.returns
+        if not returns or returns[0].alias_info is None:
+            break
+        node = node.args[0] if node.target is not operator.getitem else node.args[0].args[0]
+        if not isinstance(node, fx.Node):
+            break
+    return node

@@ -1,0 +1,59 @@
+"""Values that cross packs: a tensor, or any pytree of them (an LSTM's ``(output, (h, c))``, the list
+``split`` returns, a tuple with an int in it).
+
+Every operation the runtime applies to a value (copy to the device or the host, detach, count its
+bytes, take it as an input to differentiate) applies to each tensor leaf, and leaves everything else
+as it is.
+
+The gradient of a value has the value's structure: a tensor for a tensor, and for a pytree the same
+pytree with each leaf's gradient in place, ``None`` where a leaf has none (an integer leaf, or one
+that does not require grad). ``None`` is a leaf of ``torch.utils._pytree``, so a gradient flattens
+exactly as its value does.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import torch
+from torch.utils import _pytree as pytree
+
+__all__ = ["map_tensors", "tensors", "leaves", "with_leaves", "add_grads", "value_bytes"]
+
+
+def map_tensors(fn: Callable[[torch.Tensor], Any], value: Any) -> Any:
+    """``value`` with ``fn`` applied to each tensor leaf."""
+    if isinstance(value, torch.Tensor):
+        return fn(value)
+    return pytree.tree_map(lambda leaf: fn(leaf) if isinstance(leaf, torch.Tensor) else leaf, value)
+
+
+def leaves(value: Any) -> list[Any]:
+    """Every leaf of ``value`` (tensors and others), in pytree order."""
+    return [value] if isinstance(value, torch.Tensor) else pytree.tree_leaves(value)
+
+
+def tensors(value: Any) -> list[torch.Tensor]:
+    return [leaf for leaf in leaves(value) if isinstance(leaf, torch.Tensor)]
+
+
+def with_leaves(value: Any, new_leaves: Sequence[Any]) -> Any:
+    """``value``'s structure with ``new_leaves`` in place of its leaves (e.g. its gradient)."""
+    if isinstance(value, torch.Tensor):
+        (leaf,) = new_leaves
+        return leaf
+    return pytree.tree_unflatten(list(new_leaves), pytree.tree_structure(value))
+
+
+def add_grads(total: Any, grad: Any, inplace: bool) -> Any:
+    """Leaf by leaf ``total + grad`` of two gradients of one value (``None`` adds nothing)."""
+    def add(a, b):
+        if a is None or b is None:
+            return b if a is None else a
+        return a.add_(b) if inplace else a + b
+
+    return with_leaves(total, [add(a, b) for a, b in zip(leaves(total), leaves(grad), strict=True)])
+
+
+def value_bytes(value: Any, itemsize: Callable[[torch.Tensor], int] | None = None) -> int:
+    """Bytes of the tensors in ``value``: ``numel * itemsize`` each (a view moves only itself)."""
+    return sum(t.numel() * (t.element_size() if itemsize is None else itemsize(t)) for t in tensors(value))

@@ -1,0 +1,261 @@
+"""Models nobody here wrote: what they do that the zoo does not, each trained next to eager.
+
+Random ops recognised by their schema (SDPA's dropout, ``gumbel_softmax``), values of any pytree
+shape crossing packs (an LSTM's ``(output, (h, c))``, ``max_pool``'s indices), scalar inputs, inputs
+that must not get gradients, in-place writes into activations, and ``compile(model)`` with nothing
+else. Every model is cut into several packs (``pack_boundaries``) so each value really crosses.
+"""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import harmony_fx
+
+RTOL, ATOL = 1e-5, 1e-6
+
+
+def _step_both(model: nn.Module, inputs: tuple, loss_of, seed: int = 3, **options):
+    """One training step through harmony_fx and one in eager on a copy; returns both models and
+    both input tuples after ``backward``."""
+    reference = copy.deepcopy(model)
+    ref_inputs = tuple(x.detach().clone().requires_grad_(x.requires_grad) for x in inputs)
+    hm = harmony_fx.compile(model, inputs, **options)
+    torch.manual_seed(seed)
+    loss = loss_of(hm(*inputs))
+    loss.backward()
+    torch.manual_seed(seed)
+    ref_loss = loss_of(reference(*ref_inputs))
+    ref_loss.backward()
+    torch.testing.assert_close(loss, ref_loss, rtol=RTOL, atol=ATOL)
+    return hm, model, reference, inputs, ref_inputs
+
+
+def _assert_grads_equal(model, reference, inputs=(), ref_inputs=(), rtol=RTOL, atol=ATOL):
+    for (name, param), ref in zip(model.named_parameters(), reference.parameters()):
+        assert (param.grad is None) == (ref.grad is None), name
+        if ref.grad is not None:
+            torch.testing.assert_close(param.grad, ref.grad, rtol=rtol, atol=atol, msg=lambda m: f"grad of {name}: {m}")
+    for index, (x, ref) in enumerate(zip(inputs, ref_inputs)):
+        assert (x.grad is None) == (ref.grad is None), f"input {index}"
+        if ref.grad is not None:
+            torch.testing.assert_close(x.grad, ref.grad, rtol=rtol, atol=atol, msg=lambda m: f"grad of input {index}: {m}")
+
+
+def _pytree_inputs(hm) -> list[str]:
+    """The pack inputs whose value is a tuple or list (not one tensor)."""
+    nodes = {node.name: node for node in hm.captured.gm.graph.nodes}
+    return [name for pack in hm.packs for name in pack.act_inputs if isinstance(nodes[name].meta["val"], (tuple, list))]
+
+
+class _Attention(nn.Module):
+    def __init__(self, width: int = 16, heads: int = 2, dropout: float = 0.3) -> None:
+        super().__init__()
+        self.heads, self.dropout = heads, dropout
+        self.qkv = nn.Linear(width, 3 * width)
+        self.out = nn.Linear(width, width)
+
+    def forward(self, x):
+        batch, seq, width = x.shape
+        q, k, v = self.qkv(x).view(batch, seq, 3, self.heads, width // self.heads).permute(2, 0, 3, 1, 4)
+        attended = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout, is_causal=True)
+        return x + self.out(attended.transpose(1, 2).reshape(batch, seq, width))
+
+
+class _Stack(nn.Module):
+    def __init__(self, *blocks: nn.Module) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(blocks)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def test_sdpa_dropout_replays_in_recompute():
+    torch.manual_seed(0)
+    model = _Stack(*[_Attention() for _ in range(4)])
+    x = torch.randn(2, 8, 16, requires_grad=True)
+    hm, model, reference, inputs, ref_inputs = _step_both(
+        model, (x,), lambda out: out.pow(2).sum(), pack_boundaries=(0, 1, 2, 3), microbatches=1)
+    assert len(hm.packs) == 4 and all(pack.random for pack in hm.packs)
+    _assert_grads_equal(model, reference, inputs, ref_inputs, rtol=0, atol=1e-6)
+
+
+def test_gumbel_softmax_replays_in_recompute():
+    class Gumbel(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = nn.Linear(8, 8)
+
+        def forward(self, x):
+            return F.gumbel_softmax(self.linear(x), tau=0.5)
+
+    torch.manual_seed(0)
+    hm, model, reference, *_ = _step_both(_Stack(Gumbel(), Gumbel(), Gumbel()), (torch.randn(4, 8),),
+                                          lambda out: (out * out.detach()).sum(),
+                                          pack_boundaries=(0, 1, 2), microbatches=1)
+    assert all(pack.random for pack in hm.packs)
+    _assert_grads_equal(model, reference)
+
+
+class _LSTMStack(nn.Module):
+    """Each LSTM's ``(output, (h, c))`` crosses into the next pack whole."""
+
+    def __init__(self, width: int = 8, depth: int = 3) -> None:
+        super().__init__()
+        self.lstms = nn.ModuleList(nn.LSTM(width, width, batch_first=True) for _ in range(depth))
+
+    def forward(self, x):
+        state = None
+        for lstm in self.lstms:
+            x, state = lstm(x, state)
+        return x, state
+
+
+def test_lstm_stack_in_three_packs_trains_like_eager():
+    torch.manual_seed(0)
+    model = _LSTMStack()
+    reference = copy.deepcopy(model)
+    x = torch.randn(4, 5, 8)
+    hm = harmony_fx.compile(model, (x,), pack_boundaries=(0, 1, 2), microbatches=1)
+    assert len(hm.packs) == 3
+    optimizer, ref_optimizer = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, reference))
+    for _ in range(3):
+        out, (h, c) = hm(x)
+        ref_out, (ref_h, ref_c) = reference(x)
+        for got, want in ((out, ref_out), (h, ref_h), (c, ref_c)):
+            torch.testing.assert_close(got, want, rtol=RTOL, atol=ATOL)
+        (out.sum() + h.pow(2).sum() + c.sum()).backward()
+        (ref_out.sum() + ref_h.pow(2).sum() + ref_c.sum()).backward()
+        _assert_grads_equal(model, reference)
+        for opt in (optimizer, ref_optimizer):
+            opt.step()
+            opt.zero_grad()
+    assert hm.stats.as_dict()["bytes_by_kind"] == hm.plan.predicted_bytes
+
+
+def test_multihead_attention_stack_in_three_packs_trains_like_eager():
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.attention = nn.MultiheadAttention(16, 4, batch_first=True)
+            self.norm = nn.LayerNorm(16)
+
+        def forward(self, x):
+            attended, weights = self.attention(x, x, x)
+            return self.norm(x + attended) * weights.mean()
+
+    torch.manual_seed(0)
+    x = torch.randn(3, 6, 16, requires_grad=True)
+    hm, model, reference, inputs, ref_inputs = _step_both(
+        _Stack(Block(), Block(), Block()), (x,), lambda out: out.pow(2).sum(), pack_boundaries=(0, 1, 2),
+        microbatches=1)
+    assert len(hm.packs) == 3
+    _assert_grads_equal(model, reference, inputs, ref_inputs)
+
+
+def test_a_tuple_crossing_a_pack_is_moved_and_counted_per_tensor():
+    class Pool(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.pool = nn.AdaptiveMaxPool1d(4, return_indices=True)
+            self.head = nn.Linear(4, 2)
+
+        def forward(self, x):
+            pooled, indices = self.pool(x)
+            return self.head(pooled) + indices.float().mean()
+
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, 8, requires_grad=True)
+    hm, model, reference, inputs, ref_inputs = _step_both(Pool(), (x,), lambda out: out.pow(2).sum(),
+                                                          pack_boundaries=(0, 1), microbatches=1)
+    assert _pytree_inputs(hm), "the pooling's (values, indices) should cross into the second pack"
+    _assert_grads_equal(model, reference, inputs, ref_inputs)
+    assert hm.stats.as_dict()["bytes_by_kind"] == hm.plan.predicted_bytes
+
+
+def test_a_scalar_input_is_shared_by_every_microbatch():
+    class Scaled(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4))
+
+        def forward(self, x, scale):
+            return self.layers(x) * scale
+
+    torch.manual_seed(0)
+    x, scale = torch.randn(6, 4), torch.tensor(1.5, requires_grad=True)
+    hm, model, reference, inputs, ref_inputs = _step_both(Scaled(), (x, scale), lambda out: out.pow(2).mean(),
+                                                          microbatches=3)
+    assert hm.mb_sizes == [2, 2, 2]
+    _assert_grads_equal(model, reference, inputs, ref_inputs)
+
+
+def test_an_input_an_op_cannot_differentiate_gets_no_gradient_as_in_eager():
+    """``soft_margin_loss`` is not differentiable for its target: eager never asks, nor may we."""
+
+    class Margin(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.first, self.second = nn.Linear(4, 4), nn.Linear(4, 4)
+
+        def forward(self, x, target):
+            return F.soft_margin_loss(self.second(self.first(x)), target * 2)
+
+    torch.manual_seed(0)
+    x, target = torch.randn(4, 4, requires_grad=True), torch.randn(4, 4).sign()
+    hm, model, reference, inputs, ref_inputs = _step_both(Margin(), (x, target), lambda out: out,
+                                                          pack_boundaries=(0, 1), microbatches=1)
+    _assert_grads_equal(model, reference, inputs, ref_inputs)
+    assert target.grad is None
+
+
+def test_an_in_place_write_into_an_activation_stays_in_the_pack_that_made_it():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(inplace=True), nn.Linear(8, 8), nn.Hardtanh(inplace=True),
+                          nn.Linear(8, 2))
+    x = torch.randn(4, 8, requires_grad=True)
+    hm = harmony_fx.compile(copy.deepcopy(model), (x,), microbatches=1)
+    layers = [layer.name for layer in hm.layers]
+    assert "0+1" in layers and "2+3" in layers, layers  # each in-place op joined its producer's layer
+    hm, model, reference, inputs, ref_inputs = _step_both(model, (x,), lambda out: out.pow(2).sum(),
+                                                          pack_boundaries=(0, 1, 2), microbatches=1)
+    _assert_grads_equal(model, reference, inputs, ref_inputs)
+
+
+def test_compile_without_example_inputs_plans_on_the_first_call():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8), nn.GELU(), nn.Linear(8, 1))
+    reference = copy.deepcopy(model)
+    hm = harmony_fx.compile(model)
+    with pytest.raises(AttributeError, match="exists after the first call"):
+        hm.plan
+    with pytest.raises(AttributeError, match="exists after the first call"):
+        hm.code
+    x = torch.randn(4, 8)
+    hm(x).sum().backward()
+    reference(x).sum().backward()
+    _assert_grads_equal(model, reference)
+    assert hm.plan.packs and "def forward" in hm.code
+    # a new batch size is planned on its own first call, like torch.compile's recompile
+    y = torch.randn(6, 8)
+    torch.testing.assert_close(hm(y), reference(y), rtol=RTOL, atol=ATOL)
+
+
+def test_the_readme_example_without_example_inputs():
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(32, 32), nn.ReLU()) for _ in range(6)], nn.Linear(32, 10))
+    reference = copy.deepcopy(model)
+    x, y = torch.randn(16, 32), torch.randint(0, 10, (16,))
+    hm = harmony_fx.compile(model, memory_budget="24KiB")
+    F.cross_entropy(hm(x), y).backward()
+    F.cross_entropy(reference(x), y).backward()
+    assert len(hm.packs) > 1
+    _assert_grads_equal(model, reference)
+    assert hm.stats.peak_bytes[hm.device.name] <= 24 * 1024
