@@ -20,6 +20,7 @@ from torch import fx, nn
 from torch._subclasses import FakeTensorMode
 
 from harmony_fx import microbatch, pictures
+from harmony_fx.analysis.batch_dims import BatchAnalysis, analyze_batch_dims
 from harmony_fx.analysis.liveness import annotate_liveness
 from harmony_fx.analysis.requires_grad import annotate_requires_grad, any_requires_grad, requires_grad_of
 from harmony_fx.analysis.sizes import annotate_sizes
@@ -122,7 +123,13 @@ class HarmonyModule:
         self._trainer = _trainer
         example = (example_args, example_kwargs)
         self._example_dims = microbatch.argument_dims(model, example_args, example_kwargs, options.batch_dims)
+        # the batch dim of each tensor input, in the order of the captured graph's inputs
+        self._flat_dims = [d for x, d in zip(microbatch.pytree.tree_leaves(example),
+                                             microbatch.pytree.tree_leaves(self._example_dims))
+                           if isinstance(x, torch.Tensor)]
         self._variants: dict[int | None, _Variant] = {}
+        # whether cutting the batch computes what the whole batch does (analysis.batch_dims)
+        self.batch_analysis: BatchAnalysis | None = None
         self.num_microbatches = options.microbatches or len(self.devices)
         # the planner chooses what the options leave open (planner/choose.py)
         self.schedule: Schedule | None = None
@@ -164,15 +171,16 @@ class HarmonyModule:
         for size, (mb_args, mb_kwargs) in zip(self.mb_sizes, example_mbs):
             if size not in self._variants:
                 self._variants[size] = self._capture_variant(model, size, mb_args, mb_kwargs)
+        if self.batch_analysis is None:
+            self.batch_analysis = self._analyze_batch_of(example)
+        # the dim each output's microbatches are joined along (an output batched along dim 1, say)
+        self._output_dims = dict(self.batch_analysis.output_dims) if self.batch_analysis else {}
         primary = self._variants[self.mb_sizes[0]]
         self.captured, self.layers, self._nodes = primary.captured, primary.layers, primary.nodes
         if options.precision == "bf16":
             _refuse_fixed_float_casts(self.captured.gm)
         self._masters = {**self.captured.params, **self.captured.buffers}
         self._example_flat = self.captured.flatten_inputs(*example_mbs[0])
-        self._flat_dims = [d for x, d in zip(microbatch.pytree.tree_leaves(example),
-                                             microbatch.pytree.tree_leaves(self._example_dims))
-                           if isinstance(x, torch.Tensor)]
         self._output_args = list(self.captured.gm.graph.find_nodes(op="output")[0].args[0])
         self._updates = _updates
         self.signature = self._signature([x.requires_grad for x in self._example_flat], _trainer)
@@ -254,8 +262,35 @@ class HarmonyModule:
             batch = microbatch.batch_size((args, kwargs), self._example_dims)
         except ValueError:
             return None  # no batch to cut
+        if batch < 1:
+            return None
         whole = self._variants[None] = self._capture_variant(model, None, args, kwargs)
-        return choose_schedule(whole.captured.gm, model, batch, self.devices, self.budget, self.options)
+        self.batch_analysis = self._analyze_batch(whole, batch)
+        return choose_schedule(whole.captured.gm, model, batch, self.devices, self.budget, self.options,
+                               self.batch_analysis.separable)
+
+    def _analyze_batch_of(self, example: tuple[tuple, dict]) -> BatchAnalysis:
+        """``_analyze_batch`` of the largest variant captured (the whole batch's, with one microbatch)."""
+        if self.mb_sizes != [None]:
+            largest = max(self.mb_sizes)
+            return self._analyze_batch(self._variants[largest], largest)
+        try:
+            batch = microbatch.batch_size(example, self._example_dims)
+        except ValueError as error:
+            return BatchAnalysis(False, str(error))
+        return self._analyze_batch(self._variants[None], batch)
+
+    def _analyze_batch(self, variant: _Variant, batch: int) -> BatchAnalysis:
+        """Whether this variant's graph treats the samples apart (and its outputs' batch dims), and
+        whether each scalar output (a loss) can be put back together from microbatches."""
+        captured = variant.captured
+        if batch < 2:
+            return BatchAnalysis(False, "a batch of one sample has nothing to cut")
+        analysis = analyze_batch_dims(captured.gm, dict(zip(captured.inputs, self._flat_dims)), batch)
+        unknown = [reduction.why for name, reduction in captured.reductions.items() if reduction.combine is None]
+        if analysis.separable and unknown:
+            return BatchAnalysis(False, unknown[0])
+        return analysis
 
     def _capture_variant(self, model: nn.Module, size: int | None, args: tuple, kwargs: dict) -> _Variant:
         captured = capture(model, args, kwargs)
@@ -463,7 +498,16 @@ class HarmonyModule:
             for pack in packs)
         return Plan(pack_plans, self.num_microbatches, tuple(d.name for d in self.devices), self.budget,
                     {d.name: peak for d, peak in zip(self.devices, best.peaks)},
-                    {f"{d}/{k}": n for (d, k), n in sorted(moved.items())}, policy, self.parallel)
+                    {f"{d}/{k}": n for (d, k), n in sorted(moved.items())}, policy, self.parallel,
+                    self._batch_note())
+
+    def _batch_note(self) -> str:
+        analysis = self.batch_analysis
+        if analysis is None:
+            return ""
+        if analysis.separable:
+            return "every op treats the samples apart, so microbatches compute what the whole batch does"
+        return f"kept whole (microbatches would change the result): {analysis.reason}"
 
     def _steps(self, actions: Sequence[Action]) -> list[str]:
         """The comment above each action: the task it serves (transfers before a task belong to it)."""
@@ -631,7 +675,7 @@ class HarmonyModule:
                 runtime.scalar_weights[name] = self.scalar_weights(name, per_mb)
                 outputs.append(microbatch.merge_scalars(chunks, runtime.scalar_weights[name]).to(dtype))
                 continue
-            outputs.append(microbatch.merge([chunk.to(dtype) for chunk in chunks], 0))
+            outputs.append(microbatch.merge([chunk.to(dtype) for chunk in chunks], self._output_dims.get(name, 0)))
         return tuple(outputs)
 
     def _structure_outputs(self, tensors: list[torch.Tensor]) -> Any:
@@ -653,7 +697,7 @@ class HarmonyModule:
             if name in runtime.scalar_weights:
                 chunks = [grad * weight for weight in runtime.scalar_weights[name]]
             else:
-                chunks = torch.split(grad, sizes) if len(sizes) > 1 else (grad,)
+                chunks = torch.split(grad, sizes, self._output_dims.get(name, 0)) if len(sizes) > 1 else (grad,)
             for mb, chunk in enumerate(chunks):
                 runtime.host_values[Key(KeyKind.GRAD, name, mb)] = chunk
         self.finish(runtime)
@@ -675,14 +719,17 @@ class HarmonyModule:
         if otherwise is not None and any(reduction.combine is None for reduction in reductions):
             return otherwise
         inputs = [dict(zip(self.captured.inputs, flat)) for flat in per_mb]
-        return microbatch.scalar_weights(reductions, inputs)
+        return microbatch.scalar_weights(reductions, inputs, self.mb_sizes)
 
     def output_like(self, name: str) -> torch.Tensor:
         """An empty tensor shaped as the model's output ``name`` on the whole batch (a scalar, such
         as a loss, stays a scalar)."""
         vals = [self._variants[size].nodes[name].meta[meta.VAL] for size in self.mb_sizes]
-        batched = len(vals) > 1 and vals[0].dim() > 0
-        shape = (sum(v.shape[0] for v in vals), *vals[0].shape[1:]) if batched else vals[0].shape
+        if len(vals) == 1 or vals[0].dim() == 0:
+            return torch.empty(vals[0].shape, dtype=vals[0].dtype)
+        dim = self._output_dims.get(name, 0)
+        shape = list(vals[0].shape)
+        shape[dim] = sum(v.shape[dim] for v in vals)
         return torch.empty(shape, dtype=vals[0].dtype)
 
 

@@ -13,7 +13,12 @@ that into one coefficient per microbatch, so that the batch's value is
 * a mean over labelled items (``cross_entropy``, ``nll_loss``): weighted by how many labels each
   microbatch has that are not ``ignore_index`` (counted on the host from the labels input);
 * a mean over all elements (``mean``, ``mse_loss``, ...): weighted by the number of elements;
-* a sum: every coefficient is 1.
+* a sum: every coefficient is 1;
+* a sum divided by the batch size (``kl_div(reduction="batchmean")``, ``loss.sum() / x.shape[0]``):
+  the graph of each microbatch divides by its own size, so it is a mean over samples, weighted by
+  them. A divisor is taken to be the batch size when it equals each microbatch's size, or when it
+  differs between microbatches (then it is taken to grow with the batch); a divisor the same for
+  every microbatch size is a constant and commutes with the sum.
 """
 from __future__ import annotations
 
@@ -130,6 +135,8 @@ class ScalarReduction:
     combine: Combine | None
     count: Callable[[Mapping[str, torch.Tensor]], int] | None = None
     why: str = ""
+    # the constant the reduction was divided by on its way to the output (None: it was not scaled)
+    divisor: float | None = None
 
 
 # ops a scalar passes through unchanged in kind: a mean stays a mean, a sum a sum
@@ -144,23 +151,26 @@ _MEAN_REDUCTION, _SUM_REDUCTION = 1, 2  # at::Reduction
 def scalar_reduction(gm: fx.GraphModule, node: fx.Node) -> ScalarReduction:
     """How the scalar ``node`` (an output of the captured ATen graph ``gm``) reduces its batch."""
     origin = node
+    divisor = None
     while node.op == "call_function":
         if node.target in _PASS_THROUGH:
             node = node.args[0]
         elif node.target in (aten.mul.Tensor, aten.div.Tensor) and isinstance(node.args[1], (int, float)):
-            node = node.args[0]  # scaling by a constant commutes with either combination
+            scale = node.args[1] if node.target is aten.div.Tensor else 1 / node.args[1]
+            divisor = scale if divisor is None else divisor * scale
+            node = node.args[0]
         elif node.target is operator.getitem and node.args[1] == 0 and node.args[0].target is aten.nll_loss_forward.default:
             node = node.args[0]  # (loss, total_weight)
         else:
             break
     target = node.target
     if target in (aten.sum.default, aten.sum.dim_IntList):
-        return ScalarReduction(Combine.SUM)
+        return ScalarReduction(Combine.SUM, divisor=divisor)
     if target in (aten.mean.default, aten.mean.dim):
         return _mean_over_elements(node.args[0])
     reduction = _argument(node, "reduction") if isinstance(target, torch._ops.OpOverload) else None
     if reduction == _SUM_REDUCTION:
-        return ScalarReduction(Combine.SUM)
+        return ScalarReduction(Combine.SUM, divisor=divisor)
     if reduction == _MEAN_REDUCTION and target in _LABELLED_LOSSES:
         return _mean_over_labels(gm, node)
     if reduction == _MEAN_REDUCTION:  # mse_loss, l1_loss, binary_cross_entropy, ...: every element
@@ -171,14 +181,18 @@ def scalar_reduction(gm: fx.GraphModule, node: fx.Node) -> ScalarReduction:
         "back together; return per-sample values (reduction='none'), or use microbatches=1."))
 
 
-def scalar_weights(reductions: Sequence[ScalarReduction], inputs: Sequence[Mapping[str, torch.Tensor]]) -> list[float]:
-    """One coefficient per microbatch (``reductions[i]`` and ``inputs[i]`` are microbatch i's): the
-    batch's value is ``sum(coefficient_i * value_i)``, and so microbatch i's gradient is the batch's
-    times ``coefficient_i``."""
+def scalar_weights(reductions: Sequence[ScalarReduction], inputs: Sequence[Mapping[str, torch.Tensor]],
+                   sizes: Sequence[int | None]) -> list[float]:
+    """One coefficient per microbatch (``reductions[i]``, ``inputs[i]`` and ``sizes[i]`` are
+    microbatch i's): the batch's value is ``sum(coefficient_i * value_i)``, and so microbatch i's
+    gradient is the batch's times ``coefficient_i``."""
     for reduction in reductions:
         if reduction.combine is None:
             raise ValueError(reduction.why)
     if reductions[0].combine == Combine.SUM:
+        divisors = [reduction.divisor for reduction in reductions]
+        if divisors[0] is not None and (len(set(divisors)) > 1 or divisors == [float(size) for size in sizes]):
+            return [divisor / sum(divisors) for divisor in divisors]  # a sum over the batch / its size
         return [1.0] * len(reductions)
     counts = [reduction.count(mb_inputs) for reduction, mb_inputs in zip(reductions, inputs)]
     total = sum(counts)

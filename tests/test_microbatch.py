@@ -324,3 +324,30 @@ def test_trainer_with_a_shared_input_named_in_batch_dims_equals_eager():
     torch.testing.assert_close(loss, ref_loss.detach(), rtol=RTOL, atol=ATOL)
     for param, ref in zip(model.parameters(), reference.parameters()):
         torch.testing.assert_close(param.detach(), ref.detach(), rtol=RTOL, atol=ATOL)
+
+
+def test_a_sum_divided_by_the_batch_size_is_a_mean_over_samples():
+    """``kl_div(reduction="batchmean")`` divides by the batch size: each microbatch's graph divides
+    by its own, so the microbatches are weighted by their sizes, not added."""
+
+    class BatchMean(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = nn.Linear(4, 4)
+
+        def forward(self, x, target):
+            return F.kl_div(F.log_softmax(self.linear(x), -1), target, reduction="batchmean")
+
+    torch.manual_seed(0)
+    model = BatchMean()
+    reference = copy.deepcopy(model)
+    x, target = torch.randn(7, 4), F.softmax(torch.randn(7, 4), -1)
+    for microbatches in (3, 7):  # uneven sizes, and equal ones (where the divisors agree)
+        hm = harmony_fx.compile(model, (x, target), microbatches=microbatches)
+        loss, ref_loss = hm(x, target), reference(x, target)
+        torch.testing.assert_close(loss, ref_loss, rtol=RTOL, atol=ATOL)
+        loss.backward()
+        ref_loss.backward()
+        for param, ref in zip(model.parameters(), reference.parameters()):
+            torch.testing.assert_close(param.grad, ref.grad, rtol=RTOL, atol=ATOL)
+            param.grad = ref.grad = None

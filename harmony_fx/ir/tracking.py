@@ -1,12 +1,14 @@
-"""Byte-exact accounting of the tensors created while a task runs.
+"""Byte-exact accounting of a device's memory: its storages, from birth to death.
 
-``AllocationTracker`` is a ``TorchDispatchMode``: every tensor an op returns is registered by the
-storage it lives in, and released when the last tensor object on that storage dies (PyTorch keeps a
-tensor's Python object alive for as long as autograd holds the tensor, so saved activations count
-until backward frees them). Views and in-place results add no bytes.
+A device's bytes are its storages' bytes. ``AllocationTracker`` counts a storage when it first
+appears on the device (a copy made by ``register``, or the result of an op run under ``mode()``, a
+``TorchDispatchMode``) and releases it when the storage itself dies: PyTorch keeps one Python
+object per storage alive exactly as long as the storage, so a finalizer on it fires when the last
+tensor, view, alias or autograd reference to the memory is gone, whichever Python objects came and
+went meanwhile. Views and in-place results add no bytes; a detached alias keeps its storage counted.
 
-It runs on real tensors (the HostDevice's measured memory) and on FakeTensors (the analysis'
-profile of a task), so prediction and measurement count the same things the same way.
+It runs on real tensors (the HostDevice's measured memory) and on FakeTensors (the planning run),
+so prediction and measurement count the same things the same way.
 """
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ from typing import Callable
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_map
 
 __all__ = ["AllocationTracker", "storage_key", "tensor_bytes"]
 
@@ -41,34 +43,30 @@ class AllocationTracker:
         self.on_exceed = on_exceed
         self.live = 0
         self.peak = 0
-        self._storages: dict[int, list[int]] = {}  # key -> [nbytes, number of live tensor objects]
+        self._storages: dict[int, int] = {}  # key -> nbytes, for every live storage counted
         # stream worker threads register, and tensors die on whichever thread drops them last
         self._lock = threading.RLock()
 
     def register(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Count ``tensor``'s storage until the last tensor object on it is gone."""
-        key = storage_key(tensor)
+        """Count ``tensor``'s storage until the storage dies (once, however many tensors share it)."""
+        storage = tensor.untyped_storage()
+        key = storage._cdata
         with self._lock:
-            entry = self._storages.get(key)
-            if entry is None:
-                nbytes = tensor_bytes(tensor)
-                if self.cap is not None and self.live + nbytes > self.cap and self.on_exceed is not None:
-                    self.on_exceed(self.live + nbytes, self.cap)  # raises; nothing was counted
-                entry = self._storages[key] = [nbytes, 0]
-                self.live += nbytes
-                if self.live > self.peak:
-                    self.peak = self.live
-            entry[1] += 1
-        weakref.finalize(tensor, self._release, key)
+            if key in self._storages:
+                return tensor
+            nbytes = storage.nbytes()
+            if self.cap is not None and self.live + nbytes > self.cap and self.on_exceed is not None:
+                self.on_exceed(self.live + nbytes, self.cap)  # raises; nothing was counted
+            self._storages[key] = nbytes
+            self.live += nbytes
+            if self.live > self.peak:
+                self.peak = self.live
+        weakref.finalize(storage, self._release, key)
         return tensor
 
     def _release(self, key: int) -> None:
         with self._lock:
-            entry = self._storages[key]
-            entry[1] -= 1
-            if entry[1] == 0:
-                self.live -= entry[0]
-                del self._storages[key]
+            self.live -= self._storages.pop(key)
 
     def reset_peak(self) -> None:
         self.peak = self.live
@@ -85,7 +83,27 @@ class _TrackingMode(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        inputs = {storage_key(t) for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
+        out = tree_map(lambda leaf: _compact(leaf, inputs) if isinstance(leaf, torch.Tensor) else leaf, out)
         for leaf in tree_flatten(out)[0]:
             if isinstance(leaf, torch.Tensor):
                 self.tracker.register(leaf)
         return out
+
+
+def _compact(tensor: torch.Tensor, input_storages: set[int]) -> torch.Tensor:
+    """``tensor``, or a copy of it in a storage of its own size where a kernel handed back a view
+    into a larger buffer of its own (CPU ``mse_loss`` returns its scalar in the storage of the
+    elementwise losses): the buffer would otherwise stay alive as long as the result, unseen by a
+    plan made from shapes. Results that alias an input are left as they are."""
+    if storage_key(tensor) in input_storages or tensor.untyped_storage().nbytes() <= _extent(tensor):
+        return tensor
+    return tensor.clone()
+
+
+def _extent(tensor: torch.Tensor) -> int:
+    """Bytes from the storage's start to the tensor's last element."""
+    if tensor.numel() == 0:
+        return 0
+    last = tensor.storage_offset() + sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride()))
+    return (last + 1) * tensor.element_size()

@@ -7,8 +7,11 @@ microbatches, data- or pipeline-parallel over the devices given, and the pack bo
 still lowers and runs the choice on FakeTensors, so the budget is checked exactly; if the
 planner's estimate was optimistic it falls back to the fewest balanced packs that fit.
 
-When cutting the batch would change what the model computes (dropout draws per microbatch,
-BatchNorm normalises per microbatch), the planner keeps one microbatch per device.
+When the graph does not treat the samples apart (``analysis.batch_dims``: a softmax over the batch,
+an unbatched sequence, a loss it cannot put back together, ...) the batch is not cut: one
+microbatch, and several devices form a pipeline. When cutting it only changes the random numbers
+or the batch statistics (dropout draws per microbatch, BatchNorm normalises per microbatch), the
+planner keeps one microbatch per device.
 """
 from __future__ import annotations
 
@@ -26,14 +29,20 @@ __all__ = ["choose_schedule"]
 
 
 def choose_schedule(gm: fx.GraphModule, model: nn.Module, batch_size: int, devices: list, budget: int | None,
-                    options: CompileOptions) -> Schedule | None:
-    """The planner's schedule, or ``None`` when it finds none (``compile`` then uses its defaults)."""
+                    options: CompileOptions, separable: bool = True) -> Schedule | None:
+    """The planner's schedule, or ``None`` when it finds none (``compile`` then uses its defaults).
+    ``separable``: the graph treats the samples apart (``analysis.batch_dims``); if not, the batch
+    is never cut (one microbatch, several devices in a pipeline)."""
     dtype = options.compute_dtype
     profile = profile_graph("model", gm, batch_size, None if dtype is None else dtype.itemsize, options.precision)
     microbatches = options.microbatches
-    if microbatches is None and _split_changes_results(gm, model):
-        microbatches = len(devices)
     parallel = None if options.parallel == "auto" or len(devices) == 1 else options.parallel
+    if microbatches is None and not separable:
+        microbatches = 1
+        if parallel is None and len(devices) > 1:
+            parallel = "pp"
+    elif microbatches is None and _split_changes_results(gm, model):
+        microbatches = len(devices)
     try:
         choice = search(profile, _spec_of(devices[0], budget), HostSpec(), batch_size=batch_size,
                         devices=len(devices), budget=budget, parallel=parallel, microbatches=microbatches,

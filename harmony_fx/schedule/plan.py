@@ -29,7 +29,8 @@ class Plan:
     predicted_peak: dict[str, int]
     predicted_bytes: dict[str, int]   # "h2d/weights": bytes, ..., summed over devices
     policy: str
-    parallel: str = "single"          # "single" (one device) | "dp"
+    parallel: str = "single"          # "single" (one device) | "dp" | "pp"
+    batch: str = ""                   # whether the batch may be cut, and if not why (analysis.batch_dims)
 
     @property
     def bytes_h2d(self) -> int:
@@ -58,6 +59,7 @@ class Plan:
             f"{len(self.packs)} pack(s), {self.microbatches} microbatch(es), policy {self.policy}"
             + (f", {self.parallel} over {len(self.devices)} devices" if len(self.devices) > 1 else ""),
             f"predicted peak {peaks} (budget {budget})",
+            *([f"batch: {self.batch}"] if self.batch else []),
             f"predicted bytes per iteration: host->device {format_size(self.bytes_h2d)}, "
             f"device->host {format_size(self.bytes_d2h)}",
         ]

@@ -17,7 +17,7 @@ from harmony_fx.schedule.actions import Action, ActionKind, Key, KeyKind, Stream
 from harmony_fx.testing.models import MLPChain
 from tests.helpers import smallest_budget
 
-TWO_PACK_BUDGET = 1536  # bytes: MLPChain(8, 2) on a batch of 4 needs 1,760 in one pack
+TWO_PACK_BUDGET = 1664  # bytes: MLPChain(8, 2) on a batch of 4 needs 1,824 in one pack, 1,664 in two
 
 
 @functools.lru_cache(maxsize=None)

@@ -1,0 +1,673 @@
+"""Can the batch be cut? The batch dim of every value of a captured graph, or the op that mixes samples.
+
+Microbatches give eager's numbers only when every op treats the samples apart: a softmax over the
+batch dim, a ``GLU`` splitting it, an unbatched LSTM whose dim 0 is time, a ``BatchNorm`` in
+training all compute something else on a part of the batch. The planner cuts the batch only when
+this analysis proves it safe; an option the user sets is theirs.
+
+1. Each model input starts at its batch dim (``batch_dims``), or ``None``: shared whole by every
+   microbatch. Parameters and buffers are shared.
+2. Each node maps its inputs' batch dims to its outputs' by its op's rule (pointwise ops align
+   dims as broadcasting does; views and reshapes follow the sizes; reductions, ``softmax``, ``cat``,
+   indexing and the like may not act along the batch dim; matmul, convolution, pooling, norms,
+   attention, RNNs and losses by what they compute). A batch dim is the *outer* factor of its dim:
+   ``[B, S, H] -> [B*S, H]`` keeps it at dim 0.
+3. Shared values are followed too: along which dims each is constant (``zeros``, an ``expand``ed
+   size-1 dim, what is computed from those), and which are ``arange(B)``, each sample's own index
+   (``mask[arange(B)[:, None], positions]`` picks each sample's row: it stays separable).
+4. An op acting along the batch dim, an op this module has no rule for, and a shared value that
+   varies along the batch dim meeting a batched one (a ``[B, H]`` parameter added to ``[B, H]``
+   activations) all make the graph *not separable*; the first such node is the reason given.
+5. A sum or mean over the batch is allowed once, on the way to a scalar model output (the loss),
+   through ops that keep it a mean or a sum; ``microbatch.scalar_reduction`` puts it back together.
+
+Returns the batch dim of each model output (what microbatch outputs are concatenated along).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import operator
+from typing import Any, Mapping, Sequence
+
+import torch
+from torch import fx
+
+from harmony_fx.ir import meta
+from harmony_fx.ir.values import leaves
+
+__all__ = ["BatchAnalysis", "analyze_batch_dims"]
+
+aten = torch.ops.aten
+
+
+class _Mixed(Exception):
+    """A node mixes samples; the message says which and how."""
+
+
+_REDUCED = "reduced"  # a sum or mean over the batch (a loss), valid only on its way to an output
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchAnalysis:
+    """``separable``: cutting the batch computes what the whole batch does; ``reason``: why not
+    (naming the node); ``output_dims``: per model output node name, its batch dim (``None`` for a
+    scalar reduced over the batch)."""
+
+    separable: bool
+    reason: str = ""
+    output_dims: Mapping[str, int | None] = dataclasses.field(default_factory=dict)
+
+
+def analyze_batch_dims(gm: fx.GraphModule, input_dims: Mapping[str, int | None], batch_size: int) -> BatchAnalysis:
+    """``input_dims``: model input placeholder name -> its batch dim (``None``: shared whole);
+    ``batch_size``: the number of samples along those dims."""
+    if not any(dim is not None for dim in input_dims.values()):
+        return BatchAnalysis(False, "no input is cut along a batch dim")
+    try:
+        env = _propagate(gm, {name: [dim] for name, dim in input_dims.items()}, batch_size)
+    except _Mixed as mixed:
+        return BatchAnalysis(False, str(mixed))
+    output_dims = {}
+    for arg in gm.graph.find_nodes(op="output")[0].args[0]:
+        if not isinstance(arg, fx.Node):
+            continue
+        (dim,) = env[arg][:1] or [None]
+        if dim is None:
+            return BatchAnalysis(False, f"the output {arg.name} does not depend on the batch: every microbatch "
+                                        "would compute it whole")
+        output_dims[arg.name] = None if dim == _REDUCED else dim
+    return BatchAnalysis(True, output_dims=output_dims)
+
+
+# ----------------------------------------------------------------------------------- propagation
+
+_Dims = list  # one entry per leaf of a node's value: an int, None (shared), or _REDUCED
+
+
+def _propagate(gm: fx.GraphModule, env_inputs: Mapping[str, _Dims], batch_size: int) -> dict[fx.Node, _Dims]:
+    env: dict[fx.Node, _Dims] = {}
+    c = _Context(env, {}, {}, batch_size)
+    placeholders = gm.graph.find_nodes(op="placeholder")
+    for node in placeholders:
+        env[node] = list(env_inputs.get(node.name, [None] * len(leaves(node.meta.get(meta.VAL)))))
+    for node in gm.graph.nodes:
+        if node.op in ("placeholder", "output"):
+            continue
+        if node.op == "get_attr":
+            env[node] = [None]
+            continue
+        inputs = [arg for arg in node.all_input_nodes]
+        if all(all(d is None for d in env[arg]) for arg in inputs):
+            # nothing batched comes in: the result is shared; follow what it is constant along
+            env[node] = [None] * max(len(leaves(node.meta.get(meta.VAL))), 1)
+            if isinstance(node.meta.get(meta.VAL), torch.Tensor) and isinstance(node.target, torch._ops.OpOverload):
+                _follow_shared(node, c)
+            continue
+        if any(_REDUCED in env[arg] for arg in inputs):
+            if node.op == "call_function" and _name(node) in _KEEPS_A_LOSS and len(inputs) == 1:
+                env[node] = [_REDUCED]
+                continue
+            raise _Mixed(f"{node.format_node()} computes with a loss reduced over the whole batch")
+        if not any(isinstance(leaf, torch.Tensor) for leaf in leaves(node.meta.get(meta.VAL))):
+            if _name(node) in _SIZE_QUERIES:  # a size, not the samples' values
+                env[node] = [None]
+                continue
+            raise _mixed(node, "turns batched values into a Python number")
+        try:
+            env[node] = _rule(node, c)
+        except _Mixed:
+            raise
+        except Exception as error:  # noqa: BLE001 - an op we cannot read is one we cannot prove safe
+            raise _Mixed(f"{node.format_node()}: cannot tell how it treats the batch ({error})") from error
+    return env
+
+
+def _val(node: Any) -> Any:
+    return node.meta.get(meta.VAL) if isinstance(node, fx.Node) else node
+
+
+def _shape(node: Any) -> tuple[int, ...]:
+    return tuple(_val(node).shape)
+
+
+def _dim(env, node: Any) -> int | None:
+    if not isinstance(node, fx.Node):
+        return None
+    dims = env[node]
+    assert len(dims) == 1, f"{node.name} is not one tensor"
+    return dims[0]
+
+
+def _norm(dim: int, rank: int) -> int:
+    return dim % rank if rank else 0
+
+
+def _mixed(node: fx.Node, why: str) -> _Mixed:
+    return _Mixed(f"{node.format_node()} {why}")
+
+
+@dataclasses.dataclass
+class _Context:
+    env: dict[fx.Node, _Dims]
+    # shared values: the dims each is constant along (equal entries), and the arange(n)-like ones
+    # (each entry equal to its index along one dim): node -> that dim
+    constant: dict[fx.Node, frozenset[int]]
+    iota: dict[fx.Node, int]
+    batch_size: int
+
+    def dim(self, node: Any) -> int | None:
+        return _dim(self.env, node)
+
+    def varies_along(self, node: fx.Node, dim: int) -> bool:
+        """Whether the shared ``node`` has different entries along its ``dim``."""
+        return _shape(node)[dim] != 1 and dim not in self.constant.get(node, ())
+
+    def is_batch_index(self, node: Any) -> int | None:
+        """The dim along which the shared ``node`` is ``arange(batch)``: each sample's own index."""
+        if not isinstance(node, fx.Node) or node not in self.iota:
+            return None
+        dim = self.iota[node]
+        return dim if _shape(node)[dim] == self.batch_size else None
+
+
+_SAME_VALUES = {"clone", "alias", "detach", "_to_copy", "to", "contiguous", "type_as", "lift_fresh_copy"}
+
+
+def _follow_shared(node: fx.Node, c: _Context) -> None:
+    """Record what the shared ``node`` is constant along, and whether it is an ``arange``."""
+    name, rank = _name(node), _val(node).dim()
+    args = _tensor_args(node)
+    source = args[0] if args else None
+    constant: set[int] = set()
+    iota = None
+    if name in _FILL:
+        constant = set(range(rank))
+    elif name == "arange" and _arange_from_zero(node):
+        iota = 0
+    elif name in _SAME_VALUES or (name in ("add", "sub") and len(node.args) > 1 and node.args[1] == 0):
+        constant, iota = set(c.constant.get(source, ())), c.iota.get(source)
+    elif name == "unsqueeze":
+        inserted = _norm(node.args[1], rank)
+        constant = {d + (d >= inserted) for d in c.constant.get(source, ())} | {inserted}
+        iota = None if source not in c.iota else c.iota[source] + (c.iota[source] >= inserted)
+    elif name == "expand":
+        offset = rank - len(_shape(source))
+        constant = set(range(offset)) | {d + offset for d in c.constant.get(source, ())}
+        constant |= {i + offset for i, (was, now) in enumerate(zip(_shape(source), _shape(node)[offset:]))
+                     if was == 1 and now != 1}
+        iota = None if source not in c.iota else c.iota[source] + offset
+    elif name == "embedding":
+        constant = set(c.constant.get(node.args[1], ()))
+    elif torch.Tag.pointwise in node.target.tags:
+        constant = {d for d in range(rank) if all(
+            d - (rank - len(_shape(arg))) < 0 or _shape(arg)[d - (rank - len(_shape(arg)))] == 1
+            or d - (rank - len(_shape(arg))) in c.constant.get(arg, ()) for arg in args)}
+    if constant:
+        c.constant[node] = frozenset(constant)
+    if iota is not None:
+        c.iota[node] = iota
+
+
+def _arange_from_zero(node: fx.Node) -> bool:
+    start, step = 0, 1
+    if node.target is aten.arange.start or node.target is aten.arange.start_step:
+        start = node.args[0]
+        step = node.args[2] if len(node.args) > 2 else node.kwargs.get("step", 1)
+    return start == 0 and step == 1
+
+
+_FILL = {"zeros", "ones", "full", "empty", "empty_strided", "new_zeros", "new_ones", "new_full", "new_empty",
+         "zeros_like", "ones_like", "full_like", "empty_like", "scalar_tensor", "fill", "fill_", "zero_", "zero"}
+# what a loss (a sum or mean over the batch) may go through on its way to the output and stay one
+_KEEPS_A_LOSS = {"clone", "alias", "detach", "_to_copy", "to", "contiguous", "view", "_unsafe_view", "reshape",
+                 "squeeze", "mul", "div", "neg", "type_as", "_assert_tensor_metadata"}
+
+
+def _name(node: fx.Node) -> str:
+    target = node.target
+    if isinstance(target, torch._ops.OpOverload):
+        return target._schema.name.split("::")[-1]
+    return getattr(target, "__name__", str(target))
+
+
+# ----------------------------------------------------------------------------------- the rules
+
+
+def _rule(node: fx.Node, c: _Context) -> _Dims:
+    target = node.target
+    if target is operator.getitem:
+        source, index = node.args
+        if not isinstance(index, int) or len(c.env[source]) <= index:
+            raise _mixed(node, "takes an item of a batched value this analysis cannot follow")
+        return [c.env[source][index]]
+    if isinstance(target, torch._ops.HigherOrderOperator):
+        return _subgraph(node, c)
+    if not isinstance(target, torch._ops.OpOverload):
+        raise _mixed(node, "is not an ATen op; the batch cannot be followed through it")
+    name = _name(node)
+    rule = _RULES.get(name)
+    if rule is not None:
+        return rule(node, c)
+    if torch.Tag.pointwise in target.tags or name in _ELEMENTWISE:
+        return [_broadcast(node, _tensor_args(node), c)]
+    raise _mixed(node, "has no rule saying how it treats the batch dim")
+
+
+def _tensor_args(node: fx.Node) -> list[fx.Node]:
+    return [arg for arg in node.all_input_nodes if isinstance(_val(arg), torch.Tensor)]
+
+
+def _broadcast(node: fx.Node, args: Sequence[fx.Node], c: _Context, out_shape: Sequence[int] | None = None,
+               dim: int | None = None) -> int:
+    """The batch dim of the broadcast of ``args`` (shaped ``out_shape``, by default the node's own;
+    ``dim``: the batch dim the result already has): every batched argument must agree on it, and a
+    shared argument must be constant along it."""
+    rank = len(_shape(node) if out_shape is None else out_shape)
+    found = dim
+    for arg in args:
+        dim = c.dim(arg)
+        if dim is not None:
+            aligned = dim + rank - len(_shape(arg))
+            if found is not None and found != aligned:
+                raise _mixed(node, "combines values batched along different dims")
+            found = aligned
+    for arg in args:
+        if c.dim(arg) is None:
+            position = found - (rank - len(_shape(arg)))
+            if 0 <= position and c.varies_along(arg, position):
+                raise _mixed(node, f"combines the batch with {arg.name}, which is shared by every sample but varies "
+                                   "along the batch dim")
+    return found
+
+
+def _first_dim(node: fx.Node, c: _Context) -> int:
+    return c.dim(node.args[0])
+
+
+def _same(node: fx.Node, c: _Context) -> _Dims:
+    """Results shaped like the (one) batched input: its batch dim, for every tensor leaf."""
+    (dim,) = {c.dim(arg) for arg in _tensor_args(node)} - {None}
+    return [dim if isinstance(leaf, torch.Tensor) else None for leaf in leaves(_val(node))]
+
+
+def _reshape(node: fx.Node, c: _Context) -> _Dims:
+    """A view or reshape. The samples stay apart if the output has a dim with as many elements
+    before it as the batch dim had, and the batch is an outer factor of it (each sample then
+    fills whole rows of it): ``[B, S, H] -> [B*S, H]`` keeps the batch at dim 0, ``[S, B, H] ->
+    [S*B, H]`` interleaves it."""
+    source = node.args[0]
+    dim = c.dim(source)
+    in_shape, out_shape = _shape(source), _shape(node)
+    before = math.prod(in_shape[:dim])
+    for index, size in enumerate(out_shape):
+        if math.prod(out_shape[:index]) == before and size % c.batch_size == 0:
+            return [index]
+    raise _mixed(node, f"reshapes {in_shape} to {out_shape}, interleaving the batch (dim {dim}) with other dims")
+
+
+def _expand(node: fx.Node, c: _Context) -> _Dims:
+    source = node.args[0]
+    aligned = c.dim(source) + len(_shape(node)) - len(_shape(source))
+    return [aligned]
+
+
+def _transpose(node: fx.Node, c: _Context) -> _Dims:
+    dim, rank = _first_dim(node, c), len(_shape(node.args[0]))
+    first, second = (0, 1) if _name(node) == "t" else (_norm(node.args[1], rank), _norm(node.args[2], rank))
+    return [second if dim == first else first if dim == second else dim]
+
+
+def _permute(node: fx.Node, c: _Context) -> _Dims:
+    rank = len(_shape(node.args[0]))
+    return [[_norm(d, rank) for d in node.args[1]].index(_first_dim(node, c))]
+
+
+def _unsqueeze(node: fx.Node, c: _Context) -> _Dims:
+    dim = _first_dim(node, c)
+    return [dim + 1 if _norm(node.args[1], len(_shape(node))) <= dim else dim]
+
+
+def _argument(node: fx.Node, name: str, default: Any = None) -> Any:
+    """The ATen op's argument ``name`` at ``node``: given, or its schema default."""
+    for index, argument in enumerate(node.target._schema.arguments):
+        if argument.name == name:
+            if index < len(node.args):
+                return node.args[index]
+            if name in node.kwargs:
+                return node.kwargs[name]
+            return argument.default_value if argument.has_default_value() else default
+    return default
+
+
+def _acted_dims(node: fx.Node) -> list[int] | None:
+    """The dims an op acts along (its ``dim`` argument), normalised; ``None``: every dim."""
+    value = _argument(node, "dim")
+    rank = len(_shape(node.args[0]))
+    if value is None or value == []:
+        return None
+    return [_norm(d, rank) for d in ([value] if isinstance(value, int) else value)]
+
+
+def _reduction(node: fx.Node, c: _Context) -> _Dims:
+    """sum/mean/amax/var/...: along some dims (keepdim or not). Over the batch it mixes samples,
+    unless it is a sum or mean down to a scalar: a loss, for an output."""
+    dim, acted = _first_dim(node, c), _acted_dims(node)
+    if acted is None or dim in acted:
+        if _name(node) in ("sum", "mean") and _val(node).dim() == 0:
+            return [_REDUCED]
+        raise _mixed(node, "reduces along the batch dim")
+    kept = dim if _argument(node, "keepdim", False) else dim - sum(1 for d in acted if d < dim)
+    return [kept] * len(leaves(_val(node)))
+
+
+def _along(node: fx.Node, c: _Context) -> _Dims:
+    """softmax, cumsum, sort, glu, ...: along ``dim``, keeping the rank; never the batch dim."""
+    dim, acted = _first_dim(node, c), _acted_dims(node)
+    if acted is None or dim in acted:
+        raise _mixed(node, "acts along the batch dim")
+    return [dim] * len(leaves(_val(node)))
+
+
+def _select(node: fx.Node, c: _Context) -> _Dims:
+    """select / index_select / slice / narrow: some of the entries along ``dim``."""
+    dim, (along,) = _first_dim(node, c), _acted_dims(node) or [0]
+    removes = _name(node) == "select"
+    if along == dim and (removes or _shape(node)[dim] != _shape(node.args[0])[dim]):
+        raise _mixed(node, "picks some samples of the batch")
+    return [dim - 1 if removes and along < dim else dim]
+
+
+def _split(node: fx.Node, c: _Context) -> _Dims:
+    dim, (along,) = _first_dim(node, c), _acted_dims(node) or [0]
+    if along == dim:
+        raise _mixed(node, "splits the batch")
+    removes = _name(node) == "unbind"
+    return [dim - 1 if removes and along < dim else dim] * len(leaves(_val(node)))
+
+
+def _cat(node: fx.Node, c: _Context) -> _Dims:
+    tensors = [t for t in node.args[0] if isinstance(t, fx.Node)]
+    along = _norm(_argument(node, "dim", 0), len(_shape(node)))
+    dims = {c.dim(t) for t in tensors} - {None}
+    if len(dims) != 1:
+        raise _mixed(node, "joins values batched along different dims")
+    (dim,) = dims
+    for t in tensors:
+        if c.dim(t) is None and c.varies_along(t, dim):
+            raise _mixed(node, f"joins the batch with {t.name}, which every sample shares")
+    if _name(node) == "stack":
+        return [dim + 1 if along <= dim else dim]
+    if along == dim:
+        raise _mixed(node, "joins along the batch dim")
+    return [dim]
+
+
+def _index(node: fx.Node, c: _Context) -> _Dims:
+    """``x[i, j, ...]`` with index tensors (``aten.index.Tensor``). The samples stay apart when the
+    batch dim is not indexed (and the index tensors are shared, after it), or when it is indexed by
+    ``arange(B)``, each sample's own index, against which the other index tensors line up."""
+    source, indices = node.args[0], list(node.args[1])
+    dim = c.dim(source)
+    positions = [i for i, index in enumerate(indices) if index is not None]
+    tensors = [indices[i] for i in positions]
+    if dim is None:
+        if len(indices) == 1 and c.dim(indices[0]) is not None:  # a shared table looked up per sample
+            return [c.dim(indices[0])]
+        raise _mixed(node, "indexes with batched indices this analysis cannot follow")
+    adjacent = positions == list(range(positions[0], positions[-1] + 1))
+    if dim not in positions:
+        if any(c.dim(t) is not None for t in tensors) or not adjacent or positions[0] < dim:
+            raise _mixed(node, "indexes with tensors in a way this analysis cannot follow")
+        return [dim]
+    # the batch dim is indexed: only by arange(B), with the index tensors broadcast together
+    rank = max(len(_shape(t)) for t in tensors)
+    batch_index = c.is_batch_index(indices[dim])
+    if batch_index is None:
+        raise _mixed(node, "indexes the batch dim")
+    found = batch_index + rank - len(_shape(indices[dim]))
+    for t in tensors:
+        if t is indices[dim]:
+            continue
+        if c.dim(t) is not None:
+            if c.dim(t) + rank - len(_shape(t)) != found:
+                raise _mixed(node, "indexes with tensors batched along another dim")
+        elif found - (rank - len(_shape(t))) >= 0 and c.varies_along(t, found - (rank - len(_shape(t)))):
+            raise _mixed(node, f"indexes with {t.name}, which differs from sample to sample")
+    return [found + (positions[0] if adjacent else 0)]
+
+
+def _gather(node: fx.Node, c: _Context) -> _Dims:
+    dim, (along,) = _first_dim(node, c), _acted_dims(node)
+    if dim is None or c.dim(_argument(node, "index")) != dim or along == dim:
+        raise _mixed(node, "gathers across the batch")
+    return [dim]
+
+
+def _embedding(node: fx.Node, c: _Context) -> _Dims:
+    weight, indices = node.args[:2]
+    if c.dim(weight) is not None:
+        raise _mixed(node, "looks up a batched table")
+    return [c.dim(indices)]
+
+
+def _matmul(node: fx.Node, c: _Context) -> _Dims:
+    """``a @ b`` (``mm``, ``bmm``, ``matmul``, ``linear``, ``addmm``, ``baddbmm``): a batch dim in
+    the broadcast dims or the rows (columns) kept; never a contracted one."""
+    name = _name(node)
+    if name in ("addmm", "baddbmm"):
+        bias, a, b = node.args[:3]
+    elif name == "linear":
+        a, b, bias = node.args[0], node.args[1], _argument(node, "bias")
+    else:
+        (a, b), bias = node.args[:2], None
+    rank = len(_shape(node))
+    found = set()
+    dim_a, rank_a = c.dim(a), len(_shape(a))
+    if dim_a is not None:
+        if rank_a == 1 or dim_a == rank_a - 1:
+            raise _mixed(node, "contracts the batch dim")
+        found.add(dim_a + rank - rank_a)
+    dim_b, rank_b = c.dim(b), len(_shape(b))
+    if dim_b is not None:
+        if name == "linear" or rank_b == 1 or dim_b == rank_b - 2:
+            raise _mixed(node, "contracts the batch dim (or multiplies by a batched weight)")
+        found.add(rank - 1 if dim_b == rank_b - 1 else dim_b + rank - rank_b)
+    if len(found) != 1:
+        raise _mixed(node, "multiplies values batched along different dims")
+    (dim,) = found
+    if isinstance(bias, fx.Node):
+        _broadcast(node, [bias], c, dim=dim)
+    return [dim]
+
+
+def _convolution(node: fx.Node, c: _Context) -> _Dims:
+    x, weight = node.args[:2]
+    if c.dim(weight) is not None:
+        raise _mixed(node, "convolves with a batched weight")
+    if len(_shape(x)) != len(_shape(weight)) or c.dim(x) != 0:
+        raise _mixed(node, "convolves an input whose batch dim is not its dim 0 (an unbatched input's dim 0 is "
+                           "its channels)")
+    return [0]
+
+
+def _spatial(count_of) -> Any:
+    """Pooling, padding, upsampling: per channel, along the last ``count_of(node)`` dims."""
+
+    def rule(node: fx.Node, c: _Context) -> _Dims:
+        dim, rank = _first_dim(node, c), len(_shape(node.args[0]))
+        if dim >= rank - count_of(node):
+            raise _mixed(node, "acts along the batch dim (one of its spatial dims)")
+        return [dim if isinstance(leaf, torch.Tensor) else None for leaf in leaves(_val(node))]
+
+    return rule
+
+
+def _kernel_dims(node: fx.Node) -> int:
+    name = _name(node)
+    return next((int(digit) for digit in "123" if f"{digit}d" in name), 1)
+
+
+def _pad_dims(node: fx.Node) -> int:
+    return len(node.args[1]) // 2
+
+
+def _normalized(node: fx.Node, c: _Context) -> _Dims:
+    """layer_norm / rms_norm: per sample, over the trailing ``normalized_shape`` dims."""
+    dim, rank = _first_dim(node, c), len(_shape(node.args[0]))
+    if dim >= rank - len(node.args[1]):
+        raise _mixed(node, "normalises over the batch dim")
+    return [dim if isinstance(leaf, torch.Tensor) else None for leaf in leaves(_val(node))]
+
+
+_BATCH_STATISTICS = {"_batch_norm_with_update", "native_batch_norm", "batch_norm", "_native_batch_norm_legit"}
+
+
+def _per_sample_norm(node: fx.Node, c: _Context) -> _Dims:
+    """group_norm / instance_norm (statistics per sample), and batch_norm when it uses its running
+    statistics instead of the batch's: dim 0 must be the batch."""
+    name = _name(node)
+    if name in _BATCH_STATISTICS and (name == "_batch_norm_with_update" or _argument(node, "training", False)):
+        raise _mixed(node, "normalises with statistics of the whole batch (BatchNorm in training)")
+    if _first_dim(node, c) != 0 or len(_shape(node.args[0])) < 2:
+        raise _mixed(node, "normalises a value whose batch dim is not its dim 0")
+    return [0] + [None] * (len(leaves(_val(node))) - 1)
+
+
+def _attention(node: fx.Node, c: _Context) -> _Dims:
+    q, k, v = node.args[:3]
+    rank = len(_shape(q))
+    found = set()
+    for arg in (q, k, v):
+        dim = c.dim(arg)
+        if dim is None or dim >= len(_shape(arg)) - 2:
+            raise _mixed(node, "attends along the batch dim (or over a shared query, key or value)")
+        found.add(dim + rank - len(_shape(arg)))
+    if len(found) != 1:
+        raise _mixed(node, "attends over values batched along different dims")
+    (dim,) = found
+    mask = _argument(node, "attn_mask")
+    if isinstance(mask, fx.Node):
+        _broadcast(node, [mask], c, _shape(q), dim=dim)
+    return [dim if isinstance(leaf, torch.Tensor) and leaf.dim() > dim else None for leaf in leaves(_val(node))]
+
+
+def _recurrent(node: fx.Node, c: _Context) -> _Dims:
+    """lstm / gru / rnn_* on padded input: ``[T, B, H]`` (``[B, T, H]`` with batch_first), states
+    ``[layers, B, H]``; an unbatched ``[T, H]`` input is a sequence, not a batch."""
+    x = node.args[0]
+    if node.target._overloadname != "input":
+        raise _mixed(node, "runs over a packed sequence")
+    batch_first = bool(node.args[-1])
+    if len(_shape(x)) != 3 or c.dim(x) != (0 if batch_first else 1):
+        raise _mixed(node, "runs over an unbatched sequence (its dim 0 is time) or a batch along another dim")
+    states = node.args[1] if isinstance(node.args[1], (list, tuple)) else [node.args[1]]
+    for state in states:
+        if isinstance(state, fx.Node) and c.dim(state) != 1 and (c.dim(state) is not None or c.varies_along(state, 1)):
+            raise _mixed(node, "starts from a state that is not batched along its dim 1")
+    return [0 if batch_first else 1] + [1] * (len(leaves(_val(node))) - 1)
+
+
+def _cell(node: fx.Node, c: _Context) -> _Dims:
+    """lstm_cell / gru_cell / rnn_*_cell: input ``[B, H]``."""
+    if len(_shape(node.args[0])) != 2 or _first_dim(node, c) != 0:
+        raise _mixed(node, "runs a cell on an unbatched input")
+    return [0] * len(leaves(_val(node)))
+
+
+def _loss(node: fx.Node, c: _Context) -> _Dims:
+    """A loss with ``reduction``: over classes in dim 1 (cross_entropy, nll, multi_margin) or
+    element by element (mse, l1, bce, kl_div, ...); reduced, it is a loss for the output."""
+    source = node.args[0]
+    if _name(node) in _CLASS_LOSSES:
+        if len(_shape(source)) < 2 or c.dim(source) != 0:
+            raise _mixed(node, "computes a loss over an unbatched input (its dim 0 is the classes)")
+        for arg in _tensor_args(node)[1:]:
+            if c.dim(arg) not in (0, None) or (c.dim(arg) is None and arg.meta[meta.VAL].dim() > 1):
+                raise _mixed(node, "takes a target that is not batched along its dim 0")
+        kept = 0
+    else:
+        args = _tensor_args(node)
+        kept = _broadcast(node, args, c, torch.broadcast_shapes(*[_shape(a) for a in args]))
+    rest = [None] * (len(leaves(_val(node))) - 1)
+    if _argument(node, "reduction", 1) == 0:
+        return [kept] + rest
+    return [_REDUCED] + rest
+
+
+def _subgraph(node: fx.Node, c: _Context) -> _Dims:
+    """A higher-order op (a ``no_grad`` or autocast region): the rules, inside its subgraph."""
+    root = node.graph.owning_module
+    position = next(i for i, arg in enumerate(node.args) if isinstance(arg, fx.Node) and arg.op == "get_attr")
+    sub = getattr(root, node.args[position].target)
+    placeholders = sub.graph.find_nodes(op="placeholder")
+    inner = {p.name: c.env[arg] if isinstance(arg, fx.Node) else [None]
+             for p, arg in zip(placeholders, node.args[position + 1:])}
+    inner_env = _propagate(sub, inner, c.batch_size)
+    outputs = sub.graph.find_nodes(op="output")[0].args[0]
+    outputs = outputs if isinstance(outputs, (tuple, list)) else [outputs]
+    return [d for out in outputs for d in (inner_env[out] if isinstance(out, fx.Node) else [None])]
+
+
+# ops returning a size, not values computed from the samples
+_SIZE_QUERIES = {"sym_size", "sym_numel", "sym_stride", "sym_storage_offset", "_assert_tensor_metadata"}
+
+# ops with no pointwise tag that still work element by element (or leave values in place)
+_ELEMENTWISE = {"dropout", "native_dropout", "feature_dropout", "alpha_dropout", "feature_alpha_dropout",
+                "hardswish", "alias", "detach", "_to_copy", "to", "type_as", "copy", "copy_", "fill_", "fill",
+                "exponential_", "bernoulli", "bernoulli_", "rrelu_with_noise", "masked_fill", "masked_fill_",
+                "_prelu_kernel", "prelu", "log_sigmoid_forward", "zero_", "lift_fresh_copy", "contiguous",
+                "uniform_", "normal_", "clamp_", "relu_", "hardtanh_", "gelu_", "silu_", "leaky_relu_", "elu_",
+                "threshold_", "sigmoid_", "tanh_", "add_", "mul_", "div_", "sub_", "clone", "zeros_like",
+                "ones_like", "empty_like", "full_like", "rand_like", "randn_like", "dropout_", "hardswish_",
+                "hardsigmoid_", "mish_", "celu_", "selu_", "rrelu_with_noise_", "rrelu", "__and__", "__or__",
+                "__xor__", "__invert__", "__iand__", "__ior__", "__ixor__", "bitwise_and", "bitwise_or",
+                "bitwise_xor", "bitwise_not", "logical_and", "logical_or", "logical_xor", "where"}
+
+_CLASS_LOSSES = {"cross_entropy_loss", "nll_loss", "nll_loss_nd", "nll_loss2d", "nll_loss_forward",
+                 "nll_loss2d_forward", "multi_margin_loss", "multilabel_margin_loss", "multilabel_margin_loss_forward"}
+_ELEMENT_LOSSES = {"mse_loss", "l1_loss", "smooth_l1_loss", "huber_loss", "binary_cross_entropy",
+                   "binary_cross_entropy_with_logits", "kl_div", "soft_margin_loss", "hinge_embedding_loss",
+                   "poisson_nll_loss", "margin_ranking_loss"}
+
+_RULES = {
+    **{name: _reshape for name in ("view", "_unsafe_view", "reshape", "flatten", "unflatten", "squeeze",
+                                   "view_as", "_reshape_alias")},
+    **{name: _along for name in ("softmax", "_softmax", "log_softmax", "_log_softmax", "cumsum", "cumprod",
+                                 "logcumsumexp", "flip", "roll", "sort", "topk", "kthvalue", "glu", "_safe_softmax",
+                                 "cummax", "cummin", "diff")},
+    **{name: _reduction for name in ("sum", "mean", "amax", "amin", "max", "min", "argmax", "argmin", "var", "std",
+                                     "var_mean", "std_mean", "prod", "logsumexp", "norm", "linalg_vector_norm",
+                                     "all", "any", "median", "nansum", "nanmean", "count_nonzero")},
+    **{name: _matmul for name in ("mm", "bmm", "matmul", "linear", "addmm", "baddbmm")},
+    **{name: _convolution for name in ("convolution", "conv1d", "conv2d", "conv3d", "conv_transpose1d",
+                                       "conv_transpose2d", "conv_transpose3d", "_convolution")},
+    **{name: _spatial(_kernel_dims) for name in (
+        "max_pool1d", "max_pool2d", "max_pool3d", "max_pool2d_with_indices", "max_pool3d_with_indices",
+        "avg_pool1d", "avg_pool2d", "avg_pool3d", "adaptive_avg_pool1d", "adaptive_avg_pool2d",
+        "adaptive_avg_pool3d", "_adaptive_avg_pool2d", "_adaptive_avg_pool3d", "adaptive_max_pool1d",
+        "adaptive_max_pool2d", "adaptive_max_pool3d", "fractional_max_pool2d", "fractional_max_pool3d",
+        "upsample_nearest1d", "upsample_nearest2d", "upsample_nearest3d", "upsample_bilinear2d",
+        "upsample_linear1d", "upsample_trilinear3d", "upsample_bicubic2d", "_upsample_nearest_exact1d",
+        "_upsample_nearest_exact2d", "_upsample_nearest_exact3d", "max_unpool2d", "max_unpool3d",
+        "pixel_shuffle", "pixel_unshuffle", "channel_shuffle")},
+    **{name: _spatial(_pad_dims) for name in ("constant_pad_nd", "pad", "reflection_pad1d", "reflection_pad2d",
+                                              "reflection_pad3d", "replication_pad1d", "replication_pad2d",
+                                              "replication_pad3d", "_pad_circular")},
+    **{name: _normalized for name in ("layer_norm", "native_layer_norm", "rms_norm", "_fused_rms_norm")},
+    **{name: _per_sample_norm for name in ("group_norm", "native_group_norm", "instance_norm", "batch_norm",
+                                           "native_batch_norm", "_native_batch_norm_legit",
+                                           "_native_batch_norm_legit_no_training", "_batch_norm_with_update",
+                                           "_batch_norm_no_update")},
+    **{name: _attention for name in ("scaled_dot_product_attention", "_scaled_dot_product_flash_attention_for_cpu",
+                                     "_scaled_dot_product_attention_math", "_scaled_dot_product_efficient_attention",
+                                     "_scaled_dot_product_flash_attention", "_scaled_dot_product_cudnn_attention")},
+    **{name: _recurrent for name in ("lstm", "gru", "rnn_tanh", "rnn_relu")},
+    **{name: _cell for name in ("lstm_cell", "gru_cell", "rnn_tanh_cell", "rnn_relu_cell")},
+    **{name: _loss for name in _CLASS_LOSSES | _ELEMENT_LOSSES},
+    **{name: _select for name in ("select", "index_select", "slice", "narrow")},
+    **{name: _split for name in ("split", "split_with_sizes", "chunk", "unbind", "tensor_split")},
+    "expand": _expand, "transpose": _transpose, "t": _transpose, "swapaxes": _transpose, "permute": _permute,
+    "unsqueeze": _unsqueeze, "cat": _cat, "stack": _cat, "index": _index, "gather": _gather,
+    "embedding": _embedding,
+}

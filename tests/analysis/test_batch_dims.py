@@ -1,0 +1,139 @@
+"""analyze_batch_dims: the batch is cut only where every op treats the samples apart, and the
+planner keeps a batch whole otherwise; outputs batched along another dim are joined along it."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import harmony_fx
+from harmony_fx.analysis.batch_dims import analyze_batch_dims
+from harmony_fx.capture import capture
+from harmony_fx.testing.models import zoo
+
+
+class _Fn(nn.Module):
+    def __init__(self, fn, width: int = 4) -> None:
+        super().__init__()
+        self.linear = nn.Linear(width, width)
+        self.fn = fn
+
+    def forward(self, x):
+        return self.fn(self.linear(x), self)
+
+
+def _analysis(model: nn.Module, *inputs: torch.Tensor, dims=None):
+    captured = capture(model, inputs)
+    dims = dims or [0] * len(inputs)
+    return analyze_batch_dims(captured.gm, dict(zip(captured.inputs, dims)), inputs[0].shape[dims[0]])
+
+
+@pytest.mark.parametrize("name,separable", [("mlp_chain", True), ("residual_mlp", True), ("tiny_gpt", True),
+                                            ("small_cnn", False)])
+def test_zoo(name, separable):
+    model, inputs, _ = zoo(batch=4)[name].build(0)
+    analysis = _analysis(model, *inputs)
+    assert analysis.separable is separable, analysis.reason
+    if not separable:
+        assert "BatchNorm in training" in analysis.reason
+
+
+@pytest.mark.parametrize("name", ["gpt2", "bert", "llama"])
+def test_hugging_face_models_are_separable(name):
+    """Their masks pick each sample's row with arange(batch): an index that keeps samples apart."""
+    pytest.importorskip("transformers")
+    from harmony_fx.testing.hf_models import build_hf_model, hf_batch
+
+    batch = hf_batch(name, batch=4, seq=16)
+    captured = capture(build_hf_model(name), (), batch)
+    analysis = analyze_batch_dims(captured.gm, {name: 0 for name in captured.inputs}, 4)
+    assert analysis.separable, analysis.reason
+    assert set(analysis.output_dims.values()) == {None, 0}  # the loss, and the logits along dim 0
+
+
+@pytest.mark.parametrize("fn,why", [
+    (lambda h, m: F.softmax(h, dim=0), "acts along the batch dim"),
+    (lambda h, m: F.glu(torch.cat([h, h], 0), dim=0), "joins along the batch dim"),
+    (lambda h, m: h - h.mean(0), "reduces along the batch dim"),
+    (lambda h, m: h[1:], "picks some samples"),
+    (lambda h, m: h + torch.arange(h.shape[0])[:, None], "varies along the batch dim"),
+    (lambda h, m: h.t() @ h, "contracts the batch dim"),
+])
+def test_ops_that_mix_samples_are_found(fn, why):
+    analysis = _analysis(_Fn(fn), torch.randn(6, 4))
+    assert not analysis.separable
+    assert why in analysis.reason
+
+
+@pytest.mark.parametrize("fn", [
+    lambda h, m: F.softmax(h, dim=1) + torch.zeros(6, 4),
+    lambda h, m: h.view(6, 2, 2).transpose(1, 2).reshape(6, 4),       # the batch stays outermost
+    lambda h, m: (h.unsqueeze(1) @ h.unsqueeze(2)).squeeze(),          # per-sample dot products
+    lambda h, m: h[torch.arange(6), (h > 0).sum(1) % 4],               # each sample's own entry
+    lambda h, m: h + torch.ones(1, 4).expand(6, 4),                    # constant along the batch
+])
+def test_ops_that_keep_samples_apart_are_separable(fn):
+    analysis = _analysis(_Fn(fn), torch.randn(6, 4))
+    assert analysis.separable, analysis.reason
+
+
+def test_an_interleaving_reshape_is_not_separable():
+    analysis = _analysis(_Fn(lambda h, m: h.view(2, 3, 4).transpose(0, 1).reshape(6, 4)), torch.randn(6, 4))
+    assert not analysis.separable and "interleaving" in analysis.reason
+
+
+def test_an_unbatched_sequence_is_not_a_batch():
+    analysis = _analysis(nn.LSTM(4, 4), torch.randn(5, 4))  # [time, features]: no batch dim at all
+    assert not analysis.separable and "unbatched sequence" in analysis.reason
+
+
+def test_a_sequence_first_lstm_is_batched_along_dim_1():
+    analysis = _analysis(nn.LSTM(4, 4), torch.randn(5, 6, 4), dims=[1])
+    assert analysis.separable, analysis.reason
+    assert list(analysis.output_dims.values()) == [1, 1, 1]  # output [T, B, H], h and c [layers, B, H]
+
+
+def test_compile_joins_microbatches_along_each_outputs_batch_dim():
+    torch.manual_seed(0)
+    model = nn.LSTM(4, 4)
+    reference = copy.deepcopy(model)
+    x = torch.randn(5, 6, 4)
+    hm = harmony_fx.compile(model, (x,), microbatches=2, batch_dims=1)
+    out, (h, c) = hm(x)
+    ref_out, (ref_h, ref_c) = reference(x)
+    for got, want in ((out, ref_out), (h, ref_h), (c, ref_c)):
+        torch.testing.assert_close(got, want)
+    (out.sum() + h.sum()).backward()
+    (ref_out.sum() + ref_h.sum()).backward()
+    for param, ref in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(param.grad, ref.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_the_planner_keeps_a_batch_whole_that_it_cannot_cut():
+    """A loss weighted by class needs the whole batch's labels; the planner does not cut it even
+    at the smallest budget, and says why."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 3))
+    weight = torch.tensor([1.0, 2.0, 3.0])
+
+    class Weighted(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = model
+
+        def forward(self, x, y):
+            return F.cross_entropy(self.model(x), y, weight=weight)
+
+    x, y = torch.randn(16, 8), torch.randint(0, 3, (16,))
+    wrapped = Weighted()
+    try:
+        harmony_fx.compile(copy.deepcopy(wrapped), (x, y), memory_budget=1)
+    except harmony_fx.BudgetTooSmallError as error:
+        smallest = error.smallest_budget
+    hm = harmony_fx.compile(wrapped, (x, y), memory_budget=smallest)
+    assert hm.num_microbatches == 1
+    assert "weights its classes" in hm.explain()
+    torch.testing.assert_close(hm(x, y), Weighted()(x, y))

@@ -1,0 +1,153 @@
+"""``Trainer`` for the models people have: dict batches, models that return their own loss
+(Hugging Face's ``.loss``, nanoGPT's ``(logits, loss)``), one- and two-argument ``loss_fn``, each
+trained next to eager with the same optimizer."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import harmony_fx
+
+RTOL, ATOL = 1e-5, 1e-6
+
+
+def _assert_params_equal(model: nn.Module, reference: nn.Module, rtol=RTOL, atol=ATOL) -> None:
+    for (name, param), ref in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(param.detach(), ref.detach(), rtol=rtol, atol=atol, msg=lambda m: f"{name}: {m}")
+
+
+def _train(model, loss_fn, batches, optimizer_of, call_eager, steps, **options):
+    """``steps`` Trainer steps and as many eager steps on a copy; returns both loss lists."""
+    reference = copy.deepcopy(model)
+    optimizer, ref_optimizer = optimizer_of(model), optimizer_of(reference)
+    trainer = harmony_fx.Trainer(model, loss_fn, optimizer, batches[0], **options)
+    losses, ref_losses = [], []
+    try:
+        for step in range(steps):
+            batch = batches[step % len(batches)]
+            losses.append(trainer.step(batch).item())
+            ref_loss = call_eager(reference, batch)
+            ref_loss.backward()
+            ref_optimizer.step()
+            ref_optimizer.zero_grad()
+            ref_losses.append(ref_loss.item())
+    finally:
+        trainer.close()
+    return trainer, reference, losses, ref_losses
+
+
+def test_hugging_face_gpt2_with_labels_in_a_dict_batch_trains_like_eager_adamw():
+    pytest.importorskip("transformers")
+    from harmony_fx.testing.hf_models import build_hf_model, hf_batch
+
+    model = build_hf_model("gpt2")
+    batches = [hf_batch("gpt2", seed=seed, batch=4, seq=32) for seed in (1, 2)]
+    trainer, reference, losses, ref_losses = _train(
+        model, None, batches, lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3), lambda m, b: m(**b).loss,
+        steps=5, microbatches=1)
+    assert losses == pytest.approx(ref_losses, rel=RTOL, abs=ATOL)
+    _assert_params_equal(model, reference)
+    assert len(trainer.plan.packs) >= 1
+
+
+class _NanoGPTLike(nn.Module):
+    """Returns ``(logits, loss)`` as nanoGPT does when given targets."""
+
+    def __init__(self, vocab: int = 32, width: int = 16, depth: int = 3) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, width)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.LayerNorm(width), nn.Linear(width, width), nn.GELU())
+                                    for _ in range(depth))
+        self.head = nn.Linear(width, vocab)
+
+    def forward(self, idx, targets):
+        x = self.embed(idx)
+        for block in self.blocks:
+            x = x + block(x)
+        logits = self.head(x)
+        loss = F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.view(-1), ignore_index=-1)
+        return logits, loss
+
+
+def _token_batch(seed: int, batch: int = 6, seq: int = 8, vocab: int = 32):
+    generator = torch.Generator().manual_seed(seed)
+    idx = torch.randint(0, vocab, (batch, seq), generator=generator)
+    targets = torch.roll(idx, -1, dims=1)
+    targets[0, 3:] = -1  # ignored positions, more in one microbatch than another
+    return idx, targets
+
+
+def test_a_one_argument_loss_fn_picks_the_loss_out_of_the_output_across_uneven_microbatches():
+    torch.manual_seed(0)
+    batches = [_token_batch(seed) for seed in (1, 2, 3)]
+    trainer, reference, losses, ref_losses = _train(
+        _NanoGPTLike(), lambda out: out[1], batches, lambda m: torch.optim.SGD(m.parameters(), lr=0.1),
+        lambda m, b: m(*b)[1], steps=3, microbatches=4, pack_boundaries=(0, 2, 4))
+    assert trainer.hm.mb_sizes == [2, 2, 1, 1]
+    assert losses == pytest.approx(ref_losses, rel=RTOL, abs=ATOL)
+
+
+def test_loss_fn_none_takes_a_model_that_returns_its_loss_and_a_dict_batch():
+    class WithLoss(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+
+        def forward(self, features, labels):
+            return F.mse_loss(self.layers(features).squeeze(-1), labels)
+
+    torch.manual_seed(0)
+    batch = {"features": torch.randn(10, 4), "labels": torch.randn(10)}
+    _, reference, losses, ref_losses = _train(
+        WithLoss(), None, [batch], lambda m: torch.optim.Adam(m.parameters(), lr=1e-2), lambda m, b: m(**b),
+        steps=3, microbatches=3)
+    assert losses == pytest.approx(ref_losses, rel=RTOL, abs=ATOL)
+
+
+def test_a_two_argument_loss_fn_takes_keyword_inputs_beside_the_target():
+    class Keyword(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.first, self.second = nn.Linear(4, 8), nn.Linear(8, 3)
+
+        def forward(self, features):
+            return self.second(torch.tanh(self.first(features)))
+
+    torch.manual_seed(0)
+    features, target = torch.randn(8, 4), torch.randint(0, 3, (8,))
+    batch = ({"features": features}, target)
+    _, _, losses, ref_losses = _train(
+        Keyword(), F.cross_entropy, [batch], lambda m: torch.optim.SGD(m.parameters(), lr=0.1),
+        lambda m, b: F.cross_entropy(m(**b[0]), b[1]), steps=2, microbatches=2)
+    assert losses == pytest.approx(ref_losses, rel=RTOL, abs=ATOL)
+
+
+def test_loss_weights_follow_the_batch_dims_actually_split_not_the_first_input():
+    """The first input is shared (not split); the microbatches are 3 and 2 samples of the second."""
+
+    class SharedFirst(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = nn.Linear(4, 3)
+
+        def forward(self, bias, x):
+            return self.linear(x) + bias
+
+    torch.manual_seed(0)
+    bias, x, target = torch.randn(3), torch.randn(5, 4), torch.randint(0, 3, (5,))
+    batch = ((bias, x), target)
+    _, _, losses, ref_losses = _train(
+        SharedFirst(), F.cross_entropy, [batch], lambda m: torch.optim.SGD(m.parameters(), lr=0.1),
+        lambda m, b: F.cross_entropy(m(*b[0]), b[1]), steps=2, microbatches=2, batch_dims={"bias": None})
+    assert losses == pytest.approx(ref_losses, rel=RTOL, abs=ATOL)
+
+
+def test_a_model_returning_a_tuple_without_a_loss_fn_is_refused_with_what_to_do():
+    torch.manual_seed(0)
+    model = _NanoGPTLike()
+    with pytest.raises(ValueError, match=r"lambda out: out\[1\]"):
+        harmony_fx.Trainer(model, None, torch.optim.SGD(model.parameters(), lr=0.1), _token_batch(1))
