@@ -188,14 +188,15 @@ class HarmonyModule:
         if self.schedule is not None:
             try:  # the planner's packs, unless its estimate was optimistic
                 boundaries, best = plan_packs(self._layer_costs(), self._evaluate, lambda c: c.peak, self.budget,
-                                              _fixed(self.schedule.boundaries))
+                                              _fixed(self.schedule.boundaries), self.device.margin)
                 policy = None
             except BudgetTooSmallError:
                 # plan as if the planner had not run (what a too-small budget's message describes)
                 self.__init__(model, example_args, example_kwargs, options, _trainer, _updates, _plan=False)
                 return
         if policy is not None:
-            boundaries, best = plan_packs(self._layer_costs(), self._evaluate, lambda c: c.peak, self.budget, policy)
+            boundaries, best = plan_packs(self._layer_costs(), self._evaluate, lambda c: c.peak, self.budget, policy,
+                                          self.device.margin)
         self._packs_by_size = best.packs_by_size
         self.packs = best.packs_by_size[self.mb_sizes[0]]
         annotate_liveness(self.captured.gm)
@@ -480,7 +481,7 @@ class HarmonyModule:
     def _make_plan(self, best: _Candidate, policy: str) -> Plan:
         if self.options.verify:  # verify's last check: the chosen program fits every device
             for device, peak, at in zip(self.devices, best.peaks, best.peak_at):
-                check_peak(peak, self.budget, device.name, at)
+                check_peak(peak + device.margin, self.budget, device.name, at)
         packs = self.packs
         every_action = [a for forward, backward in best.device_actions for a in forward + backward]
         moved = bytes_moved(every_action, self.key_bytes)
@@ -499,7 +500,7 @@ class HarmonyModule:
         return Plan(pack_plans, self.num_microbatches, tuple(d.name for d in self.devices), self.budget,
                     {d.name: peak for d, peak in zip(self.devices, best.peaks)},
                     {f"{d}/{k}": n for (d, k), n in sorted(moved.items())}, policy, self.parallel,
-                    self._batch_note())
+                    self._batch_note(), self.device.margin, self.device.margin_note)
 
     def _batch_note(self) -> str:
         analysis = self.batch_analysis

@@ -191,10 +191,7 @@ class _Compiled:
         key = tuple((tuple(x.shape), x.dtype, x.requires_grad) for x in activations)
         if key not in self.modules:
             module = _DynamoGraph(self.gm, self.inputs, args)
-            options = dict(self.options)
-            # every activation is cut along dim 0, but a 0-dim one (a scalar from before a break) goes whole
-            options.setdefault("batch_dims", {"inputs": tuple(0 if x.dim() else None for x in activations)})
-            self.modules[key] = module, harmony_compile(module, tuple(activations), **options)
+            self.modules[key] = module, harmony_compile(module, tuple(activations), **self.options)
         module, hm = self.modules[key]
         self._check_state(module, args)
         return hm(*activations)

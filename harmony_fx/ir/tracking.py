@@ -18,6 +18,7 @@ from typing import Callable
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
 from torch.utils._pytree import tree_flatten, tree_map
 
 __all__ = ["AllocationTracker", "storage_key", "tensor_bytes"]
@@ -47,14 +48,15 @@ class AllocationTracker:
         # stream worker threads register, and tensors die on whichever thread drops them last
         self._lock = threading.RLock()
 
-    def register(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Count ``tensor``'s storage until the storage dies (once, however many tensors share it)."""
+    def register(self, tensor: torch.Tensor, nbytes: int | None = None) -> torch.Tensor:
+        """Count ``tensor``'s storage until the storage dies (once, however many tensors share it);
+        ``nbytes``: its size, where the tensor's own storage does not tell (see ``_TrackingMode``)."""
         storage = tensor.untyped_storage()
         key = storage._cdata
         with self._lock:
             if key in self._storages:
                 return tensor
-            nbytes = storage.nbytes()
+            nbytes = storage.nbytes() if nbytes is None else nbytes
             if self.cap is not None and self.live + nbytes > self.cap and self.on_exceed is not None:
                 self.on_exceed(self.live + nbytes, self.cap)  # raises; nothing was counted
             self._storages[key] = nbytes
@@ -85,10 +87,31 @@ class _TrackingMode(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         inputs = {storage_key(t) for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
         out = tree_map(lambda leaf: _compact(leaf, inputs) if isinstance(leaf, torch.Tensor) else leaf, out)
-        for leaf in tree_flatten(out)[0]:
+        leaves = tree_flatten(out)[0]
+        sizes = _real_sizes(func, args, kwargs) if func in _META_UNDERSIZES else [None] * len(leaves)
+        for leaf, nbytes in zip(leaves, sizes):
             if isinstance(leaf, torch.Tensor):
-                self.tracker.register(leaf)
+                self.tracker.register(leaf, nbytes)
         return out
+
+
+# Ops whose meta kernels (what a FakeTensor run calls) cannot size a result the real kernel makes:
+# oneDNN's RNN layers return a workspace, kept for the backward, whose size oneDNN alone decides.
+_META_UNDERSIZES = {torch.ops.aten.mkldnn_rnn_layer.default}
+
+
+def _real_sizes(func, args, kwargs) -> list[int | None]:
+    """On FakeTensors: the bytes of each result of ``func`` as the real kernel makes them, from one
+    run on zeros of the same shapes; on real tensors: ``None`` (their storages tell)."""
+    fakes = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, FakeTensor)]
+    if not fakes:
+        return [None] * len(tree_flatten(func._schema.returns)[0])
+    with unset_fake_temporarily():
+        real_args, real_kwargs = tree_map(
+            lambda t: torch.zeros(t.shape, dtype=t.dtype) if isinstance(t, FakeTensor) else t, (args, kwargs))
+        real = func(*real_args, **(real_kwargs or {}))
+    return [leaf.untyped_storage().nbytes() if isinstance(leaf, torch.Tensor) else None
+            for leaf in tree_flatten(real)[0]]
 
 
 def _compact(tensor: torch.Tensor, input_storages: set[int]) -> torch.Tensor:

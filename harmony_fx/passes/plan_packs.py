@@ -45,18 +45,19 @@ def balanced(layer_costs: Sequence[int], num_packs: int) -> list[int]:
 
 
 def plan_packs(layer_costs: Sequence[int], evaluate: Callable[[list[int]], C], peak_of: Callable[[C], int],
-               budget: int | None, policy: PackingPolicy = balanced) -> tuple[list[int], C]:
-    """The fewest packs whose program fits ``budget``; raises ``BudgetTooSmallError`` naming the
-    smallest budget that fits when none does."""
+               budget: int | None, policy: PackingPolicy = balanced, margin: int = 0) -> tuple[list[int], C]:
+    """The fewest packs whose program fits ``budget`` with ``margin`` bytes to spare (kept for
+    allocations no shape predicts); raises ``BudgetTooSmallError`` naming the smallest budget that
+    fits when none does."""
     tried: dict[tuple[int, ...], C] = {}
     for num_packs in range(1, len(layer_costs) + 1):
         boundaries = policy(layer_costs, num_packs)
         if tuple(boundaries) in tried:
             continue
         candidate = tried[tuple(boundaries)] = evaluate(boundaries)
-        if budget is None or peak_of(candidate) <= budget:
+        if budget is None or peak_of(candidate) + margin <= budget:
             return boundaries, candidate
-    smallest = min(peak_of(candidate) for candidate in tried.values())
+    smallest = min(peak_of(candidate) for candidate in tried.values()) + margin
     raise BudgetTooSmallError(
         f"plan_packs: no packing fits the memory budget of {budget:,} bytes; the smallest budget that "
         f"fits is {smallest:,} bytes ({smallest / 2**20:.2f} MiB). Raise memory_budget to at least that, "

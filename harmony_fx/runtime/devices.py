@@ -36,6 +36,9 @@ class Device:
     budget: int | None
     streams: HostStreams | ChaosStreams | CudaStreams
     planned_peak: int | None = None  # the static peak of the program running here, if known
+    # bytes a plan keeps free below the budget, for allocations its FakeTensor run cannot see
+    margin: int = 0
+    margin_note: str = ""
 
     def to_device(self, host: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
@@ -72,6 +75,9 @@ class Device:
 
 class HostDevice(Device):
     """A GPU stand-in in host memory (see the module docstring)."""
+
+    margin_note = ("none needed: a HostDevice counts the tensors the program holds, which the planning run "
+                   "counts the same way; kernels' scratch space is not device memory here")
 
     def __init__(self, name: str = "host:0", budget: int | None = None, track_memory: bool = True,
                  chaos: int | None = None) -> None:

@@ -31,6 +31,8 @@ class Plan:
     policy: str
     parallel: str = "single"          # "single" (one device) | "dp" | "pp"
     batch: str = ""                   # whether the batch may be cut, and if not why (analysis.batch_dims)
+    margin: int = 0                   # bytes kept below the budget for allocations no shape predicts
+    margin_note: str = ""             # what the margin is for on these devices
 
     @property
     def bytes_h2d(self) -> int:
@@ -58,7 +60,8 @@ class Plan:
             "",
             f"{len(self.packs)} pack(s), {self.microbatches} microbatch(es), policy {self.policy}"
             + (f", {self.parallel} over {len(self.devices)} devices" if len(self.devices) > 1 else ""),
-            f"predicted peak {peaks} (budget {budget})",
+            f"predicted peak {peaks} (budget {budget}, margin {format_size(self.margin)} kept below it"
+            + (f": {self.margin_note})" if self.margin_note else ")"),
             *([f"batch: {self.batch}"] if self.batch else []),
             f"predicted bytes per iteration: host->device {format_size(self.bytes_h2d)}, "
             f"device->host {format_size(self.bytes_d2h)}",

@@ -1,12 +1,14 @@
 """AllocationTracker: byte-exact accounting of the tensors a task creates."""
 from __future__ import annotations
 
+import copy
 import gc
 
 import pytest
 import torch
 from torch import nn
 from torch._subclasses import FakeTensorMode
+from torch.utils import _pytree as pytree
 
 from harmony_fx.ir.tracking import AllocationTracker
 
@@ -132,3 +134,49 @@ def test_fake_and_real_runs_give_identical_peaks():
         fake = _training_step(fake_weight, fake_x)
     assert real[0] > 16 * 32 * 4  # at least the activations
     assert fake == real
+
+
+def test_a_storage_counts_until_its_last_alias_dies_not_its_first_tensor():
+    """Counting follows storages: a detached alias made outside the tracked scope keeps the bytes."""
+    tracker = AllocationTracker()
+    with tracker.mode():
+        x = torch.empty(512, 512)
+    alias = x.detach()  # not an op under the mode: a new tensor object on the same storage
+    del x
+    gc.collect()
+    assert tracker.live == MIB
+    del alias
+    assert tracker.live == 0
+
+
+def test_a_kernel_result_in_a_larger_buffer_is_compacted():
+    """CPU mse_loss hands its scalar back inside the buffer of the elementwise losses; the tracked
+    result is a scalar of its own, so what stays alive is what a plan from shapes counts."""
+    x, y = torch.randn(64, 64), torch.randn(64, 64)
+    assert torch.nn.functional.mse_loss(x, y).untyped_storage().nbytes() > 4  # the kernel's own behaviour
+    tracker = AllocationTracker()
+    with tracker.mode():
+        loss = torch.nn.functional.mse_loss(x, y)
+    assert loss.untyped_storage().nbytes() == 4
+    assert tracker.live == 4
+    torch.testing.assert_close(loss, torch.nn.functional.mse_loss(x, y))
+
+
+def test_a_fake_run_sizes_an_rnn_workspace_as_the_real_kernel_does():
+    """oneDNN's LSTM keeps a workspace for its backward whose size its meta kernel cannot know."""
+    torch.manual_seed(0)
+    lstm = nn.LSTM(8, 8)
+    x = torch.randn(5, 3, 8)
+    fake_mode = FakeTensorMode()
+    with torch.no_grad():
+        fake_lstm = copy.deepcopy(lstm)
+        fake_lstm._apply(fake_mode.from_tensor)
+    real_tracker, fake_tracker = AllocationTracker(), AllocationTracker()
+    with real_tracker.mode():
+        real_out = lstm(x)
+    with fake_mode, fake_tracker.mode():
+        fake_out = fake_lstm(fake_mode.from_tensor(x))
+    assert real_tracker.live > sum(t.numel() * 4 for t in pytree.tree_leaves(real_out))  # a workspace is kept
+    assert fake_tracker.live == real_tracker.live
+    assert fake_tracker.peak == real_tracker.peak
+    del fake_out, real_out

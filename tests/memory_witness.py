@@ -1,0 +1,101 @@
+"""An independent count of what lives on HostDevices, to check the runtime's own accounting against.
+
+The runtime counts a device's bytes with ``ir.tracking.AllocationTracker`` (registered copies, and
+results of ops under its dispatch mode). ``DeviceMemoryWitness`` shares none of that code: it wraps
+every device's stream ``submit`` so that each piece of device work (compute, host-to-device copies,
+peer receives; not device-to-host copies, whose results live on the host) runs under a dispatch
+mode of its own, and counts every storage an op makes there, from the op's return until the
+storage object dies. It sees what the kernels hand back before anything in harmony_fx touches it.
+
+    with DeviceMemoryWitness(hm.devices) as witness:
+        loss = hm(x).sum(); loss.backward()
+    assert witness.peak["host:0"] == hm.stats.peak_bytes["host:0"] <= budget
+"""
+from __future__ import annotations
+
+import threading
+import weakref
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from harmony_fx.schedule.actions import Stream
+
+__all__ = ["DeviceMemoryWitness"]
+
+_DEVICE_STREAMS = (Stream.COMPUTE, Stream.H2D, Stream.PEER)
+
+
+class _Count:
+    def __init__(self) -> None:
+        self.live = 0
+        self.peak = 0
+        self.storages: dict[int, int] = {}
+        self.lock = threading.Lock()
+
+    def add(self, storage: torch.UntypedStorage) -> None:
+        key = storage._cdata
+        with self.lock:
+            if key in self.storages:
+                return
+            self.storages[key] = storage.nbytes()
+            self.live += storage.nbytes()
+            self.peak = max(self.peak, self.live)
+        weakref.finalize(storage, self.remove, key)
+
+    def remove(self, key: int) -> None:
+        with self.lock:
+            self.live -= self.storages.pop(key)
+
+
+class _Watch(TorchDispatchMode):
+    def __init__(self, count: _Count) -> None:
+        super().__init__()
+        self.count = count
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = {t.untyped_storage()._cdata for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
+        for leaf in tree_flatten(out)[0]:
+            if isinstance(leaf, torch.Tensor) and leaf.untyped_storage()._cdata not in inputs:
+                self.count.add(leaf.untyped_storage())
+        return out
+
+
+class DeviceMemoryWitness:
+    """``peak[device name]``: the most bytes of storages made by device work alive at once."""
+
+    def __init__(self, devices) -> None:
+        self.devices = list(devices)
+        self.counts = {device.name: _Count() for device in self.devices}
+
+    @property
+    def peak(self) -> dict[str, int]:
+        return {name: count.peak for name, count in self.counts.items()}
+
+    @property
+    def live(self) -> dict[str, int]:
+        return {name: count.live for name, count in self.counts.items()}
+
+    def __enter__(self) -> "DeviceMemoryWitness":
+        for device in self.devices:
+            streams, count = device.streams, self.counts[device.name]
+            original = streams.submit
+
+            def submit(stream, work, original=original, count=count):
+                if stream not in _DEVICE_STREAMS:
+                    return original(stream, work)
+
+                def watched():
+                    with _Watch(count):
+                        work()
+
+                return original(stream, watched)
+
+            streams.submit = submit
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for device in self.devices:
+            del device.streams.submit  # the instance attribute: the class's method is back
