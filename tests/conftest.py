@@ -15,3 +15,13 @@ def _skip_cuda_tests_without_a_gpu(request: pytest.FixtureRequest) -> None:
     """Tests marked ``cuda`` run only where a CUDA GPU exists (DESIGN.md §5)."""
     if request.node.get_closest_marker("cuda") is not None and not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU (torch.cuda.is_available() is False)")
+
+
+@pytest.fixture
+def memory_witness():
+    """A ``DeviceMemoryWitness`` active for the whole test: what every HostDevice held, counted
+    apart from the runtime's own accounting (tests/memory_witness.py)."""
+    from tests.memory_witness import DeviceMemoryWitness
+
+    with DeviceMemoryWitness() as witness:
+        yield witness

@@ -20,6 +20,7 @@ from torch import nn
 import harmony_fx
 from harmony_fx.analysis.memory import eager_training_bytes
 from harmony_fx.testing.models import ZooEntry, zoo
+from tests.memory_witness import DeviceMemoryWitness
 
 RTOL, ATOL = 1e-5, 1e-7
 SEED = 5
@@ -46,6 +47,8 @@ class StepResult:
     target: torch.Tensor
     loss: torch.Tensor
     reference_loss: torch.Tensor
+    # the device's peak during the step, counted by DeviceMemoryWitness (not the runtime's tracker)
+    witnessed_peak: int
 
 
 @functools.lru_cache(maxsize=None)
@@ -89,13 +92,14 @@ def train_step(entry: ZooEntry, budget_fraction: float, devices: Sequence[str] |
         ref_target = ref_target.to(device)
 
     torch.manual_seed(SEED)
-    loss = entry.loss_fn(hm(*inputs), target)
-    loss.backward()
+    with DeviceMemoryWitness() as witness:
+        loss = entry.loss_fn(hm(*inputs), target)
+        loss.backward()
     torch.manual_seed(SEED)
     reference_loss = entry.loss_fn(reference(*ref_inputs), ref_target)
     reference_loss.backward()
     return StepResult(entry, budget_fraction, budget, need, hm, model, reference, inputs, target,
-                      loss.detach(), reference_loss.detach().cpu())
+                      loss.detach(), reference_loss.detach().cpu(), witness.peak_of(hm.device))
 
 
 @functools.lru_cache(maxsize=None)

@@ -2,14 +2,14 @@
 
 The runtime counts a device's bytes with ``ir.tracking.AllocationTracker`` (registered copies, and
 results of ops under its dispatch mode). ``DeviceMemoryWitness`` shares none of that code: it wraps
-every device's stream ``submit`` so that each piece of device work (compute, host-to-device copies,
+the HostDevice streams' ``submit`` so that each piece of device work (compute, host-to-device copies,
 peer receives; not device-to-host copies, whose results live on the host) runs under a dispatch
 mode of its own, and counts every storage an op makes there, from the op's return until the
 storage object dies. It sees what the kernels hand back before anything in harmony_fx touches it.
 
-    with DeviceMemoryWitness(hm.devices) as witness:
+    with DeviceMemoryWitness() as witness:
         loss = hm(x).sum(); loss.backward()
-    assert witness.peak["host:0"] == hm.stats.peak_bytes["host:0"] <= budget
+    assert witness.peak_of(hm.device) == hm.stats.peak_bytes["host:0"] <= budget
 """
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from harmony_fx.runtime.streams import ChaosStreams, HostStreams
 from harmony_fx.schedule.actions import Stream
 
 __all__ = ["DeviceMemoryWitness"]
@@ -64,38 +65,47 @@ class _Watch(TorchDispatchMode):
 
 
 class DeviceMemoryWitness:
-    """``peak[device name]``: the most bytes of storages made by device work alive at once."""
+    """While active, every HostDevice's device work is watched (devices made inside the ``with``,
+    by a ``compile`` or a ``Trainer``, too). ``peak_of(device)``: the most bytes of storages its
+    device work made that were alive at once; ``live_of(device)``: those alive now."""
 
-    def __init__(self, devices) -> None:
-        self.devices = list(devices)
-        self.counts = {device.name: _Count() for device in self.devices}
+    _STREAMS = (HostStreams, ChaosStreams)
 
-    @property
-    def peak(self) -> dict[str, int]:
-        return {name: count.peak for name, count in self.counts.items()}
+    def __init__(self) -> None:
+        self._counts: dict[int, _Count] = {}  # id(device.streams) -> its count
+        self._lock = threading.Lock()
 
-    @property
-    def live(self) -> dict[str, int]:
-        return {name: count.live for name, count in self.counts.items()}
+    def _count(self, streams) -> _Count:
+        with self._lock:
+            return self._counts.setdefault(id(streams), _Count())
+
+    def peak_of(self, device) -> int:
+        return self._count(device.streams).peak
+
+    def live_of(self, device) -> int:
+        return self._count(device.streams).live
 
     def __enter__(self) -> "DeviceMemoryWitness":
-        for device in self.devices:
-            streams, count = device.streams, self.counts[device.name]
-            original = streams.submit
+        witness = self
+        for cls in self._STREAMS:
+            original = cls.submit
 
-            def submit(stream, work, original=original, count=count):
+            def submit(streams, stream, work, original=original):
                 if stream not in _DEVICE_STREAMS:
-                    return original(stream, work)
+                    return original(streams, stream, work)
+                count = witness._count(streams)
 
                 def watched():
                     with _Watch(count):
                         work()
 
-                return original(stream, watched)
+                return original(streams, stream, watched)
 
-            streams.submit = submit
+            cls.submit = submit
+            cls._witness_original = original
         return self
 
     def __exit__(self, *exc) -> None:
-        for device in self.devices:
-            del device.streams.submit  # the instance attribute: the class's method is back
+        for cls in self._STREAMS:
+            cls.submit = cls._witness_original
+            del cls._witness_original

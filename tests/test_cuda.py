@@ -1,8 +1,10 @@
 """The same properties on a real GPU (``CudaDevice``); skipped where there is none.
 
 Measured bytes must equal the plan exactly, as on a HostDevice. Peaks come from the caching
-allocator (``torch.cuda.max_memory_allocated``), which rounds blocks and keeps workspaces, so they
-are checked against the budget with that slack, not equated with the prediction.
+allocator (``torch.cuda.max_memory_allocated``), which rounds blocks to 512 bytes and holds library
+workspaces, so they are checked against the budget with a relative slack, not equated with the
+prediction. Both runs draw dropout from the same seeded CUDA generator, so dropout models are
+compared too; TF32 is off, so fp32 means fp32.
 """
 from __future__ import annotations
 
@@ -33,20 +35,20 @@ def test_compile_on_cuda_matches_eager(name, fraction):
     model, inputs, target = entry.build(0)
     reference = copy.deepcopy(model).cuda()
     budget = int(fraction * eager_training_bytes(model, inputs, lambda out: entry.loss_fn(out, target)))
-    hm = harmony_fx.compile(model, inputs, devices=["cuda:0"], memory_budget=budget)
+    hm = harmony_fx.compile(model, inputs, devices=["cuda:0"], memory_budget=budget, microbatches=1)
+    # dropout draws from the GPU generator in both runs: seed it the same way for each
+    torch.manual_seed(0)
     loss = entry.loss_fn(hm(*inputs), target)
     loss.backward()
-    # eager on the GPU; dropout draws from the GPU generator in both, so seed it the same way
-    torch.cuda.manual_seed(0)
+    torch.manual_seed(0)
     reference_loss = entry.loss_fn(reference(*[x.cuda() for x in inputs]), target.cuda())
     reference_loss.backward()
-    if not entry.has_dropout:
-        torch.testing.assert_close(loss, reference_loss.cpu(), rtol=1e-4, atol=1e-5)
-        for (pname, p), q in zip(model.named_parameters(), reference.parameters()):
-            torch.testing.assert_close(p.grad, q.grad.cpu(), rtol=1e-4, atol=1e-5, msg=pname)
+    torch.testing.assert_close(loss, reference_loss.cpu(), rtol=1e-5, atol=1e-6)
+    for (pname, p), q in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad.cpu(), rtol=1e-5, atol=1e-6, msg=pname)
     assert hm.stats.bytes_h2d == hm.plan.bytes_h2d
     assert hm.stats.bytes_d2h == hm.plan.bytes_d2h
-    assert hm.stats.peak_bytes["cuda:0"] <= budget + (4 << 20)  # allocator rounding and workspaces
+    assert hm.stats.peak_bytes["cuda:0"] <= budget * 1.05  # allocator rounding
 
 
 def test_trainer_on_cuda_matches_eager_adamw():
@@ -59,7 +61,9 @@ def test_trainer_on_cuda_matches_eager_adamw():
     trainer = harmony_fx.Trainer(model, entry.loss_fn, optimizer, (inputs, target), devices=["cuda:0"],
                                  memory_budget=budget)
     for _ in range(3):
+        torch.manual_seed(0)
         loss = trainer.step((inputs, target))
+        torch.manual_seed(0)
         reference_loss = entry.loss_fn(reference(*inputs), target)
         reference_loss.backward()
         reference_optimizer.step()

@@ -30,20 +30,19 @@ def _options(mode: str) -> dict:
 def _step_under_witness(model: nn.Module, inputs: tuple, loss_of, budget: int, **options):
     hm = harmony_fx.compile(model, inputs, memory_budget=budget, **options)
     torch.manual_seed(SEED)
-    with DeviceMemoryWitness(hm.devices) as witness:
+    with DeviceMemoryWitness() as witness:
         loss_of(hm(*inputs)).backward()
     return hm, witness
 
 
 def _assert_capped(hm, witness, budget: int) -> None:
     for device in hm.devices:
-        measured = hm.stats.peak_bytes[device.name]
-        assert witness.peak[device.name] == measured, (
-            f"{device.name}: the witness counted a peak of {witness.peak[device.name]:,} bytes, the runtime "
-            f"{measured:,}")
+        measured, witnessed = hm.stats.peak_bytes[device.name], witness.peak_of(device)
+        assert witnessed == measured, (
+            f"{device.name}: the witness counted a peak of {witnessed:,} bytes, the runtime {measured:,}")
         assert measured == hm.plan.predicted_peak[device.name]
-        assert witness.peak[device.name] <= budget
-        assert witness.live[device.name] == 0  # nothing stays on the device after the step
+        assert witnessed <= budget
+        assert witness.live_of(device) == 0  # nothing stays on the device after the step
 
 
 @functools.lru_cache(maxsize=None)
@@ -117,6 +116,6 @@ def test_the_witness_sees_what_the_runtime_would_miss():
     hm = harmony_fx.compile(model, (x,), microbatches=1)
     device = hm.devices[0]
     device.track_memory = False  # copies no longer registered, compute no longer watched
-    with DeviceMemoryWitness(hm.devices) as witness:
+    with DeviceMemoryWitness() as witness:
         hm(x).sum().backward()
-    assert witness.peak[device.name] > 0 == hm.stats.peak_bytes[device.name]
+    assert witness.peak_of(device) > 0 == hm.stats.peak_bytes[device.name]

@@ -18,6 +18,7 @@ import harmony_fx
 from harmony_fx.analysis.memory import eager_training_bytes
 from harmony_fx.schedule.actions import ActionKind
 from harmony_fx.testing.models import GPTConfig, MLPChain, ResidualMLP, SmallCNN, TinyGPT
+from tests.memory_witness import DeviceMemoryWitness
 
 torch.set_num_threads(1)
 
@@ -60,16 +61,18 @@ def _train(name: str, num_devices: int, chaos: int | None, steps: int = 3, paral
                                  microbatches=microbatches or 2 * num_devices, chaos=chaos, parallel=parallel)
     losses, reference_losses = [], []
     try:
-        for _ in range(steps):
-            losses.append(trainer.step(((x,), target)))
-            reference_loss = loss_fn(reference(x), target)
-            reference_loss.backward()
-            reference_optimizer.step()
-            reference_optimizer.zero_grad()
-            reference_losses.append(reference_loss.detach())
+        with DeviceMemoryWitness() as witness:  # counts what the devices hold, apart from the runtime
+            for _ in range(steps):
+                losses.append(trainer.step(((x,), target)))
+                reference_loss = loss_fn(reference(x), target)
+                reference_loss.backward()
+                reference_optimizer.step()
+                reference_optimizer.zero_grad()
+                reference_losses.append(reference_loss.detach())
     finally:
         trainer.close()
-    return trainer, model, reference, losses, reference_losses, budget
+    witnessed = {device.name: witness.peak_of(device) for device in trainer.hm.devices}
+    return trainer, model, reference, losses, reference_losses, witnessed, budget
 
 
 def _train_pp(name: str, num_devices: int, microbatches: int = 4, steps: int = 3, chaos: int | None = None):
@@ -80,23 +83,24 @@ def _train_pp(name: str, num_devices: int, microbatches: int = 4, steps: int = 3
 @pytest.mark.parametrize("name", ["mlp_chain", "residual_mlp", "tiny_gpt"])
 @pytest.mark.parametrize("chaos", [None, 0, 1, 2], ids=["inline", "chaos0", "chaos1", "chaos2"])
 def test_dp_trains_like_eager(name, num_devices, chaos):
-    trainer, model, reference, losses, reference_losses, budget = _train(name, num_devices, chaos)
+    trainer, model, reference, losses, reference_losses, witnessed, budget = _train(name, num_devices, chaos)
     for loss, reference_loss in zip(losses, reference_losses):
         torch.testing.assert_close(loss, reference_loss, rtol=RTOL, atol=ATOL)
     for (param_name, param), reference_param in zip(model.named_parameters(), reference.parameters()):
         torch.testing.assert_close(param, reference_param, rtol=RTOL, atol=ATOL, msg=param_name)
     stats = trainer.stats
     assert set(stats.peak_bytes) == {f"host:{i}" for i in range(num_devices)}
-    assert all(peak <= budget for peak in stats.peak_bytes.values())
-    assert stats.peak_bytes == trainer.plan.predicted_peak
+    assert witnessed == stats.peak_bytes == trainer.plan.predicted_peak
+    assert all(peak <= budget for peak in witnessed.values())
     assert stats.as_dict()["bytes_by_kind"] == trainer.plan.predicted_bytes
 
 
 @pytest.mark.parametrize("chaos", [None, 5])
 def test_dp_with_batchnorm_moves_the_planned_bytes(chaos):
-    trainer, *_, budget = _train("small_cnn", 2, chaos, steps=1)
+    trainer, *_, witnessed, budget = _train("small_cnn", 2, chaos, steps=1)
     assert trainer.stats.as_dict()["bytes_by_kind"] == trainer.plan.predicted_bytes
-    assert all(peak <= budget for peak in trainer.stats.peak_bytes.values())
+    assert witnessed == trainer.stats.peak_bytes
+    assert all(peak <= budget for peak in witnessed.values())
 
 
 def test_every_device_runs_every_pack_on_its_own_microbatches():
@@ -135,22 +139,23 @@ def test_fewer_microbatches_than_devices_is_refused():
 @pytest.mark.parametrize("name", ["mlp_chain", "residual_mlp", "tiny_gpt"])
 @pytest.mark.parametrize("chaos", [None, 0, 1], ids=["inline", "chaos0", "chaos1"])
 def test_pp_trains_like_eager(name, num_devices, chaos):
-    trainer, model, reference, losses, reference_losses, budget = _train_pp(name, num_devices, chaos=chaos)
+    trainer, model, reference, losses, reference_losses, witnessed, budget = _train_pp(name, num_devices, chaos=chaos)
     for loss, reference_loss in zip(losses, reference_losses):
         torch.testing.assert_close(loss, reference_loss, rtol=RTOL, atol=ATOL)
     for (param_name, param), reference_param in zip(model.named_parameters(), reference.parameters()):
         torch.testing.assert_close(param, reference_param, rtol=RTOL, atol=ATOL, msg=param_name)
     stats = trainer.stats
-    assert all(peak <= budget for peak in stats.peak_bytes.values())
-    assert stats.peak_bytes == trainer.plan.predicted_peak
+    assert witnessed == stats.peak_bytes == trainer.plan.predicted_peak
+    assert all(peak <= budget for peak in witnessed.values())
     assert stats.as_dict()["bytes_by_kind"] == trainer.plan.predicted_bytes
     assert stats.as_dict()["bytes_by_kind"].get("peer/act", 0) > 0  # activations went device to device
 
 
 def test_pp_with_batchnorm_moves_the_planned_bytes():
-    trainer, *_, budget = _train_pp("small_cnn", 2, microbatches=2, steps=1)
+    trainer, *_, witnessed, budget = _train_pp("small_cnn", 2, microbatches=2, steps=1)
     assert trainer.stats.as_dict()["bytes_by_kind"] == trainer.plan.predicted_bytes
-    assert all(peak <= budget for peak in trainer.stats.peak_bytes.values())
+    assert witnessed == trainer.stats.peak_bytes
+    assert all(peak <= budget for peak in witnessed.values())
 
 
 def test_pp_places_tasks_round_the_devices():

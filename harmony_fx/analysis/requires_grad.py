@@ -2,8 +2,8 @@
 
 1. Every placeholder requires grad as its tensor does (``placeholder_requires_grad``): the model's
    parameters as they are, the example inputs as the caller made them, buffers not.
-2. The graph runs once on its FakeTensors with autograd on, so autograd itself decides for every
-   node, as eager would: a ``detach``, a ``no_grad`` region, an integer result, an argument an op
+2. The graph runs once on its FakeTensors with autograd on (node by node, here: ``fx.Interpreter``
+   would start a progress-bar thread), so autograd itself decides for every node, as eager would: a ``detach``, a ``no_grad`` region, an integer result, an argument an op
    is not differentiable for (``soft_margin_loss``'s target) all come out as they do in eager.
 3. ``REQUIRES_GRAD`` on each node: a tuple with one bool per leaf of its value (see
    ``ir.values.leaves``); ``False`` for non-tensor leaves.
@@ -34,9 +34,24 @@ def annotate_requires_grad(gm: fx.GraphModule, placeholder_requires_grad: Mappin
     fake_mode = detect_fake_mode([v for v in values if isinstance(v, torch.Tensor)])
     with fake_mode or contextlib.nullcontext(), torch.enable_grad():
         # fresh fakes: the graph's own values must not take part in (or keep) an autograd graph
-        fresh = [map_tensors(lambda t: _fresh(t, placeholder_requires_grad.get(node.name, False)), value)
-                 for node, value in zip(placeholders, values)]
-        _Recorder(gm).run(*fresh)
+        env = {node: map_tensors(lambda t: _fresh(t, placeholder_requires_grad.get(node.name, False)), value)
+               for node, value in zip(placeholders, values)}
+        for node in placeholders:
+            _record(node, env[node])
+        for node in gm.graph.nodes:
+            if node.op in ("placeholder", "output"):
+                continue
+            args, kwargs = fx.node.map_arg((node.args, node.kwargs), env.__getitem__)
+            if node.op == "get_attr":
+                result = getattr(gm, node.target)
+            elif node.op == "call_module":
+                result = gm.get_submodule(node.target)(*args, **kwargs)
+            elif node.op == "call_method":
+                result = getattr(args[0], node.target)(*args[1:], **kwargs)
+            else:
+                result = node.target(*args, **kwargs)
+            env[node] = result
+            _record(node, result)
     return gm
 
 
@@ -53,9 +68,6 @@ def _fresh(value: torch.Tensor, requires_grad: bool) -> torch.Tensor:
     return copy.requires_grad_(requires_grad and (value.is_floating_point() or value.is_complex()))
 
 
-class _Recorder(fx.Interpreter):
-    def run_node(self, node: fx.Node):
-        result = super().run_node(node)
-        node.meta[meta.REQUIRES_GRAD] = tuple(isinstance(leaf, torch.Tensor) and leaf.requires_grad
-                                              for leaf in leaves(result))
-        return result
+def _record(node: fx.Node, result: object) -> None:
+    node.meta[meta.REQUIRES_GRAD] = tuple(isinstance(leaf, torch.Tensor) and leaf.requires_grad
+                                          for leaf in leaves(result))

@@ -1,8 +1,9 @@
-"""The simulator's predictions for compiled modules against what one real step measures.
+"""The simulator on compiled modules against what one real step measures: a consistency check.
 
 Every zoo model, one device, data-parallel and pipeline over two HostDevices, budgets 100/50/25%
 of eager training: predicted bytes moved equal measured exactly (per direction and kind), and
-the predicted peak of every device is within 10% of the measured one.
+the predicted peak of every device is within 10% of the measured one. The simulator's task
+memory comes from the planning run, so the peaks check its bookkeeping, not a second prediction.
 """
 from __future__ import annotations
 
@@ -19,7 +20,12 @@ SETTINGS = {"single": (["host:0"], "auto", None), "dp": (["host:0", "host:1"], "
 @pytest.mark.parametrize("fraction", [1.0, 0.5, 0.25])
 @pytest.mark.parametrize("mode", sorted(SETTINGS))
 @pytest.mark.parametrize("name", sorted(ZOO))
-def test_prediction_matches_measurement(name: str, mode: str, fraction: float) -> None:
+def test_simulation_is_consistent_with_the_planning_run(name: str, mode: str, fraction: float) -> None:
+    """A consistency check, not an independent prediction: ``simulate_module`` takes each task's
+    memory from the planning FakeTensor run, so agreeing with the measured peak (within 10%: it
+    treats a task's peak as one spike on what was resident) checks the simulator's bookkeeping of
+    issue order and lifetimes. The memory figures are checked independently in test_memory_cap.py;
+    the bytes moved here are counted from shapes, against the runtime's counters."""
     entry = ZOO[name]
     devices, parallel, microbatches = SETTINGS[mode]
     model, inputs, target = entry.build(0)
