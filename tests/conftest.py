@@ -12,7 +12,7 @@ torch.set_num_threads(1)
 
 @pytest.fixture(autouse=True)
 def _skip_cuda_tests_without_a_gpu(request: pytest.FixtureRequest) -> None:
-    """Tests marked ``cuda`` run only where a CUDA GPU exists (DESIGN.md §5)."""
+    """Tests marked ``cuda`` run only where a CUDA GPU exists."""
     if request.node.get_closest_marker("cuda") is not None and not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU (torch.cuda.is_available() is False)")
 

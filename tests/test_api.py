@@ -1,4 +1,4 @@
-"""Integration: ``harmony_fx.compile`` end to end against eager PyTorch (DESIGN.md §3-§4)."""
+"""Integration: ``harmony_fx.compile`` end to end against eager PyTorch (the public API and the numbers it promises)."""
 from __future__ import annotations
 
 import functools

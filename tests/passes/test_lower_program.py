@@ -1,4 +1,4 @@
-"""lower_program: the structure of the forward and backward programs (DESIGN.md §1, items 3-4)."""
+"""lower_program: the structure of the forward and backward programs (input-batch grouping, stash, recompute)."""
 from __future__ import annotations
 
 import collections
