@@ -1,10 +1,10 @@
 """harmony_fx: train PyTorch models larger than GPU memory, as a torch.fx compiler (Harmony, VLDB'22)."""
 from harmony_fx.api import HarmonyModule, compile
-from harmony_fx.capture import CaptureError
+from harmony_fx.frontend.capture import CaptureError
 from harmony_fx.config import CompileOptions
-from harmony_fx.passes.plan_packs import BudgetTooSmallError
+from harmony_fx.compiler.packing import BudgetTooSmallError
 from harmony_fx.runtime.devices import CudaDevice, DeviceOutOfMemoryError, HostDevice
-from harmony_fx.schedule.validate import ProgramError
+from harmony_fx.program.verify import ProgramError
 from harmony_fx.trainer import Trainer
 
 __all__ = [

@@ -19,33 +19,34 @@ import torch
 from torch import fx, nn
 from torch._subclasses import FakeTensorMode
 
-from harmony_fx import microbatch, pictures
+from harmony_fx import pictures
+from harmony_fx.frontend import microbatch
 from harmony_fx.analysis.batch_dims import BatchAnalysis, analyze_batch_dims
 from harmony_fx.analysis.liveness import annotate_liveness
 from harmony_fx.analysis.requires_grad import annotate_requires_grad, any_requires_grad, requires_grad_of
 from harmony_fx.analysis.sizes import annotate_sizes
-from harmony_fx.capture import Captured, capture
+from harmony_fx.frontend.capture import Captured, capture
 from harmony_fx.config import CompileOptions
 from harmony_fx.ir import meta
 from harmony_fx.ir import values as pytrees
-from harmony_fx.ir.codegen import generate_program
-from harmony_fx.ir.ops import OP_OF_KIND
+from harmony_fx.program.codegen import generate_program
+from harmony_fx.program.ops import OP_OF_KIND
 from harmony_fx.ir.pack import Pack
 from harmony_fx.passes.find_layers import Layer, find_layers
-from harmony_fx.passes.lower_pipeline import lower_pipeline
-from harmony_fx.passes.lower_program import ProgramSignature, grad_inputs, lower_program
-from harmony_fx.passes.plan_packs import BudgetTooSmallError, balanced, plan_packs
+from harmony_fx.lowering.pipeline import lower_pipeline
+from harmony_fx.lowering.single import ProgramSignature, grad_inputs, lower_program
+from harmony_fx.compiler.packing import BudgetTooSmallError, balanced, plan_packs
 from harmony_fx.passes.retarget_device import retarget_device
 from harmony_fx.passes.split_packs import split_packs
 from harmony_fx.planner.chain import Schedule
 from harmony_fx.planner.choose import choose_schedule
 from harmony_fx.runtime.devices import Device, HostDevice, resolve_devices
 from harmony_fx.runtime.executor import HostState, Runtime, Stats
-from harmony_fx.schedule.actions import Action, ActionKind, Key, KeyKind
-from harmony_fx.schedule.format import format_schedule
-from harmony_fx.schedule.plan import PackPlan, Plan
-from harmony_fx.schedule.simulate import bytes_moved
-from harmony_fx.schedule.validate import check_peak, verify_devices, verify_packs, verify_program
+from harmony_fx.program.actions import Action, ActionKind, Key, KeyKind
+from harmony_fx.program.format import format_schedule
+from harmony_fx.compiler.plan import PackPlan, Plan
+from harmony_fx.program.traffic import bytes_moved
+from harmony_fx.program.verify import check_peak, verify_devices, verify_packs, verify_program
 
 __all__ = ["compile", "HarmonyModule"]
 

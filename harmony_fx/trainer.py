@@ -46,7 +46,7 @@ from torch import nn
 from harmony_fx.api import HarmonyModule
 from harmony_fx.config import CompileOptions
 from harmony_fx.runtime.executor import Runtime
-from harmony_fx.schedule.actions import Key, KeyKind
+from harmony_fx.program.actions import Key, KeyKind
 
 __all__ = ["Trainer", "NonFiniteLossError"]
 

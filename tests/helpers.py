@@ -177,7 +177,7 @@ class Prepared:
 @functools.lru_cache(maxsize=None)
 def prepared(name: str) -> Prepared:
     from harmony_fx.analysis.sizes import annotate_sizes
-    from harmony_fx.capture import capture
+    from harmony_fx.frontend.capture import capture
     from harmony_fx.passes.find_layers import find_layers
 
     model, inputs, target = ZOO[name].build(0)

@@ -21,7 +21,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from harmony_fx.runtime.streams import ChaosStreams, HostStreams
-from harmony_fx.schedule.actions import Stream
+from harmony_fx.program.actions import Stream
 
 __all__ = ["DeviceMemoryWitness"]
 

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 import harmony_fx
 from harmony_fx.analysis.memory import eager_training_bytes
-from harmony_fx.schedule.actions import ActionKind
+from harmony_fx.program.actions import ActionKind
 from harmony_fx.testing.models import GPTConfig, MLPChain, ResidualMLP, SmallCNN, TinyGPT
 from tests.memory_witness import DeviceMemoryWitness
 
@@ -172,7 +172,7 @@ def test_pp_places_tasks_round_the_devices():
 
 
 def test_verifier_refuses_a_recv_without_its_send():
-    from harmony_fx.schedule.validate import ProgramError, verify_devices
+    from harmony_fx.program.verify import ProgramError, verify_devices
     trainer, *_ = _train_pp("mlp_chain", 2, steps=1)
     programs = [forward + backward for forward, backward in trainer.hm.device_actions]
     verify_devices(programs)
@@ -185,7 +185,7 @@ def test_verifier_refuses_a_recv_without_its_send():
 
 
 def test_verifier_refuses_devices_that_wait_for_each_other():
-    from harmony_fx.schedule.validate import ProgramError, verify_devices
+    from harmony_fx.program.verify import ProgramError, verify_devices
     trainer, *_ = _train_pp("mlp_chain", 2, steps=1)
     programs = [list(forward + backward) for forward, backward in trainer.hm.device_actions]
     # move device 0's first RECV to the very start: it now waits for a SEND that comes after a wait for it

@@ -12,13 +12,13 @@ import dataclasses
 from typing import Sequence
 
 from harmony_fx.ir.pack import Pack
-from harmony_fx.microbatch import microbatch_sizes
-from harmony_fx.passes.lower_pipeline import lower_pipeline
-from harmony_fx.passes.lower_program import ProgramSignature, lower_program
+from harmony_fx.frontend.microbatch import microbatch_sizes
+from harmony_fx.lowering.pipeline import lower_pipeline
+from harmony_fx.lowering.single import ProgramSignature, lower_program
 from harmony_fx.planner.costs import PackCosts, chain_key_bytes
 from harmony_fx.planner.profile import ModelProfile
 from harmony_fx.planner.specs import DeviceSpec, HostSpec
-from harmony_fx.schedule.actions import Action
+from harmony_fx.program.actions import Action
 
 __all__ = ["Schedule", "chain_packs", "chain_schedule", "pack_layers"]
 

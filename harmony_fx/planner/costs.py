@@ -12,7 +12,7 @@ from typing import Callable, Sequence
 
 from harmony_fx.planner.profile import ModelProfile
 from harmony_fx.planner.specs import DeviceSpec, HostSpec
-from harmony_fx.schedule.actions import Action, ActionKind as K, Key, KeyKind
+from harmony_fx.program.actions import Action, ActionKind as K, Key, KeyKind
 
 __all__ = ["PackCosts", "chain_key_bytes"]
 

@@ -9,7 +9,7 @@ programs on FakeTensors to plan (``Runtime._probed``), exact because memory depe
 from __future__ import annotations
 
 from harmony_fx.planner.costs import PackCosts
-from harmony_fx.schedule.actions import Action, Key, KeyKind
+from harmony_fx.program.actions import Action, Key, KeyKind
 from harmony_fx.planner.profile import profile_graph
 from harmony_fx.planner.simulate import Simulation, simulate
 from harmony_fx.planner.specs import DeviceSpec, HostSpec, measure_local

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from harmony_fx.capture import capture
+from harmony_fx.frontend.capture import capture
 from harmony_fx.planner.profile import ModelProfile, measure_seconds, profile_graph, repeat_block
 
 __all__ = ["PRESETS", "TransformerConfig", "Transformer", "preset_profile", "load_profile", "measured_profile"]

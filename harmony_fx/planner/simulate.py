@@ -29,7 +29,7 @@ import heapq
 from typing import Protocol, Sequence
 
 from harmony_fx.planner.specs import DeviceSpec, HostSpec
-from harmony_fx.schedule.actions import Action, ActionKind as K, Key, Stream
+from harmony_fx.program.actions import Action, ActionKind as K, Key, Stream
 
 __all__ = ["Costs", "Simulation", "simulate", "SimulationDeadlock"]
 

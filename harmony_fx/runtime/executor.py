@@ -25,7 +25,7 @@ from harmony_fx.ir.pack import Pack
 from harmony_fx.ir import values as pytrees
 from harmony_fx.ir.tracking import storage_key
 from harmony_fx.runtime.devices import Device
-from harmony_fx.schedule.actions import Key, KeyKind, Stream, parse_key
+from harmony_fx.program.actions import Key, KeyKind, Stream, parse_key
 
 __all__ = ["Runtime", "Stats", "HostState"]
 

@@ -22,7 +22,7 @@ from typing import Callable
 
 import torch
 
-from harmony_fx.schedule.actions import Stream
+from harmony_fx.program.actions import Stream
 
 __all__ = ["HostStreams", "ChaosStreams", "CudaStreams"]
 

@@ -11,7 +11,7 @@ from torch import nn
 
 import harmony_fx
 from harmony_fx.analysis.batch_dims import analyze_batch_dims
-from harmony_fx.capture import capture
+from harmony_fx.frontend.capture import capture
 from harmony_fx.testing.models import zoo
 
 

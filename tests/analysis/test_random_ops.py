@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import fx, nn
 
 from harmony_fx.analysis.random_ops import draws_random
-from harmony_fx.capture import capture
+from harmony_fx.frontend.capture import capture
 
 
 def _random_nodes(model: nn.Module, *inputs: torch.Tensor) -> list[str]:

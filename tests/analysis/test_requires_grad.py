@@ -6,7 +6,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from harmony_fx.analysis.requires_grad import annotate_requires_grad, requires_grad_of
-from harmony_fx.capture import capture
+from harmony_fx.frontend.capture import capture
 
 
 class _Mixed(nn.Module):

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 import harmony_fx
-from harmony_fx.passes.lower_program import ProgramSignature, forward_groups
-from harmony_fx.schedule.actions import ActionKind as K
+from harmony_fx.lowering.single import ProgramSignature, forward_groups
+from harmony_fx.program.actions import ActionKind as K
 from tests.helpers import ZOO, assert_step_equal, train_step
 
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from harmony_fx.ir import meta
-from harmony_fx.passes.plan_packs import balanced
+from harmony_fx.compiler.packing import balanced
 from harmony_fx.passes.split_packs import split_packs
 from tests.helpers import ZOO, prepared
 

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from harmony_fx.capture import capture
+from harmony_fx.frontend.capture import capture
 from harmony_fx.planner.profile import LayerProfile, ModelProfile, measure_seconds, profile_graph, repeat_block
 from harmony_fx.testing.models import GPTConfig, MLPChain, TinyGPT
 

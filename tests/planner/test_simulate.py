@@ -15,8 +15,8 @@ from harmony_fx.planner.chain import Schedule, chain_schedule
 from harmony_fx.planner.profile import LayerProfile, ModelProfile
 from harmony_fx.planner.simulate import Simulation, SimulationDeadlock, simulate
 from harmony_fx.planner.specs import DeviceSpec, HostSpec
-from harmony_fx.schedule.actions import Action, ActionKind as K, Key, KeyKind, parse_action, parse_key
-from harmony_fx.schedule.simulate import bytes_moved
+from harmony_fx.program.actions import Action, ActionKind as K, Key, KeyKind, parse_action, parse_key
+from harmony_fx.program.traffic import bytes_moved
 
 # host link 100 B/s per direction, peer link 50 B/s
 SPEC = DeviceSpec("toy", 10**6, {"fp32": 1.0}, memory_bandwidth=1.0, host_bandwidth=100.0, peer_bandwidth=50.0,

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from harmony_fx.schedule.actions import Action, ActionKind
+from harmony_fx.program.actions import Action, ActionKind
 
 __all__ = ["format_schedule"]
 

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 import harmony_fx
-from harmony_fx.schedule.actions import Action, ActionKind as K, Key, KeyKind, Stream
-from harmony_fx.schedule.validate import ProgramError, check_peak, verify_program
+from harmony_fx.program.actions import Action, ActionKind as K, Key, KeyKind, Stream
+from harmony_fx.program.verify import ProgramError, check_peak, verify_program
 from harmony_fx.testing.models import MLPChain
 from tests.helpers import ZOO, eager_bytes
 
@@ -353,7 +353,7 @@ def test_a_send_to_the_wrong_device_is_refused():
 
 
 def test_packs_of_a_compiled_model_verify():
-    from harmony_fx.schedule.validate import verify_packs
+    from harmony_fx.program.verify import verify_packs
     model, inputs, _ = ZOO["residual_mlp"].build(0)
     hm = harmony_fx.compile(model, inputs, pack_boundaries=(0, 3, 6), microbatches=1)
     verify_packs(hm.captured.gm)
@@ -361,7 +361,7 @@ def test_packs_of_a_compiled_model_verify():
 
 def test_a_node_moved_into_an_earlier_pack_is_refused_naming_it_and_the_pass():
     from harmony_fx.ir import meta
-    from harmony_fx.schedule.validate import verify_packs
+    from harmony_fx.program.verify import verify_packs
     model, inputs, _ = ZOO["residual_mlp"].build(0)
     hm = harmony_fx.compile(model, inputs, pack_boundaries=(0, 3, 6), microbatches=1)
     gm = hm.captured.gm

@@ -33,7 +33,7 @@ from typing import Iterable, Sequence
 from torch import fx
 
 from harmony_fx.ir import meta
-from harmony_fx.schedule.actions import Action, ActionKind as K, Key, KeyKind, Stream
+from harmony_fx.program.actions import Action, ActionKind as K, Key, KeyKind, Stream
 
 __all__ = ["ProgramError", "verify_packs", "verify_program", "verify_devices", "check_peak"]
 

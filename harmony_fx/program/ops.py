@@ -33,7 +33,7 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
-from harmony_fx.schedule.actions import ActionKind
+from harmony_fx.program.actions import ActionKind
 
 __all__ = ["HarmonyOps", "OP_OF_KIND"]
 

@@ -24,11 +24,11 @@ from __future__ import annotations
 from typing import Sequence
 
 from harmony_fx.ir.pack import Pack
-from harmony_fx.passes.lower_program import (
+from harmony_fx.lowering.single import (
     ProgramSignature, _buffers_out, _Builder, _Context, _forward_compute, _Shared, _update, _weight_grads_out,
     grad_inputs, weights,
 )
-from harmony_fx.schedule.actions import Action, ActionKind as K, Key, KeyKind, Stream
+from harmony_fx.program.actions import Action, ActionKind as K, Key, KeyKind, Stream
 
 __all__ = ["lower_pipeline", "forward_device", "backward_device"]
 

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 import harmony_fx
-from harmony_fx.capture import CaptureError, capture
+from harmony_fx.frontend.capture import CaptureError, capture
 from harmony_fx.ir import meta
 from harmony_fx.testing.models import TinyGPT
 from tests.helpers import ZOO, assert_grads_equal, assert_step_equal, train_step
@@ -135,7 +135,7 @@ def test_non_tensor_keyword_input_is_a_constant():
 @pytest.mark.parametrize("name", ["mlp_chain", "residual_mlp"])
 def test_symbolic_trace_fallback_trains_like_eager(monkeypatch, name):
     """When torch.export fails, torch.fx.symbolic_trace takes over, with the same guarantees."""
-    import harmony_fx.capture as capture_module
+    import harmony_fx.frontend.capture as capture_module
 
     def export_fails(*args, **kwargs):
         raise RuntimeError("torch.export is switched off for this test")

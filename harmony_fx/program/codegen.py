@@ -22,8 +22,8 @@ import torch
 from torch import fx
 
 from harmony_fx.ir import meta
-from harmony_fx.ir.ops import OP_OF_KIND
-from harmony_fx.schedule.actions import Action, ActionKind
+from harmony_fx.program.ops import OP_OF_KIND
+from harmony_fx.program.actions import Action, ActionKind
 
 __all__ = ["generate_program", "HarmonyCodeGen"]
 

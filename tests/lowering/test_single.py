@@ -7,7 +7,7 @@ import functools
 import pytest
 
 import harmony_fx
-from harmony_fx.schedule.actions import ActionKind as K, Key, KeyKind, Stream
+from harmony_fx.program.actions import ActionKind as K, Key, KeyKind, Stream
 from tests.helpers import ZOO, cached_train_step, eager_bytes
 
 COMPUTE = (K.FWD, K.RECOMPUTE, K.BWD)

@@ -29,7 +29,7 @@ import dataclasses
 from typing import Iterable, Sequence
 
 from harmony_fx.ir.pack import Pack
-from harmony_fx.schedule.actions import Action, ActionKind as K, Key, KeyKind, Stream
+from harmony_fx.program.actions import Action, ActionKind as K, Key, KeyKind, Stream
 
 __all__ = ["lower_program", "forward_groups", "grad_inputs", "ProgramSignature", "PASS_NAME"]
 

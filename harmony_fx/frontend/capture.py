@@ -32,7 +32,7 @@ from torch.utils import _pytree as pytree
 
 from harmony_fx.analysis.aliasing import alias_base, written_arguments
 from harmony_fx.ir import meta
-from harmony_fx.microbatch import ScalarReduction, scalar_reduction
+from harmony_fx.frontend.microbatch import ScalarReduction, scalar_reduction
 
 __all__ = ["Captured", "capture", "CaptureError"]
 

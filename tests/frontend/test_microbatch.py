@@ -13,7 +13,7 @@ from torch import nn
 torch.set_num_threads(1)  # tiny ops on a 2-core machine: threads only add synchronisation
 
 import harmony_fx  # noqa: E402
-from harmony_fx import microbatch  # noqa: E402
+from harmony_fx.frontend import microbatch  # noqa: E402
 from harmony_fx.testing.models import MLPChain, ResidualMLP  # noqa: E402
 
 RTOL, ATOL = 1e-5, 1e-6

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from harmony_fx.schedule.actions import Action, ActionKind, Key, KeyKind, Stream, parse_action, parse_key
+from harmony_fx.program.actions import Action, ActionKind, Key, KeyKind, Stream, parse_action, parse_key
 
 names = st.from_regex(r"[A-Za-z_][A-Za-z0-9_]{0,12}", fullmatch=True)
 small = st.integers(min_value=0, max_value=10_000)

@@ -4,7 +4,7 @@ from __future__ import annotations
 import collections
 from typing import Callable, Sequence
 
-from harmony_fx.schedule.actions import Action, ActionKind, Key
+from harmony_fx.program.actions import Action, ActionKind, Key
 
 __all__ = ["bytes_moved"]
 

@@ -12,8 +12,8 @@ from expecttest import assert_expected_inline
 
 import harmony_fx
 from harmony_fx.ir import meta
-from harmony_fx.ir.codegen import generate_program
-from harmony_fx.schedule.actions import Action, ActionKind, Key, KeyKind, Stream
+from harmony_fx.program.codegen import generate_program
+from harmony_fx.program.actions import Action, ActionKind, Key, KeyKind, Stream
 from harmony_fx.testing.models import MLPChain
 from tests.helpers import smallest_budget
 
