@@ -167,7 +167,7 @@ class Trainer:
                 loss_model_dims["kwargs"] = {name: dims.get(name, 0) for name in kwargs}
             options = {**options, "batch_dims": loss_model_dims}
         self.hm = HarmonyModule(_LossModel(model, loss_fn, self._takes_target), args, kwargs,
-                                CompileOptions(**options), _trainer=True, _updates=max_grad_norm is None)
+                                CompileOptions(**options), trainer=True, updates=max_grad_norm is None)
         (self._loss_name,) = self.hm.signature.model_outputs
         self._groups = self.hm.update_groups()
         self._last_hm = self.hm  # the module that ran the last step (one per batch size)
@@ -210,7 +210,7 @@ class Trainer:
         loss_like = hm.output_like(loss_name)
         output_grads = {Key(KeyKind.GRAD, loss_name, mb): torch.full(loss_like.shape, w, dtype=loss_like.dtype)
                         for mb, w in enumerate(weights)}
-        undo = _Undo(self.optimizer, [p for group in groups.values() for p in group], _written_buffers(hm))
+        undo = _Undo(self.optimizer, [p for group in groups.values() for p in group], hm.compiled.written_buffers())
         pending: list[concurrent.futures.Future] = []
         arrivals: collections.Counter = collections.Counter()
         arrivals_lock = threading.Lock()
@@ -435,12 +435,6 @@ class _Undo:
             buffer.copy_(data)
         for param, grad in self.grads:
             param.grad = grad
-
-
-def _written_buffers(hm: HarmonyModule) -> list[torch.Tensor]:
-    """The master buffers the forward writes back (BatchNorm statistics), each once."""
-    buffers = {id(t): t for pack in hm.packs for name in pack.mutated_buffers for t in [hm._masters[name]]}
-    return list(buffers.values())
 
 
 def _update(optimizer: torch.optim.Optimizer, params: Sequence[nn.Parameter] | None, undo: _Undo) -> None:

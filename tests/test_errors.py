@@ -20,8 +20,7 @@ from torch import nn
 torch.set_num_threads(1)  # tiny ops on a 2-core machine: threads only add synchronisation
 
 import harmony_fx  # noqa: E402
-import harmony_fx.api  # noqa: E402
-import harmony_fx.trainer  # noqa: E402
+import harmony_fx.compiler.variants  # noqa: E402
 from harmony_fx.program.ops import OP_OF_KIND  # noqa: E402
 from harmony_fx.runtime.executor import Runtime  # noqa: E402
 from harmony_fx.testing.models import MLPChain  # noqa: E402
@@ -132,13 +131,13 @@ def test_budget_below_the_minimum_names_the_minimum_which_then_works():
 
 def _count_captures(monkeypatch) -> list[int]:
     calls = []
-    real = harmony_fx.api.capture
+    real = harmony_fx.compiler.variants.capture
 
     def counting(*args, **kwargs):
         calls.append(1)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(harmony_fx.api, "capture", counting)
+    monkeypatch.setattr(harmony_fx.compiler.variants, "capture", counting)
     return calls
 
 
@@ -182,7 +181,7 @@ def test_trainer_steps_on_batches_of_several_sizes_equal_eager():
             torch.testing.assert_close(loss, ref_loss.detach(), rtol=RTOL, atol=ATOL)
             for param, ref in zip(model.parameters(), reference.parameters()):
                 torch.testing.assert_close(param.detach(), ref.detach(), rtol=RTOL, atol=ATOL)
-        assert sorted(trainer.hm._resized) == [5, 6]
+        assert trainer.hm.batch_sizes == [5, 6]
     finally:
         trainer.close()
 
@@ -196,7 +195,7 @@ def test_a_change_to_any_other_dim_is_refused(shape, dim):
     message = str(info.value)
     assert f"shape {shape}" in message and "(8, 4, 16)" in message
     assert "only its batch dim 0 may change" in message and "Compile again" in message
-    assert not getattr(hm, "_resized", {})
+    assert hm.batch_sizes == []
 
 
 def test_a_batch_smaller_than_the_microbatch_count_is_refused():
@@ -440,14 +439,14 @@ def test_an_error_inside_an_update_undoes_every_update_of_the_step(optimizer_nam
         for failing in range(num_groups):
             calls = []
 
-            def step_then_fail(optimizer, params, _real=harmony_fx.trainer._step_subset, _failing=failing):
-                _real(optimizer, params)
-                calls.append(len(params))
+            def step_then_fail(_real=optimizer.step, _failing=failing):
+                _real()  # over the parameters of one update group: the trainer hides the others
+                calls.append(1)
                 if len(calls) - 1 == _failing:
                     raise Injected(f"update #{_failing}")
 
             with monkeypatch.context() as patch:
-                patch.setattr(harmony_fx.trainer, "_step_subset", step_then_fail)
+                patch.setattr(optimizer, "step", step_then_fail)
                 with pytest.raises(Injected, match=f"update #{failing}"):
                     trainer.step(_batch(seed=2))
             _assert_state_equal(model, optimizer, saved)

@@ -6,7 +6,6 @@ so no real compute happens.
 """
 from __future__ import annotations
 
-import torch
 from torch import fx
 from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.flop_counter import FlopCounterMode

@@ -8,6 +8,7 @@ import sys
 import time
 
 from harmony_fx.config import format_size, parse_size
+from harmony_fx.program.format import format_table
 
 __all__ = ["add_parser", "run"]
 
@@ -80,6 +81,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _packs(profile, choice) -> list[dict]:
+    from harmony_fx.lowering.placement import backward_device, forward_device
     from harmony_fx.planner.chain import pack_layers
 
     schedule = choice.schedule
@@ -89,7 +91,8 @@ def _packs(profile, choice) -> list[dict]:
         stash = (profile.input_bytes if layers.start == 0 else profile.layers[layers.start - 1].out_bytes)
         if schedule.parallel == "pp":
             count = len(schedule.boundaries)
-            device = f"d{index % schedule.devices}/d{(2 * (count - 1) - index) % schedule.devices}"
+            device = (f"d{forward_device(index, schedule.devices)}/"
+                      f"d{backward_device(index, count, schedule.devices)}")
         else:
             device = "all" if schedule.devices > 1 else "d0"
         rows.append({
@@ -117,16 +120,13 @@ def _report(profile, choice, spec, host, seconds: float) -> dict:
 
 
 def _table(profile, choice) -> str:
-    rows = [("pack", "layers", "params", "weights", "stash", "devices (fwd/bwd)")]
+    rows = []
     for pack in _packs(profile, choice):
         first, last = pack["layers"]
         layers = first if pack["num_layers"] == 1 else f"{first} .. {last} ({pack['num_layers']})"
         rows.append((str(pack["pack"]), layers, f"{pack['params'] / 1e6:,.1f}M", format_size(pack["weight_bytes"]),
                      format_size(pack["stash_bytes"]), pack["device"]))
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    lines = ["  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in rows]
-    lines.insert(1, "  ".join("-" * width for width in widths))
-    return "\n".join(lines)
+    return format_table(("pack", "layers", "params", "weights", "stash", "devices (fwd/bwd)"), rows)
 
 
 def _summary(report: dict) -> str:

@@ -1,20 +1,40 @@
-"""Decide the packs: which contiguous layer ranges run together.
+"""Decide the packs: which contiguous layer ranges run together, and what each candidate costs.
 
 A packing policy maps ``(layer_costs, num_packs)`` to pack boundaries; ``plan_packs`` tries 1, 2,
-... packs and keeps the first packing whose program fits the budget (its peak comes from running
-the program on FakeTensors, see ``api``). The policy is a parameter: the planner (a later pass)
-replaces the default.
+... packs and keeps the first packing whose program fits the budget. The policy is a parameter:
+the planner's boundaries (``fixed``) or ``balanced``: the layers in ``num_packs`` contiguous chunks
+of about equal cost (weights plus activations), cut at prefix-sum quantiles, as Harmony's
+``balanced_addx``.
 
-``balanced``: split the layers into ``num_packs`` contiguous chunks of about equal cost (weights
-plus activations), cutting at prefix-sum quantiles, as Harmony's ``balanced_addx``.
+``evaluate`` is what a candidate costs, and changes nothing it is given: split the packs of every
+microbatch size, lower every device's programs, verify them, and run each on FakeTensors for its
+peak (``compiler.estimate``).
 """
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import itertools
-from typing import Callable, Sequence, TypeVar
+from typing import Callable, Mapping, Sequence, TypeVar
 
-__all__ = ["balanced", "plan_packs", "PackingPolicy", "BudgetTooSmallError"]
+import torch
+from torch import nn
+
+from harmony_fx.compiler.estimate import DeviceEstimate, estimate_device
+from harmony_fx.compiler.layout import Layout
+from harmony_fx.compiler.shapes import Shapes
+from harmony_fx.compiler.variants import Variant
+from harmony_fx.ir import meta
+from harmony_fx.ir.pack import Pack
+from harmony_fx.lowering.pipeline import lower_pipeline
+from harmony_fx.lowering.single import lower_program
+from harmony_fx.lowering.tasks import ProgramSignature
+from harmony_fx.passes.split_packs import split_packs
+from harmony_fx.program.actions import Action, ActionKind, Key, KeyKind
+from harmony_fx.program.verify import verify_devices, verify_program
+
+__all__ = ["balanced", "fixed", "plan_packs", "PackingPolicy", "BudgetTooSmallError", "Candidate", "PackingContext",
+           "evaluate", "layer_costs", "lower_devices", "update_groups", "verify_programs"]
 
 PackingPolicy = Callable[[Sequence[int], int], list[int]]
 C = TypeVar("C")
@@ -64,3 +84,128 @@ def plan_packs(layer_costs: Sequence[int], evaluate: Callable[[list[int]], C], p
         "or use more microbatches so each task holds fewer activations.",
         smallest,
     )
+
+
+def fixed(boundaries: Sequence[int]) -> PackingPolicy:
+    """A packing policy that always answers ``boundaries``."""
+    return lambda layer_costs, num_packs: list(boundaries)
+
+
+def layer_costs(variant: Variant) -> list[int]:
+    """Bytes of each layer: the state it reads plus the values it makes (what ``balanced`` evens out)."""
+    costs = []
+    for layer in variant.layers:
+        nodes = [variant.nodes[name] for name in layer.nodes]
+        state = {read for node in nodes for read in node.meta[meta.READS]}
+        costs.append(sum(meta.nbytes_of(variant.nodes[s]) for s in state) + sum(meta.nbytes_of(n) for n in nodes))
+    return costs
+
+
+@dataclasses.dataclass(frozen=True)
+class PackingContext:
+    """What evaluating a packing needs, the same for every candidate of one compile."""
+
+    variants: Mapping[int | None, Variant]
+    layout: Layout
+    signature: ProgramSignature
+    shapes: Shapes
+    targets: Sequence[torch.device]    # the device each program runs on
+    updates: bool                      # the host updates each pack's parameters as soon as they are complete
+    verify: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+    """One packing, lowered, verified and run on FakeTensors."""
+
+    boundaries: tuple[int, ...]
+    packs_by_size: Mapping[int | None, list[Pack]]
+    device_actions: list[tuple[list[Action], list[Action]]]  # (forward, backward) per device
+    estimates: list[DeviceEstimate]                          # per device
+
+    @property
+    def packs(self) -> list[Pack]:
+        return next(iter(self.packs_by_size.values()))
+
+    @property
+    def peaks(self) -> list[int]:
+        return [estimate.peak for estimate in self.estimates]
+
+    @property
+    def peak(self) -> int:
+        return max(self.peaks)
+
+
+def evaluate(context: PackingContext, boundaries: Sequence[int]) -> Candidate:
+    layout, signature = context.layout, context.signature
+    packs_by_size = {size: split_packs(v.captured.gm, v.layers, boundaries, v.masters)
+                     for size, v in context.variants.items()}
+    packs = packs_by_size[layout.mb_sizes[0]]
+    update_packs = frozenset(update_groups(packs, context.shapes.masters)) if context.updates else frozenset()
+    signature = dataclasses.replace(signature, update_packs=update_packs)
+    device_actions = lower_devices(packs, signature, layout, boundaries)
+    if context.verify:
+        verify_programs(device_actions, signature, layout)
+    estimates = [estimate_device(forward, backward, mbs, packs_by_size, context.shapes, signature, target)
+                 for (forward, backward), mbs, target
+                 in zip(device_actions, layout.device_microbatches, context.targets)]
+    return Candidate(tuple(boundaries), packs_by_size, device_actions, estimates)
+
+
+def lower_devices(packs: Sequence[Pack], signature: ProgramSignature, layout: Layout,
+                  boundaries: Sequence[int]) -> list[tuple[list[Action], list[Action]]]:
+    """Every device's (forward, backward) program: the pipeline's, or one per device's share of
+    the microbatches; with the layout's larger forward packs where they group these boundaries."""
+    if layout.parallel == "pp":
+        return lower_pipeline(packs, signature, len(layout.device_microbatches))
+    planned = layout.forward_groups
+    groups = planned[1] if planned and tuple(boundaries) == planned[0] else ()
+    return [lower_program(packs, dataclasses.replace(signature, microbatches=mbs, forward_groups=groups))
+            for mbs in layout.device_microbatches]
+
+
+def verify_programs(device_actions: Sequence[tuple[Sequence[Action], Sequence[Action]]],
+                    signature: ProgramSignature, layout: Layout) -> None:
+    """The program verifier over every device's ``(forward, backward)`` actions; raises
+    ``ProgramError`` naming the offending action and the pass that made it."""
+    if layout.parallel == "pp":
+        offloaded = [a.key for pair in device_actions for actions in pair for a in actions
+                     if a.kind == ActionKind.OFFLOAD]
+        for forward, backward in device_actions:
+            _verify_device(list(forward), list(backward), signature, elsewhere=offloaded)
+        verify_devices([list(forward) + list(backward) for forward, backward in device_actions])
+        return
+    for (forward, backward), mbs in zip(device_actions, layout.device_microbatches):
+        _verify_device(list(forward), list(backward), dataclasses.replace(signature, microbatches=mbs))
+
+
+def _verify_device(forward: list[Action], backward: list[Action], signature: ProgramSignature,
+                   elsewhere: Sequence[Key] = ()) -> None:
+    """``elsewhere``: host keys other devices' programs write (their waits are checked across
+    devices by ``verify_devices``)."""
+    mbs = signature.microbatches
+    host_keys = [Key(KeyKind.ACT, v, mb) for v in signature.model_inputs for mb in mbs] + list(elsewhere)
+    grad_keys = [Key(KeyKind.GRAD, v, mb) for v in signature.model_outputs for mb in mbs]
+    if signature.fuse_last:
+        host_keys += grad_keys
+    forward_results = [a.key for a in forward if a.kind == ActionKind.OFFLOAD
+                       and (a.key.kind != KeyKind.ACT or a.key.name in signature.model_outputs)]
+    verify_program(forward, host_keys, forward_results)
+    # the backward program continues from the forward's state: check them as one
+    backward_results = [a.key for a in backward if a.kind == ActionKind.OFFLOAD]
+    verify_program(forward + backward, host_keys + grad_keys, backward_results)
+
+
+def update_groups(packs: Sequence[Pack], masters: Mapping[str, torch.Tensor]) -> dict[int, list[nn.Parameter]]:
+    """``{pack index: the parameters the host updates after that pack's backward}``: each
+    trainable parameter goes with the lowest-index pack that uses it, the last to add to its
+    gradient (backward runs packs in reverse)."""
+    groups: dict[int, list[nn.Parameter]] = {}
+    seen: set[int] = set()
+    for pack in packs:
+        for name in pack.params:
+            param = masters[name]
+            if param.requires_grad and id(param) not in seen:
+                seen.add(id(param))
+                groups.setdefault(pack.index, []).append(param)
+    return groups

@@ -1,12 +1,19 @@
-"""The plan: what the planning passes decided, frozen, printable and serialisable."""
+"""The plan: what compiling decided, frozen, printable and serialisable (``hm.plan``)."""
 from __future__ import annotations
 
 import dataclasses
 import json
+from typing import Mapping, Sequence
+
+from torch import fx
 
 from harmony_fx.config import format_size
+from harmony_fx.ir import meta
+from harmony_fx.program.actions import ActionKind, Key, KeyKind
+from harmony_fx.program.format import format_table
+from harmony_fx.program.traffic import bytes_moved
 
-__all__ = ["PackPlan", "Plan"]
+__all__ = ["PackPlan", "Plan", "make_plan"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,14 +53,12 @@ class Plan:
         return json.dumps(dataclasses.asdict(self), indent=2)
 
     def table(self) -> str:
-        rows = [("pack", "layers", "params", "weights", "stash", "device", "recompute")]
+        rows = []
         for pack in self.packs:
             layers = pack.layers[0] if len(pack.layers) == 1 else f"{pack.layers[0]} .. {pack.layers[-1]} ({len(pack.layers)})"
             rows.append((str(pack.index), layers, f"{pack.num_params:,}", format_size(pack.weight_bytes),
                          format_size(pack.stash_bytes), pack.device, "yes" if pack.recompute else "no"))
-        widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-        lines = ["  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in rows]
-        lines.insert(1, "  ".join("-" * width for width in widths))
+        lines = format_table(("pack", "layers", "params", "weights", "stash", "device", "recompute"), rows).split("\n")
         budget = "unlimited" if self.budget is None else format_size(self.budget)
         peaks = ", ".join(f"{d}: {format_size(p)}" for d, p in self.predicted_peak.items())
         lines += [
@@ -70,3 +75,32 @@ class Plan:
 
     def __str__(self) -> str:
         return self.table()
+
+
+def make_plan(candidate, shapes, nodes: Mapping[str, fx.Node], devices: Sequence, layout, budget: int | None,
+              policy: str, batch: str) -> Plan:
+    """The plan of the chosen ``candidate`` (a ``compiler.packing.Candidate``): per pack its layers,
+    parameters, weight bytes and stash; per device its predicted peak; the bytes moved by
+    direction and kind (``shapes``: the key sizes; ``nodes``: the primary graph's, annotated with
+    the chosen packs)."""
+    packs = candidate.packs_by_size[layout.mb_sizes[0]]
+    key_bytes = lambda key: shapes.key_bytes(key, packs)  # noqa: E731
+    every_action = [a for forward, backward in candidate.device_actions for a in forward + backward]
+    moved = bytes_moved(every_action, key_bytes)
+    stash = {pack.index: 0 for pack in packs}
+    for action in every_action:
+        if action.kind == ActionKind.OFFLOAD and action.key.kind == KeyKind.ACT and action.key.name in nodes:
+            producer = nodes[action.key.name].meta.get(meta.PACK)
+            if producer is not None:
+                stash[producer] += key_bytes(action.key)
+    placement = ", ".join(d.name for d in devices)
+    pack_plans = tuple(
+        PackPlan(pack.index, pack.layer_names, sum(shapes.masters[n].numel() for n in pack.params),
+                 key_bytes(Key(KeyKind.WEIGHTS, pack.name)), stash[pack.index], placement,
+                 recompute=pack.index < len(packs) - 1)
+        for pack in packs)
+    first = devices[0]
+    return Plan(pack_plans, layout.num_microbatches, tuple(d.name for d in devices), budget,
+                {d.name: peak for d, peak in zip(devices, candidate.peaks)},
+                {f"{d}/{k}": n for (d, k), n in sorted(moved.items())}, policy, layout.parallel, batch,
+                first.margin, first.margin_note)

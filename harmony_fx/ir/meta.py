@@ -20,10 +20,11 @@ key                        written by                      value
 ``harmony_live_packs``     analysis.liveness               (producer pack, last reading pack); -1 = model input
 ``harmony_layer``          passes.find_layers              index of the layer the node belongs to
 ``harmony_layer_name``     passes.find_layers              e.g. ``"h.3"`` or the node's own name
-``harmony_pack``           passes.plan_packs               index of the pack the node belongs to
-``harmony_action``         passes.generate_program         the schedule ``Action`` a program node runs
-``harmony_step``           passes.generate_program         the comment codegen prints above a step
-``from_node``              every inserting pass            name of the pass that created the node
+``harmony_pack``           passes.split_packs              index of the pack the node belongs to (the
+                                                           packing chosen: annotate_packs)
+``harmony_action``         program.codegen                 the ``Action`` a program node runs
+``harmony_step``           program.codegen                 the comment codegen prints above a step
+``harmony_created_by``     program.codegen                 the pass that created the node's action
 =========================  ==============================  ===========================================
 """
 from __future__ import annotations
@@ -51,7 +52,7 @@ LAYER_NAME = "harmony_layer_name"
 PACK = "harmony_pack"
 ACTION = "harmony_action"
 STEP = "harmony_step"
-FROM_PASS = "from_node"
+FROM_PASS = "harmony_created_by"  # not torch.fx's own "from_node", which means something else
 
 
 class Role(enum.Enum):

@@ -17,37 +17,62 @@
 
 Each device's program lists its tasks in one global order (packs, then microbatches; forward then
 backward), and every task depends only on tasks before it in that order, so the devices cannot
-wait on each other in a cycle; ``validate.verify_devices`` checks it by running them together.
+wait on each other in a cycle; ``program.verify.verify_devices`` checks it by running them together.
 """
 from __future__ import annotations
 
 from typing import Sequence
 
 from harmony_fx.ir.pack import Pack
-from harmony_fx.lowering.single import (
-    ProgramSignature, _buffers_out, _Builder, _Context, _forward_compute, _Shared, _update, _weight_grads_out,
-    grad_inputs, weights,
+from harmony_fx.lowering.placement import backward_device, forward_device
+from harmony_fx.lowering.tasks import (
+    Builder, EventCounter, PackFacts, ProgramSignature, backward_task, buffers_out, forward_task, update,
+    weight_grads_out, weights,
 )
 from harmony_fx.program.actions import Action, ActionKind as K, Key, KeyKind, Stream
 
-__all__ = ["lower_pipeline", "forward_device", "backward_device"]
+__all__ = ["lower_pipeline"]
 
 PASS_NAME = "lower_pipeline"
 
 
-def forward_device(pack: int, num_devices: int) -> int:
-    return pack % num_devices
+class _Wrap:
+    """The pipeline's shape, shared by every device's builder: where each pack's tasks run, which
+    values and gradients go device to device, and who wrote each host gradient."""
+
+    def __init__(self, packs: Sequence[Pack], signature: ProgramSignature, num_devices: int) -> None:
+        self.packs, self.signature, self.num_devices = packs, signature, num_devices
+        self.producer = {v: pack.index for pack in packs for v in pack.outputs}
+        self.readers: dict[str, list[int]] = {}
+        for pack in packs:
+            for v in pack.act_inputs:
+                self.readers.setdefault(v, []).append(pack.index)
+        self.host_writers: dict[Key, list[int]] = {}  # host gradient key -> events of the partial copies
+        self.forward_events: dict[tuple[int, int], int] = {}
+
+    def fdev(self, p: int) -> int:
+        return forward_device(p, self.num_devices)
+
+    def bdev(self, p: int) -> int:
+        return backward_device(p, len(self.packs), self.num_devices)
+
+    def sent_forward(self, v: str, p: int) -> bool:
+        """``v`` (made by ``p - 1``) reaches pack ``p`` device to device."""
+        return self.producer.get(v) == p - 1 and self.fdev(p - 1) != self.fdev(p)
+
+    def grad_p2p(self, v: str) -> bool:
+        """The gradient of ``v`` goes device to device: its only reader is the next pack."""
+        q = self.producer.get(v)
+        return (q is not None and self.readers.get(v) == [q + 1] and v not in self.signature.model_outputs
+                and self.bdev(q) != self.bdev(q + 1))
 
 
-def backward_device(pack: int, num_packs: int, num_devices: int) -> int:
-    return (2 * (num_packs - 1) - pack) % num_devices
-
-
-class _PipeBuilder(_Builder):
+class _PipeBuilder(Builder):
     pass_name = PASS_NAME
 
-    def __init__(self, device: int, shared: _Shared) -> None:
-        super().__init__(device, shared)
+    def __init__(self, facts: PackFacts, device: int, shared: EventCounter, wrap: _Wrap) -> None:
+        super().__init__(facts, device, shared)
+        self.wrap = wrap
         self.sent: list[Key] = []  # keys handed to a peer and not yet freed
 
     def free_sent(self) -> None:
@@ -62,143 +87,97 @@ class _PipeBuilder(_Builder):
         self.wait(self.ready[key], Stream.PEER)
         event = self.emit(K.SEND, Stream.PEER, key=key, peer=peer, reads=(key,))
         self.readers.setdefault(key, []).append(event)
+        self.sent.append(key)
 
     def recv(self, key: Key, peer: int) -> None:
         event = self.emit(K.RECV, Stream.PEER, key=key, peer=peer)
         self.ready[key] = event
         self.copy_events.add(event)
 
-    def prefetch_all_writers(self, key: Key, writers: Sequence[int]) -> None:
-        """A host value several devices added to (partial gradients, summed on the host): wait on
-        the host for every copy, then fetch the sum."""
-        for event in writers:
-            self.wait(event, Stream.HOST)
-        self.prefetch(key)
+    # ------------------------------------------------------------------ where values come and go
+    def fetch_input(self, key: Key, pack: int) -> None:
+        if self.wrap.sent_forward(key.name, pack):
+            self.recv(key, self.wrap.fdev(pack - 1))
+        else:
+            self.prefetch(key)
+
+    def route_output(self, key: Key, pack: int) -> None:
+        wrap = self.wrap
+        to_next = pack < self.facts.last and key.name in wrap.packs[pack + 1].act_inputs
+        if to_next and wrap.fdev(pack + 1) != wrap.fdev(pack):
+            self.send(key, wrap.fdev(pack + 1))
+
+    def keeps(self, key: Key, pack: int) -> bool:
+        return key in self.sent  # every other input is stashed for the recompute on another device
+
+    def before_recompute(self, pack: Pack, mb: int) -> None:
+        if pack.random and self.wrap.fdev(pack.index) != self.device:
+            # the recompute replays the RNG state the forward saved on another device (on this
+            # device the forward program has ended, and with it its work)
+            self.wait(self.wrap.forward_events[(pack.index, mb)], Stream.COMPUTE)
+
+    def output_grads(self, pack: Pack, mb: int) -> tuple[list[Key], list[Key]]:
+        wrap, grads = self.wrap, []
+        for v in pack.outputs:
+            if v not in self.facts.signature.differentiable:
+                continue
+            key = Key(KeyKind.GRAD, v, mb)
+            if wrap.grad_p2p(v):
+                self.recv(key, wrap.bdev(pack.index + 1))
+                grads.append(key)
+            elif key in wrap.host_writers:
+                # a host value several devices added to (partial gradients, summed on the host):
+                # wait on the host for every copy, then fetch the sum
+                self.on_host.setdefault(key, None)
+                for event in wrap.host_writers[key]:
+                    self.wait(event, Stream.HOST)
+                self.prefetch(key)
+                grads.append(key)
+        self.use(grads)
+        return grads, []
+
+    def route_input_grad(self, key: Key, pack: int) -> None:
+        if self.wrap.grad_p2p(key.name):
+            self.send(key, self.wrap.bdev(pack - 1))
+        else:
+            self.offload(key)  # the host sums the partial gradients of every reader
+            self.wrap.host_writers.setdefault(key, []).append(self.on_host[key])
+            self.free(key)
 
 
 def lower_pipeline(packs: Sequence[Pack], signature: ProgramSignature,
                    num_devices: int) -> list[tuple[list[Action], list[Action]]]:
     """(forward program, backward program) per device."""
-    shared = _Shared()
-    builders = [_PipeBuilder(d, shared) for d in range(num_devices)]
-    num_packs, last = len(packs), len(packs) - 1
-    context = _Context(packs, signature)
-    producer = {v: pack.index for pack in packs for v in pack.outputs}
-    readers = {}
-    for pack in packs:
-        for v in pack.act_inputs:
-            readers.setdefault(v, []).append(pack.index)
-    host_writers: dict[Key, list[int]] = {}  # host gradient key -> events of the partial copies
-    forward_events: dict[tuple[int, int], int] = {}
+    shared, facts, wrap = EventCounter(), PackFacts(packs, signature), _Wrap(packs, signature, num_devices)
+    builders = [_PipeBuilder(facts, d, shared, wrap) for d in range(num_devices)]
+    last = len(packs) - 1
     for name in signature.model_inputs:
         for mb in signature.microbatches:
             shared.on_host[Key(KeyKind.ACT, name, mb)] = None
     for name in signature.model_outputs:
         for mb in signature.microbatches:
-            host_writers[Key(KeyKind.GRAD, name, mb)] = []  # the caller's (or the loss weights)
-
-    def fdev(p: int) -> int:
-        return forward_device(p, num_devices)
-
-    def bdev(p: int) -> int:
-        return backward_device(p, num_packs, num_devices)
-
-    def sent_forward(v: str, p: int) -> bool:
-        """``v`` (made by ``p - 1``) reaches pack ``p`` device to device."""
-        return producer.get(v) == p - 1 and fdev(p - 1) != fdev(p)
-
-    def grad_p2p(v: str) -> bool:
-        """The gradient of ``v`` goes device to device: its only reader is the next pack."""
-        q = producer.get(v)
-        return (q is not None and readers.get(v) == [q + 1] and v not in signature.model_outputs
-                and bdev(q) != bdev(q + 1))
-
-    def forward_task(b: _PipeBuilder, pack: Pack, mb: int) -> int:
-        p = pack.index
-        inputs = [Key(KeyKind.ACT, v, mb) for v in pack.act_inputs]
-        for key in inputs:
-            if sent_forward(key.name, p):
-                b.recv(key, fdev(p - 1))
-            else:
-                b.prefetch(key)
-        b.use(inputs)
-        outputs = [Key(KeyKind.ACT, v, mb) for v in pack.outputs]
-        event = forward_events[(p, mb)] = _forward_compute(b, pack, mb, inputs, outputs, last)
-        for key in outputs:
-            b.offload(key)
-            if p < last and key.name in packs[p + 1].act_inputs and fdev(p + 1) != fdev(p):
-                b.send(key, fdev(p + 1))
-                b.sent.append(key)
-        if p < last:
-            for key in inputs + outputs:
-                if b.resident(key) and key not in b.sent:
-                    b.free(key)
-        return event
-
-    def backward_task(b: _PipeBuilder, pack: Pack, mb: int) -> None:
-        p = pack.index
-        graph = Key(KeyKind.GRAPH, pack.name, mb)
-        if p < last:
-            inputs = [Key(KeyKind.ACT, v, mb) for v in pack.act_inputs]
-            for key in inputs:
-                b.prefetch(key)
-            b.use(inputs)
-            if pack.random and fdev(p) != b.device:
-                # the recompute replays the RNG state the forward saved on another device (on this
-                # device the forward program has ended, and with it its work)
-                b.wait(forward_events[(p, mb)], Stream.COMPUTE)
-            b.compute(K.RECOMPUTE, p, mb, produces=[graph], consumes=inputs, reads=[weights(p)])
-        output_grads = []
-        for v in pack.outputs:
-            if v not in signature.differentiable:
-                continue
-            key = Key(KeyKind.GRAD, v, mb)
-            if grad_p2p(v):
-                b.recv(key, bdev(p + 1))
-                output_grads.append(key)
-            elif key in host_writers:
-                b.on_host.setdefault(key, None)
-                b.prefetch_all_writers(key, host_writers[key])
-                output_grads.append(key)
-        b.use(output_grads)
-        produced = [Key(KeyKind.GRAD, v, mb) for v in grad_inputs(pack, signature)]
-        consumed = [graph] + output_grads
-        if p == last:
-            consumed += [Key(KeyKind.ACT, v, mb) for v in pack.outputs]
-        b.compute(K.BWD, p, mb, produces=produced + [Key(KeyKind.WGRAD, pack.name)], consumes=consumed,
-                  reads=[weights(p)])
-        for key in produced:
-            if grad_p2p(key.name):
-                b.send(key, bdev(p - 1))
-                b.sent.append(key)
-            else:
-                b.offload(key)  # the host sums the partial gradients of every reader
-                host_writers.setdefault(key, []).append(shared.on_host[key])
-                b.free(key)
-
-    def release(b: _PipeBuilder, pack: Pack, last_event: int, fused: bool) -> None:
-        if pack.mutated_buffers:
-            _buffers_out(b, pack, last_event)
-        if fused or pack.index < last:
-            if fused:
-                _weight_grads_out(b, context, pack)
-            b.free(weights(pack.index))
+            wrap.host_writers[Key(KeyKind.GRAD, name, mb)] = []  # the caller's (or the loss weights)
 
     # ---------------------------------------------------------------- forward
     for pack in packs:
         p = pack.index
-        b = builders[fdev(p)]
+        b = builders[wrap.fdev(p)]
         fused = p == last and signature.fuse_last
         b.prefetch(weights(p))
         b.use([weights(p)])
         for mb in signature.microbatches:
-            event = forward_task(b, pack, mb)
+            event = wrap.forward_events[(p, mb)] = forward_task(b, pack, mb)
             if fused:
                 backward_task(b, pack, mb)
         b.free_sent()
-        release(b, pack, event, fused)
+        if pack.mutated_buffers:
+            buffers_out(b, pack, event)
         if fused:
-            _update(b, context, pack)
+            weight_grads_out(b, pack)
+        if fused or p < last:
+            b.free(weights(p))
+        if fused:
+            update(b, pack)
     num_forward = []
     for b in builders:
         _wait_for_own_copies(b)
@@ -209,24 +188,23 @@ def lower_pipeline(packs: Sequence[Pack], signature: ProgramSignature,
         p = pack.index
         if p == last and signature.fuse_last:
             continue
-        b = builders[bdev(p)]
+        b = builders[wrap.bdev(p)]
         b.prefetch(weights(p))
         b.use([weights(p)])
         for mb in signature.microbatches:
             backward_task(b, pack, mb)
         b.free_sent()
-        _weight_grads_out(b, context, pack)
+        weight_grads_out(b, pack)
         b.free(weights(p))
-        _update(b, context, pack)
+        update(b, pack)
     for b in builders:
         _wait_for_own_copies(b)
         assert not b.ready, f"{PASS_NAME} left keys resident on d{b.device}: {sorted(map(str, b.ready))}"
     return [(b.actions[:n], b.actions[n:]) for b, n in zip(builders, num_forward)]
 
 
-def _wait_for_own_copies(b: _Builder) -> None:
+def _wait_for_own_copies(b: Builder) -> None:
     """A program ends once every device-to-host copy it issued has landed."""
     for action in b.actions:
         if action.kind == K.OFFLOAD:
             b.wait(action.event, Stream.HOST)
-

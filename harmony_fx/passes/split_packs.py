@@ -1,6 +1,6 @@
 """Materialise packs: one GraphModule per contiguous range of layers.
 
-1. Assign ``PACK`` to every compute node from the layer boundaries the packing policy chose.
+1. Each pack is the contiguous range of layers between two boundaries.
 2. For each pack, collect its inputs (values defined outside and used inside: activations and
    model inputs, then parameters and buffers), and its outputs (values used after the pack).
 3. Copy the pack's nodes into a fresh graph whose placeholders are those inputs and whose output
@@ -28,7 +28,7 @@ from harmony_fx.ir import meta
 from harmony_fx.ir.pack import Pack
 from harmony_fx.passes.find_layers import Layer
 
-__all__ = ["split_packs"]
+__all__ = ["split_packs", "annotate_packs", "pack_ranges"]
 
 
 def split_packs(gm: fx.GraphModule, layers: Sequence[Layer], boundaries: Sequence[int],
@@ -37,14 +37,25 @@ def split_packs(gm: fx.GraphModule, layers: Sequence[Layer], boundaries: Sequenc
     ``masters``: placeholder name → master tensor, to merge tied parameters."""
     if not boundaries or boundaries[0] != 0 or list(boundaries) != sorted(set(boundaries)) or boundaries[-1] >= len(layers):
         raise ValueError(f"split_packs: pack boundaries {list(boundaries)} must start at 0 and increase within {len(layers)} layers")
-    ranges = list(zip(boundaries, list(boundaries[1:]) + [len(layers)]))
     nodes = {node.name: node for node in gm.graph.nodes}
-    for pack_index, (start, stop) in enumerate(ranges):
+    return [_build_pack(gm, layers, pack_index, start, stop, nodes, masters)
+            for pack_index, (start, stop) in enumerate(pack_ranges(boundaries, len(layers)))]
+
+
+def pack_ranges(boundaries: Sequence[int], num_layers: int) -> list[tuple[int, int]]:
+    """``(first layer, end)`` of each pack."""
+    return list(zip(boundaries, [*boundaries[1:], num_layers]))
+
+
+def annotate_packs(gm: fx.GraphModule, layers: Sequence[Layer], boundaries: Sequence[int]) -> fx.GraphModule:
+    """Write ``PACK`` on every compute node: the pack its layer falls in, for the packing chosen
+    (``split_packs`` itself writes nothing, so evaluating candidates leaves the graph as it was)."""
+    nodes = {node.name: node for node in gm.graph.nodes}
+    for pack_index, (start, stop) in enumerate(pack_ranges(boundaries, len(layers))):
         for layer in layers[start:stop]:
             for name in layer.nodes:
                 nodes[name].meta[meta.PACK] = pack_index
-    return [_build_pack(gm, layers, pack_index, start, stop, nodes, masters)
-            for pack_index, (start, stop) in enumerate(ranges)]
+    return gm
 
 
 def _build_pack(gm, layers, pack_index, start, stop, nodes, masters) -> Pack:

@@ -14,7 +14,9 @@ from typing import Sequence
 from harmony_fx.ir.pack import Pack
 from harmony_fx.frontend.microbatch import microbatch_sizes
 from harmony_fx.lowering.pipeline import lower_pipeline
-from harmony_fx.lowering.single import ProgramSignature, lower_program
+from harmony_fx.lowering.placement import data_parallel_microbatches
+from harmony_fx.lowering.single import lower_program
+from harmony_fx.lowering.tasks import ProgramSignature
 from harmony_fx.planner.costs import PackCosts, chain_key_bytes
 from harmony_fx.planner.profile import ModelProfile
 from harmony_fx.planner.specs import DeviceSpec, HostSpec
@@ -71,13 +73,8 @@ def chain_schedule(profile: ModelProfile, schedule: Schedule, batch_size: int, s
     if schedule.parallel == "pp":
         pairs = lower_pipeline(packs, signature, schedule.devices)
     else:
-        pairs = []
-        per_device = microbatch_sizes(schedule.microbatches, schedule.devices)
-        start = 0
-        for count in per_device:
-            mbs = tuple(range(start, start + count))
-            start += count
-            pairs.append(lower_program(packs, dataclasses.replace(signature, microbatches=mbs)))
+        pairs = [lower_program(packs, dataclasses.replace(signature, microbatches=mbs))
+                 for mbs in data_parallel_microbatches(schedule.microbatches, schedule.devices)]
     layers = pack_layers(schedule.boundaries, num_layers)
     costs = PackCosts(profile, layers, sizes, spec, host, chain_key_bytes(profile, layers, sizes))
     return [forward + backward for forward, backward in pairs], costs

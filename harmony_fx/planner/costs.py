@@ -14,7 +14,7 @@ from harmony_fx.planner.profile import ModelProfile
 from harmony_fx.planner.specs import DeviceSpec, HostSpec
 from harmony_fx.program.actions import Action, ActionKind as K, Key, KeyKind
 
-__all__ = ["PackCosts", "chain_key_bytes"]
+__all__ = ["PackCosts", "layer_seconds", "chain_key_bytes"]
 
 
 class PackCosts:
@@ -43,13 +43,8 @@ class PackCosts:
         return self._seconds[cache_key]
 
     def _layer_seconds(self, layer, kind: K, size: int) -> float:
-        measured = layer.measured(size)
-        backward = kind == K.BWD
-        if measured is not None:
-            return measured[1] if backward else measured[0]
-        flops = layer.fwd_flops * size * (2 if backward else 1)
-        touched = layer.saved_bytes * size * (2 if backward else 1) + layer.param_bytes
-        return self.spec.compute_seconds(flops, touched, self.profile.precision)
+        forward, backward = layer_seconds(layer, size, self.spec, self.profile.precision)
+        return backward if kind == K.BWD else forward
 
     def task_peak(self, action: Action, allocated: int = 0) -> int:
         """Its new keys, and the largest of its layers' values for this microbatch on top (the
@@ -60,6 +55,19 @@ class PackCosts:
 
     def update_seconds(self, pack: int) -> float:
         return sum(layer.num_params for layer in self.pack_layers[pack]) / self.host.update_params_per_second
+
+
+def layer_seconds(layer, size: int, spec: DeviceSpec, precision: str) -> tuple[float, float]:
+    """(forward, backward) seconds of one layer on a microbatch of ``size``: measured
+    (interpolated) when the profile has them, else the spec's roofline, the backward twice the
+    forward's FLOPs and bytes."""
+    measured = layer.measured(size)
+    if measured is not None:
+        return measured
+    forward = spec.compute_seconds(layer.fwd_flops * size, layer.saved_bytes * size + layer.param_bytes, precision)
+    backward = spec.compute_seconds(2 * layer.fwd_flops * size, 2 * layer.saved_bytes * size + layer.param_bytes,
+                                    precision)
+    return forward, backward
 
 
 def chain_key_bytes(profile: ModelProfile, pack_layers: Sequence[Sequence[int]],

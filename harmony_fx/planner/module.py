@@ -36,7 +36,8 @@ def _itemsize(hm) -> int | None:
 
 
 def _batch_of(hm) -> int:
-    return max((x.shape[d] for x, d in zip(hm._example_flat, hm._flat_dims) if d is not None), default=1)
+    compiled = hm.compiled
+    return max((spec[0][d] for spec, d in zip(compiled.input_specs, compiled.flat_dims) if d is not None), default=1)
 
 
 class _MeasuredCosts(PackCosts):

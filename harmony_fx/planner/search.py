@@ -23,12 +23,13 @@ import numpy as np
 
 from harmony_fx.config import format_size
 from harmony_fx.planner.chain import Schedule, chain_schedule
+from harmony_fx.planner.costs import layer_seconds
 from harmony_fx.planner.profile import ModelProfile
 from harmony_fx.planner.simulate import Simulation, simulate
 from harmony_fx.planner.specs import DeviceSpec, HostSpec
 
 __all__ = ["PlanChoice", "search", "best_boundaries", "baselines", "lower_bound", "host_bytes",
-           "PlanningError"]
+           "PlanningError", "PackModel", "ForwardModel"]
 
 _MASTER_PER_PARAM = 8  # fp32 master and its fp32 gradient
 
@@ -56,21 +57,11 @@ class PlanChoice:
         return self.batch_size / self.seconds
 
 
-def _layer_seconds(layer, size: int, spec: DeviceSpec, precision: str) -> tuple[float, float]:
-    """(forward, backward) seconds of one layer on one microbatch (as ``PackCosts`` charges them)."""
-    measured = layer.measured(size)
-    if measured is not None:
-        return measured
-    fwd = spec.compute_seconds(layer.fwd_flops * size, layer.saved_bytes * size + layer.param_bytes, precision)
-    bwd = spec.compute_seconds(2 * layer.fwd_flops * size, 2 * layer.saved_bytes * size + layer.param_bytes, precision)
-    return fwd, bwd
-
-
 def _prefix(values: Sequence[float]) -> np.ndarray:
     return np.concatenate([[0.0], np.cumsum(np.asarray(values, dtype=np.float64))])
 
 
-class _PackModel:
+class PackModel:
     """Need and cost of packs ``[a, b)`` for one setting, from prefix sums: every method takes
     ints or numpy arrays of them (broadcast), so the dynamic program works a row at a time."""
 
@@ -85,7 +76,7 @@ class _PackModel:
         self.bandwidth = bandwidth
         self.overhead = 10 * spec.launch_seconds * mbs_per_device
         self.update_rate = host.update_params_per_second
-        seconds = [_layer_seconds(layer, size, spec, profile.precision) for layer in layers]
+        seconds = [layer_seconds(layer, size, spec, profile.precision) for layer in layers]
         self.forward = _prefix([fwd for fwd, _ in seconds])
         self.backward = _prefix([bwd for _, bwd in seconds])
         self.params = _prefix([layer.num_params for layer in layers])
@@ -133,12 +124,12 @@ class _PackModel:
         return np.maximum(compute, moved / self.bandwidth) + tail + self.overhead
 
 
-class _ForwardModel:
+class ForwardModel:
     """Groups ``[u, v)`` of the backward's packs ``boundaries`` run as one forward pack: it holds
     its weights, one layer's values and its edges (no graph, no gradients), beside the next
     group's weights coming in; it costs the slower of its forward and its weights' copy."""
 
-    def __init__(self, model: _PackModel, boundaries: Sequence[int]) -> None:
+    def __init__(self, model: PackModel, boundaries: Sequence[int]) -> None:
         self.model = model
         self.edges = np.asarray([*boundaries, model.num_layers])
         self.num_layers = len(boundaries) - 1  # the last pack stays alone: it keeps its graph
@@ -159,19 +150,19 @@ class _ForwardModel:
         return np.maximum(compute, self.weights(u, v) / model.bandwidth) + model.overhead
 
 
-def forward_groups(model: _PackModel, boundaries: Sequence[int], budget: float) -> tuple[int, ...]:
+def forward_groups(model: PackModel, boundaries: Sequence[int], budget: float) -> tuple[int, ...]:
     """The exact best grouping of the backward's packs into forward packs (the last one alone), as
     ``ProgramSignature.forward_groups``; () when no grouping beats one pack per group."""
     if len(boundaries) < 3:
         return ()
-    forward = _ForwardModel(model, boundaries)
+    forward = ForwardModel(model, boundaries)
     groups = best_boundaries(forward.num_layers, forward, budget)
     if groups is None or len(groups) == forward.num_layers:
         return ()
     return (*groups, len(boundaries) - 1)
 
 
-def best_boundaries(num_layers: int, model: _PackModel, budget: float) -> list[int] | None:
+def best_boundaries(num_layers: int, model: PackModel, budget: float) -> list[int] | None:
     """The exact optimum of ``sum(cost)`` over contiguous packings whose adjacent pairs fit.
 
     ``best[j]``: for each last pack ``[i, j)`` of a cover of ``[0, j)``, its cheapest cost. For a
@@ -218,7 +209,7 @@ def best_boundaries(num_layers: int, model: _PackModel, budget: float) -> list[i
         i, j = parent[(i, j)], i
 
 
-def baselines(num_layers: int, model: _PackModel, budget: float) -> dict[str, list[int]]:
+def baselines(num_layers: int, model: PackModel, budget: float) -> dict[str, list[int]]:
     """Packings to beat: one layer per pack, the largest packs that fit (front to back), Harmony's
     ``greedy_reverse`` (back to front, the rest in the first pack) and ``balanced_time``."""
     fits = lambda a, b: model.need(a, b) + model.weights(a, b) <= budget  # noqa: E731 - with a neighbour as big
@@ -267,7 +258,7 @@ def lower_bound(profile: ModelProfile, batch_size: int, devices: int, spec: Devi
     own link, and all of it over the shared host link."""
     compute = 0.0
     for index, layer in enumerate(profile.layers):
-        forward, backward = _layer_seconds(layer, batch_size, spec, profile.precision)
+        forward, backward = layer_seconds(layer, batch_size, spec, profile.precision)
         compute += forward + backward + (forward if index in recomputed else 0.0)
     compute /= devices
     moved = 3 * profile.param_bytes
@@ -317,7 +308,7 @@ def search(profile: ModelProfile, spec: DeviceSpec, host: HostSpec, *, batch_siz
     for count, mode, used in _settings(batch_size, devices, parallel, microbatches, all_devices):
         size = -(-batch_size // count)
         per_device = count if mode == "pp" else -(-count // used)
-        model = _PackModel(profile, size, per_device, spec, used, host)
+        model = PackModel(profile, size, per_device, spec, used, host)
         smallest_need = min(smallest_need, min(model.need(i, i + 1) + model.weights(i, i + 1) for i in range(num_layers)))
         boundaries = best_boundaries(num_layers, model, budget)
         if boundaries is None:

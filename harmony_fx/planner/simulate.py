@@ -34,7 +34,6 @@ from harmony_fx.program.actions import Action, ActionKind as K, Key, Stream
 __all__ = ["Costs", "Simulation", "simulate", "SimulationDeadlock"]
 
 _COMPUTE = (K.FWD, K.RECOMPUTE, K.BWD)
-_DIRECTION = {K.PREFETCH: "h2d", K.OFFLOAD: "d2h", K.RECV: "peer"}
 
 
 class Costs(Protocol):
@@ -182,7 +181,7 @@ class _Simulator:
                 queue.popleft()
                 return True
             else:  # PREFETCH / OFFLOAD / SEND
-                lane = {K.PREFETCH: "h2d", K.OFFLOAD: "d2h", K.SEND: "peer"}[action.kind]
+                lane = action.stream.value  # a copy's lane is its stream: h2d, d2h or peer
                 size = self.costs.key_bytes(action.key)
                 if action.kind != K.SEND:
                     self._count(device, action)
@@ -214,7 +213,7 @@ class _Simulator:
 
     def _count(self, device: int, action: Action) -> None:
         size = self.costs.key_bytes(action.key)
-        direction = _DIRECTION[action.kind]
+        direction = action.stream.value
         self.moved[(direction, action.key.kind.name.lower())] += size
         self.by_device[device][direction] += size
 

@@ -1,11 +1,12 @@
-"""Print device programs as a step x device grid of their compute tasks (and host updates)."""
+"""Tables a person reads: device programs as a step x device grid of their compute tasks (and
+host updates), and the aligned columns every table of harmony_fx prints with."""
 from __future__ import annotations
 
 from typing import Sequence
 
 from harmony_fx.program.actions import Action, ActionKind
 
-__all__ = ["format_schedule"]
+__all__ = ["format_schedule", "format_table"]
 
 _SHOWN = (ActionKind.FWD, ActionKind.RECOMPUTE, ActionKind.BWD, ActionKind.UPDATE)
 _SHORT = {ActionKind.FWD: "F", ActionKind.RECOMPUTE: "R", ActionKind.BWD: "B", ActionKind.UPDATE: "U"}
@@ -28,3 +29,12 @@ def _cell(action: Action) -> str:
     if action.kind == ActionKind.UPDATE:
         return f"U p{action.pack}"
     return f"{_SHORT[action.kind]} p{action.pack}@{action.mb}"
+
+
+def format_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    """Left-aligned columns two spaces apart, a line of dashes under the header."""
+    rows = [tuple(header), *[tuple(row) for row in rows]]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+    lines = ["  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in rows]
+    lines.insert(1, "  ".join("-" * width for width in widths))
+    return "\n".join(lines)

@@ -53,11 +53,11 @@ class Stats:
 
     @property
     def bytes_h2d(self) -> int:
-        return sum(n for (direction, _), n in self.bytes_by_kind.items() if direction == "h2d")
+        return sum(n for (direction, _), n in self.bytes_by_kind.items() if direction == Stream.H2D.value)
 
     @property
     def bytes_d2h(self) -> int:
-        return sum(n for (direction, _), n in self.bytes_by_kind.items() if direction == "d2h")
+        return sum(n for (direction, _), n in self.bytes_by_kind.items() if direction == Stream.D2H.value)
 
     def as_dict(self) -> dict:
         return {
@@ -105,12 +105,19 @@ class Runtime:
     def __init__(self, packs_for_mb: Sequence[Sequence[Pack]], device: Device, host: HostState,
                  grad_inputs: Sequence[tuple[str, ...]], stats: Stats,
                  on_update: Callable[["Runtime", int], None] | None = None,
-                 compute_dtype: torch.dtype | None = None, shared: "Runtime | None" = None, index: int = 0) -> None:
+                 compute_dtype: torch.dtype | None = None, shared: "Runtime | None" = None, index: int = 0,
+                 standalone: Callable[[Key], object] | None = None,
+                 task_memory: dict[tuple[str, int, int], tuple[int, int]] | None = None) -> None:
         """``packs_for_mb[mb]``: the packs compiled at microbatch ``mb``'s size (same boundaries and
         names for every size). ``on_update(runtime, pack)``: the host's optimizer step for the parameters
         whose gradients are complete after ``pack``'s backward. ``shared``: another device's runtime of
         the same iteration, whose host side (inputs, stash, host gradients) this one shares; ``index``:
-        this device's number among them (what ``send``/``recv`` name as peers)."""
+        this device's number among them (what ``send``/``recv`` name as peers).
+
+        ``standalone(key)``: this runtime runs one device's program alone (the FakeTensor planning
+        run): what the host or another device would hold is made by it when first read, and other
+        devices' events count as done. ``task_memory``: filled with each compute task's net and
+        peak bytes (see ``_probed``)."""
         self.packs_for_mb = packs_for_mb
         self.packs = packs_for_mb[0]
         self.on_update = on_update
@@ -122,7 +129,7 @@ class Runtime:
         self.last = len(self.packs) - 1
         self.device_values: dict[Key, object] = {}
         if shared is None:
-            self.host_values: dict[Key, object] = {}
+            self.host_values: dict[Key, object] = {} if standalone is None else _MadeOnDemand(standalone)
             self.host_grads: dict[int, torch.Tensor] = {}  # id(master) -> summed gradient
             self._host_lock = threading.Lock()
             self._stats_lock = threading.Lock()
@@ -135,11 +142,9 @@ class Runtime:
             self.links = shared.links
             self.rng_states = shared.rng_states
         self.index = index  # this device's number in the iteration
-        # a standalone runtime (the FakeTensor run of one device's program) makes what peers would
-        # send from ``peer_value(key)`` and treats other devices' events as done
-        self.peer_value: Callable[[Key], torch.Tensor] | None = None
-        self.task_memory: dict[tuple[str, int, int], tuple[int, int]] | None = None
-        self.probe_peak = 0
+        self.peer_value = standalone
+        self.task_memory = task_memory
+        self.probe_peak = 0  # the device's peak across the per-task resets of ``_probed``
 
     # ------------------------------------------------------------------ running programs
     def run(self, program: fx.GraphModule) -> None:
@@ -203,7 +208,7 @@ class Runtime:
             else:
                 with _DeviceContext(device, f" while copying {key} to the device"):
                     value = pytrees.map_tensors(lambda t: device.to_device(self._compute_dtype(t)), self.host_values[key])
-            self._count("h2d", key, value)
+            self._count(Stream.H2D, key, value)
             self.device_values[key] = value
 
         return self._submit(Stream.H2D, work, label=f"PREFETCH {key}")
@@ -220,17 +225,17 @@ class Runtime:
                 first_buffer = len(pack.params)
                 pairs = [(self.host.masters[pack.index][first_buffer + i], device.to_host(weights[first_buffer + i]))
                          for i, name in enumerate(pack.buffers) if name in pack.mutated_buffers]
-                self._count("d2h", key, [copy for _, copy in pairs])
+                self._count(Stream.D2H, key, [copy for _, copy in pairs])
                 event.on_host.append(lambda: self._write_buffers(pairs))
             elif key.kind == KeyKind.WGRAD:
                 pack = self.packs[int(key.name[1:])]
                 grads = self.device_values[key]
                 pairs = [(self.host.masters[pack.index][i], device.to_host(g)) for i, g in enumerate(grads) if g is not None]
-                self._count("d2h", key, [copy for _, copy in pairs])
+                self._count(Stream.D2H, key, [copy for _, copy in pairs])
                 event.on_host.append(lambda: [self._add_host_grad(master, copy) for master, copy in pairs])
             else:
                 copy = pytrees.map_tensors(device.to_host, self.device_values[key])
-                self._count("d2h", key, copy)
+                self._count(Stream.D2H, key, copy)
                 if key.kind == KeyKind.GRAD:
                     # several readers' partial gradients meet on the host (pipeline); the sum is
                     # made when the program waits for this copy
@@ -266,7 +271,7 @@ class Runtime:
                 value = pytrees.map_tensors(self.device.to_device, parcel.value)
                 parcel.value = None
                 parcel.picked_up()
-            self._count("peer", key, value)
+            self._count(Stream.PEER, key, value)
             existing = self.device_values.get(key)
             self.device_values[key] = value if existing is None else pytrees.add_grads(existing, value, inplace=True)
 
@@ -445,11 +450,26 @@ class Runtime:
             existing = self.host_grads.get(id(master))
             self.host_grads[id(master)] = grad if existing is None else existing.add_(grad)
 
-    def _count(self, direction: str, key: Key, value: object) -> None:
+    def _count(self, stream: Stream, key: Key, value: object) -> None:
+        """Bytes a copy moved, by its direction (the stream it ran on) and its key's kind."""
+        direction = stream.value
         nbytes = pytrees.value_bytes(value)
         with self._stats_lock:
             self.stats.bytes_by_kind[(direction, key.kind.name.lower())] += nbytes
             self.stats.bytes_by_device[(self.device.name, direction, key.kind.name.lower())] += nbytes
+
+
+class _MadeOnDemand(dict):
+    """Host values of a standalone run: what other devices would have put on the host is made when
+    first read."""
+
+    def __init__(self, make: Callable[[Key], object]) -> None:
+        super().__init__()
+        self._make = make
+
+    def __missing__(self, key: Key) -> object:
+        value = self[key] = self._make(key)
+        return value
 
 
 class _Parcel:

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 import harmony_fx
-from harmony_fx.lowering.single import ProgramSignature, forward_groups
+from harmony_fx.lowering.single import forward_groups
+from harmony_fx.lowering.tasks import ProgramSignature
 from harmony_fx.program.actions import ActionKind as K
 from tests.helpers import ZOO, assert_step_equal, train_step
 

@@ -8,14 +8,25 @@ import torch
 
 from harmony_fx.ir import meta
 from harmony_fx.compiler.packing import balanced
-from harmony_fx.passes.split_packs import split_packs
+from harmony_fx.passes.split_packs import annotate_packs, split_packs
 from tests.helpers import ZOO, prepared
 
 
 def _split(name: str, num_packs: int):
+    """The packs, and the packing written on the graph (``annotate_packs``: the chosen packing)."""
     prep = prepared(name)
     boundaries = balanced([1] * len(prep.layers), num_packs)
-    return prep, split_packs(prep.captured.gm, prep.layers, boundaries, prep.masters)
+    packs = split_packs(prep.captured.gm, prep.layers, boundaries, prep.masters)
+    annotate_packs(prep.captured.gm, prep.layers, boundaries)
+    return prep, packs
+
+
+def test_split_packs_writes_nothing_on_the_graph():
+    """Evaluating a candidate packing must leave the shared graph as it was."""
+    prep = prepared("mlp_chain")
+    before = {node.name: dict(node.meta) for node in prep.captured.gm.graph.nodes}
+    split_packs(prep.captured.gm, prep.layers, balanced([1] * len(prep.layers), 3), prep.masters)
+    assert {node.name: dict(node.meta) for node in prep.captured.gm.graph.nodes} == before
 
 
 def _model_outputs(prep) -> list[str]:

@@ -18,7 +18,7 @@ from harmony_fx.config import format_size
 from harmony_fx.planner.chain import chain_schedule
 from harmony_fx.planner.presets import preset_profile
 from harmony_fx.planner.profile import LayerProfile, ModelProfile
-from harmony_fx.planner.search import PlanningError, _PackModel, baselines, best_boundaries, host_bytes, search
+from harmony_fx.planner.search import PlanningError, PackModel, baselines, best_boundaries, host_bytes, search
 from harmony_fx.planner.simulate import simulate
 from harmony_fx.planner.specs import DeviceSpec, HostSpec, get_spec
 
@@ -31,7 +31,7 @@ def _packs(cuts: list[int], num_layers: int) -> list[tuple[int, int]]:
     return list(zip(cuts, [*cuts[1:], num_layers]))
 
 
-def _feasible(model: _PackModel, cuts: list[int], num_layers: int, budget: float) -> bool:
+def _feasible(model: PackModel, cuts: list[int], num_layers: int, budget: float) -> bool:
     packs = _packs(cuts, num_layers)
     if any(model.need(a, b) > budget for a, b in packs):
         return False
@@ -39,7 +39,7 @@ def _feasible(model: _PackModel, cuts: list[int], num_layers: int, budget: float
                for (a, b), (c, d) in zip(packs, packs[1:]))
 
 
-def _total(model: _PackModel, cuts: list[int], num_layers: int) -> float:
+def _total(model: PackModel, cuts: list[int], num_layers: int) -> float:
     packs = _packs(cuts, num_layers)
     return sum(model.cost(a, b) for a, b in packs) + model.exposed(*packs[0])
 
@@ -62,7 +62,7 @@ def _chains(draw):
         LayerProfile(f"l{i}", n, 2 * n, float(flops), float(out), float(saved))
         for i, (n, flops, out, saved) in enumerate(layers)), 1, float(draw(st.integers(0, 50))))
     size, microbatches = draw(st.integers(1, 3)), draw(st.integers(1, 4))
-    model = _PackModel(profile, size, microbatches, TOY, 1, TOY_HOST)
+    model = PackModel(profile, size, microbatches, TOY, 1, TOY_HOST)
     smallest = min(model.need(i, i + 1) + model.weights(i, i + 1) for i in range(len(layers)))
     budget = draw(st.floats(0.5, 8.0)) * smallest
     return profile, model, budget
@@ -104,7 +104,7 @@ def test_best_boundaries_misses_packings_whose_last_pack_ends_in_a_small_loss() 
         LayerProfile("loss", 0, 0, 1.0, 1.0, 1.0),            # ...that the loss reduces to a scalar
     )
     profile = ModelProfile("head", layers, 1, 4.0)
-    model = _PackModel(profile, 1, 1, TOY, 1, TOY_HOST)
+    model = PackModel(profile, 1, 1, TOY, 1, TOY_HOST)
     budget = 300.0
     assert model.need(2, 3) > model.need(2, 4)  # the premise: a longer pack needs less here
     feasible = [cuts for cuts in _every_packing(4) if _feasible(model, cuts, 4, budget)]
@@ -116,7 +116,7 @@ def test_best_boundaries_misses_packings_whose_last_pack_ends_in_a_small_loss() 
 
 def test_best_boundaries_is_none_when_one_layer_does_not_fit() -> None:
     profile = ModelProfile("toy", tuple(LayerProfile(f"l{i}", 10, 20, 1.0, 1.0, 1.0) for i in range(4)), 1, 1.0)
-    model = _PackModel(profile, 1, 1, TOY, 1, TOY_HOST)
+    model = PackModel(profile, 1, 1, TOY, 1, TOY_HOST)
     one_layer = model.need(0, 1)  # every layer alike: every one-layer pack needs as much
     assert best_boundaries(4, model, one_layer - 1) is None
     # a one-layer pack and its neighbour's weights just fit; no two-layer pack does
@@ -127,7 +127,7 @@ def test_best_boundaries_is_none_when_one_layer_does_not_fit() -> None:
 
 def test_baselines_are_packings_of_every_layer() -> None:
     profile = ModelProfile("toy", tuple(LayerProfile(f"l{i}", 10, 20, 1.0 + i, 4.0, 8.0) for i in range(6)), 1, 4.0)
-    model = _PackModel(profile, 1, 2, TOY, 1, TOY_HOST)
+    model = PackModel(profile, 1, 2, TOY, 1, TOY_HOST)
     budget = 3 * (model.need(0, 2) + model.weights(0, 2))
     found = baselines(6, model, budget)
     assert found["one layer per pack"] == list(range(6))
@@ -174,7 +174,7 @@ def test_search_beats_every_baseline(name: str, spec: str, devices: int) -> None
     schedule = choice.schedule
     size = -(-batch // schedule.microbatches)
     per_device = schedule.microbatches if schedule.parallel == "pp" else -(-schedule.microbatches // schedule.devices)
-    model = _PackModel(profile, size, per_device, device_spec, schedule.devices, host)
+    model = PackModel(profile, size, per_device, device_spec, schedule.devices, host)
     packings = baselines(len(profile.layers), model, device_spec.memory)
     assert set(packings) == {"one layer per pack", "largest packs", "harmony greedy", "harmony balanced-time"}
     for policy, cuts in packings.items():
@@ -200,7 +200,7 @@ def test_search_fits_the_budget_and_the_bound(name: str, spec: str, devices: int
 
 def test_search_llama_7b_on_4_a100_is_within_20_percent_of_the_lower_bound() -> None:
     """Fails today (1.24x): the dynamic program's cost model charges the host's optimizer only for
-    the first pack (``_PackModel.exposed``), so it favours one huge last pack (no recompute: 25 of
+    the first pack (``PackModel.exposed``), so it favours one huge last pack (no recompute: 25 of
     the 32 blocks, 5.4B parameters). That pack's update (2.7 s at 2e9 parameters/s) can start only
     after its backward and runs past the end of the backward by ~1.5 s. The simulator itself finds
     faster schedules for the same settings: 32 microbatches, dp over 4, packs (0, 2, 4, 11) take
@@ -231,7 +231,7 @@ def test_search_reports_host_memory_too_small_with_the_amount_needed() -> None:
 @settings(max_examples=100, deadline=None, database=None, phases=[Phase.explicit, Phase.generate])
 @given(_chains())
 def test_forward_groups_are_whole_backward_packs_with_the_last_alone(case) -> None:
-    from harmony_fx.planner.search import _ForwardModel, forward_groups
+    from harmony_fx.planner.search import ForwardModel, forward_groups
 
     profile, model, budget = case
     boundaries = best_boundaries(len(profile.layers), model, budget)
@@ -241,7 +241,7 @@ def test_forward_groups_are_whole_backward_packs_with_the_last_alone(case) -> No
     if not groups:
         return
     assert groups[0] == 0 and list(groups) == sorted(set(groups)) and groups[-1] == len(boundaries) - 1
-    forward = _ForwardModel(model, boundaries)
+    forward = ForwardModel(model, boundaries)
     ends = [*groups[1:-1], len(boundaries) - 1]
     grouped = sum(forward.cost(u, v) for u, v in zip(groups[:-1], ends)) + forward.exposed(groups[0], ends[0])
     alone = sum(forward.cost(u, u + 1) for u in range(len(boundaries) - 1)) + forward.exposed(0, 1)

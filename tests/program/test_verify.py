@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import harmony_fx
+from harmony_fx.compiler.packing import BudgetTooSmallError
 from harmony_fx.program.actions import Action, ActionKind as K, Key, KeyKind, Stream
 from harmony_fx.program.verify import ProgramError, check_peak, verify_program
 from harmony_fx.testing.models import MLPChain
@@ -23,9 +24,10 @@ COMPUTE = (K.FWD, K.RECOMPUTE, K.BWD)
 
 
 @functools.lru_cache(maxsize=None)
-def _compiled():
+def _compiled(**options):
     model, inputs, _ = ZOO["mlp_chain"].build(0)
-    hm = harmony_fx.compile(model, inputs, memory_budget=eager_bytes("mlp_chain") // 2)
+    options.setdefault("memory_budget", eager_bytes("mlp_chain") // 2)
+    hm = harmony_fx.compile(model, inputs, **options)
     assert len(hm.packs) >= 3
     return hm
 
@@ -223,8 +225,9 @@ def test_budget_below_the_static_peak_is_refused():
     """(d) the error names the action after which the program holds its peak."""
     hm = _compiled()
     boundaries = [min(pack.layers) for pack in hm.packs]
-    candidate = hm._evaluate(boundaries)
-    device, peak, at = hm.device.name, candidate.peaks[0], candidate.peak_at[0]
+    candidate = hm.compiled.candidate
+    assert list(candidate.boundaries) == boundaries
+    device, peak, at = hm.device.name, candidate.peaks[0], candidate.estimates[0].peak_at
     assert peak == hm.plan.predicted_peak[device]
     index, action = at
     assert action.kind in (K.PREFETCH, K.FWD, K.RECOMPUTE, K.BWD, K.RECV)  # what takes memory
@@ -234,14 +237,10 @@ def test_budget_below_the_static_peak_is_refused():
     message = str(info.value)
     assert NAMES_ACTION.search(message) and repr(action) in message and f"#{index}" in message
     assert f"{peak:,}" in message and f"{peak - 1:,}" in message
-    # compile's own last check: the plan chosen must fit the budget the devices have
-    budget = hm.budget
-    try:
-        hm.budget = peak - 1
-        with pytest.raises(ProgramError, match=re.escape(repr(action))):
-            hm._make_plan(candidate, "balanced")
-    finally:
-        hm.budget = budget
+    # compiling these packs into one byte less is refused, naming the budget they need
+    with pytest.raises(BudgetTooSmallError) as info:
+        _compiled(memory_budget=peak - 1, pack_boundaries=tuple(boundaries))
+    assert info.value.smallest_budget == peak
 
 
 # ---------------------------------------------------------------------- several devices: a pipeline

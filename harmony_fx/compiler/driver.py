@@ -1,0 +1,278 @@
+"""``compile_program``: the compile pipeline, a list of named stages, each timed and logged.
+
+1. ``resolve devices``: the devices and their budgets.
+2. ``capture whole batch``, ``analyze batch``, ``choose schedule``: where the options leave the
+   microbatches or the parallelism open, the planner chooses (``planner.choose``), on the whole
+   batch's graph, cutting the batch only where ``analysis.batch_dims`` proves it safe.
+3. ``lay out``: microbatches, their sizes and the devices that run them (``compiler.layout``).
+4. ``capture microbatches``: the graph at every microbatch size (``compiler.variants``).
+5. ``signature``: inputs, outputs, what is differentiable (``compiler.signature``).
+6. ``plan packs``: the fewest packs that fit, each candidate evaluated apart (split, lower,
+   verify, FakeTensor peak: ``compiler.packing.evaluate``), changing nothing it is given.
+7. ``fall back``: if the planner's packing does not fit after all (its estimate was optimistic),
+   stages 3-6 again without it.
+8. ``annotate packs``: the chosen packing written on the graphs, liveness, ``verify_packs``.
+9. ``check peak``, ``codegen``, ``plan``.
+
+The result is a frozen ``Compiled``; ``hm.passes`` is its ``StageLog``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import torch
+from torch import fx, nn
+
+from harmony_fx.analysis.batch_dims import BatchAnalysis, analyze_batch_dims
+from harmony_fx.analysis.liveness import annotate_liveness
+from harmony_fx.compiler.compiled import Compiled
+from harmony_fx.compiler.layout import Layout, decide_layout
+from harmony_fx.compiler.packing import (
+    BudgetTooSmallError, Candidate, PackingContext, balanced, evaluate, fixed, layer_costs, plan_packs,
+)
+from harmony_fx.compiler.plan import make_plan
+from harmony_fx.compiler.shapes import Shapes
+from harmony_fx.compiler.signature import program_signature
+from harmony_fx.compiler.stages import StageLog
+from harmony_fx.compiler.variants import Variant, capture_variant, check_same_layers
+from harmony_fx.config import CompileOptions, format_size
+from harmony_fx.frontend import microbatch
+from harmony_fx.passes.split_packs import annotate_packs
+from harmony_fx.planner.chain import Schedule
+from harmony_fx.planner.choose import choose_schedule
+from harmony_fx.program.actions import Action, ActionKind
+from harmony_fx.program.codegen import generate_program
+from harmony_fx.program.verify import check_peak, verify_packs
+from harmony_fx.runtime.devices import resolve_devices
+
+__all__ = ["compile_program"]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Example:
+    """The example call and what is known of it before capturing."""
+
+    model: nn.Module
+    args: tuple
+    kwargs: dict
+    dims: tuple[tuple, dict]            # each input replaced by its batch dim
+    flat_dims: tuple[int | None, ...]   # the batch dim of each tensor input, in flattening order
+
+    @property
+    def call(self) -> tuple[tuple, dict]:
+        return self.args, self.kwargs
+
+    def batch_size(self) -> int:
+        return microbatch.batch_size(self.call, self.dims)
+
+
+def compile_program(model: nn.Module, args: tuple, kwargs: dict, options: CompileOptions, *,
+                    trainer: bool = False, updates: bool = False) -> Compiled:
+    """Compile ``model`` for its example call ``model(*args, **kwargs)``; see the module docstring.
+    ``trainer``: the model's output is its loss (``harmony_fx.Trainer``); ``updates``: the host
+    updates each pack's parameters as soon as their gradients are complete."""
+    log = StageLog()
+    devices = log.run("resolve devices", resolve_devices, options.devices, options.memory_budget,
+                      options.track_memory, options.chaos, decision=_describe_devices)
+    dims = microbatch.argument_dims(model, args, kwargs, options.batch_dims)
+    flat_dims = tuple(d for x, d in zip(microbatch.pytree.tree_leaves((args, kwargs)), microbatch.pytree.tree_leaves(dims))
+                      if isinstance(x, torch.Tensor))
+    example = _Example(model, args, kwargs, dims, flat_dims)
+    whole = analysis = schedule = None
+    if options.pack_boundaries is None and (
+            options.microbatches is None or (options.parallel == "auto" and len(devices) > 1)):
+        batch = _batch_or_none(example)
+        if batch is not None and batch >= 1:
+            whole = log.run("capture whole batch", capture_variant, model, None, args, kwargs,
+                            devices[0].torch_device, decision=_describe_variant)
+            analysis = log.run("analyze batch", _analyze_batch, whole, batch, flat_dims, decision=_describe_batch)
+            schedule = log.run("choose schedule", choose_schedule, whole.captured.gm, model, batch, devices,
+                               devices[0].budget, options, analysis.separable,
+                               decision=lambda s: s.describe() if s else "none found: the options' defaults")
+    stages = functools.partial(_from_layout, log, example, devices, options, trainer, updates, whole, analysis)
+    try:
+        return stages(schedule)
+    except BudgetTooSmallError:
+        if schedule is None:
+            raise
+        log.run("fall back", lambda: None, decision=lambda _: "the planner's packing does not fit after all: "
+                                                              "planning again without it")
+        return stages(None)
+
+
+def _from_layout(log: StageLog, example: _Example, devices: list, options: CompileOptions, trainer: bool,
+                 updates: bool, whole: Variant | None, analysis: BatchAnalysis | None,
+                 schedule: Schedule | None) -> Compiled:
+    """Stages 3-9 of the module docstring, for ``schedule`` (``None``: the options' own)."""
+    layout = log.run("lay out", decide_layout, schedule, options, len(devices), example.batch_size,
+                     decision=Layout.describe)
+    variants = log.run("capture microbatches", _capture_microbatches, example, layout, whole,
+                       devices[0].torch_device, decision=lambda v: "the whole batch's graph" if None in v
+                       else f"{len(v)} graph(s), at microbatch sizes " + ", ".join(map(str, v)))
+    primary = variants[layout.mb_sizes[0]]
+    if analysis is None:
+        analysis = log.run("analyze batch", _analyze_largest, example, variants, layout, decision=_describe_batch)
+    if options.precision == "bf16":
+        log.run("check precision", _refuse_fixed_float_casts, primary.captured.gm, decision=lambda _: "no fp32 casts")
+    example_flat = primary.captured.flatten_inputs(*microbatch.split_call(
+        example.call, example.dims, [s for s in layout.mb_sizes if s] or [0])[0])
+    signature = log.run("signature", program_signature, primary.captured, [x.requires_grad for x in example_flat],
+                        layout.num_microbatches, options.grouping, trainer, decision=_describe_signature)
+    shapes = Shapes(variants, layout.mb_sizes, primary.masters, options.compute_dtype)
+    context = PackingContext(variants, layout, signature, shapes, [d.torch_device for d in devices], updates,
+                             options.verify)
+    if schedule is not None:
+        policy, policy_name = fixed(schedule.boundaries), "planner"
+    elif options.pack_boundaries is not None:
+        policy, policy_name = fixed(options.pack_boundaries), "fixed"
+    else:
+        policy, policy_name = balanced, "balanced"
+    candidate: Candidate = log.run(
+        "plan packs", lambda: plan_packs(layer_costs(primary), functools.partial(evaluate, context),
+                                         lambda c: c.peak, devices[0].budget, policy, devices[0].margin)[1],
+        decision=lambda c: f"{policy_name}: {len(c.packs)} pack(s), peak "
+                           + ", ".join(f"{d.name} {format_size(p)}" for d, p in zip(devices, c.peaks)))
+    log.run("annotate packs", _annotate, variants, candidate.boundaries, options.verify,
+            decision=lambda _: "the chosen packs and liveness written on the graph" + (", verified" if options.verify else ""))
+    if options.verify:
+        log.run("check peak", _check_peaks, candidate, devices,
+                decision=lambda _: "every device's peak, with its margin, within the budget")
+    device_programs = log.run("codegen", _codegen, candidate, layout,
+                              decision=lambda programs: f"{2 * len(programs)} program(s), "
+                              f"{sum(len(f) + len(b) for f, b in candidate.device_actions)} actions")
+    batch_note = _batch_note(analysis)
+    plan = log.run("plan", make_plan, candidate, shapes, primary.nodes, devices, layout, devices[0].budget,
+                   policy_name, batch_note, decision=lambda p: f"{format_size(p.bytes_h2d)} in, "
+                   f"{format_size(p.bytes_d2h)} out per iteration")
+    input_specs = tuple((x.shape, x.dtype, x.requires_grad) for x in example_flat)
+    return Compiled(options, tuple(devices), trainer, updates, schedule, layout, variants, analysis, example.flat_dims,
+                    input_specs, signature, shapes, candidate, tuple(device_programs), plan, log)
+
+
+# ----------------------------------------------------------------------------------- the stages
+
+
+def _batch_or_none(example: _Example) -> int | None:
+    try:
+        return example.batch_size()
+    except ValueError:
+        return None  # no batch to cut
+
+
+def _capture_microbatches(example: _Example, layout: Layout, whole: Variant | None, target) -> dict:
+    sizes = [s for s in layout.mb_sizes if s] or [0]
+    calls = microbatch.split_call(example.call, example.dims, sizes)
+    variants: dict[int | None, Variant] = {}
+    for size, (mb_args, mb_kwargs) in zip(layout.mb_sizes, calls):
+        if size in variants:
+            continue
+        variants[size] = whole if size is None and whole is not None else capture_variant(
+            example.model, size, mb_args, mb_kwargs, target)
+    check_same_layers(variants, layout.num_microbatches)
+    return variants
+
+
+def _analyze_batch(variant: Variant, batch: int, flat_dims) -> BatchAnalysis:
+    """Whether this variant's graph treats the samples apart (and its outputs' batch dims), and
+    whether each scalar output (a loss) can be put back together from microbatches."""
+    captured = variant.captured
+    if batch < 2:
+        return BatchAnalysis(False, "a batch of one sample has nothing to cut")
+    analysis = analyze_batch_dims(captured.gm, dict(zip(captured.inputs, flat_dims)), batch)
+    unknown = [reduction.why for reduction in captured.reductions.values() if reduction.combine is None]
+    if analysis.separable and unknown:
+        return BatchAnalysis(False, unknown[0])
+    return analysis
+
+
+def _analyze_largest(example: _Example, variants: dict, layout: Layout) -> BatchAnalysis:
+    if layout.mb_sizes != (None,):
+        largest = max(layout.mb_sizes)
+        return _analyze_batch(variants[largest], largest, example.flat_dims)
+    try:
+        batch = example.batch_size()
+    except ValueError as error:
+        return BatchAnalysis(False, str(error))
+    return _analyze_batch(variants[None], batch, example.flat_dims)
+
+
+def _annotate(variants: dict, boundaries, verify: bool) -> None:
+    for variant in variants.values():
+        annotate_packs(variant.captured.gm, variant.layers, boundaries)
+        if verify:
+            verify_packs(variant.captured.gm)
+    first = next(iter(variants.values()))
+    annotate_liveness(first.captured.gm)
+
+
+def _check_peaks(candidate: Candidate, devices: list) -> None:
+    for device, estimate in zip(devices, candidate.estimates):
+        check_peak(estimate.peak + device.margin, device.budget, device.name, estimate.peak_at)
+
+
+def _codegen(candidate: Candidate, layout: Layout) -> list[dict[str, fx.GraphModule]]:
+    packs = candidate.packs_by_size[layout.mb_sizes[0]]
+    published = frozenset(a.event for pair in candidate.device_actions for actions in pair for a in actions
+                          if a.kind == ActionKind.WAIT and a.peer is not None)
+    return [{phase: generate_program(actions, _steps(actions, packs), f"Harmony{phase.title()}", published)
+             for phase, actions in zip(("forward", "backward"), pair)}
+            for pair in candidate.device_actions]
+
+
+def _steps(actions: list[Action], packs) -> list[str]:
+    """The comment above each action: the task it serves (transfers before a task belong to it)."""
+    labels: list[str] = [""] * len(actions)
+    upcoming = ""
+    for index in range(len(actions) - 1, -1, -1):
+        action = actions[index]
+        if action.kind in (ActionKind.FWD, ActionKind.RECOMPUTE, ActionKind.BWD):
+            pack = packs[action.pack]
+            upcoming = f"{action.kind.value} {pack.name} ({pack.describe_layers()}) microbatch {action.mb}"
+        elif action.kind == ActionKind.UPDATE:
+            upcoming = f"UPDATE on the host: parameters last used by p{action.pack}"
+        labels[index] = upcoming or "end of the iteration"
+    return labels
+
+
+def _refuse_fixed_float_casts(gm: fx.GraphModule) -> None:
+    """bf16 runs the captured graph on bf16 tensors; a cast to fp32 inside it (``x.float()``) would
+    meet bf16 weights. Say where, instead of failing deep inside the first run."""
+    casts = {torch.ops.aten._to_copy.default, torch.ops.aten.to.dtype, torch.ops.aten.to.dtype_layout,
+             torch.ops.aten._assert_tensor_metadata.default}
+    for node in gm.graph.nodes:
+        if node.target in casts and node.kwargs.get("dtype") in (torch.float32, torch.float64):
+            where = (node.meta.get("stack_trace") or "").strip().splitlines()[-1:] or [node.format_node()]
+            raise ValueError(
+                f"precision='bf16': the model casts to {node.kwargs['dtype']} at {where[0].strip()!r} "
+                f"(node {node.name}); remove the cast (harmony_fx computes in bf16 and keeps fp32 masters "
+                "itself) or use precision='fp32'.")
+
+
+# ----------------------------------------------------------------------------------- decisions
+
+
+def _describe_devices(devices: list) -> str:
+    return ", ".join(f"{d.name} (budget {'unlimited' if d.budget is None else format_size(d.budget)})"
+                     for d in devices)
+
+
+def _describe_variant(variant: Variant) -> str:
+    captured = variant.captured
+    return f"{captured.method}: {len(variant.layers)} layers, {len(captured.params)} parameter tensors"
+
+
+def _describe_batch(analysis: BatchAnalysis) -> str:
+    return "may be cut" if analysis.separable else f"kept whole: {analysis.reason[:120]}"
+
+
+def _describe_signature(signature: Any) -> str:
+    return (f"{len(signature.model_inputs)} input(s), {len(signature.model_outputs)} output(s), "
+            f"{len(signature.differentiable)} differentiable values")
+
+
+def _batch_note(analysis: BatchAnalysis) -> str:
+    if analysis.separable:
+        return "every op treats the samples apart, so microbatches compute what the whole batch does"
+    return f"kept whole (microbatches would change the result): {analysis.reason}"

@@ -1,0 +1,70 @@
+"""What every key of a program holds, from shapes alone.
+
+The FakeTensor value of an activation on a microbatch (its variant's ``meta["val"]``), the value of
+its gradient (the same structure, ``None`` at the leaves without one), and the bytes a copy of any
+key moves, in the compute dtype. The planning run, the plan's byte counts and the simulator all
+read keys through this one table.
+"""
+from __future__ import annotations
+
+from typing import Mapping, Sequence
+
+import torch
+
+from harmony_fx.analysis.requires_grad import requires_grad_of
+from harmony_fx.compiler.variants import Variant
+from harmony_fx.ir import meta
+from harmony_fx.ir import values as pytrees
+from harmony_fx.ir.pack import Pack
+from harmony_fx.program.actions import Key, KeyKind
+
+__all__ = ["Shapes", "fake_like"]
+
+
+class Shapes:
+    def __init__(self, variants: Mapping[int | None, Variant], mb_sizes: Sequence[int | None],
+                 masters: Mapping[str, torch.Tensor], compute_dtype: torch.dtype | None) -> None:
+        self.variants = variants
+        self.mb_sizes = tuple(mb_sizes)
+        self.masters = masters
+        self.compute_dtype = compute_dtype
+
+    def value_of(self, key: Key) -> object:
+        """The FakeTensor value of an activation on microbatch ``key.mb``, or of its gradient."""
+        node = self.variants[self.mb_sizes[key.mb]].nodes[key.name]
+        value = node.meta[meta.VAL]
+        if key.kind == KeyKind.GRAD:
+            flags = requires_grad_of(node)
+            value = pytrees.with_leaves(value, [leaf if flag else None
+                                                for leaf, flag in zip(pytrees.leaves(value), flags, strict=True)])
+        return value
+
+    def fake_value(self, key: Key, device: torch.device) -> object:
+        """``value_of(key)`` as fresh FakeTensors on ``device`` (inside a ``FakeTensorMode``)."""
+        return pytrees.map_tensors(lambda t: fake_like(t, device), self.value_of(key))
+
+    def key_bytes(self, key: Key, packs: Sequence[Pack]) -> int:
+        """Bytes a copy of ``key`` moves (``packs``: the packing whose weights ``W[p]`` names)."""
+        if key.kind in (KeyKind.ACT, KeyKind.GRAD):
+            return pytrees.value_bytes(self.value_of(key), self.itemsize)
+        pack = packs[int(key.name[1:])]
+        if key.kind == KeyKind.WEIGHTS:
+            names = pack.params + pack.buffers
+        elif key.kind == KeyKind.BUFFERS:
+            names = pack.mutated_buffers
+        elif key.kind == KeyKind.WGRAD:
+            names = tuple(name for name in pack.params if self.masters[name].requires_grad)
+        else:
+            raise AssertionError(f"{key} is never copied")
+        return sum(pytrees.value_bytes(self.masters[name], self.itemsize) for name in names)
+
+    def itemsize(self, tensor: torch.Tensor) -> int:
+        dtype = self.compute_dtype
+        return dtype.itemsize if dtype is not None and tensor.is_floating_point() else tensor.element_size()
+
+
+def fake_like(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A FakeTensor (inside a FakeTensorMode) shaped like ``tensor``, on the device packs run on, so
+    factory ops retargeted to that device meet tensors of the same device."""
+    fake = torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype, device=device)
+    return fake.requires_grad_(tensor.requires_grad) if tensor.is_floating_point() else fake

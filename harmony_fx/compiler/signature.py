@@ -1,0 +1,33 @@
+"""What lowering needs to know about the model beyond its packs: its inputs and outputs, which
+values are differentiable, which inputs want gradients (``ProgramSignature``)."""
+from __future__ import annotations
+
+from typing import Sequence
+
+from torch import fx
+
+from harmony_fx.analysis.requires_grad import any_requires_grad
+from harmony_fx.frontend.capture import Captured
+from harmony_fx.ir import meta
+from harmony_fx.lowering.tasks import ProgramSignature
+
+__all__ = ["program_signature"]
+
+
+def program_signature(captured: Captured, requires_grad: Sequence[bool], num_microbatches: int, grouping: bool,
+                      trainer: bool) -> ProgramSignature:
+    """``requires_grad``: per captured input, whether the caller's tensor requires grad;
+    ``trainer``: the loss is in the graph and the last pack runs forward and backward fused."""
+    nodes = captured.gm.graph.nodes
+    differentiable = [n.name for n in nodes
+                      if any_requires_grad(n) and meta.role_of(n) not in (meta.Role.PARAM, meta.Role.BUFFER)]
+    output_args = captured.gm.graph.find_nodes(op="output")[0].args[0]
+    for arg in output_args:
+        if isinstance(arg, fx.Node) and arg.op == "placeholder":
+            raise ValueError(f"the model returns its input or state {arg.name!r} unchanged; harmony_fx needs every "
+                             "output to be computed by the model (return a copy, e.g. x.clone()).")
+    outputs = [arg.name for arg in output_args if isinstance(arg, fx.Node)]
+    inputs_requiring_grad = [name for name, flag in zip(captured.inputs, requires_grad) if flag]
+    return ProgramSignature(tuple(captured.inputs), tuple(dict.fromkeys(outputs)), frozenset(inputs_requiring_grad),
+                            frozenset(differentiable), tuple(range(num_microbatches)), grouping=grouping,
+                            fuse_last=trainer)

@@ -1,0 +1,158 @@
+"""Calls in and results out: between the caller's ``(args, kwargs)`` and a compiled program's
+microbatches.
+
+``Calls`` checks a call against what was compiled (only the batch dim may change; a new batch size
+is the caller's to compile for), cuts it into each microbatch's flat inputs, puts the microbatches'
+outputs back together as eager computes them on the whole batch (concatenated along each output's
+batch dim; a scalar loss weighted by ``microbatch.scalar_weights``), rebuilds the model's output
+structure, cuts the caller's output gradients into microbatches, and joins the input gradients.
+"""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+from torch import fx
+
+from harmony_fx.frontend import microbatch
+from harmony_fx.ir import meta
+from harmony_fx.program.actions import Key, KeyKind
+
+__all__ = ["Calls"]
+
+
+class Calls:
+    """For ``compiled`` (a ``compiler.compiled.Compiled``) of ``model``."""
+
+    def __init__(self, compiled, model) -> None:
+        self.compiled = compiled
+        self.model = model
+        self.mb_sizes = compiled.layout.mb_sizes
+        self.inputs = compiled.captured.inputs
+        self.outputs = compiled.signature.model_outputs
+
+    # ------------------------------------------------------------------ calls in
+    def batch_size_of(self, args: tuple, kwargs: dict) -> int | None:
+        """The call's batch size where it differs from the example's (``None``: the same). Any
+        other change of shape or dtype is refused: it is baked into the captured graph."""
+        compiled = self.compiled
+        flat = compiled.captured.flatten_inputs(args, kwargs)
+        size = example_size = None
+        for name, given, (shape, dtype, _), dim in zip(self.inputs, flat, compiled.input_specs, compiled.flat_dims):
+            whole = list(shape)
+            if dim is not None and self.mb_sizes[0] is not None:
+                whole[dim] = sum(self.mb_sizes)  # the example's microbatches are cut along this dim
+            fixed = [n if d != dim else "B" for d, n in enumerate(whole)]
+            given_fixed = [n if d != dim else "B" for d, n in enumerate(given.shape)]
+            if given_fixed != fixed or given.dtype != dtype:
+                free = "no dim of it (batch_dims gives it none)" if dim is None else f"only its batch dim {dim}"
+                raise ValueError(
+                    f"input {name!r} has shape {tuple(given.shape)} and dtype {given.dtype}, but the model was "
+                    f"compiled for {tuple(whole)} and {dtype}; {free} may change between calls (a new batch "
+                    "size is planned on its first call), the other dims are baked into the captured graph. Compile "
+                    "again with an example of the new shape, or pad the inputs to the compiled one.")
+            if dim is not None:
+                size, example_size = given.shape[dim], whole[dim]
+        return None if size == example_size else size
+
+    def split(self, args: tuple, kwargs: dict) -> list[list[torch.Tensor]]:
+        """The flat tensor inputs of each microbatch, checked against the example."""
+        compiled = self.compiled
+        call = (args, kwargs)
+        dims = microbatch.argument_dims(self.model, args, kwargs, compiled.options.batch_dims)
+        sizes = [s for s in self.mb_sizes if s is not None]
+        if sizes and microbatch.batch_size(call, dims) != sum(sizes):
+            raise ValueError(f"the batch has {microbatch.batch_size(call, dims)} samples but the model was compiled for "
+                             f"{sum(sizes)}; compile again for the new batch size.")
+        per_mb = []
+        for size, (mb_args, mb_kwargs) in zip(self.mb_sizes, microbatch.split_call(call, dims, sizes or [0])):
+            variant = compiled.variants[size]
+            flat = variant.captured.flatten_inputs(mb_args, mb_kwargs)
+            for given, name in zip(flat, self.inputs):
+                expected = variant.nodes[name].meta[meta.VAL]
+                if given.shape != expected.shape or given.dtype != expected.dtype:
+                    raise ValueError(
+                        f"input {name!r} has shape {tuple(given.shape)} and dtype {given.dtype} in a microbatch, but "
+                        f"the model was compiled for {tuple(expected.shape)} and {expected.dtype}; compile again "
+                        "for the new shape.")
+            per_mb.append(flat)
+        if [x.requires_grad for x in per_mb[0]] != [spec[2] for spec in compiled.input_specs]:
+            raise ValueError("which inputs require grad differs from the example inputs; compile with inputs "
+                             "that require grad exactly where the calls do.")
+        return per_mb
+
+    # ------------------------------------------------------------------ results out
+    def merge_outputs(self, iteration) -> tuple[torch.Tensor, ...]:
+        """Each model output on the whole batch, from the microbatches' in ``iteration.host_values``
+        (a scalar's weights are kept in ``iteration.scalar_weights`` for its gradient)."""
+        values = iteration.host_values
+        num = len(self.mb_sizes)
+        outputs = []
+        for name in self.outputs:
+            chunks = [values[Key(KeyKind.ACT, name, mb)] for mb in range(num)]
+            dtype = self.compiled.nodes[name].meta[meta.VAL].dtype
+            if len(chunks) > 1 and chunks[0].dim() == 0:  # a loss: weighted as eager reduces the whole batch
+                per_mb = [[values[Key(KeyKind.ACT, n, mb)] for n in self.inputs] for mb in range(num)]
+                iteration.scalar_weights[name] = self.scalar_weights(name, per_mb)
+                outputs.append(microbatch.merge_scalars(chunks, iteration.scalar_weights[name]).to(dtype))
+                continue
+            outputs.append(microbatch.merge([chunk.to(dtype) for chunk in chunks],
+                                            self.compiled.output_dims.get(name, 0)))
+        return tuple(outputs)
+
+    def structure(self, tensors: Sequence[torch.Tensor]) -> Any:
+        """The model's output structure (tuple, dict, ``ModelOutput``) around the merged outputs."""
+        by_name = dict(zip(self.outputs, tensors))
+        output_args = self.compiled.captured.gm.graph.find_nodes(op="output")[0].args[0]
+        flat = [by_name[arg.name] if isinstance(arg, fx.Node) else arg for arg in output_args]
+        return self.compiled.captured.unflatten_outputs(flat)
+
+    def put_output_grads(self, iteration, grad_outputs: Sequence[torch.Tensor | None]) -> None:
+        """The caller's gradients of the outputs, cut into the microbatches' (a loss's: scaled by
+        each microbatch's weight), into ``iteration.host_values``."""
+        sizes = [s for s in self.mb_sizes if s is not None]
+        differentiable = self.compiled.signature.differentiable
+        for name, grad in zip(self.outputs, grad_outputs):
+            if name not in differentiable:
+                continue
+            if grad is None:
+                grad = torch.zeros_like(self.output_like(name))
+            if name in iteration.scalar_weights:
+                chunks = [grad * weight for weight in iteration.scalar_weights[name]]
+            else:
+                dim = self.compiled.output_dims.get(name, 0)
+                chunks = torch.split(grad, sizes, dim) if len(sizes) > 1 else (grad,)
+            for mb, chunk in enumerate(chunks):
+                iteration.host_values[Key(KeyKind.GRAD, name, mb)] = chunk
+
+    def input_grads(self, iteration) -> list[torch.Tensor | None]:
+        """The gradient of each flat input on the whole batch (``None`` where it has none)."""
+        grads = []
+        for name, dim in zip(self.inputs, self.compiled.flat_dims):
+            dtype = self.compiled.nodes[name].meta[meta.VAL].dtype
+            chunks = [iteration.host_values.get(Key(KeyKind.GRAD, name, mb)) for mb in range(len(self.mb_sizes))]
+            grads.append(microbatch.merge([c if c is None else c.to(dtype) for c in chunks], dim))
+        return grads
+
+    def scalar_weights(self, name: str, per_mb: Sequence[Sequence[torch.Tensor]],
+                       otherwise: list[float] | None = None) -> list[float]:
+        """Each microbatch's coefficient in the batch's value of the scalar output ``name`` (its
+        loss), from how the graph reduces it (``microbatch.scalar_reduction``), given each
+        microbatch's flat inputs ``per_mb``. Where the graph does not say, ``otherwise`` if given,
+        else a ``ValueError`` saying what to do."""
+        reductions = [self.compiled.variants[size].captured.reductions[name] for size in self.mb_sizes]
+        if otherwise is not None and any(reduction.combine is None for reduction in reductions):
+            return otherwise
+        inputs = [dict(zip(self.inputs, flat)) for flat in per_mb]
+        return microbatch.scalar_weights(reductions, inputs, self.mb_sizes)
+
+    def output_like(self, name: str) -> torch.Tensor:
+        """An empty tensor shaped as the model's output ``name`` on the whole batch (a scalar, such
+        as a loss, stays a scalar)."""
+        vals = [self.compiled.variants[size].nodes[name].meta[meta.VAL] for size in self.mb_sizes]
+        if len(vals) == 1 or vals[0].dim() == 0:
+            return torch.empty(vals[0].shape, dtype=vals[0].dtype)
+        dim = self.compiled.output_dims.get(name, 0)
+        shape = list(vals[0].shape)
+        shape[dim] = sum(v.shape[dim] for v in vals)
+        return torch.empty(shape, dtype=vals[0].dtype)

@@ -1,0 +1,37 @@
+"""The compiled model as one autograd function: ``loss.backward()`` runs the harmony backward.
+
+Forward runs the forward programs; autograd's backward runs the backward programs and hands the
+host gradients to autograd, which accumulates them into ``param.grad`` (and the inputs' ``.grad``)
+as usual.
+"""
+from __future__ import annotations
+
+import torch
+
+__all__ = ["HarmonyFunction"]
+
+
+class HarmonyFunction(torch.autograd.Function):
+    """``apply(session, calls, per_mb, *flat_inputs, *trainable_params)``; the tensors are
+    arguments only so that autograd connects the outputs to them."""
+
+    @staticmethod
+    def forward(ctx, session, calls, per_mb, *inputs_and_params):
+        iteration = session.start(per_mb)
+        ctx.session, ctx.calls, ctx.iteration = session, calls, iteration
+        outputs = calls.merge_outputs(iteration)
+        session.finish_stats()
+        differentiable = session.compiled.signature.differentiable
+        ctx.mark_non_differentiable(*[o for o, name in zip(outputs, calls.outputs) if name not in differentiable])
+        return outputs
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, *grad_outputs):
+        session, calls, iteration = ctx.session, ctx.calls, ctx.iteration
+        ctx.iteration = None
+        calls.put_output_grads(iteration, grad_outputs)
+        session.finish(iteration)
+        input_grads = calls.input_grads(iteration)
+        param_grads = [iteration.host_grads.get(id(param)) for param in session.compiled.trainable_params()]
+        return (None, None, None, *input_grads, *param_grads)

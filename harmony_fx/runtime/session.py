@@ -1,0 +1,154 @@
+"""Running a compiled model: one ``Session`` per ``Compiled``, one ``Iteration`` per call or step.
+
+The session owns what lives across iterations: the host masters each pack's weight copies read
+(``HostState``), the measured ``Stats`` of the last iteration, and one controller thread per device
+(with several devices, so that no device waits for another's host-side work; with one, the caller's
+thread issues the program). An iteration owns a ``Runtime`` per device, sharing the host side
+(inputs, stash, host gradients).
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import traceback
+from typing import Callable, Sequence
+
+import torch
+from torch import fx
+
+from harmony_fx.ir.pack import Pack
+from harmony_fx.lowering.tasks import grad_inputs
+from harmony_fx.program.actions import Key, KeyKind
+from harmony_fx.runtime.executor import HostState, Runtime, Stats
+
+__all__ = ["Session", "Iteration"]
+
+
+class Iteration:
+    """One iteration in flight: a runtime per device, sharing the host side (inputs, stash,
+    gradients on the host)."""
+
+    def __init__(self, runtimes: list[Runtime], controller: concurrent.futures.ThreadPoolExecutor | None) -> None:
+        self.runtimes = runtimes
+        self.controller = controller
+        self.host_values = runtimes[0].host_values
+        self.host_grads = runtimes[0].host_grads
+        self.scalar_weights: dict[str, list[float]] = {}  # per scalar output: each microbatch's share
+
+    def run(self, programs: Sequence[Sequence[fx.GraphModule]]) -> None:
+        """Run each device's programs, in order; the first error is raised once every device has
+        stopped, and then nothing stays on any device."""
+
+        def run_device(runtime: Runtime, device_programs: Sequence[fx.GraphModule]) -> None:
+            try:
+                for program in device_programs:
+                    runtime.run(program)
+            except BaseException as error:
+                runtime.links.abort(error)  # no other device waits forever for this one
+                raise
+
+        errors: list[BaseException | None] = []
+        try:
+            if self.controller is None:
+                run_device(self.runtimes[0], programs[0])
+                return
+            futures = [self.controller.submit(run_device, runtime, device_programs)
+                       for runtime, device_programs in zip(self.runtimes, programs)]
+            errors = [future.exception() for future in futures]
+            # the error that stopped the iteration, not another device's "stopped by another device"
+            root = self.runtimes[0].links.failed
+            first = root if root in errors else next((error for error in errors if error is not None), None)
+            if first is not None:
+                raise first
+        except BaseException as error:
+            self.release()
+            # The failed tasks' frames hold device tensors, and through the runtime (the links keep
+            # the error) a cycle back to the error: clear them, so the device memory comes back now,
+            # not when the garbage collector runs. The traceback keeps its lines, not its locals.
+            for failed in {id(e): e for e in [error, *errors] if e is not None}.values():
+                traceback.clear_frames(failed.__traceback__)
+            raise
+
+    def release(self) -> None:
+        for runtime in self.runtimes:
+            runtime.release()
+
+
+class Session:
+    """Runs the programs of ``compiled`` (a ``compiler.compiled.Compiled``)."""
+
+    def __init__(self, compiled) -> None:
+        self.compiled = compiled
+        self.devices = compiled.devices
+        self.host_state = HostState([[compiled.masters[name] for name in pack.params + pack.buffers]
+                                     for pack in compiled.packs])
+        self.stats = Stats()
+        self._controller: concurrent.futures.ThreadPoolExecutor | None = None
+        self._packs_for_mb: list[Sequence[Pack]] = [compiled.packs_by_size[size] for size in compiled.layout.mb_sizes]
+        self._grad_inputs = [grad_inputs(pack, compiled.signature) for pack in compiled.packs]
+
+    def begin(self, per_mb: Sequence[Sequence[torch.Tensor]], on_update: Callable[[Runtime, int], None] | None = None,
+              output_grads: dict[Key, torch.Tensor] | None = None) -> Iteration:
+        """A new iteration over the microbatches' flat inputs ``per_mb`` (nothing run yet)."""
+        compiled = self.compiled
+        self.stats = Stats(budget={device.name: device.budget for device in self.devices})
+        runtimes: list[Runtime] = []
+        for device in self.devices:
+            device.reset_peak()
+            device.planned_peak = compiled.plan.predicted_peak.get(device.name)  # named if it runs out of memory
+            runtimes.append(Runtime(self._packs_for_mb, device, self.host_state, self._grad_inputs, self.stats,
+                                    on_update, compiled.options.compute_dtype, runtimes[0] if runtimes else None,
+                                    len(runtimes)))
+        iteration = Iteration(runtimes, self._controller_threads())
+        for mb, flat in enumerate(per_mb):
+            for name, value in zip(compiled.captured.inputs, flat):
+                iteration.host_values[Key(KeyKind.ACT, name, mb)] = value.detach()
+        iteration.host_values.update(output_grads or {})
+        return iteration
+
+    def start(self, per_mb: Sequence[Sequence[torch.Tensor]], on_update: Callable[[Runtime, int], None] | None = None,
+              output_grads: dict[Key, torch.Tensor] | None = None) -> Iteration:
+        """Run the forward programs (one per device, side by side); the returned iteration holds
+        what the backward programs need."""
+        iteration = self.begin(per_mb, on_update, output_grads)
+        iteration.run([[programs["forward"]] for programs in self.compiled.device_programs])
+        return iteration
+
+    def finish(self, iteration: Iteration) -> None:
+        """Run the backward programs (output gradients already in ``iteration.host_values``)."""
+        try:
+            iteration.run([[programs["backward"]] for programs in self.compiled.device_programs])
+        finally:
+            iteration.release()
+        self.finish_stats()
+
+    def run_iteration(self, per_mb: Sequence[Sequence[torch.Tensor]], on_update: Callable[[Runtime, int], None],
+                      output_grads: dict[Key, torch.Tensor]) -> Iteration:
+        """Forward and backward in one go (the Trainer): each device runs its backward program as
+        soon as its forward program ends, with no barrier between them (a pipeline's fused last task
+        hands gradients to a device that is already in its backward)."""
+        iteration = self.begin(per_mb, on_update, output_grads)
+        try:
+            iteration.run([[programs["forward"], programs["backward"]] for programs in self.compiled.device_programs])
+        finally:
+            iteration.release()
+        self.finish_stats()
+        return iteration
+
+    def finish_stats(self) -> None:
+        for device in self.devices:
+            self.stats.peak_bytes[device.name] = device.peak_bytes()
+
+    def close(self) -> None:
+        """Stop the devices' stream threads (chaos mode) and the controller threads."""
+        for device in self.devices:
+            device.streams.close()
+        if self._controller is not None:
+            self._controller.shutdown(wait=True)
+            self._controller = None
+
+    def _controller_threads(self) -> concurrent.futures.ThreadPoolExecutor | None:
+        if len(self.devices) == 1:
+            return None
+        if self._controller is None:
+            self._controller = concurrent.futures.ThreadPoolExecutor(len(self.devices), "harmony-device")
+        return self._controller
