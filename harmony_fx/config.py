@@ -8,7 +8,7 @@ from typing import Literal
 
 import torch
 
-__all__ = ["CompileOptions", "parse_size", "format_size"]
+__all__ = ["CompileOptions", "parse_size", "format_size", "cuda_reserve"]
 
 _UNITS = {
     "": 1, "b": 1,
@@ -102,3 +102,19 @@ class CompileOptions:
             raise ValueError("forward_groups groups the packs of pack_boundaries: give both, or neither")
         if self.parallel not in ("auto", "dp", "pp"):
             raise ValueError(f"parallel must be 'auto', 'dp' or 'pp', got {self.parallel!r}")
+
+
+# What a GPU needs beyond the tensors a plan counts: cuBLAS and cuDNN workspaces (about 32 MiB per
+# handle and stream on Hopper), the caching allocator's rounding (512-byte blocks, unsplit remainders
+# up to 1 MiB) and fragmentation. The CUDA context itself is outside the allocator, and already
+# missing from what ``torch.cuda.mem_get_info`` reports free.
+CUDA_RESERVE_FIXED = 256 * 2**20
+CUDA_RESERVE_FRACTION = 0.05
+
+
+CUDA_RESERVE_CAP = 0.10  # a small budget (a test's) keeps a tenth: its programs are small too
+
+
+def cuda_reserve(budget: int) -> int:
+    """Bytes a plan keeps free below a GPU ``budget`` (``CudaDevice.margin``, and the planner's GPU specs)."""
+    return min(CUDA_RESERVE_FIXED + int(budget * CUDA_RESERVE_FRACTION), int(budget * CUDA_RESERVE_CAP))

@@ -45,7 +45,7 @@ from torch import nn
 
 from harmony_fx.api import HarmonyModule
 from harmony_fx.config import CompileOptions
-from harmony_fx.runtime.executor import Runtime
+from harmony_fx.runtime.executor import Runtime, land
 from harmony_fx.program.actions import Key, KeyKind
 
 __all__ = ["Trainer", "NonFiniteLossError"]
@@ -213,21 +213,22 @@ class Trainer:
         undo = _Undo(self.optimizer, [p for group in groups.values() for p in group], hm.compiled.written_buffers())
         pending: list[concurrent.futures.Future] = []
         arrivals: collections.Counter = collections.Counter()
+        landing: collections.defaultdict = collections.defaultdict(list)  # pack -> copies its update waits for
         arrivals_lock = threading.Lock()
         # a worker per step, shut down before the step returns or raises: no update can still be
         # running when the step is undone, and no thread outlives the step
         workers = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="harmony-update")
 
-        def on_update(runtime: Runtime, pack_index: int) -> None:
+        def on_update(runtime: Runtime, pack_index: int, copies) -> None:
             # data-parallel: the gradients are complete once every device has sent its share
             with arrivals_lock:
                 arrivals[pack_index] += 1
+                landing[pack_index].extend(copies)
                 if arrivals[pack_index] < hm.update_arrivals:
                     return
                 params = groups.get(pack_index, [])
-                for param in params:
-                    param.grad = runtime.host_grads.get(id(param))
-                pending.append(workers.submit(_timed, _update, self.optimizer, params, undo))
+                pending.append(workers.submit(_land_and_update, landing.pop(pack_index), runtime.host_grads,
+                                              self.optimizer, params, undo))
 
         self._last_hm = hm
         try:
@@ -435,6 +436,16 @@ class _Undo:
             buffer.copy_(data)
         for param, grad in self.grads:
             param.grad = grad
+
+
+def _land_and_update(copies, host_grads: dict, optimizer: torch.optim.Optimizer, params: Sequence[nn.Parameter],
+                     undo: _Undo) -> float:
+    """On the update worker: wait for the weight-gradient copies, which sums them on the host, then
+    step ``params`` with their summed gradients; returns the seconds the step itself took."""
+    land(copies)
+    for param in params:
+        param.grad = host_grads.get(id(param))
+    return _timed(_update, optimizer, params, undo)
 
 
 def _update(optimizer: torch.optim.Optimizer, params: Sequence[nn.Parameter] | None, undo: _Undo) -> None:

@@ -129,7 +129,7 @@ def test_bf16_moves_half_the_weight_bytes_of_fp32():
     assert nonfloat == _nonfloat_weight_bytes_moved(fp32_trainer) > 0  # TinyGPT's causal masks
     assert bf16["h2d/weights"] - nonfloat == (fp32["h2d/weights"] - nonfloat) // 2
     assert 2 * (bf16["h2d/weights"] - nonfloat) == fp32["h2d/weights"] - nonfloat
-    assert 2 * bf16["d2h/wgrad"] == fp32["d2h/wgrad"]
+    assert bf16["d2h/wgrad"] == fp32["d2h/wgrad"]  # summed over microbatches and copied in fp32
 
 
 def test_bf16_measured_bytes_and_peak_equal_the_plan():
@@ -161,12 +161,12 @@ def _mlp_bytes(precision: str, num_microbatches: int):
 
 
 @pytest.mark.parametrize("num_microbatches", [1, 4])
-def test_bf16_weight_and_gradient_traffic_is_exactly_half(num_microbatches):
+def test_bf16_weight_traffic_is_exactly_half_and_weight_gradients_stay_fp32(num_microbatches):
     bf16_trainer, bf16, loss = _mlp_bytes("bf16", num_microbatches)
     _, fp32, fp32_loss = _mlp_bytes("fp32", num_microbatches)
     assert len(bf16_trainer.hm.packs) == 3
     assert bf16["h2d/weights"] > 0 and 2 * bf16["h2d/weights"] == fp32["h2d/weights"]
-    assert bf16["d2h/wgrad"] > 0 and 2 * bf16["d2h/wgrad"] == fp32["d2h/wgrad"]
+    assert bf16["d2h/wgrad"] > 0 and bf16["d2h/wgrad"] == fp32["d2h/wgrad"]
     # stashed activations and the losses travel in bf16 too (every one of them is floating)
     assert 2 * bf16["d2h/act"] == fp32["d2h/act"]
     assert 2 * bf16["h2d/grad"] == fp32["h2d/grad"]

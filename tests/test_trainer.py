@@ -340,9 +340,9 @@ def _update_trainer(clip, monkeypatch):
         log.append(("bwd", pack_index))
         return original_bwd(self, pack_index, mb)
 
-    def update(self, pack_index):
+    def update(self, pack_index, *copies):
         log.append(("update", pack_index))
-        return original_update(self, pack_index)
+        return original_update(self, pack_index, *copies)
 
     monkeypatch.setattr(Runtime, "bwd", bwd)
     monkeypatch.setattr(Runtime, "update", update)

@@ -40,6 +40,9 @@ class Plan:
     batch: str = ""                   # whether the batch may be cut, and if not why (analysis.batch_dims)
     margin: int = 0                   # bytes kept below the budget for allocations no shape predicts
     margin_note: str = ""             # what the margin is for on these devices
+    # host memory a GPU run pins: every pack's weights as copies read them (the masters, or their
+    # compute-dtype copies), the stash and everything else offloaded in one iteration
+    pinned_bytes: int = 0
 
     @property
     def bytes_h2d(self) -> int:
@@ -69,7 +72,7 @@ class Plan:
             + (f": {self.margin_note})" if self.margin_note else ")"),
             *([f"batch: {self.batch}"] if self.batch else []),
             f"predicted bytes per iteration: host->device {format_size(self.bytes_h2d)}, "
-            f"device->host {format_size(self.bytes_d2h)}",
+            f"device->host {format_size(self.bytes_d2h)}; host memory pinned on a GPU {format_size(self.pinned_bytes)}",
         ]
         return "\n".join(lines)
 
@@ -100,7 +103,9 @@ def make_plan(candidate, shapes, nodes: Mapping[str, fx.Node], devices: Sequence
                  recompute=pack.index < len(packs) - 1)
         for pack in packs)
     first = devices[0]
+    pinned = sum(plan.weight_bytes for plan in pack_plans) + sum(
+        n for (direction, _), n in moved.items() if direction == "d2h")
     return Plan(pack_plans, layout.num_microbatches, tuple(d.name for d in devices), budget,
                 {d.name: peak for d, peak in zip(devices, candidate.peaks)},
                 {f"{d}/{k}": n for (d, k), n in sorted(moved.items())}, policy, layout.parallel, batch,
-                first.margin, first.margin_note)
+                first.margin, first.margin_note, pinned)

@@ -2,8 +2,8 @@
 
 The FakeTensor value of an activation on a microbatch (its variant's ``meta["val"]``), the value of
 its gradient (the same structure, ``None`` at the leaves without one), and the bytes a copy of any
-key moves, in the compute dtype. The planning run, the plan's byte counts and the simulator all
-read keys through this one table.
+key moves, in the compute dtype (weight gradients in the masters' dtype). The planning run, the
+plan's byte counts and the simulator all read keys through this one table.
 """
 from __future__ import annotations
 
@@ -53,7 +53,9 @@ class Shapes:
         elif key.kind == KeyKind.BUFFERS:
             names = pack.mutated_buffers
         elif key.kind == KeyKind.WGRAD:
+            # summed over microbatches, and copied, in the masters' dtype (see Runtime._backward)
             names = tuple(name for name in pack.params if self.masters[name].requires_grad)
+            return sum(pytrees.value_bytes(self.masters[name]) for name in names)
         else:
             raise AssertionError(f"{key} is never copied")
         return sum(pytrees.value_bytes(self.masters[name], self.itemsize) for name in names)

@@ -82,6 +82,7 @@ class PackFacts:
             for v in pack.act_inputs:
                 self.lowest_consumer.setdefault(v, pack.index)
         self.dw_events: list[int] = []  # every copy of weight gradients, in issue order
+        self.handed: set[int] = set()   # those an earlier UPDATE already hands to the host's worker
 
 
 class Builder:
@@ -265,12 +266,15 @@ def weight_grads_out(b: Builder, pack: Pack) -> None:
 
 
 def update(b: Builder, pack: Pack) -> None:
-    """Once every microbatch's gradients of ``pack`` are on the host: if it is the last pack to add
-    to some parameters' gradients, the host updates them while the device goes on."""
+    """If ``pack`` is the last to add to some parameters' gradients, the host updates them while the
+    device goes on. The update worker, not the issuing thread, waits for the weight-gradient copies
+    (those no earlier ``UPDATE`` or host wait covers): the next pack's tasks are issued at once, so
+    the GPU does not drain while the copies land."""
     if pack.index in b.facts.signature.update_packs:
-        for event in b.facts.dw_events:
-            b.wait(event, Stream.HOST)
-        b.emit(K.UPDATE, Stream.HOST, pack=pack.index)
+        facts = b.facts
+        after = tuple(e for e in facts.dw_events if e not in facts.handed and e not in b.waited[Stream.HOST])
+        facts.handed.update(after)
+        b.emit(K.UPDATE, Stream.HOST, pack=pack.index, after=after)
 
 
 def buffers_out(b: Builder, pack: Pack, after: int) -> None:

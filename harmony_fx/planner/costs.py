@@ -73,7 +73,8 @@ def layer_seconds(layer, size: int, spec: DeviceSpec, precision: str) -> tuple[f
 def chain_key_bytes(profile: ModelProfile, pack_layers: Sequence[Sequence[int]],
                     sizes: Sequence[int]) -> Callable[[Key], int]:
     """Key sizes of a layer-chain program (``planner.chain``): ``act[x{i}@mb]`` is what is live
-    before layer ``i``; weights and their gradients are the pack's parameters."""
+    before layer ``i``; weights are the pack's parameters in the compute dtype, their gradients
+    in fp32 (summed and copied in the masters' dtype)."""
     layers = profile.layers
 
     def key_bytes(key: Key) -> int:
@@ -83,7 +84,9 @@ def chain_key_bytes(profile: ModelProfile, pack_layers: Sequence[Sequence[int]],
                 return 4  # the loss
             per_sample = profile.input_bytes if i == 0 else layers[i - 1].out_bytes
             return int(per_sample * sizes[key.mb])
-        if key.kind in (KeyKind.WEIGHTS, KeyKind.WGRAD):
+        if key.kind == KeyKind.WEIGHTS:
             return sum(layers[i].param_bytes for i in pack_layers[int(key.name[1:])])
+        if key.kind == KeyKind.WGRAD:
+            return sum(4 * layers[i].num_params for i in pack_layers[int(key.name[1:])])
         return 0
     return key_bytes

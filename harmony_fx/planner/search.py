@@ -81,6 +81,7 @@ class PackModel:
         self.backward = _prefix([bwd for _, bwd in seconds])
         self.params = _prefix([layer.num_params for layer in layers])
         self._weights = _prefix([layer.param_bytes for layer in layers])
+        self._grads = _prefix([4 * layer.num_params for layer in layers])  # summed and copied in fp32
         self.saved = np.asarray([layer.saved_bytes * size for layer in layers], dtype=np.float64)
         self._saved = _prefix(self.saved)
         self.boundary = np.asarray([profile.input_bytes * size] + [layer.out_bytes * size for layer in layers])
@@ -100,11 +101,14 @@ class PackModel:
     def weights(self, a, b):
         return self._weights[b] - self._weights[a]
 
+    def grads(self, a, b):
+        return self._grads[b] - self._grads[a]
+
     def need(self, a, b):
         """Bytes a pack holds in its backward: weights and their gradients, one microbatch's graph,
         its input and output values and gradients, and the largest layer's working set."""
         io = 2 * (self.boundary[a] + self.boundary[b])
-        return 2 * self.weights(a, b) + (self._saved[b] - self._saved[a]) + io + self.biggest(a, b)
+        return self.weights(a, b) + self.grads(a, b) + (self._saved[b] - self._saved[a]) + io + self.biggest(a, b)
 
     def exposed(self, a, b):
         """What the first pack adds that nothing overlaps: its weights' first copy in, and its
@@ -115,7 +119,7 @@ class PackModel:
         # forward, recompute and backward; the last pack keeps its graph and skips the recompute
         runs = np.where(np.asarray(b) == self.num_layers, 1, 2)
         compute = self.mbs * (runs * (self.forward[b] - self.forward[a]) + (self.backward[b] - self.backward[a]))
-        moved = 3 * self.weights(a, b) + 2 * self.mbs * (self.boundary[a] + self.boundary[b])
+        moved = 2 * self.weights(a, b) + self.grads(a, b) + 2 * self.mbs * (self.boundary[a] + self.boundary[b])
         # the host updates the pack after its backward, while the packs before it run theirs: what
         # their backward cannot cover is exposed
         update = (self.params[b] - self.params[a]) / self.update_rate
@@ -261,7 +265,7 @@ def lower_bound(profile: ModelProfile, batch_size: int, devices: int, spec: Devi
         forward, backward = layer_seconds(layer, batch_size, spec, profile.precision)
         compute += forward + backward + (forward if index in recomputed else 0.0)
     compute /= devices
-    moved = 3 * profile.param_bytes
+    moved = 2 * profile.param_bytes + 4 * profile.num_params  # weights in twice, fp32 gradients out
     transfer = moved / spec.host_bandwidth  # data-parallel: every device; pipeline: 1/N each, but N links
     if devices > 1:
         transfer = min(transfer, moved / devices / spec.host_bandwidth)
@@ -294,7 +298,7 @@ def search(profile: ModelProfile, spec: DeviceSpec, host: HostSpec, *, batch_siz
            simulate_top: int = 6, all_devices: bool = False,
            progress: Callable[[str], None] | None = None) -> PlanChoice:
     """The fastest simulated schedule; ``all_devices``: use every device (else also fewer)."""
-    budget = budget or spec.memory
+    given, budget = budget or spec.memory, spec.usable(budget)
     num_layers = len(profile.layers)
     fixed = host_bytes(profile, [], batch_size, host)
     if host.memory is not None and fixed > host.memory:
@@ -318,7 +322,9 @@ def search(profile: ModelProfile, spec: DeviceSpec, host: HostSpec, *, batch_siz
         ranked.append((estimate / (used if mode == "pp" else 1), count, mode, used, boundaries, model))
     if not ranked:
         raise PlanningError(
-            f"search: no packing of {profile.name} fits a device budget of {format_size(budget)}; one layer at "
+            f"search: no packing of {profile.name} fits a device budget of {format_size(given)}"
+            + (f" ({format_size(budget)} after the GPU allocator's reserve)" if budget != given else "")
+            + "; one layer at "
             f"one sample per microbatch needs {format_size(smallest_need)}. Use a device with more memory, or "
             "a smaller batch or sequence.")
     ranked.sort(key=lambda r: r[0])

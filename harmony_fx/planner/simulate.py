@@ -7,7 +7,9 @@ It runs the same ``Action`` lists the runtime runs, with the runtime's semantics
 * each stream (compute, host→device, device→host, peer) runs its actions in issue order; a
   ``WAIT`` on a stream holds that stream until the event is recorded;
 * ``UPDATE`` goes to a pool of host (CPU) optimizer workers and does not block the controller; in
-  data-parallel every device issues it, and it runs once all ``update_arrivals`` have;
+  data-parallel every device issues it, and it runs once all ``update_arrivals`` have, the
+  weight-gradient copies each names (``Action.after``) have landed, and the updates before it
+  have started (the workers take them in order);
 * a ``RECV`` completes when its ``SEND`` has;
 * on a device whose streams run inline (``DeviceSpec.inline``: a HostDevice) the controller
   issues the next action only once the last one has finished;
@@ -93,6 +95,7 @@ class _Simulator:
         self.transfers: list[_Transfer] = []
         self.updates: list[float] = []      # end times of running CPU updates (a heap)
         self.update_queue: collections.deque = collections.deque()
+        self.update_after: collections.defaultdict = collections.defaultdict(set)  # pack -> copies it waits for
         # (device whose program records it, event) -> time: data-parallel programs number their
         # events independently, so an event is only named by its device and number together
         self.done_events: dict[tuple[int, int], float] = {}
@@ -153,6 +156,7 @@ class _Simulator:
                         return progressed
                 else:  # UPDATE: handed to the CPU workers once every device has sent its gradients
                     self.arrived[action.pack] += 1
+                    self.update_after[action.pack].update((device, e) for e in action.after)
                     if self.arrived[action.pack] == self.update_arrivals:
                         self.update_queue.append((device, action))
             else:
@@ -202,7 +206,10 @@ class _Simulator:
     def _start_updates(self) -> bool:
         progressed = False
         while self.update_queue and len(self.updates) < self.host.update_workers:
-            device, action = self.update_queue.popleft()
+            device, action = self.update_queue[0]
+            if any(copy not in self.done_events for copy in self.update_after[action.pack]):
+                break  # its gradients are still on their way to the host
+            self.update_queue.popleft()
             end = self.now + self.costs.update_seconds(action.pack)
             heapq.heappush(self.updates, end)
             self.spans.append((device, "host", f"UPDATE p{action.pack}", self.now, end))

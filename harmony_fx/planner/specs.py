@@ -13,7 +13,7 @@ import time
 
 import torch
 
-from harmony_fx.config import parse_size
+from harmony_fx.config import cuda_reserve, parse_size
 
 __all__ = ["DeviceSpec", "HostSpec", "PRESETS", "get_spec", "host_nominal", "measure_local"]
 
@@ -33,6 +33,12 @@ class DeviceSpec:
     launch_seconds: float = 20e-6     # fixed cost of one task (kernel launches, bookkeeping)
     # the streams run each op inline as it is issued (a HostDevice): nothing overlaps
     inline: bool = False
+
+    def usable(self, budget: int | None = None) -> int:
+        """What a program may hold of ``budget`` (default: the whole device): a GPU keeps the
+        allocator's reserve (``config.cuda_reserve``), as ``CudaDevice.margin`` does."""
+        total = budget or self.memory
+        return total if self.inline else total - cuda_reserve(total)
 
     def compute_seconds(self, flops: float, touched_bytes: float, precision: str = "fp32") -> float:
         """A roofline: the slower of arithmetic and memory traffic, plus the launch cost."""

@@ -95,6 +95,9 @@ class Action:
     reads: tuple[Key, ...] = dataclasses.field(default=(), compare=False)
     consumes: tuple[Key, ...] = dataclasses.field(default=(), compare=False)
     writes: tuple[Key, ...] = dataclasses.field(default=(), compare=False)
+    # UPDATE: the weight-gradient copies the host's update worker waits for before it steps (the
+    # device's issuing thread does not wait: it goes on with the next pack)
+    after: tuple[int, ...] = ()
 
     def __repr__(self) -> str:
         kind = self.kind
@@ -109,7 +112,7 @@ class Action:
         if kind in (ActionKind.PREFETCH, ActionKind.OFFLOAD):
             return f"{kind.value} {self.key} {self.stream.value} -> e{self.event}"
         if kind == ActionKind.UPDATE:
-            return f"UPDATE p{self.pack}"
+            return f"UPDATE p{self.pack}" + (" after " + " ".join(f"e{e}" for e in self.after) if self.after else "")
         return f"{kind.value} p{self.pack}@{self.mb} -> e{self.event}"
 
 
@@ -127,6 +130,6 @@ def parse_action(text: str) -> Action:
     if kind in (ActionKind.PREFETCH, ActionKind.OFFLOAD):
         return Action(kind, Stream(parts[2]), key=parse_key(parts[1]), event=int(parts[4][1:]))
     if kind == ActionKind.UPDATE:
-        return Action(kind, Stream.HOST, pack=int(parts[1][1:]))
+        return Action(kind, Stream.HOST, pack=int(parts[1][1:]), after=tuple(int(e[1:]) for e in parts[3:]))
     pack, mb = parts[1][1:].split("@")
     return Action(kind, Stream.COMPUTE, pack=int(pack), mb=int(mb), event=int(parts[3][1:]))

@@ -73,7 +73,7 @@ def generate_program(actions: Sequence[Action], steps: Sequence[str], name: str,
         elif action.kind == ActionKind.FREE:
             args = (rt, str(action.key))
         elif action.kind == ActionKind.UPDATE:
-            args = (rt, action.pack)
+            args = (rt, action.pack, *(events[event] for event in action.after))
         elif action.kind in (ActionKind.PREFETCH, ActionKind.OFFLOAD):
             args = (rt, str(action.key), action.stream.value)
         elif action.kind in (ActionKind.SEND, ActionKind.RECV):

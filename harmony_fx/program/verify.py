@@ -11,8 +11,9 @@ it is valid and the copies still reading it, and for each stream the events it h
    the compute stream must have waited for every such copy.
 5. Every device→host copy is waited for on the host before the program ends (what lands later
    would race with the caller, who reads the results, and with the next program, which reads the
-   stash without waiting on this one's events), and an ``UPDATE`` comes after the host waited for
-   every weight-gradient copy before it.
+   stash without waiting on this one's events), and an ``UPDATE`` names every weight-gradient
+   copy before it that neither the host waited for nor an earlier ``UPDATE`` named (its worker
+   waits for them).
 6. The static peak (from the FakeTensor run of the program) is within the budget (``check_peak``).
 
 ``verify_packs`` checks the captured graph after ``split_packs``: it lints, every compute node
@@ -77,6 +78,7 @@ def verify_program(actions: Sequence[Action], host_keys: Iterable[Key] = (),
     on_host: dict[Key, int | None] = {key: None for key in host_keys}
     stream_of_event: dict[int, Stream] = {}
     dw_offloads: list[tuple[Key, int]] = []
+    handed: set[int] = set()  # weight-gradient copies an UPDATE named: its worker waits for them
     offloads: list[tuple[int, Action]] = []
     # the action that last took each key off the device: an early FREE shows up at the next use,
     # and the error names both
@@ -140,10 +142,18 @@ def verify_program(actions: Sequence[Action], host_keys: Iterable[Key] = (),
             if action.key.kind == KeyKind.BUFFERS:  # written into the masters the next W copy reads
                 on_host[Key(KeyKind.WEIGHTS, action.key.name)] = action.event
         elif kind == K.UPDATE:
-            pending = [e for key, e in dw_offloads if e not in waited[Stream.HOST]]
+            # the update worker waits for the copies the UPDATE names (and, in order, for those the
+            # UPDATEs before it named); none may be left out
+            unknown = [e for e in action.after if e not in {event for _, event in dw_offloads}]
+            if unknown:
+                fail(index, action, f"names {', '.join(f'e{e}' for e in unknown)}, which are not weight-gradient "
+                                    "copies of this program")
+            handed.update(action.after)
+            pending = [e for key, e in dw_offloads if e not in waited[Stream.HOST] and e not in handed]
             if pending:
-                fail(index, action, f"updates parameters before the host waited for the gradient copies "
-                                    f"{', '.join(f'e{e}' for e in pending)}")
+                fail(index, action, f"updates parameters before the gradient copies "
+                                    f"{', '.join(f'e{e}' for e in pending)} landed: neither the host waited for "
+                                    "them nor does this or an earlier UPDATE name them")
         elif kind == K.FREE:
             if action.key not in ready:
                 fail(index, action, f"frees {action.key}, which is not on the device")

@@ -15,11 +15,12 @@ import threading
 
 import torch
 
-from harmony_fx.config import format_size
+from harmony_fx.config import CUDA_RESERVE_CAP, CUDA_RESERVE_FIXED, CUDA_RESERVE_FRACTION, cuda_reserve, format_size
 from harmony_fx.ir.tracking import AllocationTracker
 from harmony_fx.runtime.streams import ChaosStreams, CudaStreams, HostStreams
 
-__all__ = ["Device", "HostDevice", "CudaDevice", "DeviceOutOfMemoryError", "resolve_devices"]
+__all__ = ["Device", "HostDevice", "CudaDevice", "DeviceOutOfMemoryError", "StagingBuffers", "resolve_devices",
+           "pinned_source", "visible_gpus"]
 
 
 _HOST_RNG_LOCK = threading.RLock()
@@ -39,12 +40,40 @@ class Device:
     # bytes a plan keeps free below the budget, for allocations its FakeTensor run cannot see
     margin: int = 0
     margin_note: str = ""
+    context: str = ""  # the running task, for an out-of-memory message
+    # reading the live bytes is cheap (a HostDevice's own count), so the timeline samples it after
+    # every op; on a GPU it builds the allocator's statistics, so only after compute tasks
+    cheap_live_bytes: bool = True
 
-    def to_device(self, host: torch.Tensor) -> torch.Tensor:
+    def to_device(self, source: torch.Tensor, slot: object = None) -> torch.Tensor:
+        """A device copy of ``source`` (``slot``: the staging buffer it was read from, if any)."""
         raise NotImplementedError
 
     def to_host(self, value: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
+
+    def stage(self, slot: object, master: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+        """The host tensor a copy of the weight ``master`` reads, in the compute ``dtype``."""
+        raise NotImplementedError
+
+    def bind_thread(self) -> None:
+        """Called by a controller thread before it issues this device's program."""
+
+    def check_budget(self) -> None:
+        """After a compute task: raise ``DeviceOutOfMemoryError`` if the device holds more than the budget."""
+
+    def out_of_memory(self, error: BaseException) -> DeviceOutOfMemoryError:
+        """The error to raise for the framework's own out-of-memory ``error``."""
+        return DeviceOutOfMemoryError(f"{out_of_memory_message(self, self.live_bytes(), self.budget or 0)} "
+                                      f"({str(error).splitlines()[0]})")
+
+    def memory_peaks(self) -> dict[str, int]:
+        """The device's peaks since ``reset_peak`` by kind (a GPU's allocator keeps several)."""
+        return {"allocated": self.peak_bytes()}
+
+    def pinned_bytes(self) -> int:
+        """Host memory pinned for this device's copies."""
+        return 0
 
     def compute_scope(self):
         raise NotImplementedError
@@ -73,6 +102,18 @@ class Device:
         return f"{type(self).__name__}({self.name!r}, budget={budget})"
 
 
+def out_of_memory_message(device: Device, live: int, cap: int) -> str:
+    planned = ""
+    if device.planned_peak is not None:
+        planned = f"; the plan's static peak here is {device.planned_peak:,} bytes"
+        if device.planned_peak > cap:
+            planned += (" (the budget was lowered below the plan after compiling: compile again under "
+                        f"memory_budget={cap})")
+    return (f"{device.name}: out of memory{getattr(device, 'context', '')}: {live:,} bytes ({format_size(live)}) "
+            f"in use, budget {cap:,} bytes ({format_size(cap)}){planned}. Give a larger memory_budget, or more "
+            "microbatches so each task holds less.")
+
+
 class HostDevice(Device):
     """A GPU stand-in in host memory (see the module docstring)."""
 
@@ -87,6 +128,7 @@ class HostDevice(Device):
         self.streams = HostStreams() if chaos is None else ChaosStreams(chaos)
         self.tracker = AllocationTracker(budget, self._out_of_memory)
         self.track_memory = track_memory
+        self.staging = StagingBuffers(pin=False)
         self.context = ""  # what is running, for the out-of-memory message
         # the static peak of the program running here (set by the compiled module), for that message
         self.planned_peak: int | None = None
@@ -100,20 +142,15 @@ class HostDevice(Device):
         self.tracker.cap = budget  # the account enforces whatever the budget is now
 
     def _out_of_memory(self, live: int, cap: int) -> None:
-        planned = ""
-        if self.planned_peak is not None:
-            planned = f"; the plan's static peak here is {self.planned_peak:,} bytes"
-            if self.planned_peak > cap:
-                planned += (" (the budget was lowered below the plan after compiling: compile again under "
-                            f"memory_budget={cap})")
-        raise DeviceOutOfMemoryError(
-            f"{self.name}: out of memory{self.context}: {live:,} bytes ({format_size(live)}) in use, budget "
-            f"{cap:,} bytes ({format_size(cap)}){planned}. Give a larger memory_budget, or more microbatches so "
-            "each task holds less."
-        )
+        raise DeviceOutOfMemoryError(out_of_memory_message(self, live, cap))
 
-    def to_device(self, host: torch.Tensor) -> torch.Tensor:
-        copy = host.detach().clone()
+    def stage(self, slot: object, master: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+        if dtype is None or not master.is_floating_point() or master.dtype == dtype:
+            return master
+        return self.staging.stage(slot, master, dtype)  # the cast, into a buffer reused every iteration
+
+    def to_device(self, source: torch.Tensor, slot: object = None) -> torch.Tensor:
+        copy = source.detach().clone()
         return self.tracker.register(copy) if self.track_memory else copy
 
     def to_host(self, value: torch.Tensor) -> torch.Tensor:
@@ -143,38 +180,80 @@ class HostDevice(Device):
         return self.tracker.peak
 
 
+def visible_gpus() -> int:
+    """How many GPUs ``devices=None`` takes (the test suite pins its unmarked tests to 0)."""
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
 class CudaDevice(Device):
     """A real GPU (see the module docstring)."""
+
+    margin_note = ("kept for cuBLAS/cuDNN workspaces, the caching allocator's rounding and fragmentation: "
+                   f"{format_size(CUDA_RESERVE_FIXED)} + {CUDA_RESERVE_FRACTION:.0%} of the budget, at most "
+                   f"{CUDA_RESERVE_CAP:.0%} of it")
 
     def __init__(self, name: str = "cuda:0", budget: int | None = None) -> None:
         self.name = name
         self.torch_device = torch.device(name)
-        self.budget = budget if budget is not None else torch.cuda.get_device_properties(self.torch_device).total_memory
+        if budget is None:
+            budget, _ = torch.cuda.mem_get_info(self.torch_device)  # what is free now, not the card's size
+        self.budget = budget
+        self.margin = cuda_reserve(budget)
         self.streams = CudaStreams(self.torch_device)
+        self.staging = StagingBuffers(pin=True)
+        self.cheap_live_bytes = False
+        # cuBLAS allocates its workspace (about 32 MiB on Hopper) through the caching allocator on
+        # the first matmul of each stream and keeps it: take it now, so it is part of the baseline
+        # and not of the first task's bytes
+        with torch.cuda.device(self.torch_device):
+            torch.ones(2, 2, device=self.torch_device) @ torch.ones(2, 2, device=self.torch_device)
+            torch.cuda.synchronize(self.torch_device)
         self._baseline = torch.cuda.memory_allocated(self.torch_device)
 
-    def to_device(self, host: torch.Tensor) -> torch.Tensor:
-        """Runs on the h2d stream. The block is allocated in compute-stream order (where it will be
-        used and freed), and the copy waits for that point."""
+    def bind_thread(self) -> None:
+        """Called by a controller thread before it issues this device's program."""
+        torch.cuda.set_device(self.torch_device)
+
+    def stage(self, slot: object, master: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+        """The host tensor a weight copy reads: the master itself when it is pinned and of the
+        compute dtype, else its reused pinned buffer, refreshed in one pass (cast included)."""
+        dtype = dtype if dtype is not None and master.is_floating_point() else master.dtype
+        if master.is_pinned() and master.dtype == dtype:
+            return master
+        return self.staging.stage(slot, master, dtype)
+
+    def to_device(self, source: torch.Tensor, slot: object = None) -> torch.Tensor:
+        """Runs on the h2d (or peer) stream. The block is allocated in compute-stream order (where
+        it will be used and freed), and the copy waits for that point. A host source is copied
+        from pinned memory; a tensor already on a GPU (an input, a peer's value) directly."""
+        source = source.detach()
         with torch.cuda.stream(self.streams.compute):
-            copy = torch.empty_like(host, device=self.torch_device)
+            copy = torch.empty_like(source, device=self.torch_device)
             allocated = torch.cuda.Event()
             allocated.record()
         copy_stream = torch.cuda.current_stream(self.torch_device)
         copy_stream.wait_event(allocated)
-        copy.copy_(host if host.is_pinned() else host.pin_memory(), non_blocking=True)
-        copy.record_stream(copy_stream)
+        copy.copy_(pinned_source(source), non_blocking=True)
+        if slot is not None:
+            self.staging.in_use(slot, copy_stream)
+        # No record_stream: the program frees the copy only after the compute stream waited for it.
         return copy
 
     def to_host(self, value: torch.Tensor) -> torch.Tensor:
-        """Runs on the d2h stream, into pinned memory."""
+        """Runs on the d2h stream, into pinned memory. No record_stream: the program frees the
+        device value only after the compute stream waited for this copy."""
         host = torch.empty(value.shape, dtype=value.dtype, pin_memory=True)
         host.copy_(value.detach(), non_blocking=True)
-        value.record_stream(torch.cuda.current_stream(self.torch_device))
         return host
 
     def compute_scope(self):
         return torch.cuda.device(self.torch_device)
+
+    def check_budget(self) -> None:
+        """After a compute task: the allocator holds no more than the budget for our tensors."""
+        live = self.live_bytes()
+        if self.budget is not None and live > self.budget:
+            raise DeviceOutOfMemoryError(out_of_memory_message(self, live, self.budget))
 
     def get_rng_state(self) -> tuple[torch.Tensor, torch.Tensor]:
         # a pack may draw on the host's generator too (a CPU randperm in the model): keep both
@@ -198,17 +277,68 @@ class CudaDevice(Device):
     def peak_bytes(self) -> int:
         return torch.cuda.max_memory_allocated(self.torch_device) - self._baseline
 
+    def memory_peaks(self) -> dict[str, int]:
+        """Peaks since ``reset_peak``, as the caching allocator counts them: ``allocated`` (blocks
+        handed out, rounded), ``requested`` (the bytes asked for), ``reserved`` (held from CUDA)."""
+        stats = torch.cuda.memory_stats(self.torch_device)
+        return {"allocated": stats.get("allocated_bytes.all.peak", 0) - self._baseline,
+                "requested": stats.get("requested_bytes.all.peak", 0),
+                "reserved": stats.get("reserved_bytes.all.peak", 0)}
+
+    def pinned_bytes(self) -> int:
+        """Host memory pinned by torch's pinned allocator (masters, staging, offloaded copies)."""
+        return int(torch.cuda.host_memory_stats().get("allocated_bytes.current", 0))
+
+
+def pinned_source(source: torch.Tensor) -> torch.Tensor:
+    """What a host-to-device copy reads: a GPU tensor as it is (CUDA refuses to pin it, and a
+    device-to-device copy needs no staging), a pinned host tensor as it is, a pageable one pinned."""
+    if source.device.type != "cpu" or source.is_pinned():
+        return source
+    return source.pin_memory()
+
+
+class StagingBuffers:
+    """One reused host buffer per slot (a pack's weight, in the compute dtype), pinned on a GPU:
+    allocated (and pinned) once, refreshed by each copy, and never overwritten while a copy from
+    it may still be running (``in_use`` records the stream that reads it)."""
+
+    def __init__(self, pin: bool) -> None:
+        self.pin = pin
+        self.allocations = 0  # buffers allocated so far (each once)
+        self.nbytes = 0
+        self._buffers: dict[object, torch.Tensor] = {}
+        self._readers: dict[object, object] = {}  # slot -> event of the last copy reading it
+
+    def stage(self, slot: object, source: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        buffer = self._buffers.get(slot)
+        if buffer is None or buffer.shape != source.shape or buffer.dtype != dtype:
+            buffer = torch.empty(source.shape, dtype=dtype, pin_memory=self.pin)
+            self._buffers[slot] = buffer
+            self.allocations += 1
+            self.nbytes += buffer.numel() * buffer.element_size()
+        reader = self._readers.pop(slot, None)
+        if reader is not None:
+            reader.synchronize()  # the last copy from this buffer has finished reading it
+        buffer.copy_(source.detach())
+        return buffer
+
+    def in_use(self, slot: object, stream) -> None:
+        if slot in self._buffers and self.pin:
+            event = torch.cuda.Event()
+            event.record(stream)
+            self._readers[slot] = event
+
 
 def resolve_devices(devices: object, budget: int | None, track_memory: bool = True,
                     chaos: int | None = None) -> list[Device]:
     """``None``: every CUDA GPU, else one HostDevice; an int N; or names ``cuda:i`` / ``host:i``."""
     if devices is None:
-        count = torch.cuda.device_count()
-        names = [f"cuda:{i}" for i in range(count)] or ["host:0"]
+        names = [f"cuda:{i}" for i in range(visible_gpus())] or ["host:0"]
     elif isinstance(devices, int) and not isinstance(devices, bool):
         if devices < 1:
             raise ValueError(f"devices must be at least 1, got {devices}")
-        prefix = "cuda" if torch.cuda.is_available() else "host"
+        prefix = "cuda" if visible_gpus() else "host"
         names = [f"{prefix}:{i}" for i in range(devices)]
     elif isinstance(devices, (list, tuple)) and devices:
         names = [str(d) for d in devices]

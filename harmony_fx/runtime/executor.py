@@ -27,7 +27,7 @@ from harmony_fx.ir.tracking import storage_key
 from harmony_fx.runtime.devices import Device
 from harmony_fx.program.actions import Key, KeyKind, Stream, parse_key
 
-__all__ = ["Runtime", "Stats", "HostState"]
+__all__ = ["Runtime", "Stats", "HostState", "land"]
 
 
 @dataclasses.dataclass
@@ -38,6 +38,9 @@ class Stats:
     bytes_by_device: dict[tuple[str, str, str], int] = dataclasses.field(
         default_factory=lambda: collections.defaultdict(int))
     peak_bytes: dict[str, int] = dataclasses.field(default_factory=dict)
+    # per device, the peaks its allocator keeps apart (a GPU: allocated, requested, reserved)
+    memory_peaks: dict[str, dict[str, int]] = dataclasses.field(default_factory=dict)
+    pinned_bytes: dict[str, int] = dataclasses.field(default_factory=dict)  # host memory pinned for copies
     budget: dict[str, int | None] = dataclasses.field(default_factory=dict)
     # seconds each stream was busy; on a HostDevice streams run inline, so this is the time the
     # work took; on a CudaDevice it is the host time spent issuing it
@@ -66,6 +69,8 @@ class Stats:
             "bytes_by_kind": {f"{d}/{k}": n for (d, k), n in sorted(self.bytes_by_kind.items())},
             "bytes_by_device": {f"{dev} {d}/{k}": n for (dev, d, k), n in sorted(self.bytes_by_device.items())},
             "peak_bytes": dict(self.peak_bytes),
+            "memory_peaks": {name: dict(peaks) for name, peaks in self.memory_peaks.items()},
+            "pinned_bytes": dict(self.pinned_bytes),
             "budget": dict(self.budget),
             "busy_seconds": dict(self.busy_seconds),
             "update_seconds": self.update_seconds,
@@ -80,10 +85,18 @@ class HostState:
     masters: list[list[torch.Tensor]]
 
 
+def land(copies: Sequence["_Event"]) -> None:
+    """Wait on this thread until ``copies`` have landed, and run their host work (summing gradients
+    into ``host_grads``): what an update worker does before it steps."""
+    for copy in copies:
+        copy.device_event.synchronize()
+        copy.run_host_work()
+
+
 class _Event:
     """A program's event: the device's (or a peer hand-over's) plus host work that runs once the
-    copy has landed, exactly once, by whichever program's host wait comes first (the others wait
-    for it to finish)."""
+    copy has landed, exactly once, by whichever host wait comes first (a program's, or an update
+    worker's; the others wait for it to finish)."""
 
     __slots__ = ("device_event", "on_host", "_lock")
 
@@ -104,7 +117,7 @@ class Runtime:
 
     def __init__(self, packs_for_mb: Sequence[Sequence[Pack]], device: Device, host: HostState,
                  grad_inputs: Sequence[tuple[str, ...]], stats: Stats,
-                 on_update: Callable[["Runtime", int], None] | None = None,
+                 on_update: Callable[["Runtime", int, Sequence["_Event"]], None] | None = None,
                  compute_dtype: torch.dtype | None = None, shared: "Runtime | None" = None, index: int = 0,
                  standalone: Callable[[Key], object] | None = None,
                  task_memory: dict[tuple[str, int, int], tuple[int, int]] | None = None) -> None:
@@ -179,11 +192,14 @@ class Runtime:
                 work()
             finally:
                 ended = time.perf_counter()
+                device = self.device
+                live = device.live_bytes() if device.cheap_live_bytes or stream == Stream.COMPUTE else None
                 with self._stats_lock:
                     stats = self.stats
                     stats.busy_seconds[stream.value] += ended - started
                     stats.spans.append((self.index, stream.value, label, started - stats.origin, ended - stats.origin))
-                    stats.memory.setdefault(self.index, []).append((ended - stats.origin, self.device.live_bytes()))
+                    if live is not None:
+                        stats.memory.setdefault(self.index, []).append((ended - stats.origin, live))
 
         event = event or _Event(None)
         event.device_event = self.device.streams.submit(stream, timed)
@@ -201,7 +217,8 @@ class Runtime:
                 what = f" while copying the weights of {pack.name} ({pack.describe_layers()}) to the device"
                 with _DeviceContext(device, what):
                     for slot, master in enumerate(self.host.masters[pack.index]):
-                        copy = device.to_device(self._compute_dtype(master))
+                        staged = (pack.index, slot)
+                        copy = device.to_device(device.stage(staged, master, self.compute_dtype), staged)
                         if slot < len(pack.params) and master.requires_grad:
                             copy.requires_grad_(True)
                         value.append(copy)
@@ -294,10 +311,12 @@ class Runtime:
         key = self.key(key_text)
         self._submit(Stream.COMPUTE, lambda: self.device_values.pop(key), label=f"FREE {key}")
 
-    def update(self, pack_index: int) -> None:
+    def update(self, pack_index: int, *copies: _Event) -> None:
+        """Hand ``pack_index``'s update to the host: ``on_update`` gets the weight-gradient copies to
+        wait for (``land``) before it steps; this thread goes on issuing."""
         if self.on_update is not None:
             started = time.perf_counter()
-            self.on_update(self, pack_index)
+            self.on_update(self, pack_index, copies)
             self.stats.busy_seconds[Stream.HOST.value] += time.perf_counter() - started
 
     def fwd(self, pack_index: int, mb: int) -> _Event:
@@ -406,17 +425,30 @@ class Runtime:
                 self._accumulate(Key(KeyKind.GRAD, name, mb), pytrees.with_leaves(x, leaf_grads))
             wgrad_key = Key(KeyKind.WGRAD, pack.name)
             accumulated = values.setdefault(wgrad_key, [None] * len(weight_targets))
+            masters = self.host.masters[pack_index]
             for i, w in enumerate(weight_targets):
                 grad = grads.pop(0) if w.requires_grad else None
-                if grad is not None:
-                    accumulated[i] = _own(grad) if accumulated[i] is None else accumulated[i].add_(grad)
+                if grad is None:
+                    continue
+                # summed over microbatches in the master's dtype (fp32 under bf16 compute): each
+                # microbatch's gradient is rounded once, not the running sum at every step
+                if accumulated[i] is not None:
+                    accumulated[i].add_(grad)
+                elif grad.dtype != masters[i].dtype:
+                    accumulated[i] = grad.to(masters[i].dtype)
+                else:
+                    accumulated[i] = _own(grad)
+            del grads
+            self.device.check_budget()
 
     # ------------------------------------------------------------------ helpers
     def _run_pack(self, pack: Pack, inputs: list, grad: bool, what: str) -> tuple:
         weights = self.device_values[Key(KeyKind.WEIGHTS, pack.name)]
         state = [weights[slot] for slot in pack.state_slot]
         with self.device.compute_scope(), self._context(pack, what), torch.set_grad_enabled(grad):
-            return pack.gm(*inputs, *state)
+            outputs = pack.gm(*inputs, *state)
+            self.device.check_budget()
+            return outputs
 
     def _context(self, pack: Pack, what: str):
         device, text = self.device, f" in the {what} of {pack.name} ({pack.describe_layers()})"
@@ -561,11 +593,13 @@ class _DeviceContext:
         self.device, self.text = device, text
 
     def __enter__(self):
-        if hasattr(self.device, "context"):
-            self.device.context = self.text
+        self.device.context = self.text
 
-    def __exit__(self, *exc) -> None:
-        if hasattr(self.device, "context"):
+    def __exit__(self, kind, error, traceback) -> None:
+        try:
+            if isinstance(error, torch.OutOfMemoryError):
+                raise self.device.out_of_memory(error) from error  # named: the task, the plan, the budget
+        finally:
             self.device.context = ""
 
 

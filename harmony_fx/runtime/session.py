@@ -17,6 +17,7 @@ from torch import fx
 
 from harmony_fx.ir.pack import Pack
 from harmony_fx.lowering.tasks import grad_inputs
+from harmony_fx.passes.retarget_device import packs_on
 from harmony_fx.program.actions import Key, KeyKind
 from harmony_fx.runtime.executor import HostState, Runtime, Stats
 
@@ -39,6 +40,7 @@ class Iteration:
         stopped, and then nothing stays on any device."""
 
         def run_device(runtime: Runtime, device_programs: Sequence[fx.GraphModule]) -> None:
+            runtime.device.bind_thread()
             try:
                 for program in device_programs:
                     runtime.run(program)
@@ -81,12 +83,18 @@ class Session:
         self.devices = compiled.devices
         self.host_state = HostState([[compiled.masters[name] for name in pack.params + pack.buffers]
                                      for pack in compiled.packs])
+        if compiled.options.compute_dtype is None and any(d.torch_device.type == "cuda" for d in self.devices):
+            _pin_in_place(compiled.masters.values())
         self.stats = Stats()
         self._controller: concurrent.futures.ThreadPoolExecutor | None = None
-        self._packs_for_mb: list[Sequence[Pack]] = [compiled.packs_by_size[size] for size in compiled.layout.mb_sizes]
+        # per device: the packs of each microbatch's size, making their tensors on that device
+        first = self.devices[0].torch_device
+        self._packs_for_mb: list[list[Sequence[Pack]]] = [
+            [packs_on(compiled.packs_by_size[size], first, device.torch_device) for size in compiled.layout.mb_sizes]
+            for device in self.devices]
         self._grad_inputs = [grad_inputs(pack, compiled.signature) for pack in compiled.packs]
 
-    def begin(self, per_mb: Sequence[Sequence[torch.Tensor]], on_update: Callable[[Runtime, int], None] | None = None,
+    def begin(self, per_mb: Sequence[Sequence[torch.Tensor]], on_update: Callable[[Runtime, int, Sequence], None] | None = None,
               output_grads: dict[Key, torch.Tensor] | None = None) -> Iteration:
         """A new iteration over the microbatches' flat inputs ``per_mb`` (nothing run yet)."""
         compiled = self.compiled
@@ -95,7 +103,7 @@ class Session:
         for device in self.devices:
             device.reset_peak()
             device.planned_peak = compiled.plan.predicted_peak.get(device.name)  # named if it runs out of memory
-            runtimes.append(Runtime(self._packs_for_mb, device, self.host_state, self._grad_inputs, self.stats,
+            runtimes.append(Runtime(self._packs_for_mb[len(runtimes)], device, self.host_state, self._grad_inputs, self.stats,
                                     on_update, compiled.options.compute_dtype, runtimes[0] if runtimes else None,
                                     len(runtimes)))
         iteration = Iteration(runtimes, self._controller_threads())
@@ -105,7 +113,7 @@ class Session:
         iteration.host_values.update(output_grads or {})
         return iteration
 
-    def start(self, per_mb: Sequence[Sequence[torch.Tensor]], on_update: Callable[[Runtime, int], None] | None = None,
+    def start(self, per_mb: Sequence[Sequence[torch.Tensor]], on_update: Callable[[Runtime, int, Sequence], None] | None = None,
               output_grads: dict[Key, torch.Tensor] | None = None) -> Iteration:
         """Run the forward programs (one per device, side by side); the returned iteration holds
         what the backward programs need."""
@@ -121,7 +129,7 @@ class Session:
             iteration.release()
         self.finish_stats()
 
-    def run_iteration(self, per_mb: Sequence[Sequence[torch.Tensor]], on_update: Callable[[Runtime, int], None],
+    def run_iteration(self, per_mb: Sequence[Sequence[torch.Tensor]], on_update: Callable[[Runtime, int, Sequence], None],
                       output_grads: dict[Key, torch.Tensor]) -> Iteration:
         """Forward and backward in one go (the Trainer): each device runs its backward program as
         soon as its forward program ends, with no barrier between them (a pipeline's fused last task
@@ -137,6 +145,8 @@ class Session:
     def finish_stats(self) -> None:
         for device in self.devices:
             self.stats.peak_bytes[device.name] = device.peak_bytes()
+            self.stats.memory_peaks[device.name] = device.memory_peaks()
+            self.stats.pinned_bytes[device.name] = device.pinned_bytes()
 
     def close(self) -> None:
         """Stop the devices' stream threads (chaos mode) and the controller threads."""
@@ -152,3 +162,13 @@ class Session:
         if self._controller is None:
             self._controller = concurrent.futures.ThreadPoolExecutor(len(self.devices), "harmony-device")
         return self._controller
+
+
+def _pin_in_place(masters) -> None:
+    """Masters in pinned memory, once: each weight copy then reads them directly (fp32 compute;
+    under bf16 a device keeps a pinned compute-dtype copy instead, ``CudaDevice.stage``). The
+    tensors stay the model's own: their ``.data`` moves, so optimizers and tied weights see the same
+    objects."""
+    for master in masters:
+        if master.device.type == "cpu" and not master.is_pinned():
+            master.data = master.data.pin_memory()

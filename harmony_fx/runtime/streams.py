@@ -156,7 +156,9 @@ class CudaStreams:
     def submit(self, stream: Stream, work: Callable[[], None]) -> torch.cuda.Event:
         with torch.cuda.stream(self.stream(stream)):
             work()
-        event = torch.cuda.Event()
+        # blocking: a thread that waits for it on the host (a controller, an update worker) sleeps
+        # instead of spinning on a core the optimizer and the copies need
+        event = torch.cuda.Event(blocking=True)
         event.record(self.stream(stream))
         return event
 

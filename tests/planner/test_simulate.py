@@ -344,7 +344,8 @@ def test_trace_events_cover_every_stream_used_and_are_json() -> None:
 
 def _renumbered(programs: list[list[Action]], offset: int = 1000) -> list[list[Action]]:
     """The same programs with each device's events moved to a range of its own."""
-    return [[dataclasses.replace(a, event=None if a.event is None else a.event + offset * device) for a in actions]
+    return [[dataclasses.replace(a, event=None if a.event is None else a.event + offset * device,
+                                 after=tuple(e + offset * device for e in a.after)) for a in actions]
             for device, actions in enumerate(programs)]
 
 

@@ -369,3 +369,45 @@ def test_a_node_moved_into_an_earlier_pack_is_refused_naming_it_and_the_pass():
     victim.meta[meta.PACK] = 0  # reads a value of pack 2 from pack 0
     with pytest.raises(ProgramError, match=rf"{victim.name}.*not convex.*split_packs"):
         verify_packs(gm)
+
+
+# ---------------------------------------------------------------------- updates on the host
+
+
+@functools.lru_cache(maxsize=None)
+def _trainer_programs():
+    torch.manual_seed(0)
+    model = MLPChain(width=16, depth=6)
+    x, target = torch.randn(8, 16), torch.randint(0, 10, (8,))
+    trainer = harmony_fx.Trainer(model, torch.nn.functional.cross_entropy, torch.optim.SGD(model.parameters(), lr=0.1),
+                                 (x, target), microbatches=2, pack_boundaries=(0, 2, 4, 6))
+    hm = trainer.hm
+    programs = [list(hm.forward_actions), list(hm.backward_actions)]
+    update_packs = frozenset(a.pack for a in programs[0] + programs[1] if a.kind == K.UPDATE)
+    trainer.close()
+    return hm, programs, update_packs
+
+
+def test_an_update_that_leaves_out_a_gradient_copy_is_refused():
+    """Its worker would step parameters whose gradients are still on their way to the host."""
+    hm, (forward, backward), update_packs = _trainer_programs()
+    hm.verify([(forward, backward)], update_packs)
+    named = [(i, a) for i, a in enumerate(backward) if a.kind == K.UPDATE and a.after]
+    assert len(named) >= 2
+    for i, update in named:
+        for left_out in update.after:
+            mutated = list(backward)
+            mutated[i] = Action(K.UPDATE, Stream.HOST, pack=update.pack, device=update.device,
+                                created_by=update.created_by, after=tuple(e for e in update.after if e != left_out))
+            message = _refused(hm.verify, [(forward, mutated)], f"{update!r} without e{left_out}")
+            assert f"e{left_out}" in message and "landed" in message
+
+
+def test_the_issuing_thread_never_waits_on_the_host_between_two_backward_tasks():
+    """The weight-gradient copies are the update worker's to wait for: between the first and the
+    last compute task of the backward, no host wait stops the thread that issues the GPU's work."""
+    hm, (forward, backward), _ = _trainer_programs()
+    computes = [i for i, a in enumerate(backward) if a.kind in (K.RECOMPUTE, K.BWD)]
+    between = [a for a in backward[computes[0]:computes[-1]] if a.kind == K.WAIT and a.stream == Stream.HOST]
+    assert not between, between
+    assert sum(a.kind == K.UPDATE for a in backward) >= 2  # and the updates still run during the backward

@@ -6,7 +6,10 @@ import gc
 import pytest
 import torch
 
-from harmony_fx.runtime.devices import CudaDevice, DeviceOutOfMemoryError, HostDevice, resolve_devices
+from harmony_fx.config import cuda_reserve
+from harmony_fx.runtime.devices import (
+    CudaDevice, DeviceOutOfMemoryError, HostDevice, StagingBuffers, pinned_source, resolve_devices,
+)
 
 MIB = 1 << 20
 
@@ -90,9 +93,9 @@ def test_resolve_several_host_devices():
     assert all(isinstance(d, HostDevice) for d in devices)
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="without CUDA only")
 @pytest.mark.parametrize("spec,expected", [(None, ["host:0"]), (1, ["host:0"]), (2, ["host:0", "host:1"])])
 def test_resolve_defaults_without_cuda(spec, expected):
+    # unmarked tests see no GPU even on a GPU machine (tests/conftest.py)
     devices = resolve_devices(spec, None)
     assert [d.name for d in devices] == expected
     assert all(isinstance(d, HostDevice) for d in devices)
@@ -133,3 +136,113 @@ def test_cuda_device_round_trip():
     device.streams.synchronize()
     assert torch.equal(back, host)
     assert device.live_bytes() >= 256 * 256 * 4
+
+
+# ---------------------------------------------------------------------- copies and their host side
+
+
+def test_a_tensor_already_on_a_device_is_copied_as_it_is(monkeypatch):
+    """A GPU input or a peer's value reaching ``to_device``: never pinned (CUDA refuses to pin a
+    device tensor); a pinned host tensor is not pinned again; a pageable one is, once."""
+    pinned = []
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self: pinned.append(self) or self)
+    on_device = torch.empty(4, 4, device="meta")
+    assert pinned_source(on_device) is on_device and not pinned
+    pageable = torch.randn(4)
+    assert pinned_source(pageable) is pageable and pinned == [pageable]
+    monkeypatch.setattr(torch.Tensor, "is_pinned", lambda self: True)
+    assert pinned_source(pageable) is pageable and len(pinned) == 1
+
+
+def test_staging_buffers_are_allocated_once_and_refreshed():
+    staging = StagingBuffers(pin=False)
+    master = torch.randn(8, 8)
+    first = staging.stage(("p0", 0), master, torch.bfloat16)
+    assert first.dtype == torch.bfloat16 and torch.equal(first, master.to(torch.bfloat16))
+    master.add_(1.0)  # the optimizer stepped
+    again = staging.stage(("p0", 0), master, torch.bfloat16)
+    assert again is first and torch.equal(again, master.to(torch.bfloat16))
+    staging.stage(("p0", 1), torch.randn(3), torch.bfloat16)
+    assert staging.allocations == 2 and staging.nbytes == (64 + 3) * 2
+
+
+def test_bf16_weight_copies_reuse_one_buffer_per_weight_across_iterations():
+    """Each weight is cast into its own reused buffer: the host allocates (on a GPU: pins) once per
+    weight, not once per copy (twice per pack per iteration) as ``master.to(bf16)`` did."""
+    import harmony_fx
+    from harmony_fx.testing.models import MLPChain
+
+    torch.manual_seed(0)
+    model = MLPChain(width=16, depth=4)
+    hm = harmony_fx.compile(model, torch.randn(8, 16), microbatches=2, precision="bf16", pack_boundaries=(0, 2, 4))
+    for _ in range(3):
+        hm(torch.randn(8, 16)).float().sum().backward()
+    weights = [p for p in model.parameters()]
+    staging = hm.device.staging
+    assert staging.allocations == len(weights)  # three iterations, two copies of each pack but the last
+    assert staging.nbytes == sum(p.numel() * 2 for p in weights)
+    prefetches = sum(1 for a in hm.forward_actions + hm.backward_actions if a.kind.name == "PREFETCH"
+                     and a.key.kind.name == "WEIGHTS")
+    assert prefetches > len(hm.packs)  # the same weights are copied more than once per iteration
+
+
+def test_bf16_weight_gradients_are_summed_and_copied_in_fp32():
+    """Summed over microbatches in the masters' dtype: what leaves the device is 4 bytes a
+    parameter, as the plan counts, and equals the fp32 sum of each microbatch's bf16 gradient."""
+    import harmony_fx
+    from harmony_fx.testing.models import MLPChain
+
+    torch.manual_seed(0)
+    model = MLPChain(width=16, depth=2)
+    x = torch.randn(8, 16)
+    hm = harmony_fx.compile(model, x, microbatches=4, precision="bf16", pack_boundaries=(0, 1, 2))
+    hm(x).float().sum().backward()
+    params = sum(p.numel() for p in model.parameters())
+    assert hm.stats.as_dict()["bytes_by_kind"]["d2h/wgrad"] == 4 * params == hm.plan.predicted_bytes["d2h/wgrad"]
+    # the reference: each microbatch's bf16 gradient, summed in fp32
+    reference = MLPChain(width=16, depth=2)
+    reference.load_state_dict(model.state_dict())
+    reference = reference.to(torch.bfloat16)
+    total = {name: torch.zeros_like(p, dtype=torch.float32) for name, p in reference.named_parameters()}
+    for chunk in x.split(2):
+        reference.zero_grad()
+        reference(chunk.to(torch.bfloat16)).float().sum().backward()
+        for name, p in reference.named_parameters():
+            total[name] += p.grad.float()
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, total[name], rtol=1e-2, atol=1e-2, msg=name)
+        assert p.grad.dtype == torch.float32
+
+
+def test_a_gpu_plan_keeps_the_allocators_reserve():
+    gib = 1 << 30
+    assert cuda_reserve(8 * gib) == 256 * MIB + int(0.05 * 8 * gib)
+    assert cuda_reserve(100_000) == 10_000  # a small budget keeps a tenth
+    from harmony_fx.planner.specs import get_spec
+
+    spec = get_spec("h100-80gb")
+    assert spec.usable() == spec.memory - cuda_reserve(spec.memory)
+    assert spec.usable(8 * gib) == 8 * gib - cuda_reserve(8 * gib)
+
+
+@pytest.mark.cuda
+def test_cuda_device_copies_gpu_tensors_without_pinning_them():
+    device = CudaDevice("cuda:0", budget=64 * MIB)
+    on_gpu = torch.randn(64, 64, device="cuda:0")
+    copy = device.to_device(on_gpu)
+    device.streams.synchronize()
+    assert copy is not on_gpu and torch.equal(copy, on_gpu)
+
+
+@pytest.mark.cuda
+def test_cuda_device_refuses_to_pass_its_budget():
+    device = CudaDevice("cuda:0", budget=MIB)
+    kept = [device.to_device(torch.randn(512, 512))]  # 1 MiB: at the budget
+    device.streams.synchronize()
+    device.check_budget()
+    with device.compute_scope():
+        kept.append(kept[0] * 2)
+    with pytest.raises(DeviceOutOfMemoryError, match="budget"):
+        device.check_budget()
+    peaks = device.memory_peaks()
+    assert set(peaks) == {"allocated", "requested", "reserved"} and peaks["allocated"] >= 2 * MIB
