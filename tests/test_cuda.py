@@ -72,3 +72,98 @@ def test_trainer_on_cuda_matches_eager_adamw():
     for p, q in zip(model.parameters(), reference.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5)
     trainer.close()
+
+
+# ---------------------------------------------------------------------- the GPU path's own properties
+
+
+def _gpt(dropout: float = 0.0):
+    from harmony_fx.testing.models import GPTConfig, TinyGPT
+
+    torch.manual_seed(0)
+    model = TinyGPT(GPTConfig(vocab_size=96, block_size=32, n_layer=6, n_head=4, n_embd=64, dropout=dropout))
+    return model, torch.randint(0, 96, (8, 32)), torch.randint(0, 96, (8, 32))
+
+
+def _gpt_loss(logits, target):
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1), target.flatten().to(logits.device))
+
+
+def _assert_grads(model, reference, rtol=1e-5, atol=1e-6):
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad.cpu(), q.grad.cpu(), rtol=rtol, atol=atol, msg=name)
+
+
+@pytest.mark.parametrize("parallel", ["dp", "pp"])
+def test_two_cuda_devices_on_one_gpu_match_eager(parallel):
+    """Two controllers, events between them, factory ops on each device's own packs."""
+    model, x, y = _gpt()
+    reference = copy.deepcopy(model).cuda()
+    hm = harmony_fx.compile(model, x, devices=["cuda:0", "cuda:0"], parallel=parallel, microbatches=4,
+                            memory_budget="1MiB")
+    for _ in range(2):  # a second iteration: what the allocator reuses from the first
+        model.zero_grad()
+        reference.zero_grad()
+        _gpt_loss(hm(x), y).backward()
+        _gpt_loss(reference(x.cuda()), y).backward()
+        _assert_grads(model, reference)
+    hm.close()
+
+
+def test_cuda_inputs_are_copied_without_pinning():
+    torch.manual_seed(0)
+    from harmony_fx.testing.models import MLPChain
+
+    model = MLPChain(width=64, depth=8)
+    reference = copy.deepcopy(model).cuda()
+    x = torch.randn(16, 64, device="cuda")
+    hm = harmony_fx.compile(model, x, devices=["cuda:0"], microbatches=2, pack_boundaries=(0, 3, 6))
+    hm(x).sum().backward()
+    reference(x).sum().backward()
+    _assert_grads(model, reference)
+
+
+def test_delays_on_the_copy_streams_leave_results_bitwise_unchanged():
+    """Every copy waits for what it needs: slowing the copy streams changes no bit."""
+    grads = []
+    for delay in (0, 5_000_000):
+        model, x, y = _gpt()
+        hm = harmony_fx.compile(model, x, devices=["cuda:0"], microbatches=2, memory_budget="512KiB")
+        streams, submit = hm.device.streams, hm.device.streams.submit
+
+        def slow(stream, work, _submit=submit, _delay=delay):
+            if _delay and stream.value in ("h2d", "d2h", "peer"):
+                with torch.cuda.stream(streams.stream(stream)):
+                    torch.cuda._sleep(_delay)
+            return _submit(stream, work)
+
+        streams.submit = slow
+        _gpt_loss(hm(x), y).backward()
+        grads.append([p.grad.clone() for p in model.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
+
+
+def test_bf16_on_cuda_is_close_to_fp32_and_moves_what_it_planned():
+    model, x, y = _gpt()
+    reference = copy.deepcopy(model).cuda()
+    hm = harmony_fx.compile(model, x, devices=["cuda:0"], microbatches=2, precision="bf16")
+    loss = _gpt_loss(hm(x).float(), y)
+    loss.backward()
+    ref_loss = _gpt_loss(reference(x.cuda()), y)
+    ref_loss.backward()
+    torch.testing.assert_close(loss, ref_loss.detach().cpu(), rtol=2e-2, atol=0)
+    assert hm.stats.as_dict()["bytes_by_kind"] == hm.plan.predicted_bytes
+    assert hm.device.staging.allocations > 0  # the bf16 casts went into reused pinned buffers
+
+
+def test_allocator_peaks_within_the_budget_over_two_iterations():
+    """The requested bytes (what the program asked for) stay within the budget; allocated adds the
+    allocator's rounding, which the plan's reserve covers."""
+    model, x, y = _gpt()
+    budget = 2 << 20
+    hm = harmony_fx.compile(model, x, devices=["cuda:0"], microbatches=2, memory_budget=budget)
+    for _ in range(2):
+        _gpt_loss(hm(x), y).backward()
+        peaks = hm.stats.memory_peaks["cuda:0"]
+        assert set(peaks) == {"allocated", "requested", "reserved"}
+        assert peaks["requested"] <= peaks["allocated"] == hm.stats.peak_bytes["cuda:0"] <= budget

@@ -122,7 +122,7 @@ def _from_layout(log: StageLog, example: _Example, devices: list, options: Compi
                         layout.num_microbatches, options.grouping, trainer, decision=_describe_signature)
     shapes = Shapes(variants, layout.mb_sizes, primary.masters, options.compute_dtype)
     context = PackingContext(variants, layout, signature, shapes, [d.torch_device for d in devices], updates,
-                             options.verify)
+                             options.verify, devices[0].budget, devices[0].margin)
     if schedule is not None:
         policy, policy_name = fixed(schedule.boundaries), "planner"
     elif options.pack_boundaries is not None:
@@ -148,7 +148,7 @@ def _from_layout(log: StageLog, example: _Example, devices: list, options: Compi
                    f"{format_size(p.bytes_d2h)} out per iteration")
     input_specs = tuple((x.shape, x.dtype, x.requires_grad) for x in example_flat)
     return Compiled(options, tuple(devices), trainer, updates, schedule, layout, variants, analysis, example.flat_dims,
-                    input_specs, signature, shapes, candidate, tuple(device_programs), plan, log)
+                    input_specs, candidate.signature, shapes, candidate, tuple(device_programs), plan, log)
 
 
 # ----------------------------------------------------------------------------------- the stages

@@ -112,6 +112,8 @@ class PackingContext:
     targets: Sequence[torch.device]    # the device each program runs on
     updates: bool                      # the host updates each pack's parameters as soon as they are complete
     verify: bool
+    budget: int | None = None          # the first device's budget, and the margin kept below it
+    margin: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,6 +124,7 @@ class Candidate:
     packs_by_size: Mapping[int | None, list[Pack]]
     device_actions: list[tuple[list[Action], list[Action]]]  # (forward, backward) per device
     estimates: list[DeviceEstimate]                          # per device
+    signature: ProgramSignature                              # what the programs were lowered with
 
     @property
     def packs(self) -> list[Pack]:
@@ -137,7 +140,19 @@ class Candidate:
 
 
 def evaluate(context: PackingContext, boundaries: Sequence[int]) -> Candidate:
-    layout, signature = context.layout, context.signature
+    """The packing at ``boundaries``, its backward fetching each stash one task ahead, or, where
+    that does not fit the budget, just in time (one microbatch's stash less on the device)."""
+    candidate = _evaluate(context, boundaries, stash_ahead=True)
+    if context.budget is not None and candidate.peak + context.margin > context.budget:
+        just_in_time = _evaluate(context, boundaries, stash_ahead=False)
+        if just_in_time.peak < candidate.peak:
+            return just_in_time
+    return candidate
+
+
+def _evaluate(context: PackingContext, boundaries: Sequence[int], stash_ahead: bool) -> Candidate:
+    layout = context.layout
+    signature = dataclasses.replace(context.signature, stash_ahead=stash_ahead)
     packs_by_size = {size: split_packs(v.captured.gm, v.layers, boundaries, v.masters)
                      for size, v in context.variants.items()}
     packs = packs_by_size[layout.mb_sizes[0]]
@@ -149,7 +164,7 @@ def evaluate(context: PackingContext, boundaries: Sequence[int]) -> Candidate:
     estimates = [estimate_device(forward, backward, mbs, packs_by_size, context.shapes, signature, target)
                  for (forward, backward), mbs, target
                  in zip(device_actions, layout.device_microbatches, context.targets)]
-    return Candidate(tuple(boundaries), packs_by_size, device_actions, estimates)
+    return Candidate(tuple(boundaries), packs_by_size, device_actions, estimates, signature)
 
 
 def lower_devices(packs: Sequence[Pack], signature: ProgramSignature, layout: Layout,

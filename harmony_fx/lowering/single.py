@@ -13,7 +13,8 @@ Forward, pack by pack (input-batch grouping: a pack's weights come in once for a
 The last pack runs forward *with* grad and keeps its graph and weights to backward (it would be
 recomputed at once otherwise). Backward, packs in reverse order:
 
-4. ``PREFETCH W[p]``; per microbatch ``PREFETCH`` its stashed inputs, ``RECOMPUTE`` (with the RNG
+4. ``PREFETCH W[p]``; per microbatch ``PREFETCH`` the next task's stashed inputs (one task ahead,
+   so the copy overlaps this task), ``RECOMPUTE`` (with the RNG
    state of its forward), ``BWD`` with the gradients of its outputs (kept on the device, summed
    over every consumer), giving the gradients of its inputs and, summed over microbatches, of its
    weights.
@@ -100,6 +101,12 @@ def lower_program(packs: Sequence[Pack], signature: ProgramSignature) -> tuple[l
     num_forward = len(b.actions)
 
     # ---------------------------------------------------------------- backward
+    # each task's stashed inputs are prefetched one task ahead: a copy onto the device waits for
+    # the compute issued before it (its memory is allocated in compute order), so fetched right
+    # before its own recompute it would wait for the previous backward to finish
+    tasks = [(pack.index, mb) for pack in reversed(packs) if not (pack.index == last and signature.fuse_last)
+             for mb in microbatches]
+    ahead = dict(zip(tasks, tasks[1:])) if grouping and signature.stash_ahead else {}
     for pack in reversed(packs):
         p = pack.index
         if p == last and signature.fuse_last:
@@ -115,6 +122,10 @@ def lower_program(packs: Sequence[Pack], signature: ProgramSignature) -> tuple[l
             if per_microbatch_weights:
                 b.prefetch(weights(p))
                 b.use([weights(p)])
+            following = ahead.get((p, mb))
+            if following is not None and following[0] < last:
+                for v in packs[following[0]].act_inputs:
+                    b.prefetch(Key(KeyKind.ACT, v, following[1]))
             backward_task(b, pack, mb)
             if not grouping:
                 weight_grads_out(b, pack)

@@ -42,6 +42,9 @@ class ProgramSignature:
     # first pack of each forward group; a group's weights come in together and its packs run back
     # to back on each microbatch. Empty: every pack is a group of its own.
     forward_groups: tuple[int, ...] = ()
+    # the backward fetches each task's stash one task ahead, so the copy overlaps the task before
+    # (one more microbatch's stash on the device); off where that does not fit the budget
+    stash_ahead: bool = True
 
 
 def weights(pack: int) -> Key:

@@ -25,7 +25,7 @@ from harmony_fx.planner.profile import profile_graph
 from harmony_fx.planner.search import PlanningError, search
 from harmony_fx.planner.specs import PRESETS, DeviceSpec, HostSpec, host_nominal
 
-__all__ = ["choose_schedule"]
+__all__ = ["choose_schedule", "device_spec"]
 
 
 def choose_schedule(gm: fx.GraphModule, model: nn.Module, batch_size: int, devices: list, budget: int | None,
@@ -44,7 +44,7 @@ def choose_schedule(gm: fx.GraphModule, model: nn.Module, batch_size: int, devic
     elif microbatches is None and _split_changes_results(gm, model):
         microbatches = len(devices)
     try:
-        choice = search(profile, _spec_of(devices[0], budget), HostSpec(), batch_size=batch_size,
+        choice = search(profile, device_spec(devices[0], budget), HostSpec(), batch_size=batch_size,
                         devices=len(devices), budget=budget, parallel=parallel, microbatches=microbatches,
                         simulate_top=3, all_devices=True)
     except PlanningError:
@@ -58,7 +58,7 @@ def _split_changes_results(gm: fx.GraphModule, model: nn.Module) -> bool:
     return random or batch_norm
 
 
-def _spec_of(device, budget: int | None) -> DeviceSpec:
+def device_spec(device, budget: int | None) -> DeviceSpec:
     torch_device = device.torch_device
     if torch_device.type == "cuda":
         # the preset of this GPU's model, the one whose memory is closest (A100 40 GB vs 80 GB)

@@ -64,10 +64,11 @@ def layer_seconds(layer, size: int, spec: DeviceSpec, precision: str) -> tuple[f
     measured = layer.measured(size)
     if measured is not None:
         return measured
+    issue = layer.num_ops * spec.op_seconds  # a backward issues about twice its forward's ops
     forward = spec.compute_seconds(layer.fwd_flops * size, layer.saved_bytes * size + layer.param_bytes, precision)
     backward = spec.compute_seconds(2 * layer.fwd_flops * size, 2 * layer.saved_bytes * size + layer.param_bytes,
                                     precision)
-    return forward, backward
+    return forward + issue, backward + 2 * issue
 
 
 def chain_key_bytes(profile: ModelProfile, pack_layers: Sequence[Sequence[int]],

@@ -12,14 +12,16 @@ from harmony_fx.planner.costs import PackCosts
 from harmony_fx.program.actions import Action, Key, KeyKind
 from harmony_fx.planner.profile import profile_graph
 from harmony_fx.planner.simulate import Simulation, simulate
+from harmony_fx.planner.choose import device_spec
 from harmony_fx.planner.specs import DeviceSpec, HostSpec, measure_local
 
 __all__ = ["simulate_module"]
 
 
 def simulate_module(hm, spec: DeviceSpec | None = None, host: HostSpec = HostSpec()) -> Simulation:
-    """Simulate one iteration of ``hm`` (a ``HarmonyModule``) on ``spec`` (default: this machine)."""
-    spec = spec or measure_local()
+    """Simulate one iteration of ``hm`` (a ``HarmonyModule``) on ``spec`` (default: its GPU's preset,
+    or this machine calibrated for a HostDevice)."""
+    spec = spec or (device_spec(hm.device, hm.budget) if hm.device.torch_device.type == "cuda" else measure_local())
     size = hm.mb_sizes[0] or _batch_of(hm)
     profile = profile_graph("model", hm.captured.gm, size, _itemsize(hm), hm.options.precision)
     sizes = [s or size for s in hm.mb_sizes]

@@ -43,6 +43,7 @@ class LayerProfile:
     saved_bytes: float         # per sample, made by this layer
     # microbatch size -> (forward seconds, backward seconds), measured
     seconds: tuple[tuple[int, float, float], ...] = ()
+    num_ops: int = 0           # ATen ops in its forward (each costs ``DeviceSpec.op_seconds`` to issue)
 
     def measured(self, size: float) -> tuple[float, float] | None:
         """(forward, backward) seconds at ``size`` samples, linear between the measured sizes."""
@@ -124,6 +125,7 @@ def profile_graph(name: str, gm: fx.GraphModule, batch_size: int, compute_itemsi
             fwd_flops=sum(n.meta[meta.FLOPS] for n in layer_nodes) / batch_size,
             out_bytes=live_after[layer.index] / batch_size,
             saved_bytes=sum(nbytes(n) for n in layer_nodes) / batch_size,
+            num_ops=sum(n.op == "call_function" for n in layer_nodes),
         ))
     return ModelProfile(name, tuple(profiles), batch_size, sum(nbytes(n) for n in inputs) / batch_size,
                         precision)

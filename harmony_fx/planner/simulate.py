@@ -11,6 +11,9 @@ It runs the same ``Action`` lists the runtime runs, with the runtime's semantics
   weight-gradient copies each names (``Action.after``) have landed, and the updates before it
   have started (the workers take them in order);
 * a ``RECV`` completes when its ``SEND`` has;
+* a copy onto the device (``PREFETCH``, ``RECV``) starts only once the compute tasks issued before
+  it have finished: its memory is allocated in compute-stream order, as ``CudaDevice`` does (a
+  copy issued right after a task waits for that task);
 * on a device whose streams run inline (``DeviceSpec.inline``: a HostDevice) the controller
   issues the next action only once the last one has finished;
 * copies between host and device run at the device's link speed, and all devices' copies in one
@@ -96,6 +99,10 @@ class _Simulator:
         self.updates: list[float] = []      # end times of running CPU updates (a heap)
         self.update_queue: collections.deque = collections.deque()
         self.update_after: collections.defaultdict = collections.defaultdict(set)  # pack -> copies it waits for
+        # per device, compute tasks issued and finished; per copy onto the device, how many must
+        # have finished before it starts
+        self.computes_issued, self.computes_done = [0] * n, [0] * n
+        self.fences: dict[int, int] = {}
         # (device whose program records it, event) -> time: data-parallel programs number their
         # events independently, so an event is only named by its device and number together
         self.done_events: dict[tuple[int, int], float] = {}
@@ -150,6 +157,10 @@ class _Simulator:
                 return progressed  # each op runs to completion as it is issued
             action = program[self.issued[device]]
             self._allocate(device, action)
+            if action.kind in _COMPUTE:
+                self.computes_issued[device] += 1
+            elif action.kind in (K.PREFETCH, K.RECV):
+                self.fences[id(action)] = self.computes_issued[device]
             if action.stream == Stream.HOST:
                 if action.kind == K.WAIT:
                     if self._waited_event(device, action) not in self.done_events:
@@ -174,6 +185,8 @@ class _Simulator:
                     return progressed
             elif action.kind == K.FREE:
                 pass  # its memory went back at issue
+            elif action.kind in (K.PREFETCH, K.RECV) and self.computes_done[device] < self.fences[id(action)]:
+                return progressed  # its destination is allocated after the compute issued before it
             elif action.kind == K.RECV:
                 sent = self.sent.get((action.peer, action.key))
                 if sent is None:
@@ -270,6 +283,7 @@ class _Simulator:
         for where, (start, end, action) in list(self.running.items()):
             if end <= self.now:
                 del self.running[where]
+                self.computes_done[where[0]] += 1
                 self._finish(where[0], where[1], action, start)
         while self.updates and self.updates[0] <= self.now:
             heapq.heappop(self.updates)

@@ -1,14 +1,19 @@
 """Device and host specifications: the numbers the cost model turns FLOPs and bytes into seconds.
 
 Specs are data. ``PRESETS`` holds common GPUs (vendor peak figures; ``efficiency`` is the fraction
-of peak FLOP/s a training step's kernels reach); ``measure_local()`` measures this machine (a
-matmul for FLOP/s, a large copy for bandwidth); ``host_nominal()`` is the fixed HostDevice spec
-``compile`` plans with, so plans do not change from run to run with the machine's load.
+of peak FLOP/s a training step's kernels reach); ``measure_local()`` is this machine, calibrated
+once and cached (matmul FLOP/s, memcpy bandwidth, the runtime's cost per task): what predicted
+step times and memory timelines of HostDevice runs use; ``host_nominal()`` is the fixed HostDevice
+spec ``compile`` plans with, so plans do not change from run to run with the machine's load.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
+import json
+import os
+import pathlib
 import time
 
 import torch
@@ -33,6 +38,7 @@ class DeviceSpec:
     launch_seconds: float = 20e-6     # fixed cost of one task (kernel launches, bookkeeping)
     # the streams run each op inline as it is issued (a HostDevice): nothing overlaps
     inline: bool = False
+    op_seconds: float = 0.0           # issuing one ATen op of a task (Python, dispatch, autograd)
 
     def usable(self, budget: int | None = None) -> int:
         """What a program may hold of ``budget`` (default: the whole device): a GPU keeps the
@@ -94,21 +100,88 @@ def host_nominal(memory: int | str | None = None) -> DeviceSpec:
 
 @functools.lru_cache(maxsize=None)
 def measure_local(memory: int | str | None = None) -> DeviceSpec:
-    """This machine as a device: matmul FLOP/s and copy bandwidth, measured (about 0.3 s)."""
-    a = torch.randn(512, 512)
-    torch.mm(a, a)
-    start, reps = time.perf_counter(), 8
-    for _ in range(reps):
-        torch.mm(a, a)
-    flops = 2 * 512**3 * reps / (time.perf_counter() - start)
+    """This machine as a HostDevice, calibrated: FLOP/s of fp32 and bf16 matmuls at the sizes small
+    models use, memcpy bandwidth, and what the runtime costs per compute task beyond its FLOPs and
+    bytes (Python, autograd, the copies' and waits' own overhead), timed on a calibration model.
+    Measured once per machine (about 2 s) and kept in ``~/.cache/harmony_fx`` (``HARMONY_FX_CACHE``)."""
+    figures = _calibration()
+    return DeviceSpec("host", parse_size(memory) or 2**40, {"fp32": figures["fp32"], "bf16": figures["bf16"]},
+                      figures["copy"], figures["copy"], figures["copy"], efficiency=1.0,
+                      launch_seconds=figures["task"], inline=True, op_seconds=figures["op"])
+
+
+def _calibration() -> dict[str, float]:
+    key = f"torch{torch.__version__}-cpus{os.cpu_count()}-threads{torch.get_num_threads()}"
+    path = pathlib.Path(os.environ.get("HARMONY_FX_CACHE", pathlib.Path.home() / ".cache" / "harmony_fx"))
+    path = path / "host_spec.json"
+    try:
+        cached = json.loads(path.read_text())
+    except (OSError, ValueError):
+        cached = {}
+    if key not in cached:
+        cached[key] = _measure_host()
+        with contextlib.suppress(OSError):  # a read-only home: measured again next time
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps(cached, indent=2))
+    return cached[key]
+
+
+def _measure_host() -> dict[str, float]:
+    figures = {dtype: _matmul_flops(getattr(torch, name)) for dtype, name in (("fp32", "float32"), ("bf16", "bfloat16"))}
     src = torch.empty(16 * 2**20, dtype=torch.uint8)
     dst = torch.empty_like(src)
     dst.copy_(src)
     start = time.perf_counter()
     for _ in range(4):
         dst.copy_(src)
-    copy_bandwidth = 4 * src.numel() / (time.perf_counter() - start)
-    # A HostDevice's "transfers" are memcpys within host memory: every link runs at copy speed; its
-    # streams run inline, and each op costs about 0.3 ms of Python (runtime and autograd) besides.
-    return DeviceSpec("host", parse_size(memory) or 2**40, {"fp32": flops, "bf16": flops / 4}, copy_bandwidth,
-                      copy_bandwidth, copy_bandwidth, efficiency=1.0, launch_seconds=300e-6, inline=True)
+    figures["copy"] = 4 * src.numel() / (time.perf_counter() - start)
+    figures["task"], figures["op"] = _runtime_overheads(figures["fp32"], figures["copy"])
+    return figures
+
+
+def _matmul_flops(dtype: torch.dtype, size: int = 256, reps: int = 4, trials: int = 5) -> float:
+    """The best of a few trials: the machine's speed, not its load at one instant."""
+    a = torch.randn(size, size).to(dtype)
+    torch.mm(a, a)
+    best = float("inf")
+    for _ in range(trials):
+        start = time.perf_counter()
+        for _ in range(reps):
+            torch.mm(a, a)
+        best = min(best, time.perf_counter() - start)
+    return 2 * size**3 * reps / best
+
+
+def _runtime_overheads(flops: float, copy_bandwidth: float) -> tuple[float, float]:
+    """(seconds per compute task, seconds per op): the runtime's own cost on this machine, from two
+    compiled MLPs whose arithmetic is negligible, one task per layer and four layers per task: what
+    is left of their step times once FLOPs and bytes are paid, split between tasks and ops."""
+    from harmony_fx.api import compile  # the runtime itself, timed
+    from harmony_fx.testing.models import MLPChain
+
+    torch.manual_seed(0)
+    x = torch.randn(8, 32)
+    rows, times = [], []
+    for boundaries in ((0, 1, 2, 3, 4, 5, 6, 7), (0, 4)):
+        hm = compile(MLPChain(width=32, depth=8), x, microbatches=2, pack_boundaries=boundaries,
+                     devices=["host:0"], memory_budget=None)
+        tasks = [a for f, b in hm.device_actions for a in f + b if a.kind.name in ("FWD", "RECOMPUTE", "BWD")]
+        ops_of = {pack.index: sum(n.op == "call_function" for n in pack.gm.graph.nodes) for pack in hm.packs}
+        # a backward runs about twice its forward's ops
+        ops = sum(ops_of[a.pack] * (2 if a.kind.name == "BWD" else 1) for a in tasks)
+        best = float("inf")
+        for _ in range(5):
+            start = time.perf_counter()
+            hm(x).sum().backward()
+            best = min(best, time.perf_counter() - start)
+        moved = hm.stats.bytes_h2d + hm.stats.bytes_d2h
+        work = 6 * sum(p.numel() for p in hm.model.parameters()) * x.shape[0] / flops + moved / copy_bandwidth
+        rows.append((len(tasks), ops))
+        times.append(max(best - work, 0.0))
+    (t1, o1), (t2, o2) = rows
+    determinant = t1 * o2 - t2 * o1
+    per_task = (times[0] * o2 - times[1] * o1) / determinant
+    per_op = (t1 * times[1] - t2 * times[0]) / determinant
+    if per_task < 0 or per_op < 0:  # noise: put it all on the tasks
+        return times[0] / t1, 0.0
+    return per_task, per_op

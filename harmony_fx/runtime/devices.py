@@ -59,6 +59,13 @@ class Device:
     def bind_thread(self) -> None:
         """Called by a controller thread before it issues this device's program."""
 
+    def record_event(self) -> object:
+        """On the current stream: an event a peer's copy waits for (``None``: work runs in order)."""
+        return None
+
+    def wait_event(self, event: object) -> None:
+        """Make the current stream wait for a peer's ``record_event``."""
+
     def check_budget(self) -> None:
         """After a compute task: raise ``DeviceOutOfMemoryError`` if the device holds more than the budget."""
 
@@ -209,10 +216,20 @@ class CudaDevice(Device):
             torch.ones(2, 2, device=self.torch_device) @ torch.ones(2, 2, device=self.torch_device)
             torch.cuda.synchronize(self.torch_device)
         self._baseline = torch.cuda.memory_allocated(self.torch_device)
+        self._requested_baseline = torch.cuda.memory_stats(self.torch_device).get("requested_bytes.all.current", 0)
 
     def bind_thread(self) -> None:
         """Called by a controller thread before it issues this device's program."""
         torch.cuda.set_device(self.torch_device)
+
+    def record_event(self) -> torch.cuda.Event:
+        event = torch.cuda.Event()
+        event.record()
+        return event
+
+    def wait_event(self, event: torch.cuda.Event | None) -> None:
+        if event is not None:
+            torch.cuda.current_stream(self.torch_device).wait_event(event)
 
     def stage(self, slot: object, master: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
         """The host tensor a weight copy reads: the master itself when it is pinned and of the
@@ -236,7 +253,11 @@ class CudaDevice(Device):
         copy.copy_(pinned_source(source), non_blocking=True)
         if slot is not None:
             self.staging.in_use(slot, copy_stream)
-        # No record_stream: the program frees the copy only after the compute stream waited for it.
+        if source.is_cuda:
+            # a peer's value (or a caller's input): its owner may free it once this copy is issued,
+            # so its block must not be reused before this stream has read it
+            source.record_stream(copy_stream)
+        # No record_stream on the copy: the program frees it only after the compute stream waited for it.
         return copy
 
     def to_host(self, value: torch.Tensor) -> torch.Tensor:
@@ -269,6 +290,7 @@ class CudaDevice(Device):
     def reset_peak(self) -> None:
         torch.cuda.synchronize(self.torch_device)
         self._baseline = torch.cuda.memory_allocated(self.torch_device)
+        self._requested_baseline = torch.cuda.memory_stats(self.torch_device).get("requested_bytes.all.current", 0)
         torch.cuda.reset_peak_memory_stats(self.torch_device)
 
     def live_bytes(self) -> int:
@@ -279,10 +301,11 @@ class CudaDevice(Device):
 
     def memory_peaks(self) -> dict[str, int]:
         """Peaks since ``reset_peak``, as the caching allocator counts them: ``allocated`` (blocks
-        handed out, rounded), ``requested`` (the bytes asked for), ``reserved`` (held from CUDA)."""
+        handed out, rounded) and ``requested`` (the bytes asked for), both above what was there
+        before (the budget's terms), and ``reserved`` (all the process holds from CUDA)."""
         stats = torch.cuda.memory_stats(self.torch_device)
         return {"allocated": stats.get("allocated_bytes.all.peak", 0) - self._baseline,
-                "requested": stats.get("requested_bytes.all.peak", 0),
+                "requested": stats.get("requested_bytes.all.peak", 0) - self._requested_baseline,
                 "reserved": stats.get("reserved_bytes.all.peak", 0)}
 
     def pinned_bytes(self) -> int:

@@ -270,6 +270,7 @@ class Runtime:
 
         def work() -> None:
             parcel.value = self.device_values[key]
+            parcel.ready = self.device.record_event()  # on the peer stream, after the key was made
             parcel.posted.set()
 
         self._submit(Stream.PEER, work, label=f"SEND {key} -> d{peer}")
@@ -285,6 +286,7 @@ class Runtime:
                 parcel = self.links.parcel(key, peer, self.index)
                 parcel.posted.wait()
                 self.links.check()
+                self.device.wait_event(parcel.ready)  # the sender's GPU has made the value
                 value = pytrees.map_tensors(self.device.to_device, parcel.value)
                 parcel.value = None
                 parcel.picked_up()
@@ -508,10 +510,11 @@ class _Parcel:
     """One key on its way from one device to another: posted by the sender's peer stream, taken
     by the receiver's; its "picked up" signal is what the sender waits for before freeing."""
 
-    __slots__ = ("value", "posted", "done")
+    __slots__ = ("value", "ready", "posted", "done")
 
     def __init__(self) -> None:
         self.value = None
+        self.ready = None  # the sender's device event after which the value is made
         self.posted = threading.Event()
         self.done = threading.Event()
 

@@ -137,3 +137,25 @@ def test_buffers_go_back_to_the_host_once_per_forward():
     assert out
     # recompute runs BatchNorm again on the device; those statistics never reach the host
     assert not [a for a in hm.backward_actions if a.kind == K.OFFLOAD and a.key.kind == KeyKind.BUFFERS]
+
+
+def test_backward_fetches_each_stash_one_task_ahead(hm):
+    """A copy onto the device waits for the compute issued before it: each recompute's stashed
+    inputs are fetched before the task before it is issued, so the copy overlaps that task."""
+    backward = hm.backward_actions
+    computes = [i for i, a in enumerate(backward) if a.kind in (K.RECOMPUTE, K.BWD)]
+    recomputes = [i for i in computes if backward[i].kind == K.RECOMPUTE]
+    assert hm.signature.stash_ahead and recomputes
+    checked = 0
+    for i in recomputes:
+        task = backward[i]
+        before = [j for j in computes if j < i]
+        if not before:
+            continue
+        previous = (backward[before[-1]].pack, backward[before[-1]].mb)
+        previous_task_start = min(j for j in before if (backward[j].pack, backward[j].mb) == previous)
+        copies = [j for j, a in enumerate(backward[:i]) if a.kind == K.PREFETCH and a.key.kind == KeyKind.ACT
+                  and a.key.mb == task.mb and a.key.name in hm.packs[task.pack].act_inputs]
+        assert copies and max(copies) < previous_task_start, f"{task!r} fetched its stash just in time"
+        checked += 1
+    assert checked >= len(recomputes) - 1

@@ -122,9 +122,9 @@ def _two_packs(second_weights_seconds: float) -> tuple[list[Action], FakeCosts]:
         "FREE W[p0]",
         "WAIT e1 compute",
         "FWD p1@0 -> e3",             # max(3, 1 + t1) .. +2
-        "BWD p1@0 -> e4",             # .. +3
         "WAIT e3 h2d",
-        "PREFETCH W[p0] h2d -> e5",   # after FWD p1, 1 s, while BWD p1 runs
+        "PREFETCH W[p0] h2d -> e5",   # issued before BWD p1: after FWD p1, 1 s, while BWD p1 runs
+        "BWD p1@0 -> e4",             # .. +3
         "WAIT e5 compute",
         "RECOMPUTE p0@0 -> e6",       # .. +2
         "BWD p0@0 -> e7",             # .. +3
@@ -366,3 +366,22 @@ def test_data_parallel_devices_do_not_see_each_others_events(microbatches: int) 
     assert starts(shared) == starts(distinct)
     assert shared.seconds == distinct.seconds
     assert shared.peak_bytes == distinct.peak_bytes
+
+
+def test_a_copy_onto_the_device_waits_for_the_compute_issued_before_it() -> None:
+    """As on a GPU (its memory is allocated in compute-stream order): a prefetch issued after a
+    task starts when that task ends, one issued before it overlaps it."""
+    after = program(
+        "PREFETCH W[p0] h2d -> e0",     # 0 .. 1
+        "WAIT e0 compute",
+        "FWD p0@0 -> e1",               # 1 .. 3
+        "PREFETCH act[x@1] h2d -> e2",  # issued after FWD: 3 .. 3.1
+    )
+    before = program(
+        "PREFETCH W[p0] h2d -> e0",
+        "WAIT e0 compute",
+        "PREFETCH act[x@1] h2d -> e2",  # issued before FWD: 1 .. 1.1, while it runs
+        "FWD p0@0 -> e1",
+    )
+    assert spans_of(simulate([after], FakeCosts(), SPEC))["PREFETCH act[x@1] h2d"] == pytest.approx((3.0, 3.1))
+    assert spans_of(simulate([before], FakeCosts(), SPEC))["PREFETCH act[x@1] h2d"] == pytest.approx((1.0, 1.1))

@@ -237,10 +237,19 @@ def test_budget_below_the_static_peak_is_refused():
     message = str(info.value)
     assert NAMES_ACTION.search(message) and repr(action) in message and f"#{index}" in message
     assert f"{peak:,}" in message and f"{peak - 1:,}" in message
-    # compiling these packs into one byte less is refused, naming the budget they need
+    # the same packs (without the planner's larger forward packs) fetch each stash one task ahead;
+    # one byte less, just in time (one microbatch's stash less on the device)
+    ahead = _compiled(pack_boundaries=tuple(boundaries))
+    ahead_peak = ahead.plan.predicted_peak[device]
+    tighter = _compiled(memory_budget=ahead_peak - 1, pack_boundaries=tuple(boundaries))
+    just_in_time = tighter.plan.predicted_peak[device]
+    assert ahead.signature.stash_ahead and not tighter.signature.stash_ahead and just_in_time < ahead_peak
+    assert [a.kind for a in tighter.backward_actions].count(K.PREFETCH) == \
+        [a.kind for a in ahead.backward_actions].count(K.PREFETCH)  # the same copies, later
+    # and one byte below that is refused, naming the budget they need
     with pytest.raises(BudgetTooSmallError) as info:
-        _compiled(memory_budget=peak - 1, pack_boundaries=tuple(boundaries))
-    assert info.value.smallest_budget == peak
+        _compiled(memory_budget=just_in_time - 1, pack_boundaries=tuple(boundaries))
+    assert info.value.smallest_budget == just_in_time
 
 
 # ---------------------------------------------------------------------- several devices: a pipeline

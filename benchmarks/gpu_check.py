@@ -1,0 +1,431 @@
+"""The GPU check: one command, on one GPU, no network, under 8 minutes.
+
+    PYTHONPATH=. python benchmarks/gpu_check.py [--out gpu_check.json] [--quick]
+
+Phases, each writing the JSON (``--out``) as it ends, so a timeout still leaves what ran:
+
+0. ``env``: versions, the device, ``torch.cuda.mem_get_info()``.
+1. ``cuda_tests``: ``pytest -m cuda`` (the suite's GPU tests).
+2. ``probes``: on small models, each against eager: dropout replayed on CUDA (seeded, 25% budget),
+   delays injected on the copy streams (``torch.cuda._sleep``) leaving results bitwise unchanged,
+   two CudaDevices on one GPU in dp and pp, CUDA inputs, bf16, implicit syncs of a Trainer step
+   (``torch.cuda.set_sync_debug_mode``), predicted vs allocated / requested / reserved peaks over
+   two iterations.
+3. ``gpt``: a GPT of about 1B parameters (width 2048, 20 layers, sequence 1024), one CPU state dict
+   for every run, 1 warm-up + 3 timed steps by (i) eager, uncapped, fused AdamW on the GPU; (ii)
+   the harmony Trainer under ``set_per_process_memory_fraction`` of an 8 GiB cap; (iii) FSDP2
+   ``fully_shard`` per block with ``CPUOffloadPolicy(pin_memory=True)`` and activation
+   checkpointing per block, world size 1, under the same cap; the same global batch. Each run is a
+   subprocess of its own (the memory cap is per process).
+
+At the end a side-by-side table. Without a GPU it says so, runs what needs none (the environment,
+and the harmony plan of the GPT for an H200), and exits 0.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import datetime
+import json
+import os
+import subprocess
+import sys
+import time
+import warnings
+
+import torch
+import torch.nn.functional as F
+
+import harmony_fx
+from harmony_fx.testing.models import GPTConfig, MLPChain, TinyGPT
+
+GIB = 1 << 30
+CAP = 8 * GIB
+BIG = GPTConfig(vocab_size=50304, block_size=1024, n_layer=20, n_head=16, n_embd=2048, dropout=0.0)
+QUICK = GPTConfig(vocab_size=50304, block_size=256, n_layer=4, n_head=8, n_embd=512, dropout=0.0)
+BATCH, MICROBATCHES, STEPS = 8, 4, 3
+
+
+# ---------------------------------------------------------------------------------- the phases
+
+
+def env() -> dict:
+    info = {"date": datetime.date.today().isoformat(), "python": sys.version.split()[0], "torch": torch.__version__,
+            "cuda": torch.version.cuda, "gpu": None}
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        free, total = torch.cuda.mem_get_info(0)
+        info.update(gpu=props.name, gpu_memory=props.total_memory, free=free, total=total,
+                    capability=f"{props.major}.{props.minor}", gpus=torch.cuda.device_count())
+    return info
+
+
+def cuda_tests() -> dict:
+    started = time.perf_counter()
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "cuda", "-p", "no:cacheprovider", "tests"],
+                         capture_output=True, text=True, timeout=240)
+    tail = run.stdout.strip().splitlines()[-1:] or [run.stderr.strip()[-300:]]
+    return {"returncode": run.returncode, "summary": tail[0], "seconds": time.perf_counter() - started,
+            "failures": [line for line in run.stdout.splitlines() if line.startswith("FAILED")][:20]}
+
+
+def _grads_equal(model, reference, exact: bool = False) -> float:
+    """The largest gradient difference (raises if over the tolerance)."""
+    worst = 0.0
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        got, want = p.grad.float().cpu(), q.grad.float().cpu()
+        worst = max(worst, (got - want).abs().max().item())
+        if exact:
+            assert torch.equal(got, want), name
+        else:
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5, msg=name)
+    return worst
+
+
+def _small_gpt(dropout: float = 0.0):
+    torch.manual_seed(0)
+    config = GPTConfig(vocab_size=96, block_size=32, n_layer=6, n_head=4, n_embd=64, dropout=dropout)
+    return TinyGPT(config), torch.randint(0, 96, (8, 32)), torch.randint(0, 96, (8, 32))
+
+
+def _loss(logits, target):
+    return F.cross_entropy(logits.flatten(0, 1), target.flatten())
+
+
+def probes() -> dict:
+    results: dict = {}
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+
+    def probe(name, fn):
+        started = time.perf_counter()
+        try:
+            results[name] = {"ok": True, **(fn() or {})}
+        except Exception as error:  # noqa: BLE001 - a probe's failure is its result
+            results[name] = {"ok": False, "error": f"{type(error).__name__}: {str(error)[:300]}"}
+        results[name]["seconds"] = round(time.perf_counter() - started, 2)
+
+    def dropout_replay():
+        model, x, y = _small_gpt(dropout=0.2)
+        reference = copy.deepcopy(model).cuda()
+        hm = harmony_fx.compile(model, x, devices=["cuda:0"], microbatches=2, memory_budget="256KiB")
+        torch.manual_seed(1)
+        _loss(hm(x), y).backward()
+        torch.manual_seed(1)
+        _loss(reference(x.cuda()), y.cuda()).backward()
+        return {"packs": len(hm.packs), "max_grad_diff": _grads_equal(model, reference)}
+
+    def delayed_copies():
+        outcomes = []
+        for delay in (0, 2_000_000):  # cycles of torch.cuda._sleep before every copy
+            model, x, y = _small_gpt()
+            hm = harmony_fx.compile(model, x, devices=["cuda:0"], microbatches=2, memory_budget="256KiB")
+            streams = hm.device.streams
+            original = streams.submit
+
+            def slow(stream, work, _original=original, _delay=delay):
+                if stream.value in ("h2d", "d2h", "peer") and _delay:
+                    with torch.cuda.stream(streams.stream(stream)):
+                        torch.cuda._sleep(_delay)
+                return _original(stream, work)
+
+            streams.submit = slow
+            _loss(hm(x), y).backward()
+            outcomes.append([p.grad.clone() for p in model.parameters()])
+        assert all(torch.equal(a, b) for a, b in zip(*outcomes)), "a delay on the copy streams changed a gradient"
+        return {"bitwise_equal": True}
+
+    def two_devices(parallel):
+        def run():
+            model, x, y = _small_gpt()
+            reference = copy.deepcopy(model).cuda()
+            hm = harmony_fx.compile(model, x, devices=["cuda:0", "cuda:0"], parallel=parallel, microbatches=4,
+                                    memory_budget="512KiB")
+            _loss(hm(x), y).backward()
+            _loss(reference(x.cuda()), y.cuda()).backward()
+            hm.close()
+            return {"max_grad_diff": _grads_equal(model, reference)}
+        return run
+
+    def cuda_inputs():
+        torch.manual_seed(0)
+        model = MLPChain(width=64, depth=8).cuda()
+        reference = copy.deepcopy(model)
+        x = torch.randn(16, 64, device="cuda")
+        hm = harmony_fx.compile(model, x, devices=["cuda:0"], microbatches=2, pack_boundaries=(0, 3, 6))
+        hm(x).sum().backward()
+        reference(x).sum().backward()
+        return {"max_grad_diff": _grads_equal(model, reference)}
+
+    def bf16():
+        model, x, y = _small_gpt()
+        reference = copy.deepcopy(model).cuda()
+        hm = harmony_fx.compile(model, x, devices=["cuda:0"], microbatches=2, precision="bf16")
+        loss = _loss(hm(x).float(), y)
+        loss.backward()
+        ref_loss = _loss(reference(x.cuda()), y.cuda())
+        assert abs(loss.item() - ref_loss.item()) < 2e-2 * abs(ref_loss.item())
+        return {"loss": loss.item(), "fp32_loss": ref_loss.item(), "bytes_equal_plan":
+                hm.stats.as_dict()["bytes_by_kind"] == hm.plan.predicted_bytes}
+
+    def syncs_and_peaks():
+        model, x, y = _small_gpt()
+        trainer = harmony_fx.Trainer(model, _loss, torch.optim.AdamW(model.parameters()), (x, y),
+                                     devices=["cuda:0"], microbatches=2, memory_budget="512KiB")
+        trainer.step((x, y))  # warm-up
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                trainer.step((x, y))
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
+        peaks = []
+        for _ in range(2):
+            trainer.step((x, y))
+            stats = trainer.stats
+            peaks.append({"predicted": trainer.plan.predicted_peak["cuda:0"], **stats.memory_peaks["cuda:0"]})
+        trainer.close()
+        budget = trainer.plan.budget
+        return {"implicit_syncs": len(caught), "peaks": peaks, "budget": budget,
+                "requested_within_budget": all(p["requested"] <= budget for p in peaks)}
+
+    probe("dropout_replay", dropout_replay)
+    probe("delayed_copies", delayed_copies)
+    probe("dp_two_devices", two_devices("dp"))
+    probe("pp_two_devices", two_devices("pp"))
+    probe("cuda_inputs", cuda_inputs)
+    probe("bf16", bf16)
+    probe("syncs_and_peaks", syncs_and_peaks)
+    return results
+
+
+# ---------------------------------------------------------------------------------- the big GPT
+
+
+def _gpt_batch(config: GPTConfig):
+    generator = torch.Generator().manual_seed(0)
+    idx = torch.randint(0, config.vocab_size, (BATCH, config.block_size), generator=generator)
+    return idx, torch.roll(idx, -1, dims=1)
+
+
+def _model_flops(config: GPTConfig, params: int) -> float:
+    """Model FLOPs of one step (6 per parameter and token, and attention), recompute not counted."""
+    tokens = BATCH * config.block_size
+    attention = 12 * config.n_layer * config.n_embd * config.block_size * tokens
+    return 6 * params * tokens + attention
+
+
+def _timed_steps(step, sync=True) -> tuple[list[float], list[float]]:
+    losses, seconds = [], []
+    for _ in range(1 + STEPS):
+        torch.cuda.synchronize()
+        started = time.perf_counter()
+        loss = step()
+        torch.cuda.synchronize()
+        seconds.append(time.perf_counter() - started)
+        losses.append(float(loss))
+    return losses, seconds[1:]
+
+
+def _busy_fraction(step) -> float:
+    """GPU kernel time over wall time of one profiled step."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    started = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    wall = time.perf_counter() - started
+    kernels = sum(e.device_time_total for e in prof.key_averages() if e.device_time_total) / 1e6
+    return min(1.0, kernels / wall)
+
+
+def run_gpt(kind: str, state_path: str, quick: bool) -> dict:
+    """One of the three runs, in this process (``--run``)."""
+    config = QUICK if quick else BIG
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+    with torch.device("meta"):
+        model = TinyGPT(config)
+    model = model.to_empty(device="cpu")
+    model.load_state_dict(torch.load(state_path, map_location="cpu", mmap=True))
+    model.lm_head.weight = model.wte.weight
+    for block in model.h:  # the masks are not in the state dict: make them again
+        size = config.block_size
+        block.attn.causal_mask = torch.tril(torch.ones(size, size, dtype=torch.bool)).view(1, 1, size, size)
+    params = sum(p.numel() for p in model.parameters())
+    idx, target = _gpt_batch(config)
+    result: dict = {"params": params, "tokens_per_step": BATCH * config.block_size}
+    total = torch.cuda.get_device_properties(0).total_memory
+    if kind != "eager":
+        torch.cuda.set_per_process_memory_fraction(CAP / total)
+        result["cap"] = CAP
+    torch.cuda.reset_peak_memory_stats()
+    if kind == "eager":
+        model = model.cuda()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+        idx_d, target_d = idx.cuda(), target.cuda()
+
+        def step():
+            optimizer.zero_grad(set_to_none=True)
+            loss = _loss(model(idx_d), target_d)
+            loss.backward()
+            optimizer.step()
+            return loss.detach()
+    elif kind == "harmony":
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        started = time.perf_counter()
+        trainer = harmony_fx.Trainer(model, _loss, optimizer, (idx, target), devices=["cuda:0"],
+                                     memory_budget=CAP, microbatches=MICROBATCHES)
+        result["compile_seconds"] = time.perf_counter() - started
+        result["packs"] = len(trainer.hm.packs)
+
+        def step():
+            return trainer.step((idx, target))
+    else:  # fsdp
+        from torch.distributed import init_process_group
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
+        from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+
+        init_process_group("nccl", store=torch.distributed.HashStore(), rank=0, world_size=1)
+        apply_activation_checkpointing(model, check_fn=lambda module: module in set(model.h))
+        for block in model.h:
+            fully_shard(block, offload_policy=CPUOffloadPolicy(pin_memory=True))
+        fully_shard(model, offload_policy=CPUOffloadPolicy(pin_memory=True))
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        idx_d, target_d = idx.cuda(), target.cuda()
+
+        def step():
+            optimizer.zero_grad(set_to_none=True)
+            loss = _loss(model(idx_d), target_d)
+            loss.backward()
+            optimizer.step()
+            return loss.detach()
+
+    losses, seconds = _timed_steps(step)
+    stats = torch.cuda.memory_stats()
+    mean = sum(seconds) / len(seconds)
+    result.update(losses=losses, step_seconds=seconds, tokens_per_second=result["tokens_per_step"] / mean,
+                  tflops=_model_flops(config, params) / mean / 1e12,
+                  allocated_peak=stats.get("allocated_bytes.all.peak"), requested_peak=stats.get("requested_bytes.all.peak"),
+                  reserved_peak=stats.get("reserved_bytes.all.peak"),
+                  pinned_bytes=int(torch.cuda.host_memory_stats().get("allocated_bytes.current", 0)))
+    if kind == "harmony":
+        from harmony_fx.planner.choose import device_spec
+        from harmony_fx.planner.module import simulate_module
+
+        hm = trainer.hm
+        result.update(bytes_moved=hm.stats.as_dict()["bytes_by_kind"], bytes_planned=hm.plan.predicted_bytes,
+                      bytes_equal_plan=hm.stats.as_dict()["bytes_by_kind"] == hm.plan.predicted_bytes,
+                      predicted_peak=hm.plan.predicted_peak["cuda:0"], budget=hm.plan.budget,
+                      update_seconds=hm.stats.update_seconds, exposed_update_seconds=hm.stats.update_exposed_seconds,
+                      simulated_seconds=simulate_module(hm, device_spec(hm.device, hm.budget)).seconds)
+    result["gpu_busy_fraction"] = _busy_fraction(step)
+    return result
+
+
+def gpt(quick: bool, out: dict, save) -> None:
+    config = QUICK if quick else BIG
+    state_path = "/tmp/harmony_gpu_check_gpt.pt"
+    torch.manual_seed(0)
+    model = TinyGPT(config)
+    torch.save(model.state_dict(), state_path)  # one initial state for all three runs
+    del model
+    out["gpt"] = {}
+    for kind in ("eager", "harmony", "fsdp"):
+        started = time.perf_counter()
+        run = subprocess.run([sys.executable, __file__, "--run", kind, "--state", state_path]
+                             + (["--quick"] if quick else []), capture_output=True, text=True, timeout=200)
+        try:
+            out["gpt"][kind] = json.loads(run.stdout.strip().splitlines()[-1])
+        except (IndexError, json.JSONDecodeError):
+            out["gpt"][kind] = {"error": (run.stderr or run.stdout).strip()[-800:]}
+        out["gpt"][kind]["wall_seconds"] = time.perf_counter() - started
+        save()
+    with contextlib.suppress(OSError):
+        os.remove(state_path)
+
+
+def plan_only(quick: bool) -> dict:
+    """Without a GPU: the harmony plan of the GPT for an H200 under the 8 GiB cap (the planner)."""
+    run = subprocess.run([sys.executable, "-c", "from harmony_fx.cli import main; raise SystemExit(main())", "plan", "gpt2-medium" if quick else "gpt2-xl",
+                          "--devices", "1", "--device-spec", "h200", "--memory-budget", "8GiB", "--json"],
+                         capture_output=True, text=True, timeout=300)
+    return {"returncode": run.returncode, "output": run.stdout.strip()[-1500:] or run.stderr.strip()[-800:]}
+
+
+# ---------------------------------------------------------------------------------- the table
+
+
+def table(out: dict) -> str:
+    gpt_runs = out.get("gpt", {})
+    rows = [("figure", "eager", "harmony", "fsdp2 offload")]
+
+    def row(name, fmt, key):
+        values = []
+        for kind in ("eager", "harmony", "fsdp"):
+            value = gpt_runs.get(kind, {}).get(key)
+            values.append("-" if value is None else fmt(value))
+        rows.append((name, *values))
+
+    gib = lambda b: f"{b / GIB:.2f} GiB"  # noqa: E731
+    row("tokens/s", lambda v: f"{v:,.0f}", "tokens_per_second")
+    row("TFLOP/s (model)", lambda v: f"{v:.1f}", "tflops")
+    row("first-step loss", lambda v: f"{v[0]:.4f}", "losses")
+    row("allocated peak", gib, "allocated_peak")
+    row("requested peak", gib, "requested_peak")
+    row("reserved peak", gib, "reserved_peak")
+    row("pinned host", gib, "pinned_bytes")
+    row("GPU busy", lambda v: f"{v:.0%}", "gpu_busy_fraction")
+    row("step s (measured)", lambda v: f"{sum(v) / len(v):.3f}", "step_seconds")
+    row("step s (simulated)", lambda v: f"{v:.3f}", "simulated_seconds")
+    row("update s exposed", lambda v: f"{v:.3f}", "exposed_update_seconds")
+    row("bytes = plan", str, "bytes_equal_plan")
+    widths = [max(len(r[i]) for r in rows) for i in range(4)]
+    lines = [" | ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows]
+    lines.insert(1, "-+-".join("-" * w for w in widths))
+    harmony, fsdp = gpt_runs.get("harmony", {}), gpt_runs.get("fsdp", {})
+    if harmony.get("tokens_per_second") and fsdp.get("tokens_per_second"):
+        lines.append(f"harmony / fsdp2 offload tokens/s: {harmony['tokens_per_second'] / fsdp['tokens_per_second']:.2f}x")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", default="gpu_check.json")
+    parser.add_argument("--quick", action="store_true", help="a small GPT instead of the 1B one")
+    parser.add_argument("--run", choices=["eager", "harmony", "fsdp"], help=argparse.SUPPRESS)
+    parser.add_argument("--state", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.run:
+        print(json.dumps(run_gpt(args.run, args.state, args.quick)))
+        return
+    out: dict = {}
+
+    def save() -> None:
+        with open(args.out, "w") as f:
+            json.dump(out, f, indent=2, default=str)
+
+    out["env"] = env()
+    save()
+    print(json.dumps(out["env"]), flush=True)
+    if not torch.cuda.is_available():
+        print("gpu_check: no GPU here (torch.cuda.is_available() is False); ran what needs none.")
+        out["plan"] = plan_only(args.quick)
+        save()
+        print(out["plan"]["output"][-600:])
+        return
+    for name, phase in (("cuda_tests", cuda_tests), ("probes", probes)):
+        started = time.perf_counter()
+        out[name] = phase()
+        print(f"{name} ({time.perf_counter() - started:.0f} s): {json.dumps(out[name])[:1500]}", flush=True)
+        save()
+    gpt(args.quick, out, save)
+    out["table"] = table(out)
+    save()
+    print(out["table"])
+
+
+if __name__ == "__main__":
+    main()
