@@ -455,6 +455,38 @@ def test_an_error_inside_an_update_undoes_every_update_of_the_step(optimizer_nam
         _assert_twins(model, optimizer, ref_model, ref_optimizer)
 
 
+def test_without_atomic_steps_a_failure_keeps_the_updates_made_and_says_so(monkeypatch):
+    """``atomic=False`` keeps no copies: what was updated before the failure (including the update
+    that failed, and those already handed to the worker) stays updated, and the error says how many
+    parameters; the count is checked against the parameters that changed."""
+    with _trainers("adam", atomic=False) as ((trainer, model, optimizer), _):
+        trainer.step(_batch(seed=1))
+        before = [p.detach().clone() for p in model.parameters()]
+        calls = []
+
+        def step_then_fail(_real=optimizer.step):
+            _real()
+            calls.append(1)
+            if len(calls) == 1:
+                raise Injected("the first update")
+
+        with monkeypatch.context() as patch:
+            patch.setattr(optimizer, "step", step_then_fail)
+            with pytest.raises(Injected) as info:
+                trainer.step(_batch(seed=2))
+        changed = sum(not torch.equal(p.detach(), old) for p, old in zip(model.parameters(), before))
+        assert changed > 0
+        assert f"{changed} parameter(s) updated before the failure" in "\n".join(info.value.__notes__)
+        trainer.step(_batch(seed=3))  # and training goes on
+
+
+def test_skip_nonfinite_needs_atomic_steps():
+    model = _mlp()
+    with pytest.raises(ValueError, match="atomic"):
+        harmony_fx.Trainer(model, F.cross_entropy, torch.optim.SGD(model.parameters(), lr=0.1), _batch(),
+                           skip_nonfinite=True, atomic=False)
+
+
 def test_out_of_memory_names_the_pack_the_planned_peak_and_the_budget():
     with _trainers("adam") as ((trainer, model, optimizer), (reference, ref_model, ref_optimizer)):
         device = trainer.hm.device

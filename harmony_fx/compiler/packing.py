@@ -143,6 +143,8 @@ def evaluate(context: PackingContext, boundaries: Sequence[int]) -> Candidate:
     """The packing at ``boundaries``, its backward fetching each stash one task ahead, or, where
     that does not fit the budget, just in time (one microbatch's stash less on the device)."""
     candidate = _evaluate(context, boundaries, stash_ahead=True)
+    # evaluated whenever the first does not fit, even where it cannot fit either: its peak is what
+    # BudgetTooSmallError reports as the smallest budget
     if context.budget is not None and candidate.peak + context.margin > context.budget:
         just_in_time = _evaluate(context, boundaries, stash_ahead=False)
         if just_in_time.peak < candidate.peak:

@@ -288,7 +288,7 @@ class CudaDevice(Device):
         return _HOST_RNG_LOCK  # the host's generator is shared by every device
 
     def reset_peak(self) -> None:
-        torch.cuda.synchronize(self.torch_device)
+        # no synchronize: the caching allocator counts at allocation and free, on the host
         self._baseline = torch.cuda.memory_allocated(self.torch_device)
         self._requested_baseline = torch.cuda.memory_stats(self.torch_device).get("requested_bytes.all.current", 0)
         torch.cuda.reset_peak_memory_stats(self.torch_device)

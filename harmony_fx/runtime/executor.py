@@ -166,7 +166,7 @@ class Runtime:
         try:
             program(self)
         finally:
-            self.device.streams.synchronize()
+            self.device.streams.end_program()
 
     def release(self) -> None:
         """Drop everything the device still holds (after a forward that needs no backward, or an

@@ -50,6 +50,9 @@ class HostStreams:
     def synchronize(self) -> None:
         return None
 
+    def end_program(self) -> None:
+        return None
+
     def close(self) -> None:
         return None
 
@@ -118,6 +121,10 @@ class ChaosStreams:
         else:
             self.submit(stream, event.done.wait)
 
+    def end_program(self) -> None:
+        """A program's end: its work has run, and the first error any stream hit is raised."""
+        self.synchronize()
+
     def synchronize(self) -> None:
         """Wait until every stream has run everything submitted; raise the first error."""
         for stream in self._queues:
@@ -171,7 +178,10 @@ class CudaStreams:
     def synchronize(self) -> None:
         torch.cuda.synchronize(self.device)
 
-    def close(self) -> None:
-        return None
+    def end_program(self) -> None:
+        """Nothing to wait for: a program ends with the host waiting for every copy it made to the
+        host (the verifier checks it), so what the caller reads has landed; work still running is
+        on the same streams the next program issues to, in order. Not draining the GPU here is
+        what lets the backward program's first tasks queue behind the forward's last."""
 
 
