@@ -63,8 +63,11 @@ def env() -> dict:
 
 def cuda_tests() -> dict:
     started = time.perf_counter()
-    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "cuda", "-p", "no:cacheprovider", "tests"],
-                         capture_output=True, text=True, timeout=240)
+    try:
+        run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "cuda", "-p", "no:cacheprovider", "tests"],
+                             capture_output=True, text=True, timeout=180)
+    except subprocess.TimeoutExpired:
+        return {"returncode": None, "summary": "timed out after 180 s", "seconds": time.perf_counter() - started}
     tail = run.stdout.strip().splitlines()[-1:] or [run.stderr.strip()[-300:]]
     return {"returncode": run.returncode, "summary": tail[0], "seconds": time.perf_counter() - started,
             "failures": [line for line in run.stdout.splitlines() if line.startswith("FAILED")][:20]}
@@ -335,10 +338,12 @@ def gpt(quick: bool, out: dict, save) -> None:
     out["gpt"] = {}
     for kind in ("eager", "harmony", "fsdp"):
         started = time.perf_counter()
-        run = subprocess.run([sys.executable, __file__, "--run", kind, "--state", state_path]
-                             + (["--quick"] if quick else []), capture_output=True, text=True, timeout=200)
         try:
+            run = subprocess.run([sys.executable, __file__, "--run", kind, "--state", state_path]
+                                 + (["--quick"] if quick else []), capture_output=True, text=True, timeout=150)
             out["gpt"][kind] = json.loads(run.stdout.strip().splitlines()[-1])
+        except subprocess.TimeoutExpired:
+            out["gpt"][kind] = {"error": "timed out after 150 s"}
         except (IndexError, json.JSONDecodeError):
             out["gpt"][kind] = {"error": (run.stderr or run.stdout).strip()[-800:]}
         out["gpt"][kind]["wall_seconds"] = time.perf_counter() - started
