@@ -142,14 +142,16 @@ class Candidate:
 def evaluate(context: PackingContext, boundaries: Sequence[int]) -> Candidate:
     """The packing at ``boundaries``, its backward fetching each stash one task ahead, or, where
     that does not fit the budget, just in time (one microbatch's stash less on the device)."""
-    candidate = _evaluate(context, boundaries, stash_ahead=True)
-    # evaluated whenever the first does not fit, even where it cannot fit either: its peak is what
-    # BudgetTooSmallError reports as the smallest budget
-    if context.budget is not None and candidate.peak + context.margin > context.budget:
-        just_in_time = _evaluate(context, boundaries, stash_ahead=False)
-        if just_in_time.peak < candidate.peak:
-            return just_in_time
-    return candidate
+    if context.budget is None:
+        return _evaluate(context, boundaries, stash_ahead=True)
+    # Just in time first: fetching ahead never needs less, so where this does not fit, neither
+    # does that (one FakeTensor run per packing that does not fit, as plan_packs tries many), and
+    # its peak is the smallest budget these packs need.
+    just_in_time = _evaluate(context, boundaries, stash_ahead=False)
+    if just_in_time.peak + context.margin > context.budget:
+        return just_in_time
+    ahead = _evaluate(context, boundaries, stash_ahead=True)
+    return ahead if ahead.peak + context.margin <= context.budget else just_in_time
 
 
 def _evaluate(context: PackingContext, boundaries: Sequence[int], stash_ahead: bool) -> Candidate:
