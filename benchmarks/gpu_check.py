@@ -245,6 +245,19 @@ def _busy_fraction(step) -> float:
     return min(1.0, kernels / wall)
 
 
+def _plain_step(model, optimizer, idx, target):
+    """One eager training step on the GPU (eager and FSDP2 alike)."""
+    idx, target = idx.cuda(), target.cuda()
+
+    def step():
+        optimizer.zero_grad(set_to_none=True)
+        loss = _loss(model(idx), target)
+        loss.backward()
+        optimizer.step()
+        return loss.detach()
+    return step
+
+
 def run_gpt(kind: str, state_path: str, quick: bool) -> dict:
     """One of the three runs, in this process (``--run``)."""
     config = QUICK if quick else BIG
@@ -267,15 +280,7 @@ def run_gpt(kind: str, state_path: str, quick: bool) -> dict:
     torch.cuda.reset_peak_memory_stats()
     if kind == "eager":
         model = model.cuda()
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
-        idx_d, target_d = idx.cuda(), target.cuda()
-
-        def step():
-            optimizer.zero_grad(set_to_none=True)
-            loss = _loss(model(idx_d), target_d)
-            loss.backward()
-            optimizer.step()
-            return loss.detach()
+        step = _plain_step(model, torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True), idx, target)
     elif kind == "harmony":
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
         started = time.perf_counter()
@@ -296,15 +301,7 @@ def run_gpt(kind: str, state_path: str, quick: bool) -> dict:
         for block in model.h:
             fully_shard(block, offload_policy=CPUOffloadPolicy(pin_memory=True))
         fully_shard(model, offload_policy=CPUOffloadPolicy(pin_memory=True))
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-        idx_d, target_d = idx.cuda(), target.cuda()
-
-        def step():
-            optimizer.zero_grad(set_to_none=True)
-            loss = _loss(model(idx_d), target_d)
-            loss.backward()
-            optimizer.step()
-            return loss.detach()
+        step = _plain_step(model, torch.optim.AdamW(model.parameters(), lr=1e-4), idx, target)
 
     losses, seconds = _timed_steps(step)
     stats = torch.cuda.memory_stats()
