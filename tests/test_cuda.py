@@ -167,3 +167,26 @@ def test_allocator_peaks_within_the_budget_over_two_iterations():
         peaks = hm.stats.memory_peaks["cuda:0"]
         assert set(peaks) == {"allocated", "requested", "reserved"}
         assert peaks["requested"] <= peaks["allocated"] == hm.stats.peak_bytes["cuda:0"] <= budget
+
+
+def test_spans_are_gpu_time_not_issue_time():
+    """A copy stream held up on the GPU for ~25 ms: the spans (CUDA timing events) show the
+    prefetches starting after the hold-up, where the host issued them at once."""
+    model, x, y = _gpt()
+    hm = harmony_fx.compile(model, x, devices=["cuda:0"], microbatches=2, memory_budget="512KiB")
+    _gpt_loss(hm(x), y).backward()  # warm up: the allocator, cuBLAS
+    streams, submit = hm.device.streams, hm.device.streams.submit
+    held = []
+
+    def held_up(stream, work):
+        if stream.value == "h2d" and not held:
+            held.append(stream)
+            with torch.cuda.stream(streams.stream(stream)):
+                torch.cuda._sleep(50_000_000)  # tens of ms on any recent GPU
+        return submit(stream, work)
+
+    streams.submit = held_up
+    model.zero_grad()
+    _gpt_loss(hm(x), y).backward()
+    first_prefetch = min(start for _, stream, _, start, _ in hm.stats.spans if stream == "h2d")
+    assert first_prefetch > 5e-3

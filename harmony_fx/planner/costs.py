@@ -68,7 +68,10 @@ def layer_seconds(layer, size: int, spec: DeviceSpec, precision: str) -> tuple[f
     forward = spec.compute_seconds(layer.fwd_flops * size, layer.saved_bytes * size + layer.param_bytes, precision)
     backward = spec.compute_seconds(2 * layer.fwd_flops * size, 2 * layer.saved_bytes * size + layer.param_bytes,
                                     precision)
-    return forward + issue, backward + 2 * issue
+    if spec.inline:  # the ops run as they are issued: their issue cost adds up
+        return forward + issue, backward + 2 * issue
+    # a GPU runs while the host issues: a task takes the longer of the two
+    return max(forward, issue), max(backward, 2 * issue)
 
 
 def chain_key_bytes(profile: ModelProfile, pack_layers: Sequence[Sequence[int]],

@@ -63,9 +63,15 @@ class HostSpec:
     optimizer_state_bytes: int = 8    # per parameter: Adam's two fp32 moments (SGD momentum: 4)
 
 
+# Issuing one ATen op of a task from Python on a server core: dispatch, autograd's bookkeeping and
+# the kernel launch, about 8 us in eager PyTorch (not measured here: no GPU). A task whose kernels
+# are shorter than that is bound by the host, which the simulator shows (``layer_seconds``).
+GPU_OP_SECONDS = 8e-6
+
+
 def _gpu(name, memory_gib, fp32, bf16, membw, pcie, peer) -> DeviceSpec:
     return DeviceSpec(name, memory_gib * 2**30, {"fp32": fp32 * TFLOPS, "bf16": bf16 * TFLOPS}, membw * GB,
-                      pcie * GB, peer * GB)
+                      pcie * GB, peer * GB, op_seconds=GPU_OP_SECONDS)
 
 
 # fp32 uses TF32 tensor cores where the GPU has them (PyTorch's default for matmuls on Ampere+ is

@@ -42,17 +42,61 @@ class Stats:
     memory_peaks: dict[str, dict[str, int]] = dataclasses.field(default_factory=dict)
     pinned_bytes: dict[str, int] = dataclasses.field(default_factory=dict)  # host memory pinned for copies
     budget: dict[str, int | None] = dataclasses.field(default_factory=dict)
-    # seconds each stream was busy; on a HostDevice streams run inline, so this is the time the
-    # work took; on a CudaDevice it is the host time spent issuing it
-    busy_seconds: dict[str, float] = dataclasses.field(default_factory=lambda: collections.defaultdict(float))
     # the host optimizer's time (Trainer), and the part of it the iteration waited for at its end
     update_seconds: float = 0.0
     update_exposed_seconds: float = 0.0
-    # the measured timeline: (device index, stream, label, start s, end s) per op, and per device
-    # (time s, bytes live) after each op; times from ``origin`` (the iteration's start)
-    spans: list[tuple[int, str, str, float, float]] = dataclasses.field(default_factory=list)
-    memory: dict[int, list[tuple[float, int]]] = dataclasses.field(default_factory=dict)
-    origin: float = dataclasses.field(default_factory=time.perf_counter)
+    # the time the issuing threads spent handing updates to the host optimizer
+    handoff_seconds: float = 0.0
+    origin: float = dataclasses.field(default_factory=time.perf_counter)  # the iteration's start
+    # per device: its clock (the streams), the clock's mark at the iteration's start and that mark's
+    # host time, and per op (stream, label, start mark, end mark, live bytes after it or None).
+    # Marks are the device's own: host seconds on a HostDevice, CUDA timing events on a GPU, so a
+    # GPU's spans are its own time, not the host's issue time. They are read into seconds on first
+    # use (``spans``), once the work has run, never on the issuing path.
+    clocks: dict[int, tuple[object, object, float]] = dataclasses.field(default_factory=dict)
+    marks: dict[int, list[tuple[str, str, object, object, int | None]]] = dataclasses.field(default_factory=dict)
+    _resolved: tuple | None = dataclasses.field(default=None, repr=False)
+
+    def _timeline(self) -> tuple[list[tuple[int, str, str, float, float]], dict[int, list[tuple[float, int]]]]:
+        size = sum(len(entries) for entries in self.marks.values())
+        if self._resolved is None or self._resolved[0] != size:
+            spans: list[tuple[int, str, str, float, float]] = []
+            memory: dict[int, list[tuple[float, int]]] = {}
+            for index, entries in sorted(self.marks.items()):
+                clock, origin, at = self.clocks[index]
+                offset = at - self.origin
+                for stream, label, start, end, live in list(entries):
+                    started = offset + clock.seconds(origin, start)
+                    ended = offset + clock.seconds(origin, end)
+                    spans.append((index, stream, label, started, ended))
+                    if live is not None:
+                        memory.setdefault(index, []).append((ended, live))
+            for timeline in memory.values():
+                timeline.sort()
+            self._resolved = (size, spans, memory)
+        return self._resolved[1], self._resolved[2]
+
+    @property
+    def spans(self) -> list[tuple[int, str, str, float, float]]:
+        """The measured timeline: (device index, stream, label, start s, end s) per op, from the
+        iteration's start."""
+        return self._timeline()[0]
+
+    @property
+    def memory(self) -> dict[int, list[tuple[float, int]]]:
+        """Per device, (time s, bytes live) after each op that samples memory."""
+        return self._timeline()[1]
+
+    @property
+    def busy_seconds(self) -> dict[str, float]:
+        """Seconds each stream was busy (summed over devices), by the device's own clock; ``host``
+        is the issuing threads' time handing updates to the optimizer."""
+        busy: dict[str, float] = collections.defaultdict(float)
+        for _, stream, _, started, ended in self.spans:
+            busy[stream] += ended - started
+        if self.handoff_seconds:
+            busy[Stream.HOST.value] += self.handoff_seconds
+        return busy
 
     @property
     def bytes_h2d(self) -> int:
@@ -155,6 +199,7 @@ class Runtime:
             self.links = shared.links
             self.rng_states = shared.rng_states
         self.index = index  # this device's number in the iteration
+        stats.clocks[index] = (device.streams, device.streams.mark(Stream.COMPUTE), time.perf_counter())
         self.peer_value = standalone
         self.task_memory = task_memory
         self.probe_peak = 0  # the device's peak across the per-task resets of ``_probed``
@@ -186,20 +231,18 @@ class Runtime:
         """Run ``work`` on ``stream`` (inline, on a stream thread, or issued to the GPU), timed; the
         span and the device's memory after it go to the measured timeline (``Stats.spans``)."""
 
+        clock = self.device.streams
+        entries = self.stats.marks.setdefault(self.index, [])
+
         def timed() -> None:
-            started = time.perf_counter()
+            started = clock.mark()
             try:
                 work()
             finally:
-                ended = time.perf_counter()
+                ended = clock.mark()
                 device = self.device
                 live = device.live_bytes() if device.cheap_live_bytes or stream == Stream.COMPUTE else None
-                with self._stats_lock:
-                    stats = self.stats
-                    stats.busy_seconds[stream.value] += ended - started
-                    stats.spans.append((self.index, stream.value, label, started - stats.origin, ended - stats.origin))
-                    if live is not None:
-                        stats.memory.setdefault(self.index, []).append((ended - stats.origin, live))
+                entries.append((stream.value, label, started, ended, live))  # list.append: atomic
 
         event = event or _Event(None)
         event.device_event = self.device.streams.submit(stream, timed)
@@ -319,7 +362,8 @@ class Runtime:
         if self.on_update is not None:
             started = time.perf_counter()
             self.on_update(self, pack_index, copies)
-            self.stats.busy_seconds[Stream.HOST.value] += time.perf_counter() - started
+            with self._stats_lock:
+                self.stats.handoff_seconds += time.perf_counter() - started
 
     def fwd(self, pack_index: int, mb: int) -> _Event:
         return self._submit(Stream.COMPUTE, self._probed("FWD", pack_index, mb, lambda: self._forward(pack_index, mb)),

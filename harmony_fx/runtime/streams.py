@@ -9,6 +9,11 @@ work done; ``wait(event, stream)`` makes a stream (or, for ``HOST``, the calling
 * ``ChaosStreams`` (HostDevice with ``chaos=seed``): one worker thread per stream, each sleeping a
   random while before every item, so a missing wait lets a consumer run before its producer and
   shows up as an error or a wrong number instead of passing by luck.
+Each also keeps the device's clock for the measured timeline: ``mark(stream)`` notes the moment
+the stream reaches this point and ``seconds(origin, mark)`` reads the time between two marks. On a
+host a mark is the host's time; on a GPU it is a CUDA timing event, so spans are the GPU's own time,
+read once the work has run.
+
 * ``CudaStreams``: the current stream computes, one stream per copy direction; work is issued on the
   controller thread and the GPU runs it asynchronously.
 """
@@ -39,7 +44,19 @@ class _DoneEvent:
 _DONE = _DoneEvent()
 
 
-class HostStreams:
+class _HostClock:
+    """Marks in host seconds: the work of an inline stream (or a chaos worker) runs when issued."""
+
+    @staticmethod
+    def mark(stream: Stream | None = None) -> float:
+        return time.perf_counter()
+
+    @staticmethod
+    def seconds(origin: float, mark: float) -> float:
+        return mark - origin
+
+
+class HostStreams(_HostClock):
     def submit(self, stream: Stream, work: Callable[[], None]) -> _DoneEvent:
         work()
         return _DONE
@@ -70,7 +87,7 @@ class _ThreadEvent:
             raise self.error
 
 
-class ChaosStreams:
+class ChaosStreams(_HostClock):
     """One worker thread per stream with random delays (see the module docstring)."""
 
     def __init__(self, seed: int, max_delay: float = 0.002) -> None:
@@ -168,6 +185,17 @@ class CudaStreams:
         event = torch.cuda.Event(blocking=True)
         event.record(self.stream(stream))
         return event
+
+    def mark(self, stream: Stream | None = None) -> torch.cuda.Event:
+        """A timing event on ``stream`` (by default the stream work is being issued to)."""
+        event = torch.cuda.Event(enable_timing=True)
+        event.record(self.stream(stream) if stream is not None else torch.cuda.current_stream(self.device))
+        return event
+
+    @staticmethod
+    def seconds(origin: torch.cuda.Event, mark: torch.cuda.Event) -> float:
+        mark.synchronize()
+        return origin.elapsed_time(mark) / 1e3
 
     def wait(self, event, stream: Stream) -> None:
         if stream == Stream.HOST or not isinstance(event, torch.cuda.Event):
