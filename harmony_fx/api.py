@@ -207,9 +207,11 @@ class HarmonyModule:
         return self.calls.split(args, kwargs)
 
     def scalar_weights(self, name: str, per_mb: Sequence[Sequence[torch.Tensor]],
-                       otherwise: list[float] | None = None) -> list[float]:
-        """Each microbatch's coefficient in the batch's value of the scalar output ``name``."""
-        return self.calls.scalar_weights(name, per_mb, otherwise)
+                       otherwise: list[float] | None = None,
+                       total: Callable[[float], float] | None = None) -> list[float]:
+        """Each microbatch's coefficient in the batch's value of the scalar output ``name``
+        (``total``: the whole batch's normaliser from this part's, when processes share a batch)."""
+        return self.calls.scalar_weights(name, per_mb, otherwise, total)
 
     def output_like(self, name: str) -> torch.Tensor:
         """An empty tensor shaped as the model's output ``name`` on the whole batch."""

@@ -41,10 +41,13 @@ import time
 from typing import Any, Callable, Sequence
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from harmony_fx.api import HarmonyModule
 from harmony_fx.config import CompileOptions
+from harmony_fx.distributed.cluster import Cluster, PeerError, StepFailedElsewhere
+from harmony_fx.distributed.updates import CrossProcessUpdates
 from harmony_fx.runtime.executor import Runtime, land
 from harmony_fx.program.actions import Key, KeyKind
 
@@ -147,7 +150,8 @@ class Trainer:
     def __init__(self, model: nn.Module, loss_fn: Callable[..., torch.Tensor] | None,
                  optimizer: torch.optim.Optimizer, example_batch: Any, *, max_grad_norm: float | None = None,
                  loss_reduction: str = "mean", skip_nonfinite: bool = False, atomic: bool = True,
-                 **options: Any) -> None:
+                 process_group: Any = None, shard_optimizer: bool | None = None,
+                 collective_timeout: float | None = None, **options: Any) -> None:
         if skip_nonfinite and not atomic:
             raise ValueError("skip_nonfinite=True needs atomic=True: skipping a step puts back the updates the "
                              "backward already made, from the copies atomic=False does not keep")
@@ -183,6 +187,15 @@ class Trainer:
         self._groups = self.hm.update_groups()
         self._last_hm = self.hm  # the module that ran the last step (one per batch size)
         self.step_count = 0
+        self.cluster = _cluster(process_group, shard_optimizer, collective_timeout)
+        self._cross: CrossProcessUpdates | None = None
+        if self.cluster is not None:
+            names = {id(p): name for name, p in model.named_parameters()}
+            self.cluster.same_everywhere(
+                [(pack, [names[id(p)] for p in params]) for pack, params in sorted(self._groups.items())],
+                "how the model is cut into packs; give every rank the same batch size, memory_budget and options "
+                "(or the same pack_boundaries)")
+            self._cross = CrossProcessUpdates(self.cluster, optimizer, self._groups)
 
     # ------------------------------------------------------------------ what people look at
     @property
@@ -217,7 +230,12 @@ class Trainer:
         groups = self._groups if hm is self.hm else hm.update_groups()
         (loss_name,) = hm.signature.model_outputs
         per_mb = hm.split_inputs(args, kwargs)
-        weights = hm.scalar_weights(loss_name, per_mb, otherwise=self._size_weights(hm))
+        cluster, cross = self.cluster, self._cross
+        total = None
+        if cluster is not None:
+            cluster.begin_step(self.step_count)
+            total = cluster.total  # the loss is over every rank's batch
+        weights = hm.scalar_weights(loss_name, per_mb, otherwise=self._size_weights(hm, total), total=total)
         loss_like = hm.output_like(loss_name)
         output_grads = {Key(KeyKind.GRAD, loss_name, mb): torch.full(loss_like.shape, w, dtype=loss_like.dtype)
                         for mb, w in enumerate(weights)}
@@ -226,7 +244,9 @@ class Trainer:
         pending: list[concurrent.futures.Future] = []
         arrivals: collections.Counter = collections.Counter()
         landing: collections.defaultdict = collections.defaultdict(list)  # pack -> copies its update waits for
+        ready: dict[int, list] = {}  # across processes: packs complete here, waiting for their turn
         arrivals_lock = threading.Lock()
+        turn = [0]  # across processes: the next pack, in ``cross.order``, whose collectives may go
         # a worker per step, shut down before the step returns or raises: no update can still be
         # running when the step is undone, and no thread outlives the step
         workers = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="harmony-update")
@@ -238,11 +258,23 @@ class Trainer:
                 landing[pack_index].extend(copies)
                 if arrivals[pack_index] < hm.update_arrivals:
                     return
-                params = groups.get(pack_index, [])
-                pending.append(workers.submit(_land_and_update, landing.pop(pack_index), runtime.host_grads,
-                                              self.optimizer, params, undo))
+                if cross is None or pack_index not in cross.buffers:
+                    params = groups.get(pack_index, [])
+                    pending.append(workers.submit(_land_and_update, landing.pop(pack_index), runtime.host_grads,
+                                                  self.optimizer, params, undo))
+                    return
+                # every rank issues the packs' collectives in one order, whatever order they finish in
+                ready[pack_index] = landing.pop(pack_index)
+                while turn[0] < len(cross.order) and cross.order[turn[0]] in ready:
+                    pack = cross.order[turn[0]]
+                    turn[0] += 1
+                    pending.append(workers.submit(_land_and_update_across, ready.pop(pack), runtime.host_grads,
+                                                  self.optimizer, undo, cross, pack))
 
         self._last_hm = hm
+        agreed = False  # whether the ranks have exchanged this step's outcome
+        if cross is not None:
+            cross.bytes.clear()
         try:
             try:
                 runtime = hm.run_iteration(per_mb, on_update, output_grads)
@@ -252,7 +284,15 @@ class Trainer:
                 hm.stats.update_exposed_seconds = time.perf_counter() - waited_from
             hm.stats.update_seconds = sum(future.result() for future in pending)  # re-raises an update's error
             losses = [runtime.host_values[Key(KeyKind.ACT, loss_name, mb)] for mb in range(len(per_mb))]
-            loss = sum(w * loss.detach().float() for w, loss in zip(weights, losses))
+            shares = [w * loss.detach().float() for w, loss in zip(weights, losses)]
+            if cluster is not None:
+                everyone, failed = cluster.agree([share.item() for share in shares], failed=False)
+                agreed = True
+                if failed:
+                    raise StepFailedElsewhere(f"Trainer.step: step {self.step_count} failed on rank(s) "
+                                              f"{', '.join(map(str, failed))}; it was undone here too")
+                shares = [torch.tensor(share, dtype=torch.float32) for share in everyone]
+            loss = sum(shares)  # in microbatch order, over every rank's microbatches
             if not torch.isfinite(loss):
                 raise NonFiniteLossError(
                     f"Trainer.step: the loss of step {self.step_count} is {loss.item()}; the step was undone "
@@ -260,13 +300,15 @@ class Trainer:
                     "or pass skip_nonfinite=True to skip such steps.")
             if self.max_grad_norm is not None:
                 params = [p for group in groups.values() for p in group]
-                for param in params:
-                    param.grad = runtime.host_grads.get(id(param))
-                torch.nn.utils.clip_grad_norm_(params, self.max_grad_norm)
-                seconds = _timed(_update, self.optimizer, None, undo)
+                seconds = _timed(self._clip_and_update, params, runtime.host_grads, undo)
                 hm.stats.update_seconds = hm.stats.update_exposed_seconds = seconds
+            if cross is not None:
+                cross.commit(write=True)
+                hm.stats.network_bytes = dict(cross.bytes)
         except BaseException as error:
             workers.shutdown(wait=True)  # again: a second Ctrl-C may have cut the first wait short
+            if cross is not None and not isinstance(error, PeerError):
+                self._fail_across(cross, turn[0], agreed, len(per_mb))
             undo.restore()
             if not self.atomic and undo.updated:
                 error.add_note(f"harmony_fx: Trainer(atomic=False): {undo.updated} parameter(s) updated before the "
@@ -345,11 +387,47 @@ class Trainer:
             return (*args, target), kwargs
         return _as_call(batch)
 
-    def _size_weights(self, hm: HarmonyModule) -> list[float]:
+    def _size_weights(self, hm: HarmonyModule, total: Callable[[float], float] | None = None) -> list[float]:
         """Microbatch weights where the graph does not say how the loss reduces: by the sizes the
-        batch was actually cut into (mean), or all 1 (sum)."""
+        batch was actually cut into (mean, over every rank's batch: ``total``), or all 1 (sum)."""
         sizes = [size or 1 for size in hm.mb_sizes]
-        return [size / sum(sizes) if self.loss_reduction == "mean" else 1.0 for size in sizes]
+        if self.loss_reduction == "sum":
+            return [1.0] * len(sizes)
+        whole = total(sum(sizes)) if total is not None else sum(sizes)
+        return [size / whole for size in sizes]
+
+    def _clip_and_update(self, params: Sequence[nn.Parameter], host_grads: dict, undo: "_Undo") -> None:
+        """``max_grad_norm``: every gradient first (summed over the ranks), the global norm, then the
+        update."""
+        cross = self._cross
+        if cross is None:
+            for param in params:
+                param.grad = host_grads.get(id(param))
+            torch.nn.utils.clip_grad_norm_(params, self.max_grad_norm)
+            _update(self.optimizer, None, undo)
+            return
+        for pack in cross.order:
+            cross.reduce(pack, [host_grads.get(id(p)) for p in cross.buffers[pack].params])
+        stepped = [q for pack in cross.order for q in cross.updated_params(cross.buffers[pack].params)]
+        grads = [q.grad for q in stepped if q.grad is not None]
+        squares = sum(float(g.double().pow(2).sum()) for g in grads)
+        norm = (self.cluster.total(squares) if self.cluster.shard_optimizer else squares) ** 0.5
+        coefficient = self.max_grad_norm / (norm + 1e-6)  # as torch.nn.utils.clip_grad_norm_
+        if coefficient < 1:
+            torch._foreach_mul_(grads, coefficient)
+        _update(self.optimizer, None, undo)
+        for pack in cross.order:
+            cross.gather(pack)
+
+    def _fail_across(self, cross: CrossProcessUpdates, taken: int, agreed: bool, microbatches: int) -> None:
+        """This rank's step failed: it still takes its part in the collectives its peers wait for
+        (the packs it had not reached, the gathers, the agreement), so that they undo the step too."""
+        if self.max_grad_norm is None:
+            for pack in cross.order[taken:]:
+                cross.stand_in(pack)
+        cross.commit(write=False)
+        if not agreed:
+            self.cluster.agree([0.0] * microbatches, failed=True)
 
 
 def _as_call(inputs: Any) -> tuple[tuple, dict]:
@@ -456,6 +534,28 @@ class _Undo:
             buffer.copy_(data)
         for param, grad in self.grads:
             param.grad = grad
+
+
+def _cluster(process_group, shard_optimizer: bool | None, timeout: float | None) -> Cluster | None:
+    """The processes to train across: ``process_group``, else the default group if there is one
+    with more than one process; ``None``: this process alone."""
+    if process_group is None:
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+            if shard_optimizer:
+                raise ValueError("shard_optimizer=True shards the optimizer over processes; this process trains "
+                                 "alone (torch.distributed is not initialised, or has one process)")
+            return None
+    return Cluster(process_group, shard_optimizer, timeout)
+
+
+def _land_and_update_across(copies, host_grads: dict, optimizer: torch.optim.Optimizer, undo: "_Undo",
+                            cross: CrossProcessUpdates, pack: int) -> float:
+    """``_land_and_update`` across processes: the pack's gradients summed over the ranks first."""
+    land(copies)
+    grads = [host_grads.get(id(p)) for p in cross.buffers[pack].params]
+    started = time.perf_counter()
+    cross.step(pack, grads, lambda stepped: _update(optimizer, stepped, undo))
+    return time.perf_counter() - started
 
 
 def _land_and_update(copies, host_grads: dict, optimizer: torch.optim.Optimizer, params: Sequence[nn.Parameter],

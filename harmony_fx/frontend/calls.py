@@ -9,7 +9,7 @@ structure, cuts the caller's output gradients into microbatches, and joins the i
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 from torch import fx
@@ -135,7 +135,8 @@ class Calls:
         return grads
 
     def scalar_weights(self, name: str, per_mb: Sequence[Sequence[torch.Tensor]],
-                       otherwise: list[float] | None = None) -> list[float]:
+                       otherwise: list[float] | None = None,
+                       total: Callable[[float], float] | None = None) -> list[float]:
         """Each microbatch's coefficient in the batch's value of the scalar output ``name`` (its
         loss), from how the graph reduces it (``microbatch.scalar_reduction``), given each
         microbatch's flat inputs ``per_mb``. Where the graph does not say, ``otherwise`` if given,
@@ -144,7 +145,7 @@ class Calls:
         if otherwise is not None and any(reduction.combine is None for reduction in reductions):
             return otherwise
         inputs = [dict(zip(self.inputs, flat)) for flat in per_mb]
-        return microbatch.scalar_weights(reductions, inputs, self.mb_sizes)
+        return microbatch.scalar_weights(reductions, inputs, self.mb_sizes, total)
 
     def output_like(self, name: str) -> torch.Tensor:
         """An empty tensor shaped as the model's output ``name`` on the whole batch (a scalar, such

@@ -182,21 +182,24 @@ def scalar_reduction(gm: fx.GraphModule, node: fx.Node) -> ScalarReduction:
 
 
 def scalar_weights(reductions: Sequence[ScalarReduction], inputs: Sequence[Mapping[str, torch.Tensor]],
-                   sizes: Sequence[int | None]) -> list[float]:
+                   sizes: Sequence[int | None], total: Callable[[float], float] | None = None) -> list[float]:
     """One coefficient per microbatch (``reductions[i]``, ``inputs[i]`` and ``sizes[i]`` are
     microbatch i's): the batch's value is ``sum(coefficient_i * value_i)``, and so microbatch i's
-    gradient is the batch's times ``coefficient_i``."""
+    gradient is the batch's times ``coefficient_i``. ``total(local)``: the normaliser of the whole
+    batch when these microbatches are only part of it (other processes hold the rest)."""
     for reduction in reductions:
         if reduction.combine is None:
             raise ValueError(reduction.why)
+    total = total or (lambda local: local)
     if reductions[0].combine == Combine.SUM:
         divisors = [reduction.divisor for reduction in reductions]
         if divisors[0] is not None and (len(set(divisors)) > 1 or divisors == [float(size) for size in sizes]):
-            return [divisor / sum(divisors) for divisor in divisors]  # a sum over the batch / its size
+            whole = total(sum(divisors))
+            return [divisor / whole for divisor in divisors]  # a sum over the batch / its size
         return [1.0] * len(reductions)
     counts = [reduction.count(mb_inputs) for reduction, mb_inputs in zip(reductions, inputs)]
-    total = sum(counts)
-    return [count / total if total else float("nan") for count in counts]
+    whole = total(sum(counts))
+    return [count / whole if whole else float("nan") for count in counts]
 
 
 def merge_scalars(values: Sequence[torch.Tensor], weights: Sequence[float]) -> torch.Tensor:

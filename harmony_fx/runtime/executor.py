@@ -45,6 +45,8 @@ class Stats:
     # the host optimizer's time (Trainer), and the part of it the iteration waited for at its end
     update_seconds: float = 0.0
     update_exposed_seconds: float = 0.0
+    # bytes this process sent to other processes (Trainer across servers), per collective
+    network_bytes: dict[str, int] = dataclasses.field(default_factory=dict)
     # the time the issuing threads spent handing updates to the host optimizer
     handoff_seconds: float = 0.0
     origin: float = dataclasses.field(default_factory=time.perf_counter)  # the iteration's start
@@ -119,6 +121,7 @@ class Stats:
             "busy_seconds": dict(self.busy_seconds),
             "update_seconds": self.update_seconds,
             "update_exposed_seconds": self.update_exposed_seconds,
+            "network_bytes": dict(self.network_bytes),
         }
 
 

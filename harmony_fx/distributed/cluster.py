@@ -1,0 +1,148 @@
+"""The processes a Trainer trains across (``torch.distributed``), one per server.
+
+The default process group (or ``process_group=``) carries the step's two small exchanges on the
+calling thread: the loss's normaliser (the global batch's count) and the step's agreement (every
+rank's loss share and whether its step failed). A second group, made here and used only by the
+thread that runs the host updates, carries each pack's gradients and weights: collectives of one
+group are issued by one thread at a time, in the same pack order on every rank.
+
+A collective that fails (a peer died, or hung past the group's timeout) leaves its group unusable:
+``PeerError`` names the ranks that did not report the failure themselves within a few seconds, which
+are the dead or hung ones, so the process can exit and ``torchrun`` restart it from a checkpoint.
+"""
+from __future__ import annotations
+
+import datetime
+import time
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["Cluster", "PeerError", "StepFailedElsewhere"]
+
+
+class PeerError(RuntimeError):
+    """A collective failed: a peer process died or hung past the group's timeout."""
+
+
+class StepFailedElsewhere(RuntimeError):
+    """The step failed on another rank; this rank's step was undone too, as a step is all or nothing."""
+
+
+class Cluster:
+    def __init__(self, process_group: dist.ProcessGroup | None = None, shard_optimizer: bool | None = None,
+                 timeout: datetime.timedelta | float | None = None) -> None:
+        if not dist.is_available() or not dist.is_initialized():
+            raise ValueError("Trainer(process_group=...) needs torch.distributed initialised: call "
+                             "torch.distributed.init_process_group() first (torchrun sets the environment for it)")
+        self.group = process_group or dist.group.WORLD
+        self.rank = dist.get_rank(self.group)
+        self.world = dist.get_world_size(self.group)
+        self.shard_optimizer = self.world > 1 if shard_optimizer is None else bool(shard_optimizer)
+        if isinstance(timeout, (int, float)):
+            timeout = datetime.timedelta(seconds=timeout)
+        self.timeout = timeout
+        # the update thread's own group: its collectives never interleave with this thread's
+        self.worker_group = dist.new_group(dist.get_process_group_ranks(self.group), timeout=timeout, backend="gloo")
+        self._store = _default_store()
+        self._post("begun", -1)
+        self._post("failed", -1)
+        self.barrier()
+
+    # ------------------------------------------------------------------ this thread's exchanges
+    def barrier(self) -> None:
+        self._collective(lambda: dist.barrier(group=self.group), "a barrier")
+
+    def total(self, value: float) -> float:
+        """``value`` summed over the ranks (the global batch's loss normaliser)."""
+        tensor = torch.tensor([value], dtype=torch.float64)
+        self._collective(lambda: dist.all_reduce(tensor, group=self.group), "the loss normaliser's all-reduce")
+        return float(tensor.item())
+
+    def agree(self, shares: Sequence[float], failed: bool) -> tuple[list[float], list[int]]:
+        """Every rank's loss shares (one per microbatch, as many on every rank) and whether its step
+        failed: all the shares in rank order, and the ranks whose step failed."""
+        mine = torch.tensor([float(failed), *shares], dtype=torch.float64)  # float32 values stay exact
+        every = torch.empty(self.world * mine.numel(), dtype=torch.float64)
+        self._collective(lambda: dist.all_gather_into_tensor(every, mine, group=self.group),
+                         "the step's agreement")
+        every = every.view(self.world, mine.numel())
+        return every[:, 1:].reshape(-1).tolist(), [rank for rank, flag in enumerate(every[:, 0].tolist()) if flag]
+
+    def same_everywhere(self, value: object, what: str) -> None:
+        """Refuse to train if ``value`` differs between ranks (``what`` says what to make equal)."""
+        values: list[object] = [None] * self.world
+        self._collective(lambda: dist.all_gather_object(values, value, group=self.group), "a check of the plans")
+        differing = [rank for rank, other in enumerate(values) if other != values[0]]
+        if differing:
+            raise ValueError(f"Trainer: rank(s) {', '.join(map(str, differing))} differ from rank 0 in {what}")
+
+    # ------------------------------------------------------------------ the update thread's
+    def all_reduce(self, tensor: torch.Tensor, what: str) -> None:
+        self._collective(lambda: dist.all_reduce(tensor, group=self.worker_group), what)
+
+    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, what: str) -> None:
+        reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor  # torch < 2.13
+        self._collective(lambda: reduce_scatter(output, input, group=self.worker_group), what)
+
+    def all_gather(self, output: torch.Tensor, input: torch.Tensor, what: str) -> dist.Work:
+        """Issued, not waited for: the caller waits (``wait``) once it needs the weights."""
+        all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        return self._collective(lambda: all_gather(output, input, group=self.worker_group, async_op=True), what)
+
+    def wait(self, work: dist.Work, what: str) -> None:
+        self._collective(work.wait, what)
+
+    # ------------------------------------------------------------------ failures
+    def begin_step(self, step: int) -> None:
+        self._post("begun", step)
+
+    def _collective(self, issue, what: str):
+        try:
+            return issue()
+        except (RuntimeError, dist.DistError) as error:
+            raise PeerError(self._diagnose(what, error)) from error
+
+    def _diagnose(self, what: str, error: BaseException) -> str:
+        """Who is missing: every live rank posts that it failed; those that do not within a few
+        seconds died or hang."""
+        step = self._read("begun", self.rank)
+        head = f"rank {self.rank}: {what} failed in step {step}"
+        if self._store is None:
+            return f"{head} ({error}); a peer died or hung past the group's timeout"
+        try:
+            self._post("failed", step)
+            deadline = time.monotonic() + 5.0
+            missing: Sequence[int] = ()
+            while time.monotonic() < deadline:
+                missing = [r for r in range(self.world) if self._read("failed", r) != step]
+                if not missing:
+                    break
+                time.sleep(0.1)
+        except Exception:  # noqa: BLE001 - the store lives in rank 0's process (or the launcher): it is gone too
+            return f"{head} ({error}); the rendezvous store is unreachable, so its host (rank 0 or the launcher) died"
+        if not missing:
+            return f"{head}: every rank failed the same way, so no peer is missing: {error}"
+        names = ", ".join(map(str, missing))
+        return (f"{head}: rank(s) {names} did not report (died, or hung past the group's timeout of "
+                f"{self.timeout or 'the default'}); the step was undone here. Exit and let torchrun "
+                f"--max-restarts restart from the last checkpoint. Cause: {error}")
+
+    def _post(self, what: str, step: int) -> None:
+        if self._store is not None:
+            self._store.set(f"harmony_fx/{what}/{self.rank}", str(step))
+
+    def _read(self, what: str, rank: int) -> int:
+        if self._store is None:
+            return -1
+        return int(self._store.get(f"harmony_fx/{what}/{rank}").decode())
+
+
+def _default_store():
+    """The rendezvous store of the default group (private in torch; without it failures name no rank)."""
+    get = getattr(dist.distributed_c10d, "_get_default_store", None)
+    try:
+        return get() if get is not None else None
+    except (RuntimeError, ValueError):
+        return None

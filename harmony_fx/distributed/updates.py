@@ -1,0 +1,133 @@
+"""A pack's update across processes: its gradients summed over the ranks, then the update.
+
+Replicated (``shard_optimizer=False``): one all-reduce of the pack's gradients, then every rank
+steps the pack's parameters, as one process would.
+
+Sharded (``shard_optimizer=True``): each rank keeps an fp32 master chunk of every parameter
+(``shards``) and the optimizer holds those chunks instead of the parameters (swapped into its
+``param_groups`` in place, so LR schedulers stay bound to it), with its state 1/N per rank. Per
+pack: reduce-scatter of the gradients -> the rank's chunks stepped -> all-gather of the updated
+chunks, issued and not waited for. The gathered weights are written into the full parameters (what
+every rank prefetches from) at ``commit``, once every rank's step has succeeded: until then the
+parameters are as before the step, which keeps a step all or nothing across ranks.
+
+Every rank runs the packs' collectives in one fixed order (``order``: the backward's, last pack
+first), whatever order its packs finish in.
+"""
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import torch
+from torch import nn
+
+from harmony_fx.distributed.cluster import Cluster
+from harmony_fx.distributed.shards import PackBuffers
+
+__all__ = ["CrossProcessUpdates"]
+
+
+class CrossProcessUpdates:
+    def __init__(self, cluster: Cluster, optimizer: torch.optim.Optimizer, groups: dict[int, list[nn.Parameter]]) -> None:
+        self.cluster = cluster
+        self.optimizer = optimizer
+        self.order = sorted((pack for pack, params in groups.items() if params), reverse=True)
+        self.buffers = {pack: PackBuffers(groups[pack], cluster.rank, cluster.world) for pack in self.order}
+        self.shards: dict[int, nn.Parameter] = {}  # id(parameter) -> this rank's master chunk
+        self.chunks = {id(p): chunk for buffers in self.buffers.values() for p, chunk in zip(buffers.params, buffers.chunks)}
+        if cluster.shard_optimizer:
+            self._shard_optimizer()
+        self._gathers: list[tuple[PackBuffers, torch.Tensor, object]] = []
+        self.bytes: dict[str, int] = {}
+
+    # ------------------------------------------------------------------ set up
+    @torch.no_grad()
+    def _shard_optimizer(self) -> None:
+        for buffers in self.buffers.values():
+            for param, chunk in zip(buffers.params, buffers.chunks):
+                flat = param.detach().reshape(-1)[chunk.start:chunk.stop]
+                self.shards[id(param)] = nn.Parameter(flat.float().clone(), requires_grad=param.requires_grad)
+        state = self.optimizer.state
+        for group in self.optimizer.param_groups:
+            swapped = []
+            for param in group["params"]:
+                shard = self.shards.get(id(param), param)
+                if shard is not param and param in state:  # state made before the Trainer: cut it the same way
+                    state[shard] = {key: self._chunk(param, value) for key, value in state.pop(param).items()}
+                swapped.append(shard)
+            group["params"][:] = swapped  # in place: schedulers and the user's references see it
+
+    def _chunk(self, param: nn.Parameter, value):
+        """This rank's chunk of a parameter-shaped state tensor (other state, like Adam's step, stays)."""
+        if not isinstance(value, torch.Tensor) or value.shape != param.shape:
+            return value
+        chunk = self.chunks[id(param)]
+        return value.detach().reshape(-1)[chunk.start:chunk.stop].clone()
+
+    def updated_params(self, params: Sequence[nn.Parameter]) -> list[nn.Parameter]:
+        """What the optimizer steps for ``params``: their chunks when sharded."""
+        return [self.shards.get(id(p), p) for p in params]
+
+    # ------------------------------------------------------------------ a pack (the update thread)
+    def reduce(self, pack: int, grads: Sequence[torch.Tensor | None]) -> None:
+        """Sum ``pack``'s gradients over the ranks; they become ``.grad`` of what the optimizer steps."""
+        buffers, cluster = self.buffers[pack], self.cluster
+        what = f"pack p{pack}'s gradients"
+        if cluster.shard_optimizer:
+            send = buffers.rank_major(grads)
+            mine = send.new_empty(buffers.shard_numel)
+            cluster.reduce_scatter(mine, send, f"the reduce-scatter of {what}")
+            self._count("reduce_scatter", send)
+            for param, grad in zip(buffers.params, buffers.split_shard(mine)):
+                self.shards[id(param)].grad = grad
+        else:
+            flats = [torch.zeros(p.numel()) if g is None else g.detach().reshape(-1).float()
+                     for p, g in zip(buffers.params, grads)]
+            send = torch.cat(flats)
+            cluster.all_reduce(send, f"the all-reduce of {what}")
+            self._count("all_reduce", send)
+            offset = 0
+            for param in buffers.params:
+                param.grad = send[offset:offset + param.numel()].view_as(param).to(param.dtype)
+                offset += param.numel()
+
+    def gather(self, pack: int) -> None:
+        """Sharded: send ``pack``'s updated chunks to every rank (issued; written at ``commit``)."""
+        if not self.cluster.shard_optimizer:
+            return
+        buffers = self.buffers[pack]
+        send = buffers.join_shards([self.shards[id(p)] for p in buffers.params])
+        gathered = send.new_empty(self.cluster.world * buffers.shard_numel)
+        work = self.cluster.all_gather(gathered, send, f"the all-gather of pack p{pack}'s weights")
+        self._count("all_gather", gathered)
+        self._gathers.append((buffers, gathered, work))
+
+    def step(self, pack: int, grads: Sequence[torch.Tensor | None], update: Callable[[list[nn.Parameter]], None]) -> None:
+        """``pack``'s whole turn: reduce, ``update`` (the optimizer over what it holds), gather."""
+        self.reduce(pack, grads)
+        update(self.updated_params(self.buffers[pack].params))
+        self.gather(pack)
+
+    def stand_in(self, pack: int) -> None:
+        """A rank whose step failed still takes its part in ``pack``'s collectives (zero gradients,
+        unchanged chunks), so that no peer waits for it; nothing is updated."""
+        self.reduce(pack, [None] * len(self.buffers[pack].params))
+        self.gather(pack)
+
+    # ------------------------------------------------------------------ the step's end
+    def commit(self, write: bool) -> None:
+        """Wait for the step's all-gathers; write them into the parameters if ``write``."""
+        gathers, self._gathers = self._gathers, []
+        for buffers, gathered, work in gathers:
+            self.cluster.wait(work, "an all-gather of weights")
+            if write:
+                buffers.write_gathered(gathered)
+
+    def _count(self, collective: str, tensor: torch.Tensor) -> None:
+        """Bytes this rank sends for a collective over the full buffer ``tensor``: an all-gather sends
+        (N-1)/N of it, an all-reduce twice that (a ring: reduce-scatter, then all-gather), and so
+        does gloo's reduce-scatter, which is an all-reduce that keeps one chunk."""
+        world = self.cluster.world
+        full = tensor.numel() * tensor.element_size()
+        factor = 1 if collective == "all_gather" else 2
+        self.bytes[collective] = self.bytes.get(collective, 0) + factor * full * (world - 1) // world
