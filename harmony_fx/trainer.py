@@ -46,6 +46,7 @@ from torch import nn
 
 from harmony_fx.api import HarmonyModule
 from harmony_fx.config import CompileOptions
+from harmony_fx.distributed import checkpoint
 from harmony_fx.distributed.cluster import Cluster, PeerError, StepFailedElsewhere
 from harmony_fx.distributed.updates import CrossProcessUpdates
 from harmony_fx.runtime.executor import Runtime, land
@@ -349,9 +350,15 @@ class Trainer:
         self.step_count = state_dict["step_count"]
 
     def save(self, path: str | os.PathLike) -> None:
-        """Write ``state_dict()`` to ``path`` atomically: a temporary file in the same directory (so
-        the rename stays on one file system) renamed over ``path``, so a crash mid-write leaves the
-        previous checkpoint whole."""
+        """A checkpoint. Across processes, or when ``path`` is a directory: a folder per step under
+        ``path`` and a ``latest`` pointer (``torch.distributed.checkpoint``; see
+        ``distributed.checkpoint``), readable at any number of processes. Otherwise one file:
+        ``state_dict()`` written atomically (a temporary file in the same directory, so the rename
+        stays on one file system, renamed over ``path``: a crash mid-write leaves the previous
+        checkpoint whole)."""
+        if self.cluster is not None or os.path.isdir(path):
+            checkpoint.save(self, path)
+            return
         path = os.fspath(path)
         fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)), prefix=f".{os.path.basename(path)}.",
                                    suffix=".tmp")
@@ -367,7 +374,11 @@ class Trainer:
             raise
 
     def load(self, path: str | os.PathLike) -> None:
-        """Restore this trainer from a file written by ``save``."""
+        """Restore this trainer from what ``save`` wrote: a file, a step folder, or a folder of step
+        folders (the one its ``latest`` names), written by any number of processes."""
+        if os.path.isdir(path):
+            checkpoint.load(self, path)
+            return
         # everything in a checkpoint is tensors and plain Python values: no pickled code runs
         self.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
 

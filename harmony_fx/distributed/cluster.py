@@ -50,6 +50,14 @@ class Cluster:
         self._post("failed", -1)
         self.barrier()
 
+    def mesh(self):
+        """The processes as a one-dimensional DeviceMesh (checkpoints store shards as DTensors)."""
+        if getattr(self, "_mesh", None) is None:
+            from torch.distributed.device_mesh import DeviceMesh
+
+            self._mesh = DeviceMesh.from_group(self.group, "cpu")
+        return self._mesh
+
     # ------------------------------------------------------------------ this thread's exchanges
     def barrier(self) -> None:
         self._collective(lambda: dist.barrier(group=self.group), "a barrier")
@@ -65,8 +73,7 @@ class Cluster:
         failed: all the shares in rank order, and the ranks whose step failed."""
         mine = torch.tensor([float(failed), *shares], dtype=torch.float64)  # float32 values stay exact
         every = torch.empty(self.world * mine.numel(), dtype=torch.float64)
-        self._collective(lambda: dist.all_gather_into_tensor(every, mine, group=self.group),
-                         "the step's agreement")
+        self._collective(lambda: _all_gather()(every, mine, group=self.group), "the step's agreement")
         every = every.view(self.world, mine.numel())
         return every[:, 1:].reshape(-1).tolist(), [rank for rank, flag in enumerate(every[:, 0].tolist()) if flag]
 
@@ -83,13 +90,12 @@ class Cluster:
         self._collective(lambda: dist.all_reduce(tensor, group=self.worker_group), what)
 
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, what: str) -> None:
-        reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor  # torch < 2.13
+        reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor  # before 2.13
         self._collective(lambda: reduce_scatter(output, input, group=self.worker_group), what)
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, what: str) -> dist.Work:
         """Issued, not waited for: the caller waits (``wait``) once it needs the weights."""
-        all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-        return self._collective(lambda: all_gather(output, input, group=self.worker_group, async_op=True), what)
+        return self._collective(lambda: _all_gather()(output, input, group=self.worker_group, async_op=True), what)
 
     def wait(self, work: dist.Work, what: str) -> None:
         self._collective(work.wait, what)
@@ -137,6 +143,10 @@ class Cluster:
         if self._store is None:
             return -1
         return int(self._store.get(f"harmony_fx/{what}/{rank}").decode())
+
+
+def _all_gather():
+    return getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # before torch 2.13
 
 
 def _default_store():

@@ -64,6 +64,13 @@ class CrossProcessUpdates:
         chunk = self.chunks[id(param)]
         return value.detach().reshape(-1)[chunk.start:chunk.stop].clone()
 
+    @torch.no_grad()
+    def refresh_shards(self) -> None:
+        """Each master chunk from its full parameter again (after a checkpoint was loaded into them)."""
+        for buffers in self.buffers.values():
+            for param, chunk in zip(buffers.params, buffers.chunks):
+                self.shards[id(param)].copy_(param.detach().reshape(-1)[chunk.start:chunk.stop])
+
     def updated_params(self, params: Sequence[nn.Parameter]) -> list[nn.Parameter]:
         """What the optimizer steps for ``params``: their chunks when sharded."""
         return [self.shards.get(id(p), p) for p in params]

@@ -33,15 +33,19 @@ def start(scenario: str, world: int, out: pathlib.Path, **options) -> list[subpr
             for rank in range(world)]
 
 
-def finish(processes: list[subprocess.Popen], out: pathlib.Path, timeout: float = 240) -> list[dict]:
+def finish(processes: list[subprocess.Popen], out: pathlib.Path, timeout: float = 240,
+           dying: dict[int, int] | None = None) -> list[dict | None]:
+    """Each rank's result; ``dying``: ranks meant to exit early, with their exit codes (no result)."""
+    dying = dying or {}
     outputs = [p.communicate(timeout=timeout)[0] for p in processes]
     for rank, (p, output) in enumerate(zip(processes, outputs)):
-        assert p.returncode == 0, f"rank {rank} exited {p.returncode}:\n{output}"
-    return [torch.load(out / f"rank{rank}.pt", weights_only=False) for rank in range(len(processes))]
+        assert p.returncode == dying.get(rank, 0), f"rank {rank} exited {p.returncode}:\n{output}"
+    return [None if rank in dying else torch.load(out / f"rank{rank}.pt", weights_only=False)
+            for rank in range(len(processes))]
 
 
-def run(scenario: str, world: int, out: pathlib.Path, **options) -> list[dict]:
-    return finish(start(scenario, world, out, **options), out)
+def run(scenario: str, world: int, out: pathlib.Path, dying: dict[int, int] | None = None, **options) -> list[dict]:
+    return finish(start(scenario, world, out, **options), out, dying=dying)
 
 
 def _main(scenario: str, rank: int, world: int, port: int, out: str) -> None:
@@ -55,11 +59,13 @@ def _main(scenario: str, rank: int, world: int, port: int, out: str) -> None:
     options = torch.load(pathlib.Path(out) / "options.pt", weights_only=False)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=options.pop("timeout", 60)))
-    try:
-        result = getattr(scenarios, scenario)(rank, world, pathlib.Path(out), **options)
-        torch.save(result, pathlib.Path(out) / f"rank{rank}.pt")
-    finally:
+    result = getattr(scenarios, scenario)(rank, world, pathlib.Path(out), **options)
+    torch.save(result, pathlib.Path(out) / f"rank{rank}.pt")
+    if result.get("error") is None:
         dist.destroy_process_group()
+    else:  # a peer died: the group cannot be shut down in order
+        sys.stdout.flush()
+        os._exit(0)
 
 
 if __name__ == "__main__":

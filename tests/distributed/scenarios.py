@@ -12,6 +12,7 @@ BATCH = 4         # samples per rank
 MICROBATCHES = 2  # per rank
 STEPS = 5
 LR = 1e-3
+PACKS = (0, 3, 6, 9)  # four packs, three of them with parameters: collectives per pack
 
 
 def model_and_batches(world: int, steps: int = STEPS):
@@ -69,7 +70,7 @@ def train(rank: int, world: int, out: pathlib.Path, shard_optimizer: bool = True
     model, batches = model_and_batches(world, steps)
     optimizer = optimizer_of(model)
     trainer = harmony_fx.Trainer(model, loss_fn, optimizer, local(batches[0], rank), devices=["host:0"],
-                                 microbatches=MICROBATCHES, shard_optimizer=shard_optimizer)
+                                 microbatches=MICROBATCHES, pack_boundaries=PACKS, shard_optimizer=shard_optimizer)
     losses = [trainer.step(local(batch, rank)).clone() for batch in batches]
     return {"losses": losses, "params": [p.detach().clone() for p in model.parameters()],
             "state": full_state(trainer), "state_bytes": state_bytes(trainer),
@@ -84,7 +85,108 @@ def one_process(world: int, steps: int = STEPS) -> dict:
     optimizer = optimizer_of(model)
     devices = [f"host:{i}" for i in range(world)]
     trainer = harmony_fx.Trainer(model, loss_fn, optimizer, batches[0], devices=devices, parallel="dp",
-                                 microbatches=world * MICROBATCHES)
+                                 microbatches=world * MICROBATCHES, pack_boundaries=PACKS)
     losses = [trainer.step(batch).clone() for batch in batches]
     return {"losses": losses, "params": [p.detach().clone() for p in model.parameters()],
             "state": full_state(trainer), "state_bytes": state_bytes(trainer)}
+
+
+# ---------------------------------------------------------------------- checkpoints and faults
+GLOBAL_BATCH = 12  # splits evenly over 1, 2 and 3 ranks
+
+
+def _global_batches(steps: int):
+    torch.manual_seed(1)
+    return [(torch.randint(0, 64, (GLOBAL_BATCH, 16)), torch.randint(0, 64, (GLOBAL_BATCH, 16)))
+            for _ in range(steps)]
+
+
+def _part(batch, rank: int, world: int):
+    share = GLOBAL_BATCH // world
+    return tuple(t[rank * share:(rank + 1) * share] for t in batch)
+
+
+def checkpointed(rank: int, world: int, out: pathlib.Path, folder: str, steps: int = STEPS, resume: bool = False,
+                 die_in_step: int | None = None, dying_rank: int = 1) -> dict:
+    """Train ``steps`` steps of the global batches, saving after each; ``resume``: from ``folder``'s
+    ``latest`` first; ``die_in_step``: ``dying_rank`` exits in the middle of that step's collectives."""
+    import os
+    import time
+
+    from harmony_fx.distributed import PeerError
+    from harmony_fx.distributed.updates import CrossProcessUpdates
+
+    model, _ = model_and_batches(world, steps=0)
+    batches = _global_batches(steps)
+    trainer = harmony_fx.Trainer(model, loss_fn, optimizer_of(model), _part(batches[0], rank, world),
+                                 devices=["host:0"], microbatches=MICROBATCHES, pack_boundaries=PACKS, collective_timeout=20)
+    if resume:
+        trainer.load(folder)
+    if die_in_step is not None and rank == dying_rank:
+        reduce = CrossProcessUpdates.reduce
+
+        def dying(self, pack, grads):
+            if trainer.step_count == die_in_step and pack != self.order[0]:
+                os._exit(3)  # killed after the first pack's collectives of the step
+            return reduce(self, pack, grads)
+
+        CrossProcessUpdates.reduce = dying
+    losses, error, seconds = {}, None, None
+    while trainer.step_count < steps:
+        step = trainer.step_count
+        started = time.monotonic()
+        try:
+            losses[step] = trainer.step(_part(batches[step], rank, world)).clone()
+        except PeerError as failure:
+            error, seconds = str(failure), time.monotonic() - started
+            break
+        trainer.save(folder)
+    return {"losses": losses, "error": error, "seconds": seconds, "step_count": trainer.step_count}
+
+
+def single_resumed(folder: str, steps: int = STEPS) -> dict:
+    """A single process (no torch.distributed) resuming from a folder that ranks wrote."""
+    model, _ = model_and_batches(1, steps=0)
+    batches = _global_batches(steps)
+    trainer = harmony_fx.Trainer(model, loss_fn, optimizer_of(model), batches[0], devices=["host:0"],
+                                 microbatches=MICROBATCHES, pack_boundaries=PACKS)
+    trainer.load(folder)
+    losses = {}
+    while trainer.step_count < steps:
+        step = trainer.step_count
+        losses[step] = trainer.step(batches[step]).clone()
+    return {"losses": losses}
+
+
+def one_rank_fails(rank: int, world: int, out: pathlib.Path, failing_step: int = 2) -> dict:
+    """Rank 1's step ``failing_step`` fails in its backward (a task raises); every rank undoes the
+    step and trains on, retrying it, to the end."""
+    from harmony_fx.distributed import StepFailedElsewhere
+    from harmony_fx.runtime.executor import Runtime
+
+    model, batches = model_and_batches(world)
+    trainer = harmony_fx.Trainer(model, loss_fn, optimizer_of(model), local(batches[0], rank), devices=["host:0"],
+                                 microbatches=MICROBATCHES, pack_boundaries=PACKS)
+    if rank == 1:
+        backward, failed = Runtime.bwd, []
+
+        def failing(self, pack_index, mb):
+            if trainer.step_count == failing_step and pack_index == 1 and not failed:
+                failed.append(True)
+                raise RuntimeError("a task failed on rank 1")
+            return backward(self, pack_index, mb)
+
+        Runtime.bwd = failing
+    losses, errors, before, after = [], [], None, None
+    for batch in batches:
+        while True:
+            if trainer.step_count == failing_step:
+                before = [p.detach().clone() for p in model.parameters()]
+            try:
+                losses.append(trainer.step(local(batch, rank)).clone())
+                break
+            except (RuntimeError, StepFailedElsewhere) as error:
+                errors.append(f"{type(error).__name__}: {error}")
+                after = [p.detach().clone() for p in model.parameters()]
+    return {"losses": losses, "errors": errors, "undone": all(torch.equal(a, b) for a, b in zip(before, after)),
+            "params": [p.detach().clone() for p in model.parameters()]}

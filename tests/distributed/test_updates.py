@@ -72,3 +72,16 @@ def test_three_ranks_within_1e6_and_send_what_the_formula_says(tmp_path, one_thr
     if shard_optimizer:  # Adam's two moments of each rank's chunks
         assert sum(state_per_rank) == reference["state_bytes"]
         assert max(state_per_rank) <= 2 * _shards(numels, world)
+
+
+def test_a_step_failing_on_one_rank_is_undone_on_every_rank(tmp_path, one_thread):
+    """Rank 1's backward fails in step 2: rank 1 raises its error, rank 0 ``StepFailedElsewhere``,
+    both put the step back and retry it; the run ends as one that never failed."""
+    ranks = launch.run("one_rank_fails", 2, tmp_path)
+    unbroken = launch.run("train", 2, tmp_path / "unbroken")
+    assert ranks[0]["errors"] == ["StepFailedElsewhere: Trainer.step: step 2 failed on rank(s) 1; it was undone here too"]
+    assert ranks[1]["errors"] == ["RuntimeError: a task failed on rank 1"]
+    for rank in ranks:
+        assert rank["undone"]
+        assert all(torch.equal(a, b) for a, b in zip(rank["losses"], unbroken[0]["losses"]))
+        assert all(torch.equal(a, b) for a, b in zip(rank["params"], unbroken[0]["params"]))
