@@ -36,6 +36,12 @@ def add_parser(commands) -> None:
     demo.add_argument("--check-steps", type=int, default=3, help="steps compared with eager training")
     demo.add_argument("--out", default="harmony_demo_out", help="where the trace and the memory plot go")
     demo.add_argument("--quick", action="store_true", help="a smaller model, for CI")
+    demo.add_argument("--nodes", type=int, default=None,
+                      help="train across this many processes on this machine (gloo on 127.0.0.1), as torchrun "
+                           "runs one per server; prints the torchrun command")
+    demo.add_argument("--fail-once", type=int, default=None, metavar="STEP",
+                      help="with --nodes: one process exits before STEP, once; torchrun restarts them all from "
+                           "the last checkpoint")
 
 
 def _device_names(count: int | None) -> list[str] | None:
@@ -46,6 +52,8 @@ def _device_names(count: int | None) -> list[str] | None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.nodes:
+        return _across(args)
     from tqdm import tqdm
 
     import harmony_fx
@@ -136,3 +144,22 @@ def run(args: argparse.Namespace) -> int:
         print("FAILED: losses differ from eager", file=sys.stderr)
         return 1
     return 0
+
+
+def _across(args: argparse.Namespace) -> int:
+    """``--nodes N``: torchrun with N processes on this machine, each running ``commands.across``."""
+    import shutil
+    import subprocess
+
+    out = os.path.join(args.out, "nodes")
+    shutil.rmtree(out, ignore_errors=True)  # a fresh run, not a resumed one
+    command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(args.nodes),
+               "--max-restarts", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:0",
+               "-m", "harmony_fx.commands.across", "--steps", str(min(args.steps, 20)), "--out", out]
+    if args.fail_once is not None:
+        command += ["--fail-once", str(args.fail_once)]
+    print("$ " + " ".join(["torchrun", *command[3:]]), flush=True)
+    # gloo restarts need their own rendezvous store per attempt (pytorch/pytorch#135712)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
+           "LOGLEVEL": os.environ.get("LOGLEVEL", "WARNING")}
+    return subprocess.call(command, env=env)

@@ -140,6 +140,37 @@ def land(copies: Sequence["_Event"]) -> None:
         copy.run_host_work()
 
 
+class HostGradients:
+    """Weight gradients summed on the host: per parameter (``id`` of its master), each device's
+    copies summed in the order they land, then the devices' sums in device order when first read.
+    The order of the sum is then the program's, not the threads' (a tied weight's shares from two
+    packs on two devices add up to the same bits every run), and it is the order in which one
+    process per device would sum them (``distributed``)."""
+
+    def __init__(self) -> None:
+        self._parts: dict[int, dict[int, torch.Tensor]] = {}
+        self._lock = threading.Lock()
+
+    def add(self, key: int, grad: torch.Tensor, device: int) -> None:
+        with self._lock:
+            parts = self._parts.setdefault(key, {})
+            existing = parts.get(device)
+            parts[device] = grad if existing is None else existing.add_(grad)
+
+    def get(self, key: int, default: torch.Tensor | None = None) -> torch.Tensor | None:
+        with self._lock:
+            parts = self._parts.get(key)
+            if not parts:
+                return default
+            if len(parts) > 1:
+                devices = sorted(parts)
+                total = parts[devices[0]]
+                for device in devices[1:]:
+                    total = total.add_(parts[device])
+                self._parts[key] = parts = {devices[0]: total}
+            return next(iter(parts.values()))
+
+
 class _Event:
     """A program's event: the device's (or a peer hand-over's) plus host work that runs once the
     copy has landed, exactly once, by whichever host wait comes first (a program's, or an update
@@ -190,7 +221,7 @@ class Runtime:
         self.device_values: dict[Key, object] = {}
         if shared is None:
             self.host_values: dict[Key, object] = {} if standalone is None else _MadeOnDemand(standalone)
-            self.host_grads: dict[int, torch.Tensor] = {}  # id(master) -> summed gradient
+            self.host_grads = HostGradients()  # id(master) -> summed gradient
             self._host_lock = threading.Lock()
             self._stats_lock = threading.Lock()
             self.links = _Links()
@@ -526,10 +557,7 @@ class Runtime:
             self.host_values[key] = value if existing is None else pytrees.add_grads(existing, value, inplace=False)
 
     def _add_host_grad(self, master: torch.Tensor, grad: torch.Tensor) -> None:
-        grad = grad.to(master.dtype)
-        with self._host_lock:
-            existing = self.host_grads.get(id(master))
-            self.host_grads[id(master)] = grad if existing is None else existing.add_(grad)
+        self.host_grads.add(id(master), grad.to(master.dtype), self.index)
 
     def _count(self, stream: Stream, key: Key, value: object) -> None:
         """Bytes a copy moved, by its direction (the stream it ran on) and its key's kind."""
