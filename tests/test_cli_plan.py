@@ -78,3 +78,23 @@ def test_host_memory_too_small_exits_2_naming_what_is_needed(capsys) -> None:
     assert needed > 2 * 10**12
     assert format_size(needed) in message
     assert format_size(2 * 10**12) in message  # what was given
+
+
+def test_plan_across_servers_reports_the_network_and_picks_a_layout(capsys) -> None:
+    code = main(["plan", "gpt2-xl", "--devices", "2", "--nodes", "4", "--network", "100Gbit", "--json"])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    network = json.loads(out)["network"]
+    assert network["nodes"] == 4 and network["bandwidth_bytes_per_second"] == 100e9 / 8
+    assert set(network["compared_seconds"]) == {"sharded", "replicated"}
+    assert network["optimizer"] == min(network["compared_seconds"], key=network["compared_seconds"].get)
+    # per server and iteration, fp32 gradients G: sharded, gloo's reduce-scatter 2(N-1)/N G and the
+    # weights' all-gather (N-1)/N G; replicated, an all-reduce 2(N-1)/N G
+    params = preset_profile("gpt2-xl", "bf16")[0].num_params
+    expected = (2 * 0.75 + 0.75) * 4 * params if network["optimizer"] == "sharded" else 2 * 0.75 * 4 * params
+    assert network["bytes_per_server"] == pytest.approx(expected, rel=1e-6)
+
+
+def test_plan_network_speed_must_be_readable(capsys) -> None:
+    assert main(["plan", "gpt2-xl", "--nodes", "2", "--network", "fast"]) == 2
+    assert "--network" in capsys.readouterr().err

@@ -3,7 +3,9 @@ that need not be at hand, and say how fast one iteration will be and what bounds
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import re
 import sys
 import time
 
@@ -36,6 +38,13 @@ def add_parser(commands) -> None:
     plan.add_argument("--precision", choices=["bf16", "fp32"], default="bf16")
     plan.add_argument("--measure", action="store_true",
                       help="file.py models: time every layer on this machine (for --device-spec host)")
+    plan.add_argument("--nodes", type=int, default=1,
+                      help="servers training together (one process each, torchrun); --devices is per server")
+    plan.add_argument("--network", default="100Gbit",
+                      help="each server's network link, each way: 100Gbit, 400Gbit, 25GB (bytes/s)")
+    plan.add_argument("--network-latency", type=float, default=20e-6, help="seconds per collective step")
+    plan.add_argument("--shard-optimizer", choices=["auto", "on", "off"], default="auto",
+                      help="optimizer state 1/N per server (on), whole on each (off), or the faster that fits")
     plan.add_argument("--json", action="store_true", help="print the plan as JSON")
     plan.add_argument("--trace", help="write the simulated iteration as a Chrome trace (JSON) here")
 
@@ -43,7 +52,7 @@ def add_parser(commands) -> None:
 def run(args: argparse.Namespace) -> int:
     from harmony_fx.planner.presets import PRESETS, load_profile, preset_profile
     from harmony_fx.planner.search import PlanningError, search
-    from harmony_fx.planner.specs import HostSpec, get_spec
+    from harmony_fx.planner.specs import ClusterSpec, HostSpec, get_spec
     from harmony_fx.trace import write_trace
 
     started = time.perf_counter()
@@ -60,15 +69,45 @@ def run(args: argparse.Namespace) -> int:
         link = parse_size(args.host_link) if args.host_link else 4 * spec.host_bandwidth
         host = HostSpec(memory=parse_size(args.host_memory), link_bandwidth=link,
                         update_params_per_second=args.update_rate, optimizer_state_bytes=_OPTIMIZER_STATE[args.optimizer])
+        network = parse_rate(args.network)
+        where = f"{args.devices} x {spec.name}"
+        if args.nodes > 1:
+            where = f"{args.nodes} servers of {where}, network {args.network} each way"
         log(f"planning {profile.name}: {profile.num_params / 1e9:.2f}B parameters, {len(profile.layers)} layers, "
-            f"batch {batch_size}, {args.precision}, on {args.devices} x {spec.name}")
-        choice = search(profile, spec, host, batch_size=batch_size, devices=args.devices,
-                        budget=parse_size(args.memory_budget), parallel=args.parallel,
-                        microbatches=args.microbatches, progress=lambda m: log(f"  {m}"))
+            f"batch {batch_size}{' per server' if args.nodes > 1 else ''}, {args.precision}, on {where}")
+        layouts = {}
+        for sharded in _layouts(args):
+            cluster = ClusterSpec(args.nodes, network, args.network_latency, sharded)
+            if args.nodes > 1:
+                log(f"  optimizer state {'sharded over' if sharded else 'whole on each of'} the {args.nodes} servers:")
+            try:
+                layouts[sharded] = search(profile, spec, dataclasses.replace(host, cluster=cluster),
+                                          batch_size=batch_size, devices=args.devices,
+                                          budget=parse_size(args.memory_budget), parallel=args.parallel,
+                                          microbatches=args.microbatches, progress=lambda m: log(f"  {m}"))
+            except PlanningError as error:
+                if len(_layouts(args)) == 1:
+                    raise
+                log(f"    does not fit: {error}")
+        if not layouts:
+            raise PlanningError("no optimizer layout fits host memory; add servers or host memory")
+        sharded = min(layouts, key=lambda key: layouts[key].simulation.seconds)
+        choice = layouts[sharded]
+        host = dataclasses.replace(host, cluster=ClusterSpec(args.nodes, network, args.network_latency, sharded))
     except (PlanningError, ValueError) as error:
         print(f"harmony-fx plan: {error}", file=sys.stderr)
         return 2
     report = _report(profile, choice, spec, host, time.perf_counter() - started)
+    if args.nodes > 1:
+        sent = {kind: n for (lane, kind), n in choice.simulation.bytes_moved.items() if lane == "net"}
+        report["network"] = {
+            "nodes": args.nodes, "bandwidth_bytes_per_second": host.cluster.network_bandwidth,
+            "optimizer": "sharded" if sharded else "replicated",
+            "compared_seconds": {("sharded" if key else "replicated"): layouts[key].simulation.seconds for key in layouts},
+            "bytes_per_server": sum(sent.values()), "bytes_by_collective": sent,
+            "global_batch_size": batch_size * args.nodes,
+            "global_samples_per_second": choice.samples_per_second() * args.nodes,
+        }
     if args.trace:
         write_trace(args.trace, choice.simulation.trace_events())
         report["trace"] = args.trace
@@ -78,6 +117,28 @@ def run(args: argparse.Namespace) -> int:
         print(_table(profile, choice))
         print(_summary(report))
     return 0
+
+
+def _layouts(args) -> list[bool]:
+    """Optimizer layouts to plan: sharded (True) and/or replicated (False)."""
+    if args.nodes <= 1:
+        return [False]
+    return {"on": [True], "off": [False]}.get(args.shard_optimizer, [True, False])
+
+
+def parse_rate(text: str) -> float:
+    """A link's speed in bytes/s: ``100Gbit`` (bits per second) or ``12.5GB`` (bytes per second)."""
+    match = re.fullmatch(r"\s*([0-9.]+)\s*([kKmMgGtT]?)bit(/s)?\s*", text)
+    if match:
+        scale = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}[match.group(2).lower()]
+        return float(match.group(1)) * scale / 8
+    try:
+        rate = parse_size(text.removesuffix("/s"))
+    except ValueError:
+        rate = None
+    if not rate:
+        raise ValueError(f"--network {text!r}: give bits per second (100Gbit) or bytes per second (25GB)")
+    return float(rate)
 
 
 def _packs(profile, choice) -> list[dict]:
@@ -146,7 +207,15 @@ def _summary(report: dict) -> str:
         f"{report['iteration_seconds'] / report['lower_bound_seconds']:.2f}x of it",
         "bytes moved per iteration: " + ", ".join(f"{d} {format_size(n)}" for d, n in sorted(by_direction.items())),
         "peak per device: " + ", ".join(format_size(p) for p in report["peak_bytes"]),
-        f"host memory: {format_size(report['host_bytes'])}",
+        f"host memory: {format_size(report['host_bytes'])}" + (" per server" if "network" in report else ""),
+        *([_network_line(report["network"])] if "network" in report else []),
         f"simulated packings: {compared}",
         f"planned in {report['planning_seconds']:.1f} s",
     ])
+
+
+def _network_line(network: dict) -> str:
+    compared = ", ".join(f"{layout} {seconds:.4g} s" for layout, seconds in network["compared_seconds"].items())
+    return (f"across {network['nodes']} servers (global batch {network['global_batch_size']}): optimizer state "
+            f"{network['optimizer']}; {format_size(network['bytes_per_server'])} sent per server per iteration "
+            f"({compared})")

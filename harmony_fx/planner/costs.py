@@ -53,8 +53,11 @@ class PackCosts:
             return allocated
         return allocated + int(max(layer.saved_bytes for layer in self.pack_layers[action.pack]) * self.sizes[action.mb])
 
+    def pack_params(self, pack: int) -> int:
+        return sum(layer.num_params for layer in self.pack_layers[pack])
+
     def update_seconds(self, pack: int) -> float:
-        return sum(layer.num_params for layer in self.pack_layers[pack]) / self.host.update_params_per_second
+        return self.pack_params(pack) / self.host.update_params_per_second
 
 
 def layer_seconds(layer, size: int, spec: DeviceSpec, precision: str) -> tuple[float, float]:

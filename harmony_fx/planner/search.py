@@ -249,7 +249,13 @@ def host_bytes(profile: ModelProfile, boundaries: Sequence[int], batch_size: int
     """Host memory one iteration holds: fp32 masters and gradients, the optimizer's state, and the
     stash (every pack's inputs, for every sample)."""
     stash = sum((profile.input_bytes if b == 0 else profile.layers[b - 1].out_bytes) for b in boundaries)
-    return int(profile.num_params * (_MASTER_PER_PARAM + host.optimizer_state_bytes) + stash * batch_size)
+    cluster = host.cluster
+    if cluster.nodes > 1 and cluster.shard_optimizer:
+        # full weights and gradients on every server; fp32 master chunks and optimizer state 1/N
+        per_param = _MASTER_PER_PARAM + (4 + host.optimizer_state_bytes) / cluster.nodes
+    else:
+        per_param = _MASTER_PER_PARAM + host.optimizer_state_bytes
+    return int(profile.num_params * per_param + stash * batch_size)
 
 
 def lower_bound(profile: ModelProfile, batch_size: int, devices: int, spec: DeviceSpec, host: HostSpec,

@@ -47,6 +47,7 @@ class Costs(Protocol):
     def task_peak(self, action: Action, allocated: int) -> int: ...
     # bytes above the level at the task's start at its peak; ``allocated``: what its new keys take
     def update_seconds(self, pack: int) -> float: ...
+    def pack_params(self, pack: int) -> int: ...
 
 
 class SimulationDeadlock(ValueError):
@@ -115,6 +116,7 @@ class _Simulator:
         self.busy: dict[tuple[int, str], float] = collections.defaultdict(float)
         self.spans: list[tuple[int, str, str, float, float]] = []
         self.last_end = 0.0
+        self.network_free = 0.0  # when the link to the other servers is next free
 
     # -------------------------------------------------------------- memory
     def _hold(self, device: int, key: Key) -> None:
@@ -223,13 +225,45 @@ class _Simulator:
             if any(copy not in self.done_events for copy in self.update_after[action.pack]):
                 break  # its gradients are still on their way to the host
             self.update_queue.popleft()
-            end = self.now + self.costs.update_seconds(action.pack)
+            cluster = self.host.cluster
+            if cluster.nodes > 1:
+                end = self._update_across(device, action.pack, cluster)
+            else:
+                end = self.now + self.costs.update_seconds(action.pack)
+                self.spans.append((device, "host", f"UPDATE p{action.pack}", self.now, end))
+                self.busy[(device, "host")] += end - self.now
             heapq.heappush(self.updates, end)
-            self.spans.append((device, "host", f"UPDATE p{action.pack}", self.now, end))
-            self.busy[(device, "host")] += end - self.now
             self.last_end = max(self.last_end, end)
             progressed = True
         return progressed
+
+    def _update_across(self, device: int, pack: int, cluster) -> float:
+        """A pack's update with other servers (``distributed.updates``): its fp32 gradients summed
+        over the network (all-reduce, or reduce-scatter when sharded), the update (of 1/N of the
+        pack when sharded), then, sharded, the updated weights gathered; the network is one lane,
+        in pack order. The update worker is busy until its update ends; the gather runs on, and the
+        iteration ends once it lands (the next iteration's first prefetch of the pack waits for it)."""
+        nbytes = 4 * self.costs.pack_params(pack)
+        sharded = cluster.shard_optimizer
+        reduce = "reduce_scatter" if sharded else "all_reduce"
+        start = max(self.now, self.network_free)
+        reduced = start + cluster.collective_seconds(nbytes, reduce)
+        self._network(device, pack, reduce, nbytes, start, reduced, cluster)
+        updated = reduced + self.costs.update_seconds(pack) / (cluster.nodes if sharded else 1)
+        self.spans.append((device, "host", f"UPDATE p{pack}", reduced, updated))
+        self.busy[(device, "host")] += updated - reduced
+        if sharded:
+            start = max(updated, self.network_free)
+            gathered = start + cluster.collective_seconds(nbytes, "all_gather")
+            self._network(device, pack, "all_gather", nbytes, start, gathered, cluster)
+            self.last_end = max(self.last_end, gathered)
+        return updated
+
+    def _network(self, device: int, pack: int, collective: str, nbytes: int, start: float, end: float, cluster) -> None:
+        self.network_free = end
+        self.moved[("net", collective)] += int(cluster.collective_bytes(nbytes, collective))
+        self.spans.append((device, "net", f"{collective.upper()} p{pack}", start, end))
+        self.busy[(device, "net")] += end - start
 
     def _count(self, device: int, action: Action) -> None:
         size = self.costs.key_bytes(action.key)

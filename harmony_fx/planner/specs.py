@@ -53,6 +53,32 @@ class DeviceSpec:
 
 
 @dataclasses.dataclass(frozen=True)
+class ClusterSpec:
+    """Servers training together (``Trainer`` across processes, one per server): the network
+    between them carries each pack's gradients (and, sharded, its updated weights) per iteration.
+
+    Collectives are gloo's on host tensors: a ring all-reduce sends 2(N-1)/N of the buffer from
+    every server, gloo's reduce-scatter as much (it is an all-reduce that keeps one chunk), an
+    all-gather (N-1)/N; each takes ``latency`` per ring step."""
+
+    nodes: int = 1
+    network_bandwidth: float = 100e9 / 8  # bytes/s each way per server (100 Gbit/s)
+    latency: float = 20e-6            # seconds per ring step
+    shard_optimizer: bool = True      # optimizer state and fp32 master chunks 1/N per server
+
+    def collective_seconds(self, nbytes: float, collective: str) -> float:
+        return self.collective_bytes(nbytes, collective) / self.network_bandwidth + self.latency * self._steps(collective)
+
+    def collective_bytes(self, nbytes: float, collective: str) -> float:
+        """What one server sends for a collective over a buffer of ``nbytes``."""
+        n = self.nodes
+        return (1 if collective == "all_gather" else 2) * nbytes * (n - 1) / n
+
+    def _steps(self, collective: str) -> int:
+        return (1 if collective == "all_gather" else 2) * (self.nodes - 1)
+
+
+@dataclasses.dataclass(frozen=True)
 class HostSpec:
     """The host all devices share: pinned memory for stashes and masters, one link, CPU updates."""
 
@@ -61,6 +87,7 @@ class HostSpec:
     update_params_per_second: float = 1.0e9  # CPU optimizer throughput (Adam-like, all cores)
     update_workers: int = 1
     optimizer_state_bytes: int = 8    # per parameter: Adam's two fp32 moments (SGD momentum: 4)
+    cluster: ClusterSpec = ClusterSpec()  # the other servers, if any
 
 
 # Issuing one ATen op of a task from Python on a server core: dispatch, autograd's bookkeeping and

@@ -190,3 +190,34 @@ def one_rank_fails(rank: int, world: int, out: pathlib.Path, failing_step: int =
                 after = [p.detach().clone() for p in model.parameters()]
     return {"losses": losses, "errors": errors, "undone": all(torch.equal(a, b) for a, b in zip(before, after)),
             "params": [p.detach().clone() for p in model.parameters()]}
+
+
+def hanging(rank: int, world: int, out: pathlib.Path, hang_in_step: int = 1, timeout: float = 4) -> dict:
+    """Rank 1 stops answering in the middle of a step (it sleeps in its second pack's collective);
+    rank 0 must give up after the group's timeout, naming it."""
+    import time
+
+    from harmony_fx.distributed import PeerError
+    from harmony_fx.distributed.updates import CrossProcessUpdates
+
+    model, batches = model_and_batches(world)
+    trainer = harmony_fx.Trainer(model, loss_fn, optimizer_of(model), local(batches[0], rank), devices=["host:0"],
+                                 microbatches=MICROBATCHES, pack_boundaries=PACKS, collective_timeout=timeout)
+    if rank == 1:
+        reduce = CrossProcessUpdates.reduce
+
+        def hang(self, pack, grads):
+            if trainer.step_count == hang_in_step and pack != self.order[0]:
+                time.sleep(4 * timeout + 12)  # past rank 0's timeout and its wait for reports
+            return reduce(self, pack, grads)
+
+        CrossProcessUpdates.reduce = hang
+    error, seconds = None, None
+    for batch in batches[:hang_in_step + 1]:
+        started = time.monotonic()
+        try:
+            trainer.step(local(batch, rank))
+        except PeerError as failure:
+            error, seconds = str(failure), time.monotonic() - started
+            break
+    return {"error": error, "seconds": seconds}

@@ -47,6 +47,9 @@ class FakeCosts:
     def update_seconds(self, pack: int) -> float:
         return self.update
 
+    def pack_params(self, pack: int) -> int:
+        return 1000
+
 
 def program(*lines: str, device: int = 0, **effects: tuple[tuple[str, ...], tuple[str, ...]]) -> list[Action]:
     """Actions from their ``repr``; ``effects["FWD p0@0"] = (writes, consumes)`` as key strings."""
@@ -385,3 +388,29 @@ def test_a_copy_onto_the_device_waits_for_the_compute_issued_before_it() -> None
     )
     assert spans_of(simulate([after], FakeCosts(), SPEC))["PREFETCH act[x@1] h2d"] == pytest.approx((3.0, 3.1))
     assert spans_of(simulate([before], FakeCosts(), SPEC))["PREFETCH act[x@1] h2d"] == pytest.approx((1.0, 1.1))
+
+
+# ---------------------------------------------------------------- other servers
+
+
+@pytest.mark.parametrize("sharded", [True, False])
+def test_an_update_across_servers_waits_for_the_network_and_counts_its_bytes(sharded: bool) -> None:
+    """The chain program of one pack: its update is the gradients over the network, then 1/N of the
+    update when sharded (the whole when not), then, sharded, the weights gathered back."""
+    from harmony_fx.planner.specs import ClusterSpec
+
+    profile = ModelProfile("toy", tuple(LayerProfile(f"l{i}", 1, 4, 1.0, 1.0, 1.0) for i in range(3)), 1, 1.0)
+    programs, _ = chain_schedule(profile, Schedule((0,), 1, "single", 1), 1, SPEC, HostSpec())
+    alone = simulate(programs, FakeCosts(), SPEC).seconds
+    cluster = ClusterSpec(nodes=4, network_bandwidth=1000.0, latency=0.01, shard_optimizer=sharded)
+    sim = simulate(programs, FakeCosts(), SPEC, HostSpec(cluster=cluster))
+    gradients = 4 * 1000  # fp32, FakeCosts' 1000 parameters
+    # a ring over 4 servers: all-reduce (and gloo's reduce-scatter) send 2 * 3/4 of it in 6 steps,
+    # an all-gather 3/4 of it in 3 steps
+    reduce = 2 * 0.75 * gradients / 1000.0 + 6 * 0.01
+    gather = 0.75 * gradients / 1000.0 + 3 * 0.01
+    update = 0.5 / 4 if sharded else 0.5
+    expected = alone - 0.5 + reduce + update + (gather if sharded else 0.0)
+    assert sim.seconds == pytest.approx(expected)
+    sent = {kind: n for (lane, kind), n in sim.bytes_moved.items() if lane == "net"}
+    assert sent == ({"reduce_scatter": 6000, "all_gather": 3000} if sharded else {"all_reduce": 6000})

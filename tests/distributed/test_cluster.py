@@ -1,0 +1,31 @@
+"""A peer that hangs: the others raise within the group's timeout, naming it, instead of waiting."""
+from __future__ import annotations
+
+import pytest
+
+from tests.distributed import launch
+
+
+def test_a_hung_rank_is_named_after_the_timeout(tmp_path):
+    timeout = 4
+    processes = launch.start("hanging", 2, tmp_path, timeout=30, hang_in_step=1)
+    # (the scenario's own collective_timeout is 4 s; the process group's default timeout above is
+    # only for its start)
+    survivor, hung = processes
+    result = launch.finish([survivor], tmp_path, timeout=120)[0]
+    hung.kill()
+    hung.wait()
+    assert "rank(s) 1 did not report" in result["error"] and "step 1" in result["error"]
+    # the collective gives up after the timeout; the report window adds at most 5 s
+    assert timeout <= result["seconds"] < timeout + 15
+
+
+def test_shard_optimizer_without_processes_is_refused():
+    import torch
+
+    import harmony_fx
+
+    model = torch.nn.Linear(4, 4)
+    with pytest.raises(ValueError, match="trains alone"):
+        harmony_fx.Trainer(model, torch.nn.functional.mse_loss, torch.optim.SGD(model.parameters(), lr=0.1),
+                           (torch.randn(2, 4), torch.randn(2, 4)), shard_optimizer=True)
