@@ -16,6 +16,7 @@ import io
 import os
 import pathlib
 import tempfile
+import warnings
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -52,7 +53,9 @@ def save(trainer, root: str | os.PathLike) -> pathlib.Path:
     for name, key, value in _optimizer_state(trainer):
         state[f"optimizer/state/{name}/{key}"] = value
     if cluster is None:
-        dcp.save(state, checkpoint_id=folder, no_dist=True)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.save(state, checkpoint_id=folder, no_dist=True)
     else:
         cluster.barrier()  # the folder exists before anyone writes into it
         dcp.save(state, checkpoint_id=folder, process_group=cluster.group)
@@ -102,7 +105,9 @@ def load(trainer, path: str | os.PathLike) -> None:
             state[key] = _sharded(local, cluster, chunk.numel)
         destinations[key] = (held, state_key, local)
     if cluster is None:
-        dcp.load(state, checkpoint_id=folder, no_dist=True)
+        with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load(state, checkpoint_id=folder, no_dist=True)
     else:
         dcp.load(state, checkpoint_id=folder, process_group=cluster.group)
     if _unpack(state["harmony_fx"]) != _HEADER:

@@ -71,11 +71,18 @@ class Cluster:
     def agree(self, shares: Sequence[float], failed: bool) -> tuple[list[float], list[int]]:
         """Every rank's loss shares (one per microbatch, as many on every rank) and whether its step
         failed: all the shares in rank order, and the ranks whose step failed."""
-        mine = torch.tensor([float(failed), *shares], dtype=torch.float64)  # float32 values stay exact
-        every = torch.empty(self.world * mine.numel(), dtype=torch.float64)
+        # ranks may hold different numbers of microbatches (uneven batches): pad to the largest
+        longest = torch.tensor([len(shares)], dtype=torch.int64)
+        self._collective(lambda: dist.all_reduce(longest, dist.ReduceOp.MAX, group=self.group), "the step's agreement")
+        width = 2 + int(longest.item())
+        mine = torch.zeros(width, dtype=torch.float64)  # float32 values stay exact in float64
+        mine[0], mine[1] = float(failed), len(shares)
+        mine[2:2 + len(shares)] = torch.tensor(list(shares), dtype=torch.float64)
+        every = torch.empty(self.world * width, dtype=torch.float64)
         self._collective(lambda: _all_gather()(every, mine, group=self.group), "the step's agreement")
-        every = every.view(self.world, mine.numel())
-        return every[:, 1:].reshape(-1).tolist(), [rank for rank, flag in enumerate(every[:, 0].tolist()) if flag]
+        every = every.view(self.world, width)
+        in_order = [share for row in every.tolist() for share in row[2:2 + int(row[1])]]
+        return in_order, [rank for rank, flag in enumerate(every[:, 0].tolist()) if flag]
 
     def same_everywhere(self, value: object, what: str) -> None:
         """Refuse to train if ``value`` differs between ranks (``what`` says what to make equal)."""

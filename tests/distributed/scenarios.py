@@ -69,9 +69,14 @@ def state_bytes(trainer) -> int:
 def train(rank: int, world: int, out: pathlib.Path, shard_optimizer: bool = True, steps: int = STEPS) -> dict:
     model, batches = model_and_batches(world, steps)
     optimizer = optimizer_of(model)
+    # made before the Trainer: it must stay bound to the optimizer when the Trainer shards it
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 0.7 ** step)
     trainer = harmony_fx.Trainer(model, loss_fn, optimizer, local(batches[0], rank), devices=["host:0"],
                                  microbatches=MICROBATCHES, pack_boundaries=PACKS, shard_optimizer=shard_optimizer)
-    losses = [trainer.step(local(batch, rank)).clone() for batch in batches]
+    losses = []
+    for batch in batches:
+        losses.append(trainer.step(local(batch, rank)).clone())
+        schedule.step()
     return {"losses": losses, "params": [p.detach().clone() for p in model.parameters()],
             "state": full_state(trainer), "state_bytes": state_bytes(trainer),
             "network_bytes": dict(trainer.stats.network_bytes),
@@ -84,9 +89,13 @@ def one_process(world: int, steps: int = STEPS) -> dict:
     model, batches = model_and_batches(world, steps)
     optimizer = optimizer_of(model)
     devices = [f"host:{i}" for i in range(world)]
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 0.7 ** step)
     trainer = harmony_fx.Trainer(model, loss_fn, optimizer, batches[0], devices=devices, parallel="dp",
                                  microbatches=world * MICROBATCHES, pack_boundaries=PACKS)
-    losses = [trainer.step(batch).clone() for batch in batches]
+    losses = []
+    for batch in batches:
+        losses.append(trainer.step(batch).clone())
+        schedule.step()
     return {"losses": losses, "params": [p.detach().clone() for p in model.parameters()],
             "state": full_state(trainer), "state_bytes": state_bytes(trainer)}
 
@@ -165,7 +174,9 @@ def one_rank_fails(rank: int, world: int, out: pathlib.Path, failing_step: int =
     from harmony_fx.runtime.executor import Runtime
 
     model, batches = model_and_batches(world)
-    trainer = harmony_fx.Trainer(model, loss_fn, optimizer_of(model), local(batches[0], rank), devices=["host:0"],
+    optimizer = optimizer_of(model)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 0.7 ** step)  # as ``train``
+    trainer = harmony_fx.Trainer(model, loss_fn, optimizer, local(batches[0], rank), devices=["host:0"],
                                  microbatches=MICROBATCHES, pack_boundaries=PACKS)
     if rank == 1:
         backward, failed = Runtime.bwd, []
@@ -184,6 +195,7 @@ def one_rank_fails(rank: int, world: int, out: pathlib.Path, failing_step: int =
                 before = [p.detach().clone() for p in model.parameters()]
             try:
                 losses.append(trainer.step(local(batch, rank)).clone())
+                schedule.step()
                 break
             except (RuntimeError, StepFailedElsewhere) as error:
                 errors.append(f"{type(error).__name__}: {error}")
@@ -221,3 +233,26 @@ def hanging(rank: int, world: int, out: pathlib.Path, hang_in_step: int = 1, tim
             error, seconds = str(failure), time.monotonic() - started
             break
     return {"error": error, "seconds": seconds}
+
+
+def uneven(rank: int, world: int, out: pathlib.Path) -> dict:
+    """Two steps with every rank's share, then one where rank 1 has half as many samples as rank 0
+    (a last, short batch): the loss's mean is over the global batch, weighted by the shares' sizes."""
+    model, batches = model_and_batches(world, steps=3)
+    trainer = harmony_fx.Trainer(model, loss_fn, optimizer_of(model), local(batches[0], rank), devices=["host:0"],
+                                 microbatches=MICROBATCHES, pack_boundaries=PACKS)
+    losses = [trainer.step(local(batch, rank)).clone() for batch in batches[:2]]
+    x, y = batches[2]
+    short = (x[:4], y[:4]) if rank == 0 else (x[4:6], y[4:6])
+    losses.append(trainer.step(short).clone())
+    return {"losses": losses, "params": [p.detach().clone() for p in model.parameters()]}
+
+
+def uneven_one_process() -> dict:
+    model, batches = model_and_batches(2, steps=3)
+    trainer = harmony_fx.Trainer(model, loss_fn, optimizer_of(model), batches[0], devices=["host:0", "host:1"],
+                                 parallel="dp", microbatches=2 * MICROBATCHES, pack_boundaries=PACKS)
+    losses = [trainer.step(batch).clone() for batch in batches[:2]]
+    x, y = batches[2]
+    losses.append(trainer.step((x[:6], y[:6])).clone())
+    return {"losses": losses, "params": [p.detach().clone() for p in model.parameters()]}

@@ -85,3 +85,13 @@ def test_a_step_failing_on_one_rank_is_undone_on_every_rank(tmp_path, one_thread
         assert rank["undone"]
         assert all(torch.equal(a, b) for a, b in zip(rank["losses"], unbroken[0]["losses"]))
         assert all(torch.equal(a, b) for a, b in zip(rank["params"], unbroken[0]["params"]))
+
+
+def test_uneven_shares_weigh_by_their_sizes(tmp_path, one_thread):
+    """A last, short batch: rank 0 has 4 samples, rank 1 has 2; the step equals one process on the
+    6 samples."""
+    ranks = launch.run("uneven", 2, tmp_path)
+    reference = scenarios.uneven_one_process()
+    for rank in ranks:
+        torch.testing.assert_close(rank["losses"], reference["losses"], rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(rank["params"], reference["params"], rtol=1e-6, atol=1e-6)
