@@ -40,9 +40,15 @@ def _gpt_trainer(seed: int, example, budget: int, **options) -> harmony_fx.Train
     return harmony_fx.Trainer(model, LOSS_FN, optimizer, example, microbatches=2, memory_budget=budget, **options)
 
 
-def test_resumed_run_equals_uninterrupted_run(tmp_path):
+@pytest.mark.parametrize("form", ["file", "folder"])
+def test_resumed_run_equals_uninterrupted_run(tmp_path, form):
+    """``form``: one file, or a folder of step folders (torch.distributed.checkpoint, as across
+    processes) with its ``latest`` pointer."""
     example, *batches = _gpt_batches()
     path = tmp_path / "ckpt.pt"
+    if form == "folder":
+        path = tmp_path / "ckpt"
+        path.mkdir()
     torch.manual_seed(0)
     inputs, target = example
     budget = int(eager_training_bytes(TinyGPT(GPT), inputs, lambda out: LOSS_FN(out, target)) * 0.25)
@@ -63,6 +69,8 @@ def test_resumed_run_equals_uninterrupted_run(tmp_path):
         assert [pack.layers for pack in first.hm.packs] == packs
         resumed_losses = [first.step(batch).item() for batch in batches[:3]]
         first.save(path)
+        if form == "folder":
+            assert (path / "latest").read_text().strip() == "step_00000003"
     finally:
         first.close()
 
