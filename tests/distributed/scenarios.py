@@ -256,3 +256,29 @@ def uneven_one_process() -> dict:
     x, y = batches[2]
     losses.append(trainer.step((x[:6], y[:6])).clone())
     return {"losses": losses, "params": [p.detach().clone() for p in model.parameters()]}
+
+
+def overlap(rank: int, world: int, out: pathlib.Path) -> dict:
+    """When each pack's collectives start, and when each backward task starts, in one step."""
+    import time
+
+    from harmony_fx.distributed.updates import CrossProcessUpdates
+    from harmony_fx.runtime.executor import Runtime
+
+    model, batches = model_and_batches(world, steps=1)
+    trainer = harmony_fx.Trainer(model, loss_fn, optimizer_of(model), local(batches[0], rank), devices=["host:0"],
+                                 microbatches=MICROBATCHES, pack_boundaries=PACKS)
+    reduces, backwards = [], []
+    reduce, backward = CrossProcessUpdates.reduce, Runtime.bwd
+
+    def timed_reduce(self, pack, grads):
+        reduces.append((pack, time.perf_counter()))
+        return reduce(self, pack, grads)
+
+    def timed_backward(self, pack_index, mb):
+        backwards.append((pack_index, time.perf_counter()))
+        return backward(self, pack_index, mb)
+
+    CrossProcessUpdates.reduce, Runtime.bwd = timed_reduce, timed_backward
+    trainer.step(local(batches[0], rank))
+    return {"reduces": reduces, "backwards": backwards}

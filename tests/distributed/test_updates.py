@@ -95,3 +95,11 @@ def test_uneven_shares_weigh_by_their_sizes(tmp_path, one_thread):
     for rank in ranks:
         torch.testing.assert_close(rank["losses"], reference["losses"], rtol=1e-6, atol=1e-6)
         torch.testing.assert_close(rank["params"], reference["params"], rtol=1e-6, atol=1e-6)
+
+
+def test_a_packs_gradients_travel_while_earlier_packs_run_their_backward(tmp_path):
+    for rank in launch.run("overlap", 2, tmp_path):
+        (first_pack, first_reduce), *_ = rank["reduces"]
+        assert [pack for pack, _ in rank["reduces"]] == sorted({pack for pack, _ in rank["reduces"]}, reverse=True)
+        earlier = [started for pack, started in rank["backwards"] if pack < first_pack]
+        assert earlier and first_reduce < max(earlier)  # issued before the last backward of an earlier pack
