@@ -73,6 +73,7 @@ class HarmonyModule:
     def _compile(self, args: tuple, kwargs: dict) -> None:
         self.compiled: Compiled = compile_program(self.model, args, kwargs, self.options, **self._roles)
         self.session = Session(self.compiled)
+        self.session.recording = self.options.timeline
         self.calls = Calls(self.compiled, self.model)
 
     def __getattr__(self, name: str) -> Any:
@@ -115,6 +116,14 @@ class HarmonyModule:
         """The plan's table, then the schedule: one column per device, one row per compute task."""
         return self.plan.table() + "\n\n" + format_schedule(
             [forward + backward for forward, backward in self.device_actions], [d.name for d in self.devices])
+
+    def record_timeline(self, on: bool = True) -> None:
+        """Record (or stop recording) the next calls' timeline: every op's span and the device's
+        memory after it, for ``save_trace`` and ``plot_memory``. Off by default (``timeline=``),
+        as it costs bookkeeping per task."""
+        self.session.recording = on
+        for module in self._by_batch.values():
+            module.record_timeline(on)
 
     def save_trace(self, path) -> None:
         """The last iteration's measured timeline as a Chrome trace (see ``harmony_fx.pictures``)."""
@@ -199,7 +208,8 @@ class HarmonyModule:
         if size is None:
             return self
         if size not in self._by_batch:
-            self._by_batch[size] = HarmonyModule(self.model, args, kwargs, self.options, **self._roles)
+            self._by_batch[size] = module = HarmonyModule(self.model, args, kwargs, self.options, **self._roles)
+            module.record_timeline(self.session.recording)
         return self._by_batch[size]
 
     def split_inputs(self, args: tuple, kwargs: dict) -> list[list[torch.Tensor]]:

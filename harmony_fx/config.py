@@ -50,6 +50,10 @@ def format_size(num_bytes: int | float) -> str:
     raise AssertionError("unreachable")
 
 
+# ``CompileOptions(track_memory=None)``: whether a HostDevice accounts every tensor (tests: True)
+TRACK_MEMORY_BY_DEFAULT = False
+
+
 @dataclasses.dataclass(frozen=True)
 class CompileOptions:
     """Everything ``compile`` and ``Trainer`` accept besides the model and its inputs.
@@ -60,7 +64,10 @@ class CompileOptions:
     ``microbatches``: how many microbatches a batch is cut into (``None``: 1 for now).
     ``parallel``: ``"auto" | "dp" | "pp"``.
     ``verify``: run the program verifier before the first run (cheap; on by default).
-    ``track_memory``: account every tensor a task creates on a HostDevice (the measured peak).
+    ``track_memory``: account every tensor a task creates on a HostDevice (the measured peak, and
+    a device that refuses to pass its budget); ``None``: ``TRACK_MEMORY_BY_DEFAULT`` (off: the plan's
+    check keeps the budget, and tracking costs a dispatch per op; the test suite turns it on).
+    Compiled packs run without it.
     ``grouping``: a pack's weights come in once for all microbatches (``False``: once per
     microbatch, the baseline that input-batch grouping is measured against).
     ``batch_dims``: the batch dim of every input (an int), or ``{argument name: dim or None}``.
@@ -71,6 +78,10 @@ class CompileOptions:
     and no gradients): the first pack of each group. One device or data-parallel.
     ``chaos``: a seed: HostDevice streams run on worker threads with random delays, so a missing
     wait shows up as a wrong number or an error (a testing aid; slower).
+    ``compile_packs``: every pack's forward and backward compiled by inductor (``runtime.inductor``);
+    ``None``: on when every device is a GPU.
+    ``timeline``: record every op's span and the memory after it (``save_trace``, ``plot_memory``);
+    off, a task costs no bookkeeping (``HarmonyModule.record_timeline`` turns it on later).
     """
 
     devices: object = None
@@ -78,13 +89,15 @@ class CompileOptions:
     microbatches: int | None = None
     parallel: Literal["auto", "dp", "pp"] = "auto"
     verify: bool = True
-    track_memory: bool = True
+    track_memory: bool | None = None
     grouping: bool = True
     batch_dims: object = 0
     precision: Literal["fp32", "bf16"] = "fp32"
     pack_boundaries: tuple[int, ...] | None = None
     forward_groups: tuple[int, ...] | None = None
     chaos: int | None = None
+    compile_packs: bool | None = None
+    timeline: bool = False
 
     @property
     def compute_dtype(self) -> torch.dtype | None:
@@ -92,6 +105,17 @@ class CompileOptions:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "memory_budget", parse_size(self.memory_budget))
+        if self.track_memory and self.compile_packs:
+            raise ValueError("compile_packs=True runs packs compiled by inductor, which cannot run under the "
+                             "HostDevice's per-tensor accounting: pass track_memory=False (the plan's check still "
+                             "keeps the budget) or compile_packs=False")
+
+    @property
+    def tracks_memory(self) -> bool:
+        """``track_memory`` resolved (see the class docstring)."""
+        if self.track_memory is not None:
+            return self.track_memory
+        return TRACK_MEMORY_BY_DEFAULT and not self.compile_packs
         if self.microbatches is not None and (
             not isinstance(self.microbatches, int) or self.microbatches < 1
         ):

@@ -17,6 +17,9 @@ __all__ = ["save_trace", "plot_memory"]
 
 def save_trace(hm, path: str | os.PathLike) -> None:
     stats = hm.stats
+    if not stats.recording:
+        raise ValueError("save_trace: the last call's timeline was not recorded; call hm.record_timeline() (or "
+                         "trainer.record_timeline()) before it, or compile with timeline=True")
     if not stats.spans:
         raise ValueError("save_trace: nothing has run yet; call the module (and backward), or Trainer.step, first")
     memory = [stats.memory.get(i, []) for i in range(len(hm.devices))]
@@ -32,6 +35,9 @@ def plot_memory(hm, path: str | os.PathLike) -> None:
     from harmony_fx.planner.module import simulate_module
 
     stats = hm.stats
+    if not stats.recording:
+        raise ValueError("plot_memory: the last call's timeline was not recorded; call hm.record_timeline() (or "
+                         "trainer.record_timeline()) before it, or compile with timeline=True")
     if not stats.memory:
         raise ValueError("plot_memory: nothing has run yet; call the module (and backward), or Trainer.step, first")
     predicted = simulate_module(hm)

@@ -214,6 +214,10 @@ class Trainer:
     def explain(self) -> str:
         return self.hm.explain()
 
+    def record_timeline(self, on: bool = True) -> None:
+        """Record the next steps' timelines (for ``save_trace`` and ``plot_memory``)."""
+        self.hm.record_timeline(on)
+
     def save_trace(self, path) -> None:
         """The last step's measured timeline as a Chrome trace."""
         self._last_hm.save_trace(path)

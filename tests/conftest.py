@@ -4,10 +4,16 @@ from __future__ import annotations
 import pytest
 import torch
 
+import harmony_fx.config
+
 # The zoo's tensors are tiny: intra-op threads only add OpenMP synchronisation, which on a busy
 # 2-core machine costs whole seconds per step. Harmony and its eager reference both run here, in
 # this one process, so they see the same setting.
 torch.set_num_threads(1)
+
+# The tests compare measured peaks with the plans and an independent witness: HostDevices account
+# every tensor here (outside the tests that is off by default, as it costs a dispatch per op).
+harmony_fx.config.TRACK_MEMORY_BY_DEFAULT = True
 
 
 @pytest.fixture(autouse=True)

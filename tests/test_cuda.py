@@ -173,7 +173,7 @@ def test_spans_are_gpu_time_not_issue_time():
     """A copy stream held up on the GPU for ~25 ms: the spans (CUDA timing events) show the
     prefetches starting after the hold-up, where the host issued them at once."""
     model, x, y = _gpt()
-    hm = harmony_fx.compile(model, x, devices=["cuda:0"], microbatches=2, memory_budget="512KiB")
+    hm = harmony_fx.compile(model, x, devices=["cuda:0"], microbatches=2, memory_budget="512KiB", timeline=True)
     _gpt_loss(hm(x), y).backward()  # warm up: the allocator, cuBLAS
     streams, submit = hm.device.streams, hm.device.streams.submit
     held = []

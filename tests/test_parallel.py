@@ -50,7 +50,7 @@ def _build(name: str):
 
 
 def _train(name: str, num_devices: int, chaos: int | None, steps: int = 3, parallel: str = "dp",
-           microbatches: int | None = None):
+           microbatches: int | None = None, **options):
     model, x, target, loss_fn = _build(name)
     reference = copy.deepcopy(model)
     budget = int(0.35 * eager_training_bytes(model, (x,), lambda out: loss_fn(out, target)))
@@ -58,7 +58,8 @@ def _train(name: str, num_devices: int, chaos: int | None, steps: int = 3, paral
     reference_optimizer = torch.optim.SGD(reference.parameters(), lr=0.05, momentum=0.9)
     trainer = harmony_fx.Trainer(model, loss_fn, optimizer, ((x,), target), memory_budget=budget,
                                  devices=[f"host:{i}" for i in range(num_devices)],
-                                 microbatches=microbatches or 2 * num_devices, chaos=chaos, parallel=parallel)
+                                 microbatches=microbatches or 2 * num_devices, chaos=chaos, parallel=parallel,
+                                 **options)
     losses, reference_losses = [], []
     try:
         with DeviceMemoryWitness() as witness:  # counts what the devices hold, apart from the runtime
@@ -124,9 +125,17 @@ def test_explain_prints_a_step_by_device_grid():
 
 
 def test_busy_seconds_per_stream_are_reported():
-    trainer, *_ = _train("mlp_chain", 2, None, steps=1)
+    trainer, *_ = _train("mlp_chain", 2, None, steps=1, timeline=True)
     busy = trainer.stats.busy_seconds
     assert busy["compute"] > 0 and busy["h2d"] > 0 and busy["d2h"] > 0
+
+
+def test_no_timeline_is_recorded_unless_asked(tmp_path):
+    trainer, *_ = _train("mlp_chain", 2, None, steps=1)
+    assert trainer.stats.spans == [] and trainer.stats.memory == {}
+    with pytest.raises(ValueError, match="record_timeline"):
+        trainer.save_trace(tmp_path / "trace.json")
+    assert trainer.stats.bytes_h2d == trainer.plan.bytes_h2d  # the counters still count
 
 
 def test_fewer_microbatches_than_devices_is_refused():

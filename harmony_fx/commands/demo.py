@@ -87,7 +87,8 @@ def run(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     trainer = harmony_fx.Trainer(model, loss_fn, optimizer, ((idx,), target), devices=_device_names(args.devices),
-                                 memory_budget=budget, microbatches=args.microbatches, parallel=args.parallel)
+                                 memory_budget=budget, microbatches=args.microbatches, parallel=args.parallel,
+                                 track_memory=True)  # the measured peak, shown against the budget
     devices = [device.name for device in trainer.hm.devices]
     print(f"planned and compiled for {', '.join(devices)} in {time.perf_counter() - started:.1f} s\n")
     print(trainer.explain())
@@ -99,6 +100,8 @@ def run(args: argparse.Namespace) -> int:
     progress = tqdm(range(args.steps), desc="training", unit="step", file=sys.stdout, dynamic_ncols=True)
     try:
         for step in progress:
+            if step == args.steps - 1:
+                trainer.record_timeline()  # the last step's, for the trace and the memory plot
             x, y = batch(step)
             started = time.perf_counter()
             loss = trainer.step(((x,), y))

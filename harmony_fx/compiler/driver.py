@@ -75,7 +75,7 @@ def compile_program(model: nn.Module, args: tuple, kwargs: dict, options: Compil
     updates each pack's parameters as soon as their gradients are complete."""
     log = StageLog()
     devices = log.run("resolve devices", resolve_devices, options.devices, options.memory_budget,
-                      options.track_memory, options.chaos, decision=_describe_devices)
+                      options.tracks_memory, options.chaos, decision=_describe_devices)
     dims = microbatch.argument_dims(model, args, kwargs, options.batch_dims)
     flat_dims = tuple(d for x, d in zip(microbatch.pytree.tree_leaves((args, kwargs)), microbatch.pytree.tree_leaves(dims))
                       if isinstance(x, torch.Tensor))

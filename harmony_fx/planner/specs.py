@@ -144,7 +144,8 @@ def measure_local(memory: int | str | None = None) -> DeviceSpec:
 
 
 def _calibration() -> dict[str, float]:
-    key = f"torch{torch.__version__}-cpus{os.cpu_count()}-threads{torch.get_num_threads()}"
+    # v2: the runtime without per-tensor tracking (its default since compiled packs)
+    key = f"v2-torch{torch.__version__}-cpus{os.cpu_count()}-threads{torch.get_num_threads()}"
     path = pathlib.Path(os.environ.get("HARMONY_FX_CACHE", pathlib.Path.home() / ".cache" / "harmony_fx"))
     path = path / "host_spec.json"
     try:
@@ -197,7 +198,7 @@ def _runtime_overheads(flops: float, copy_bandwidth: float) -> tuple[float, floa
     rows, times = [], []
     for boundaries in ((0, 1, 2, 3, 4, 5, 6, 7), (0, 4)):
         hm = compile(MLPChain(width=32, depth=8), x, microbatches=2, pack_boundaries=boundaries,
-                     devices=["host:0"], memory_budget=None)
+                     devices=["host:0"], memory_budget=None, track_memory=False)
         tasks = [a for f, b in hm.device_actions for a in f + b if a.kind.name in ("FWD", "RECOMPUTE", "BWD")]
         ops_of = {pack.index: sum(n.op == "call_function" for n in pack.gm.graph.nodes) for pack in hm.packs}
         # a backward runs about twice its forward's ops

@@ -25,6 +25,7 @@ from harmony_fx.ir.pack import Pack
 from harmony_fx.ir import values as pytrees
 from harmony_fx.ir.tracking import storage_key
 from harmony_fx.runtime.devices import Device
+from harmony_fx.runtime.inductor import PackCompiler
 from harmony_fx.program.actions import Key, KeyKind, Stream, parse_key
 
 __all__ = ["Runtime", "Stats", "HostState", "land"]
@@ -34,9 +35,14 @@ __all__ = ["Runtime", "Stats", "HostState", "land"]
 class Stats:
     """Measured over the last iteration (forward + backward)."""
 
-    bytes_by_kind: dict[tuple[str, str], int] = dataclasses.field(default_factory=lambda: collections.defaultdict(int))
-    bytes_by_device: dict[tuple[str, str, str], int] = dataclasses.field(
-        default_factory=lambda: collections.defaultdict(int))
+    # per device (its index in the iteration): its name, and bytes moved by (direction, key kind).
+    # Each device's runtime writes only its own counters, and each of its copy streams only its
+    # own direction's keys, so counting takes no lock.
+    device_names: dict[int, str] = dataclasses.field(default_factory=dict)
+    moved: dict[int, collections.Counter] = dataclasses.field(default_factory=dict)
+    # whether spans and memory samples are recorded (``compile(timeline=True)``,
+    # ``record_timeline()``): off, a task costs no bookkeeping at all
+    recording: bool = False
     peak_bytes: dict[str, int] = dataclasses.field(default_factory=dict)
     # per device, the peaks its allocator keeps apart (a GPU: allocated, requested, reserved)
     memory_peaks: dict[str, dict[str, int]] = dataclasses.field(default_factory=dict)
@@ -99,6 +105,18 @@ class Stats:
         if self.handoff_seconds:
             busy[Stream.HOST.value] += self.handoff_seconds
         return busy
+
+    @property
+    def bytes_by_kind(self) -> dict[tuple[str, str], int]:
+        total: collections.Counter = collections.Counter()
+        for counts in self.moved.values():
+            total.update(counts)
+        return dict(total)
+
+    @property
+    def bytes_by_device(self) -> dict[tuple[str, str, str], int]:
+        return {(self.device_names[index], direction, kind): n for index, counts in self.moved.items()
+                for (direction, kind), n in counts.items()}
 
     @property
     def bytes_h2d(self) -> int:
@@ -198,7 +216,8 @@ class Runtime:
                  on_update: Callable[["Runtime", int, Sequence["_Event"]], None] | None = None,
                  compute_dtype: torch.dtype | None = None, shared: "Runtime | None" = None, index: int = 0,
                  standalone: Callable[[Key], object] | None = None,
-                 task_memory: dict[tuple[str, int, int], tuple[int, int]] | None = None) -> None:
+                 task_memory: dict[tuple[str, int, int], tuple[int, int]] | None = None,
+                 compiler: "PackCompiler | None" = None) -> None:
         """``packs_for_mb[mb]``: the packs compiled at microbatch ``mb``'s size (same boundaries and
         names for every size). ``on_update(runtime, pack)``: the host's optimizer step for the parameters
         whose gradients are complete after ``pack``'s backward. ``shared``: another device's runtime of
@@ -233,9 +252,13 @@ class Runtime:
             self.links = shared.links
             self.rng_states = shared.rng_states
         self.index = index  # this device's number in the iteration
-        stats.clocks[index] = (device.streams, device.streams.mark(Stream.COMPUTE), time.perf_counter())
+        stats.device_names[index] = device.name
+        self.moved = stats.moved.setdefault(index, collections.Counter())
+        if stats.recording:
+            stats.clocks[index] = (device.streams, device.streams.mark(Stream.COMPUTE), time.perf_counter())
         self.peer_value = standalone
         self.task_memory = task_memory
+        self.compiler = compiler  # packs compiled by inductor (``compile_packs``), else run as graphs
         self.probe_peak = 0  # the device's peak across the per-task resets of ``_probed``
 
     # ------------------------------------------------------------------ running programs
@@ -262,9 +285,13 @@ class Runtime:
 
     def _submit(self, stream: Stream, work: Callable[[], None], event: "_Event | None" = None,
                 label: str = "") -> "_Event":
-        """Run ``work`` on ``stream`` (inline, on a stream thread, or issued to the GPU), timed; the
-        span and the device's memory after it go to the measured timeline (``Stats.spans``)."""
-
+        """Run ``work`` on ``stream`` (inline, on a stream thread, or issued to the GPU); when the
+        timeline is recorded, timed, with the span and the device's memory after it going to the
+        measured timeline (``Stats.spans``)."""
+        event = event or _Event(None)
+        if not self.stats.recording:
+            event.device_event = self.device.streams.submit(stream, work)
+            return event
         clock = self.device.streams
         entries = self.stats.marks.setdefault(self.index, [])
 
@@ -278,7 +305,6 @@ class Runtime:
                 live = device.live_bytes() if device.cheap_live_bytes or stream == Stream.COMPUTE else None
                 entries.append((stream.value, label, started, ended, live))  # list.append: atomic
 
-        event = event or _Event(None)
         event.device_event = self.device.streams.submit(stream, timed)
         return event
 
@@ -526,7 +552,10 @@ class Runtime:
         weights = self.device_values[Key(KeyKind.WEIGHTS, pack.name)]
         state = [weights[slot] for slot in pack.state_slot]
         with self.device.compute_scope(), self._context(pack, what), torch.set_grad_enabled(grad):
-            outputs = pack.gm(*inputs, *state)
+            if self.compiler is None:
+                outputs = pack.gm(*inputs, *state)
+            else:
+                outputs = self.compiler.run(pack, [*inputs, *state], grad)
             self.device.check_budget()
             return outputs
 
@@ -561,11 +590,7 @@ class Runtime:
 
     def _count(self, stream: Stream, key: Key, value: object) -> None:
         """Bytes a copy moved, by its direction (the stream it ran on) and its key's kind."""
-        direction = stream.value
-        nbytes = pytrees.value_bytes(value)
-        with self._stats_lock:
-            self.stats.bytes_by_kind[(direction, key.kind.name.lower())] += nbytes
-            self.stats.bytes_by_device[(self.device.name, direction, key.kind.name.lower())] += nbytes
+        self.moved[(stream.value, key.kind.name.lower())] += pytrees.value_bytes(value)
 
 
 class _MadeOnDemand(dict):

@@ -20,6 +20,7 @@ from harmony_fx.lowering.tasks import grad_inputs
 from harmony_fx.passes.retarget_device import packs_on
 from harmony_fx.program.actions import Key, KeyKind
 from harmony_fx.runtime.executor import HostState, Runtime, Stats
+from harmony_fx.runtime.inductor import PackCompiler
 
 __all__ = ["Session", "Iteration"]
 
@@ -93,19 +94,24 @@ class Session:
             [packs_on(compiled.packs_by_size[size], first, device.torch_device) for size in compiled.layout.mb_sizes]
             for device in self.devices]
         self._grad_inputs = [grad_inputs(pack, compiled.signature) for pack in compiled.packs]
+        compile_packs = compiled.options.compile_packs
+        if compile_packs is None:
+            compile_packs = all(device.torch_device.type == "cuda" for device in self.devices)
+        self.pack_compiler = PackCompiler() if compile_packs else None
+        self.recording = False  # the timeline (``HarmonyModule.record_timeline``)
 
     def begin(self, per_mb: Sequence[Sequence[torch.Tensor]], on_update: Callable[[Runtime, int, Sequence], None] | None = None,
               output_grads: dict[Key, torch.Tensor] | None = None) -> Iteration:
         """A new iteration over the microbatches' flat inputs ``per_mb`` (nothing run yet)."""
         compiled = self.compiled
-        self.stats = Stats(budget={device.name: device.budget for device in self.devices})
+        self.stats = Stats(budget={device.name: device.budget for device in self.devices}, recording=self.recording)
         runtimes: list[Runtime] = []
         for device in self.devices:
             device.reset_peak()
             device.planned_peak = compiled.plan.predicted_peak.get(device.name)  # named if it runs out of memory
             runtimes.append(Runtime(self._packs_for_mb[len(runtimes)], device, self.host_state, self._grad_inputs, self.stats,
                                     on_update, compiled.options.compute_dtype, runtimes[0] if runtimes else None,
-                                    len(runtimes)))
+                                    len(runtimes), compiler=self.pack_compiler))
         iteration = Iteration(runtimes, self._controller_threads())
         for mb, flat in enumerate(per_mb):
             for name, value in zip(compiled.captured.inputs, flat):

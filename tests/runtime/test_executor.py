@@ -29,7 +29,7 @@ def test_spans_and_busy_time_come_from_the_device_clock():
     torch.manual_seed(0)
     model = MLPChain(width=16, depth=4)
     x = torch.randn(8, 16)
-    hm = harmony_fx.compile(model, x, devices=["host:0"], microbatches=2, pack_boundaries=(0, 2))
+    hm = harmony_fx.compile(model, x, devices=["host:0"], microbatches=2, pack_boundaries=(0, 2), timeline=True)
     hm.device.streams = _TickingStreams()
     hm(x).sum().backward()
     spans = hm.stats.spans
