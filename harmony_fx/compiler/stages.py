@@ -51,6 +51,10 @@ class StageLog:
         self._stages.append(Stage(name, time.perf_counter() - started, decision(result) if decision else ""))
         return result
 
+    def add(self, name: str, seconds: float, decision: str) -> None:
+        """A stage timed elsewhere (the packs' inductor compiles, which happen on the first calls)."""
+        self._stages.append(Stage(name, seconds, decision))
+
     def __iter__(self) -> Iterator[Stage]:
         return iter(self._stages)
 

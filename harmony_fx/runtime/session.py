@@ -99,6 +99,7 @@ class Session:
             compile_packs = all(device.torch_device.type == "cuda" for device in self.devices)
         self.pack_compiler = PackCompiler() if compile_packs else None
         self.recording = False  # the timeline (``HarmonyModule.record_timeline``)
+        self._graphs_logged, self._seconds_logged = 0, 0.0  # compiles already in ``compiled.passes``
 
     def begin(self, per_mb: Sequence[Sequence[torch.Tensor]], on_update: Callable[[Runtime, int, Sequence], None] | None = None,
               output_grads: dict[Key, torch.Tensor] | None = None) -> Iteration:
@@ -149,6 +150,13 @@ class Session:
         return iteration
 
     def finish_stats(self) -> None:
+        compiler = self.pack_compiler
+        if compiler is not None and compiler.graphs > self._graphs_logged:
+            new, self._graphs_logged = compiler.graphs - self._graphs_logged, compiler.graphs
+            self.compiled.passes.add("compile packs (inductor)", compiler.compile_seconds - self._seconds_logged,
+                                     f"{new} graph(s) on the first calls; {compiler.structures} distinct pack "
+                                     f"structure(s) for {len(self.compiled.packs)} packs")
+            self._seconds_logged = compiler.compile_seconds
         for device in self.devices:
             self.stats.peak_bytes[device.name] = device.peak_bytes()
             self.stats.memory_peaks[device.name] = device.memory_peaks()
