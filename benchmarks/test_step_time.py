@@ -1,4 +1,4 @@
-"""Step time of harmony_fx vs eager on the small GPT, as ratios measured in one run.
+"""Step time of harmony_fx vs eager and vs ``torch.compile(model)``, as ratios measured in one run.
 
     python -m pytest benchmarks/test_step_time.py --benchmark-json=.benchmarks/step_time.json
     python benchmarks/report.py .benchmarks/step_time.json
@@ -7,9 +7,13 @@ One step is forward, loss, backward (gradients into the model's host parameters)
 on one HostDevice: at an unlimited budget (one pack, no recompute: the overhead of the harmony
 runtime alone) and at 25% of what eager training needs (many packs: copies and recompute).
 ``track_memory`` off measures the runtime without the HostDevice's per-tensor accounting, which a
-CudaDevice does not have.
+CudaDevice does not have. ``compiled``: ``compile_packs=True`` (every pack through inductor),
+against ``torch.compile(model)`` with the same inductor. The small GPT has 8 layers; ``gpt12`` is
+the same at 12 layers. Each compiled run warms up (compiles) before it is timed.
 """
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
@@ -22,9 +26,9 @@ CONFIG = GPTConfig(vocab_size=64, block_size=32, n_layer=8, n_head=4, n_embd=64,
 BATCH = 16
 
 
-def _setup():
+def _setup(layers: int = CONFIG.n_layer):
     torch.manual_seed(0)
-    model = TinyGPT(CONFIG)
+    model = TinyGPT(dataclasses.replace(CONFIG, n_layer=layers))
     idx = torch.randint(0, CONFIG.vocab_size, (BATCH, CONFIG.block_size))
     target = torch.roll(idx, 1, dims=1)
     return model, idx, target
@@ -57,4 +61,30 @@ def test_harmony(benchmark, fraction, track_memory):
     # would choose microbatches and packs for speed on a GPU, not for this comparison)
     hm = harmony_fx.compile(model, (idx,), devices=["host:0"], memory_budget=budget, track_memory=track_memory,
                             microbatches=1)
+    benchmark(_step, hm, idx, target, model)
+
+
+# ---------------------------------------------------------------------- compiled
+
+
+@pytest.mark.benchmark(group="compiled step")
+@pytest.mark.parametrize("layers", [8, 12], ids=["gpt8", "gpt12"])
+def test_torch_compile(benchmark, layers):
+    model, idx, target = _setup(layers)
+    compiled = torch.compile(model)
+    _step(compiled, idx, target, model)  # compiles
+    benchmark(_step, compiled, idx, target, model)
+
+
+@pytest.mark.benchmark(group="compiled step")
+@pytest.mark.parametrize("layers", [8, 12], ids=["gpt8", "gpt12"])
+@pytest.mark.parametrize("fraction", [None, 0.25], ids=["unlimited", "budget25"])
+def test_harmony_compiled(benchmark, fraction, layers):
+    model, idx, target = _setup(layers)
+    budget = None
+    if fraction is not None:
+        budget = int(fraction * eager_training_bytes(model, (idx,), lambda out: _loss(out, target)))
+    hm = harmony_fx.compile(model, (idx,), devices=["host:0"], memory_budget=budget, microbatches=1,
+                            compile_packs=True, track_memory=False)
+    _step(hm, idx, target, model)  # compiles
     benchmark(_step, hm, idx, target, model)
