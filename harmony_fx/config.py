@@ -109,13 +109,6 @@ class CompileOptions:
             raise ValueError("compile_packs=True runs packs compiled by inductor, which cannot run under the "
                              "HostDevice's per-tensor accounting: pass track_memory=False (the plan's check still "
                              "keeps the budget) or compile_packs=False")
-
-    @property
-    def tracks_memory(self) -> bool:
-        """``track_memory`` resolved (see the class docstring)."""
-        if self.track_memory is not None:
-            return self.track_memory
-        return TRACK_MEMORY_BY_DEFAULT and not self.compile_packs
         if self.microbatches is not None and (
             not isinstance(self.microbatches, int) or self.microbatches < 1
         ):
@@ -126,6 +119,13 @@ class CompileOptions:
             raise ValueError("forward_groups groups the packs of pack_boundaries: give both, or neither")
         if self.parallel not in ("auto", "dp", "pp"):
             raise ValueError(f"parallel must be 'auto', 'dp' or 'pp', got {self.parallel!r}")
+
+    @property
+    def tracks_memory(self) -> bool:
+        """``track_memory`` resolved (see the class docstring)."""
+        if self.track_memory is not None:
+            return self.track_memory
+        return TRACK_MEMORY_BY_DEFAULT and not self.compile_packs
 
 
 # What a GPU needs beyond the tensors a plan counts: cuBLAS and cuDNN workspaces (about 32 MiB per

@@ -59,7 +59,7 @@ def test_format_size(num_bytes, text):
 def test_compile_options_parse_the_budget_and_are_frozen():
     options = CompileOptions(memory_budget="1MiB", microbatches=2, parallel="dp")
     assert options.memory_budget == 2**20
-    assert options.verify and options.track_memory
+    assert options.verify and options.track_memory is None  # resolved by ``tracks_memory``
     with pytest.raises(dataclasses.FrozenInstanceError):
         options.memory_budget = 5
 
@@ -69,3 +69,11 @@ def test_compile_options_parse_the_budget_and_are_frozen():
 def test_compile_options_refuse_bad_values(kwargs):
     with pytest.raises(ValueError):
         CompileOptions(**kwargs)
+
+
+def test_memory_tracking_is_off_by_default_outside_the_tests(monkeypatch):
+    monkeypatch.setattr("harmony_fx.config.TRACK_MEMORY_BY_DEFAULT", False)
+    assert not CompileOptions().tracks_memory
+    assert CompileOptions(track_memory=True).tracks_memory
+    monkeypatch.setattr("harmony_fx.config.TRACK_MEMORY_BY_DEFAULT", True)  # as conftest sets it
+    assert CompileOptions().tracks_memory and not CompileOptions(compile_packs=True).tracks_memory
