@@ -66,13 +66,15 @@ def state_bytes(trainer) -> int:
                if isinstance(v, torch.Tensor) and v.dim() > 0)
 
 
-def train(rank: int, world: int, out: pathlib.Path, shard_optimizer: bool = True, steps: int = STEPS) -> dict:
+def train(rank: int, world: int, out: pathlib.Path, shard_optimizer: bool = True, steps: int = STEPS,
+          max_grad_norm: float | None = None) -> dict:
     model, batches = model_and_batches(world, steps)
     optimizer = optimizer_of(model)
     # made before the Trainer: it must stay bound to the optimizer when the Trainer shards it
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 0.7 ** step)
     trainer = harmony_fx.Trainer(model, loss_fn, optimizer, local(batches[0], rank), devices=["host:0"],
-                                 microbatches=MICROBATCHES, pack_boundaries=PACKS, shard_optimizer=shard_optimizer)
+                                 microbatches=MICROBATCHES, pack_boundaries=PACKS, shard_optimizer=shard_optimizer,
+                                 max_grad_norm=max_grad_norm)
     losses = []
     for batch in batches:
         losses.append(trainer.step(local(batch, rank)).clone())
@@ -84,14 +86,14 @@ def train(rank: int, world: int, out: pathlib.Path, shard_optimizer: bool = True
             "packs": {pack: [p.numel() for p in params] for pack, params in trainer._groups.items()}}
 
 
-def one_process(world: int, steps: int = STEPS) -> dict:
+def one_process(world: int, steps: int = STEPS, max_grad_norm: float | None = None) -> dict:
     """The same global batches in one process, ``world`` HostDevices data-parallel."""
     model, batches = model_and_batches(world, steps)
     optimizer = optimizer_of(model)
     devices = [f"host:{i}" for i in range(world)]
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 0.7 ** step)
     trainer = harmony_fx.Trainer(model, loss_fn, optimizer, batches[0], devices=devices, parallel="dp",
-                                 microbatches=world * MICROBATCHES, pack_boundaries=PACKS)
+                                 microbatches=world * MICROBATCHES, pack_boundaries=PACKS, max_grad_norm=max_grad_norm)
     losses = []
     for batch in batches:
         losses.append(trainer.step(batch).clone())

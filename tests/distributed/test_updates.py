@@ -103,3 +103,13 @@ def test_a_packs_gradients_travel_while_earlier_packs_run_their_backward(tmp_pat
         assert [pack for pack, _ in rank["reduces"]] == sorted({pack for pack, _ in rank["reduces"]}, reverse=True)
         earlier = [started for pack, started in rank["backwards"] if pack < first_pack]
         assert earlier and first_reduce < max(earlier)  # issued before the last backward of an earlier pack
+
+
+@pytest.mark.parametrize("shard_optimizer", [True, False])
+def test_clipping_by_the_global_norm_across_ranks(tmp_path, one_thread, shard_optimizer):
+    """``max_grad_norm``: the norm of every rank's summed gradients (small enough to clip every step)."""
+    ranks = launch.run("train", 2, tmp_path, shard_optimizer=shard_optimizer, max_grad_norm=0.05)
+    reference = scenarios.one_process(2, max_grad_norm=0.05)
+    for rank in ranks:
+        torch.testing.assert_close(rank["losses"], reference["losses"], rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(rank["params"], reference["params"], rtol=1e-5, atol=1e-6)
