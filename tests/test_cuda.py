@@ -1,6 +1,7 @@
 """The same properties on a real GPU (``CudaDevice``); skipped where there is none.
 
-Measured bytes must equal the plan exactly, as on a HostDevice. Peaks come from the caching
+Measured bytes must equal the plan exactly, as on a HostDevice. Packs run as graphs here;
+compiled packs, the GPU default, have their own test at the end. Peaks come from the caching
 allocator (``torch.cuda.max_memory_allocated``), which rounds blocks to 512 bytes and holds library
 workspaces, so they are checked against the budget with a relative slack, not equated with the
 prediction. Both runs draw dropout from the same seeded CUDA generator, so dropout models are
@@ -35,7 +36,8 @@ def test_compile_on_cuda_matches_eager(name, fraction):
     model, inputs, target = entry.build(0)
     reference = copy.deepcopy(model).cuda()
     budget = int(fraction * eager_training_bytes(model, inputs, lambda out: entry.loss_fn(out, target)))
-    hm = harmony_fx.compile(model, inputs, devices=["cuda:0"], memory_budget=budget, microbatches=1)
+    hm = harmony_fx.compile(model, inputs, devices=["cuda:0"], compile_packs=False,
+                            memory_budget=budget, microbatches=1)
     # dropout draws from the GPU generator in both runs: seed it the same way for each
     torch.manual_seed(0)
     loss = entry.loss_fn(hm(*inputs), target)
@@ -59,7 +61,7 @@ def test_trainer_on_cuda_matches_eager_adamw():
     reference_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-3)
     budget = int(0.25 * eager_training_bytes(model, inputs, lambda out: entry.loss_fn(out, target)))
     trainer = harmony_fx.Trainer(model, entry.loss_fn, optimizer, (inputs, target), devices=["cuda:0"],
-                                 memory_budget=budget)
+                                 compile_packs=False, memory_budget=budget)
     for _ in range(3):
         torch.manual_seed(0)
         loss = trainer.step((inputs, target))
@@ -99,7 +101,8 @@ def test_two_cuda_devices_on_one_gpu_match_eager(parallel):
     """Two controllers, events between them, factory ops on each device's own packs."""
     model, x, y = _gpt()
     reference = copy.deepcopy(model).cuda()
-    hm = harmony_fx.compile(model, x, devices=["cuda:0", "cuda:0"], parallel=parallel, microbatches=4,
+    hm = harmony_fx.compile(model, x, devices=["cuda:0", "cuda:0"], compile_packs=False,
+                            parallel=parallel, microbatches=4,
                             memory_budget="1MiB")
     for _ in range(2):  # a second iteration: what the allocator reuses from the first
         model.zero_grad()
@@ -117,7 +120,8 @@ def test_cuda_inputs_are_copied_without_pinning():
     model = MLPChain(width=64, depth=8)
     reference = copy.deepcopy(model).cuda()
     x = torch.randn(16, 64, device="cuda")
-    hm = harmony_fx.compile(model, x, devices=["cuda:0"], microbatches=2, pack_boundaries=(0, 3, 6))
+    hm = harmony_fx.compile(model, x, devices=["cuda:0"], compile_packs=False,
+                            microbatches=2, pack_boundaries=(0, 3, 6))
     hm(x).sum().backward()
     reference(x).sum().backward()
     _assert_grads(model, reference)
@@ -128,7 +132,8 @@ def test_delays_on_the_copy_streams_leave_results_bitwise_unchanged():
     grads = []
     for delay in (0, 5_000_000):
         model, x, y = _gpt()
-        hm = harmony_fx.compile(model, x, devices=["cuda:0"], microbatches=2, memory_budget="512KiB")
+        hm = harmony_fx.compile(model, x, devices=["cuda:0"], compile_packs=False,
+                                microbatches=2, memory_budget="512KiB")
         streams, submit = hm.device.streams, hm.device.streams.submit
 
         def slow(stream, work, _submit=submit, _delay=delay):
@@ -146,7 +151,7 @@ def test_delays_on_the_copy_streams_leave_results_bitwise_unchanged():
 def test_bf16_on_cuda_is_close_to_fp32_and_moves_what_it_planned():
     model, x, y = _gpt()
     reference = copy.deepcopy(model).cuda()
-    hm = harmony_fx.compile(model, x, devices=["cuda:0"], microbatches=2, precision="bf16")
+    hm = harmony_fx.compile(model, x, devices=["cuda:0"], compile_packs=False, microbatches=2, precision="bf16")
     loss = _gpt_loss(hm(x).float(), y)
     loss.backward()
     ref_loss = _gpt_loss(reference(x.cuda()), y)
@@ -161,7 +166,7 @@ def test_allocator_peaks_within_the_budget_over_two_iterations():
     allocator's rounding, which the plan's reserve covers."""
     model, x, y = _gpt()
     budget = 2 << 20
-    hm = harmony_fx.compile(model, x, devices=["cuda:0"], microbatches=2, memory_budget=budget)
+    hm = harmony_fx.compile(model, x, devices=["cuda:0"], compile_packs=False, microbatches=2, memory_budget=budget)
     for _ in range(2):
         _gpt_loss(hm(x), y).backward()
         peaks = hm.stats.memory_peaks["cuda:0"]
@@ -173,7 +178,8 @@ def test_spans_are_gpu_time_not_issue_time():
     """A copy stream held up on the GPU for ~25 ms: the spans (CUDA timing events) show the
     prefetches starting after the hold-up, where the host issued them at once."""
     model, x, y = _gpt()
-    hm = harmony_fx.compile(model, x, devices=["cuda:0"], microbatches=2, memory_budget="512KiB", timeline=True)
+    hm = harmony_fx.compile(model, x, devices=["cuda:0"], compile_packs=False,
+                            microbatches=2, memory_budget="512KiB", timeline=True)
     _gpt_loss(hm(x), y).backward()  # warm up: the allocator, cuBLAS
     streams, submit = hm.device.streams, hm.device.streams.submit
     held = []
@@ -190,3 +196,21 @@ def test_spans_are_gpu_time_not_issue_time():
     _gpt_loss(hm(x), y).backward()
     first_prefetch = min(start for _, stream, _, start, _ in hm.stats.spans if stream == "h2d")
     assert first_prefetch > 5e-3
+
+
+def test_compiled_packs_on_cuda_replay_dropout_like_eager():
+    """The GPU default: packs compiled by inductor, random ops as eager's kernels on the GPU's
+    generator, so each block's recompute draws the forward's masks."""
+    model, x, y = _gpt(dropout=0.2)
+    reference = copy.deepcopy(model).cuda()
+    hm = harmony_fx.compile(model, x, devices=["cuda:0"], microbatches=1, memory_budget="1MiB")
+    assert hm.session.pack_compiler is not None and len(hm.packs) > 2
+    torch.manual_seed(0)
+    loss = _gpt_loss(hm(x), y)
+    loss.backward()
+    torch.manual_seed(0)
+    reference_loss = _gpt_loss(reference(x.cuda()), y)
+    reference_loss.backward()
+    torch.testing.assert_close(loss, reference_loss.detach().cpu(), rtol=1e-5, atol=1e-6)
+    _assert_grads(model, reference)
+    assert hm.session.pack_compiler.structures < len(hm.packs)
