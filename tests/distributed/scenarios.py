@@ -284,3 +284,14 @@ def overlap(rank: int, world: int, out: pathlib.Path) -> dict:
     CrossProcessUpdates.reduce, Runtime.bwd = timed_reduce, timed_backward
     trainer.step(local(batches[0], rank))
     return {"reduces": reduces, "backwards": backwards}
+
+
+def different_packs(rank: int, world: int, out: pathlib.Path) -> dict:
+    """Rank 1 cuts the model into other packs: every rank refuses to train, naming it."""
+    model, batches = model_and_batches(world, steps=1)
+    try:
+        harmony_fx.Trainer(model, loss_fn, optimizer_of(model), local(batches[0], rank), devices=["host:0"],
+                           microbatches=MICROBATCHES, pack_boundaries=PACKS if rank == 0 else (0, 6))
+    except ValueError as error:
+        return {"error": str(error)}
+    return {"error": None}

@@ -29,3 +29,8 @@ def test_shard_optimizer_without_processes_is_refused():
     with pytest.raises(ValueError, match="trains alone"):
         harmony_fx.Trainer(model, torch.nn.functional.mse_loss, torch.optim.SGD(model.parameters(), lr=0.1),
                            (torch.randn(2, 4), torch.randn(2, 4)), shard_optimizer=True)
+
+
+def test_ranks_that_cut_the_model_differently_are_refused(tmp_path):
+    for rank in launch.run("different_packs", 2, tmp_path):
+        assert rank["error"].startswith("Trainer: rank(s) 1 differ from rank 0 in how the model is cut into packs")
