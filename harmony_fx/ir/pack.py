@@ -13,6 +13,7 @@ The pack's GraphModule takes ``(*act_inputs, *state_inputs)`` and returns ``tupl
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 from torch import fx
 
@@ -44,6 +45,11 @@ class Pack:
     @property
     def name(self) -> str:
         return f"p{self.index}"
+
+    @functools.cached_property
+    def written_slots(self) -> frozenset[int]:
+        """Slots of ``params + buffers`` the pack writes in place (its mutated buffers)."""
+        return frozenset(len(self.params) + i for i, name in enumerate(self.buffers) if name in self.mutated_buffers)
 
     def describe_layers(self) -> str:
         names = self.layer_names

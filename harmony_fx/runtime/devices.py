@@ -45,11 +45,14 @@ class Device:
     # every op; on a GPU it builds the allocator's statistics, so only after compute tasks
     cheap_live_bytes: bool = True
 
-    def to_device(self, source: torch.Tensor, slot: object = None) -> torch.Tensor:
-        """A device copy of ``source`` (``slot``: the staging buffer it was read from, if any)."""
+    def to_device(self, source: torch.Tensor, slot: object = None, read_only: bool = False) -> torch.Tensor:
+        """A device copy of ``source`` (``slot``: the staging buffer it was read from, if any;
+        ``read_only``: nothing writes the copy, so a device in host memory may hand ``source``)."""
         raise NotImplementedError
 
-    def to_host(self, value: torch.Tensor) -> torch.Tensor:
+    def to_host(self, value: torch.Tensor, last_use: bool = False) -> torch.Tensor:
+        """A host copy of ``value`` (``last_use``: the device frees it next and never writes it
+        again, so a device in host memory may hand ``value`` itself)."""
         raise NotImplementedError
 
     def stage(self, slot: object, master: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
@@ -156,12 +159,22 @@ class HostDevice(Device):
             return master
         return self.staging.stage(slot, master, dtype)  # the cast, into a buffer reused every iteration
 
-    def to_device(self, source: torch.Tensor, slot: object = None) -> torch.Tensor:
+    def to_device(self, source: torch.Tensor, slot: object = None, read_only: bool = False) -> torch.Tensor:
+        if read_only and self.shares_host_memory:
+            return source.detach()
         copy = source.detach().clone()
         return self.tracker.register(copy) if self.track_memory else copy
 
-    def to_host(self, value: torch.Tensor) -> torch.Tensor:
-        return value.detach().clone()
+    def to_host(self, value: torch.Tensor, last_use: bool = False) -> torch.Tensor:
+        return value.detach() if last_use and self.shares_host_memory else value.detach().clone()
+
+    @property
+    def shares_host_memory(self) -> bool:
+        """Without its account or chaos streams, this device's memory is the host's: a weight it only
+        reads, or a gradient it hands over and frees, need no copy. (With the account on, every copy
+        is counted as a GPU's would be; with chaos streams, a copy made too early shows as a wrong
+        number.)"""
+        return not self.track_memory and isinstance(self.streams, HostStreams)
 
     def compute_scope(self):
         return self.tracker.mode() if self.track_memory else contextlib.nullcontext()
@@ -239,7 +252,7 @@ class CudaDevice(Device):
             return master
         return self.staging.stage(slot, master, dtype)
 
-    def to_device(self, source: torch.Tensor, slot: object = None) -> torch.Tensor:
+    def to_device(self, source: torch.Tensor, slot: object = None, read_only: bool = False) -> torch.Tensor:
         """Runs on the h2d (or peer) stream. The block is allocated in compute-stream order (where
         it will be used and freed), and the copy waits for that point. A host source is copied
         from pinned memory; a tensor already on a GPU (an input, a peer's value) directly."""
@@ -260,7 +273,7 @@ class CudaDevice(Device):
         # No record_stream on the copy: the program frees it only after the compute stream waited for it.
         return copy
 
-    def to_host(self, value: torch.Tensor) -> torch.Tensor:
+    def to_host(self, value: torch.Tensor, last_use: bool = False) -> torch.Tensor:
         """Runs on the d2h stream, into pinned memory. No record_stream: the program frees the
         device value only after the compute stream waited for this copy."""
         host = torch.empty(value.shape, dtype=value.dtype, pin_memory=True)

@@ -318,10 +318,12 @@ class Runtime:
                 pack = self.packs[int(key.name[1:])]
                 value = []
                 what = f" while copying the weights of {pack.name} ({pack.describe_layers()}) to the device"
+                written = pack.written_slots  # BatchNorm statistics: the device's own copy
                 with _DeviceContext(device, what):
                     for slot, master in enumerate(self.host.masters[pack.index]):
                         staged = (pack.index, slot)
-                        copy = device.to_device(device.stage(staged, master, self.compute_dtype), staged)
+                        copy = device.to_device(device.stage(staged, master, self.compute_dtype), staged,
+                                                read_only=slot not in written)
                         if slot < len(pack.params) and master.requires_grad:
                             copy.requires_grad_(True)
                         value.append(copy)
@@ -350,7 +352,9 @@ class Runtime:
             elif key.kind == KeyKind.WGRAD:
                 pack = self.packs[int(key.name[1:])]
                 grads = self.device_values[key]
-                pairs = [(self.host.masters[pack.index][i], device.to_host(g)) for i, g in enumerate(grads) if g is not None]
+                # the program frees dW right after this copy, and nothing adds to it any more
+                pairs = [(self.host.masters[pack.index][i], device.to_host(g, last_use=True))
+                         for i, g in enumerate(grads) if g is not None]
                 self._count(Stream.D2H, key, [copy for _, copy in pairs])
                 event.on_host.append(lambda: [self._add_host_grad(master, copy) for master, copy in pairs])
             else:

@@ -1,8 +1,9 @@
-"""The executor's measured timeline: spans are read from the device's own clock."""
+"""The executor: the measured timeline, host gradients, and a device that shares host memory."""
 from __future__ import annotations
 
 import itertools
 
+import pytest
 import torch
 
 import harmony_fx
@@ -49,3 +50,37 @@ def test_host_gradients_sum_in_device_order_whatever_order_they_land():
         grads.add(7, torch.tensor([value]), device)
     assert grads.get(7).item() == 1.0
     assert grads.get(8) is None
+
+
+@pytest.mark.parametrize("name", ["small_cnn", "tiny_gpt"])
+def test_a_device_sharing_host_memory_trains_like_eager(name):
+    """``track_memory=False``: a HostDevice hands the masters of weights it only reads and takes
+    the weight gradients it frees without copies. BatchNorm statistics (written in place) still get
+    the device's own copy, and tied weights are read from one master by two packs."""
+    import copy
+
+    from harmony_fx.analysis.memory import eager_training_bytes
+    from harmony_fx.testing.models import zoo
+
+    entry = zoo()[name]
+    model, inputs, target = entry.build(0)
+    reference = copy.deepcopy(model)
+    budget = int(0.25 * eager_training_bytes(model, inputs, lambda out: entry.loss_fn(out, target)))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    reference_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-3)
+    trainer = harmony_fx.Trainer(model, entry.loss_fn, optimizer, (inputs, target), devices=["host:0"],
+                                 memory_budget=budget, microbatches=1, track_memory=False)
+    assert trainer.hm.device.shares_host_memory and len(trainer.hm.packs) > 2
+    for _ in range(3):
+        torch.manual_seed(0)
+        loss = trainer.step((inputs, target))
+        torch.manual_seed(0)
+        reference_loss = entry.loss_fn(reference(*inputs), target)
+        reference_loss.backward()
+        reference_optimizer.step()
+        reference_optimizer.zero_grad()
+        torch.testing.assert_close(loss, reference_loss.detach(), rtol=1e-5, atol=1e-6)
+    for (pname, p), q in zip(model.named_parameters(), reference.named_parameters()):
+        torch.testing.assert_close(p, q[1], rtol=1e-5, atol=1e-6, msg=pname)
+    for b, c in zip(model.buffers(), reference.buffers()):
+        torch.testing.assert_close(b, c, rtol=1e-5, atol=1e-6)
