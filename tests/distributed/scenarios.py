@@ -261,8 +261,10 @@ def uneven_one_process() -> dict:
 
 
 def overlap(rank: int, world: int, out: pathlib.Path) -> dict:
-    """When each pack's collectives start, and when each backward task starts, in one step."""
-    import time
+    """Whether each pack's collectives start while the backward of earlier packs is still to run:
+    the backward of an earlier pack holds until the first collective has started (or 20 s pass,
+    which only happens if collectives wait for the whole backward)."""
+    import threading
 
     from harmony_fx.distributed.updates import CrossProcessUpdates
     from harmony_fx.runtime.executor import Runtime
@@ -270,20 +272,24 @@ def overlap(rank: int, world: int, out: pathlib.Path) -> dict:
     model, batches = model_and_batches(world, steps=1)
     trainer = harmony_fx.Trainer(model, loss_fn, optimizer_of(model), local(batches[0], rank), devices=["host:0"],
                                  microbatches=MICROBATCHES, pack_boundaries=PACKS)
-    reduces, backwards = [], []
+    first_pack = trainer._cross.order[0]
+    started = threading.Event()
+    reduced, waited = [], []
     reduce, backward = CrossProcessUpdates.reduce, Runtime.bwd
 
-    def timed_reduce(self, pack, grads):
-        reduces.append((pack, time.perf_counter()))
+    def noted_reduce(self, pack, grads):
+        reduced.append(pack)
+        started.set()
         return reduce(self, pack, grads)
 
-    def timed_backward(self, pack_index, mb):
-        backwards.append((pack_index, time.perf_counter()))
+    def held_backward(self, pack_index, mb):
+        if pack_index < first_pack and not waited:
+            waited.append(started.wait(timeout=20))
         return backward(self, pack_index, mb)
 
-    CrossProcessUpdates.reduce, Runtime.bwd = timed_reduce, timed_backward
+    CrossProcessUpdates.reduce, Runtime.bwd = noted_reduce, held_backward
     trainer.step(local(batches[0], rank))
-    return {"reduces": reduces, "backwards": backwards}
+    return {"reduces": reduced, "overlapped": waited == [True], "order": list(trainer._cross.order)}
 
 
 def different_packs(rank: int, world: int, out: pathlib.Path) -> dict:
