@@ -75,3 +75,28 @@ def test_compiled_packs_equal_torch_compile_of_the_whole_model(name):
     torch.testing.assert_close(loss, reference_loss, rtol=1e-5, atol=0)
     for (pname, p), q in zip(model.named_parameters(), reference.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-5 * float(q.grad.abs().max()), msg=pname)
+
+
+@pytest.mark.parametrize("parallel", ["dp", "pp"])
+def test_compiled_packs_on_two_devices_whose_threads_share_them(parallel):
+    """Two devices' controller threads call the same compiled functions (dp) or hand values to each
+    other (pp), over two iterations."""
+    torch.manual_seed(0)
+    model = TinyGPT(GPTConfig(vocab_size=64, block_size=16, n_layer=4, n_head=2, n_embd=32, dropout=0.0))
+    reference = copy.deepcopy(model)
+    x, y = torch.randint(0, 64, (8, 16)), torch.randint(0, 64, (8, 16))
+    hm = harmony_fx.compile(model, x, devices=["host:0", "host:1"], parallel=parallel, microbatches=4,
+                            compile_packs=True, pack_boundaries=(0, 5, 7, 9))
+    try:
+        for _ in range(2):
+            model.zero_grad()
+            reference.zero_grad()
+            loss = _loss(hm(x), y)
+            loss.backward()
+            reference_loss = _loss(reference(x), y)
+            reference_loss.backward()
+            torch.testing.assert_close(loss, reference_loss, rtol=1e-5, atol=1e-6)
+            for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+                torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=name)
+    finally:
+        hm.close()
