@@ -217,7 +217,7 @@ class HarmonyModule:
         return self.calls.split(args, kwargs)
 
     def scalar_weights(self, name: str, per_mb: Sequence[Sequence[torch.Tensor]],
-                       otherwise: list[float] | None = None,
+                       otherwise: Callable[[], list[float]] | None = None,
                        total: Callable[[float], float] | None = None) -> list[float]:
         """Each microbatch's coefficient in the batch's value of the scalar output ``name``
         (``total``: the whole batch's normaliser from this part's, when processes share a batch)."""

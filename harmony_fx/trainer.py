@@ -240,7 +240,7 @@ class Trainer:
         if cluster is not None:
             cluster.begin_step(self.step_count)
             total = cluster.total  # the loss is over every rank's batch
-        weights = hm.scalar_weights(loss_name, per_mb, otherwise=self._size_weights(hm, total), total=total)
+        weights = hm.scalar_weights(loss_name, per_mb, otherwise=lambda: self._size_weights(hm, total), total=total)
         loss_like = hm.output_like(loss_name)
         output_grads = {Key(KeyKind.GRAD, loss_name, mb): torch.full(loss_like.shape, w, dtype=loss_like.dtype)
                         for mb, w in enumerate(weights)}

@@ -135,15 +135,16 @@ class Calls:
         return grads
 
     def scalar_weights(self, name: str, per_mb: Sequence[Sequence[torch.Tensor]],
-                       otherwise: list[float] | None = None,
+                       otherwise: Callable[[], list[float]] | None = None,
                        total: Callable[[float], float] | None = None) -> list[float]:
         """Each microbatch's coefficient in the batch's value of the scalar output ``name`` (its
         loss), from how the graph reduces it (``microbatch.scalar_reduction``), given each
-        microbatch's flat inputs ``per_mb``. Where the graph does not say, ``otherwise`` if given,
-        else a ``ValueError`` saying what to do."""
+        microbatch's flat inputs ``per_mb``. Where the graph does not say, ``otherwise()`` if given
+        (asked for only then: across processes it is a collective), else a ``ValueError`` saying
+        what to do. ``total``: the whole batch's normaliser (``microbatch.scalar_weights``)."""
         reductions = [self.compiled.variants[size].captured.reductions[name] for size in self.mb_sizes]
         if otherwise is not None and any(reduction.combine is None for reduction in reductions):
-            return otherwise
+            return otherwise()
         inputs = [dict(zip(self.inputs, flat)) for flat in per_mb]
         return microbatch.scalar_weights(reductions, inputs, self.mb_sizes, total)
 

@@ -254,8 +254,10 @@ class Runtime:
         self.index = index  # this device's number in the iteration
         stats.device_names[index] = device.name
         self.moved = stats.moved.setdefault(index, collections.Counter())
+        self._marks = None  # this device's timeline entries, when the timeline is recorded
         if stats.recording:
             stats.clocks[index] = (device.streams, device.streams.mark(Stream.COMPUTE), time.perf_counter())
+            self._marks = stats.marks.setdefault(index, [])
         self.peer_value = standalone
         self.task_memory = task_memory
         self.compiler = compiler  # packs compiled by inductor (``compile_packs``), else run as graphs
@@ -289,11 +291,11 @@ class Runtime:
         timeline is recorded, timed, with the span and the device's memory after it going to the
         measured timeline (``Stats.spans``)."""
         event = event or _Event(None)
-        if not self.stats.recording:
+        entries = self._marks
+        if entries is None:
             event.device_event = self.device.streams.submit(stream, work)
             return event
         clock = self.device.streams
-        entries = self.stats.marks.setdefault(self.index, [])
 
         def timed() -> None:
             started = clock.mark()
