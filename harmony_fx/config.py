@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from typing import Literal
+from typing import Literal, Mapping
 
 import torch
 
@@ -61,7 +61,10 @@ class CompileOptions:
     ``devices``: ``None`` (every CUDA GPU, else one HostDevice), an int N, or names such as
     ``["cuda:0", "cuda:1"]`` / ``["host:0"]``.
     ``memory_budget``: bytes per device (``None``: the device's own capacity).
-    ``microbatches``: how many microbatches a batch is cut into (``None``: 1 for now).
+    ``microbatches``: how many microbatches a batch is cut into (``None``: 1 for now); or
+    ``{"forward": Mf, "backward": Mb}``: the forward runs Mf larger microbatches (it holds nothing
+    for the backward but each pack's inputs), the backward Mb smaller ones, Mb a multiple of Mf
+    (the Trainer; models without random ops).
     ``parallel``: ``"auto" | "dp" | "pp"``.
     ``verify``: run the program verifier before the first run (cheap; on by default).
     ``track_memory``: account every tensor a task creates on a HostDevice (the measured peak, and
@@ -86,7 +89,7 @@ class CompileOptions:
 
     devices: object = None
     memory_budget: int | str | None = None
-    microbatches: int | None = None
+    microbatches: int | Mapping[str, int] | None = None
     parallel: Literal["auto", "dp", "pp"] = "auto"
     verify: bool = True
     track_memory: bool | None = None
@@ -98,6 +101,8 @@ class CompileOptions:
     chaos: int | None = None
     compile_packs: bool | None = None
     timeline: bool = False
+    # set from ``microbatches={"forward": Mf, ...}``: the forward's count (``None``: the backward's)
+    forward_microbatches: int | None = None
 
     @property
     def compute_dtype(self) -> torch.dtype | None:
@@ -109,16 +114,32 @@ class CompileOptions:
             raise ValueError("compile_packs=True runs packs compiled by inductor, which cannot run under the "
                              "HostDevice's per-tensor accounting: pass track_memory=False (the plan's check still "
                              "keeps the budget) or compile_packs=False")
+        if isinstance(self.microbatches, Mapping):
+            self._split_microbatches(dict(self.microbatches))
         if self.microbatches is not None and (
             not isinstance(self.microbatches, int) or self.microbatches < 1
         ):
-            raise ValueError(f"microbatches must be a positive int or None, got {self.microbatches!r}")
+            raise ValueError(f"microbatches must be a positive int, {{'forward': Mf, 'backward': Mb}} or None, "
+                             f"got {self.microbatches!r}")
         if self.precision not in ("fp32", "bf16"):
             raise ValueError(f"precision must be 'fp32' or 'bf16', got {self.precision!r}")
         if self.forward_groups is not None and self.pack_boundaries is None:
             raise ValueError("forward_groups groups the packs of pack_boundaries: give both, or neither")
         if self.parallel not in ("auto", "dp", "pp"):
             raise ValueError(f"parallel must be 'auto', 'dp' or 'pp', got {self.parallel!r}")
+
+    def _split_microbatches(self, given: dict) -> None:
+        forward, backward = given.pop("forward", None), given.pop("backward", None)
+        counts_ok = all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in (forward, backward))
+        if given or not counts_ok:
+            raise ValueError(f"microbatches as a dict is {{'forward': Mf, 'backward': Mb}} with two positive ints, "
+                             f"got {self.microbatches!r}")
+        if backward % forward:
+            raise ValueError(f"microbatches={self.microbatches!r}: the backward's count ({backward}) must be a multiple "
+                             f"of the forward's ({forward}), so that each forward microbatch is whole backward ones; "
+                             f"try {{'forward': {forward}, 'backward': {forward * max(1, round(backward / forward))}}}")
+        object.__setattr__(self, "microbatches", backward)
+        object.__setattr__(self, "forward_microbatches", forward if forward < backward else None)
 
     @property
     def tracks_memory(self) -> bool:

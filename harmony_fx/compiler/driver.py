@@ -120,7 +120,9 @@ def _from_layout(log: StageLog, example: _Example, devices: list, options: Compi
         example.call, example.dims, [s for s in layout.mb_sizes if s] or [0])[0])
     signature = log.run("signature", program_signature, primary.captured, [x.requires_grad for x in example_flat],
                         layout.num_microbatches, options.grouping, trainer, decision=_describe_signature)
-    shapes = Shapes(variants, layout.mb_sizes, primary.masters, options.compute_dtype)
+    if layout.forward_parts:
+        _check_forward_parts(trainer, analysis)
+    shapes = Shapes(variants, layout.sizes, primary.masters, options.compute_dtype)
     context = PackingContext(variants, layout, signature, shapes, [d.torch_device for d in devices], updates,
                              options.verify, devices[0].budget, devices[0].margin)
     if schedule is not None:
@@ -162,16 +164,30 @@ def _batch_or_none(example: _Example) -> int | None:
 
 
 def _capture_microbatches(example: _Example, layout: Layout, whole: Variant | None, target) -> dict:
-    sizes = [s for s in layout.mb_sizes if s] or [0]
-    calls = microbatch.split_call(example.call, example.dims, sizes)
+    """A graph per distinct microbatch size: the backward's, and the forward's where larger."""
     variants: dict[int | None, Variant] = {}
-    for size, (mb_args, mb_kwargs) in zip(layout.mb_sizes, calls):
-        if size in variants:
-            continue
-        variants[size] = whole if size is None and whole is not None else capture_variant(
-            example.model, size, mb_args, mb_kwargs, target)
+    backward_sizes, forward_sizes = layout.mb_sizes, layout.sizes[layout.num_microbatches:]
+    for sizes in (backward_sizes, forward_sizes) if forward_sizes else (backward_sizes,):
+        calls = microbatch.split_call(example.call, example.dims, [s for s in sizes if s] or [0])
+        for size, (mb_args, mb_kwargs) in zip(sizes, calls):
+            if size not in variants:
+                variants[size] = whole if size is None and whole is not None else capture_variant(
+                    example.model, size, mb_args, mb_kwargs, target)
     check_same_layers(variants, layout.num_microbatches)
     return variants
+
+
+def _check_forward_parts(trainer: bool, analysis: BatchAnalysis) -> None:
+    """Larger forward microbatches compute what the backward's do only if the samples are apart."""
+    if not trainer:
+        raise ValueError("microbatches={'forward': ..., 'backward': ...}: forward microbatches larger than the "
+                         "backward's need the loss inside the graph (the last pack runs forward, loss and backward "
+                         "on the backward's microbatches): train with harmony_fx.Trainer, or give microbatches as "
+                         "one int")
+    if not analysis.separable:
+        raise ValueError("microbatches={'forward': ..., 'backward': ...}: the backward recomputes each pack on part "
+                         "of a forward microbatch, which computes the same only when every op treats the samples "
+                         f"apart, and this model's do not ({analysis.reason}); give microbatches as one int")
 
 
 def _analyze_batch(variant: Variant, batch: int, flat_dims) -> BatchAnalysis:

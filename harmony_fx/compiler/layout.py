@@ -25,11 +25,30 @@ class Layout:
     update_arrivals: int                            # devices reporting each pack's UPDATE
     # larger forward packs: (the backward boundaries they group, the first pack of each group)
     forward_groups: tuple[tuple[int, ...], tuple[int, ...]] | None = None
+    # larger forward microbatches: the backward microbatches each one joins (forward microbatch i
+    # is microbatch ``num_microbatches + i`` in keys and ``sizes``); empty: the forward runs the
+    # backward's microbatches
+    forward_parts: tuple[tuple[int, ...], ...] = ()
+
+    @property
+    def sizes(self) -> tuple[int | None, ...]:
+        """The size of every microbatch a key may name: the backward's, then the larger forward's."""
+        return self.mb_sizes + tuple(sum(self.mb_sizes[j] for j in parts) for parts in self.forward_parts)
+
+    def device_forward_parts(self, device: int) -> tuple[tuple[int, tuple[int, ...]], ...]:
+        """The forward microbatches ``device`` runs, each with the backward microbatches it joins."""
+        mine = set(self.device_microbatches[device])
+        return tuple((self.num_microbatches + i, parts) for i, parts in enumerate(self.forward_parts)
+                     if parts[0] in mine)
 
     def describe(self) -> str:
         sizes = "the whole batch" if self.mb_sizes == (None,) else "sizes " + ", ".join(map(str, self.mb_sizes))
         mode = {"single": "one device", "dp": "data-parallel", "pp": "pipeline"}[self.parallel]
-        return f"{self.num_microbatches} microbatch(es) ({sizes}), {mode}"
+        forward = ""
+        if self.forward_parts:
+            forward = (f"; the forward runs {len(self.forward_parts)} of "
+                       + ", ".join(map(str, self.sizes[self.num_microbatches:])))
+        return f"{self.num_microbatches} microbatch(es) ({sizes}){forward}, {mode}"
 
 
 def decide_layout(schedule: Schedule | None, options: CompileOptions, num_devices: int,
@@ -41,8 +60,14 @@ def decide_layout(schedule: Schedule | None, options: CompileOptions, num_device
     if schedule is not None:
         num_microbatches, parallel = schedule.microbatches, schedule.parallel
     parallel = "single" if num_devices == 1 else ("pp" if parallel == "pp" else "dp")
+    forward_count = options.forward_microbatches if schedule is None else schedule.forward_microbatches
+    per_forward = num_microbatches // forward_count if forward_count else 1
+    forward_parts = tuple(tuple(range(i * per_forward, (i + 1) * per_forward)) for i in range(forward_count or 0))
     if parallel == "pp":  # every device runs its packs on every microbatch
         device_microbatches = (tuple(range(num_microbatches)),) * num_devices
+    elif forward_parts:  # each device runs whole forward microbatches
+        device_microbatches = tuple(tuple(j for i in share for j in forward_parts[i])
+                                    for share in data_parallel_microbatches(len(forward_parts), num_devices))
     else:
         device_microbatches = tuple(data_parallel_microbatches(num_microbatches, num_devices))
     if num_microbatches > 1:
@@ -55,4 +80,4 @@ def decide_layout(schedule: Schedule | None, options: CompileOptions, num_device
     elif schedule is not None and schedule.forward_groups:
         forward_groups = (schedule.boundaries, schedule.forward_groups)
     return Layout(parallel, num_microbatches, mb_sizes, device_microbatches,
-                  num_devices if parallel == "dp" else 1, forward_groups)
+                  num_devices if parallel == "dp" else 1, forward_groups, forward_parts)

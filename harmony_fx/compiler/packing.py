@@ -165,9 +165,10 @@ def _evaluate(context: PackingContext, boundaries: Sequence[int], stash_ahead: b
     device_actions = lower_devices(packs, signature, layout, boundaries)
     if context.verify:
         verify_programs(device_actions, signature, layout)
-    estimates = [estimate_device(forward, backward, mbs, packs_by_size, context.shapes, signature, target)
-                 for (forward, backward), mbs, target
-                 in zip(device_actions, layout.device_microbatches, context.targets)]
+    estimates = [estimate_device(forward, backward, mbs + tuple(f for f, _ in layout.device_forward_parts(device)),
+                                 packs_by_size, context.shapes, signature, target)
+                 for device, ((forward, backward), mbs, target)
+                 in enumerate(zip(device_actions, layout.device_microbatches, context.targets))]
     return Candidate(tuple(boundaries), packs_by_size, device_actions, estimates, signature)
 
 
@@ -176,11 +177,13 @@ def lower_devices(packs: Sequence[Pack], signature: ProgramSignature, layout: La
     """Every device's (forward, backward) program: the pipeline's, or one per device's share of
     the microbatches; with the layout's larger forward packs where they group these boundaries."""
     if layout.parallel == "pp":
-        return lower_pipeline(packs, signature, len(layout.device_microbatches))
+        return lower_pipeline(packs, dataclasses.replace(signature, forward_parts=layout.device_forward_parts(0)),
+                              len(layout.device_microbatches))
     planned = layout.forward_groups
     groups = planned[1] if planned and tuple(boundaries) == planned[0] else ()
-    return [lower_program(packs, dataclasses.replace(signature, microbatches=mbs, forward_groups=groups))
-            for mbs in layout.device_microbatches]
+    return [lower_program(packs, dataclasses.replace(signature, microbatches=mbs, forward_groups=groups,
+                                                     forward_parts=layout.device_forward_parts(device)))
+            for device, mbs in enumerate(layout.device_microbatches)]
 
 
 def verify_programs(device_actions: Sequence[tuple[Sequence[Action], Sequence[Action]]],
@@ -194,8 +197,9 @@ def verify_programs(device_actions: Sequence[tuple[Sequence[Action], Sequence[Ac
             _verify_device(list(forward), list(backward), signature, elsewhere=offloaded)
         verify_devices([list(forward) + list(backward) for forward, backward in device_actions])
         return
-    for (forward, backward), mbs in zip(device_actions, layout.device_microbatches):
-        _verify_device(list(forward), list(backward), dataclasses.replace(signature, microbatches=mbs))
+    for device, ((forward, backward), mbs) in enumerate(zip(device_actions, layout.device_microbatches)):
+        _verify_device(list(forward), list(backward), dataclasses.replace(
+            signature, microbatches=mbs, forward_parts=layout.device_forward_parts(device)))
 
 
 def _verify_device(forward: list[Action], backward: list[Action], signature: ProgramSignature,
@@ -203,7 +207,8 @@ def _verify_device(forward: list[Action], backward: list[Action], signature: Pro
     """``elsewhere``: host keys other devices' programs write (their waits are checked across
     devices by ``verify_devices``)."""
     mbs = signature.microbatches
-    host_keys = [Key(KeyKind.ACT, v, mb) for v in signature.model_inputs for mb in mbs] + list(elsewhere)
+    inputs_at = dict.fromkeys(mbs + signature.forward_microbatches)  # the forward's, when larger
+    host_keys = [Key(KeyKind.ACT, v, mb) for v in signature.model_inputs for mb in inputs_at] + list(elsewhere)
     grad_keys = [Key(KeyKind.GRAD, v, mb) for v in signature.model_outputs for mb in mbs]
     if signature.fuse_last:
         host_keys += grad_keys

@@ -39,6 +39,31 @@ class Shapes:
                                                 for leaf, flag in zip(pytrees.leaves(value), flags, strict=True)])
         return value
 
+    def split_dims(self, key: Key, parts: Sequence[int]) -> tuple[tuple[int, tuple[int, ...]] | None, ...]:
+        """How the activation ``key`` of a larger forward microbatch cuts into the microbatches
+        ``parts``: per leaf of its value, ``(dim, size of each part along it)``, or ``None`` where
+        every part holds the same leaf (not batched). The batch dim is the one dim whose size
+        differs between the forward's shape and the parts' (the batch analysis keeps the batch the
+        outer factor of a flattened dim, so ``[B*S, H]`` cuts at multiples of ``S``)."""
+        whole = pytrees.leaves(self.value_of(key))
+        pieces = [pytrees.leaves(self.value_of(key._replace(mb=mb))) for mb in parts]
+        dims: list[tuple[int, tuple[int, ...]] | None] = []
+        for i, leaf in enumerate(whole):
+            if not isinstance(leaf, torch.Tensor):
+                dims.append(None)
+                continue
+            shapes = [piece[i].shape for piece in pieces]
+            differ = [d for d in range(leaf.dim()) if any(shape[d] != leaf.shape[d] for shape in shapes)]
+            if not differ:
+                dims.append(None)
+            elif len(differ) == 1 and sum(shape[differ[0]] for shape in shapes) == leaf.shape[differ[0]]:
+                dims.append((differ[0], tuple(shape[differ[0]] for shape in shapes)))
+            else:
+                raise ValueError(f"{key} has shape {tuple(leaf.shape)} on the forward's microbatch but "
+                                 f"{[tuple(shape) for shape in shapes]} on the backward's: it cannot be cut along one "
+                                 "batch dim; use one microbatch size for forward and backward (microbatches=N)")
+        return tuple(dims)
+
     def fake_value(self, key: Key, device: torch.device) -> object:
         """``value_of(key)`` as fresh FakeTensors on ``device`` (inside a ``FakeTensorMode``)."""
         return pytrees.map_tensors(lambda t: fake_like(t, device), self.value_of(key))

@@ -148,6 +148,9 @@ class _PipeBuilder(Builder):
 def lower_pipeline(packs: Sequence[Pack], signature: ProgramSignature,
                    num_devices: int) -> list[tuple[list[Action], list[Action]]]:
     """(forward program, backward program) per device."""
+    if signature.forward_parts:
+        raise ValueError(f"{PASS_NAME}: forward microbatches larger than the backward's are not lowered to a "
+                         "pipeline yet; use parallel='dp' or one microbatch count")
     shared, facts, wrap = EventCounter(), PackFacts(packs, signature), _Wrap(packs, signature, num_devices)
     builders = [_PipeBuilder(facts, d, shared, wrap) for d in range(num_devices)]
     last = len(packs) - 1

@@ -30,7 +30,8 @@ from typing import Sequence
 
 from harmony_fx.ir.pack import Pack
 from harmony_fx.lowering.tasks import (
-    Builder, PackFacts, ProgramSignature, backward_task, buffers_out, forward_task, update, weight_grads_out, weights,
+    Builder, PackFacts, ProgramSignature, backward_task, buffers_out, check_forward_parts, forward_task, split_stash,
+    update, weight_grads_out, weights,
 )
 from harmony_fx.program.actions import Action, Key, KeyKind, Stream
 
@@ -46,8 +47,11 @@ def lower_program(packs: Sequence[Pack], signature: ProgramSignature) -> tuple[l
     b = Builder(facts)
     microbatches = signature.microbatches
     last = len(packs) - 1
+    deferred = signature.last_in_backward  # the fused last pack runs in the backward program
+    if deferred:
+        check_forward_parts(packs, signature, PASS_NAME)
     for name in signature.model_inputs:
-        for mb in microbatches:
+        for mb in microbatches + (signature.forward_microbatches if deferred else ()):
             b.on_host[Key(KeyKind.ACT, name, mb)] = None  # the caller's tensors, already on host
     if signature.fuse_last:
         for name in signature.model_outputs:
@@ -56,8 +60,8 @@ def lower_program(packs: Sequence[Pack], signature: ProgramSignature) -> tuple[l
     grouping = signature.grouping
 
     # ---------------------------------------------------------------- forward
-    groups = forward_groups(signature, len(packs))
-    if grouping:
+    groups = forward_groups(signature, last if deferred else len(packs))
+    if grouping and groups:
         for p in groups[0]:
             b.prefetch(weights(p))
     for g, group in enumerate(groups):
@@ -66,7 +70,7 @@ def lower_program(packs: Sequence[Pack], signature: ProgramSignature) -> tuple[l
             for p in groups[g + 1] if g + 1 < len(groups) else ():
                 b.prefetch(weights(p))
         last_task = {}
-        for mb in microbatches:
+        for mb in signature.forward_microbatches:
             for p in group:  # a forward group runs its packs back to back on each microbatch
                 pack, fused = packs[p], p == last and signature.fuse_last
                 if not grouping:
@@ -98,18 +102,21 @@ def lower_program(packs: Sequence[Pack], signature: ProgramSignature) -> tuple[l
     for event in b.on_host.values():
         if event is not None:
             b.wait(event, Stream.HOST)
+    if deferred:
+        split_stash(b, packs)
     num_forward = len(b.actions)
 
     # ---------------------------------------------------------------- backward
     # each task's stashed inputs are prefetched one task ahead: a copy onto the device waits for
     # the compute issued before it (its memory is allocated in compute order), so fetched right
     # before its own recompute it would wait for the previous backward to finish
-    tasks = [(pack.index, mb) for pack in reversed(packs) if not (pack.index == last and signature.fuse_last)
+    fused_in_forward = signature.fuse_last and not deferred
+    tasks = [(pack.index, mb) for pack in reversed(packs) if not (pack.index == last and fused_in_forward)
              for mb in microbatches]
     ahead = dict(zip(tasks, tasks[1:])) if grouping and signature.stash_ahead else {}
     for pack in reversed(packs):
         p = pack.index
-        if p == last and signature.fuse_last:
+        if p == last and fused_in_forward:
             continue
         if grouping:
             b.prefetch(weights(p))
@@ -123,14 +130,18 @@ def lower_program(packs: Sequence[Pack], signature: ProgramSignature) -> tuple[l
                 b.prefetch(weights(p))
                 b.use([weights(p)])
             following = ahead.get((p, mb))
-            if following is not None and following[0] < last:
+            if following is not None and (following[0] < last or deferred):
                 for v in packs[following[0]].act_inputs:
                     b.prefetch(Key(KeyKind.ACT, v, following[1]))
+            if p == last and deferred:  # forward, loss and backward on the backward's microbatch
+                last_forward = forward_task(b, pack, mb)
             backward_task(b, pack, mb)
             if not grouping:
                 weight_grads_out(b, pack)
             if per_microbatch_weights:
                 b.free(weights(p))
+        if p == last and deferred and pack.mutated_buffers:
+            buffers_out(b, pack, last_forward)
         if grouping:
             weight_grads_out(b, pack)
         if not per_microbatch_weights:
@@ -157,8 +168,10 @@ def _free_weights(b: Builder, pack: Pack, last_forward: int) -> None:
 
 
 def forward_groups(signature: ProgramSignature, num_packs: int) -> list[range]:
-    """The forward's groups of packs (see ``ProgramSignature.forward_groups``)."""
-    starts = list(signature.forward_groups) or list(range(num_packs))
+    """The forward's groups of the first ``num_packs`` packs (see ``ProgramSignature.forward_groups``)."""
+    starts = [start for start in signature.forward_groups if start < num_packs] or list(range(num_packs))
+    if not starts:
+        return []
     if starts[0] != 0 or starts != sorted(set(starts)) or starts[-1] >= num_packs:
         raise ValueError(f"{PASS_NAME}: forward groups {starts} must start at pack 0 and increase within "
                          f"{num_packs} packs")

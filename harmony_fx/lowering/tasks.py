@@ -17,7 +17,7 @@ from harmony_fx.ir.pack import Pack
 from harmony_fx.program.actions import Action, ActionKind as K, Key, KeyKind, Stream
 
 __all__ = ["ProgramSignature", "Builder", "EventCounter", "PackFacts", "weights", "grad_inputs", "forward_task",
-           "backward_task", "buffers_out", "weight_grads_out", "update"]
+           "backward_task", "buffers_out", "weight_grads_out", "update", "check_forward_parts", "split_stash"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,6 +45,20 @@ class ProgramSignature:
     # the backward fetches each task's stash one task ahead, so the copy overlaps the task before
     # (one more microbatch's stash on the device); off where that does not fit the budget
     stash_ahead: bool = True
+    # the forward's larger microbatches (Harmony's Ufwd > Ubwd): each as (its index, the backward
+    # microbatches it joins). The forward runs them, its stash is split on the host into the
+    # backward's, and the last pack (fused: forward, loss and backward) runs in the backward
+    # program on the backward's microbatches. Empty: the forward runs ``microbatches``.
+    forward_parts: tuple[tuple[int, tuple[int, ...]], ...] = ()
+
+    @property
+    def forward_microbatches(self) -> tuple[int, ...]:
+        return tuple(f for f, _ in self.forward_parts) or self.microbatches
+
+    @property
+    def last_in_backward(self) -> bool:
+        """The fused last pack runs in the backward program (after the forward's larger microbatches)."""
+        return bool(self.forward_parts)
 
 
 def weights(pack: int) -> Key:
@@ -73,7 +87,9 @@ class PackFacts:
         self.packs = packs
         self.signature = signature
         self.last = len(packs) - 1
-        self.next_users = {pack.index: set(packs[pack.index + 1].act_inputs) if pack.index < self.last else set()
+        # the forward keeps a value on the device for the next pack it runs (none after the last)
+        forward_end = self.last - 1 if signature.last_in_backward else self.last
+        self.next_users = {pack.index: set(packs[pack.index + 1].act_inputs) if pack.index < forward_end else set()
                            for pack in packs}
         # for each model output: the first pack in backward order that reads or writes its gradient
         self.grad_owner: dict[str, int] = {}
@@ -287,3 +303,35 @@ def buffers_out(b: Builder, pack: Pack, after: int) -> None:
     b.readers.setdefault(weights(pack.index), []).append(event)
     b.on_host[Key(KeyKind.BUFFERS, pack.name)] = event
     b.on_host[weights(pack.index)] = event
+
+
+def check_forward_parts(packs: Sequence[Pack], signature: ProgramSignature, pass_name: str) -> None:
+    """Forward microbatches larger than the backward's need what makes them compute the same:
+    the loss inside the graph (the last pack then runs on the backward's microbatches) and no
+    random op, whose recompute on part of a microbatch could not draw the forward's values."""
+    if not signature.fuse_last:
+        raise ValueError(f"{pass_name}: forward microbatches larger than the backward's need the loss inside the "
+                         "graph: train with harmony_fx.Trainer, or give microbatches as one int")
+    if not signature.grouping:
+        raise ValueError(f"{pass_name}: forward microbatches larger than the backward's need grouping=True")
+    random = [pack.name for pack in packs[:-1] if pack.random]
+    if random:
+        raise ValueError(f"{pass_name}: pack(s) {', '.join(random)} draw random numbers (dropout): their recompute on "
+                         "a backward microbatch cannot draw what the forward drew on the larger one. Use one "
+                         "microbatch size for forward and backward (microbatches=N), or turn the dropout off")
+
+
+def split_stash(b: Builder, packs: Sequence[Pack]) -> None:
+    """After the forward's copies landed: every stashed activation of a forward microbatch cut, on
+    the host, into its backward microbatches (``SPLIT``: views, no copy)."""
+    signature = b.facts.signature
+    read = dict.fromkeys(v for pack in packs for v in pack.act_inputs if v not in signature.model_inputs)
+    for forward_mb, parts in signature.forward_parts:
+        for v in read:
+            source = Key(KeyKind.ACT, v, forward_mb)
+            if source in b.on_host:
+                event = b.emit(K.SPLIT, Stream.HOST, key=source, reads=(source,),
+                               writes=tuple(source._replace(mb=mb) for mb in parts))
+                b.waited[Stream.HOST].add(event)  # the host ran it: done for every stream
+                for mb in parts:
+                    b.on_host[source._replace(mb=mb)] = event

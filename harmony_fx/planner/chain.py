@@ -35,11 +35,14 @@ class Schedule:
     devices: int
     # the forward's larger packs: the first (backward) pack of each group; () = the same packs
     forward_groups: tuple[int, ...] = ()
+    # the forward's larger microbatches: how many (``None``: the backward's)
+    forward_microbatches: int | None = None
 
     def describe(self) -> str:
         mode = "one device" if self.parallel == "single" else f"{self.parallel} over {self.devices} devices"
         forward = f" ({len(self.forward_groups)} in the forward)" if self.forward_groups else ""
-        return f"{len(self.boundaries)} packs{forward}, {self.microbatches} microbatches, {mode}"
+        forward_mbs = f" ({self.forward_microbatches} in the forward)" if self.forward_microbatches else ""
+        return f"{len(self.boundaries)} packs{forward}, {self.microbatches} microbatches{forward_mbs}, {mode}"
 
 
 def pack_layers(boundaries: Sequence[int], num_layers: int) -> list[range]:

@@ -167,6 +167,8 @@ class _Simulator:
                 if action.kind == K.WAIT:
                     if self._waited_event(device, action) not in self.done_events:
                         return progressed
+                elif action.kind == K.SPLIT:  # views: done as it is issued
+                    self.done_events[(device, action.event)] = self.now
                 else:  # UPDATE: handed to the CPU workers once every device has sent its gradients
                     self.arrived[action.pack] += 1
                     self.update_after[action.pack].update((device, e) for e in action.after)

@@ -13,6 +13,7 @@ host) wait for one. ``FREE`` drops the device copy of a key, in compute-stream o
     WAIT e3 h2d from d1
     FWD p1@0 -> e5
     OFFLOAD act[relu_3@0] d2h -> e6
+    SPLIT act[relu_3@4] into 0 1 -> e7
 """
 from __future__ import annotations
 
@@ -36,6 +37,7 @@ class ActionKind(enum.Enum):
     UPDATE = "UPDATE"        # the host's optimizer updates the parameters whose gradients are complete
     SEND = "SEND"            # device → device copy of a key (peer stream); done once the peer has it
     RECV = "RECV"            # take a key a peer sent (peer stream)
+    SPLIT = "SPLIT"          # on the host: a larger forward microbatch's stash cut into the backward's
 
 
 class Stream(enum.Enum):
@@ -113,6 +115,8 @@ class Action:
             return f"{kind.value} {self.key} {self.stream.value} -> e{self.event}"
         if kind == ActionKind.UPDATE:
             return f"UPDATE p{self.pack}" + (" after " + " ".join(f"e{e}" for e in self.after) if self.after else "")
+        if kind == ActionKind.SPLIT:
+            return f"SPLIT {self.key} into {' '.join(str(key.mb) for key in self.writes)} -> e{self.event}"
         return f"{kind.value} p{self.pack}@{self.mb} -> e{self.event}"
 
 
@@ -131,5 +135,9 @@ def parse_action(text: str) -> Action:
         return Action(kind, Stream(parts[2]), key=parse_key(parts[1]), event=int(parts[4][1:]))
     if kind == ActionKind.UPDATE:
         return Action(kind, Stream.HOST, pack=int(parts[1][1:]), after=tuple(int(e[1:]) for e in parts[3:]))
+    if kind == ActionKind.SPLIT:
+        key = parse_key(parts[1])
+        return Action(kind, Stream.HOST, key=key, event=int(parts[-1][1:]), reads=(key,),
+                      writes=tuple(key._replace(mb=int(mb)) for mb in parts[3:-2]))
     pack, mb = parts[1][1:].split("@")
     return Action(kind, Stream.COMPUTE, pack=int(pack), mb=int(mb), event=int(parts[3][1:]))

@@ -78,6 +78,8 @@ def generate_program(actions: Sequence[Action], steps: Sequence[str], name: str,
             args = (rt, str(action.key), action.stream.value)
         elif action.kind in (ActionKind.SEND, ActionKind.RECV):
             args = (rt, str(action.key), action.peer)
+        elif action.kind == ActionKind.SPLIT:
+            args = (rt, str(action.key), *(key.mb for key in action.writes))
         else:
             args = (rt, action.pack, action.mb)
         node = graph.call_method(op, args)

@@ -25,6 +25,8 @@ send          peer                             hand a key to another device; its
                                                once the peer has it
 recv          peer                             take a key another device sent (adds to a gradient
                                                already here); returns an event
+split         host                             cut a host key of a larger forward microbatch into
+                                               the backward's microbatches (views); returns an event
 publish       -                                make an event visible to the other devices' programs
 remote        -                                an event another device's program published
 ============  ===============================  ======================================================
@@ -49,6 +51,7 @@ class HarmonyOps(Protocol):
     def update(self, pack: int, *copies: Any) -> None: ...
     def send(self, key: str, peer: int) -> Any: ...
     def recv(self, key: str, peer: int) -> Any: ...
+    def split(self, key: str, *microbatches: int) -> Any: ...
     def publish(self, event: Any, number: int) -> None: ...
     def remote(self, number: int) -> Any: ...
 
@@ -59,4 +62,5 @@ OP_OF_KIND = {
     ActionKind.RECOMPUTE: HarmonyOps.recompute.__name__, ActionKind.BWD: HarmonyOps.bwd.__name__,
     ActionKind.FREE: HarmonyOps.free.__name__, ActionKind.UPDATE: HarmonyOps.update.__name__,
     ActionKind.SEND: HarmonyOps.send.__name__, ActionKind.RECV: HarmonyOps.recv.__name__,
+    ActionKind.SPLIT: HarmonyOps.split.__name__,
 }

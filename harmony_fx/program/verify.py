@@ -154,6 +154,16 @@ def verify_program(actions: Sequence[Action], host_keys: Iterable[Key] = (),
                 fail(index, action, f"updates parameters before the gradient copies "
                                     f"{', '.join(f'e{e}' for e in pending)} landed: neither the host waited for "
                                     "them nor does this or an earlier UPDATE name them")
+        elif kind == K.SPLIT:
+            if action.key not in on_host:
+                fail(index, action, f"splits {action.key}, which is not on the host")
+            source = on_host[action.key]
+            if source is not None and source not in waited[Stream.HOST]:
+                fail(index, action, f"splits {action.key} before its copy e{source} landed: WAIT for e{source} "
+                                    "on the host first")
+            for key in action.writes:
+                on_host[key] = action.event
+            waited[Stream.HOST].add(action.event)  # the host ran it
         elif kind == K.FREE:
             if action.key not in ready:
                 fail(index, action, f"frees {action.key}, which is not on the device")
@@ -210,6 +220,9 @@ def verify_devices(programs: Sequence[Sequence[Action]]) -> None:
                 table[link] = (device, index)
             if action.event is not None and action.kind != K.WAIT:
                 recorded[action.event] = device
+            if action.kind == K.SPLIT:
+                for key in action.writes:
+                    writers.setdefault(key, []).append((device, action.event))
             if action.kind == K.OFFLOAD:
                 writers.setdefault(action.key, []).append((device, action.event))
                 if action.key.kind == KeyKind.BUFFERS:  # written into the masters the next W copy reads

@@ -217,7 +217,8 @@ class Runtime:
                  compute_dtype: torch.dtype | None = None, shared: "Runtime | None" = None, index: int = 0,
                  standalone: Callable[[Key], object] | None = None,
                  task_memory: dict[tuple[str, int, int], tuple[int, int]] | None = None,
-                 compiler: "PackCompiler | None" = None) -> None:
+                 compiler: "PackCompiler | None" = None,
+                 split_dims: Callable[[Key, Sequence[int]], Sequence] | None = None) -> None:
         """``packs_for_mb[mb]``: the packs compiled at microbatch ``mb``'s size (same boundaries and
         names for every size). ``on_update(runtime, pack)``: the host's optimizer step for the parameters
         whose gradients are complete after ``pack``'s backward. ``shared``: another device's runtime of
@@ -227,7 +228,8 @@ class Runtime:
         ``standalone(key)``: this runtime runs one device's program alone (the FakeTensor planning
         run): what the host or another device would hold is made by it when first read, and other
         devices' events count as done. ``task_memory``: filled with each compute task's net and
-        peak bytes (see ``_probed``)."""
+        peak bytes (see ``_probed``). ``split_dims(key, parts)``: how ``SPLIT`` cuts a key
+        (``compiler.shapes.Shapes.split_dims``)."""
         self.packs_for_mb = packs_for_mb
         self.packs = packs_for_mb[0]
         self.on_update = on_update
@@ -261,6 +263,7 @@ class Runtime:
         self.peer_value = standalone
         self.task_memory = task_memory
         self.compiler = compiler  # packs compiled by inductor (``compile_packs``), else run as graphs
+        self.split_dims = split_dims
         self.probe_peak = 0  # the device's peak across the per-task resets of ``_probed``
 
     # ------------------------------------------------------------------ running programs
@@ -404,6 +407,25 @@ class Runtime:
             self.device_values[key] = value if existing is None else pytrees.add_grads(existing, value, inplace=True)
 
         return self._submit(Stream.PEER, work, label=f"RECV {key} <- d{peer}")
+
+    def split(self, key_text: str, *microbatches: int) -> _Event:
+        """The host value of ``key`` (a larger forward microbatch's) as views, one per backward
+        microbatch: no copy, no new memory."""
+        key = self.key(key_text)
+        value = self.host_values[key]
+        leaves, cuts = pytrees.leaves(value), self.split_dims(key, microbatches)
+        offsets = [0] * len(leaves)
+        for index, mb in enumerate(microbatches):
+            parts = []
+            for i, (leaf, cut) in enumerate(zip(leaves, cuts)):
+                if cut is None:  # not batched: every part holds it whole
+                    parts.append(leaf)
+                    continue
+                dim, sizes = cut
+                parts.append(leaf.narrow(dim, offsets[i], sizes[index]))
+                offsets[i] += sizes[index]
+            self.host_values[key._replace(mb=mb)] = pytrees.with_leaves(value, parts)
+        return _Event(_PICKED_UP)
 
     def publish(self, event: _Event, number: int) -> None:
         if self.peer_value is None:

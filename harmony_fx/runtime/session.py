@@ -91,7 +91,7 @@ class Session:
         # per device: the packs of each microbatch's size, making their tensors on that device
         first = self.devices[0].torch_device
         self._packs_for_mb: list[list[Sequence[Pack]]] = [
-            [packs_on(compiled.packs_by_size[size], first, device.torch_device) for size in compiled.layout.mb_sizes]
+            [packs_on(compiled.packs_by_size[size], first, device.torch_device) for size in compiled.layout.sizes]
             for device in self.devices]
         self._grad_inputs = [grad_inputs(pack, compiled.signature) for pack in compiled.packs]
         compile_packs = compiled.options.compile_packs
@@ -112,9 +112,11 @@ class Session:
             device.planned_peak = compiled.plan.predicted_peak.get(device.name)  # named if it runs out of memory
             runtimes.append(Runtime(self._packs_for_mb[len(runtimes)], device, self.host_state, self._grad_inputs, self.stats,
                                     on_update, compiled.options.compute_dtype, runtimes[0] if runtimes else None,
-                                    len(runtimes), compiler=self.pack_compiler))
+                                    len(runtimes), compiler=self.pack_compiler, split_dims=compiled.shapes.split_dims))
         iteration = Iteration(runtimes, self._controller_threads())
-        for mb, flat in enumerate(per_mb):
+        layout = compiled.layout
+        joined = [_join(compiled.flat_dims, [per_mb[j] for j in parts]) for parts in layout.forward_parts]
+        for mb, flat in enumerate([*per_mb, *joined]):  # the larger forward microbatches after the backward's
             for name, value in zip(compiled.captured.inputs, flat):
                 iteration.host_values[Key(KeyKind.ACT, name, mb)] = value.detach()
         iteration.host_values.update(output_grads or {})
@@ -176,6 +178,13 @@ class Session:
         if self._controller is None:
             self._controller = concurrent.futures.ThreadPoolExecutor(len(self.devices), "harmony-device")
         return self._controller
+
+
+def _join(flat_dims: Sequence[int | None], parts: Sequence[Sequence[torch.Tensor]]) -> list[torch.Tensor]:
+    """The flat inputs of a forward microbatch made of the backward microbatches ``parts``: each
+    batched input concatenated along its batch dim, each shared one as it is."""
+    return [torch.cat([part[i] for part in parts], dim) if dim is not None else parts[0][i]
+            for i, dim in enumerate(flat_dims)]
 
 
 def _pin_in_place(masters) -> None:
