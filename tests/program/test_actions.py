@@ -27,6 +27,11 @@ def _action(kind: ActionKind, draw) -> Action:
         return Action(kind, Stream.COMPUTE, pack=draw(small), mb=draw(small), event=draw(small))
     if kind.name == "UPDATE":  # the host updates a pack's parameters (no event)
         return Action(kind, Stream.HOST, pack=draw(small))
+    if kind.name == "SPLIT":  # a forward microbatch's host value cut into backward microbatches
+        key = Key(KeyKind.ACT, draw(names), draw(small))
+        parts = draw(st.lists(small, min_size=1, max_size=6))
+        return Action(kind, Stream.HOST, key=key, event=draw(small), reads=(key,),
+                      writes=tuple(key._replace(mb=mb) for mb in parts))
     raise AssertionError(f"the test does not know how to build a {kind} action; teach it")
 
 
@@ -59,6 +64,9 @@ def test_repr_examples_from_the_docstring():
         "OFFLOAD act[relu_3@0] d2h -> e6": Action(ActionKind.OFFLOAD, Stream.D2H,
                                                   key=Key(KeyKind.ACT, "relu_3", 0), event=6),
         "FREE dW[p0]": Action(ActionKind.FREE, Stream.COMPUTE, key=Key(KeyKind.WGRAD, "p0")),
+        "SPLIT act[relu_3@4] into 0 1 -> e7": Action(
+            ActionKind.SPLIT, Stream.HOST, key=Key(KeyKind.ACT, "relu_3", 4), event=7,
+            writes=(Key(KeyKind.ACT, "relu_3", 0), Key(KeyKind.ACT, "relu_3", 1))),
     }
     for text, action in examples.items():
         assert repr(action) == text

@@ -420,3 +420,41 @@ def test_the_issuing_thread_never_waits_on_the_host_between_two_backward_tasks()
     between = [a for a in backward[computes[0]:computes[-1]] if a.kind == K.WAIT and a.stream == Stream.HOST]
     assert not between, between
     assert sum(a.kind == K.UPDATE for a in backward) >= 2  # and the updates still run during the backward
+
+
+# ---------------------------------------------------------------------- larger forward microbatches
+
+
+@functools.lru_cache(maxsize=None)
+def _split_programs():
+    torch.manual_seed(0)
+    model = MLPChain(width=16, depth=6)
+    x, target = torch.randn(8, 16), torch.randint(0, 10, (8,))
+    trainer = harmony_fx.Trainer(model, torch.nn.functional.cross_entropy, torch.optim.SGD(model.parameters(), lr=0.1),
+                                 (x, target), microbatches={"forward": 1, "backward": 4},
+                                 pack_boundaries=(0, 2, 4, 6))
+    trainer.close()
+    return trainer.hm, [list(trainer.hm.forward_actions), list(trainer.hm.backward_actions)]
+
+
+def test_the_split_programs_verify():
+    hm, (forward, backward) = _split_programs()
+    assert any(a.kind == K.SPLIT for a in forward)
+    hm.verify([(forward, backward)])
+
+
+def test_a_split_before_its_copy_landed_is_refused():
+    hm, (forward, backward) = _split_programs()
+    split = _index(forward, lambda a: a.kind == K.SPLIT)
+    source = next(a.event for a in forward if a.kind == K.OFFLOAD and a.key == forward[split].key)
+    mutated = [a for a in forward if not (a.kind == K.WAIT and a.event == source and a.stream == Stream.HOST)]
+    message = _refused(hm.verify, [(mutated, backward)], "the host wait before a SPLIT deleted")
+    assert "SPLIT" in message and "landed" in message
+
+
+def test_a_prefetch_of_a_part_nobody_split_is_refused():
+    hm, (forward, backward) = _split_programs()
+    split = _index(forward, lambda a: a.kind == K.SPLIT)
+    mutated = forward[:split] + forward[split + 1:]
+    message = _refused(hm.verify, [(mutated, backward)], "a SPLIT deleted")
+    assert "is not on the host" in message
