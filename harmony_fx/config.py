@@ -78,7 +78,7 @@ class CompileOptions:
     weights, optimizer state and gradients on the host stay fp32.
     ``pack_boundaries``: fix the packs (the index of each pack's first layer) instead of planning.
     ``forward_groups``: with ``pack_boundaries``, larger packs for the forward (which holds no graph
-    and no gradients): the first pack of each group. One device or data-parallel.
+    and no gradients): the first pack of each group. In a pipeline each group is one forward task of the wrap.
     ``chaos``: a seed: HostDevice streams run on worker threads with random delays, so a missing
     wait shows up as a wrong number or an error (a testing aid; slower).
     ``compile_packs``: every pack's forward and backward compiled by inductor (``runtime.inductor``);

@@ -1,6 +1,6 @@
 """Forward microbatches larger than the backward's (``microbatches={"forward": Mf, "backward": Mb}``):
-training equals eager and the same model with one microbatch size, on one device and
-data-parallel; measured peaks and bytes equal the plan's; the program cuts the forward's stash on
+training equals eager and the same model with one microbatch size, on one device, data-parallel
+and in a pipeline; measured peaks and bytes equal the plan's; the program cuts the forward's stash on
 the host (``SPLIT``) and runs the fused last pack in the backward; what cannot work is refused."""
 from __future__ import annotations
 
@@ -17,7 +17,8 @@ from harmony_fx.testing.models import GPTConfig, MLPChain, ResidualMLP, TinyGPT,
 RTOL, ATOL = 1e-5, 1e-6
 SIZES = {"forward": 2, "backward": 8}  # forward microbatches 4x the backward's
 BOUNDARIES = (0, 2, 4, 6)
-DEVICES = {"one": {}, "dp": {"devices": ["host:0", "host:1"], "parallel": "dp"}}
+DEVICES = {"one": {}, "dp": {"devices": ["host:0", "host:1"], "parallel": "dp"},
+           "pp": {"devices": ["host:0", "host:1"], "parallel": "pp"}}
 
 
 def _batch(name: str):

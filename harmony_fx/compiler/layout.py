@@ -10,7 +10,7 @@ from typing import Callable
 
 from harmony_fx.config import CompileOptions
 from harmony_fx.frontend.microbatch import microbatch_sizes
-from harmony_fx.lowering.placement import data_parallel_microbatches
+from harmony_fx.lowering.placement import data_parallel_shares, forward_parts
 from harmony_fx.planner.chain import Schedule
 
 __all__ = ["Layout", "decide_layout"]
@@ -60,16 +60,12 @@ def decide_layout(schedule: Schedule | None, options: CompileOptions, num_device
     if schedule is not None:
         num_microbatches, parallel = schedule.microbatches, schedule.parallel
     parallel = "single" if num_devices == 1 else ("pp" if parallel == "pp" else "dp")
-    forward_count = options.forward_microbatches if schedule is None else schedule.forward_microbatches
-    per_forward = num_microbatches // forward_count if forward_count else 1
-    forward_parts = tuple(tuple(range(i * per_forward, (i + 1) * per_forward)) for i in range(forward_count or 0))
+    parts = forward_parts(num_microbatches, options.forward_microbatches if schedule is None
+                          else schedule.forward_microbatches)
     if parallel == "pp":  # every device runs its packs on every microbatch
         device_microbatches = (tuple(range(num_microbatches)),) * num_devices
-    elif forward_parts:  # each device runs whole forward microbatches
-        device_microbatches = tuple(tuple(j for i in share for j in forward_parts[i])
-                                    for share in data_parallel_microbatches(len(forward_parts), num_devices))
     else:
-        device_microbatches = tuple(data_parallel_microbatches(num_microbatches, num_devices))
+        device_microbatches = data_parallel_shares(num_microbatches, num_devices, parts)
     if num_microbatches > 1:
         mb_sizes = tuple(microbatch_sizes(batch_size(), num_microbatches))
     else:
@@ -80,4 +76,4 @@ def decide_layout(schedule: Schedule | None, options: CompileOptions, num_device
     elif schedule is not None and schedule.forward_groups:
         forward_groups = (schedule.boundaries, schedule.forward_groups)
     return Layout(parallel, num_microbatches, mb_sizes, device_microbatches,
-                  num_devices if parallel == "dp" else 1, forward_groups, forward_parts)
+                  num_devices if parallel == "dp" else 1, forward_groups, parts)

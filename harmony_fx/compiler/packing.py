@@ -176,11 +176,12 @@ def lower_devices(packs: Sequence[Pack], signature: ProgramSignature, layout: La
                   boundaries: Sequence[int]) -> list[tuple[list[Action], list[Action]]]:
     """Every device's (forward, backward) program: the pipeline's, or one per device's share of
     the microbatches; with the layout's larger forward packs where they group these boundaries."""
-    if layout.parallel == "pp":
-        return lower_pipeline(packs, dataclasses.replace(signature, forward_parts=layout.device_forward_parts(0)),
-                              len(layout.device_microbatches))
     planned = layout.forward_groups
     groups = planned[1] if planned and tuple(boundaries) == planned[0] else ()
+    if layout.parallel == "pp":
+        return lower_pipeline(packs, dataclasses.replace(signature, forward_groups=groups,
+                                                         forward_parts=layout.device_forward_parts(0)),
+                              len(layout.device_microbatches))
     return [lower_program(packs, dataclasses.replace(signature, microbatches=mbs, forward_groups=groups,
                                                      forward_parts=layout.device_forward_parts(device)))
             for device, mbs in enumerate(layout.device_microbatches)]
@@ -191,8 +192,10 @@ def verify_programs(device_actions: Sequence[tuple[Sequence[Action], Sequence[Ac
     """The program verifier over every device's ``(forward, backward)`` actions; raises
     ``ProgramError`` naming the offending action and the pass that made it."""
     if layout.parallel == "pp":
-        offloaded = [a.key for pair in device_actions for actions in pair for a in actions
-                     if a.kind == ActionKind.OFFLOAD]
+        every = [a for pair in device_actions for actions in pair for a in actions]
+        offloaded = [a.key for a in every if a.kind == ActionKind.OFFLOAD]
+        offloaded += [key for a in every if a.kind == ActionKind.SPLIT for key in a.writes]
+        signature = dataclasses.replace(signature, forward_parts=layout.device_forward_parts(0))
         for forward, backward in device_actions:
             _verify_device(list(forward), list(backward), signature, elsewhere=offloaded)
         verify_devices([list(forward) + list(backward) for forward, backward in device_actions])

@@ -26,8 +26,8 @@ from typing import Sequence
 from harmony_fx.ir.pack import Pack
 from harmony_fx.lowering.placement import backward_device, forward_device
 from harmony_fx.lowering.tasks import (
-    Builder, EventCounter, PackFacts, ProgramSignature, backward_task, buffers_out, forward_task, update,
-    weight_grads_out, weights,
+    Builder, EventCounter, PackFacts, ProgramSignature, backward_task, buffers_out, check_forward_parts,
+    forward_groups, forward_task, split_stash, update, weight_grads_out, weights,
 )
 from harmony_fx.program.actions import Action, ActionKind as K, Key, KeyKind, Stream
 
@@ -42,6 +42,12 @@ class _Wrap:
 
     def __init__(self, packs: Sequence[Pack], signature: ProgramSignature, num_devices: int) -> None:
         self.packs, self.signature, self.num_devices = packs, signature, num_devices
+        last = len(packs) - 1
+        # the forward's tasks: its groups of packs, then the last pack where it runs in the backward
+        self.units = forward_groups(signature, len(packs), PASS_NAME)
+        if signature.last_in_backward:
+            self.units.append(range(last, last + 1))
+        self.unit_of = {p: u for u, unit in enumerate(self.units) for p in unit}
         self.producer = {v: pack.index for pack in packs for v in pack.outputs}
         self.readers: dict[str, list[int]] = {}
         for pack in packs:
@@ -51,14 +57,17 @@ class _Wrap:
         self.forward_events: dict[tuple[int, int], int] = {}
 
     def fdev(self, p: int) -> int:
-        return forward_device(p, self.num_devices)
+        return forward_device(self.unit_of[p], self.num_devices)
 
     def bdev(self, p: int) -> int:
-        return backward_device(p, len(self.packs), self.num_devices)
+        last = len(self.packs) - 1
+        return backward_device(p, len(self.packs), self.num_devices, self.unit_of[last])
 
     def sent_forward(self, v: str, p: int) -> bool:
-        """``v`` (made by ``p - 1``) reaches pack ``p`` device to device."""
-        return self.producer.get(v) == p - 1 and self.fdev(p - 1) != self.fdev(p)
+        """``v`` (made by ``p - 1``) reaches pack ``p`` device to device (the last pack, where it
+        runs in the backward, reads the host's stash)."""
+        deferred = self.signature.last_in_backward and p == len(self.packs) - 1
+        return self.producer.get(v) == p - 1 and self.fdev(p - 1) != self.fdev(p) and not deferred
 
     def grad_p2p(self, v: str) -> bool:
         """The gradient of ``v`` goes device to device: its only reader is the next pack."""
@@ -103,12 +112,14 @@ class _PipeBuilder(Builder):
 
     def route_output(self, key: Key, pack: int) -> None:
         wrap = self.wrap
-        to_next = pack < self.facts.last and key.name in wrap.packs[pack + 1].act_inputs
-        if to_next and wrap.fdev(pack + 1) != wrap.fdev(pack):
+        if pack < self.facts.last and key.name in wrap.packs[pack + 1].act_inputs and wrap.sent_forward(key.name, pack + 1):
             self.send(key, wrap.fdev(pack + 1))
 
     def keeps(self, key: Key, pack: int) -> bool:
-        return key in self.sent  # every other input is stashed for the recompute on another device
+        # what a peer takes, and what the next pack of the same forward group reads here; every
+        # other input is stashed for the recompute on another device
+        return key in self.sent or (key.name in self.facts.next_users[pack]
+                                    and self.wrap.fdev(pack + 1) == self.wrap.fdev(pack))
 
     def before_recompute(self, pack: Pack, mb: int) -> None:
         if pack.random and self.wrap.fdev(pack.index) != self.device:
@@ -148,55 +159,64 @@ class _PipeBuilder(Builder):
 def lower_pipeline(packs: Sequence[Pack], signature: ProgramSignature,
                    num_devices: int) -> list[tuple[list[Action], list[Action]]]:
     """(forward program, backward program) per device."""
-    if signature.forward_parts:
-        raise ValueError(f"{PASS_NAME}: forward microbatches larger than the backward's are not lowered to a "
-                         "pipeline yet; use parallel='dp' or one microbatch count")
     shared, facts, wrap = EventCounter(), PackFacts(packs, signature), _Wrap(packs, signature, num_devices)
     builders = [_PipeBuilder(facts, d, shared, wrap) for d in range(num_devices)]
     last = len(packs) - 1
+    deferred = signature.last_in_backward  # the fused last pack runs in the backward program
+    if deferred:
+        check_forward_parts(packs, signature, PASS_NAME)
     for name in signature.model_inputs:
-        for mb in signature.microbatches:
+        for mb in dict.fromkeys(signature.microbatches + signature.forward_microbatches):
             shared.on_host[Key(KeyKind.ACT, name, mb)] = None
     for name in signature.model_outputs:
         for mb in signature.microbatches:
             wrap.host_writers[Key(KeyKind.GRAD, name, mb)] = []  # the caller's (or the loss weights)
+    fused_in_forward = signature.fuse_last and not deferred
 
     # ---------------------------------------------------------------- forward
-    for pack in packs:
-        p = pack.index
-        b = builders[wrap.fdev(p)]
-        fused = p == last and signature.fuse_last
-        b.prefetch(weights(p))
-        b.use([weights(p)])
-        for mb in signature.microbatches:
-            event = wrap.forward_events[(p, mb)] = forward_task(b, pack, mb)
-            if fused:
-                backward_task(b, pack, mb)
+    for unit in wrap.units[:-1] if deferred else wrap.units:
+        b = builders[wrap.fdev(unit.start)]
+        for p in unit:  # a forward group's weights come in together
+            b.prefetch(weights(p))
+        b.use([weights(p) for p in unit])
+        for mb in signature.forward_microbatches:
+            for p in unit:  # and its packs run back to back on each microbatch
+                wrap.forward_events[(p, mb)] = forward_task(b, packs[p], mb)
+                if p == last and fused_in_forward:
+                    backward_task(b, packs[p], mb)
         b.free_sent()
-        if pack.mutated_buffers:
-            buffers_out(b, pack, event)
-        if fused:
-            weight_grads_out(b, pack)
-        if fused or p < last:
-            b.free(weights(p))
-        if fused:
-            update(b, pack)
+        for p in unit:
+            pack, fused = packs[p], p == last and fused_in_forward
+            if pack.mutated_buffers:
+                buffers_out(b, pack, wrap.forward_events[(p, signature.forward_microbatches[-1])])
+            if fused:
+                weight_grads_out(b, pack)
+            if fused or p < last:
+                b.free(weights(p))
+            if fused:
+                update(b, pack)
     num_forward = []
     for b in builders:
         _wait_for_own_copies(b)
+        if deferred:
+            split_stash(b, packs)
         num_forward.append(len(b.actions))
 
     # ---------------------------------------------------------------- backward
     for pack in reversed(packs):
         p = pack.index
-        if p == last and signature.fuse_last:
+        if p == last and fused_in_forward:
             continue
         b = builders[wrap.bdev(p)]
         b.prefetch(weights(p))
         b.use([weights(p)])
         for mb in signature.microbatches:
+            if p == last and deferred:  # forward, loss and backward on the backward's microbatch
+                last_forward = forward_task(b, pack, mb)
             backward_task(b, pack, mb)
         b.free_sent()
+        if p == last and deferred and pack.mutated_buffers:
+            buffers_out(b, pack, last_forward)
         weight_grads_out(b, pack)
         b.free(weights(p))
         update(b, pack)

@@ -2,21 +2,30 @@
 
 * Data-parallel: device ``d`` runs every pack on a contiguous share of the microbatches
   (``data_parallel_microbatches``: 6 microbatches over 4 devices are ``(0, 1) (2, 3) (4,) (5,)``).
-* The wrap-around pipeline (Harmony-PP): pack *p*'s forward runs on device ``p mod N`` and its
-  backward on ``(2(P-1) - p) mod N``, so the last pack's backward stays where its forward kept its
-  graph and weights, and consecutive tasks sit on neighbouring devices.
+  With larger forward microbatches each device runs whole forward microbatches
+  (``forward_parts``, ``data_parallel_shares``).
+* The wrap-around pipeline (Harmony-PP): the forward's *u*-th task (a pack, or a group of packs
+  run as one forward pack) runs on device ``u mod N``; the backward continues the wrap from the
+  last pack, whose forward kept its graph and weights there: pack *p*'s backward runs on
+  ``(U + P-1 - p) mod N``, where ``U`` is the last pack's forward task. Without groups that is
+  ``(2(P-1) - p) mod N``, and consecutive tasks always sit on neighbouring devices.
 """
 from __future__ import annotations
 
-__all__ = ["forward_device", "backward_device", "data_parallel_microbatches"]
+from typing import Sequence
+
+__all__ = ["forward_device", "backward_device", "data_parallel_microbatches", "forward_parts", "data_parallel_shares"]
 
 
-def forward_device(pack: int, num_devices: int) -> int:
-    return pack % num_devices
+def forward_device(task: int, num_devices: int) -> int:
+    """The device of the forward's ``task``-th task (a pack, or a group of packs)."""
+    return task % num_devices
 
 
-def backward_device(pack: int, num_packs: int, num_devices: int) -> int:
-    return (2 * (num_packs - 1) - pack) % num_devices
+def backward_device(pack: int, num_packs: int, num_devices: int, last_task: int | None = None) -> int:
+    """``last_task``: the forward task of the last pack (``None``: ``num_packs - 1``, no groups)."""
+    last_task = num_packs - 1 if last_task is None else last_task
+    return (last_task + num_packs - 1 - pack) % num_devices
 
 
 def data_parallel_microbatches(num_microbatches: int, num_devices: int) -> list[tuple[int, ...]]:
@@ -30,3 +39,22 @@ def data_parallel_microbatches(num_microbatches: int, num_devices: int) -> list[
         shares.append(tuple(range(start, start + count)))
         start += count
     return shares
+
+
+def forward_parts(num_microbatches: int, forward_microbatches: int | None) -> tuple[tuple[int, ...], ...]:
+    """The backward microbatches each of ``forward_microbatches`` larger forward microbatches
+    joins (contiguous, as many each); () when the forward runs the backward's microbatches."""
+    if not forward_microbatches or forward_microbatches >= num_microbatches:
+        return ()
+    each = num_microbatches // forward_microbatches
+    return tuple(tuple(range(i * each, (i + 1) * each)) for i in range(forward_microbatches))
+
+
+def data_parallel_shares(num_microbatches: int, num_devices: int,
+                         parts: Sequence[tuple[int, ...]] = ()) -> tuple[tuple[int, ...], ...]:
+    """Each device's backward microbatches: whole forward microbatches ``parts`` per device where
+    the forward's are larger, else ``data_parallel_microbatches``."""
+    if not parts:
+        return tuple(data_parallel_microbatches(num_microbatches, num_devices))
+    return tuple(tuple(j for i in share for j in parts[i])
+                 for share in data_parallel_microbatches(len(parts), num_devices))

@@ -30,12 +30,12 @@ from typing import Sequence
 
 from harmony_fx.ir.pack import Pack
 from harmony_fx.lowering.tasks import (
-    Builder, PackFacts, ProgramSignature, backward_task, buffers_out, check_forward_parts, forward_task, split_stash,
-    update, weight_grads_out, weights,
+    Builder, PackFacts, ProgramSignature, backward_task, buffers_out, check_forward_parts, forward_groups, forward_task,
+    split_stash, update, weight_grads_out, weights,
 )
 from harmony_fx.program.actions import Action, Key, KeyKind, Stream
 
-__all__ = ["lower_program", "forward_groups", "PASS_NAME"]
+__all__ = ["lower_program", "PASS_NAME"]
 
 PASS_NAME = "lower_program"
 
@@ -60,7 +60,7 @@ def lower_program(packs: Sequence[Pack], signature: ProgramSignature) -> tuple[l
     grouping = signature.grouping
 
     # ---------------------------------------------------------------- forward
-    groups = forward_groups(signature, last if deferred else len(packs))
+    groups = forward_groups(signature, len(packs), PASS_NAME)
     if grouping and groups:
         for p in groups[0]:
             b.prefetch(weights(p))
@@ -165,17 +165,6 @@ def _free_weights(b: Builder, pack: Pack, last_forward: int) -> None:
     if pack.mutated_buffers:
         buffers_out(b, pack, last_forward)
     b.free(weights(pack.index))
-
-
-def forward_groups(signature: ProgramSignature, num_packs: int) -> list[range]:
-    """The forward's groups of the first ``num_packs`` packs (see ``ProgramSignature.forward_groups``)."""
-    starts = [start for start in signature.forward_groups if start < num_packs] or list(range(num_packs))
-    if not starts:
-        return []
-    if starts[0] != 0 or starts != sorted(set(starts)) or starts[-1] >= num_packs:
-        raise ValueError(f"{PASS_NAME}: forward groups {starts} must start at pack 0 and increase within "
-                         f"{num_packs} packs")
-    return [range(start, end) for start, end in zip(starts, [*starts[1:], num_packs])]
 
 
 def _wait_on_host_for_results(b: Builder, signature: ProgramSignature) -> None:

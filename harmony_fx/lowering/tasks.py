@@ -17,7 +17,7 @@ from harmony_fx.ir.pack import Pack
 from harmony_fx.program.actions import Action, ActionKind as K, Key, KeyKind, Stream
 
 __all__ = ["ProgramSignature", "Builder", "EventCounter", "PackFacts", "weights", "grad_inputs", "forward_task",
-           "backward_task", "buffers_out", "weight_grads_out", "update", "check_forward_parts", "split_stash"]
+           "backward_task", "buffers_out", "weight_grads_out", "update", "check_forward_parts", "split_stash", "forward_groups"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -329,9 +329,22 @@ def split_stash(b: Builder, packs: Sequence[Pack]) -> None:
     for forward_mb, parts in signature.forward_parts:
         for v in read:
             source = Key(KeyKind.ACT, v, forward_mb)
-            if source in b.on_host:
+            # each device cuts what it copied out (in a pipeline the host is shared)
+            if source in b.on_host and b.shared.event_device.get(b.on_host[source]) == b.device:
                 event = b.emit(K.SPLIT, Stream.HOST, key=source, reads=(source,),
                                writes=tuple(source._replace(mb=mb) for mb in parts))
                 b.waited[Stream.HOST].add(event)  # the host ran it: done for every stream
                 for mb in parts:
                     b.on_host[source._replace(mb=mb)] = event
+
+
+def forward_groups(signature: ProgramSignature, num_packs: int, pass_name: str) -> list[range]:
+    """The forward's groups of packs (see ``ProgramSignature.forward_groups``), each run by one
+    device as one forward pack; without the last pack where it runs in the backward program."""
+    starts = list(signature.forward_groups) or list(range(num_packs))
+    if starts[0] != 0 or starts != sorted(set(starts)) or starts[-1] >= num_packs:
+        raise ValueError(f"{pass_name}: forward groups {starts} must start at pack 0 and increase within "
+                         f"{num_packs} packs")
+    end = num_packs - 1 if signature.last_in_backward else num_packs
+    starts = [start for start in starts if start < end]
+    return [range(start, stop) for start, stop in zip(starts, [*starts[1:], end])]

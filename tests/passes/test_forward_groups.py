@@ -6,8 +6,7 @@ import pytest
 import torch
 
 import harmony_fx
-from harmony_fx.lowering.single import forward_groups
-from harmony_fx.lowering.tasks import ProgramSignature
+from harmony_fx.lowering.tasks import ProgramSignature, forward_groups
 from harmony_fx.program.actions import ActionKind as K
 from tests.helpers import ZOO, assert_step_equal, train_step
 
@@ -38,6 +37,30 @@ def test_grouped_forward_matches_eager_and_its_plan(name, microbatches):
 def test_groups_must_start_at_zero_and_increase():
     signature = ProgramSignature((), (), frozenset(), frozenset(), (0,), forward_groups=(1, 2))
     with pytest.raises(ValueError, match="lower_program: forward groups"):
-        forward_groups(signature, 3)
+        forward_groups(signature, 3, "lower_program")
     with pytest.raises(ValueError, match="give both"):
         harmony_fx.compile(torch.nn.Linear(2, 2), torch.randn(2, 2), forward_groups=(0,))
+
+
+@pytest.mark.parametrize("name", ["mlp_chain", "residual_mlp", "tiny_gpt"])
+def test_pipeline_groups_match_eager_and_continue_the_wrap(name):
+    """In a pipeline each group is one forward task of the wrap: groups (p0 p1) (p2 p3) run their
+    forward on d0 and d1, and the backward continues the wrap from the last pack's device."""
+    entry = ZOO[name]
+    model, inputs, _ = entry.build(0)
+    layers = len(harmony_fx.compile(model, inputs, microbatches=1, pack_boundaries=(0,)).layers)
+    boundaries = tuple(range(0, layers, max(layers // 4, 1)))[:4]
+    result = train_step(entry, 1.0, devices=["host:0", "host:1"], parallel="pp", microbatches=1,
+                        pack_boundaries=boundaries, forward_groups=(0, 2))
+    assert_step_equal(result)
+    hm = result.hm
+    for device in hm.devices:
+        assert hm.stats.peak_bytes[device.name] == hm.plan.predicted_peak[device.name]
+    assert dict(hm.stats.bytes_by_kind) == {tuple(k.split("/")): n for k, n in hm.plan.predicted_bytes.items()}
+    ran = {(a.kind, a.pack): device for device, (forward, backward) in enumerate(hm.compiled.device_actions)
+           for a in forward + backward if a.kind in (K.FWD, K.BWD)}
+    assert [ran[(K.FWD, p)] for p in range(4)] == [0, 0, 1, 1]
+    assert [ran[(K.BWD, p)] for p in (3, 2, 1, 0)] == [1, 0, 1, 0]
+    # a group's packs hand values to each other on its device: only group edges cross devices
+    sent = {a.key.name for forward, _ in hm.compiled.device_actions for a in forward if a.kind == K.SEND}
+    assert sent and not sent & set(hm.packs[0].outputs) - set(hm.packs[2].act_inputs) - set(hm.packs[3].act_inputs)
