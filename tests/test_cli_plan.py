@@ -29,6 +29,11 @@ def test_plan_json_and_trace(tmp_path, capsys) -> None:
     assert report["bytes_moved"]["h2d/weights"] > 0 and report["bytes_moved"]["d2h/wgrad"] > 0
     assert report["trace"] == str(trace)
     assert "planning gpt2-xl" in err
+    schedule = report["schedule"]  # Harmony's four choices
+    assert schedule["backward_microbatches"] == report["microbatches"]
+    assert schedule["backward_packs"] == len(report["packs"])
+    assert 1 <= schedule["forward_microbatches"] <= schedule["backward_microbatches"]
+    assert 1 <= schedule["forward_packs"] <= schedule["backward_packs"]
 
     events = json.loads(trace.read_text())["traceEvents"]
     rows = {(e["pid"], e["tid"]): e["args"]["name"] for e in events if e["name"] == "thread_name"}
@@ -44,7 +49,7 @@ def test_plan_text_output(capsys) -> None:
     out, _ = capsys.readouterr()
     assert code == 0
     assert "predicted iteration" in out
-    assert "lower bound" in out
+    assert "lower bound" in out and "Harmony's Ufwd" in out and "Pbwd" in out
     assert "planning bert-large" in out and "batch 16" in out
     table = [line for line in out.splitlines() if line.startswith("pack ")]
     assert len(table) == 1 and "layers" in table[0] and "stash" in table[0]

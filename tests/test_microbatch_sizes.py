@@ -156,3 +156,13 @@ def test_malformed_sizes_are_refused(given, message):
 def test_equal_counts_mean_one_size():
     options = harmony_fx.CompileOptions(microbatches={"forward": 4, "backward": 4})
     assert options.microbatches == 4 and options.forward_microbatches is None
+
+
+def test_the_plan_states_the_four_choices():
+    trainer, _, _ = _apart("residual_mlp", "one")
+    plan = trainer.plan
+    # the forward runs packs 0-2 (the last runs in the backward) on 2 microbatches
+    assert (plan.forward_microbatches, plan.forward_packs, plan.microbatches, len(plan.packs)) == (2, 3, 8, 4)
+    assert "Ufwd = batch/2, Pfwd = 3, Ubwd = batch/8, Pbwd = 4" in trainer.hm.explain()
+    same, _, _ = _run("residual_mlp", 8, "one", "sgd", 1)
+    assert (same.plan.forward_microbatches, same.plan.forward_packs) == (8, 4)

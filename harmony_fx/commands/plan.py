@@ -3,6 +3,7 @@ that need not be at hand, and say how fast one iteration will be and what bounds
 from __future__ import annotations
 
 import argparse
+import bisect
 import dataclasses
 import json
 import re
@@ -146,14 +147,19 @@ def _packs(profile, choice) -> list[dict]:
     from harmony_fx.planner.chain import pack_layers
 
     schedule = choice.schedule
+    count = len(schedule.boundaries)
+    # each pack's forward task in the wrap: its group's, and the last pack's own where it runs in
+    # the backward (``lowering.pipeline``)
+    end = count - 1 if schedule.forward_microbatches else count
+    starts = [start for start in schedule.forward_groups if start < end] or list(range(end))
+    task = [bisect.bisect_right(starts, p) - 1 for p in range(end)] + [len(starts)] * (count - end)
     rows = []
     for index, layers in enumerate(pack_layers(schedule.boundaries, len(profile.layers))):
         first = profile.layers[layers.start]
         stash = (profile.input_bytes if layers.start == 0 else profile.layers[layers.start - 1].out_bytes)
         if schedule.parallel == "pp":
-            count = len(schedule.boundaries)
-            device = (f"d{forward_device(index, schedule.devices)}/"
-                      f"d{backward_device(index, count, schedule.devices)}")
+            device = (f"d{forward_device(task[index], schedule.devices)}/"
+                      f"d{backward_device(index, count, schedule.devices, task[-1])}")
         else:
             device = "all" if schedule.devices > 1 else "d0"
         rows.append({
@@ -172,6 +178,10 @@ def _report(profile, choice, spec, host, seconds: float) -> dict:
         "batch_size": choice.batch_size, "precision": profile.precision,
         "device_spec": spec.name, "devices": schedule.devices, "parallel": schedule.parallel,
         "microbatches": schedule.microbatches, "packs": _packs(profile, choice), "policy": choice.policy,
+        # Harmony's four choices: the forward's microbatches and packs, and the backward's
+        "schedule": {"forward_microbatches": schedule.forward_microbatches or schedule.microbatches,
+                     "forward_packs": schedule.forward_packs, "backward_microbatches": schedule.microbatches,
+                     "backward_packs": len(schedule.boundaries)},
         "iteration_seconds": simulation.seconds, "samples_per_second": choice.samples_per_second(),
         "lower_bound_seconds": choice.lower_bound, "bound_by": choice.bound,
         "bytes_moved": {f"{d}/{k}": n for (d, k), n in sorted(simulation.bytes_moved.items())},
@@ -202,6 +212,7 @@ def _summary(report: dict) -> str:
         f"{len(report['packs'])} packs, {report['microbatches']} microbatches, "
         + (f"{report['parallel']} over {report['devices']} devices" if report["devices"] > 1 else "one device")
         + f" (packing: {report['policy']})",
+        _schedule_line(report["schedule"], report["batch_size"]),
         f"predicted iteration {report['iteration_seconds']:.4g} s, {report['samples_per_second']:.4g} samples/s",
         f"lower bound {report['lower_bound_seconds']:.4g} s ({report['bound_by']}-bound): "
         f"{report['iteration_seconds'] / report['lower_bound_seconds']:.2f}x of it",
@@ -212,6 +223,14 @@ def _summary(report: dict) -> str:
         f"simulated packings: {compared}",
         f"planned in {report['planning_seconds']:.1f} s",
     ])
+
+
+def _schedule_line(schedule: dict, batch_size: int) -> str:
+    size = lambda count: f"{batch_size / count:.3g}"  # noqa: E731
+    return (f"forward: {schedule['forward_microbatches']} microbatches in {schedule['forward_packs']} packs; "
+            f"backward: {schedule['backward_microbatches']} in {schedule['backward_packs']} (Harmony's Ufwd "
+            f"{size(schedule['forward_microbatches'])}, Pfwd {schedule['forward_packs']}, Ubwd "
+            f"{size(schedule['backward_microbatches'])}, Pbwd {schedule['backward_packs']})")
 
 
 def _network_line(network: dict) -> str:

@@ -89,7 +89,7 @@ def compile_program(model: nn.Module, args: tuple, kwargs: dict, options: Compil
                             devices[0].torch_device, decision=_describe_variant)
             analysis = log.run("analyze batch", _analyze_batch, whole, batch, flat_dims, decision=_describe_batch)
             schedule = log.run("choose schedule", choose_schedule, whole.captured.gm, model, batch, devices,
-                               devices[0].budget, options, analysis.separable,
+                               devices[0].budget, options, analysis.separable, trainer,
                                decision=lambda s: s.describe() if s else "none found: the options' defaults")
     stages = functools.partial(_from_layout, log, example, devices, options, trainer, updates, whole, analysis)
     try:

@@ -10,7 +10,7 @@ from typing import Callable
 
 from harmony_fx.config import CompileOptions
 from harmony_fx.frontend.microbatch import microbatch_sizes
-from harmony_fx.lowering.placement import data_parallel_shares, forward_parts
+from harmony_fx.lowering.placement import data_parallel_shares, device_forward_parts, forward_parts
 from harmony_fx.planner.chain import Schedule
 
 __all__ = ["Layout", "decide_layout"]
@@ -37,9 +37,7 @@ class Layout:
 
     def device_forward_parts(self, device: int) -> tuple[tuple[int, tuple[int, ...]], ...]:
         """The forward microbatches ``device`` runs, each with the backward microbatches it joins."""
-        mine = set(self.device_microbatches[device])
-        return tuple((self.num_microbatches + i, parts) for i, parts in enumerate(self.forward_parts)
-                     if parts[0] in mine)
+        return device_forward_parts(self.forward_parts, self.num_microbatches, self.device_microbatches[device])
 
     def describe(self) -> str:
         sizes = "the whole batch" if self.mb_sizes == (None,) else "sizes " + ", ".join(map(str, self.mb_sizes))

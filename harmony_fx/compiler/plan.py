@@ -43,6 +43,10 @@ class Plan:
     # host memory a GPU run pins: every pack's weights as copies read them (the masters, or their
     # compute-dtype copies), the stash and everything else offloaded in one iteration
     pinned_bytes: int = 0
+    # the forward's own microbatches and packs (Harmony's Ufwd, Pfwd; the fields above are the
+    # backward's Ubwd, Pbwd): how many microbatches and forward tasks per microbatch
+    forward_microbatches: int = 0
+    forward_packs: int = 0
 
     @property
     def bytes_h2d(self) -> int:
@@ -68,6 +72,7 @@ class Plan:
             "",
             f"{len(self.packs)} pack(s), {self.microbatches} microbatch(es), policy {self.policy}"
             + (f", {self.parallel} over {len(self.devices)} devices" if len(self.devices) > 1 else ""),
+            *([self.schedule_line()] if self.forward_microbatches else []),
             f"predicted peak {peaks} (budget {budget}, margin {format_size(self.margin)} kept below it"
             + (f": {self.margin_note})" if self.margin_note else ")"),
             *([f"batch: {self.batch}"] if self.batch else []),
@@ -75,6 +80,13 @@ class Plan:
             f"device->host {format_size(self.bytes_d2h)}; host memory pinned on a GPU {format_size(self.pinned_bytes)}",
         ]
         return "\n".join(lines)
+
+    def schedule_line(self) -> str:
+        """The four choices of Harmony's scheduler, in its terms beside ours."""
+        return (f"forward: {self.forward_microbatches} microbatch(es) in {self.forward_packs} pack(s); backward: "
+                f"{self.microbatches} microbatch(es) in {len(self.packs)} pack(s) (Harmony's Ufwd = batch/"
+                f"{self.forward_microbatches}, Pfwd = {self.forward_packs}, Ubwd = batch/{self.microbatches}, "
+                f"Pbwd = {len(self.packs)})")
 
     def __str__(self) -> str:
         return self.table()
@@ -105,7 +117,13 @@ def make_plan(candidate, shapes, nodes: Mapping[str, fx.Node], devices: Sequence
     first = devices[0]
     pinned = sum(plan.weight_bytes for plan in pack_plans) + sum(
         n for (direction, _), n in moved.items() if direction == "d2h")
+    # the forward's own microbatches and packs: what its programs run (a group of packs is one)
+    forward = [a for actions, _ in candidate.device_actions for a in actions if a.kind == ActionKind.FWD]
+    runs = {a.pack for a in forward}
+    groups = layout.forward_groups
+    starts = groups[1] if groups and tuple(groups[0]) == tuple(candidate.boundaries) else sorted(runs)
+    forward_packs = len([start for start in starts if start in runs])
     return Plan(pack_plans, layout.num_microbatches, tuple(d.name for d in devices), budget,
                 {d.name: peak for d, peak in zip(devices, candidate.peaks)},
                 {f"{d}/{k}": n for (d, k), n in sorted(moved.items())}, policy, layout.parallel, batch,
-                first.margin, first.margin_note, pinned)
+                first.margin, first.margin_note, pinned, len({a.mb for a in forward}), forward_packs)

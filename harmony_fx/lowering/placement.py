@@ -14,7 +14,8 @@ from __future__ import annotations
 
 from typing import Sequence
 
-__all__ = ["forward_device", "backward_device", "data_parallel_microbatches", "forward_parts", "data_parallel_shares"]
+__all__ = ["forward_device", "backward_device", "data_parallel_microbatches", "forward_parts", "data_parallel_shares",
+           "device_forward_parts"]
 
 
 def forward_device(task: int, num_devices: int) -> int:
@@ -58,3 +59,11 @@ def data_parallel_shares(num_microbatches: int, num_devices: int,
         return tuple(data_parallel_microbatches(num_microbatches, num_devices))
     return tuple(tuple(j for i in share for j in parts[i])
                  for share in data_parallel_microbatches(len(parts), num_devices))
+
+
+def device_forward_parts(parts: Sequence[tuple[int, ...]], num_microbatches: int,
+                         microbatches: Sequence[int]) -> tuple[tuple[int, tuple[int, ...]], ...]:
+    """The forward microbatches of a device that runs the backward ``microbatches``: each as (its
+    index, after the backward's, and the backward microbatches it joins)."""
+    mine = set(microbatches)
+    return tuple((num_microbatches + i, part) for i, part in enumerate(parts) if part[0] in mine)

@@ -14,7 +14,7 @@ from typing import Sequence
 from harmony_fx.ir.pack import Pack
 from harmony_fx.frontend.microbatch import microbatch_sizes
 from harmony_fx.lowering.pipeline import lower_pipeline
-from harmony_fx.lowering.placement import data_parallel_microbatches
+from harmony_fx.lowering.placement import data_parallel_shares, device_forward_parts, forward_parts
 from harmony_fx.lowering.single import lower_program
 from harmony_fx.lowering.tasks import ProgramSignature
 from harmony_fx.planner.costs import PackCosts, chain_key_bytes
@@ -37,6 +37,13 @@ class Schedule:
     forward_groups: tuple[int, ...] = ()
     # the forward's larger microbatches: how many (``None``: the backward's)
     forward_microbatches: int | None = None
+
+    @property
+    def forward_packs(self) -> int:
+        """The forward's tasks per microbatch (Harmony's Pfwd): its groups of packs, without the
+        last pack where it runs in the backward (larger forward microbatches)."""
+        count = len(self.forward_groups) or len(self.boundaries)
+        return count - 1 if self.forward_microbatches else count
 
     def describe(self) -> str:
         mode = "one device" if self.parallel == "single" else f"{self.parallel} over {self.devices} devices"
@@ -65,19 +72,24 @@ def chain_schedule(profile: ModelProfile, schedule: Schedule, batch_size: int, s
                    host: HostSpec) -> tuple[list[list[Action]], PackCosts]:
     """Every device's program (forward and backward, concatenated) and the costs of its tasks, for
     a Trainer-style iteration: loss in the last pack, the host updating each pack's parameters."""
-    num_layers = len(profile.layers)
+    num_layers, count = len(profile.layers), schedule.microbatches
     packs = chain_packs(profile, schedule.boundaries)
-    sizes = microbatch_sizes(batch_size, schedule.microbatches)
+    sizes = microbatch_sizes(batch_size, count)
+    parts = forward_parts(count, schedule.forward_microbatches)
+    sizes += [sum(sizes[j] for j in part) for part in parts]  # the forward's larger microbatches after
     signature = ProgramSignature(
         model_inputs=("x0",), model_outputs=(f"x{num_layers}",), inputs_requiring_grad=frozenset(),
         differentiable=frozenset(f"x{i}" for i in range(1, num_layers + 1)),
-        microbatches=tuple(range(schedule.microbatches)), fuse_last=True,
+        microbatches=tuple(range(count)), fuse_last=True,
         update_packs=frozenset(pack.index for pack in packs if pack.params), forward_groups=schedule.forward_groups)
     if schedule.parallel == "pp":
-        pairs = lower_pipeline(packs, signature, schedule.devices)
+        every = tuple(range(count))
+        pairs = lower_pipeline(packs, dataclasses.replace(
+            signature, forward_parts=device_forward_parts(parts, count, every)), schedule.devices)
     else:
-        pairs = [lower_program(packs, dataclasses.replace(signature, microbatches=mbs))
-                 for mbs in data_parallel_microbatches(schedule.microbatches, schedule.devices)]
+        pairs = [lower_program(packs, dataclasses.replace(signature, microbatches=mbs,
+                                                          forward_parts=device_forward_parts(parts, count, mbs)))
+                 for mbs in data_parallel_shares(count, schedule.devices, parts)]
     layers = pack_layers(schedule.boundaries, num_layers)
     costs = PackCosts(profile, layers, sizes, spec, host, chain_key_bytes(profile, layers, sizes))
     return [forward + backward for forward, backward in pairs], costs

@@ -29,24 +29,28 @@ __all__ = ["choose_schedule", "device_spec"]
 
 
 def choose_schedule(gm: fx.GraphModule, model: nn.Module, batch_size: int, devices: list, budget: int | None,
-                    options: CompileOptions, separable: bool = True) -> Schedule | None:
+                    options: CompileOptions, separable: bool = True, trainer: bool = False) -> Schedule | None:
     """The planner's schedule, or ``None`` when it finds none (``compile`` then uses its defaults).
     ``separable``: the graph treats the samples apart (``analysis.batch_dims``); if not, the batch
-    is never cut (one microbatch, several devices in a pipeline)."""
+    is never cut (one microbatch, several devices in a pipeline). ``trainer``: the loss is in the
+    graph, so the forward may run larger microbatches than the backward (where the samples are
+    apart and nothing random is drawn)."""
     dtype = options.compute_dtype
     profile = profile_graph("model", gm, batch_size, None if dtype is None else dtype.itemsize, options.precision)
     microbatches = options.microbatches
     parallel = None if options.parallel == "auto" or len(devices) == 1 else options.parallel
+    changes_results = _split_changes_results(gm, model)
     if microbatches is None and not separable:
         microbatches = 1
         if parallel is None and len(devices) > 1:
             parallel = "pp"
-    elif microbatches is None and _split_changes_results(gm, model):
+    elif microbatches is None and changes_results:
         microbatches = len(devices)
     try:
         choice = search(profile, device_spec(devices[0], budget), HostSpec(), batch_size=batch_size,
                         devices=len(devices), budget=budget, parallel=parallel, microbatches=microbatches,
-                        simulate_top=3, all_devices=True)
+                        simulate_top=3, all_devices=True,
+                        forward_apart=trainer and separable and not changes_results)
     except PlanningError:
         return None
     return choice.schedule

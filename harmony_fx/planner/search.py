@@ -1,4 +1,5 @@
-"""Search: pack boundaries, microbatches, data- or pipeline-parallel, and how many devices.
+"""Search: pack boundaries, microbatches, data- or pipeline-parallel, and how many devices; and the
+forward's own packs and microbatches (Harmony's four: Ufwd, Pfwd, Ubwd, Pbwd).
 
 1. **Packs, exactly.** For one (microbatch size, mode, devices) the boundaries come from a dynamic
    program over contiguous layer ranges. A pack's cost is ``max(compute, transfers)`` (its copies
@@ -10,8 +11,14 @@
 2. **Everything else, by simulation.** Each (microbatches, mode, devices) is ranked by the dynamic
    program's estimate; the best few are lowered and simulated (``planner.simulate``), and the
    baselines (one layer per pack, the largest packs that fit, Harmony's greedy and balanced-time
-   packings) are simulated for the winner too. The fastest simulated schedule whose simulated
-   peak fits the budget, and whose stash fits host memory, is the choice.
+   packings) are simulated for the winner too.
+3. **The forward apart.** Over the winner's backward packs (Pbwd) and microbatches (Ubwd), the
+   forward's packs (Pfwd: groups of backward packs) come from a second exact dynamic program
+   (``forward_groups``), once for the backward's microbatch size and once for each larger forward
+   microbatch size (Ufwd: 2, 4, 8, ... backward microbatches each); each is simulated. Pbwd is
+   not chosen again for each Ufwd: the search is exact for each part given the ones before it,
+   and the simulator decides between them. The fastest simulated schedule whose simulated peak
+   fits the budget, and whose stash fits host memory, is the choice.
 """
 from __future__ import annotations
 
@@ -301,9 +308,11 @@ def _powers_of_two(limit: int) -> list[int]:
 
 def search(profile: ModelProfile, spec: DeviceSpec, host: HostSpec, *, batch_size: int, devices: int = 1,
            budget: int | None = None, parallel: str | None = None, microbatches: int | None = None,
-           simulate_top: int = 6, all_devices: bool = False,
+           simulate_top: int = 6, all_devices: bool = False, forward_apart: bool = True,
            progress: Callable[[str], None] | None = None) -> PlanChoice:
-    """The fastest simulated schedule; ``all_devices``: use every device (else also fewer)."""
+    """The fastest simulated schedule; ``all_devices``: use every device (else also fewer);
+    ``forward_apart``: the forward may run larger microbatches than the backward (the samples
+    are apart and no pack draws random numbers)."""
     given, budget = budget or spec.memory, spec.usable(budget)
     num_layers = len(profile.layers)
     fixed = host_bytes(profile, [], batch_size, host)
@@ -355,17 +364,23 @@ def search(profile: ModelProfile, spec: DeviceSpec, host: HostSpec, *, batch_siz
         if progress:
             progress(f"simulating the {policy} baseline")
         results[policy] = (_simulate(profile, candidate, batch_size, spec, host), candidate)
-    # larger packs for the forward, if the simulator says they help
+    # the forward apart from the backward (Harmony's Pfwd and Ufwd), if the simulator says it helps
     chosen = min(results, key=lambda policy: results[policy][0].seconds
                  if max(results[policy][0].peak_bytes) <= budget else float("inf"))
-    grouped = results[chosen][1]
-    if grouped.parallel != "pp":
-        groups = forward_groups(model, list(grouped.boundaries), budget)
-        if groups:
-            candidate = dataclasses.replace(grouped, forward_groups=groups)
-            if progress:
-                progress(f"simulating {len(groups)} forward packs over the {chosen} packing")
-            results[f"{chosen} + forward groups"] = (_simulate(profile, candidate, batch_size, spec, host), candidate)
+    base = results[chosen][1]
+    for forward_count in _forward_counts(base, forward_apart):
+        forward_model = model if forward_count is None else PackModel(
+            profile, -(-batch_size // forward_count),
+            forward_count if base.parallel == "pp" else -(-forward_count // base.devices), spec, base.devices, host)
+        groups = forward_groups(forward_model, list(base.boundaries), budget)
+        if forward_count is None and not groups:
+            continue  # the backward's packs and microbatches: simulated already
+        candidate = dataclasses.replace(base, forward_groups=groups, forward_microbatches=forward_count)
+        what = ", ".join(filter(None, [f"{len(groups)} packs" if groups else "",
+                                       f"{forward_count} microbatches" if forward_count else ""]))
+        if progress:
+            progress(f"simulating a forward of {what} over the {chosen} packing")
+        results[f"{chosen} + forward of {what}"] = (_simulate(profile, candidate, batch_size, spec, host), candidate)
     fits_host = lambda cuts: host.memory is None or host_bytes(profile, cuts, batch_size, host) <= host.memory  # noqa: E731
     compared = {policy: (sim.seconds if max(sim.peak_bytes) <= budget and fits_host(s.boundaries) else float("inf"))
                 for policy, (sim, s) in results.items()}
@@ -379,6 +394,20 @@ def search(profile: ModelProfile, spec: DeviceSpec, host: HostSpec, *, batch_siz
     recomputed = range(schedule.boundaries[-1])  # every pack but the last, which keeps its graph
     bound, what = lower_bound(profile, batch_size, devices, spec, host, recomputed)
     return PlanChoice(schedule, policy, simulation, batch_size, compared, bound, what, needed)
+
+
+def _forward_counts(schedule: Schedule, apart: bool):
+    """The forward's microbatch counts to try: the backward's (``None``), then, where the forward
+    may run larger ones, 2, 4, 8, ... times fewer (whole backward microbatches each; with data
+    parallelism, at least one per device)."""
+    yield None
+    ratio = 2
+    while apart and schedule.microbatches % ratio == 0:
+        count = schedule.microbatches // ratio
+        if schedule.parallel == "dp" and count < schedule.devices:
+            return
+        yield count
+        ratio *= 2
 
 
 def _simulate(profile: ModelProfile, schedule: Schedule, batch_size: int, spec: DeviceSpec,

@@ -246,3 +246,27 @@ def test_forward_groups_are_whole_backward_packs_with_the_last_alone(case) -> No
     grouped = sum(forward.cost(u, v) for u, v in zip(groups[:-1], ends)) + forward.exposed(groups[0], ends[0])
     alone = sum(forward.cost(u, u + 1) for u in range(len(boundaries) - 1)) + forward.exposed(0, 1)
     assert grouped <= alone + 1e-9  # exact: never worse than a pack per group
+
+
+# an issue-bound chain: each task costs its ops' issuing (1 s), whatever its microbatch size, so a
+# forward of fewer, larger microbatches saves whole seconds
+_ISSUE_BOUND = ModelProfile("issue-bound", tuple(LayerProfile(f"l{i}", 1000, 150_000, 1.0, 4.0, 4.0, num_ops=100)
+                                                 for i in range(8)), 16, 4.0, "fp32")
+_ISSUE_SPEC = dataclasses.replace(TOY, op_seconds=0.01, host_bandwidth=1e6, memory_bandwidth=1e9)
+
+
+@pytest.mark.parametrize("parallel, devices", [("single", 1), ("dp", 2), ("pp", 2)])
+def test_the_four_way_search_runs_the_forward_on_larger_microbatches_where_that_is_faster(parallel, devices):
+    host = HostSpec(update_params_per_second=1e9)
+    options = dict(batch_size=16, microbatches=16, devices=devices, parallel=parallel, all_devices=True)
+    two_way = search(_ISSUE_BOUND, _ISSUE_SPEC, host, forward_apart=False, **options)
+    four_way = search(_ISSUE_BOUND, _ISSUE_SPEC, host, **options)
+    assert two_way.schedule.forward_microbatches is None
+    forward = four_way.schedule.forward_microbatches
+    assert forward is not None and forward < 16 and 16 % forward == 0
+    assert four_way.seconds < 0.9 * two_way.seconds
+    # the winner is the simulation of the schedule it names, made here again
+    programs, costs = chain_schedule(_ISSUE_BOUND, four_way.schedule, 16, _ISSUE_SPEC, host)
+    again = simulate(programs, costs, _ISSUE_SPEC, host, devices if parallel == "dp" else 1)
+    assert again.seconds == pytest.approx(four_way.seconds)
+    assert max(again.peak_bytes) <= _ISSUE_SPEC.memory
