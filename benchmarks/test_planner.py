@@ -32,10 +32,14 @@ def test_plan_quality(benchmark, preset, devices, spec_name, host_memory):
     choice = benchmark.pedantic(lambda: search(profile, spec, host, batch_size=batch, devices=devices),
                                 rounds=1, iterations=1)
     best_baseline = min(v for k, v in choice.compared.items() if k in BASELINES)
+    # one set of packs and one microbatch size for forward and backward, against Harmony's four-way
+    two_way = min(v for k, v in choice.compared.items() if "+ forward" not in k)
     _report(benchmark, f"{preset} on {devices} x {spec_name}", {
         "choice": choice.schedule.describe(),
         "packing": choice.policy,
         "iteration s": round(choice.seconds, 3),
+        "two-way s": round(two_way, 3),
+        "four-way / two-way": round(choice.seconds / two_way, 4),
         "vs lower bound": round(choice.seconds / choice.lower_bound, 3),
         "bound": choice.bound,
         "dynamic programming / best baseline": round(choice.compared["dynamic programming"] / best_baseline, 3),
