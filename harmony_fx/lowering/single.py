@@ -67,7 +67,9 @@ def lower_program(packs: Sequence[Pack], signature: ProgramSignature) -> tuple[l
     for g, group in enumerate(groups):
         if grouping:
             b.use([weights(p) for p in group])
-            for p in groups[g + 1] if g + 1 < len(groups) else ():
+            # the next group's weights come in while this one computes (after the last group, the
+            # last pack's, where it runs first thing in the backward program)
+            for p in groups[g + 1] if g + 1 < len(groups) else [last] if deferred else ():
                 b.prefetch(weights(p))
         last_task = {}
         for mb in signature.forward_microbatches:

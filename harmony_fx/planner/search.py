@@ -15,7 +15,8 @@ forward's own packs and microbatches (Harmony's four: Ufwd, Pfwd, Ubwd, Pbwd).
 3. **The forward apart.** Over the winner's backward packs (Pbwd) and microbatches (Ubwd), the
    forward's packs (Pfwd: groups of backward packs) come from a second exact dynamic program
    (``forward_groups``), once for the backward's microbatch size and once for each larger forward
-   microbatch size (Ufwd: 2, 4, 8, ... backward microbatches each); each is simulated. Pbwd is
+   microbatch size (Ufwd: 2, 4, 8, ... backward microbatches each); each grouping, and the
+   backward's own packs at each forward size, is simulated. Pbwd is
    not chosen again for each Ufwd: the search is exact for each part given the ones before it,
    and the simulator decides between them. The fastest simulated schedule whose simulated peak
    fits the budget, and whose stash fits host memory, is the choice.
@@ -372,15 +373,23 @@ def search(profile: ModelProfile, spec: DeviceSpec, host: HostSpec, *, batch_siz
         forward_model = model if forward_count is None else PackModel(
             profile, -(-batch_size // forward_count),
             forward_count if base.parallel == "pp" else -(-forward_count // base.devices), spec, base.devices, host)
-        groups = forward_groups(forward_model, list(base.boundaries), budget)
-        if forward_count is None and not groups:
-            continue  # the backward's packs and microbatches: simulated already
-        candidate = dataclasses.replace(base, forward_groups=groups, forward_microbatches=forward_count)
-        what = ", ".join(filter(None, [f"{len(groups)} packs" if groups else "",
-                                       f"{forward_count} microbatches" if forward_count else ""]))
-        if progress:
-            progress(f"simulating a forward of {what} over the {chosen} packing")
-        results[f"{chosen} + forward of {what}"] = (_simulate(profile, candidate, batch_size, spec, host), candidate)
+        grouped = forward_groups(forward_model, list(base.boundaries), budget)
+        fits = False
+        # the grouping the dynamic program prefers, and the backward's own packs (its cost model
+        # does not see the simulator's overlap: both are simulated)
+        for groups in dict.fromkeys([grouped, ()]):
+            if forward_count is None and not groups:
+                continue  # the backward's packs and microbatches: simulated already
+            candidate = dataclasses.replace(base, forward_groups=groups, forward_microbatches=forward_count)
+            what = ", ".join(filter(None, [f"{len(groups)} packs" if groups else "",
+                                           f"{forward_count} microbatches" if forward_count else ""]))
+            if progress:
+                progress(f"simulating a forward of {what} over the {chosen} packing")
+            simulation = _simulate(profile, candidate, batch_size, spec, host)
+            results[f"{chosen} + forward of {what}"] = (simulation, candidate)
+            fits = fits or max(simulation.peak_bytes) <= budget
+        if forward_count is not None and not fits:
+            break  # larger forward microbatches need more memory still
     fits_host = lambda cuts: host.memory is None or host_bytes(profile, cuts, batch_size, host) <= host.memory  # noqa: E731
     compared = {policy: (sim.seconds if max(sim.peak_bytes) <= budget and fits_host(s.boundaries) else float("inf"))
                 for policy, (sim, s) in results.items()}
