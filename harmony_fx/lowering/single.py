@@ -95,6 +95,8 @@ def lower_program(packs: Sequence[Pack], signature: ProgramSignature) -> tuple[l
                 buffers_out(b, pack, event)  # the weights stay for the backward
             if fused:
                 update(b, pack)
+    if deferred and grouping and groups:  # the last pack's weights, fetched during the last group
+        b.use([weights(last)])  # (the backward program cannot wait for this program's events)
     # every weight-gradient copy so far (the fused last pack's) lands before the forward returns
     for event in facts.dw_events:
         b.wait(event, Stream.HOST)
