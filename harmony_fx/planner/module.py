@@ -24,7 +24,7 @@ def simulate_module(hm, spec: DeviceSpec | None = None, host: HostSpec = HostSpe
     spec = spec or (device_spec(hm.device, hm.budget) if hm.device.torch_device.type == "cuda" else measure_local())
     size = hm.mb_sizes[0] or _batch_of(hm)
     profile = profile_graph("model", hm.captured.gm, size, _itemsize(hm), hm.options.precision)
-    sizes = [s or size for s in hm.mb_sizes]
+    sizes = [s or size for s in hm.compiled.layout.sizes]  # the larger forward microbatches too
     programs = [forward + backward for forward, backward in hm.device_actions]
     measured = {key: value for memory in hm.task_memory for key, value in memory.items()}
     costs = _MeasuredCosts(profile, [pack.layers for pack in hm.packs], sizes, spec, host, hm.key_bytes,

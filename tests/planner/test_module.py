@@ -40,3 +40,27 @@ def test_simulation_is_consistent_with_the_planning_run(name: str, mode: str, fr
         assert abs(simulated - measured) <= 0.10 * max(measured, 1), (device.name, simulated, measured)
         assert simulated <= hm.budget
     assert predicted.seconds > 0
+
+
+@pytest.mark.parametrize("mode", sorted(SETTINGS))
+def test_simulation_of_larger_forward_microbatches(mode: str) -> None:
+    """The forward's microbatches are keys of their own (numbered after the backward's): the
+    simulator sizes their tasks and copies as the runtime counts them."""
+    import torch
+    import torch.nn.functional as F
+    from harmony_fx.testing.models import ResidualMLP
+
+    devices, parallel, _ = SETTINGS[mode]
+    torch.manual_seed(0)
+    model = ResidualMLP()
+    batch = (torch.randn(32, 64), torch.randint(0, 10, (32,)))
+    trainer = harmony_fx.Trainer(model, F.cross_entropy, torch.optim.SGD(model.parameters(), lr=0.1), batch,
+                                 microbatches={"forward": 2, "backward": 8}, pack_boundaries=(0, 2, 4, 6),
+                                 devices=devices, parallel=parallel)
+    try:
+        predicted = simulate_module(trainer.hm)
+        trainer.step(batch)
+        assert predicted.bytes_moved == dict(trainer.hm.stats.bytes_by_kind)
+        assert predicted.seconds > 0
+    finally:
+        trainer.close()
