@@ -24,10 +24,11 @@ def _loss(output, target):
 
 
 @pytest.mark.benchmark(group="tiny_gpt step on several devices")
-@pytest.mark.parametrize("parallel", ["dp", "pp"])
+@pytest.mark.parametrize("parallel", ["dp", "pp", "pp-host"])
 @pytest.mark.parametrize("num_devices", [1, 2, 3])
 def test_step(benchmark, num_devices, parallel):
-    if num_devices == 1 and parallel == "pp":
+    """``pp-host``: the pipeline handing on through the host (``handoff="host"``)."""
+    if num_devices == 1 and parallel != "dp":
         pytest.skip("one device has no pipeline")
     torch.manual_seed(0)
     model = TinyGPT(CONFIG)
@@ -36,7 +37,8 @@ def test_step(benchmark, num_devices, parallel):
     budget = int(0.25 * eager_training_bytes(model, (idx,), lambda out: _loss(out, target)))
     trainer = harmony_fx.Trainer(model, _loss, torch.optim.AdamW(model.parameters(), lr=1e-3), ((idx,), target),
                                  devices=[f"host:{i}" for i in range(num_devices)], memory_budget=budget,
-                                 microbatches=6, parallel=parallel, pack_boundaries=BOUNDARIES)
+                                 microbatches=6, parallel=parallel.split("-")[0], pack_boundaries=BOUNDARIES,
+                                 handoff="host" if parallel == "pp-host" else None)
     trainer.step(((idx,), target))  # warm-up
     benchmark.pedantic(trainer.step, (((idx,), target),), rounds=5, iterations=1)
     per_device = trainer.stats.as_dict()["bytes_by_device"]
@@ -45,4 +47,5 @@ def test_step(benchmark, num_devices, parallel):
         print(f"\n{parallel} on {num_devices} device(s): {device.name} moved {moved:,} B, peak {trainer.stats.peak_bytes[device.name]:,} B "
               f"(budget {budget:,} B)")
         benchmark.extra_info[f"{device.name} bytes"] = moved
+        benchmark.extra_info[f"{device.name} peak"] = trainer.stats.peak_bytes[device.name]
     trainer.close()

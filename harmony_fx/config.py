@@ -79,6 +79,10 @@ class CompileOptions:
     ``pack_boundaries``: fix the packs (the index of each pack's first layer) instead of planning.
     ``forward_groups``: with ``pack_boundaries``, larger packs for the forward (which holds no graph
     and no gradients): the first pack of each group. In a pipeline each group is one forward task of the wrap.
+    ``handoff``: how a pipeline hands a microbatch's values to the next device: ``"peer"`` device
+    to device (the sender keeps them until its pack ends), ``"host"`` through the stash on the host
+    (each microbatch's freed as soon as its copy landed: a lower peak, more host traffic);
+    ``None``: the planner's choice, else ``"peer"``.
     ``chaos``: a seed: HostDevice streams run on worker threads with random delays, so a missing
     wait shows up as a wrong number or an error (a testing aid; slower).
     ``compile_packs``: every pack's forward and backward compiled by inductor (``runtime.inductor``);
@@ -98,6 +102,7 @@ class CompileOptions:
     precision: Literal["fp32", "bf16"] = "fp32"
     pack_boundaries: tuple[int, ...] | None = None
     forward_groups: tuple[int, ...] | None = None
+    handoff: Literal["peer", "host"] | None = None
     chaos: int | None = None
     compile_packs: bool | None = None
     timeline: bool = False
@@ -125,6 +130,8 @@ class CompileOptions:
             raise ValueError(f"precision must be 'fp32' or 'bf16', got {self.precision!r}")
         if self.forward_groups is not None and self.pack_boundaries is None:
             raise ValueError("forward_groups groups the packs of pack_boundaries: give both, or neither")
+        if self.handoff not in (None, "peer", "host"):
+            raise ValueError(f"handoff must be 'peer', 'host' or None, got {self.handoff!r}")
         if self.parallel not in ("auto", "dp", "pp"):
             raise ValueError(f"parallel must be 'auto', 'dp' or 'pp', got {self.parallel!r}")
 

@@ -160,6 +160,33 @@ def test_pp_trains_like_eager(name, num_devices, chaos):
     assert stats.as_dict()["bytes_by_kind"].get("peer/act", 0) > 0  # activations went device to device
 
 
+@pytest.mark.parametrize("name, num_devices, chaos", [("mlp_chain", 2, None), ("residual_mlp", 3, None),
+                                                       ("tiny_gpt", 2, None), ("residual_mlp", 2, 0)])
+def test_pp_handing_on_through_the_host_trains_like_peer_and_frees_per_microbatch(name, num_devices, chaos):
+    """``handoff="host"``: the next device reads the stash, each microbatch's values are freed as
+    soon as their copy landed: the same numbers bitwise, no peer traffic, and no device's peak
+    above the device-to-device hand-off's (both measured by the witness)."""
+    peer = _train(name, num_devices, chaos, 2, parallel="pp", microbatches=4)
+    host = _train(name, num_devices, chaos, 2, parallel="pp", microbatches=4, handoff="host")
+    trainer, model, witnessed = host[0], host[1], host[5]
+    for param, expected in zip(model.parameters(), peer[1].parameters()):
+        assert torch.equal(param, expected)
+    assert [float(x) for x in host[3]] == [float(x) for x in peer[3]]
+    assert witnessed == trainer.stats.peak_bytes == trainer.plan.predicted_peak
+    assert all(witnessed[d] <= peer[5][d] for d in witnessed)
+    moved = trainer.stats.as_dict()["bytes_by_kind"]
+    assert moved == trainer.plan.predicted_bytes and not any(k.startswith("peer/") for k in moved)
+    # every output of a pack's task is freed before the pack's next task (device to device, they
+    # stay until the pack ends)
+    last = len(trainer.hm.packs) - 1
+    for forward, _ in trainer.hm.device_actions:
+        tasks = [(i, a) for i, a in enumerate(forward) if a.kind == ActionKind.FWD and a.pack < last]
+        for (i, task), (j, following) in zip(tasks, tasks[1:]):
+            if following.pack == task.pack:
+                freed = {a.key.name for a in forward[i:j] if a.kind == ActionKind.FREE and a.key.mb == task.mb}
+                assert set(trainer.hm.packs[task.pack].outputs) <= freed, (task, freed)
+
+
 def test_pp_with_batchnorm_moves_the_planned_bytes():
     trainer, *_, witnessed, budget = _train_pp("small_cnn", 2, microbatches=2, steps=1)
     assert trainer.stats.as_dict()["bytes_by_kind"] == trainer.plan.predicted_bytes

@@ -29,6 +29,7 @@ class Layout:
     # is microbatch ``num_microbatches + i`` in keys and ``sizes``); empty: the forward runs the
     # backward's microbatches
     forward_parts: tuple[tuple[int, ...], ...] = ()
+    handoff: str = "peer"  # how a pipeline hands values on (``ProgramSignature.handoff``)
 
     @property
     def sizes(self) -> tuple[int | None, ...]:
@@ -73,5 +74,6 @@ def decide_layout(schedule: Schedule | None, options: CompileOptions, num_device
         forward_groups = (tuple(options.pack_boundaries), tuple(options.forward_groups))
     elif schedule is not None and schedule.forward_groups:
         forward_groups = (schedule.boundaries, schedule.forward_groups)
+    handoff = options.handoff or (schedule.handoff if schedule is not None else "peer")
     return Layout(parallel, num_microbatches, mb_sizes, device_microbatches,
-                  num_devices if parallel == "dp" else 1, forward_groups, parts)
+                  num_devices if parallel == "dp" else 1, forward_groups, parts, handoff)

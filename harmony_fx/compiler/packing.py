@@ -179,7 +179,7 @@ def lower_devices(packs: Sequence[Pack], signature: ProgramSignature, layout: La
     planned = layout.forward_groups
     groups = planned[1] if planned and tuple(boundaries) == planned[0] else ()
     if layout.parallel == "pp":
-        return lower_pipeline(packs, dataclasses.replace(signature, forward_groups=groups,
+        return lower_pipeline(packs, dataclasses.replace(signature, forward_groups=groups, handoff=layout.handoff,
                                                          forward_parts=layout.device_forward_parts(0)),
                               len(layout.device_microbatches))
     return [lower_program(packs, dataclasses.replace(signature, microbatches=mbs, forward_groups=groups,

@@ -47,6 +47,7 @@ class Plan:
     # backward's Ubwd, Pbwd): how many microbatches and forward tasks per microbatch
     forward_microbatches: int = 0
     forward_packs: int = 0
+    handoff: str = ""  # a pipeline's: "peer" (device to device) or "host" (through the stash)
 
     @property
     def bytes_h2d(self) -> int:
@@ -71,7 +72,8 @@ class Plan:
         lines += [
             "",
             f"{len(self.packs)} pack(s), {self.microbatches} microbatch(es), policy {self.policy}"
-            + (f", {self.parallel} over {len(self.devices)} devices" if len(self.devices) > 1 else ""),
+            + (f", {self.parallel} over {len(self.devices)} devices" if len(self.devices) > 1 else "")
+            + {"peer": ", handing on device to device", "host": ", handing on through the host"}.get(self.handoff, ""),
             *([self.schedule_line()] if self.forward_microbatches else []),
             f"predicted peak {peaks} (budget {budget}, margin {format_size(self.margin)} kept below it"
             + (f": {self.margin_note})" if self.margin_note else ")"),
@@ -126,4 +128,5 @@ def make_plan(candidate, shapes, nodes: Mapping[str, fx.Node], devices: Sequence
     return Plan(pack_plans, layout.num_microbatches, tuple(d.name for d in devices), budget,
                 {d.name: peak for d, peak in zip(devices, candidate.peaks)},
                 {f"{d}/{k}": n for (d, k), n in sorted(moved.items())}, policy, layout.parallel, batch,
-                first.margin, first.margin_note, pinned, len({a.mb for a in forward}), forward_packs)
+                first.margin, first.margin_note, pinned, len({a.mb for a in forward}), forward_packs,
+                layout.handoff if layout.parallel == "pp" else "")

@@ -1,8 +1,9 @@
 """Lower packs to a wrap-around pipeline over several devices (Harmony-PP): one program per device.
 
-1. Forward task of pack *p* runs on device ``p mod N``; backward tasks continue the wrap: pack *p*'s
-   backward runs on device ``(2(P-1) - p) mod N``, so the last pack's backward stays where its
-   forward kept its graph and weights, and consecutive tasks sit on neighbouring devices.
+1. The forward's *u*-th task (a pack, or a group of packs) runs on device ``u mod N``; backward
+   tasks continue the wrap from the last pack (``lowering.placement``), so the last pack's backward
+   stays where its forward kept its graph and weights, and consecutive tasks sit on neighbouring
+   devices.
 2. A pack's output that the next pack reads goes device to device per microbatch (``SEND``/
    ``RECV`` on the peer stream), so the next device starts microbatch 0 while this one computes
    microbatch 1. Every pack input is also stashed on the host, because its backward recompute runs
@@ -13,7 +14,9 @@
    runs its producer's backward.
 4. A copy of a host value that another device wrote waits for that device's copy (``WAIT e from
    dN``); a device frees what it sent once the peer has it (the ``SEND``'s event), after the
-   whole pack, so that no two devices wait for each other's pick-up.
+   whole pack, so that no two devices wait for each other's pick-up. With ``handoff="host"`` no
+   value goes device to device: the next device reads the stash (and the host sums every
+   gradient), and each microbatch's values are freed as soon as their copy to the host landed.
 
 Each device's program lists its tasks in one global order (packs, then microbatches; forward then
 backward), and every task depends only on tasks before it in that order, so the devices cannot
@@ -67,13 +70,14 @@ class _Wrap:
         """``v`` (made by ``p - 1``) reaches pack ``p`` device to device (the last pack, where it
         runs in the backward, reads the host's stash)."""
         deferred = self.signature.last_in_backward and p == len(self.packs) - 1
-        return self.producer.get(v) == p - 1 and self.fdev(p - 1) != self.fdev(p) and not deferred
+        return (self.signature.handoff == "peer" and self.producer.get(v) == p - 1 and self.fdev(p - 1) != self.fdev(p)
+                and not deferred)
 
     def grad_p2p(self, v: str) -> bool:
         """The gradient of ``v`` goes device to device: its only reader is the next pack."""
         q = self.producer.get(v)
-        return (q is not None and self.readers.get(v) == [q + 1] and v not in self.signature.model_outputs
-                and self.bdev(q) != self.bdev(q + 1))
+        return (self.signature.handoff == "peer" and q is not None and self.readers.get(v) == [q + 1]
+                and v not in self.signature.model_outputs and self.bdev(q) != self.bdev(q + 1))
 
 
 class _PipeBuilder(Builder):

@@ -50,6 +50,11 @@ class ProgramSignature:
     # backward's, and the last pack (fused: forward, loss and backward) runs in the backward
     # program on the backward's microbatches. Empty: the forward runs ``microbatches``.
     forward_parts: tuple[tuple[int, tuple[int, ...]], ...] = ()
+    # a pipeline hands each microbatch's values to the next device device to device ("peer": the
+    # sender keeps them until its pack ends, so that no two devices wait for each other), or
+    # through the host ("host": the next device reads the stash the pack copies out anyway, and
+    # the sender frees each microbatch's values as soon as that copy has landed)
+    handoff: str = "peer"
 
     @property
     def forward_microbatches(self) -> tuple[int, ...]:

@@ -37,6 +37,7 @@ class Schedule:
     forward_groups: tuple[int, ...] = ()
     # the forward's larger microbatches: how many (``None``: the backward's)
     forward_microbatches: int | None = None
+    handoff: str = "peer"  # a pipeline's: device to device, or through the host
 
     @property
     def forward_packs(self) -> int:
@@ -49,7 +50,8 @@ class Schedule:
         mode = "one device" if self.parallel == "single" else f"{self.parallel} over {self.devices} devices"
         forward = f" ({len(self.forward_groups)} in the forward)" if self.forward_groups else ""
         forward_mbs = f" ({self.forward_microbatches} in the forward)" if self.forward_microbatches else ""
-        return f"{len(self.boundaries)} packs{forward}, {self.microbatches} microbatches{forward_mbs}, {mode}"
+        handoff = ", handing on through the host" if self.parallel == "pp" and self.handoff == "host" else ""
+        return f"{len(self.boundaries)} packs{forward}, {self.microbatches} microbatches{forward_mbs}, {mode}{handoff}"
 
 
 def pack_layers(boundaries: Sequence[int], num_layers: int) -> list[range]:
@@ -81,7 +83,8 @@ def chain_schedule(profile: ModelProfile, schedule: Schedule, batch_size: int, s
         model_inputs=("x0",), model_outputs=(f"x{num_layers}",), inputs_requiring_grad=frozenset(),
         differentiable=frozenset(f"x{i}" for i in range(1, num_layers + 1)),
         microbatches=tuple(range(count)), fuse_last=True,
-        update_packs=frozenset(pack.index for pack in packs if pack.params), forward_groups=schedule.forward_groups)
+        update_packs=frozenset(pack.index for pack in packs if pack.params), forward_groups=schedule.forward_groups,
+        handoff=schedule.handoff)
     if schedule.parallel == "pp":
         every = tuple(range(count))
         pairs = lower_pipeline(packs, dataclasses.replace(

@@ -50,7 +50,7 @@ def choose_schedule(gm: fx.GraphModule, model: nn.Module, batch_size: int, devic
         choice = search(profile, device_spec(devices[0], budget), HostSpec(), batch_size=batch_size,
                         devices=len(devices), budget=budget, parallel=parallel, microbatches=microbatches,
                         simulate_top=3, all_devices=True,
-                        forward_apart=trainer and separable and not changes_results)
+                        forward_apart=trainer and separable and not changes_results, handoff=options.handoff)
     except PlanningError:
         return None
     return choice.schedule

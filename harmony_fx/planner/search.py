@@ -310,10 +310,11 @@ def _powers_of_two(limit: int) -> list[int]:
 def search(profile: ModelProfile, spec: DeviceSpec, host: HostSpec, *, batch_size: int, devices: int = 1,
            budget: int | None = None, parallel: str | None = None, microbatches: int | None = None,
            simulate_top: int = 6, all_devices: bool = False, forward_apart: bool = True,
-           progress: Callable[[str], None] | None = None) -> PlanChoice:
+           handoff: str | None = None, progress: Callable[[str], None] | None = None) -> PlanChoice:
     """The fastest simulated schedule; ``all_devices``: use every device (else also fewer);
     ``forward_apart``: the forward may run larger microbatches than the backward (the samples
-    are apart and no pack draws random numbers)."""
+    are apart and no pack draws random numbers); ``handoff``: a pipeline's, fixed (``None``: the
+    simulator chooses between device to device and through the host)."""
     given, budget = budget or spec.memory, spec.usable(budget)
     num_layers = len(profile.layers)
     fixed = host_bytes(profile, [], batch_size, host)
@@ -346,7 +347,7 @@ def search(profile: ModelProfile, spec: DeviceSpec, host: HostSpec, *, batch_siz
     ranked.sort(key=lambda r: r[0])
     simulated = []
     for index, (_, count, mode, used, boundaries, model) in enumerate(ranked[:simulate_top]):
-        schedule = Schedule(tuple(boundaries), count, mode, used)
+        schedule = Schedule(tuple(boundaries), count, mode, used, handoff=handoff or "peer")
         if progress:
             progress(f"simulating {schedule.describe()} ({index + 1}/{min(simulate_top, len(ranked))})")
         simulated.append((_simulate(profile, schedule, batch_size, spec, host), schedule, model))
@@ -390,6 +391,12 @@ def search(profile: ModelProfile, spec: DeviceSpec, host: HostSpec, *, batch_siz
             fits = fits or max(simulation.peak_bytes) <= budget
         if forward_count is not None and not fits:
             break  # larger forward microbatches need more memory still
+    if base.parallel == "pp" and handoff is None:  # through the host: a lower peak for more copies
+        candidate = dataclasses.replace(base, handoff="host")
+        if progress:
+            progress(f"simulating the {chosen} packing handing on through the host")
+        results[f"{chosen}, handing on through the host"] = (_simulate(profile, candidate, batch_size, spec, host),
+                                                              candidate)
     fits_host = lambda cuts: host.memory is None or host_bytes(profile, cuts, batch_size, host) <= host.memory  # noqa: E731
     compared = {policy: (sim.seconds if max(sim.peak_bytes) <= budget and fits_host(s.boundaries) else float("inf"))
                 for policy, (sim, s) in results.items()}

@@ -270,3 +270,14 @@ def test_the_four_way_search_runs_the_forward_on_larger_microbatches_where_that_
     again = simulate(programs, costs, _ISSUE_SPEC, host, devices if parallel == "dp" else 1)
     assert again.seconds == pytest.approx(four_way.seconds)
     assert max(again.peak_bytes) <= _ISSUE_SPEC.memory
+
+
+def test_a_pipeline_is_also_simulated_handing_on_through_the_host():
+    host = HostSpec(update_params_per_second=1e9)
+    options = dict(batch_size=16, microbatches=16, devices=2, parallel="pp", all_devices=True)
+    choice = search(_ISSUE_BOUND, _ISSUE_SPEC, host, **options)
+    through_host = [policy for policy in choice.compared if policy.endswith("handing on through the host")]
+    assert len(through_host) == 1
+    fixed = search(_ISSUE_BOUND, _ISSUE_SPEC, host, handoff="peer", **options)
+    assert not [policy for policy in fixed.compared if "through the host" in policy]
+    assert fixed.schedule.handoff == "peer"
