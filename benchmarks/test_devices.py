@@ -38,14 +38,15 @@ def test_step(benchmark, num_devices, parallel):
     trainer = harmony_fx.Trainer(model, _loss, torch.optim.AdamW(model.parameters(), lr=1e-3), ((idx,), target),
                                  devices=[f"host:{i}" for i in range(num_devices)], memory_budget=budget,
                                  microbatches=6, parallel=parallel.split("-")[0], pack_boundaries=BOUNDARIES,
-                                 handoff="host" if parallel == "pp-host" else None)
+                                 handoff="host" if parallel == "pp-host" else None, track_memory=True)
     trainer.step(((idx,), target))  # warm-up
     benchmark.pedantic(trainer.step, (((idx,), target),), rounds=5, iterations=1)
     per_device = trainer.stats.as_dict()["bytes_by_device"]
     for device in trainer.hm.devices:
         moved = sum(n for key, n in per_device.items() if key.startswith(device.name + " "))
         print(f"\n{parallel} on {num_devices} device(s): {device.name} moved {moved:,} B, peak {trainer.stats.peak_bytes[device.name]:,} B "
-              f"(budget {budget:,} B)")
+              f"(plan {trainer.plan.predicted_peak[device.name]:,} B, budget {budget:,} B), mean step "
+              f"{benchmark.stats.stats.mean * 1e3:.0f} ms")
         benchmark.extra_info[f"{device.name} bytes"] = moved
         benchmark.extra_info[f"{device.name} peak"] = trainer.stats.peak_bytes[device.name]
     trainer.close()
