@@ -27,6 +27,10 @@ def add_parser(commands) -> None:
     plan.add_argument("--device-spec", default="a100-80gb", help="a GPU preset, or 'host' (this machine, measured)")
     plan.add_argument("--memory-budget", help="bytes per device (default: the device's memory), e.g. 40GiB")
     plan.add_argument("--host-memory", help="host memory for masters, optimizer state and stash, e.g. 2TB")
+    plan.add_argument("--nvme", help="an NVMe tier for what host memory cannot hold (optimizer state first, "
+                                      "then fp32 masters), e.g. 8TB")
+    plan.add_argument("--nvme-read", default="6GB", help="the tier's read bandwidth, bytes/s (default 6GB)")
+    plan.add_argument("--nvme-write", default="3GB", help="the tier's write bandwidth, bytes/s (default 3GB)")
     plan.add_argument("--host-link", help="all devices' host traffic together, bytes/s per direction "
                                           "(default: 4 devices' links)")
     plan.add_argument("--optimizer", choices=sorted(_OPTIMIZER_STATE), default="adam",
@@ -69,7 +73,9 @@ def run(args: argparse.Namespace) -> int:
         batch_size = args.batch_size or batch_size
         link = parse_size(args.host_link) if args.host_link else 4 * spec.host_bandwidth
         host = HostSpec(memory=parse_size(args.host_memory), link_bandwidth=link,
-                        update_params_per_second=args.update_rate, optimizer_state_bytes=_OPTIMIZER_STATE[args.optimizer])
+                        update_params_per_second=args.update_rate, optimizer_state_bytes=_OPTIMIZER_STATE[args.optimizer],
+                        nvme_bytes=parse_size(args.nvme), nvme_read=parse_rate(args.nvme_read),
+                        nvme_write=parse_rate(args.nvme_write))
         network = parse_rate(args.network)
         where = f"{args.devices} x {spec.name}"
         if args.nodes > 1:
@@ -109,6 +115,8 @@ def run(args: argparse.Namespace) -> int:
             "global_batch_size": batch_size * args.nodes,
             "global_samples_per_second": choice.samples_per_second() * args.nodes,
         }
+    if host.nvme_bytes:
+        report["nvme"] = _nvme_report(profile, choice, host)
     if args.trace:
         write_trace(args.trace, choice.simulation.trace_events())
         report["trace"] = args.trace
@@ -220,6 +228,7 @@ def _summary(report: dict) -> str:
         "peak per device: " + ", ".join(format_size(p) for p in report["peak_bytes"]),
         f"host memory: {format_size(report['host_bytes'])}" + (" per server" if "network" in report else ""),
         *([_network_line(report["network"])] if "network" in report else []),
+        *([_nvme_line(report["nvme"])] if "nvme" in report else []),
         f"simulated packings: {compared}",
         f"planned in {report['planning_seconds']:.1f} s",
     ])
@@ -231,6 +240,30 @@ def _schedule_line(schedule: dict, batch_size: int) -> str:
             f"backward: {schedule['backward_microbatches']} in {schedule['backward_packs']} (Harmony's Ufwd "
             f"{size(schedule['forward_microbatches'])}, Pfwd {schedule['forward_packs']}, Ubwd "
             f"{size(schedule['backward_microbatches'])}, Pbwd {schedule['backward_packs']})")
+
+
+def _nvme_report(profile, choice, host) -> dict:
+    from harmony_fx.planner.tiers import plan_tiers
+
+    tiers = plan_tiers(profile, choice.schedule.boundaries, choice.batch_size, host)
+    moved = choice.simulation.bytes_moved
+    return {
+        "capacity_bytes": host.nvme_bytes, "bytes_on_tier": tiers.nvme_bytes,
+        "optimizer_state_of_packs": list(tiers.state_on_nvme), "fp32_masters_of_packs": list(tiers.masters_on_nvme),
+        "read_bytes_per_iteration": moved.get(("nvme", "read"), 0),
+        "write_bytes_per_iteration": moved.get(("nvme", "write"), 0),
+        "read_bandwidth": host.nvme_read, "write_bandwidth": host.nvme_write,
+        "busy_seconds": sum(seconds for (_, lane), seconds in choice.simulation.busy.items() if lane == "nvme"),
+    }
+
+
+def _nvme_line(nvme: dict) -> str:
+    if not nvme["bytes_on_tier"]:
+        return "NVMe tier: not needed (host memory holds everything)"
+    masters = (f" and the fp32 masters of {len(nvme['fp32_masters_of_packs'])}" if nvme["fp32_masters_of_packs"] else "")
+    return (f"NVMe tier: the optimizer state of {len(nvme['optimizer_state_of_packs'])} pack(s){masters}, "
+            f"{format_size(nvme['bytes_on_tier'])}; per iteration it reads {format_size(nvme['read_bytes_per_iteration'])} "
+            f"and writes {format_size(nvme['write_bytes_per_iteration'])} ({nvme['busy_seconds']:.3g} s busy)")
 
 
 def _network_line(network: dict) -> str:

@@ -28,6 +28,7 @@ class Shapes:
         self.mb_sizes = tuple(mb_sizes)
         self.masters = masters
         self.compute_dtype = compute_dtype
+        self._split_cache: dict = {}
 
     def value_of(self, key: Key) -> object:
         """The FakeTensor value of an activation on microbatch ``key.mb``, or of its gradient."""
@@ -44,7 +45,14 @@ class Shapes:
         ``parts``: per leaf of its value, ``(dim, size of each part along it)``, or ``None`` where
         every part holds the same leaf (not batched). The batch dim is the one dim whose size
         differs between the forward's shape and the parts' (the batch analysis keeps the batch the
-        outer factor of a flattened dim, so ``[B*S, H]`` cuts at multiples of ``S``)."""
+        outer factor of a flattened dim, so ``[B*S, H]`` cuts at multiples of ``S``). Asked for by
+        every ``SPLIT`` of every iteration: worked out once."""
+        cached = (key, tuple(parts))
+        if cached not in self._split_cache:
+            self._split_cache[cached] = self._split_dims(key, parts)
+        return self._split_cache[cached]
+
+    def _split_dims(self, key: Key, parts: Sequence[int]) -> tuple[tuple[int, tuple[int, ...]] | None, ...]:
         whole = pytrees.leaves(self.value_of(key))
         pieces = [pytrees.leaves(self.value_of(key._replace(mb=mb))) for mb in parts]
         dims: list[tuple[int, tuple[int, ...]] | None] = []

@@ -23,6 +23,11 @@ recomputed at once otherwise). Backward, packs in reverse order:
 
 Every transfer is preceded by a ``WAIT`` for what produced its source and every use by a ``WAIT``
 for the transfer; ``FREE`` of a key waits for every copy that reads it.
+
+With forward microbatches larger than the backward's (``ProgramSignature.forward_parts``) the
+forward runs every pack but the last on them, the host cuts the stash into the backward's
+microbatches once its copies have landed (``SPLIT``), and the last pack's fused forward, loss and
+backward open the backward program, one task per backward microbatch.
 """
 from __future__ import annotations
 

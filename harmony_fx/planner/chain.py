@@ -20,6 +20,7 @@ from harmony_fx.lowering.tasks import ProgramSignature
 from harmony_fx.planner.costs import PackCosts, chain_key_bytes
 from harmony_fx.planner.profile import ModelProfile
 from harmony_fx.planner.specs import DeviceSpec, HostSpec
+from harmony_fx.planner.tiers import plan_tiers
 from harmony_fx.program.actions import Action
 
 __all__ = ["Schedule", "chain_packs", "chain_schedule", "pack_layers"]
@@ -94,5 +95,6 @@ def chain_schedule(profile: ModelProfile, schedule: Schedule, batch_size: int, s
                                                           forward_parts=device_forward_parts(parts, count, mbs)))
                  for mbs in data_parallel_shares(count, schedule.devices, parts)]
     layers = pack_layers(schedule.boundaries, num_layers)
-    costs = PackCosts(profile, layers, sizes, spec, host, chain_key_bytes(profile, layers, sizes))
+    tiers = plan_tiers(profile, schedule.boundaries, batch_size, host)
+    costs = PackCosts(profile, layers, sizes, spec, host, chain_key_bytes(profile, layers, sizes), tiers.pack_nvme_bytes)
     return [forward + backward for forward, backward in pairs], costs

@@ -35,11 +35,10 @@ from harmony_fx.planner.costs import layer_seconds
 from harmony_fx.planner.profile import ModelProfile
 from harmony_fx.planner.simulate import Simulation, simulate
 from harmony_fx.planner.specs import DeviceSpec, HostSpec
+from harmony_fx.planner.tiers import MASTER_AND_GRAD_BYTES, plan_tiers
 
 __all__ = ["PlanChoice", "search", "best_boundaries", "baselines", "lower_bound", "host_bytes",
            "PlanningError", "PackModel", "ForwardModel"]
-
-_MASTER_PER_PARAM = 8  # fp32 master and its fp32 gradient
 
 
 class PlanningError(ValueError):
@@ -255,15 +254,8 @@ def baselines(num_layers: int, model: PackModel, budget: float) -> dict[str, lis
 
 def host_bytes(profile: ModelProfile, boundaries: Sequence[int], batch_size: int, host: HostSpec) -> int:
     """Host memory one iteration holds: fp32 masters and gradients, the optimizer's state, and the
-    stash (every pack's inputs, for every sample)."""
-    stash = sum((profile.input_bytes if b == 0 else profile.layers[b - 1].out_bytes) for b in boundaries)
-    cluster = host.cluster
-    if cluster.nodes > 1 and cluster.shard_optimizer:
-        # full weights and gradients on every server; fp32 master chunks and optimizer state 1/N
-        per_param = _MASTER_PER_PARAM + (4 + host.optimizer_state_bytes) / cluster.nodes
-    else:
-        per_param = _MASTER_PER_PARAM + host.optimizer_state_bytes
-    return int(profile.num_params * per_param + stash * batch_size)
+    stash (every pack's inputs, for every sample), less what an NVMe tier takes (``planner.tiers``)."""
+    return plan_tiers(profile, boundaries, batch_size, host).host_bytes
 
 
 def lower_bound(profile: ModelProfile, batch_size: int, devices: int, spec: DeviceSpec, host: HostSpec,
@@ -317,13 +309,17 @@ def search(profile: ModelProfile, spec: DeviceSpec, host: HostSpec, *, batch_siz
     simulator chooses between device to device and through the host)."""
     given, budget = budget or spec.memory, spec.usable(budget)
     num_layers = len(profile.layers)
-    fixed = host_bytes(profile, [], batch_size, host)
+    # the least any packing needs: no stash, and with a tier, one layer per pack (the smallest
+    # staging buffers)
+    least = plan_tiers(profile, range(num_layers) if host.nvme_bytes else [], 0, host)
+    fixed = least.host_bytes
     if host.memory is not None and fixed > host.memory:
+        tier = f" with {format_size(least.nvme_bytes)} of it on the NVMe tier" if host.nvme_bytes else ""
         raise PlanningError(
             f"search: {profile.name} needs at least {format_size(fixed)} of host memory for its fp32 masters, "
-            f"gradients and optimizer state ({_MASTER_PER_PARAM + host.optimizer_state_bytes} bytes per parameter, "
-            f"{profile.num_params / 1e9:.1f}B parameters), more than the {format_size(host.memory)} given. Use a "
-            "host with more memory, or an optimizer with less state.")
+            f"gradients and optimizer state ({MASTER_AND_GRAD_BYTES + host.optimizer_state_bytes} bytes per parameter, "
+            f"{profile.num_params / 1e9:.1f}B parameters){tier}, more than the {format_size(host.memory)} given. Use "
+            "a host with more memory, an NVMe tier (--nvme), or an optimizer with less state.")
     ranked = []
     smallest_need = float("inf")
     for count, mode, used in _settings(batch_size, devices, parallel, microbatches, all_devices):
@@ -370,12 +366,13 @@ def search(profile: ModelProfile, spec: DeviceSpec, host: HostSpec, *, batch_siz
     chosen = min(results, key=lambda policy: results[policy][0].seconds
                  if max(results[policy][0].peak_bytes) <= budget else float("inf"))
     base = results[chosen][1]
+    previous = results[chosen][0].seconds
     for forward_count in _forward_counts(base, forward_apart):
         forward_model = model if forward_count is None else PackModel(
             profile, -(-batch_size // forward_count),
             forward_count if base.parallel == "pp" else -(-forward_count // base.devices), spec, base.devices, host)
         grouped = forward_groups(forward_model, list(base.boundaries), budget)
-        fits = False
+        fits, fastest = False, float("inf")
         # the grouping the dynamic program prefers, and the backward's own packs (its cost model
         # does not see the simulator's overlap: both are simulated)
         for groups in dict.fromkeys([grouped, ()]):
@@ -389,8 +386,10 @@ def search(profile: ModelProfile, spec: DeviceSpec, host: HostSpec, *, batch_siz
             simulation = _simulate(profile, candidate, batch_size, spec, host)
             results[f"{chosen} + forward of {what}"] = (simulation, candidate)
             fits = fits or max(simulation.peak_bytes) <= budget
-        if forward_count is not None and not fits:
-            break  # larger forward microbatches need more memory still
+            fastest = min(fastest, simulation.seconds)
+        if forward_count is not None and (not fits or fastest >= previous):
+            break  # larger forward microbatches need more memory still, or stopped paying
+        previous = min(previous, fastest)
     if base.parallel == "pp" and handoff is None:  # through the host: a lower peak for more copies
         candidate = dataclasses.replace(base, handoff="host")
         if progress:

@@ -88,6 +88,11 @@ class HostSpec:
     update_workers: int = 1
     optimizer_state_bytes: int = 8    # per parameter: Adam's two fp32 moments (SGD momentum: 4)
     cluster: ClusterSpec = ClusterSpec()  # the other servers, if any
+    # an NVMe tier for what host memory cannot hold (``planner.tiers``): its size, and its read
+    # and write bandwidth (one datacenter PCIe 4 drive, sustained)
+    nvme_bytes: int | None = None
+    nvme_read: float = 6.0e9
+    nvme_write: float = 3.0e9
 
 
 # Issuing one ATen op of a task from Python on a server core: dispatch, autograd's bookkeeping and

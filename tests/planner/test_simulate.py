@@ -50,6 +50,9 @@ class FakeCosts:
     def pack_params(self, pack: int) -> int:
         return 1000
 
+    def nvme_bytes(self, pack: int) -> int:
+        return 0
+
 
 def program(*lines: str, device: int = 0, **effects: tuple[tuple[str, ...], tuple[str, ...]]) -> list[Action]:
     """Actions from their ``repr``; ``effects["FWD p0@0"] = (writes, consumes)`` as key strings."""

@@ -1,0 +1,79 @@
+"""Host memory and an NVMe tier: what of each pack's host state lives where.
+
+A parameter costs the host its fp32 master (4 B), its fp32 gradient (4 B) and the optimizer's
+state (Adam: 8 B), and the stash comes on top. Where that passes ``HostSpec.memory`` and an NVMe
+tier is given (``HostSpec.nvme_bytes``), packs move state to it, those with the smallest layers
+first (they need the smallest staging buffers), larger packs first among equals: the optimizer
+state first; then, when weights travel in bf16 (the host keeps a bf16 copy for the devices' copies,
+2 B), the fp32 masters. A pack on the tier streams its bytes through its update layer by layer
+(read, step, write back), through two staging buffers in host memory, so the host also holds
+twice the largest layer's tier bytes.
+
+This decides for the planner and the simulator (``chain_schedule`` sizes each pack's reads and
+writes from it); the runtime does not move state to NVMe yet.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+from harmony_fx.planner.profile import ModelProfile
+
+__all__ = ["Tiers", "plan_tiers", "MASTER_AND_GRAD_BYTES"]
+
+MASTER_AND_GRAD_BYTES = 8  # fp32 master and its fp32 gradient, per parameter
+
+
+@dataclasses.dataclass(frozen=True)
+class Tiers:
+    host_bytes: int                      # host memory one iteration holds
+    nvme_bytes: int                      # bytes on the tier
+    state_on_nvme: tuple[int, ...] = ()  # packs whose optimizer state is on the tier
+    masters_on_nvme: tuple[int, ...] = ()  # packs whose fp32 masters are too (bf16 weights)
+    pack_nvme_bytes: tuple[int, ...] = ()  # per pack: bytes read before its update, written after
+
+    @property
+    def on_nvme(self) -> bool:
+        return self.nvme_bytes > 0
+
+
+def plan_tiers(profile: ModelProfile, boundaries: Sequence[int], batch_size: int, host) -> Tiers:
+    """Where each pack's host state lives for the packs starting at ``boundaries`` (``[]``: no
+    stash, what the parameters alone need). ``host``: a ``HostSpec``."""
+    layers = profile.layers
+    ends = [*boundaries[1:], len(layers)] if boundaries else []
+    spans = [range(a, b) for a, b in zip(boundaries, ends)] or [range(len(layers))]
+    params = [sum(layers[i].num_params for i in span) for span in spans]
+    largest = [max((layers[i].num_params for i in span), default=0) for span in spans]  # a pack's largest layer
+    stash = sum((profile.input_bytes if b == 0 else layers[b - 1].out_bytes) for b in boundaries) * batch_size
+    cluster = host.cluster
+    sharded = cluster.nodes > 1 and cluster.shard_optimizer
+    # sharded across servers: full weights and gradients on every server, and 1/N of the fp32
+    # master chunks with their optimizer state (the part the tier may take)
+    state_per_param = (4 + host.optimizer_state_bytes) / cluster.nodes if sharded else host.optimizer_state_bytes
+    state = [int(n * state_per_param) for n in params]
+    base = int(sum(params) * MASTER_AND_GRAD_BYTES + sum(state) + stash)
+    if host.memory is None or base <= host.memory or not host.nvme_bytes:
+        return Tiers(base, 0, pack_nvme_bytes=(0,) * len(params))
+    # the masters may follow only where the devices read bf16 copies (the host keeps those, 2 B)
+    masters = [4 * n if profile.precision == "bf16" and not sharded else 0 for n in params]
+    on_tier = [0] * len(params)
+    state_moved: list[int] = []
+    masters_moved: list[int] = []
+
+    def need() -> int:
+        # the tier takes the state moved, and each master moved less its bf16 copy; staging: two
+        # buffers of the largest layer's tier bytes
+        taken = sum(state[p] for p in state_moved) + sum(masters[p] // 2 for p in masters_moved)
+        staging = max((largest[p] * (state_per_param + (4 if p in masters_moved else 0)) for p in state_moved),
+                      default=0)
+        return int(base - taken + 2 * staging)
+
+    for moved, sizes in ((state_moved, state), (masters_moved, masters)):
+        for p in sorted(range(len(params)), key=lambda p: (largest[p], -params[p])):
+            if need() <= host.memory:
+                break
+            if sizes[p] and sum(on_tier) + sizes[p] <= host.nvme_bytes:
+                moved.append(p)
+                on_tier[p] += sizes[p]
+    return Tiers(need(), sum(on_tier), tuple(sorted(state_moved)), tuple(sorted(masters_moved)), tuple(on_tier))
