@@ -118,3 +118,26 @@ def test_a_loss_that_cannot_be_put_back_together_says_what_to_do(model, match):
     with pytest.raises(ValueError, match=match):
         hm(x, labels)
     assert harmony_fx.compile(model, (x, labels), microbatches=1)(x, labels)["loss"].dim() == 0
+
+
+@pytest.mark.parametrize("name", HF_MODELS)
+def test_larger_forward_microbatches_train_like_one_size(name, memory_witness):
+    """A Hugging Face model that computes its own loss, trained with forward microbatches twice
+    the backward's: bitwise the step of 4 microbatches of one size, within its plan's peak."""
+    pytest.importorskip("transformers")
+    results = []
+    for microbatches in ({"forward": 2, "backward": 4}, 4):
+        model, batch = build_hf_model(name), hf_batch(name)
+        budget = eager_training_bytes(model, (), lambda out: out.loss, batch) // 3
+        trainer = harmony_fx.Trainer(model, None, torch.optim.SGD(model.parameters(), lr=0.1), batch,
+                                     microbatches=microbatches, memory_budget=budget)
+        try:
+            loss = trainer.step(batch)
+            assert memory_witness.peak_of(trainer.hm.device) == trainer.stats.peak_bytes[trainer.hm.device.name] \
+                == trainer.plan.predicted_peak[trainer.hm.device.name] <= budget
+        finally:
+            trainer.close()
+        results.append((loss, [p.detach().clone() for p in model.parameters()], trainer.plan.forward_microbatches))
+    (loss, params, forward), (same_loss, same_params, _) = results
+    assert forward == 2 and torch.equal(loss, same_loss)
+    assert all(torch.equal(a, b) for a, b in zip(params, same_params))
