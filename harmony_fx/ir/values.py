@@ -33,6 +33,8 @@ def leaves(value: Any) -> list[Any]:
 
 
 def tensors(value: Any) -> list[torch.Tensor]:
+    if isinstance(value, list) and all(isinstance(leaf, torch.Tensor) for leaf in value):
+        return value  # a pack's weights or their gradients: no pytree walk on every copy
     return [leaf for leaf in leaves(value) if isinstance(leaf, torch.Tensor)]
 
 
