@@ -15,11 +15,13 @@ forward's own packs and microbatches (Harmony's four: Ufwd, Pfwd, Ubwd, Pbwd).
 3. **The forward apart.** Over the winner's backward packs (Pbwd) and microbatches (Ubwd), the
    forward's packs (Pfwd: groups of backward packs) come from a second exact dynamic program
    (``forward_groups``), once for the backward's microbatch size and once for each larger forward
-   microbatch size (Ufwd: 2, 4, 8, ... backward microbatches each); each grouping, and the
-   backward's own packs at each forward size, is simulated. Pbwd is
-   not chosen again for each Ufwd: the search is exact for each part given the ones before it,
-   and the simulator decides between them. The fastest simulated schedule whose simulated peak
-   fits the budget, and whose stash fits host memory, is the choice.
+   microbatch size (Ufwd: 2, 4, 8, ... backward microbatches each, until one fits neither way or
+   is no faster than the one before); each grouping, and the backward's own packs at each forward
+   size, is simulated. Pbwd is not chosen again for each Ufwd: the search is exact for each part
+   given the ones before it, and the simulator decides between them. A pipeline is simulated
+   handing its values on through the host too (``ProgramSignature.handoff``). The fastest
+   simulated schedule whose simulated peak fits the budget, and whose stash fits host memory
+   (less what an NVMe tier takes, ``planner.tiers``), is the choice.
 """
 from __future__ import annotations
 
