@@ -383,17 +383,23 @@ def test_a_node_moved_into_an_earlier_pack_is_refused_naming_it_and_the_pass():
 # ---------------------------------------------------------------------- updates on the host
 
 
-@functools.lru_cache(maxsize=None)
-def _trainer_programs():
+def _trainer(microbatches):
+    """A Trainer of a 6-layer MLP chain in four fixed packs (closed: only its programs are read)."""
     torch.manual_seed(0)
     model = MLPChain(width=16, depth=6)
     x, target = torch.randn(8, 16), torch.randint(0, 10, (8,))
     trainer = harmony_fx.Trainer(model, torch.nn.functional.cross_entropy, torch.optim.SGD(model.parameters(), lr=0.1),
-                                 (x, target), microbatches=2, pack_boundaries=(0, 2, 4, 6))
+                                 (x, target), microbatches=microbatches, pack_boundaries=(0, 2, 4, 6))
+    trainer.close()
+    return trainer
+
+
+@functools.lru_cache(maxsize=None)
+def _trainer_programs():
+    trainer = _trainer(2)
     hm = trainer.hm
     programs = [list(hm.forward_actions), list(hm.backward_actions)]
     update_packs = frozenset(a.pack for a in programs[0] + programs[1] if a.kind == K.UPDATE)
-    trainer.close()
     return hm, programs, update_packs
 
 
@@ -427,13 +433,7 @@ def test_the_issuing_thread_never_waits_on_the_host_between_two_backward_tasks()
 
 @functools.lru_cache(maxsize=None)
 def _split_programs():
-    torch.manual_seed(0)
-    model = MLPChain(width=16, depth=6)
-    x, target = torch.randn(8, 16), torch.randint(0, 10, (8,))
-    trainer = harmony_fx.Trainer(model, torch.nn.functional.cross_entropy, torch.optim.SGD(model.parameters(), lr=0.1),
-                                 (x, target), microbatches={"forward": 1, "backward": 4},
-                                 pack_boundaries=(0, 2, 4, 6))
-    trainer.close()
+    trainer = _trainer({"forward": 1, "backward": 4})
     return trainer.hm, [list(trainer.hm.forward_actions), list(trainer.hm.backward_actions)]
 
 
