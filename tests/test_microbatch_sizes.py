@@ -163,6 +163,6 @@ def test_the_plan_states_the_four_choices():
     plan = trainer.plan
     # the forward runs packs 0-2 (the last runs in the backward) on 2 microbatches
     assert (plan.forward_microbatches, plan.forward_packs, plan.microbatches, len(plan.packs)) == (2, 3, 8, 4)
-    assert "Ufwd = batch/2, Pfwd = 3, Ubwd = batch/8, Pbwd = 4" in trainer.hm.explain()
+    assert "Ufwd = 16, Pfwd = 3, Ubwd = 4, Pbwd = 4" in trainer.hm.explain()  # 32 samples
     same, _, _ = _run("residual_mlp", 8, "one", "sgd", 1)
     assert (same.plan.forward_microbatches, same.plan.forward_packs) == (8, 4)

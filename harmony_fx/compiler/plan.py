@@ -47,6 +47,9 @@ class Plan:
     # backward's Ubwd, Pbwd): how many microbatches and forward tasks per microbatch
     forward_microbatches: int = 0
     forward_packs: int = 0
+    # samples in the largest microbatch of each (Harmony's Ufwd and Ubwd; 0: the batch is not cut)
+    forward_microbatch_size: int = 0
+    microbatch_size: int = 0
     handoff: str = ""  # a pipeline's: "peer" (device to device) or "host" (through the stash)
 
     @property
@@ -85,9 +88,10 @@ class Plan:
 
     def schedule_line(self) -> str:
         """The four choices of Harmony's scheduler, in its terms beside ours."""
+        size = lambda samples: str(samples) if samples else "the batch"  # noqa: E731
         return (f"forward: {self.forward_microbatches} microbatch(es) in {self.forward_packs} pack(s); backward: "
-                f"{self.microbatches} microbatch(es) in {len(self.packs)} pack(s) (Harmony's Ufwd = batch/"
-                f"{self.forward_microbatches}, Pfwd = {self.forward_packs}, Ubwd = batch/{self.microbatches}, "
+                f"{self.microbatches} microbatch(es) in {len(self.packs)} pack(s) (Harmony's Ufwd = "
+                f"{size(self.forward_microbatch_size)}, Pfwd = {self.forward_packs}, Ubwd = {size(self.microbatch_size)}, "
                 f"Pbwd = {len(self.packs)})")
 
     def __str__(self) -> str:
@@ -129,4 +133,5 @@ def make_plan(candidate, shapes, nodes: Mapping[str, fx.Node], devices: Sequence
                 {d.name: peak for d, peak in zip(devices, candidate.peaks)},
                 {f"{d}/{k}": n for (d, k), n in sorted(moved.items())}, policy, layout.parallel, batch,
                 first.margin, first.margin_note, pinned, len({a.mb for a in forward}), forward_packs,
+                max(layout.sizes[a.mb] or 0 for a in forward) if forward else 0, max(s or 0 for s in layout.mb_sizes),
                 layout.handoff if layout.parallel == "pp" else "")
