@@ -3,7 +3,6 @@ that need not be at hand, and say how fast one iteration will be and what bounds
 from __future__ import annotations
 
 import argparse
-import bisect
 import dataclasses
 import json
 import re
@@ -151,16 +150,14 @@ def parse_rate(text: str) -> float:
 
 
 def _packs(profile, choice) -> list[dict]:
-    from harmony_fx.lowering.placement import backward_device, forward_device
+    from harmony_fx.lowering.placement import backward_device, forward_device, forward_tasks
     from harmony_fx.planner.chain import pack_layers
 
     schedule = choice.schedule
     count = len(schedule.boundaries)
-    # each pack's forward task in the wrap: its group's, and the last pack's own where it runs in
-    # the backward (``lowering.pipeline``)
-    end = count - 1 if schedule.forward_microbatches else count
-    starts = [start for start in schedule.forward_groups if start < end] or list(range(end))
-    task = [bisect.bisect_right(starts, p) - 1 for p in range(end)] + [len(starts)] * (count - end)
+    # each pack's forward task in the wrap (``lowering.pipeline``)
+    task = [u for u, packs in enumerate(forward_tasks(schedule.forward_groups, count,
+                                                      bool(schedule.forward_microbatches))) for _ in packs]
     rows = []
     for index, layers in enumerate(pack_layers(schedule.boundaries, len(profile.layers))):
         first = profile.layers[layers.start]

@@ -27,7 +27,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from harmony_fx.ir.pack import Pack
-from harmony_fx.lowering.placement import backward_device, forward_device
+from harmony_fx.lowering.placement import backward_device, forward_device, forward_tasks
 from harmony_fx.lowering.tasks import (
     Builder, EventCounter, PackFacts, ProgramSignature, backward_task, buffers_out, check_forward_parts,
     forward_groups, forward_task, split_stash, update, weight_grads_out, weights,
@@ -45,11 +45,9 @@ class _Wrap:
 
     def __init__(self, packs: Sequence[Pack], signature: ProgramSignature, num_devices: int) -> None:
         self.packs, self.signature, self.num_devices = packs, signature, num_devices
-        last = len(packs) - 1
         # the forward's tasks: its groups of packs, then the last pack where it runs in the backward
-        self.units = forward_groups(signature, len(packs), PASS_NAME)
-        if signature.last_in_backward:
-            self.units.append(range(last, last + 1))
+        forward_groups(signature, len(packs), PASS_NAME)  # refuses groups that are not a partition
+        self.units = forward_tasks(signature.forward_groups, len(packs), signature.last_in_backward)
         self.unit_of = {p: u for u, unit in enumerate(self.units) for p in unit}
         self.producer = {v: pack.index for pack in packs for v in pack.outputs}
         self.readers: dict[str, list[int]] = {}

@@ -14,13 +14,23 @@ from __future__ import annotations
 
 from typing import Sequence
 
-__all__ = ["forward_device", "backward_device", "data_parallel_microbatches", "forward_parts", "data_parallel_shares",
-           "device_forward_parts"]
+__all__ = ["forward_device", "backward_device", "forward_tasks", "data_parallel_microbatches", "forward_parts",
+           "data_parallel_shares", "device_forward_parts"]
 
 
 def forward_device(task: int, num_devices: int) -> int:
     """The device of the forward's ``task``-th task (a pack, or a group of packs)."""
     return task % num_devices
+
+
+def forward_tasks(group_starts: Sequence[int], num_packs: int, last_apart: bool) -> list[range]:
+    """The forward's tasks in order: groups of packs (``group_starts``, the first pack of each;
+    empty: a pack each), and, ``last_apart``, the last pack alone (its forward runs in the backward
+    program, with larger forward microbatches)."""
+    end = num_packs - 1 if last_apart else num_packs
+    starts = [start for start in group_starts if start < end] or list(range(end))
+    tasks = [range(start, stop) for start, stop in zip(starts, [*starts[1:], end])]
+    return tasks + [range(end, num_packs)] if last_apart else tasks
 
 
 def backward_device(pack: int, num_packs: int, num_devices: int, last_task: int | None = None) -> int:

@@ -14,6 +14,7 @@ import dataclasses
 from typing import Iterable, Sequence
 
 from harmony_fx.ir.pack import Pack
+from harmony_fx.lowering.placement import forward_tasks
 from harmony_fx.program.actions import Action, ActionKind as K, Key, KeyKind, Stream
 
 __all__ = ["ProgramSignature", "Builder", "EventCounter", "PackFacts", "weights", "grad_inputs", "forward_task",
@@ -350,6 +351,5 @@ def forward_groups(signature: ProgramSignature, num_packs: int, pass_name: str) 
     if starts[0] != 0 or starts != sorted(set(starts)) or starts[-1] >= num_packs:
         raise ValueError(f"{pass_name}: forward groups {starts} must start at pack 0 and increase within "
                          f"{num_packs} packs")
-    end = num_packs - 1 if signature.last_in_backward else num_packs
-    starts = [start for start in starts if start < end]
-    return [range(start, stop) for start, stop in zip(starts, [*starts[1:], end])]
+    tasks = forward_tasks(starts, num_packs, signature.last_in_backward)
+    return tasks[:-1] if signature.last_in_backward else tasks

@@ -14,7 +14,7 @@ from typing import Sequence
 from harmony_fx.ir.pack import Pack
 from harmony_fx.frontend.microbatch import microbatch_sizes
 from harmony_fx.lowering.pipeline import lower_pipeline
-from harmony_fx.lowering.placement import data_parallel_shares, device_forward_parts, forward_parts
+from harmony_fx.lowering.placement import data_parallel_shares, device_forward_parts, forward_parts, forward_tasks
 from harmony_fx.lowering.single import lower_program
 from harmony_fx.lowering.tasks import ProgramSignature
 from harmony_fx.planner.costs import PackCosts, chain_key_bytes
@@ -44,8 +44,8 @@ class Schedule:
     def forward_packs(self) -> int:
         """The forward's tasks per microbatch (Harmony's Pfwd): its groups of packs, without the
         last pack where it runs in the backward (larger forward microbatches)."""
-        count = len(self.forward_groups) or len(self.boundaries)
-        return count - 1 if self.forward_microbatches else count
+        tasks = forward_tasks(self.forward_groups, len(self.boundaries), bool(self.forward_microbatches))
+        return len(tasks) - 1 if self.forward_microbatches else len(tasks)
 
     def describe(self) -> str:
         mode = "one device" if self.parallel == "single" else f"{self.parallel} over {self.devices} devices"
