@@ -32,10 +32,6 @@ class Tiers:
     masters_on_nvme: tuple[int, ...] = ()  # packs whose fp32 masters are too (bf16 weights)
     pack_nvme_bytes: tuple[int, ...] = ()  # per pack: bytes read before its update, written after
 
-    @property
-    def on_nvme(self) -> bool:
-        return self.nvme_bytes > 0
-
 
 def plan_tiers(profile: ModelProfile, boundaries: Sequence[int], batch_size: int, host) -> Tiers:
     """Where each pack's host state lives for the packs starting at ``boundaries`` (``[]``: no
