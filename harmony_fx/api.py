@@ -18,6 +18,7 @@ from harmony_fx import pictures
 from harmony_fx.compiler.compiled import Compiled
 from harmony_fx.compiler.driver import compile_program
 from harmony_fx.compiler.packing import verify_programs
+from harmony_fx.compiler.tier import OptimizerFacts
 from harmony_fx.config import CompileOptions
 from harmony_fx.frontend.calls import Calls
 from harmony_fx.program.actions import Action, Key
@@ -57,14 +58,16 @@ class HarmonyModule:
 
     ``trainer``: the model's output is its scalar loss, so the last pack runs forward, loss and
     backward as one task per microbatch; ``updates``: the host updates parameters as soon as their
-    gradients are complete (``harmony_fx.Trainer`` uses both).
+    gradients are complete (``harmony_fx.Trainer`` uses both); ``optimizer``: what the Trainer's
+    optimizer keeps, for ``host_memory`` and the NVMe tier.
     """
 
     def __init__(self, model: nn.Module, example_args: tuple | None, example_kwargs: dict | None,
-                 options: CompileOptions, *, trainer: bool = False, updates: bool = False) -> None:
+                 options: CompileOptions, *, trainer: bool = False, updates: bool = False,
+                 optimizer: OptimizerFacts | None = None) -> None:
         self.model = model
         self.options = options
-        self._roles = dict(trainer=trainer, updates=updates)
+        self._roles = dict(trainer=trainer, updates=updates, optimizer=optimizer)
         self._by_batch: dict[int, HarmonyModule] = {}  # the modules compiled for other batch sizes
         self._last: HarmonyModule = self  # the module that ran the last call (its stats are ours)
         if example_args is not None:
@@ -228,10 +231,10 @@ class HarmonyModule:
         return self.calls.output_like(name)
 
     def run_iteration(self, per_mb: Sequence[Sequence[torch.Tensor]], on_update: Callable[[Runtime, int], None],
-                      output_grads: dict[Key, torch.Tensor]) -> Iteration:
+                      output_grads: dict[Key, torch.Tensor], on_tier: Callable | None = None) -> Iteration:
         """Forward and backward in one go (the Trainer); see ``Session.run_iteration``."""
         self._last = self
-        return self.session.run_iteration(per_mb, on_update, output_grads)
+        return self.session.run_iteration(per_mb, on_update, output_grads, on_tier)
 
 
 # what exists once the model is compiled (asking for it before says so, instead of a bare AttributeError)

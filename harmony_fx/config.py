@@ -3,6 +3,7 @@ parsing of sizes such as ``"2GiB"``."""
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 from typing import Literal, Mapping
 
@@ -89,6 +90,13 @@ class CompileOptions:
     ``None``: on when every device is a GPU.
     ``timeline``: record every op's span and the memory after it (``save_trace``, ``plot_memory``);
     off, a task costs no bookkeeping (``HarmonyModule.record_timeline`` turns it on later).
+    ``nvme_path`` (``Trainer``): a directory on fast local storage for the optimizer state that host
+    memory should not hold: one checksummed file per pack, read before its update and written
+    back after it, on an I/O worker (``READ``/``WRITE`` in the program). Without ``host_memory``,
+    every pack's state goes there.
+    ``host_memory`` (``Trainer``): host memory a step may hold (``"64GiB"``); with ``nvme_path`` the
+    plan moves the fewest packs' state to the tier that fit it, without, a step that would not fit
+    is refused before it runs.
     """
 
     devices: object = None
@@ -106,6 +114,8 @@ class CompileOptions:
     chaos: int | None = None
     compile_packs: bool | None = None
     timeline: bool = False
+    nvme_path: object = None
+    host_memory: int | str | None = None
     # set from ``microbatches={"forward": Mf, ...}``: the forward's count (``None``: the backward's)
     forward_microbatches: int | None = None
 
@@ -115,6 +125,9 @@ class CompileOptions:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "memory_budget", parse_size(self.memory_budget))
+        object.__setattr__(self, "host_memory", parse_size(self.host_memory))
+        if self.nvme_path is not None and not isinstance(self.nvme_path, (str, os.PathLike)):
+            raise TypeError(f"nvme_path must be a directory path, got {type(self.nvme_path).__name__}")
         if self.track_memory and self.compile_packs:
             raise ValueError("compile_packs=True runs packs compiled by inductor, which cannot run under the "
                              "HostDevice's per-tensor accounting: pass track_memory=False (the plan's check still "

@@ -32,6 +32,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import copy
+import functools
 import inspect
 import os
 import random
@@ -45,11 +46,13 @@ import torch.distributed as dist
 from torch import nn
 
 from harmony_fx.api import HarmonyModule
+from harmony_fx.compiler.tier import OptimizerFacts
 from harmony_fx.config import CompileOptions
 from harmony_fx.distributed import checkpoint
 from harmony_fx.distributed.cluster import Cluster, PeerError, StepFailedElsewhere
 from harmony_fx.distributed.updates import CrossProcessUpdates
 from harmony_fx.runtime.executor import Runtime, land
+from harmony_fx.runtime.tier import StateTier, on_tier_entry
 from harmony_fx.program.actions import Key, KeyKind
 
 __all__ = ["Trainer", "NonFiniteLossError"]
@@ -182,13 +185,26 @@ class Trainer:
             if kwargs:
                 loss_model_dims["kwargs"] = {name: dims.get(name, 0) for name in kwargs}
             options = {**options, "batch_dims": loss_model_dims}
-        self.hm = HarmonyModule(_LossModel(model, loss_fn, self._takes_target), args, kwargs,
-                                CompileOptions(**options), trainer=True, updates=max_grad_norm is None)
+        compile_options = CompileOptions(**options)
+        facts = None
+        if compile_options.nvme_path is not None or compile_options.host_memory is not None:
+            facts = OptimizerFacts(_state_bytes(optimizer), keeps_copies=atomic)
+        self.hm = HarmonyModule(_LossModel(model, loss_fn, self._takes_target), args, kwargs, compile_options,
+                                trainer=True, updates=max_grad_norm is None, optimizer=facts)
         (self._loss_name,) = self.hm.signature.model_outputs
         self._groups = self.hm.update_groups()
         self._last_hm = self.hm  # the module that ran the last step (one per batch size)
         self.step_count = 0
         self.cluster = _cluster(process_group, shard_optimizer, collective_timeout)
+        self._tier: StateTier | None = None  # the optimizer state on NVMe (nvme_path=)
+        if self.hm.plan.tier_packs:
+            if self.cluster is not None:
+                raise ValueError("nvme_path= trains one process for now: across processes the optimizer state "
+                                 "stays in host memory (shard_optimizer=True divides it over the ranks)")
+            names = {id(p): name for name, p in model.named_parameters()}
+            self._tier = StateTier(compile_options.nvme_path, optimizer,
+                                   {pack: self._groups[pack] for pack in self.hm.plan.tier_packs}, names)
+            self._tier.store_all(self.step_count)  # state the optimizer already holds goes there now
         self._cross: CrossProcessUpdates | None = None
         if self.cluster is not None:
             names = {id(p): name for name, p in model.named_parameters()}
@@ -232,6 +248,11 @@ class Trainer:
         (including Ctrl-C), the weights, buffers and optimizer state are as before the call."""
         args, kwargs = self._call_of(batch)
         hm = self.hm.for_batch(args, kwargs)
+        tier = self._tier
+        if tier is not None and hm is not self.hm:
+            raise ValueError(f"Trainer(nvme_path=...) trains on batches of the example's size; this batch has "
+                             f"{hm.calls.batch_size_of(args, kwargs)} samples (drop the last, smaller batch, e.g. "
+                             "DataLoader(drop_last=True)): its packs, and so the tier's files, would differ")
         groups = self._groups if hm is self.hm else hm.update_groups()
         (loss_name,) = hm.signature.model_outputs
         per_mb = hm.split_inputs(args, kwargs)
@@ -245,7 +266,20 @@ class Trainer:
         output_grads = {Key(KeyKind.GRAD, loss_name, mb): torch.full(loss_like.shape, w, dtype=loss_like.dtype)
                         for mb, w in enumerate(weights)}
         undo = _Undo(self.optimizer, [p for group in groups.values() for p in group], hm.compiled.written_buffers(),
-                     copies=self.atomic)
+                     copies=self.atomic, tiered=set() if tier is None else tier.params)
+        # the tier: each pack's WRITE waits for the pack's update (settled by the update worker)
+        updated: dict[int, concurrent.futures.Future] = {}
+        if tier is not None:
+            tier.begin(self.step_count)
+            updated = {pack: concurrent.futures.Future() for pack in tier.packs}
+
+        def fail_updates(error: BaseException) -> None:
+            for future in updated.values():
+                _settle_with(future, error=error)
+
+        def on_tier(runtime: Runtime, what: str, pack: int) -> concurrent.futures.Future:
+            runtime.links.on_abort(fail_updates)  # a failed device never hands some updates over
+            return tier.read(pack) if what == "read" else tier.write(pack, updated[pack])
         pending: list[concurrent.futures.Future] = []
         arrivals: collections.Counter = collections.Counter()
         landing: collections.defaultdict = collections.defaultdict(list)  # pack -> copies its update waits for
@@ -265,8 +299,11 @@ class Trainer:
                     return
                 if cross is None or pack_index not in cross.buffers:
                     params = groups.get(pack_index, [])
-                    pending.append(workers.submit(_land_and_update, landing.pop(pack_index), runtime.host_grads,
-                                                  self.optimizer, params, undo))
+                    future = workers.submit(_land_and_update, landing.pop(pack_index), runtime.host_grads,
+                                            self.optimizer, params, undo)
+                    if pack_index in updated:
+                        future.add_done_callback(functools.partial(_settle, updated[pack_index]))
+                    pending.append(future)
                     return
                 # every rank issues the packs' collectives in one order, whatever order they finish in
                 ready[pack_index] = landing.pop(pack_index)
@@ -282,7 +319,7 @@ class Trainer:
             cross.bytes.clear()
         try:
             try:
-                runtime = hm.run_iteration(per_mb, on_update, output_grads)
+                runtime = hm.run_iteration(per_mb, on_update, output_grads, on_tier if tier is not None else None)
             finally:
                 waited_from = time.perf_counter()
                 workers.shutdown(wait=True)
@@ -310,8 +347,14 @@ class Trainer:
             if cross is not None:
                 cross.commit(write=True)
                 hm.stats.network_bytes = dict(cross.bytes)
+            if tier is not None:
+                tier.commit()  # the last thing that may fail: the step's state files become the state
+                hm.stats.tier_bytes, hm.stats.tier_seconds = dict(tier.bytes), tier.seconds
         except BaseException as error:
             workers.shutdown(wait=True)  # again: a second Ctrl-C may have cut the first wait short
+            if tier is not None:
+                fail_updates(StepUndone("the step failed before this pack's update ran"))
+                tier.abort()
             if cross is not None and not isinstance(error, PeerError):
                 self._fail_across(cross, turn[0], agreed, len(per_mb))
             undo.restore()
@@ -335,9 +378,28 @@ class Trainer:
             "step_count": self.step_count,
             "model": {name: t.detach().clone() for name, t in self.model.state_dict().items()},
             # the optimizer's own state_dict shares its state tensors, which updates modify in place
-            "optimizer": copy.deepcopy(self.optimizer.state_dict()),
+            "optimizer": self._optimizer_state_dict(),
             "rng": _get_rng_states(),
         }
+
+    def _optimizer_state_dict(self) -> dict[str, Any]:
+        """``optimizer.state_dict()``, copied, with the state on the NVMe tier read back into it."""
+        state_dict = copy.deepcopy(self.optimizer.state_dict())
+        if self._tier is not None:
+            params = [p for group in self.optimizer.param_groups for p in group["params"]]
+            for index, param in enumerate(params):  # the indices torch's state_dict gives parameters
+                stored = self._tier.stored(param)
+                if stored:
+                    state_dict["state"].setdefault(index, {}).update({k: v.clone() for k, v in stored.items()})
+        return state_dict
+
+    def optimizer_state(self, param: nn.Parameter) -> dict[str, Any]:
+        """The optimizer's whole state for ``param``: what host memory holds, and what is on the
+        NVMe tier (read back; between steps host memory holds only the first)."""
+        state = dict(self.optimizer.state.get(param, {}))
+        if self._tier is not None and id(param) in self._tier.params:
+            state.update(self._tier.stored(param))
+        return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore ``state_dict`` in place: the values are copied into the existing master tensors,
@@ -352,6 +414,8 @@ class Trainer:
         self.model.load_state_dict(state_dict["model"])  # copy_ under no_grad: the tensors stay the same objects
         _set_rng_states(state_dict["rng"])
         self.step_count = state_dict["step_count"]
+        if self._tier is not None:
+            self._tier.store_all(self.step_count)  # the loaded state leaves host memory for the tier
 
     def save(self, path: str | os.PathLike) -> None:
         """A checkpoint. Across processes, or when ``path`` is a directory: a folder per step under
@@ -508,6 +572,51 @@ def _timed(fn: Callable, *args) -> float:
     return time.perf_counter() - started
 
 
+def _settle(target: concurrent.futures.Future, source: concurrent.futures.Future) -> None:
+    """``target`` done as ``source`` ended (a pack's update, for the tier's write that waits on it)."""
+    error = source.exception()
+    _settle_with(target, error=error)
+
+
+def _settle_with(future: concurrent.futures.Future, error: BaseException | None = None) -> None:
+    """Finish ``future`` unless it already is (the update worker and a failing step may race)."""
+    try:
+        if error is None:
+            future.set_result(None)
+        else:
+            future.set_exception(error)
+    except concurrent.futures.InvalidStateError:
+        pass
+
+
+def _state_bytes(optimizer: torch.optim.Optimizer) -> Callable[[nn.Parameter], int]:
+    """Bytes of the optimizer's state tensors for a parameter, the ones the NVMe tier takes
+    (``runtime.tier.on_tier_entry``), known before the first step makes them: per parameter group,
+    an optimizer of the same class and settings steps a small parameter once, and the state it makes
+    per element scales to each parameter."""
+    per_element: dict[int, float] = {}
+    accepted = inspect.signature(type(optimizer).__init__).parameters
+    for index, group in enumerate(optimizer.param_groups):
+        settings = {k: v for k, v in group.items() if k != "params" and k in accepted}
+        dtype = group["params"][0].dtype if group["params"] else torch.float32
+        probe = nn.Parameter(torch.zeros(8, dtype=dtype))
+        probe.grad = torch.zeros_like(probe)
+        try:
+            twin = type(optimizer)([probe], **settings)
+            twin.step()
+        except Exception as error:  # noqa: BLE001 - any optimizer; say which one could not be sized
+            raise ValueError(f"nvme_path=/host_memory=: cannot tell how much state {type(optimizer).__name__} keeps "
+                             f"(stepping a copy of it failed: {error}); train without the tier") from error
+        per_element[index] = sum(v.numel() * v.element_size() for v in twin.state[probe].values()
+                                 if on_tier_entry(v)) / probe.numel()
+    group_of = {id(p): index for index, group in enumerate(optimizer.param_groups) for p in group["params"]}
+    return lambda param: int(per_element.get(group_of.get(id(param)), 0.0) * param.numel())
+
+
+class StepUndone(RuntimeError):
+    """What a pack's pending tier write is told when the step fails before the pack's update."""
+
+
 class NonFiniteLossError(FloatingPointError, ValueError):
     """A step's loss is NaN or infinite (the step was undone, or skipped with ``skip_nonfinite``)."""
 
@@ -517,9 +626,11 @@ class _Undo:
     docstring): ``save`` runs on the update worker right before each update."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, params: Sequence[nn.Parameter],
-                 buffers: Sequence[torch.Tensor], copies: bool = True) -> None:
+                 buffers: Sequence[torch.Tensor], copies: bool = True, tiered: set[int] = frozenset()) -> None:
         self.optimizer = optimizer
         self.copies = copies  # False (Trainer(atomic=False)): parameters and optimizer state are not kept
+        # parameters whose tensor state is on the NVMe tier: its previous file is their copy
+        self.tiered = tiered
         self.updated = 0      # parameters updated without a copy
         # taken at the start: .grad is replaced (not written into) as each pack's gradients arrive
         self.grads = [(param, param.grad) for param in params]
@@ -532,8 +643,9 @@ class _Undo:
             return
         for param in params:
             state = self.optimizer.state.get(param)
+            tiered = id(param) in self.tiered
             copied = None if state is None else {k: v.clone() if isinstance(v, torch.Tensor) else copy.deepcopy(v)
-                                                 for k, v in state.items()}
+                                                 for k, v in state.items() if not (tiered and on_tier_entry(v))}
             self.saved.append((param, param.detach().clone(), copied))
 
     @torch.no_grad()

@@ -31,18 +31,21 @@ from harmony_fx.compiler.compiled import Compiled
 from harmony_fx.compiler.layout import Layout, decide_layout
 from harmony_fx.compiler.packing import (
     BudgetTooSmallError, Candidate, PackingContext, balanced, evaluate, fixed, layer_costs, plan_packs,
+    update_groups, verify_programs,
 )
 from harmony_fx.compiler.plan import make_plan
 from harmony_fx.compiler.shapes import Shapes
 from harmony_fx.compiler.signature import program_signature
 from harmony_fx.compiler.stages import StageLog
+from harmony_fx.compiler.tier import OptimizerFacts, TierPlan, plan_tier
 from harmony_fx.compiler.variants import Variant, capture_variant, check_same_layers
 from harmony_fx.config import CompileOptions, format_size
 from harmony_fx.frontend import microbatch
+from harmony_fx.lowering.tier_io import insert_tier_io
 from harmony_fx.passes.split_packs import annotate_packs
 from harmony_fx.planner.chain import Schedule
 from harmony_fx.planner.choose import choose_schedule
-from harmony_fx.program.actions import Action, ActionKind
+from harmony_fx.program.actions import Action, ActionKind, KeyKind
 from harmony_fx.program.codegen import generate_program
 from harmony_fx.program.verify import check_peak, verify_packs
 from harmony_fx.runtime.devices import resolve_devices
@@ -69,10 +72,18 @@ class _Example:
 
 
 def compile_program(model: nn.Module, args: tuple, kwargs: dict, options: CompileOptions, *,
-                    trainer: bool = False, updates: bool = False) -> Compiled:
+                    trainer: bool = False, updates: bool = False, optimizer: OptimizerFacts | None = None) -> Compiled:
     """Compile ``model`` for its example call ``model(*args, **kwargs)``; see the module docstring.
     ``trainer``: the model's output is its loss (``harmony_fx.Trainer``); ``updates``: the host
-    updates each pack's parameters as soon as their gradients are complete."""
+    updates each pack's parameters as soon as their gradients are complete; ``optimizer``: what the
+    Trainer's optimizer keeps, for ``host_memory`` and the NVMe tier."""
+    if (options.nvme_path is not None or options.host_memory is not None) and optimizer is None:
+        raise ValueError("nvme_path= and host_memory= are options of harmony_fx.Trainer: the tier holds the "
+                         "optimizer's state, which only the Trainer steps (harmony_fx.compile leaves the "
+                         "optimizer to you)")
+    if options.nvme_path is not None and not updates:
+        raise ValueError("nvme_path= needs the per-pack updates, which max_grad_norm turns off (clipping needs every "
+                         "gradient before any update); clip without it, or keep the optimizer state in host memory")
     log = StageLog()
     devices = log.run("resolve devices", resolve_devices, options.devices, options.memory_budget,
                       options.tracks_memory, options.chaos, decision=_describe_devices)
@@ -91,7 +102,8 @@ def compile_program(model: nn.Module, args: tuple, kwargs: dict, options: Compil
             schedule = log.run("choose schedule", choose_schedule, whole.captured.gm, model, batch, devices,
                                devices[0].budget, options, analysis.separable, trainer,
                                decision=lambda s: s.describe() if s else "none found: the options' defaults")
-    stages = functools.partial(_from_layout, log, example, devices, options, trainer, updates, whole, analysis)
+    stages = functools.partial(_from_layout, log, example, devices, options, trainer, updates, optimizer, whole,
+                               analysis)
     try:
         return stages(schedule)
     except BudgetTooSmallError:
@@ -103,7 +115,7 @@ def compile_program(model: nn.Module, args: tuple, kwargs: dict, options: Compil
 
 
 def _from_layout(log: StageLog, example: _Example, devices: list, options: CompileOptions, trainer: bool,
-                 updates: bool, whole: Variant | None, analysis: BatchAnalysis | None,
+                 updates: bool, optimizer: OptimizerFacts | None, whole: Variant | None, analysis: BatchAnalysis | None,
                  schedule: Schedule | None) -> Compiled:
     """Stages 3-9 of the module docstring, for ``schedule`` (``None``: the options' own)."""
     layout = log.run("lay out", decide_layout, schedule, options, len(devices), example.batch_size,
@@ -141,12 +153,18 @@ def _from_layout(log: StageLog, example: _Example, devices: list, options: Compi
     if options.verify:
         log.run("check peak", _check_peaks, candidate, devices,
                 decision=lambda _: "every device's peak, with its margin, within the budget")
+    tier = None
+    if optimizer is not None and (options.nvme_path is not None or options.host_memory is not None):
+        tier = log.run("plan tier", _plan_tier, candidate, shapes, options, optimizer, decision=_describe_tier)
+        if tier.packs:
+            candidate = log.run("insert tier io", _insert_tier_io, candidate, tier, layout, options.verify,
+                                decision=lambda c: f"READ/WRITE of {len(tier.packs)} pack(s)' optimizer state")
     device_programs = log.run("codegen", _codegen, candidate, layout,
                               decision=lambda programs: f"{2 * len(programs)} program(s), "
                               f"{sum(len(f) + len(b) for f, b in candidate.device_actions)} actions")
     batch_note = _batch_note(analysis)
     plan = log.run("plan", make_plan, candidate, shapes, primary.nodes, devices, layout, devices[0].budget,
-                   policy_name, batch_note, decision=lambda p: f"{format_size(p.bytes_h2d)} in, "
+                   policy_name, batch_note, tier, options.nvme_path, decision=lambda p: f"{format_size(p.bytes_h2d)} in, "
                    f"{format_size(p.bytes_d2h)} out per iteration")
     input_specs = tuple((x.shape, x.dtype, x.requires_grad) for x in example_flat)
     return Compiled(options, tuple(devices), trainer, updates, schedule, layout, variants, analysis, example.flat_dims,
@@ -221,6 +239,30 @@ def _annotate(variants: dict, boundaries, verify: bool) -> None:
             verify_packs(variant.captured.gm)
     first = next(iter(variants.values()))
     annotate_liveness(first.captured.gm)
+
+
+def _plan_tier(candidate: Candidate, shapes: Shapes, options: CompileOptions, optimizer: OptimizerFacts) -> TierPlan:
+    packs = candidate.packs
+    masters = list({id(t): t for pack in packs for name in pack.params + pack.buffers
+                    for t in [shapes.masters[name]]}.values())
+    stash = sum(shapes.key_bytes(a.key, packs) for forward, _ in candidate.device_actions for a in forward
+                if a.kind == ActionKind.OFFLOAD and a.key.kind == KeyKind.ACT)
+    return plan_tier(update_groups(packs, shapes.masters), masters, stash, optimizer, options.host_memory,
+                     tier=options.nvme_path is not None)
+
+
+def _insert_tier_io(candidate: Candidate, tier: TierPlan, layout: Layout, verify: bool) -> Candidate:
+    device_actions = insert_tier_io(candidate.device_actions, frozenset(tier.packs))
+    if verify:
+        verify_programs(device_actions, candidate.signature, layout)
+    return dataclasses.replace(candidate, device_actions=device_actions)
+
+
+def _describe_tier(tier: TierPlan) -> str:
+    where = (f"optimizer state of {len(tier.packs)} of {len(tier.pack_state_bytes)} pack(s) on the tier "
+             f"({format_size(tier.tier_bytes)})" if tier.packs else "everything in host memory")
+    limit = "" if tier.host_memory is None else f" of {format_size(tier.host_memory)}"
+    return f"{where}; host memory {format_size(tier.needs.total)}{limit}"
 
 
 def _check_peaks(candidate: Candidate, devices: list) -> None:

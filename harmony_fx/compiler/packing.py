@@ -217,7 +217,7 @@ def _verify_device(forward: list[Action], backward: list[Action], signature: Pro
         host_keys += grad_keys
     forward_results = [a.key for a in forward if a.kind == ActionKind.OFFLOAD
                        and (a.key.kind != KeyKind.ACT or a.key.name in signature.model_outputs)]
-    verify_program(forward, host_keys, forward_results)
+    verify_program(forward, host_keys, forward_results, ends_iteration=not signature.fuse_last)
     # the backward program continues from the forward's state: check them as one
     backward_results = [a.key for a in backward if a.kind == ActionKind.OFFLOAD]
     verify_program(forward + backward, host_keys + grad_keys, backward_results)

@@ -51,6 +51,15 @@ class Plan:
     forward_microbatch_size: int = 0
     microbatch_size: int = 0
     handoff: str = ""  # a pipeline's: "peer" (device to device) or "host" (through the stash)
+    # host memory and the NVMe tier (Trainer(host_memory=..., nvme_path=...)): the bytes a step holds
+    # in host memory as planned, the packs whose optimizer state is on the tier and its bytes there
+    # (each read and written once per iteration)
+    host_bytes: int = 0
+    host_memory: int | None = None
+    nvme_path: str = ""
+    tier_packs: tuple[int, ...] = ()
+    tier_bytes: int = 0
+    host_detail: str = ""
 
     @property
     def bytes_h2d(self) -> int:
@@ -83,6 +92,7 @@ class Plan:
             *([f"batch: {self.batch}"] if self.batch else []),
             f"predicted bytes per iteration: host->device {format_size(self.bytes_h2d)}, "
             f"device->host {format_size(self.bytes_d2h)}; host memory pinned on a GPU {format_size(self.pinned_bytes)}",
+            *([self.tier_line()] if self.host_bytes else []),
         ]
         return "\n".join(lines)
 
@@ -94,16 +104,26 @@ class Plan:
                 f"{size(self.forward_microbatch_size)}, Pfwd = {self.forward_packs}, Ubwd = {size(self.microbatch_size)}, "
                 f"Pbwd = {len(self.packs)})")
 
+    def tier_line(self) -> str:
+        """Bytes per tier: host memory (and its limit), and what is on NVMe."""
+        limit = "" if self.host_memory is None else f" (host_memory {format_size(self.host_memory)})"
+        line = f"host memory per step {format_size(self.host_bytes)}{limit}: {self.host_detail}"
+        if self.tier_packs:
+            packs = " ".join(f"p{p}" for p in self.tier_packs)
+            line += (f"; NVMe tier {self.nvme_path}: optimizer state of {packs}, {format_size(self.tier_bytes)}, "
+                     f"read and written once per iteration")
+        return line
+
     def __str__(self) -> str:
         return self.table()
 
 
 def make_plan(candidate, shapes, nodes: Mapping[str, fx.Node], devices: Sequence, layout, budget: int | None,
-              policy: str, batch: str) -> Plan:
+              policy: str, batch: str, tier=None, nvme_path=None) -> Plan:
     """The plan of the chosen ``candidate`` (a ``compiler.packing.Candidate``): per pack its layers,
     parameters, weight bytes and stash; per device its predicted peak; the bytes moved by
     direction and kind (``shapes``: the key sizes; ``nodes``: the primary graph's, annotated with
-    the chosen packs)."""
+    the chosen packs); ``tier``: the host memory plan (``compiler.tier.TierPlan``), if one was asked for."""
     packs = candidate.packs_by_size[layout.mb_sizes[0]]
     key_bytes = lambda key: shapes.key_bytes(key, packs)  # noqa: E731
     every_action = [a for forward, backward in candidate.device_actions for a in forward + backward]
@@ -134,4 +154,6 @@ def make_plan(candidate, shapes, nodes: Mapping[str, fx.Node], devices: Sequence
                 {f"{d}/{k}": n for (d, k), n in sorted(moved.items())}, policy, layout.parallel, batch,
                 first.margin, first.margin_note, pinned, len({a.mb for a in forward}), forward_packs,
                 max(layout.sizes[a.mb] or 0 for a in forward) if forward else 0, max(s or 0 for s in layout.mb_sizes),
-                layout.handoff if layout.parallel == "pp" else "")
+                layout.handoff if layout.parallel == "pp" else "",
+                *(() if tier is None else (tier.needs.total, tier.host_memory, str(nvme_path or ""), tier.packs,
+                                           tier.tier_bytes, tier.needs.describe())))

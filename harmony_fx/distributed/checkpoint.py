@@ -122,13 +122,15 @@ def load(trainer, path: str | os.PathLike) -> None:
         trainer._cross.refresh_shards()
     _set_rng_states(_unpack(state[rng_key]))
     trainer.step_count = state["step_count"]
+    if trainer._tier is not None:
+        trainer._tier.store_all(trainer.step_count)  # the loaded state leaves host memory for the tier
 
 
 def _optimizer_state(trainer):
     """(parameter name, state key, value in the stored layout) for every optimizer state entry."""
     cluster = trainer.cluster
     for name, (held, chunk) in _holders(trainer).items():
-        for key, value in trainer.optimizer.state.get(held, {}).items():
+        for key, value in trainer.optimizer_state(held).items():
             if not isinstance(value, torch.Tensor):
                 value = _pack(value)
             elif value.dim() > 0:

@@ -14,6 +14,12 @@ host) wait for one. ``FREE`` drops the device copy of a key, in compute-stream o
     FWD p1@0 -> e5
     OFFLOAD act[relu_3@0] d2h -> e6
     SPLIT act[relu_3@4] into 0 1 -> e7
+    READ S[p3] io -> e8
+    WRITE S[p3] io -> e9
+
+``READ``/``WRITE`` move a pack's optimizer state between the NVMe tier and host memory on the
+host's I/O worker (``IO``): the ``UPDATE`` of the pack names the read's event, and the write
+stores what that update left (it runs once the update has).
 """
 from __future__ import annotations
 
@@ -38,6 +44,8 @@ class ActionKind(enum.Enum):
     SEND = "SEND"            # device → device copy of a key (peer stream); done once the peer has it
     RECV = "RECV"            # take a key a peer sent (peer stream)
     SPLIT = "SPLIT"          # on the host: a larger forward microbatch's stash cut into the backward's
+    READ = "READ"            # the I/O worker reads a pack's optimizer state from the NVMe tier
+    WRITE = "WRITE"          # the I/O worker writes it back once the pack's update has run
 
 
 class Stream(enum.Enum):
@@ -46,6 +54,7 @@ class Stream(enum.Enum):
     D2H = "d2h"
     PEER = "peer"
     HOST = "host"
+    IO = "io"          # the host's NVMe worker (one per process)
 
 
 class KeyKind(enum.Enum):
@@ -55,6 +64,7 @@ class KeyKind(enum.Enum):
     GRAD = "grad"      # the gradient of an activation on one microbatch
     WGRAD = "dW"       # the weight gradients of a pack, summed over microbatches
     GRAPH = "graph"    # the autograd graph of a pack on one microbatch (between RECOMPUTE and BWD)
+    STATE = "S"        # the optimizer state of a pack's parameters, kept on the NVMe tier
 
 
 class Key(NamedTuple):
@@ -97,8 +107,8 @@ class Action:
     reads: tuple[Key, ...] = dataclasses.field(default=(), compare=False)
     consumes: tuple[Key, ...] = dataclasses.field(default=(), compare=False)
     writes: tuple[Key, ...] = dataclasses.field(default=(), compare=False)
-    # UPDATE: the weight-gradient copies the host's update worker waits for before it steps (the
-    # device's issuing thread does not wait: it goes on with the next pack)
+    # UPDATE: the weight-gradient copies (and the READ of the pack's state) the host's update worker
+    # waits for before it steps (the device's issuing thread does not wait: it goes on with the next pack)
     after: tuple[int, ...] = ()
 
     def __repr__(self) -> str:
@@ -111,7 +121,7 @@ class Action:
             return f"{kind.value} {self.key} {arrow} d{self.peer} -> e{self.event}"
         if kind == ActionKind.FREE:
             return f"FREE {self.key}"
-        if kind in (ActionKind.PREFETCH, ActionKind.OFFLOAD):
+        if kind in (ActionKind.PREFETCH, ActionKind.OFFLOAD, ActionKind.READ, ActionKind.WRITE):
             return f"{kind.value} {self.key} {self.stream.value} -> e{self.event}"
         if kind == ActionKind.UPDATE:
             return f"UPDATE p{self.pack}" + (" after " + " ".join(f"e{e}" for e in self.after) if self.after else "")
@@ -131,7 +141,7 @@ def parse_action(text: str) -> Action:
         return Action(kind, Stream.PEER, key=parse_key(parts[1]), peer=int(parts[3][1:]), event=int(parts[5][1:]))
     if kind == ActionKind.FREE:
         return Action(kind, Stream.COMPUTE, key=parse_key(parts[1]))
-    if kind in (ActionKind.PREFETCH, ActionKind.OFFLOAD):
+    if kind in (ActionKind.PREFETCH, ActionKind.OFFLOAD, ActionKind.READ, ActionKind.WRITE):
         return Action(kind, Stream(parts[2]), key=parse_key(parts[1]), event=int(parts[4][1:]))
     if kind == ActionKind.UPDATE:
         return Action(kind, Stream.HOST, pack=int(parts[1][1:]), after=tuple(int(e[1:]) for e in parts[3:]))

@@ -76,6 +76,8 @@ def generate_program(actions: Sequence[Action], steps: Sequence[str], name: str,
             args = (rt, action.pack, *(events[event] for event in action.after))
         elif action.kind in (ActionKind.PREFETCH, ActionKind.OFFLOAD):
             args = (rt, str(action.key), action.stream.value)
+        elif action.kind in (ActionKind.READ, ActionKind.WRITE):
+            args = (rt, str(action.key))
         elif action.kind in (ActionKind.SEND, ActionKind.RECV):
             args = (rt, str(action.key), action.peer)
         elif action.kind == ActionKind.SPLIT:

@@ -27,6 +27,10 @@ recv          peer                             take a key another device sent (a
                                                already here); returns an event
 split         host                             cut a host key of a larger forward microbatch into
                                                the backward's microbatches (views); returns an event
+read          io                               read a pack's optimizer state from the NVMe tier;
+                                               returns an event (its UPDATE names it)
+write         io                               write a pack's optimizer state back once its update
+                                               ran; returns an event
 publish       -                                make an event visible to the other devices' programs
 remote        -                                an event another device's program published
 ============  ===============================  ======================================================
@@ -52,6 +56,8 @@ class HarmonyOps(Protocol):
     def send(self, key: str, peer: int) -> Any: ...
     def recv(self, key: str, peer: int) -> Any: ...
     def split(self, key: str, *microbatches: int) -> Any: ...
+    def read(self, key: str) -> Any: ...
+    def write(self, key: str) -> Any: ...
     def publish(self, event: Any, number: int) -> None: ...
     def remote(self, number: int) -> Any: ...
 
@@ -62,5 +68,6 @@ OP_OF_KIND = {
     ActionKind.RECOMPUTE: HarmonyOps.recompute.__name__, ActionKind.BWD: HarmonyOps.bwd.__name__,
     ActionKind.FREE: HarmonyOps.free.__name__, ActionKind.UPDATE: HarmonyOps.update.__name__,
     ActionKind.SEND: HarmonyOps.send.__name__, ActionKind.RECV: HarmonyOps.recv.__name__,
-    ActionKind.SPLIT: HarmonyOps.split.__name__,
+    ActionKind.SPLIT: HarmonyOps.split.__name__, ActionKind.READ: HarmonyOps.read.__name__,
+    ActionKind.WRITE: HarmonyOps.write.__name__,
 }

@@ -14,7 +14,11 @@ it is valid and the copies still reading it, and for each stream the events it h
    stash without waiting on this one's events), and an ``UPDATE`` names every weight-gradient
    copy before it that neither the host waited for nor an earlier ``UPDATE`` named (its worker
    waits for them).
-6. The static peak (from the FakeTensor run of the program) is within the budget (``check_peak``).
+6. The NVMe tier: a pack's state is read (``READ``) at most once, before the ``UPDATE`` of that
+   pack, which names the read's event; it is written (``WRITE``) after that update; every read
+   state is stepped, and the host waits for every write before the program ends (the step is
+   committed only once its state is on the tier).
+7. The static peak (from the FakeTensor run of the program) is within the budget (``check_peak``).
 
 ``verify_packs`` checks the captured graph after ``split_packs``: it lints, every compute node
 belongs to one pack, and packs are convex (no value flows from a later pack back into an earlier
@@ -68,10 +72,11 @@ def verify_packs(gm: fx.GraphModule) -> None:
 
 
 def verify_program(actions: Sequence[Action], host_keys: Iterable[Key] = (),
-                   host_results: Iterable[Key] = (), resident: Iterable[Key] = ()) -> None:
+                   host_results: Iterable[Key] = (), resident: Iterable[Key] = (), ends_iteration: bool = True) -> None:
     """``host_keys``: keys present on the host before the program (model inputs, grad outputs, and
     with several devices what the others offload); ``host_results``: host keys the caller reads
-    afterwards; ``resident``: device keys the program starts with."""
+    afterwards; ``resident``: device keys the program starts with; ``ends_iteration=False``: a
+    Trainer's forward, which its backward follows at once (the tier's reads and writes may go on)."""
     ready: dict[Key, tuple[int | None, Stream]] = {key: (None, Stream.COMPUTE) for key in resident}
     readers: dict[Key, list[int]] = {}
     waited: dict[Stream, set[int]] = {stream: set() for stream in Stream}
@@ -80,6 +85,9 @@ def verify_program(actions: Sequence[Action], host_keys: Iterable[Key] = (),
     dw_offloads: list[tuple[Key, int]] = []
     handed: set[int] = set()  # weight-gradient copies an UPDATE named: its worker waits for them
     offloads: list[tuple[int, Action]] = []
+    tier_reads: dict[Key, tuple[int, Action]] = {}  # state key -> its READ
+    stepped: set[int] = set()                        # packs an UPDATE stepped so far
+    tier_writes: list[tuple[int, Action]] = []
     # the action that last took each key off the device: an early FREE shows up at the next use,
     # and the error names both
     gone: dict[Key, tuple[int, Action]] = {}
@@ -141,10 +149,28 @@ def verify_program(actions: Sequence[Action], host_keys: Iterable[Key] = (),
                 dw_offloads.append((action.key, action.event))
             if action.key.kind == KeyKind.BUFFERS:  # written into the masters the next W copy reads
                 on_host[Key(KeyKind.WEIGHTS, action.key.name)] = action.event
+        elif kind == K.READ:
+            if action.key.kind != KeyKind.STATE or action.stream != Stream.IO:
+                fail(index, action, "a READ moves a pack's optimizer state (S[pN]) on the io stream")
+            if action.key in tier_reads:
+                fail(index, action, f"reads {action.key} a second time (first at {_describe(*tier_reads[action.key])})")
+            if int(action.key.name[1:]) in stepped:
+                fail(index, action, f"reads {action.key} after its UPDATE already stepped the pack")
+            tier_reads[action.key] = (index, action)
+        elif kind == K.WRITE:
+            pack = int(action.key.name[1:])
+            if action.key not in tier_reads or pack not in stepped:
+                fail(index, action, f"writes {action.key} back before it was read and its UPDATE p{pack} stepped it")
+            tier_writes.append((index, action))
         elif kind == K.UPDATE:
             # the update worker waits for the copies the UPDATE names (and, in order, for those the
             # UPDATEs before it named); none may be left out
-            unknown = [e for e in action.after if e not in {event for _, event in dw_offloads}]
+            state = Key(KeyKind.STATE, f"p{action.pack}")
+            read = tier_reads[state][1].event if state in tier_reads else None
+            if read is not None and read not in action.after:
+                fail(index, action, f"steps p{action.pack} without waiting for its state: name the READ's e{read}")
+            stepped.add(action.pack)
+            unknown = [e for e in action.after if e != read and e not in {event for _, event in dw_offloads}]
             if unknown:
                 fail(index, action, f"names {', '.join(f'e{e}' for e in unknown)}, which are not weight-gradient "
                                     "copies of this program")
@@ -186,7 +212,10 @@ def verify_program(actions: Sequence[Action], host_keys: Iterable[Key] = (),
         if event is not None and event not in waited[Stream.HOST]:
             fail(*last_copy[key], f"the caller reads {key}, but the program never waits for this copy on the "
                                   f"host: add WAIT e{event} host before the end")
-    for index, action in offloads:
+    for key, (index, action) in tier_reads.items() if ends_iteration else ():
+        if int(key.name[1:]) not in stepped:
+            fail(index, action, f"reads {key}, but no UPDATE of the pack follows")
+    for index, action in offloads + (tier_writes if ends_iteration else []):
         if action.event not in waited[Stream.HOST]:
             fail(index, action, f"the program ends without the host waiting for this copy: add "
                                 f"WAIT e{action.event} host before the end")

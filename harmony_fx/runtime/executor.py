@@ -55,6 +55,11 @@ class Stats:
     network_bytes: dict[str, int] = dataclasses.field(default_factory=dict)
     # the time the issuing threads spent handing updates to the host optimizer
     handoff_seconds: float = 0.0
+    # the NVMe tier (Trainer(nvme_path=...)): bytes read and written, the I/O worker's busy time, and
+    # the time the issuing threads waited on the host for the tier's writes at the iteration's end
+    tier_bytes: dict[str, int] = dataclasses.field(default_factory=dict)
+    tier_seconds: float = 0.0
+    tier_wait_seconds: float = 0.0
     origin: float = dataclasses.field(default_factory=time.perf_counter)  # the iteration's start
     # per device: its clock (the streams), the clock's mark at the iteration's start and that mark's
     # host time, and per op (stream, label, start mark, end mark, live bytes after it or None).
@@ -208,6 +213,18 @@ class _Event:
                 callback()
 
 
+class _Waited:
+    """A host worker's future as a program's event: waiting for it re-raises the worker's error."""
+
+    __slots__ = ("future",)
+
+    def __init__(self, future) -> None:
+        self.future = future
+
+    def synchronize(self) -> None:
+        self.future.result()
+
+
 class Runtime:
     """``rt`` in the generated programs (implements ``ir.ops.HarmonyOps``); one per iteration."""
 
@@ -218,7 +235,8 @@ class Runtime:
                  standalone: Callable[[Key], object] | None = None,
                  task_memory: dict[tuple[str, int, int], tuple[int, int]] | None = None,
                  compiler: "PackCompiler | None" = None,
-                 split_dims: Callable[[Key, Sequence[int]], Sequence] | None = None) -> None:
+                 split_dims: Callable[[Key, Sequence[int]], Sequence] | None = None,
+                 on_tier: Callable[["Runtime", str, int], object] | None = None) -> None:
         """``packs_for_mb[mb]``: the packs compiled at microbatch ``mb``'s size (same boundaries and
         names for every size). ``on_update(runtime, pack)``: the host's optimizer step for the parameters
         whose gradients are complete after ``pack``'s backward. ``shared``: another device's runtime of
@@ -229,10 +247,13 @@ class Runtime:
         run): what the host or another device would hold is made by it when first read, and other
         devices' events count as done. ``task_memory``: filled with each compute task's net and
         peak bytes (see ``_probed``). ``split_dims(key, parts)``: how ``SPLIT`` cuts a key
-        (``compiler.shapes.Shapes.split_dims``)."""
+        (``compiler.shapes.Shapes.split_dims``). ``on_tier(runtime, "read" | "write", pack)``: hands
+        a ``READ``/``WRITE`` of a pack's optimizer state to the host's I/O worker and returns what to
+        wait on (a ``concurrent.futures.Future``)."""
         self.packs_for_mb = packs_for_mb
         self.packs = packs_for_mb[0]
         self.on_update = on_update
+        self.on_tier = on_tier
         self.compute_dtype = compute_dtype
         self.device = device
         self.host = host
@@ -436,6 +457,12 @@ class Runtime:
 
     def wait(self, event: _Event, stream: str) -> None:
         stream = Stream(stream)
+        if isinstance(event.device_event, _Waited):  # the tier's write: the step waits for it to commit
+            started = time.perf_counter()
+            event.device_event.synchronize()
+            with self._stats_lock:
+                self.stats.tier_wait_seconds += time.perf_counter() - started
+            return
         self.device.streams.wait(event.device_event, stream)
         if stream == Stream.HOST:
             event.run_host_work()
@@ -452,6 +479,21 @@ class Runtime:
             self.on_update(self, pack_index, copies)
             with self._stats_lock:
                 self.stats.handoff_seconds += time.perf_counter() - started
+
+    def read(self, key_text: str) -> _Event:
+        """Hand the read of a pack's optimizer state from the NVMe tier to the I/O worker."""
+        return self._tier("read", key_text)
+
+    def write(self, key_text: str) -> _Event:
+        """Hand the write of a pack's optimizer state to the I/O worker (it runs once the pack's
+        update has)."""
+        return self._tier("write", key_text)
+
+    def _tier(self, what: str, key_text: str) -> _Event:
+        if self.on_tier is None:
+            raise ValueError(f"the program moves {key_text} to or from the NVMe tier, but this run has no tier: "
+                             "programs with READ/WRITE run under harmony_fx.Trainer(nvme_path=...)")
+        return _Event(_Waited(self.on_tier(self, what, int(self.key(key_text).name[1:]))))
 
     def fwd(self, pack_index: int, mb: int) -> _Event:
         return self._submit(Stream.COMPUTE, self._probed("FWD", pack_index, mb, lambda: self._forward(pack_index, mb)),
@@ -678,6 +720,7 @@ class _Links:
         self._events: dict[int, _Event] = {}
         self._published = threading.Condition(self._lock)
         self.failed: BaseException | None = None
+        self._on_abort: list[Callable[[BaseException], None]] = []
 
     def parcel(self, key: Key, source: int, target: int) -> _Parcel:
         with self._lock:
@@ -711,6 +754,19 @@ class _Links:
                 parcel.posted.set()
                 parcel.done.set()
             self._published.notify_all()
+            callbacks, self._on_abort = self._on_abort, []
+        for callback in callbacks:
+            callback(error)
+
+    def on_abort(self, callback: Callable[[BaseException], None]) -> None:
+        """``callback(error)`` once a device fails (now, if one has): a host worker whose work waits
+        for what a failed device will never hand it (the NVMe tier's writes) is released by it."""
+        with self._lock:
+            failed = self.failed
+            if failed is None:
+                self._on_abort.append(callback)
+        if failed is not None:
+            callback(failed)
 
     def check(self) -> None:
         if self.failed is not None:

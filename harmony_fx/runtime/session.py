@@ -102,7 +102,7 @@ class Session:
         self._graphs_logged, self._seconds_logged = 0, 0.0  # compiles already in ``compiled.passes``
 
     def begin(self, per_mb: Sequence[Sequence[torch.Tensor]], on_update: Callable[[Runtime, int, Sequence], None] | None = None,
-              output_grads: dict[Key, torch.Tensor] | None = None) -> Iteration:
+              output_grads: dict[Key, torch.Tensor] | None = None, on_tier: Callable | None = None) -> Iteration:
         """A new iteration over the microbatches' flat inputs ``per_mb`` (nothing run yet)."""
         compiled = self.compiled
         self.stats = Stats(budget={device.name: device.budget for device in self.devices}, recording=self.recording)
@@ -112,7 +112,8 @@ class Session:
             device.planned_peak = compiled.plan.predicted_peak.get(device.name)  # named if it runs out of memory
             runtimes.append(Runtime(self._packs_for_mb[len(runtimes)], device, self.host_state, self._grad_inputs, self.stats,
                                     on_update, compiled.options.compute_dtype, runtimes[0] if runtimes else None,
-                                    len(runtimes), compiler=self.pack_compiler, split_dims=compiled.shapes.split_dims))
+                                    len(runtimes), compiler=self.pack_compiler, split_dims=compiled.shapes.split_dims,
+                                    on_tier=on_tier))
         iteration = Iteration(runtimes, self._controller_threads())
         layout = compiled.layout
         joined = [_join(compiled.flat_dims, [per_mb[j] for j in parts]) for parts in layout.forward_parts]
@@ -139,11 +140,12 @@ class Session:
         self.finish_stats()
 
     def run_iteration(self, per_mb: Sequence[Sequence[torch.Tensor]], on_update: Callable[[Runtime, int, Sequence], None],
-                      output_grads: dict[Key, torch.Tensor]) -> Iteration:
+                      output_grads: dict[Key, torch.Tensor], on_tier: Callable | None = None) -> Iteration:
         """Forward and backward in one go (the Trainer): each device runs its backward program as
         soon as its forward program ends, with no barrier between them (a pipeline's fused last task
-        hands gradients to a device that is already in its backward)."""
-        iteration = self.begin(per_mb, on_update, output_grads)
+        hands gradients to a device that is already in its backward). ``on_tier``: the NVMe tier's
+        reads and writes (``Runtime``)."""
+        iteration = self.begin(per_mb, on_update, output_grads, on_tier)
         try:
             iteration.run([[programs["forward"], programs["backward"]] for programs in self.compiled.device_programs])
         finally:

@@ -32,6 +32,8 @@ def _action(kind: ActionKind, draw) -> Action:
         parts = draw(st.lists(small, min_size=1, max_size=6))
         return Action(kind, Stream.HOST, key=key, event=draw(small), reads=(key,),
                       writes=tuple(key._replace(mb=mb) for mb in parts))
+    if kind in (ActionKind.READ, ActionKind.WRITE):  # a pack's optimizer state to or from the NVMe tier
+        return Action(kind, Stream.IO, key=Key(KeyKind.STATE, f"p{draw(small)}"), event=draw(small))
     raise AssertionError(f"the test does not know how to build a {kind} action; teach it")
 
 

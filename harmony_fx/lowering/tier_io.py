@@ -1,0 +1,92 @@
+"""``insert_tier_io``: the NVMe tier's reads and writes, placed in the backward programs.
+
+A pack whose optimizer state lives on the tier (``tier_packs``, decided by
+``compiler.tier.plan_tier``) needs that state in host memory for its update only. On the device
+that hands the pack's update to the host (the first that does, in data-parallel), its backward
+program gets:
+
+* ``READ S[pk]`` one tiered pack ahead: the first at the start of the program that updates it
+  (the forward's, for a Trainer's last pack, which runs forward, loss and backward in one task,
+  so that read overlaps the whole forward), each next one right
+  after the ``UPDATE`` of the tiered pack before it (or at the backward program's start when that
+  update is in the forward's: a program's events are its own), so the read runs on the I/O worker while the
+  device computes the backward of the packs in between and the host steps the pack before;
+* the ``UPDATE pk`` names the read's event (its worker waits for the state, as for the gradients);
+* ``WRITE S[pk]`` right after (at the backward program's start for an update in the forward's:
+  the write is waited for in the backward), which the I/O worker runs once that update has: the
+  state goes back to the tier and leaves host memory;
+* at the backward program's end the host waits for every write: a step is over, and may be committed, only
+  once its state is on the tier.
+
+The I/O worker takes reads and writes in issue order, so at most three packs' state are in host
+memory at once: one being read, one being stepped, one being written.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+from harmony_fx.program.actions import Action, ActionKind as K, Key, KeyKind, Stream
+
+__all__ = ["insert_tier_io", "state_key"]
+
+PASS_NAME = "insert_tier_io"
+
+
+def state_key(pack: int) -> Key:
+    return Key(KeyKind.STATE, f"p{pack}")
+
+
+def insert_tier_io(device_actions: Sequence[tuple[Sequence[Action], Sequence[Action]]],
+                   tier_packs: frozenset[int]) -> list[tuple[list[Action], list[Action]]]:
+    """``device_actions`` with the tier's reads and writes in the backward programs (see the module
+    docstring). Every pack of ``tier_packs`` must be updated by some device's program."""
+    events = [a.event for pair in device_actions for actions in pair for a in actions if a.event is not None]
+    next_event = max(events, default=-1) + 1
+    hosts: dict[int, int] = {}  # tiered pack -> the device whose program reads and writes its state
+    for device, (forward, backward) in enumerate(device_actions):
+        for action in [*forward, *backward]:
+            if action.kind == K.UPDATE and action.pack in tier_packs:
+                hosts.setdefault(action.pack, device)
+    missing = sorted(tier_packs - hosts.keys())
+    if missing:
+        raise ValueError(f"{PASS_NAME}: pack(s) {', '.join(f'p{p}' for p in missing)} have optimizer state on the "
+                         "tier, but no program updates them on the host")
+    result = []
+    for device, (forward, backward) in enumerate(device_actions):
+        # the Trainer's fused last pack updates in the forward program: both are one iteration
+        phases = [list(forward), list(backward)]
+        hosted = [a.pack for phase in phases for a in phase if a.kind == K.UPDATE and hosts.get(a.pack) == device]
+        if not hosted:
+            result.append((phases[0], phases[1]))
+            continue
+        reads: dict[int, int] = {}
+        writes: list[int] = []
+        out: list[list[Action]] = [[], []]
+        # a program's events are its own: a read goes into the program whose UPDATE names it
+        phase_of = {a.pack: phase for phase in (0, 1) for a in phases[phase] if a.kind == K.UPDATE}
+
+        def emit(phase: int, kind: K, pack: int) -> int:
+            nonlocal next_event
+            event, next_event = next_event, next_event + 1
+            out[phase].append(Action(kind, Stream.IO, key=state_key(pack), event=event, device=device,
+                                     created_by=PASS_NAME))
+            return event
+
+        reads[hosted[0]] = emit(phase_of[hosted[0]], K.READ, hosted[0])
+        for phase, actions in enumerate(phases):
+            for action in actions:
+                if action.kind != K.UPDATE or hosts.get(action.pack) != device:
+                    out[phase].append(action)
+                    continue
+                pack = action.pack
+                out[phase].append(Action(K.UPDATE, Stream.HOST, pack=pack, after=(*action.after, reads[pack]),
+                                         device=device, created_by=action.created_by))
+                position = hosted.index(pack)
+                if position + 1 < len(hosted):
+                    upcoming = hosted[position + 1]
+                    reads[upcoming] = emit(phase_of[upcoming], K.READ, upcoming)  # the backward's start, or now
+                writes.append(emit(1, K.WRITE, pack))  # the backward's start when the update is in the forward
+        for event in writes:
+            out[1].append(Action(K.WAIT, Stream.HOST, event=event, device=device, created_by=PASS_NAME))
+        result.append((out[0], out[1]))
+    return result
