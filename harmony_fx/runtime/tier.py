@@ -78,6 +78,7 @@ class StateTier:
         self._lock = threading.Lock()
         self.bytes = {"read": 0, "write": 0}  # this step's
         self.seconds = 0.0                    # this step's I/O worker time
+        self._failed: BaseException | None = None
 
     # ------------------------------------------------------------------ a step
     def begin(self, step: int) -> None:
@@ -86,6 +87,7 @@ class StateTier:
         self.generation += 1
         self.bytes = {"read": 0, "write": 0}
         self.seconds = 0.0
+        self._failed: BaseException | None = None  # the step's first I/O error: what follows is not done
         self._worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="harmony-io")
 
     def read(self, pack: int) -> concurrent.futures.Future:
@@ -147,9 +149,14 @@ class StateTier:
 
     # ------------------------------------------------------------------ on the I/O worker
     def _timed(self, work, *args) -> None:
+        if self._failed is not None:
+            raise self._failed  # the step is undone: what waits on this hears why
         started = time.perf_counter()
         try:
             work(*args)
+        except BaseException as error:
+            self._failed = error
+            raise
         finally:
             with self._lock:
                 self.seconds += time.perf_counter() - started

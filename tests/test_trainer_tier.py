@@ -1,0 +1,186 @@
+"""``Trainer(nvme_path=...)``: the optimizer state on an NVMe tier (a temporary directory here).
+
+Checked against a trainer that keeps everything in host memory: bitwise equal losses, weights and
+optimizer state; host memory held for optimizer state lower by what the plan says, counted here;
+a failed write leaves the step undone and the tier's files as before; a checkpoint resumes bit for
+bit.
+"""
+from __future__ import annotations
+
+import json
+import os
+import zlib
+
+import pytest
+import torch
+from torch import nn
+
+import harmony_fx
+from harmony_fx.runtime import tier as tier_module
+
+BOUNDARIES = (0, 1, 2, 3)
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(*[nn.Sequential(nn.Linear(32, 32), nn.ReLU()) for _ in range(4)], nn.Linear(32, 4))
+
+
+def _batches(n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(1)
+    return [(torch.randn(16, 32, generator=generator), torch.randn(16, 4, generator=generator)) for _ in range(n)]
+
+
+def _trainer(**options) -> harmony_fx.Trainer:
+    model = _model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    return harmony_fx.Trainer(model, nn.functional.mse_loss, optimizer, _batches(1)[0], microbatches=2,
+                              pack_boundaries=BOUNDARIES, **options)
+
+
+def _held_state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of every tensor the optimizer's state holds in host memory, counted here."""
+    return sum(v.numel() * v.element_size() for state in optimizer.state.values() for v in state.values()
+               if isinstance(v, torch.Tensor))
+
+
+def _full_state(trainer: harmony_fx.Trainer) -> list[dict]:
+    return [trainer.optimizer_state(p) for p in trainer.model.parameters()]
+
+
+def _assert_same(a: harmony_fx.Trainer, b: harmony_fx.Trainer) -> None:
+    for p, q in zip(a.model.parameters(), b.model.parameters()):
+        assert torch.equal(p, q)
+    for x, y in zip(_full_state(a), _full_state(b)):
+        assert x.keys() == y.keys()
+        for key in x:
+            assert torch.equal(x[key], y[key]), key
+
+
+def _files_check(path) -> dict:
+    """The manifest, after checking every file it names against its size and CRC-32 (here, not
+    with the tier's own reader), and that no other state file is there."""
+    manifest = json.loads((path / tier_module.MANIFEST).read_text())
+    named = set()
+    for entry in manifest["packs"].values():
+        data = (path / entry["file"]).read_bytes()
+        assert len(data) == entry["bytes"] and zlib.crc32(data) == entry["crc32"]
+        named.add(entry["file"])
+    assert {f for f in os.listdir(path) if f.endswith(".state")} == named
+    return manifest
+
+
+def test_five_adamw_steps_equal_host_memory_bitwise_and_hold_less(tmp_path):
+    reference, tiered = _trainer(), _trainer(nvme_path=tmp_path)
+    assert tiered.plan.tier_packs == (0, 1, 2, 3)
+    for batch in _batches(5):
+        assert torch.equal(reference.step(batch), tiered.step(batch))
+    _assert_same(reference, tiered)
+    # what host memory holds for optimizer state between steps: lower by the plan's bytes on the tier
+    dropped = _held_state_bytes(reference.optimizer) - _held_state_bytes(tiered.optimizer)
+    assert dropped == tiered.plan.tier_bytes > 0
+    manifest = _files_check(tmp_path)
+    assert sorted(map(int, manifest["packs"])) == [0, 1, 2, 3]
+    # every file read and written once a step, as the stats say
+    file_bytes = sum(entry["bytes"] for entry in manifest["packs"].values())
+    assert tiered.stats.tier_bytes == {"read": file_bytes, "write": file_bytes}
+
+
+def test_host_memory_moves_only_what_does_not_fit(tmp_path):
+    everything = _trainer(nvme_path=tmp_path / "all")
+    # room for about two packs' state (and their undo copies) more than with all of it on the tier
+    limit = everything.plan.host_bytes + 20_000
+    partial = _trainer(nvme_path=tmp_path / "part", host_memory=limit)
+    assert 0 < len(partial.plan.tier_packs) < 4 and partial.plan.host_bytes <= limit
+    reference = _trainer()
+    for batch in _batches(3):
+        assert torch.equal(reference.step(batch), partial.step(batch))
+    _assert_same(reference, partial)
+    assert _held_state_bytes(reference.optimizer) - _held_state_bytes(partial.optimizer) == partial.plan.tier_bytes
+
+
+def test_a_failed_write_undoes_the_step_and_keeps_the_files(tmp_path, monkeypatch):
+    reference, tiered = _trainer(), _trainer(nvme_path=tmp_path)
+    batches = _batches(4)
+    for batch in batches[:2]:
+        reference.step(batch)
+        tiered.step(batch)
+    before = _files_check(tmp_path)
+    weights = [p.detach().clone() for p in tiered.model.parameters()]
+    held = _held_state_bytes(tiered.optimizer)
+    real_write, calls = tier_module._write_file, []
+
+    def failing(path, *args, **kwargs):
+        calls.append(path)
+        if len(calls) == 3:  # the third pack's write of the step
+            raise OSError(28, "No space left on device (injected)")
+        return real_write(path, *args, **kwargs)
+
+    monkeypatch.setattr(tier_module, "_write_file", failing)
+    with pytest.raises(OSError, match="injected"):
+        tiered.step(batches[2])
+    monkeypatch.setattr(tier_module, "_write_file", real_write)
+    assert len(calls) == 3
+    assert _files_check(tmp_path) == before  # the manifest and its files as before; the step's files gone
+    assert all(torch.equal(p, w) for p, w in zip(tiered.model.parameters(), weights))
+    assert _held_state_bytes(tiered.optimizer) == held  # what the step read left host memory again
+    assert tiered.step_count == 2
+    # nothing of the failed step stays: the next steps equal a trainer that never failed
+    for batch in batches[2:]:
+        assert torch.equal(reference.step(batch), tiered.step(batch))
+    _assert_same(reference, tiered)
+
+
+def test_a_corrupted_file_is_refused_and_the_step_undone(tmp_path):
+    tiered = _trainer(nvme_path=tmp_path)
+    tiered.step(_batches(1)[0])
+    entry = json.loads((tmp_path / tier_module.MANIFEST).read_text())["packs"]["1"]
+    with open(tmp_path / entry["file"], "r+b") as f:
+        f.seek(8)
+        f.write(b"\xff\xff\xff\xff")
+    weights = [p.detach().clone() for p in tiered.model.parameters()]
+    with pytest.raises(tier_module.TierCorrupted, match="CRC-32"):
+        tiered.step(_batches(2)[1])
+    assert all(torch.equal(p, w) for p, w in zip(tiered.model.parameters(), weights))
+
+
+@pytest.mark.parametrize("folder", [False, True], ids=["file", "folder"])
+def test_resume_from_save_is_bit_identical(tmp_path, folder):
+    batches = _batches(5)
+    first = _trainer(nvme_path=tmp_path / "tier-a")
+    for batch in batches[:2]:
+        first.step(batch)
+    path = tmp_path / ("checkpoints" if folder else "checkpoint.pt")
+    if folder:
+        path.mkdir()
+    first.save(path)
+    # the checkpoint holds the whole optimizer state, tier included, as a trainer without one saves it
+    if not folder:
+        saved = torch.load(path, weights_only=True)["optimizer"]["state"]
+        assert all("exp_avg" in state for state in saved.values())
+    later = [first.step(batch) for batch in batches[2:]]
+    resumed = _trainer(nvme_path=tmp_path / "tier-b")
+    resumed.load(path)
+    assert _held_state_bytes(resumed.optimizer) < _held_state_bytes(first.optimizer) + 1  # back on the tier
+    assert [resumed.step(batch) for batch in batches[2:]] == later
+    _assert_same(first, resumed)
+
+
+def test_data_parallel_equals_host_memory(tmp_path):
+    options = dict(devices=2, parallel="dp")
+    reference, tiered = _trainer(**options), _trainer(nvme_path=tmp_path, **options)
+    for batch in _batches(2):
+        assert torch.equal(reference.step(batch), tiered.step(batch))
+    _assert_same(reference, tiered)
+
+
+def test_refusals_say_what_to_do(tmp_path):
+    model = _model()
+    with pytest.raises(ValueError, match="options of harmony_fx.Trainer"):
+        harmony_fx.compile(model, (torch.randn(4, 32),), nvme_path=tmp_path)
+    with pytest.raises(ValueError, match="max_grad_norm"):
+        _trainer(nvme_path=tmp_path, max_grad_norm=1.0)
+    with pytest.raises(ValueError, match="nvme_path="):
+        _trainer(host_memory="10KiB")
+    with pytest.raises(ValueError, match="raise host_memory to at least"):
+        _trainer(nvme_path=tmp_path, host_memory="10KiB")
