@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 import harmony_fx
+from harmony_fx.planner.module import simulate_module
 from harmony_fx.runtime import tier as tier_module
 
 BOUNDARIES = (0, 1, 2, 3)
@@ -81,9 +82,12 @@ def test_five_adamw_steps_equal_host_memory_bitwise_and_hold_less(tmp_path):
     assert dropped == tiered.plan.tier_bytes > 0
     manifest = _files_check(tmp_path)
     assert sorted(map(int, manifest["packs"])) == [0, 1, 2, 3]
-    # every file read and written once a step, as the stats say
-    file_bytes = sum(entry["bytes"] for entry in manifest["packs"].values())
-    assert tiered.stats.tier_bytes == {"read": file_bytes, "write": file_bytes}
+    # every pack's state read and written once a step: the runtime's count, the files' layout and the
+    # plan (sized before the first step) agree, and so does the simulation of the program
+    stored = sum(nbytes for entry in manifest["packs"].values() for *_, nbytes in entry["tensors"])
+    assert tiered.stats.tier_bytes == {"read": stored, "write": stored} and stored == tiered.plan.tier_bytes
+    simulated = simulate_module(tiered.hm).bytes_moved
+    assert simulated[("nvme", "read")] == simulated[("nvme", "write")] == stored
 
 
 def test_host_memory_moves_only_what_does_not_fit(tmp_path):
@@ -166,12 +170,18 @@ def test_resume_from_save_is_bit_identical(tmp_path, folder):
     _assert_same(first, resumed)
 
 
-def test_data_parallel_equals_host_memory(tmp_path):
-    options = dict(devices=2, parallel="dp")
+@pytest.mark.parametrize("parallel", ["dp", "pp"])
+def test_two_devices_equal_host_memory(tmp_path, parallel):
+    options = dict(devices=2, parallel=parallel)
     reference, tiered = _trainer(**options), _trainer(nvme_path=tmp_path, **options)
     for batch in _batches(2):
         assert torch.equal(reference.step(batch), tiered.step(batch))
     _assert_same(reference, tiered)
+    # one process, one I/O worker: each pack's state is read and written by one device's program
+    moves = [(a.kind.name, a.key) for forward, backward in tiered.hm.device_actions for a in forward + backward
+             if a.stream.name == "IO"]
+    assert sorted(moves) == sorted((kind, key) for kind in ("READ", "WRITE") for key in {key for _, key in moves})
+    assert len(moves) == 8
 
 
 def test_refusals_say_what_to_do(tmp_path):

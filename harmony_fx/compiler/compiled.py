@@ -17,6 +17,7 @@ from harmony_fx.compiler.packing import Candidate, update_groups
 from harmony_fx.compiler.plan import Plan
 from harmony_fx.compiler.shapes import Shapes
 from harmony_fx.compiler.stages import StageLog
+from harmony_fx.compiler.tier import TierPlan
 from harmony_fx.compiler.variants import Variant
 from harmony_fx.config import CompileOptions
 from harmony_fx.frontend.capture import Captured
@@ -24,7 +25,7 @@ from harmony_fx.ir.pack import Pack
 from harmony_fx.lowering.tasks import ProgramSignature
 from harmony_fx.passes.find_layers import Layer
 from harmony_fx.planner.chain import Schedule
-from harmony_fx.program.actions import Action, Key
+from harmony_fx.program.actions import Action, Key, KeyKind
 
 __all__ = ["Compiled"]
 
@@ -48,6 +49,7 @@ class Compiled:
     device_programs: tuple[dict[str, fx.GraphModule], ...]  # per device: {"forward": ..., "backward": ...}
     plan: Plan
     passes: StageLog
+    tier: TierPlan | None = None  # host memory and the NVMe tier (Trainer(host_memory=, nvme_path=))
 
     # ------------------------------------------------------------------ read off the parts
     @property
@@ -105,7 +107,10 @@ class Compiled:
                 for phase, program in programs.items()}
 
     def key_bytes(self, key: Key) -> int:
-        """Bytes of a key as the plan counts them (from shapes and the compute dtype alone)."""
+        """Bytes of a key as the plan counts them (from shapes and the compute dtype alone; a pack's
+        optimizer state on the tier, from the tier's plan)."""
+        if key.kind == KeyKind.STATE:
+            return self.tier.pack_state_bytes[int(key.name[1:])] if self.tier is not None else 0
         return self.shapes.key_bytes(key, self.packs)
 
     def update_groups(self) -> dict[int, list[nn.Parameter]]:

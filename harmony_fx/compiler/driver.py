@@ -168,7 +168,7 @@ def _from_layout(log: StageLog, example: _Example, devices: list, options: Compi
                    f"{format_size(p.bytes_d2h)} out per iteration")
     input_specs = tuple((x.shape, x.dtype, x.requires_grad) for x in example_flat)
     return Compiled(options, tuple(devices), trainer, updates, schedule, layout, variants, analysis, example.flat_dims,
-                    input_specs, candidate.signature, shapes, candidate, tuple(device_programs), plan, log)
+                    input_specs, candidate.signature, shapes, candidate, tuple(device_programs), plan, log, tier)
 
 
 # ----------------------------------------------------------------------------------- the stages

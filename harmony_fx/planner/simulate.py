@@ -20,7 +20,10 @@ It runs the same ``Action`` lists the runtime runs, with the runtime's semantics
   direction share the host's link (``HostSpec.link_bandwidth``), fairly, at every instant;
 * a pack whose host state is on the NVMe tier (``Costs.nvme_bytes``, ``planner.tiers``) streams
   it through its update layer by layer: the update takes the longer of its step and the tier's
-  read and write of that state, and the tier serves one pack at a time.
+  read and write of that state, and the tier serves one pack at a time;
+* a program's own ``READ``/``WRITE`` of a pack's state (``lowering.tier_io``) go to the host's one
+  I/O worker, in issue order across devices, at the tier's read and write bandwidth; a ``WRITE``
+  starts once the pack's update has ended.
 
 Memory follows issue order, as a caching allocator does: the controller allocates a copy's
 target or a task's outputs when it issues them and frees a key when it issues its ``FREE`` (or the
@@ -99,7 +102,7 @@ class _Simulator:
         n = len(programs)
         self.now = 0.0
         self.issued = [0] * n
-        self.queues = {(d, s): collections.deque() for d in range(n) for s in Stream if s != Stream.HOST}
+        self.queues = {(d, s): collections.deque() for d in range(n) for s in Stream if s not in (Stream.HOST, Stream.IO)}
         self.running: dict[tuple[int, Stream], tuple[float, float, Action]] = {}  # start, end, task
         self.transfers: list[_Transfer] = []
         self.updates: list[float] = []      # end times of running CPU updates (a heap)
@@ -123,6 +126,9 @@ class _Simulator:
         self.last_end = 0.0
         self.network_free = 0.0  # when the link to the other servers is next free
         self.nvme_free = 0.0  # when the NVMe tier is next free
+        self.io_queue: collections.deque = collections.deque()  # (device, READ/WRITE) in issue order
+        self.io_running: tuple[float, float, int, Action] | None = None  # start, end, device, action
+        self.updated_at: dict[int, float] = {}  # pack -> when its update ends
 
     # -------------------------------------------------------------- memory
     def _hold(self, device: int, key: Key) -> None:
@@ -169,7 +175,9 @@ class _Simulator:
                 self.computes_issued[device] += 1
             elif action.kind in (K.PREFETCH, K.RECV):
                 self.fences[id(action)] = self.computes_issued[device]
-            if action.stream == Stream.HOST:
+            if action.stream == Stream.IO:
+                self.io_queue.append((device, action))
+            elif action.stream == Stream.HOST:
                 if action.kind == K.WAIT:
                     if self._waited_event(device, action) not in self.done_events:
                         return progressed
@@ -239,9 +247,25 @@ class _Simulator:
             else:
                 end = self._update(device, action.pack)
             heapq.heappush(self.updates, end)
+            self.updated_at[action.pack] = end
             self.last_end = max(self.last_end, end)
             progressed = True
         return progressed
+
+    def _start_io(self) -> bool:
+        """The I/O worker takes its next READ or WRITE (a WRITE once its pack's update has ended)."""
+        if self.io_running is not None or not self.io_queue:
+            return False
+        device, action = self.io_queue[0]
+        pack = int(action.key.name[1:])
+        if action.kind == K.WRITE and self.updated_at.get(pack, float("inf")) > self.now:
+            return False
+        self.io_queue.popleft()
+        nbytes = self.costs.key_bytes(action.key)
+        rate = self.host.nvme_read if action.kind == K.READ else self.host.nvme_write
+        self.io_running = (self.now, self.now + nbytes / rate, device, action)
+        self.moved[("nvme", action.kind.name.lower())] += nbytes
+        return True
 
     def _update(self, device: int, pack: int) -> float:
         """A pack's update on a host worker; with its state on the NVMe tier, streamed layer by
@@ -324,6 +348,8 @@ class _Simulator:
         candidates = [end for _, end, _ in self.running.values()] + transfer_ends
         if self.updates:
             candidates.append(self.updates[0])
+        if self.io_running is not None:
+            candidates.append(self.io_running[1])
         if not candidates:
             return False
         then = min(candidates)
@@ -346,6 +372,10 @@ class _Simulator:
                 self._finish(where[0], where[1], action, start)
         while self.updates and self.updates[0] <= self.now:
             heapq.heappop(self.updates)
+        if self.io_running is not None and self.io_running[1] <= self.now:
+            start, _, device, action = self.io_running
+            self.io_running = None
+            self._finish(device, Stream.IO, action, start)
         return True
 
     def _finish(self, device: int, stream: Stream, action: Action, start: float) -> None:
@@ -363,9 +393,10 @@ class _Simulator:
                 for d in devices:
                     progressed |= self._issue(d)
                     for stream in Stream:
-                        if stream != Stream.HOST:
+                        if stream not in (Stream.HOST, Stream.IO):
                             progressed |= self._start(d, stream)
                 progressed |= self._start_updates()
+                progressed |= self._start_io()
             if not self._advance():
                 break
         self._check_finished()

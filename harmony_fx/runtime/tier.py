@@ -76,7 +76,7 @@ class StateTier:
         self._written: dict[int, dict] = {}   # this step's files, by pack, until commit or abort
         self._worker: concurrent.futures.ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
-        self.bytes = {"read": 0, "write": 0}  # this step's
+        self.bytes = {"read": 0, "write": 0}  # this step's, of state (without the files' alignment)
         self.seconds = 0.0                    # this step's I/O worker time
         self._failed: BaseException | None = None
 
@@ -182,8 +182,8 @@ class StateTier:
         if zlib.crc32(buffer.numpy()) != entry["crc32"]:
             raise TierCorrupted(f"the NVMe tier's {path} fails its CRC-32 check: its bytes changed since they were "
                                 "written (disk error, or a write outside this trainer); resume from a checkpoint")
-        with self._lock:
-            self.bytes["read"] += entry["bytes"]
+        with self._lock:  # the state's bytes (the file adds alignment)
+            self.bytes["read"] += sum(nbytes for *_, nbytes in entry["tensors"])
         loaded: dict[str, dict[str, torch.Tensor]] = {}
         for name, key, dtype, shape, offset, nbytes in entry["tensors"]:
             view = buffer[offset:offset + nbytes].view(getattr(torch, dtype)).view(shape)
@@ -210,7 +210,7 @@ class StateTier:
         checksum = _write_file(self.path / name, tensors, offset)
         with self._lock:
             self._written[pack] = {"file": name, "bytes": offset, "crc32": checksum, "tensors": layout}
-            self.bytes["write"] += offset
+            self.bytes["write"] += sum(flat.numel() for _, flat in tensors)
         self._drop_from_memory([pack])
 
     def _drop_from_memory(self, packs: Sequence[int]) -> None:
