@@ -458,3 +458,104 @@ def test_a_prefetch_of_a_part_nobody_split_is_refused():
     mutated = forward[:split] + forward[split + 1:]
     message = _refused(hm.verify, [(mutated, backward)], "a SPLIT deleted")
     assert "is not on the host" in message
+
+
+# ---------------------------------------------------------------------- the NVMe tier (READ/WRITE S[pk])
+
+TIER_NAMES_ACTION = re.compile(r"action #\d+ `[^`]+` \(created by (lower_program|insert_tier_io)\)")
+
+
+@pytest.fixture(scope="module")
+def tier_programs(tmp_path_factory):
+    """A Trainer's programs with every pack's AdamW state on the tier: ``(hm, program, num_forward,
+    update_packs)``, forward + backward as one list."""
+    torch.manual_seed(0)
+    model = MLPChain(width=16, depth=6)
+    x, target = torch.randn(8, 16), torch.randint(0, 10, (8,))
+    trainer = harmony_fx.Trainer(model, torch.nn.functional.cross_entropy, torch.optim.AdamW(model.parameters()),
+                                 (x, target), microbatches=2, pack_boundaries=(0, 2, 4, 6),
+                                 nvme_path=tmp_path_factory.mktemp("nvme"))
+    trainer.close()
+    assert trainer.plan.tier_packs == (0, 1, 2, 3)
+    (forward, backward), = trainer.hm.device_actions
+    program = list(forward) + list(backward)
+    return trainer.hm, program, len(forward), frozenset(a.pack for a in program if a.kind == K.UPDATE)
+
+
+def _tier_refused(tier_programs, program: list[Action], num_forward: int, what: str) -> str:
+    hm, _, _, update_packs = tier_programs
+    with pytest.raises(ProgramError) as info:
+        hm.verify(_single(program, num_forward), update_packs)
+    message = str(info.value)
+    assert TIER_NAMES_ACTION.search(message), f"{what}: the error names no action and pass: {message}"
+    return message
+
+
+def _tier_action(program: list[Action], kind: K, pack: int) -> int:
+    return _index(program, lambda a: a.kind == kind and a.key == Key(KeyKind.STATE, f"p{pack}"))
+
+
+def _update(program: list[Action], pack: int) -> int:
+    return _index(program, lambda a: a.kind == K.UPDATE and a.pack == pack)
+
+
+def test_the_tier_programs_verify(tier_programs):
+    hm, program, num_forward, update_packs = tier_programs
+    hm.verify(_single(program, num_forward), update_packs)
+    assert {a.kind for a in program} >= {K.READ, K.WRITE}
+
+
+def test_an_update_that_does_not_name_its_read_is_refused(tier_programs):
+    """Its worker would step the pack before its state is back from the tier."""
+    _, program, num_forward, _ = tier_programs
+    for pack in range(4):
+        i, read = _update(program, pack), program[_tier_action(program, K.READ, pack)]
+        update = program[i]
+        assert read.event in update.after
+        mutated = list(program)
+        mutated[i] = Action(K.UPDATE, Stream.HOST, pack=pack, device=update.device, created_by=update.created_by,
+                            after=tuple(e for e in update.after if e != read.event))
+        message = _tier_refused(tier_programs, mutated, num_forward, f"UPDATE p{pack} without e{read.event}")
+        assert repr(mutated[i]) in message and "(created by lower_program)" in message
+        assert f"steps p{pack} without waiting for its state: name the READ's e{read.event}" in message
+
+
+def test_a_write_before_its_update_is_refused(tier_programs):
+    """The write would store the state before the step changed it. p3 updates in the forward,
+    whose write is at the backward's start: moved into the forward, it is refused there."""
+    _, program, num_forward, _ = tier_programs
+    for pack in range(4):
+        write, update = _tier_action(program, K.WRITE, pack), _update(program, pack)
+        assert update < write
+        mutated = list(program)
+        moved = mutated.pop(write)
+        mutated.insert(update, moved)
+        forward = num_forward + (write >= num_forward > update)  # it crossed into the forward
+        message = _tier_refused(tier_programs, mutated, forward, f"{moved!r} before UPDATE p{pack}")
+        assert repr(moved) in message and "(created by insert_tier_io)" in message
+        assert f"writes S[p{pack}] back before it was read and its UPDATE p{pack} stepped it" in message
+
+
+def test_a_second_read_of_the_same_state_is_refused(tier_programs):
+    _, program, num_forward, _ = tier_programs
+    for pack in range(4):
+        first = _tier_action(program, K.READ, pack)
+        read = program[first]
+        again = Action(K.READ, Stream.IO, key=read.key, event=10_000 + pack, device=read.device,
+                       created_by=read.created_by)
+        mutated = program[:first + 1] + [again] + program[first + 1:]
+        message = _tier_refused(tier_programs, mutated, num_forward + (first < num_forward), f"{read.key} twice")
+        assert repr(again) in message
+        assert f"reads S[p{pack}] a second time (first at action #{first} `{read!r}`" in message
+
+
+def test_a_write_the_host_never_waits_for_is_refused(tier_programs):
+    """The step would be committed before its state is on the tier."""
+    _, program, num_forward, _ = tier_programs
+    for pack in range(4):
+        write = program[_tier_action(program, K.WRITE, pack)]
+        mutated = [a for a in program if not (a.kind == K.WAIT and a.event == write.event)]
+        assert len(mutated) == len(program) - 1 and program[-1].kind == K.WAIT  # a wait at the backward's end
+        message = _tier_refused(tier_programs, mutated, num_forward, f"without the wait for {write!r}")
+        assert repr(write) in message and "(created by insert_tier_io)" in message
+        assert f"the program ends without the host waiting for this copy: add WAIT e{write.event} host" in message
