@@ -32,7 +32,6 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import copy
-import functools
 import inspect
 import os
 import random
@@ -267,19 +266,12 @@ class Trainer:
                         for mb, w in enumerate(weights)}
         undo = _Undo(self.optimizer, [p for group in groups.values() for p in group], hm.compiled.written_buffers(),
                      copies=self.atomic, tiered=set() if tier is None else tier.params)
-        # the tier: each pack's WRITE waits for the pack's update (settled by the update worker)
-        updated: dict[int, concurrent.futures.Future] = {}
         if tier is not None:
             tier.begin(self.step_count)
-            updated = {pack: concurrent.futures.Future() for pack in tier.packs}
-
-        def fail_updates(error: BaseException) -> None:
-            for future in updated.values():
-                _settle_with(future, error=error)
 
         def on_tier(runtime: Runtime, what: str, pack: int) -> concurrent.futures.Future:
-            runtime.links.on_abort(fail_updates)  # a failed device never hands some updates over
-            return tier.read(pack) if what == "read" else tier.write(pack, updated[pack])
+            runtime.links.on_abort(tier.fail)  # a failed device never hands some updates over
+            return tier.read(pack) if what == "read" else tier.write(pack)
         pending: list[concurrent.futures.Future] = []
         arrivals: collections.Counter = collections.Counter()
         landing: collections.defaultdict = collections.defaultdict(list)  # pack -> copies its update waits for
@@ -299,11 +291,10 @@ class Trainer:
                     return
                 if cross is None or pack_index not in cross.buffers:
                     params = groups.get(pack_index, [])
-                    future = workers.submit(_land_and_update, landing.pop(pack_index), runtime.host_grads,
-                                            self.optimizer, params, undo)
-                    if pack_index in updated:
-                        future.add_done_callback(functools.partial(_settle, updated[pack_index]))
-                    pending.append(future)
+                    pending.append(workers.submit(_land_and_update, landing.pop(pack_index), runtime.host_grads,
+                                                  self.optimizer, params, undo,
+                                                  tier if tier is not None and pack_index in tier.packs else None,
+                                                  pack_index))
                     return
                 # every rank issues the packs' collectives in one order, whatever order they finish in
                 ready[pack_index] = landing.pop(pack_index)
@@ -350,10 +341,10 @@ class Trainer:
             if tier is not None:
                 tier.commit()  # the last thing that may fail: the step's state files become the state
                 hm.stats.tier_bytes, hm.stats.tier_seconds = dict(tier.bytes), tier.seconds
+                hm.stats.tier_staged_peak = tier.peak_staged
         except BaseException as error:
             workers.shutdown(wait=True)  # again: a second Ctrl-C may have cut the first wait short
             if tier is not None:
-                fail_updates(StepUndone("the step failed before this pack's update ran"))
                 tier.abort()
             if cross is not None and not isinstance(error, PeerError):
                 self._fail_across(cross, turn[0], agreed, len(per_mb))
@@ -572,23 +563,6 @@ def _timed(fn: Callable, *args) -> float:
     return time.perf_counter() - started
 
 
-def _settle(target: concurrent.futures.Future, source: concurrent.futures.Future) -> None:
-    """``target`` done as ``source`` ended (a pack's update, for the tier's write that waits on it)."""
-    error = source.exception()
-    _settle_with(target, error=error)
-
-
-def _settle_with(future: concurrent.futures.Future, error: BaseException | None = None) -> None:
-    """Finish ``future`` unless it already is (the update worker and a failing step may race)."""
-    try:
-        if error is None:
-            future.set_result(None)
-        else:
-            future.set_exception(error)
-    except concurrent.futures.InvalidStateError:
-        pass
-
-
 def _state_bytes(optimizer: torch.optim.Optimizer) -> Callable[[nn.Parameter], int]:
     """Bytes of the optimizer's state tensors for a parameter, the ones the NVMe tier takes
     (``runtime.tier.on_tier_entry``), known before the first step makes them: per parameter group,
@@ -611,10 +585,6 @@ def _state_bytes(optimizer: torch.optim.Optimizer) -> Callable[[nn.Parameter], i
                                  if on_tier_entry(v)) / probe.numel()
     group_of = {id(p): index for index, group in enumerate(optimizer.param_groups) for p in group["params"]}
     return lambda param: int(per_element.get(group_of.get(id(param)), 0.0) * param.numel())
-
-
-class StepUndone(RuntimeError):
-    """What a pack's pending tier write is told when the step fails before the pack's update."""
 
 
 class NonFiniteLossError(FloatingPointError, ValueError):
@@ -686,12 +656,15 @@ def _land_and_update_across(copies, host_grads: dict, optimizer: torch.optim.Opt
 
 
 def _land_and_update(copies, host_grads: dict, optimizer: torch.optim.Optimizer, params: Sequence[nn.Parameter],
-                     undo: _Undo) -> float:
+                     undo: _Undo, tier: StateTier | None = None, pack: int | None = None) -> float:
     """On the update worker: wait for the weight-gradient copies, which sums them on the host, then
-    step ``params`` with their summed gradients; returns the seconds the step itself took."""
+    step ``params`` with their summed gradients (a pack on the NVMe ``tier``: one parameter at a
+    time, its state streaming in and out); returns the seconds the step itself took."""
     land(copies)
     for param in params:
         param.grad = host_grads.get(id(param))
+    if tier is not None:
+        return _timed(tier.update, pack, lambda stepped: _update(optimizer, stepped, undo))
     return _timed(_update, optimizer, params, undo)
 
 

@@ -59,13 +59,15 @@ def _assert_same(a: harmony_fx.Trainer, b: harmony_fx.Trainer) -> None:
 
 
 def _files_check(path) -> dict:
-    """The manifest, after checking every file it names against its size and CRC-32 (here, not
-    with the tier's own reader), and that no other state file is there."""
+    """The manifest, after checking every file it names against its size and each tensor against its
+    CRC-32 (here, not with the tier's own reader), and that no other state file is there."""
     manifest = json.loads((path / tier_module.MANIFEST).read_text())
     named = set()
     for entry in manifest["packs"].values():
         data = (path / entry["file"]).read_bytes()
-        assert len(data) == entry["bytes"] and zlib.crc32(data) == entry["crc32"]
+        assert len(data) == entry["bytes"]
+        for *_, offset, nbytes, crc in entry["tensors"]:
+            assert zlib.crc32(data[offset:offset + nbytes]) == crc
         named.add(entry["file"])
     assert {f for f in os.listdir(path) if f.endswith(".state")} == named
     return manifest
@@ -84,10 +86,29 @@ def test_five_adamw_steps_equal_host_memory_bitwise_and_hold_less(tmp_path):
     assert sorted(map(int, manifest["packs"])) == [0, 1, 2, 3]
     # every pack's state read and written once a step: the runtime's count, the files' layout and the
     # plan (sized before the first step) agree, and so does the simulation of the program
-    stored = sum(nbytes for entry in manifest["packs"].values() for *_, nbytes in entry["tensors"])
+    stored = sum(t[5] for entry in manifest["packs"].values() for t in entry["tensors"])
     assert tiered.stats.tier_bytes == {"read": stored, "write": stored} and stored == tiered.plan.tier_bytes
     simulated = simulate_module(tiered.hm).bytes_moved
     assert simulated[("nvme", "read")] == simulated[("nvme", "write")] == stored
+    # what was in flight at once, as the tier counted it, within the plan's staging
+    assert 0 < tiered.stats.tier_staged_peak <= tiered.hm.compiled.tier.needs.staging
+
+
+def test_a_pack_streams_its_state_a_parameter_at_a_time(tmp_path):
+    """One pack of 12 layers: its state never all in host memory at once, within the plan's staging
+    (a few parameters' worth), and the training still equals host memory's."""
+    def trainer(**options):
+        torch.manual_seed(0)
+        model = nn.Sequential(*[nn.Linear(32, 32) for _ in range(12)], nn.Linear(32, 4))
+        return harmony_fx.Trainer(model, nn.functional.mse_loss, torch.optim.AdamW(model.parameters(), lr=1e-2),
+                                  _batches(1)[0], microbatches=2, pack_boundaries=(0, 12), **options)
+
+    reference, tiered = trainer(), trainer(nvme_path=tmp_path)
+    for batch in _batches(2):
+        assert torch.equal(reference.step(batch), tiered.step(batch))
+    _assert_same(reference, tiered)
+    pack_state = tiered.hm.compiled.tier.pack_state_bytes[0]
+    assert 0 < tiered.stats.tier_staged_peak <= tiered.hm.compiled.tier.needs.staging < pack_state
 
 
 def test_host_memory_moves_only_what_does_not_fit(tmp_path):
@@ -112,19 +133,19 @@ def test_a_failed_write_undoes_the_step_and_keeps_the_files(tmp_path, monkeypatc
     before = _files_check(tmp_path)
     weights = [p.detach().clone() for p in tiered.model.parameters()]
     held = _held_state_bytes(tiered.optimizer)
-    real_write, calls = tier_module._write_file, []
+    real_finish, calls = tier_module._FileWriter.finish, []
 
-    def failing(path, *args, **kwargs):
-        calls.append(path)
-        if len(calls) == 3:  # the third pack's write of the step
+    def failing(file):
+        calls.append(file.path)
+        if len(calls) == 3:  # the third pack's file of the step
             raise OSError(28, "No space left on device (injected)")
-        return real_write(path, *args, **kwargs)
+        return real_finish(file)
 
-    monkeypatch.setattr(tier_module, "_write_file", failing)
+    monkeypatch.setattr(tier_module._FileWriter, "finish", failing)
     with pytest.raises(OSError, match="injected"):
         tiered.step(batches[2])
-    monkeypatch.setattr(tier_module, "_write_file", real_write)
-    assert len(calls) == 3
+    monkeypatch.setattr(tier_module._FileWriter, "finish", real_finish)
+    assert len(calls) == 3  # nothing written after the failure
     assert _files_check(tmp_path) == before  # the manifest and its files as before; the step's files gone
     assert all(torch.equal(p, w) for p, w in zip(tiered.model.parameters(), weights))
     assert _held_state_bytes(tiered.optimizer) == held  # what the step read left host memory again

@@ -242,7 +242,9 @@ def _schedule_line(schedule: dict, batch_size: int) -> str:
 def _nvme_report(profile, choice, host) -> dict:
     from harmony_fx.planner.tiers import plan_tiers
 
-    tiers = plan_tiers(profile, choice.schedule.boundaries, choice.batch_size, host)
+    schedule = choice.schedule
+    tiers = plan_tiers(profile, schedule.boundaries, choice.batch_size, host,
+                       schedule.devices if schedule.parallel == "pp" else 1)
     moved = choice.simulation.bytes_moved
     return {
         "capacity_bytes": host.nvme_bytes, "bytes_on_tier": tiers.nvme_bytes,
@@ -250,7 +252,7 @@ def _nvme_report(profile, choice, host) -> dict:
         "read_bytes_per_iteration": moved.get(("nvme", "read"), 0),
         "write_bytes_per_iteration": moved.get(("nvme", "write"), 0),
         "read_bandwidth": host.nvme_read, "write_bandwidth": host.nvme_write,
-        "busy_seconds": sum(seconds for (_, lane), seconds in choice.simulation.busy.items() if lane == "nvme"),
+        "busy_seconds": sum(seconds for (_, lane), seconds in choice.simulation.busy.items() if lane == "io"),
     }
 
 

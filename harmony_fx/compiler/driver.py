@@ -155,7 +155,7 @@ def _from_layout(log: StageLog, example: _Example, devices: list, options: Compi
                 decision=lambda _: "every device's peak, with its margin, within the budget")
     tier = None
     if optimizer is not None and (options.nvme_path is not None or options.host_memory is not None):
-        tier = log.run("plan tier", _plan_tier, candidate, shapes, options, optimizer, decision=_describe_tier)
+        tier = log.run("plan tier", _plan_tier, candidate, shapes, layout, options, optimizer, decision=_describe_tier)
         if tier.packs:
             candidate = log.run("insert tier io", _insert_tier_io, candidate, tier, layout, options.verify,
                                 decision=lambda c: f"READ/WRITE of {len(tier.packs)} pack(s)' optimizer state")
@@ -241,14 +241,16 @@ def _annotate(variants: dict, boundaries, verify: bool) -> None:
     annotate_liveness(first.captured.gm)
 
 
-def _plan_tier(candidate: Candidate, shapes: Shapes, options: CompileOptions, optimizer: OptimizerFacts) -> TierPlan:
+def _plan_tier(candidate: Candidate, shapes: Shapes, layout: Layout, options: CompileOptions,
+               optimizer: OptimizerFacts) -> TierPlan:
     packs = candidate.packs
     masters = list({id(t): t for pack in packs for name in pack.params + pack.buffers
                     for t in [shapes.masters[name]]}.values())
     stash = sum(shapes.key_bytes(a.key, packs) for forward, _ in candidate.device_actions for a in forward
                 if a.kind == ActionKind.OFFLOAD and a.key.kind == KeyKind.ACT)
     return plan_tier(update_groups(packs, shapes.masters), masters, stash, optimizer, options.host_memory,
-                     tier=options.nvme_path is not None)
+                     tier=options.nvme_path is not None,
+                     devices=len(candidate.device_actions) if layout.parallel == "pp" else 1)
 
 
 def _insert_tier_io(candidate: Candidate, tier: TierPlan, layout: Layout, verify: bool) -> Candidate:

@@ -9,8 +9,9 @@ What a ``Trainer`` step holds in host memory (``HostNeeds``, every figure in byt
 * ``copies``: with ``Trainer(atomic=True)``, the copy of each updated pack's parameters and
   in-memory state kept until the step ends (a tiered pack's state needs none: its previous
   file stays until the step is committed);
-* ``staging``: the tier's state in flight, at most three packs' (one read, one stepped, one
-  written: ``lowering.tier_io``).
+* ``staging``: the tier's state in flight: a pack's state streams through its update one
+  parameter at a time (``runtime.tier``), so at most ``staged_params(devices)`` times the largest
+  tiered parameter's state.
 
 Packs go to the tier largest state first (the fewest packs, so the fewest files and reads),
 until the total fits ``host_memory``. A planning pass: it decides, ``insert_tier_io`` applies.
@@ -24,10 +25,17 @@ from torch import nn
 
 from harmony_fx.config import format_size
 
-__all__ = ["OptimizerFacts", "HostNeeds", "TierPlan", "plan_tier", "STAGED_PACKS"]
+__all__ = ["OptimizerFacts", "HostNeeds", "TierPlan", "plan_tier", "staged_params", "READ_AHEAD"]
 
 PASS_NAME = "plan_tier"
-STAGED_PACKS = 3  # packs' state in host memory at once on the tier's way: read, stepped, written
+READ_AHEAD = 2  # parameters a pack's state stream reads ahead of the one being stepped
+
+
+def staged_params(devices: int) -> int:
+    """Parameters' state the tier holds in host memory at most (``runtime.tier``): ``READ_AHEAD``
+    for each pack a device's program opened ahead of its update (one per device) and for the pack
+    being updated, the parameter being stepped, and the one in the writer's hands."""
+    return READ_AHEAD * (devices + 1) + 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,20 +78,22 @@ class TierPlan:
 
 
 def plan_tier(groups: Mapping[int, Sequence[nn.Parameter]], masters: Sequence, stash: int,
-              optimizer: OptimizerFacts, host_memory: int | None, tier: bool) -> TierPlan:
+              optimizer: OptimizerFacts, host_memory: int | None, tier: bool, devices: int = 1) -> TierPlan:
     """``groups``: the parameters each pack's update steps; ``masters``: every host tensor the
     packs read (parameters and buffers, each once); ``stash``: bytes the forward copies out;
-    ``tier``: whether there is a tier to move state to (``nvme_path``)."""
+    ``tier``: whether there is a tier to move state to (``nvme_path``); ``devices``: how many
+    devices' programs may open a pack's stream ahead."""
     state = {pack: sum(optimizer.state_bytes(p) for p in params) for pack, params in groups.items()}
+    largest = {pack: max((optimizer.state_bytes(p) for p in params), default=0) for pack, params in groups.items()}
     params = [p for group in groups.values() for p in group]
     param_bytes = sum(p.numel() * p.element_size() for p in params)
     fixed = sum(t.numel() * t.element_size() for t in masters)
 
     def needs(on_tier: Sequence[int]) -> HostNeeds:
         kept = sum(n for pack, n in state.items() if pack not in on_tier)
-        staged = sorted((state[p] for p in on_tier), reverse=True)[:STAGED_PACKS]
+        staged = staged_params(devices) * max((largest[p] for p in on_tier), default=0)
         copies = param_bytes + kept if optimizer.keeps_copies else 0
-        return HostNeeds(fixed, param_bytes, kept, stash, copies, sum(staged))
+        return HostNeeds(fixed, param_bytes, kept, stash, copies, staged)
 
     chosen: list[int] = []
     order = sorted((p for p in state if state[p]), key=lambda p: (-state[p], -p))

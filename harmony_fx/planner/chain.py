@@ -4,7 +4,8 @@ The planner needs programs for models it never captures whole (a 175B-parameter 
 thousands of candidates. ``chain_packs`` makes packs that carry only what lowering reads (indices,
 input and output names, whether they have parameters): pack ``p`` over layers ``[a, b)`` reads
 ``x{a}`` and makes ``x{b}``. The programs are the ones ``lower_program`` / ``lower_pipeline``
-emit for a real model, so the simulator sees the real schedule: transfers, waits, frees, updates.
+emit for a real model, so the simulator sees the real schedule: transfers, waits, frees, updates,
+and the NVMe tier's reads and writes (``insert_tier_io``, the runtime's pass).
 """
 from __future__ import annotations
 
@@ -17,11 +18,12 @@ from harmony_fx.lowering.pipeline import lower_pipeline
 from harmony_fx.lowering.placement import data_parallel_shares, device_forward_parts, forward_parts, forward_tasks
 from harmony_fx.lowering.single import lower_program
 from harmony_fx.lowering.tasks import ProgramSignature
+from harmony_fx.lowering.tier_io import insert_tier_io
 from harmony_fx.planner.costs import PackCosts, chain_key_bytes
 from harmony_fx.planner.profile import ModelProfile
 from harmony_fx.planner.specs import DeviceSpec, HostSpec
 from harmony_fx.planner.tiers import plan_tiers
-from harmony_fx.program.actions import Action
+from harmony_fx.program.actions import Action, KeyKind
 
 __all__ = ["Schedule", "chain_packs", "chain_schedule", "pack_layers"]
 
@@ -95,6 +97,12 @@ def chain_schedule(profile: ModelProfile, schedule: Schedule, batch_size: int, s
                                                           forward_parts=device_forward_parts(parts, count, mbs)))
                  for mbs in data_parallel_shares(count, schedule.devices, parts)]
     layers = pack_layers(schedule.boundaries, num_layers)
-    tiers = plan_tiers(profile, schedule.boundaries, batch_size, host)
-    costs = PackCosts(profile, layers, sizes, spec, host, chain_key_bytes(profile, layers, sizes), tiers.pack_nvme_bytes)
+    tiers = plan_tiers(profile, schedule.boundaries, batch_size, host,
+                       schedule.devices if schedule.parallel == "pp" else 1)
+    tiered = frozenset(p for p, nbytes in enumerate(tiers.pack_nvme_bytes) if nbytes)
+    if tiered:
+        pairs = insert_tier_io(pairs, tiered)
+    key_bytes = chain_key_bytes(profile, layers, sizes)
+    costs = PackCosts(profile, layers, sizes, spec, host,
+                      lambda key: tiers.pack_nvme_bytes[int(key.name[1:])] if key.kind == KeyKind.STATE else key_bytes(key))
     return [forward + backward for forward, backward in pairs], costs

@@ -22,10 +22,8 @@ class PackCosts:
     microbatch ``mb``; ``key_bytes``: the program's key sizes (GRAPH keys are sized here)."""
 
     def __init__(self, profile: ModelProfile, pack_layers: Sequence[Sequence[int]], sizes: Sequence[int],
-                 spec: DeviceSpec, host: HostSpec, key_bytes: Callable[[Key], int],
-                 pack_nvme_bytes: Sequence[int] = ()) -> None:
+                 spec: DeviceSpec, host: HostSpec, key_bytes: Callable[[Key], int]) -> None:
         self.profile, self.sizes, self.spec, self.host = profile, list(sizes), spec, host
-        self.pack_nvme_bytes = list(pack_nvme_bytes) or [0] * len(pack_layers)
         self.pack_layers = [[profile.layers[i] for i in layers] for layers in pack_layers]
         self._key_bytes = key_bytes
         self._seconds: dict[tuple[K, int, int], float] = {}
@@ -57,10 +55,6 @@ class PackCosts:
 
     def pack_params(self, pack: int) -> int:
         return sum(layer.num_params for layer in self.pack_layers[pack])
-
-    def nvme_bytes(self, pack: int) -> int:
-        """Bytes of ``pack``'s host state on the NVMe tier: read before its update, written after."""
-        return self.pack_nvme_bytes[pack]
 
     def update_seconds(self, pack: int) -> float:
         return self.pack_params(pack) / self.host.update_params_per_second

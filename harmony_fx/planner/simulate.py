@@ -18,12 +18,10 @@ It runs the same ``Action`` lists the runtime runs, with the runtime's semantics
   issues the next action only once the last one has finished;
 * copies between host and device run at the device's link speed, and all devices' copies in one
   direction share the host's link (``HostSpec.link_bandwidth``), fairly, at every instant;
-* a pack whose host state is on the NVMe tier (``Costs.nvme_bytes``, ``planner.tiers``) streams
-  it through its update layer by layer: the update takes the longer of its step and the tier's
-  read and write of that state, and the tier serves one pack at a time;
-* a program's own ``READ``/``WRITE`` of a pack's state (``lowering.tier_io``) go to the host's one
-  I/O worker, in issue order across devices, at the tier's read and write bandwidth; a ``WRITE``
-  starts once the pack's update has ended.
+* the ``READ``/``WRITE`` of a pack's state on the NVMe tier (``lowering.tier_io``) go to the
+  host's one I/O worker, in issue order across devices, at the tier's read and write bandwidth
+  (``HostSpec.nvme_read``, ``nvme_write``); an ``UPDATE`` waits for its pack's read as for its
+  gradients, and a ``WRITE`` starts once the pack's update has ended.
 
 Memory follows issue order, as a caching allocator does: the controller allocates a copy's
 target or a task's outputs when it issues them and frees a key when it issues its ``FREE`` (or the
@@ -54,8 +52,6 @@ class Costs(Protocol):
     # bytes above the level at the task's start at its peak; ``allocated``: what its new keys take
     def update_seconds(self, pack: int) -> float: ...
     def pack_params(self, pack: int) -> int: ...
-    def nvme_bytes(self, pack: int) -> int: ...
-    # the pack's host state on the NVMe tier: read before its update, written after
 
 
 class SimulationDeadlock(ValueError):
@@ -125,7 +121,6 @@ class _Simulator:
         self.spans: list[tuple[int, str, str, float, float]] = []
         self.last_end = 0.0
         self.network_free = 0.0  # when the link to the other servers is next free
-        self.nvme_free = 0.0  # when the NVMe tier is next free
         self.io_queue: collections.deque = collections.deque()  # (device, READ/WRITE) in issue order
         self.io_running: tuple[float, float, int, Action] | None = None  # start, end, device, action
         self.updated_at: dict[int, float] = {}  # pack -> when its update ends
@@ -268,22 +263,10 @@ class _Simulator:
         return True
 
     def _update(self, device: int, pack: int) -> float:
-        """A pack's update on a host worker; with its state on the NVMe tier, streamed layer by
-        layer: read, step and write overlap, the tier doing one read or write at a time."""
-        seconds = self.costs.update_seconds(pack)
-        start, nbytes = self.now, self.costs.nvme_bytes(pack)
-        if nbytes:
-            start = max(self.now, self.nvme_free)
-            read, write = nbytes / self.host.nvme_read, nbytes / self.host.nvme_write
-            self.nvme_free = start + read + write
-            seconds = max(seconds, read + write)
-            self.moved[("nvme", "read")] += nbytes
-            self.moved[("nvme", "write")] += nbytes
-            self.spans.append((device, "nvme", f"READ+WRITE state p{pack}", start, self.nvme_free))
-            self.busy[(device, "nvme")] += read + write
-        end = start + seconds
-        self.spans.append((device, "host", f"UPDATE p{pack}", start, end))
-        self.busy[(device, "host")] += end - start
+        """A pack's update on a host worker."""
+        end = self.now + self.costs.update_seconds(pack)
+        self.spans.append((device, "host", f"UPDATE p{pack}", self.now, end))
+        self.busy[(device, "host")] += end - self.now
         return end
 
     def _update_across(self, device: int, pack: int, cluster) -> float:

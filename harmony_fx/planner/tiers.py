@@ -2,21 +2,23 @@
 
 A parameter costs the host its fp32 master (4 B), its fp32 gradient (4 B) and the optimizer's
 state (Adam: 8 B), and the stash comes on top. Where that passes ``HostSpec.memory`` and an NVMe
-tier is given (``HostSpec.nvme_bytes``), packs move state to it, those with the smallest layers
-first (they need the smallest staging buffers), larger packs first among equals: the optimizer
-state first; then, when weights travel in bf16 (the host keeps a bf16 copy for the devices' copies,
-2 B), the fp32 masters. A pack on the tier streams its bytes through its update layer by layer
-(read, step, write back), through two staging buffers in host memory, so the host also holds
-twice the largest layer's tier bytes.
+tier is given (``HostSpec.nvme_bytes``), packs move state to it, the largest first (the fewest
+packs, so the fewest reads and writes), as the runtime's ``compiler.tier.plan_tier`` does: the
+optimizer state first; then, when weights travel in bf16 (the host keeps a bf16 copy for the
+devices' copies, 2 B), the fp32 masters (the planner's alone so far: the runtime moves optimizer
+state only). A pack on the tier streams its state through its update one parameter at a time
+(``runtime.tier``), so host memory also holds ``staged_params`` times the largest tiered layer's
+tier bytes (a bound: the runtime's unit is a parameter, at most a layer).
 
-This decides for the planner and the simulator (``chain_schedule`` sizes each pack's reads and
-writes from it); the runtime does not move state to NVMe yet.
+This decides for the planner and the simulator: ``chain_schedule`` inserts the programs' ``READ``
+and ``WRITE`` of each tiered pack, sized from it.
 """
 from __future__ import annotations
 
 import dataclasses
 from typing import Sequence
 
+from harmony_fx.compiler.tier import staged_params
 from harmony_fx.planner.profile import ModelProfile
 
 __all__ = ["Tiers", "plan_tiers", "MASTER_AND_GRAD_BYTES"]
@@ -33,9 +35,10 @@ class Tiers:
     pack_nvme_bytes: tuple[int, ...] = ()  # per pack: bytes read before its update, written after
 
 
-def plan_tiers(profile: ModelProfile, boundaries: Sequence[int], batch_size: int, host) -> Tiers:
+def plan_tiers(profile: ModelProfile, boundaries: Sequence[int], batch_size: int, host, devices: int = 1) -> Tiers:
     """Where each pack's host state lives for the packs starting at ``boundaries`` (``[]``: no
-    stash, what the parameters alone need). ``host``: a ``HostSpec``."""
+    stash, what the parameters alone need). ``host``: a ``HostSpec``; ``devices``: how many
+    devices' programs update packs (a pipeline's; data-parallel updates on the first)."""
     layers = profile.layers
     ends = [*boundaries[1:], len(layers)] if boundaries else []
     spans = [range(a, b) for a, b in zip(boundaries, ends)] or [range(len(layers))]
@@ -58,15 +61,15 @@ def plan_tiers(profile: ModelProfile, boundaries: Sequence[int], batch_size: int
     masters_moved: list[int] = []
 
     def need() -> int:
-        # the tier takes the state moved, and each master moved less its bf16 copy; staging: two
-        # buffers of the largest layer's tier bytes
+        # the tier takes the state moved, and each master moved less its bf16 copy; staging: the
+        # largest tiered layer's tier bytes, as many times as the stream holds parameters
         taken = sum(state[p] for p in state_moved) + sum(masters[p] // 2 for p in masters_moved)
         staging = max((largest[p] * (state_per_param + (4 if p in masters_moved else 0)) for p in state_moved),
                       default=0)
-        return int(base - taken + 2 * staging)
+        return int(base - taken + staged_params(devices) * staging)
 
     for moved, sizes in ((state_moved, state), (masters_moved, masters)):
-        for p in sorted(range(len(params)), key=lambda p: (largest[p], -params[p])):
+        for p in sorted(range(len(params)), key=lambda p: (-sizes[p], -p)):
             if need() <= host.memory:
                 break
             if sizes[p] and sum(on_tier) + sizes[p] <= host.nvme_bytes:

@@ -55,11 +55,12 @@ class Stats:
     network_bytes: dict[str, int] = dataclasses.field(default_factory=dict)
     # the time the issuing threads spent handing updates to the host optimizer
     handoff_seconds: float = 0.0
-    # the NVMe tier (Trainer(nvme_path=...)): bytes read and written, the I/O worker's busy time, and
+    # the NVMe tier (Trainer(nvme_path=...)): bytes read and written, the reader's and writer's busy time, and
     # the time the issuing threads waited on the host for the tier's writes at the iteration's end
     tier_bytes: dict[str, int] = dataclasses.field(default_factory=dict)
     tier_seconds: float = 0.0
     tier_wait_seconds: float = 0.0
+    tier_staged_peak: int = 0  # the most state bytes in host memory on the tier's way at once
     origin: float = dataclasses.field(default_factory=time.perf_counter)  # the iteration's start
     # per device: its clock (the streams), the clock's mark at the iteration's start and that mark's
     # host time, and per op (stream, label, start mark, end mark, live bytes after it or None).

@@ -2,21 +2,28 @@
 
 ``StateTier`` keeps, for each pack the plan put on the tier (``compiler.tier``), the optimizer's
 state tensors of that pack's parameters (Adam's moments; scalars such as its step count stay in
-host memory) in one file under ``nvme_path``, and runs the programs' ``READ`` and ``WRITE``
-actions on one I/O worker thread per step:
+host memory) in one file under ``nvme_path``, and serves the programs' ``READ`` and ``WRITE``
+actions with two host threads per step, a reader and a writer. A pack's state streams through its
+update one parameter at a time, so host memory holds a few parameters' state, not a pack's:
 
-* ``READ S[pk]``: the file is read into one host buffer, its CRC-32 checked, and the tensors are
-  put back into ``optimizer.state`` as views of that buffer, so the pack's update finds them;
-* ``WRITE S[pk]``: once the pack's update has run, its state is written to a *new* file (the
-  step's generation), flushed to the device (``fsync``), and dropped from host memory.
+* ``READ S[pk]`` opens the pack's stream: the reader reads its first parameters' state (each
+  parameter's tensors are one region of the file, each tensor CRC-32-checked) into host buffers;
+* the ``UPDATE`` of the pack (``update``) takes each parameter's state as it arrives, steps that
+  parameter, hands its state to the writer and asks the reader for the one after next; so the
+  reader stays at most ``READ_AHEAD`` parameters ahead of the step;
+* the writer appends each stepped parameter's state to the pack's *new* file (the step's
+  generation), with ``O_DIRECT`` through a page-aligned buffer (measured faster than buffered
+  writes with ``fsync`` here; buffered where the file system refuses it), and the step waits at
+  most for one parameter in its queue; ``WRITE S[pk]`` is done once the whole file is on the
+  device (``fsync``).
+
+The state in flight is therefore at most ``compiler.tier.staged_params(devices)`` parameters'
+worth (the plan's host memory counts it, and ``peak_staged`` measures it).
 
 A step's files become the state only at ``commit``, which replaces the manifest (``tier.json``:
-per pack its file, size, CRC-32 and the layout of its tensors) atomically, and only then deletes
+per pack its file and the layout and CRC-32 of each tensor) atomically, and only then deletes
 the files it replaced. A step that fails (``abort``) deletes the files it wrote and drops what it
-read, so the tier is as before the step: the step's all-or-nothing rule extends to it. Writes
-go through a page-aligned staging buffer with ``O_DIRECT`` (measured faster than buffered writes
-with ``fsync`` here; buffered where the file system refuses it), reads are buffered (faster here:
-the kernel reads ahead).
+read, so the tier is as before the step: the step's all-or-nothing rule extends to it.
 
 The directory is the trainer's: the files of an earlier run there are replaced.
 """
@@ -31,12 +38,14 @@ import tempfile
 import threading
 import time
 import zlib
-from typing import Mapping, Sequence
+from typing import Callable, Mapping, Sequence
 
 import torch
 from torch import nn
 
-__all__ = ["StateTier", "TierCorrupted", "on_tier_entry"]
+from harmony_fx.compiler.tier import READ_AHEAD
+
+__all__ = ["StateTier", "TierCorrupted", "StepUndone", "on_tier_entry"]
 
 MANIFEST = "tier.json"
 _FORMAT = {"format": "harmony_fx.nvme_tier", "version": 1}
@@ -50,6 +59,10 @@ DIRECT_WRITES = True
 
 class TierCorrupted(ValueError):
     """A tier file does not hold what the manifest says (size or checksum)."""
+
+
+class StepUndone(RuntimeError):
+    """What waits on the tier's work is told when the step fails before that work is done."""
 
 
 def on_tier_entry(value) -> bool:
@@ -73,193 +86,332 @@ class StateTier:
         self.step = 0
         # each step's files are a new generation: no file of the committed state is ever overwritten
         self._replaced, self.generation = _read_manifest(self.path)  # an earlier run's: replaced at the first commit
-        self._written: dict[int, dict] = {}   # this step's files, by pack, until commit or abort
-        self._worker: concurrent.futures.ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
-        self.bytes = {"read": 0, "write": 0}  # this step's, of state (without the files' alignment)
-        self.seconds = 0.0                    # this step's I/O worker time
-        self._failed: BaseException | None = None
+        self._reset()
+
+    def _reset(self) -> None:
+        self._reader = self._writer = None
+        self._written: dict[int, dict] = {}       # this step's finished files, by pack
+        self._files: dict[int, _FileWriter] = {}  # this step's files being written
+        self._reads: dict[tuple[int, str], concurrent.futures.Future] = {}  # (pack, parameter) -> its read
+        self._done: dict[int, concurrent.futures.Future] = {}  # pack -> its file on the device
+        self._write_slot = threading.Semaphore(1)  # one parameter in the writer's hands at a time
+        self._failed: BaseException | None = None  # the step's first I/O error: what follows is not done
+        self.bytes = {"read": 0, "write": 0}       # this step's, of state (without the files' alignment)
+        self.seconds = 0.0                         # this step's reader and writer time
+        self.staged = self.peak_staged = 0         # state bytes in host memory on the tier's way
 
     # ------------------------------------------------------------------ a step
     def begin(self, step: int) -> None:
         """A new step (``step``: the trainer's count, recorded in the manifest) and its generation."""
+        self._reset()
         self.step = step
         self.generation += 1
-        self.bytes = {"read": 0, "write": 0}
-        self.seconds = 0.0
-        self._failed: BaseException | None = None  # the step's first I/O error: what follows is not done
-        self._worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="harmony-io")
+        self._reader = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="harmony-io-read")
+        self._writer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="harmony-io-write")
+        self._done = {pack: concurrent.futures.Future() for pack in self.packs}
 
     def read(self, pack: int) -> concurrent.futures.Future:
-        """``READ S[p<pack>]`` on the I/O worker."""
-        return self._worker.submit(self._timed, self._load, pack)
+        """``READ S[p<pack>]``: the reader starts on the pack's first parameters; done once the
+        first has landed (or at once, for a pack with no state yet)."""
+        order = self._stored_order(pack)
+        for name in order[:READ_AHEAD]:
+            self._read_param(pack, name)
+        if not order:
+            done = concurrent.futures.Future()
+            done.set_result(None)
+            return done
+        return self._reads[(pack, order[0])]
 
-    def write(self, pack: int, updated: concurrent.futures.Future) -> concurrent.futures.Future:
-        """``WRITE S[p<pack>]`` on the I/O worker, once ``updated`` (the pack's update) is done."""
-        return self._worker.submit(self._timed, self._store_after, pack, updated)
+    def write(self, pack: int) -> concurrent.futures.Future:
+        """``WRITE S[p<pack>]``: done once the pack's new file is on the device."""
+        return self._done[pack]
+
+    def update(self, pack: int, step: Callable[[list[nn.Parameter]], None]) -> None:
+        """On the update worker: ``pack``'s update, one parameter at a time, its state streaming in
+        from the reader and out to the writer (see the module docstring)."""
+        order = self._stored_order(pack)
+        position = {name: index for index, name in enumerate(order)}
+        try:
+            for param in self.packs[pack]:
+                name = self.names[id(param)]
+                read = name in position
+                if read:
+                    ahead = position[name] + READ_AHEAD
+                    if ahead < len(order):
+                        self._read_param(pack, order[ahead])
+                    self.optimizer.state[param].update(self._reads[(pack, name)].result())
+                step([param])
+                self._hand_to_writer(pack, param, read)
+            self._writer.submit(self._timed, self._finish_file, pack)
+        except BaseException as error:
+            self.fail(error)
+            raise
+
+    def fail(self, error: BaseException) -> None:
+        """The step failed (here, or a device that will never hand some updates over): every file
+        not yet on the device fails with ``error``, and the reader and writer stop."""
+        with self._lock:
+            self._failed = self._failed or error
+        for done in self._done.values():
+            _settle(done, error)
 
     def drain(self) -> None:
-        """Wait for the I/O worker to finish what it was given (its errors stay in their futures)."""
-        if self._worker is not None:
-            self._worker.shutdown(wait=True)
-            self._worker = None
+        """Wait for the reader and the writer to finish what they were given."""
+        for worker in (self._reader, self._writer):
+            if worker is not None:
+                worker.shutdown(wait=True)
+        self._reader = self._writer = None
 
     def commit(self) -> None:
         """The step succeeded: its files become the state (a new manifest, atomically), and the
         files they replace are deleted."""
         self.drain()
-        replaced = [entry["file"] for pack, entry in self.committed.items() if pack in self._written]
+        assert self._failed is None and len(self._written) == len(self.packs), "commit of a step that failed"
+        self._commit()
+
+    def abort(self) -> None:
+        """The step failed: the files it wrote are deleted and what it read leaves host memory;
+        the manifest and its files are as before the step."""
+        self.fail(StepUndone("the step failed before this pack's state was written"))
+        self.drain()
+        for file in self._files.values():
+            file.discard()
+        for entry in self._written.values():
+            (self.path / entry["file"]).unlink(missing_ok=True)
+        self._written, self._files = {}, {}
+        for params in self.packs.values():
+            for param in params:
+                self._take_entries(param)
+
+    def _commit(self) -> None:
+        replaced = [self.committed[pack]["file"] for pack in self._written if pack in self.committed]
         replaced += [entry["file"] for entry in self._replaced.values()]
-        self.committed.update(self._written)
+        for pack, entry in self._written.items():
+            if entry is None:  # no state at all
+                self.committed.pop(pack, None)
+            else:
+                self.committed[pack] = entry
         self._written, self._replaced = {}, {}
         _write_manifest(self.path, self.step, self.generation, self.committed)
         keep = {entry["file"] for entry in self.committed.values()}
         for name in set(replaced) - keep:
             (self.path / name).unlink(missing_ok=True)
 
-    def abort(self) -> None:
-        """The step failed: the files it wrote are deleted and what it read leaves host memory;
-        the manifest and its files are as before the step."""
-        self.drain()
-        for entry in self._written.values():
-            (self.path / entry["file"]).unlink(missing_ok=True)
-        self._written = {}
-        self._drop_from_memory(list(self.packs))
-
     # ------------------------------------------------------------------ whole state (checkpoints)
     def store_all(self, step: int) -> None:
-        """Move every tiered pack's state now in host memory to the tier (a new optimizer, one just
-        loaded from a checkpoint), committed as generation ``step``."""
+        """Move every tiered pack's state now in host memory to the tier (a new optimizer's, one
+        just loaded from a checkpoint), committed as generation ``step``; on this thread."""
         self.begin(step)
+        self.drain()  # no threads: everything below runs here
         try:
-            for pack in self.packs:
-                if any(on_tier_entry(v) for p in self.packs[pack] for v in self.optimizer.state.get(p, {}).values()):
-                    self._store(pack)
+            for pack, params in self.packs.items():
+                if any(on_tier_entry(v) for p in params for v in self.optimizer.state.get(p, {}).values()):
+                    for param in params:
+                        self._write_param(pack, param, self._take_entries(param))
+                    self._finish_file(pack)
         except BaseException:
             self.abort()
             raise
-        self.commit()
+        self._commit()
 
     def stored(self, param: nn.Parameter) -> dict[str, torch.Tensor]:
         """``param``'s state entries on the tier, read from the committed file (checked)."""
         for pack, params in self.packs.items():
-            if any(p is param for p in params) and pack in self.committed:
-                return self._load_entries(pack).get(self.names[id(param)], {})
+            if any(p is param for p in params):
+                name = self.names[id(param)]
+                return self._load(pack, name) if name in self._stored_order(pack) else {}
         return {}
 
-    # ------------------------------------------------------------------ on the I/O worker
-    def _timed(self, work, *args) -> None:
+    # ------------------------------------------------------------------ reading
+    def _stored_order(self, pack: int) -> list[str]:
+        """The parameters with state in ``pack``'s committed file, in file order."""
+        entry = self.committed.get(pack)
+        return list(dict.fromkeys(t[0] for t in entry["tensors"])) if entry else []
+
+    def _read_param(self, pack: int, name: str) -> None:
+        if (pack, name) not in self._reads:
+            self._reads[(pack, name)] = self._reader.submit(self._timed, self._load, pack, name, True)
+
+    def _load(self, pack: int, name: str, staged: bool = False) -> dict[str, torch.Tensor]:
+        """The tensors of parameter ``name`` in ``pack``'s committed file: its region read into one
+        buffer, each tensor checked against its CRC-32."""
+        entry = self.committed[pack]
+        tensors = [t for t in entry["tensors"] if t[0] == name]
+        start, end = tensors[0][4], tensors[-1][4] + tensors[-1][5]
+        buffer = torch.empty(end - start, dtype=torch.uint8)
+        path = self.path / entry["file"]
+        with open(path, "rb") as f:
+            f.seek(start)
+            got = f.readinto(buffer.numpy())
+        if got != end - start:
+            raise TierCorrupted(f"the NVMe tier's {path} ends at byte {start + got}, the manifest has {name}'s state "
+                                f"up to byte {end}; the tier was changed outside this trainer")
+        loaded = {}
+        for _, key, dtype, shape, offset, nbytes, crc in tensors:
+            data = buffer[offset - start:offset - start + nbytes]
+            if zlib.crc32(data.numpy()) != crc:
+                raise TierCorrupted(f"the NVMe tier's {path} fails the CRC-32 check of {name}'s {key!r}: its bytes "
+                                    "changed since they were written (disk error, or a write outside this trainer); "
+                                    "resume from a checkpoint")
+            loaded[key] = data.view(getattr(torch, dtype)).view(shape)
+        if staged:
+            self._count("read", sum(t[5] for t in tensors), staged=sum(t[5] for t in tensors))
+        return loaded
+
+    # ------------------------------------------------------------------ writing
+    def _hand_to_writer(self, pack: int, param: nn.Parameter, read: bool) -> None:
+        """``param``'s stepped state to the writer; the step waits while the writer still has the
+        parameter before (``read``: its bytes were counted as staged when they were read)."""
+        entries = self._take_entries(param)
+        if not entries:
+            return
+        nbytes = sum(v.numel() * v.element_size() for v in entries.values())
+        if not read:
+            self._count(None, 0, staged=nbytes)  # made by this step's update
+        while not self._write_slot.acquire(timeout=0.1):
+            if self._failed is not None:
+                raise self._failed
+        self._writer.submit(self._write_task, pack, param, entries, nbytes)
+
+    def _write_task(self, pack: int, param: nn.Parameter, entries: dict, nbytes: int) -> None:
+        try:
+            self._timed(self._write_param, pack, param, entries)
+        finally:
+            self._count(None, 0, staged=-nbytes)
+            self._write_slot.release()
+
+    def _write_param(self, pack: int, param: nn.Parameter, entries: dict) -> None:
+        if pack not in self._files:
+            self._files[pack] = _FileWriter(self.path / f"p{pack}.g{self.generation:08d}.state")
+        file = self._files[pack]
+        for key, value in entries.items():
+            flat = value.detach().contiguous().reshape(-1).view(torch.uint8)
+            offset = file.add(flat)
+            file.tensors.append([self.names[id(param)], key, str(value.dtype).removeprefix("torch."),
+                                 list(value.shape), offset, flat.numel(), zlib.crc32(flat.numpy())])
+        self._count("write", sum(v.numel() * v.element_size() for v in entries.values()))
+
+    def _finish_file(self, pack: int) -> None:
+        """``pack``'s new file on the device: its entry is this step's, and its WRITE done."""
+        file = self._files.get(pack)
+        if file is not None:
+            size = file.finish()  # if it fails, ``abort`` deletes the file
+            del self._files[pack]
+            self._written[pack] = {"file": file.path.name, "bytes": size, "tensors": file.tensors}
+        else:  # nothing to keep (no state at all): the committed entry goes
+            self._written[pack] = None
+        _settle(self._done[pack], None)
+
+    def _take_entries(self, param: nn.Parameter) -> dict[str, torch.Tensor]:
+        """Remove ``param``'s tier entries from the optimizer's state and return them."""
+        state = self.optimizer.state.get(param) or {}
+        return {key: state.pop(key) for key in [k for k, v in state.items() if on_tier_entry(v)]}
+
+    # ------------------------------------------------------------------ accounting
+    def _timed(self, work, *args):
         if self._failed is not None:
             raise self._failed  # the step is undone: what waits on this hears why
         started = time.perf_counter()
         try:
-            work(*args)
+            return work(*args)
         except BaseException as error:
-            self._failed = error
+            self.fail(error)
             raise
         finally:
             with self._lock:
                 self.seconds += time.perf_counter() - started
 
-    def _load(self, pack: int) -> None:
-        by_name = {self.names[id(p)]: p for p in self.packs[pack]}
-        for name, entries in self._load_entries(pack).items():
-            self.optimizer.state[by_name[name]].update(entries)
-
-    def _load_entries(self, pack: int) -> dict[str, dict[str, torch.Tensor]]:
-        """The committed file of ``pack`` read into one buffer, checked, as views per parameter."""
-        entry = self.committed.get(pack)
-        if entry is None:
-            return {}  # no state yet: the optimizer makes it at the pack's first update
-        path = self.path / entry["file"]
-        buffer = torch.empty(entry["bytes"], dtype=torch.uint8)
-        with open(path, "rb") as f:
-            got = f.readinto(buffer.numpy())
-            extra = f.read(1)
-        if got != entry["bytes"] or extra:
-            raise TierCorrupted(f"the NVMe tier's {path} holds {got + len(extra)}{'+' if extra else ''} bytes, the "
-                                f"manifest says {entry['bytes']}; the tier was changed outside this trainer")
-        if zlib.crc32(buffer.numpy()) != entry["crc32"]:
-            raise TierCorrupted(f"the NVMe tier's {path} fails its CRC-32 check: its bytes changed since they were "
-                                "written (disk error, or a write outside this trainer); resume from a checkpoint")
-        with self._lock:  # the state's bytes (the file adds alignment)
-            self.bytes["read"] += sum(nbytes for *_, nbytes in entry["tensors"])
-        loaded: dict[str, dict[str, torch.Tensor]] = {}
-        for name, key, dtype, shape, offset, nbytes in entry["tensors"]:
-            view = buffer[offset:offset + nbytes].view(getattr(torch, dtype)).view(shape)
-            loaded.setdefault(name, {})[key] = view
-        return loaded
-
-    def _store_after(self, pack: int, updated: concurrent.futures.Future) -> None:
-        updated.result()  # the pack's update has run (its error, if it failed, fails the write too)
-        self._store(pack)
-
-    def _store(self, pack: int) -> None:
-        """Write ``pack``'s state to this step's file, then drop it from host memory."""
-        tensors, layout, offset = [], [], 0
-        for param in self.packs[pack]:
-            for key, value in self.optimizer.state.get(param, {}).items():
-                if on_tier_entry(value):
-                    flat = value.detach().contiguous().reshape(-1).view(torch.uint8)
-                    layout.append([self.names[id(param)], key, str(value.dtype).removeprefix("torch."),
-                                   list(value.shape), offset, flat.numel()])
-                    tensors.append((offset, flat))
-                    offset += -(-flat.numel() // _ALIGN) * _ALIGN
-        offset = -(-offset // _PAGE) * _PAGE
-        name = f"p{pack}.g{self.generation:08d}.state"
-        checksum = _write_file(self.path / name, tensors, offset)
+    def _count(self, what: str | None, nbytes: int, staged: int = 0) -> None:
         with self._lock:
-            self._written[pack] = {"file": name, "bytes": offset, "crc32": checksum, "tensors": layout}
-            self.bytes["write"] += sum(flat.numel() for _, flat in tensors)
-        self._drop_from_memory([pack])
-
-    def _drop_from_memory(self, packs: Sequence[int]) -> None:
-        for pack in packs:
-            for param in self.packs[pack]:
-                state = self.optimizer.state.get(param)
-                for key in [k for k, v in (state or {}).items() if on_tier_entry(v)]:
-                    del state[key]
+            if what is not None:
+                self.bytes[what] += nbytes
+            self.staged += staged
+            self.peak_staged = max(self.peak_staged, self.staged)
 
 
-def _write_file(path: pathlib.Path, tensors: Sequence[tuple[int, torch.Tensor]], size: int,
-                direct: bool | None = None) -> int:
-    """``tensors`` (offset, bytes) into a new file of ``size`` bytes (a multiple of the page size;
-    the gaps are zeros), on the device before it returns; returns its CRC-32. ``direct``: write
-    with ``O_DIRECT`` through a page-aligned buffer (``None``: where the file system takes it)."""
-    if direct is None:
-        direct = DIRECT_WRITES and hasattr(os, "O_DIRECT")
-    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | (os.O_DIRECT if direct else 0)
+class _FileWriter:
+    """A new state file written front to back through a page-aligned buffer, with ``O_DIRECT``
+    where the file system takes it; ``finish`` pads it to whole pages and puts it on the device."""
+
+    def __init__(self, path: pathlib.Path, direct: bool | None = None) -> None:
+        self.path = path
+        self.tensors: list[list] = []  # the manifest's layout, filled by the caller
+        direct = DIRECT_WRITES and hasattr(os, "O_DIRECT") if direct is None else direct
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
+        try:
+            self.fd = os.open(path, flags | (os.O_DIRECT if direct else 0), 0o644)
+        except OSError:
+            if not direct:
+                raise
+            self.fd = os.open(path, flags, 0o644)  # a file system without O_DIRECT (tmpfs)
+        self.chunk = mmap.mmap(-1, _CHUNK)  # anonymous maps are page-aligned
+        self.staged = torch.frombuffer(self.chunk, dtype=torch.uint8)
+        self.filled = 0    # bytes of the chunk in use
+        self.written = 0   # bytes of the file written so far (whole chunks)
+
+    @property
+    def size(self) -> int:
+        return self.written + self.filled
+
+    def add(self, flat: torch.Tensor) -> int:
+        """Append ``flat`` (bytes) at the next aligned offset; returns that offset."""
+        self._zeros(-self.size % _ALIGN)
+        offset, done = self.size, 0
+        while done < flat.numel():
+            take = min(flat.numel() - done, _CHUNK - self.filled)
+            self.staged[self.filled:self.filled + take].copy_(flat[done:done + take])
+            self.filled += take
+            done += take
+            if self.filled == _CHUNK:
+                self._flush()
+        return offset
+
+    def finish(self) -> int:
+        """Pad to whole pages, write, ``fsync``, close; returns the file's size."""
+        try:
+            self._zeros(-self.size % _PAGE)
+            self._flush()
+            os.fsync(self.fd)
+        finally:
+            os.close(self.fd)
+        return self.written
+
+    def discard(self) -> None:
+        try:
+            os.close(self.fd)
+        except OSError:
+            pass
+        self.path.unlink(missing_ok=True)
+
+    def _zeros(self, count: int) -> None:
+        while count:
+            take = min(count, _CHUNK - self.filled)
+            self.staged[self.filled:self.filled + take].zero_()
+            self.filled += take
+            count -= take
+            if self.filled == _CHUNK:
+                self._flush()
+
+    def _flush(self) -> None:
+        if self.filled:
+            assert self.filled % _PAGE == 0 or self.filled == _CHUNK, "O_DIRECT writes whole pages"
+            view = memoryview(self.chunk)[:self.filled]
+            if os.pwrite(self.fd, view, self.written) != self.filled:
+                raise OSError(f"short write to {self.path}")
+            self.written += self.filled
+            self.filled = 0
+
+
+def _settle(future: concurrent.futures.Future, error: BaseException | None) -> None:
+    """Finish ``future`` unless it already is (a failing step and a worker may race)."""
     try:
-        fd = os.open(path, flags, 0o644)
-    except OSError:
-        if not direct:
-            raise
-        return _write_file(path, tensors, size, direct=False)  # a file system without O_DIRECT (tmpfs)
-    checksum, chunk = 0, mmap.mmap(-1, min(_CHUNK, size) or _PAGE)  # anonymous maps are page-aligned
-    try:
-        staged = torch.frombuffer(chunk, dtype=torch.uint8)
-        pieces = iter(tensors)
-        piece = next(pieces, None)
-        for start in range(0, size, len(chunk)):
-            end = min(start + len(chunk), size)
-            staged.zero_()
-            # copy every tensor's part that falls in [start, end) into the chunk
-            while piece is not None and piece[0] < end:
-                offset, flat = piece
-                lo, hi = max(offset, start), min(offset + flat.numel(), end)
-                staged[lo - start:hi - start].copy_(flat[lo - offset:hi - offset])
-                if offset + flat.numel() > end:
-                    break
-                piece = next(pieces, None)
-            view = memoryview(chunk)[:end - start]
-            checksum = zlib.crc32(view, checksum)
-            written = os.pwrite(fd, view, start)
-            if written != end - start:
-                raise OSError(f"short write to {path}: {written} of {end - start} bytes")
-        os.fsync(fd)
-    finally:
-        os.close(fd)  # the staging map goes with its last view (torch.frombuffer holds it)
-    return checksum
+        if error is None:
+            future.set_result(None)
+        else:
+            future.set_exception(error)
+    except concurrent.futures.InvalidStateError:
+        pass
 
 
 def _read_manifest(path: pathlib.Path) -> tuple[dict[int, dict], int]:
@@ -271,12 +423,13 @@ def _read_manifest(path: pathlib.Path) -> tuple[dict[int, dict], int]:
     return {int(pack): entry for pack, entry in data.get("packs", {}).items()}, int(data.get("generation", 0))
 
 
-def _write_manifest(path: pathlib.Path, step: int, generation: int, packs: Mapping[int, dict]) -> None:
+def _write_manifest(path: pathlib.Path, step: int, generation: int, packs: Mapping[int, dict | None]) -> None:
     """The manifest replaced atomically: a temporary file, flushed, renamed over the old one."""
+    kept = {str(p): e for p, e in sorted(packs.items()) if e is not None}
     fd, tmp = tempfile.mkstemp(dir=path, prefix=f".{MANIFEST}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "w") as f:
-            json.dump({**_FORMAT, "step": step, "generation": generation, "packs": {str(p): e for p, e in sorted(packs.items())}}, f, indent=1)
+            json.dump({**_FORMAT, "step": step, "generation": generation, "packs": kept}, f, indent=1)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path / MANIFEST)

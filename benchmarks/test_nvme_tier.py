@@ -1,0 +1,112 @@
+"""The NVMe tier measured on this machine. Run: ``python -m pytest benchmarks/test_nvme_tier.py -s``.
+
+1. Bandwidth: a 256 MiB state file written as the tier writes it (``O_DIRECT`` through a
+   page-aligned buffer, and buffered with ``fsync`` for comparison) and read back as the tier
+   reads it (buffered, after the page cache dropped the file: cold; and right after writing it:
+   from the page cache). Medians of five.
+2. Overlap: the step of an 8-layer MLP (1024 wide, AdamW: 8 MiB of state per layer, one pack per
+   two layers) with every pack's state on the tier against the same step in host memory: the
+   exposed I/O time per step is the difference of the medians. Beside it: the I/O worker's busy
+   time, the time the step's end waited for the last writes, and the simulator's prediction of
+   the same programs at the bandwidths measured in 1.
+The tier's directory is a temporary directory on the project's disk (``TMPDIR`` moves it).
+"""
+from __future__ import annotations
+
+import os
+import pathlib
+import tempfile
+import time
+
+import pytest
+import torch
+from torch import nn
+
+import harmony_fx
+from harmony_fx.planner.module import simulate_module
+from harmony_fx.planner.specs import HostSpec
+from harmony_fx.runtime import tier
+
+SIZE = 256 * 2**20
+_measured: dict[str, float] = {}
+
+
+def _median(values):
+    return sorted(values)[len(values) // 2]
+
+
+@pytest.mark.benchmark(group="nvme tier")
+def test_bandwidth(benchmark):
+    data = torch.randint(0, 255, (SIZE,), dtype=torch.uint8)
+    with tempfile.TemporaryDirectory(dir=os.environ.get("TMPDIR")) as folder:
+        path = pathlib.Path(folder) / "state"
+        figures = {}
+        for name, direct in (("write O_DIRECT", True), ("write buffered+fsync", False)):
+            seconds = []
+            for _ in range(5):
+                start = time.perf_counter()
+                tier._write_file(path, [(0, data)], SIZE, direct=direct)
+                seconds.append(time.perf_counter() - start)
+            figures[f"{name} GB/s"] = round(SIZE / _median(seconds) / 1e9, 2)
+        buffer = torch.empty(SIZE, dtype=torch.uint8)
+        for name, cold in (("read cold", True), ("read from page cache", False)):
+            seconds = []
+            for _ in range(5):
+                if cold:
+                    fd = os.open(path, os.O_RDONLY)
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                    os.close(fd)
+                start = time.perf_counter()
+                with open(path, "rb") as f:
+                    f.readinto(buffer.numpy())
+                seconds.append(time.perf_counter() - start)
+            figures[f"{name} GB/s"] = round(SIZE / _median(seconds) / 1e9, 2)
+        benchmark.pedantic(lambda: None, rounds=1, iterations=1)
+    _measured["write"] = figures["write O_DIRECT GB/s"] * 1e9
+    _measured["read"] = figures["read cold GB/s"] * 1e9
+    benchmark.extra_info.update(figures)
+    print("\nnvme tier bandwidth, 256 MiB: " + ", ".join(f"{k} {v}" for k, v in figures.items()))
+
+
+def _trainer(nvme_path=None) -> harmony_fx.Trainer:
+    torch.manual_seed(0)
+    layers = [nn.Sequential(nn.Linear(1024, 1024), nn.ReLU()) for _ in range(7)] + [nn.Linear(1024, 16)]
+    model = nn.Sequential(*layers)
+    batch = (torch.randn(256, 1024), torch.randn(256, 16))
+    return harmony_fx.Trainer(model, nn.functional.mse_loss, torch.optim.AdamW(model.parameters(), lr=1e-4), batch,
+                              microbatches=4, pack_boundaries=(0, 2, 4, 6), devices=["host:0"], track_memory=False,
+                              nvme_path=nvme_path), batch
+
+
+@pytest.mark.benchmark(group="nvme tier")
+def test_exposed_io(benchmark):
+    read, write = _measured.get("read", 2e9), _measured.get("write", 2e9)
+    with tempfile.TemporaryDirectory(dir=os.environ.get("TMPDIR")) as folder:
+        results = {}
+        for name, path in (("host memory", None), ("tier", folder)):
+            trainer, batch = _trainer(path)
+            try:
+                for _ in range(2):
+                    trainer.step(batch)
+                seconds, waited, busy = [], [], []
+                for _ in range(7):
+                    start = time.perf_counter()
+                    trainer.step(batch)
+                    seconds.append(time.perf_counter() - start)
+                    waited.append(trainer.stats.tier_wait_seconds)
+                    busy.append(trainer.stats.tier_seconds)
+                predicted = simulate_module(trainer.hm, host=HostSpec(nvme_read=read, nvme_write=write)).seconds
+                results[name] = (_median(seconds), _median(waited), _median(busy), predicted,
+                                 trainer.plan.tier_bytes)
+            finally:
+                trainer.close()
+        benchmark.pedantic(lambda: None, rounds=1, iterations=1)
+    (base, _, _, base_predicted, _), (tiered, waited, busy, predicted, state) = results["host memory"], results["tier"]
+    figures = {"state on tier MiB": round(state / 2**20, 1), "step ms (host memory)": round(base * 1e3, 1),
+               "step ms (tier)": round(tiered * 1e3, 1), "exposed I/O ms": round((tiered - base) * 1e3, 1),
+               "I/O worker busy ms": round(busy * 1e3, 1), "end waited for writes ms": round(waited * 1e3, 1),
+               "simulated step ms (host memory)": round(base_predicted * 1e3, 1),
+               "simulated step ms (tier)": round(predicted * 1e3, 1),
+               "simulated exposed I/O ms": round((predicted - base_predicted) * 1e3, 1)}
+    benchmark.extra_info.update(figures)
+    print("\nnvme tier overlap: " + ", ".join(f"{k} {v}" for k, v in figures.items()))
