@@ -21,6 +21,12 @@ first, along with the buffers the forward wrote back (BatchNorm statistics) and 
 overlap, the point of per-pack updates. The price is host memory: until the step ends, the copies
 of the packs updated so far (at most one more copy of the parameters and optimizer state).
 
+With ``nvme_path`` (and ``host_memory``), the optimizer state of the packs the plan chooses lives
+on an NVMe tier between updates (``runtime.tier``): each such pack's update streams it in and out
+one parameter at a time, the program's ``READ``/``WRITE`` actions around it. Its files follow the
+all-or-nothing rule: a step's files count only once the step succeeded, so an undone step needs
+no copy of that state.
+
 Checkpoints (``state_dict``/``load_state_dict``, ``save``/``load``) hold what decides the next
 losses: the host master weights and buffers (the model's own tensors, which the compiled packs
 read every iteration), the optimizer's state, the step counter and the RNG states. Only the global
@@ -381,7 +387,7 @@ class Trainer:
             for index, param in enumerate(params):  # the indices torch's state_dict gives parameters
                 stored = self._tier.stored(param)
                 if stored:
-                    state_dict["state"].setdefault(index, {}).update({k: v.clone() for k, v in stored.items()})
+                    state_dict["state"].setdefault(index, {}).update(stored)  # fresh tensors, read now
         return state_dict
 
     def optimizer_state(self, param: nn.Parameter) -> dict[str, Any]:

@@ -12,7 +12,9 @@
 7. ``fall back``: if the planner's packing does not fit after all (its estimate was optimistic),
    stages 3-6 again without it.
 8. ``annotate packs``: the chosen packing written on the graphs, liveness, ``verify_packs``.
-9. ``check peak``, ``codegen``, ``plan``.
+9. ``check peak``; for a Trainer with ``host_memory``/``nvme_path``, ``plan tier`` (host memory,
+   and which packs' optimizer state goes to the NVMe tier: ``compiler.tier``) and ``insert tier
+   io`` (their ``READ``/``WRITE``: ``lowering.tier_io``); ``codegen``, ``plan``.
 
 The result is a frozen ``Compiled``; ``hm.passes`` is its ``StageLog``.
 """
