@@ -614,7 +614,7 @@ class Runtime:
                 elif grad.dtype != masters[i].dtype:
                     accumulated[i] = grad.to(masters[i].dtype)
                 else:
-                    accumulated[i] = _own(grad)
+                    accumulated[i] = _own(grad, stored)
             del grads
             self.device.check_budget()
 
@@ -657,7 +657,7 @@ class Runtime:
             self.host_values[key] = value if existing is None else pytrees.add_grads(existing, value, inplace=False)
 
     def _add_host_grad(self, master: torch.Tensor, grad: torch.Tensor) -> None:
-        self.host_grads.add(id(master), grad.to(master.dtype), self.index)
+        self.host_grads.add(id(master), grad if grad.dtype == master.dtype else grad.to(master.dtype), self.index)
 
     def _count(self, stream: Stream, key: Key, value: object) -> None:
         """Bytes a copy moved, by its direction (the stream it ran on) and its key's kind."""
@@ -817,6 +817,17 @@ def _differentiable(value: object) -> list[torch.Tensor]:
     return [leaf for leaf in pytrees.tensors(value) if leaf.requires_grad]
 
 
-def _own(grad: torch.Tensor) -> torch.Tensor:
-    """A gradient we may add into in place: not an expanded or otherwise shared view."""
-    return grad if grad._base is None and grad.is_contiguous() else grad.clone(memory_format=torch.contiguous_format)
+def _own(grad: torch.Tensor, handed: set | None = None) -> torch.Tensor:
+    """A gradient we may add into in place: not an expanded or otherwise shared view. ``handed``:
+    the storages of the gradients one backward already handed out; a contiguous view of a whole
+    buffer no other of them shares (a weight's gradient as ``t()`` of a matmul's, a bias's as the
+    view of a sum) is then owned as it is, without the copy."""
+    if grad.is_contiguous():
+        if grad._base is None and handed is None:
+            return grad
+        if handed is not None and (grad._base is None or grad._base.numel() == grad.numel()):
+            key = storage_key(grad)
+            if key not in handed:
+                handed.add(key)
+                return grad
+    return grad.clone(memory_format=torch.contiguous_format)
