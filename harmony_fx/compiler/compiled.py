@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Mapping
 
 import torch
@@ -123,10 +124,10 @@ class Compiled:
         return list(buffers.values())
 
     def trainable_params(self) -> list[nn.Parameter]:
-        """The model's parameters that require grad, each once (tied ones are one)."""
-        seen, params = set(), []
-        for param in self.captured.params.values():
-            if id(param) not in seen and param.requires_grad:
-                seen.add(id(param))
-                params.append(param)
-        return params
+        """The model's parameters that require grad, each once (tied ones are one); asked on every
+        call, since a user may freeze some between calls."""
+        return [param for param in self._distinct_params if param.requires_grad]
+
+    @functools.cached_property
+    def _distinct_params(self) -> tuple[nn.Parameter, ...]:
+        return tuple({id(param): param for param in self.captured.params.values()}.values())

@@ -175,11 +175,13 @@ class HostGradients:
         self._parts: dict[int, dict[int, torch.Tensor]] = {}
         self._lock = threading.Lock()
 
-    def add(self, key: int, grad: torch.Tensor, device: int) -> None:
+    def add_all(self, grads: Sequence[tuple[int, torch.Tensor]], device: int) -> None:
+        """Each ``(key, grad)`` added, under one lock (a pack's weight gradients at once)."""
         with self._lock:
-            parts = self._parts.setdefault(key, {})
-            existing = parts.get(device)
-            parts[device] = grad if existing is None else existing.add_(grad)
+            for key, grad in grads:
+                parts = self._parts.setdefault(key, {})
+                existing = parts.get(device)
+                parts[device] = grad if existing is None else existing.add_(grad)
 
     def get(self, key: int, default: torch.Tensor | None = None) -> torch.Tensor | None:
         with self._lock:
@@ -383,7 +385,9 @@ class Runtime:
                 pairs = [(self.host.masters[pack.index][i], device.to_host(g, last_use=True))
                          for i, g in enumerate(grads) if g is not None]
                 self._count(Stream.D2H, key, [copy for _, copy in pairs])
-                event.on_host.append(lambda: [self._add_host_grad(master, copy) for master, copy in pairs])
+                event.on_host.append(lambda: self.host_grads.add_all(
+                    [(id(master), copy if copy.dtype == master.dtype else copy.to(master.dtype)) for master, copy in pairs],
+                    self.index))
             else:
                 copy = pytrees.map_tensors(device.to_host, self.device_values[key])
                 self._count(Stream.D2H, key, copy)
@@ -655,9 +659,6 @@ class Runtime:
         with self._host_lock:
             existing = self.host_values.get(key)
             self.host_values[key] = value if existing is None else pytrees.add_grads(existing, value, inplace=False)
-
-    def _add_host_grad(self, master: torch.Tensor, grad: torch.Tensor) -> None:
-        self.host_grads.add(id(master), grad if grad.dtype == master.dtype else grad.to(master.dtype), self.index)
 
     def _count(self, stream: Stream, key: Key, value: object) -> None:
         """Bytes a copy moved, by its direction (the stream it ran on) and its key's kind."""

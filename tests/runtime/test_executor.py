@@ -47,7 +47,7 @@ def test_host_gradients_sum_in_device_order_whatever_order_they_land():
     grads = HostGradients()
     # float32: (1e8 + -1e8) + 1 == 1, but 1 + -1e8 == -1e8 and then + 1e8 == 0
     for device, value in ((2, 1.0), (1, -1e8), (0, 1e8)):
-        grads.add(7, torch.tensor([value]), device)
+        grads.add_all([(7, torch.tensor([value]))], device)
     assert grads.get(7).item() == 1.0
     assert grads.get(8) is None
 
