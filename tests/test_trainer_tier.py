@@ -191,6 +191,27 @@ def test_resume_from_save_is_bit_identical(tmp_path, folder):
     _assert_same(first, resumed)
 
 
+@pytest.mark.parametrize("optimizer, options", [
+    (lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9), {}),
+    (lambda params: torch.optim.Adam(params, lr=1e-2, amsgrad=True, foreach=True), {}),
+    (lambda params: torch.optim.AdamW(params, lr=1e-2), {"precision": "bf16"}),
+], ids=["sgd-momentum", "adam-amsgrad-foreach", "adamw-bf16"])
+def test_other_optimizers_and_bf16_equal_host_memory(tmp_path, optimizer, options):
+    """Each state the optimizer keeps per parameter (a momentum buffer, Adam's third moment) goes to
+    the tier and is sized by the plan before it exists; stepping a parameter at a time, even with
+    ``foreach``, computes what stepping the pack does."""
+    def trainer(**extra):
+        model = _model()
+        return harmony_fx.Trainer(model, nn.functional.mse_loss, optimizer(model.parameters()), _batches(1)[0],
+                                  microbatches=2, pack_boundaries=BOUNDARIES, **options, **extra)
+
+    reference, tiered = trainer(), trainer(nvme_path=tmp_path)
+    for batch in _batches(2):
+        assert torch.equal(reference.step(batch), tiered.step(batch))
+    _assert_same(reference, tiered)
+    assert _held_state_bytes(reference.optimizer) - _held_state_bytes(tiered.optimizer) == tiered.plan.tier_bytes > 0
+
+
 @pytest.mark.parametrize("parallel", ["dp", "pp"])
 def test_two_devices_equal_host_memory(tmp_path, parallel):
     options = dict(devices=2, parallel=parallel)
