@@ -91,9 +91,9 @@ class CompileOptions:
     ``timeline``: record every op's span and the memory after it (``save_trace``, ``plot_memory``);
     off, a task costs no bookkeeping (``HarmonyModule.record_timeline`` turns it on later).
     ``nvme_path`` (``Trainer``): a directory on fast local storage for the optimizer state that host
-    memory should not hold: one checksummed file per pack, read before its update and written
-    back after it, on an I/O worker (``READ``/``WRITE`` in the program). Without ``host_memory``,
-    every pack's state goes there.
+    memory should not hold: one checksummed file per pack, streamed in and out through its update a
+    parameter at a time by a reader and a writer thread (``READ``/``WRITE`` in the program).
+    Without ``host_memory``, every pack's state goes there.
     ``host_memory`` (``Trainer``): host memory a step may hold (``"64GiB"``); with ``nvme_path`` the
     plan moves the fewest packs' state to the tier that fit it, without, a step that would not fit
     is refused before it runs.

@@ -1,25 +1,23 @@
-"""``insert_tier_io``: the NVMe tier's reads and writes, placed in the backward programs.
+"""``insert_tier_io``: the NVMe tier's reads and writes, placed in the programs.
 
 A pack whose optimizer state lives on the tier (``tier_packs``, decided by
 ``compiler.tier.plan_tier``) needs that state in host memory for its update only. On the device
-that hands the pack's update to the host (the first that does, in data-parallel), its backward
-program gets:
+that hands the pack's update to the host (the first that does, in data-parallel), its programs get:
 
 * ``READ S[pk]`` one tiered pack ahead: the first at the start of the program that updates it
   (the forward's, for a Trainer's last pack, which runs forward, loss and backward in one task,
-  so that read overlaps the whole forward), each next one right
-  after the ``UPDATE`` of the tiered pack before it (or at the backward program's start when that
-  update is in the forward's: a program's events are its own), so the read runs on the I/O worker while the
-  device computes the backward of the packs in between and the host steps the pack before;
-* the ``UPDATE pk`` names the read's event (its worker waits for the state, as for the gradients);
-* ``WRITE S[pk]`` right after (at the backward program's start for an update in the forward's:
-  the write is waited for in the backward), which the I/O worker runs once that update has: the
-  state goes back to the tier and leaves host memory;
-* at the backward program's end the host waits for every write: a step is over, and may be committed, only
-  once its state is on the tier.
-
-The I/O worker takes reads and writes in issue order, so at most three packs' state are in host
-memory at once: one being read, one being stepped, one being written.
+  so that read overlaps the whole forward); each next one right after the ``UPDATE`` of the
+  tiered pack before it (at the backward program's start when that update is in the forward's: a
+  program's events are its own). The tier's reader then fetches the pack's first parameters'
+  state while the device computes the backward of the packs in between and the host steps the
+  pack before;
+* the ``UPDATE pk`` names the read's event (its worker waits for the state, as for the gradients,
+  then streams the rest through the update a parameter at a time: ``runtime.tier``);
+* ``WRITE S[pk]`` right after it (at the backward program's start for an update in the forward's:
+  the write is waited for in the backward): done once the pack's stepped state is back on the
+  tier and out of host memory;
+* at the backward program's end the host waits for every write: a step is over, and may be
+  committed, only once its state is on the tier.
 """
 from __future__ import annotations
 

@@ -19,9 +19,12 @@ It runs the same ``Action`` lists the runtime runs, with the runtime's semantics
 * copies between host and device run at the device's link speed, and all devices' copies in one
   direction share the host's link (``HostSpec.link_bandwidth``), fairly, at every instant;
 * the ``READ``/``WRITE`` of a pack's state on the NVMe tier (``lowering.tier_io``) go to the
-  host's one I/O worker, in issue order across devices, at the tier's read and write bandwidth
+  host's one I/O lane (the drive: the runtime's reader and writer share it), in issue order across
+  devices, at the tier's read and write bandwidth
   (``HostSpec.nvme_read``, ``nvme_write``); an ``UPDATE`` waits for its pack's read as for its
-  gradients, and a ``WRITE`` starts once the pack's update has ended.
+  gradients, and a ``WRITE`` starts once the pack's update has ended (the runtime streams the
+  three through a pack a parameter at a time: here they are whole, which errs long by at most one
+  pack's read and write).
 
 Memory follows issue order, as a caching allocator does: the controller allocates a copy's
 target or a task's outputs when it issues them and frees a key when it issues its ``FREE`` (or the
@@ -248,7 +251,7 @@ class _Simulator:
         return progressed
 
     def _start_io(self) -> bool:
-        """The I/O worker takes its next READ or WRITE (a WRITE once its pack's update has ended)."""
+        """The I/O lane takes its next READ or WRITE (a WRITE once its pack's update has ended)."""
         if self.io_running is not None or not self.io_queue:
             return False
         device, action = self.io_queue[0]

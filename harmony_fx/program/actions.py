@@ -18,8 +18,8 @@ host) wait for one. ``FREE`` drops the device copy of a key, in compute-stream o
     WRITE S[p3] io -> e9
 
 ``READ``/``WRITE`` move a pack's optimizer state between the NVMe tier and host memory on the
-host's I/O worker (``IO``): the ``UPDATE`` of the pack names the read's event, and the write
-stores what that update left (it runs once the update has).
+host's tier reader and writer (``IO``): the ``UPDATE`` of the pack names the read's event, and the
+write is done once what that update left is back on the tier.
 """
 from __future__ import annotations
 
@@ -44,8 +44,8 @@ class ActionKind(enum.Enum):
     SEND = "SEND"            # device → device copy of a key (peer stream); done once the peer has it
     RECV = "RECV"            # take a key a peer sent (peer stream)
     SPLIT = "SPLIT"          # on the host: a larger forward microbatch's stash cut into the backward's
-    READ = "READ"            # the I/O worker reads a pack's optimizer state from the NVMe tier
-    WRITE = "WRITE"          # the I/O worker writes it back once the pack's update has run
+    READ = "READ"            # the tier's reader starts on a pack's optimizer state (NVMe to host)
+    WRITE = "WRITE"          # the pack's stepped state back on the NVMe tier
 
 
 class Stream(enum.Enum):
@@ -54,7 +54,7 @@ class Stream(enum.Enum):
     D2H = "d2h"
     PEER = "peer"
     HOST = "host"
-    IO = "io"          # the host's NVMe worker (one per process)
+    IO = "io"          # the host's NVMe tier: one reader and one writer per process
 
 
 class KeyKind(enum.Enum):

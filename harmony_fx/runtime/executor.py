@@ -251,7 +251,7 @@ class Runtime:
         devices' events count as done. ``task_memory``: filled with each compute task's net and
         peak bytes (see ``_probed``). ``split_dims(key, parts)``: how ``SPLIT`` cuts a key
         (``compiler.shapes.Shapes.split_dims``). ``on_tier(runtime, "read" | "write", pack)``: hands
-        a ``READ``/``WRITE`` of a pack's optimizer state to the host's I/O worker and returns what to
+        a ``READ``/``WRITE`` of a pack's optimizer state to the tier's reader and writer and returns what to
         wait on (a ``concurrent.futures.Future``)."""
         self.packs_for_mb = packs_for_mb
         self.packs = packs_for_mb[0]
@@ -486,12 +486,12 @@ class Runtime:
                 self.stats.handoff_seconds += time.perf_counter() - started
 
     def read(self, key_text: str) -> _Event:
-        """Hand the read of a pack's optimizer state from the NVMe tier to the I/O worker."""
+        """Hand the read of a pack's optimizer state from the NVMe tier to the tier's reader."""
         return self._tier("read", key_text)
 
     def write(self, key_text: str) -> _Event:
-        """Hand the write of a pack's optimizer state to the I/O worker (it runs once the pack's
-        update has)."""
+        """The write of a pack's optimizer state back to the tier (done once the pack's update has
+        streamed it all to the tier's writer)."""
         return self._tier("write", key_text)
 
     def _tier(self, what: str, key_text: str) -> _Event:
