@@ -81,7 +81,8 @@ class StateTier:
         self.optimizer = optimizer
         self.packs = dict(packs)
         self.names = names  # id(parameter) -> its name in the model (what the manifest records)
-        self.params = {id(p) for params in self.packs.values() for p in params}
+        self._pack_of = {id(p): pack for pack, params in self.packs.items() for p in params}
+        self.params = frozenset(self._pack_of)  # id of every parameter whose state is on the tier
         self.committed: dict[int, dict] = {}  # pack -> its manifest entry
         self.step = 0
         # each step's files are a new generation: no file of the committed state is ever overwritten
@@ -217,11 +218,11 @@ class StateTier:
 
     def stored(self, param: nn.Parameter) -> dict[str, torch.Tensor]:
         """``param``'s state entries on the tier, read from the committed file (checked)."""
-        for pack, params in self.packs.items():
-            if any(p is param for p in params):
-                name = self.names[id(param)]
-                return self._load(pack, name) if name in self._stored_order(pack) else {}
-        return {}
+        pack = self._pack_of.get(id(param))
+        if pack is None:
+            return {}
+        name = self.names[id(param)]
+        return self._load(pack, name) if name in self._stored_order(pack) else {}
 
     # ------------------------------------------------------------------ reading
     def _stored_order(self, pack: int) -> list[str]:
