@@ -1,5 +1,5 @@
 """Print each benchmark's mean as a ratio to its group's baseline (the eager run, else the group's
-first benchmark), from a pytest-benchmark JSON."""
+first benchmark), from a pytest-benchmark JSON; a paired benchmark's own ratio where it has one."""
 from __future__ import annotations
 
 import json
@@ -14,6 +14,10 @@ def main(path: str) -> None:
     for bench in benchmarks:
         mean = bench["stats"]["mean"]
         name, base = baseline[bench["group"]]
+        paired = bench.get("extra_info", {}).get("ratio")
+        if paired is not None:  # measured alternating with its baseline (test_step_time.test_paired)
+            print(f"{bench['name']:<45} {mean * 1000:9.2f} ms   x{paired:.3f} vs its baseline, paired")
+            continue
         print(f"{bench['name']:<45} {mean * 1000:9.2f} ms   x{mean / base:.2f} vs {name}")
 
 

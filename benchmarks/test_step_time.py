@@ -14,6 +14,8 @@ the same at 12 layers. Each compiled run warms up (compiles) before it is timed.
 from __future__ import annotations
 
 import dataclasses
+import statistics
+import time
 
 import pytest
 import torch
@@ -88,3 +90,44 @@ def test_harmony_compiled(benchmark, fraction, layers):
                             compile_packs=True, track_memory=False)
     _step(hm, idx, target, model)  # compiles
     benchmark(_step, hm, idx, target, model)
+
+
+# ---------------------------------------------------------------------- paired ratios
+
+ROUNDS, STEPS_PER_ROUND = 21, 8
+
+
+def _paired_ratio(candidate, baseline, idx, target, model) -> float:
+    """The median over rounds of (candidate's step time / baseline's), the two alternating round by
+    round: the machine's drift during a run (other load, clocks) moves both sides of each ratio,
+    where separate benchmarks measured minutes apart move by ±5% here."""
+    def round_seconds(fn) -> float:
+        started = time.perf_counter()
+        for _ in range(STEPS_PER_ROUND):
+            _step(fn, idx, target, model)
+        return time.perf_counter() - started
+
+    round_seconds(candidate), round_seconds(baseline)  # warm
+    return statistics.median(round_seconds(candidate) / round_seconds(baseline) for _ in range(ROUNDS))
+
+
+@pytest.mark.benchmark(group="paired ratio")
+@pytest.mark.parametrize("layers", [8, 12], ids=["gpt8", "gpt12"])
+@pytest.mark.parametrize("fraction", [None, 0.25], ids=["unlimited", "budget25"])
+@pytest.mark.parametrize("compiled", [False, True], ids=["vs_eager", "vs_torch_compile"])
+def test_paired(benchmark, compiled, fraction, layers):
+    """harmony (untracked) against eager, or with ``compile_packs`` against ``torch.compile(model)``,
+    alternating; the ratio goes to the JSON's ``extra_info`` and is printed."""
+    model, idx, target = _setup(layers)
+    budget = None
+    if fraction is not None:
+        budget = int(fraction * eager_training_bytes(model, (idx,), lambda out: _loss(out, target)))
+    hm = harmony_fx.compile(model, (idx,), devices=["host:0"], memory_budget=budget, microbatches=1,
+                            compile_packs=compiled, track_memory=False)
+    baseline = torch.compile(model) if compiled else model
+    _step(hm, idx, target, model), _step(baseline, idx, target, model)  # compiles
+    ratio = _paired_ratio(hm, baseline, idx, target, model)
+    benchmark.extra_info["ratio"] = ratio
+    print(f"\n{'torch.compile' if compiled else 'eager'}, {layers} layers, "
+          f"{'unlimited' if fraction is None else f'{fraction:.0%}'}: harmony / baseline = {ratio:.3f}")
+    benchmark.pedantic(_step, (hm, idx, target, model), rounds=STEPS_PER_ROUND)

@@ -193,7 +193,7 @@ class HarmonyModule:
         needs_grad = torch.is_grad_enabled() and (
             any(p.requires_grad for p in params) or any(x.requires_grad for flat in per_mb for x in flat))
         if needs_grad:
-            flat_whole = self.captured.flatten_inputs(args, kwargs)
+            flat_whole = per_mb[0] if len(per_mb) == 1 else self.captured.flatten_inputs(args, kwargs)
             outputs = HarmonyFunction.apply(self.session, self.calls, per_mb, *flat_whole, *params)
         else:
             iteration = self.session.start(per_mb)

@@ -59,13 +59,17 @@ class Calls:
         """The flat tensor inputs of each microbatch, checked against the example."""
         compiled = self.compiled
         call = (args, kwargs)
-        dims = microbatch.argument_dims(self.model, args, kwargs, compiled.options.batch_dims)
-        sizes = [s for s in self.mb_sizes if s is not None]
-        if sizes and microbatch.batch_size(call, dims) != sum(sizes):
-            raise ValueError(f"the batch has {microbatch.batch_size(call, dims)} samples but the model was compiled for "
-                             f"{sum(sizes)}; compile again for the new batch size.")
+        if len(self.mb_sizes) == 1:
+            calls = [call]  # one microbatch: the call itself, its shapes checked below
+        else:
+            dims = microbatch.argument_dims(self.model, args, kwargs, compiled.options.batch_dims)
+            sizes = [s for s in self.mb_sizes if s is not None]
+            if sizes and microbatch.batch_size(call, dims) != sum(sizes):
+                raise ValueError(f"the batch has {microbatch.batch_size(call, dims)} samples but the model was "
+                                 f"compiled for {sum(sizes)}; compile again for the new batch size.")
+            calls = microbatch.split_call(call, dims, sizes or [0])
         per_mb = []
-        for size, (mb_args, mb_kwargs) in zip(self.mb_sizes, microbatch.split_call(call, dims, sizes or [0])):
+        for size, (mb_args, mb_kwargs) in zip(self.mb_sizes, calls):
             variant = compiled.variants[size]
             flat = variant.captured.flatten_inputs(mb_args, mb_kwargs)
             for given, name in zip(flat, self.inputs):

@@ -33,5 +33,5 @@ class HarmonyFunction(torch.autograd.Function):
         calls.put_output_grads(iteration, grad_outputs)
         session.finish(iteration)
         input_grads = calls.input_grads(iteration)
-        param_grads = [iteration.host_grads.get(id(param)) for param in session.compiled.trainable_params()]
+        param_grads = iteration.host_grads.get_all([id(param) for param in session.compiled.trainable_params()])
         return (None, None, None, *input_grads, *param_grads)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+from typing import Sequence
 
 import torch
 
@@ -58,6 +59,18 @@ class Device:
     def stage(self, slot: object, master: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
         """The host tensor a copy of the weight ``master`` reads, in the compute ``dtype``."""
         raise NotImplementedError
+
+    def weights_to_device(self, pack_index: int, masters: Sequence[torch.Tensor], dtype: torch.dtype | None,
+                          written: frozenset[int]) -> list[torch.Tensor]:
+        """A pack's weights on the device: each master staged in ``dtype`` and copied, read-only
+        but for the slots in ``written`` (BatchNorm statistics, which the device updates)."""
+        return [self.to_device(self.stage((pack_index, slot), master, dtype), (pack_index, slot),
+                               read_only=slot not in written)
+                for slot, master in enumerate(masters)]
+
+    def grads_to_host(self, grads: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """Host copies of weight gradients the device frees next (``to_host(last_use=True)`` each)."""
+        return [self.to_host(grad, last_use=True) for grad in grads]
 
     def bind_thread(self) -> None:
         """Called by a controller thread before it issues this device's program."""
@@ -167,6 +180,18 @@ class HostDevice(Device):
 
     def to_host(self, value: torch.Tensor, last_use: bool = False) -> torch.Tensor:
         return value.detach() if last_use and self.shares_host_memory else value.detach().clone()
+
+    # one check for a pack's tensors, not one per tensor: these run for every weight every step
+    def weights_to_device(self, pack_index: int, masters: Sequence[torch.Tensor], dtype: torch.dtype | None,
+                          written: frozenset[int]) -> list[torch.Tensor]:
+        if dtype is None and not written and self.shares_host_memory:
+            return [master.detach() for master in masters]
+        return super().weights_to_device(pack_index, masters, dtype, written)
+
+    def grads_to_host(self, grads: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        if self.shares_host_memory:
+            return [grad.detach() for grad in grads]
+        return [grad.detach().clone() for grad in grads]
 
     @property
     def shares_host_memory(self) -> bool:

@@ -185,16 +185,24 @@ class HostGradients:
 
     def get(self, key: int, default: torch.Tensor | None = None) -> torch.Tensor | None:
         with self._lock:
-            parts = self._parts.get(key)
-            if not parts:
-                return default
-            if len(parts) > 1:
-                devices = sorted(parts)
-                total = parts[devices[0]]
-                for device in devices[1:]:
-                    total = total.add_(parts[device])
-                self._parts[key] = parts = {devices[0]: total}
-            return next(iter(parts.values()))
+            return self._summed(key, default)
+
+    def get_all(self, keys: Sequence[int]) -> list[torch.Tensor | None]:
+        """``get`` of each key (``None`` where none landed), under one lock."""
+        with self._lock:
+            return [self._summed(key, None) for key in keys]
+
+    def _summed(self, key: int, default: torch.Tensor | None) -> torch.Tensor | None:
+        parts = self._parts.get(key)
+        if not parts:
+            return default
+        if len(parts) > 1:
+            devices = sorted(parts)
+            total = parts[devices[0]]
+            for device in devices[1:]:
+                total = total.add_(parts[device])
+            self._parts[key] = parts = {devices[0]: total}
+        return next(iter(parts.values()))
 
 
 class _Event:
@@ -345,17 +353,12 @@ class Runtime:
             device = self.device
             if key.kind == KeyKind.WEIGHTS:
                 pack = self.packs[int(key.name[1:])]
-                value = []
-                what = f" while copying the weights of {pack.name} ({pack.describe_layers()}) to the device"
-                written = pack.written_slots  # BatchNorm statistics: the device's own copy
-                with _DeviceContext(device, what):
-                    for slot, master in enumerate(self.host.masters[pack.index]):
-                        staged = (pack.index, slot)
-                        copy = device.to_device(device.stage(staged, master, self.compute_dtype), staged,
-                                                read_only=slot not in written)
-                        if slot < len(pack.params) and master.requires_grad:
-                            copy.requires_grad_(True)
-                        value.append(copy)
+                masters = self.host.masters[pack.index]
+                with _DeviceContext(device, f" while copying the weights of {pack.name} ({pack.describe_layers()}) to the device"):
+                    value = device.weights_to_device(pack.index, masters, self.compute_dtype, pack.written_slots)
+                for copy, master in zip(value[: len(pack.params)], masters):
+                    if master.requires_grad:
+                        copy.requires_grad_(True)
             else:
                 with _DeviceContext(device, f" while copying {key} to the device"):
                     value = pytrees.map_tensors(lambda t: device.to_device(self._compute_dtype(t)), self.host_values[key])
@@ -381,13 +384,13 @@ class Runtime:
             elif key.kind == KeyKind.WGRAD:
                 pack = self.packs[int(key.name[1:])]
                 grads = self.device_values[key]
+                masters = [master for master, g in zip(self.host.masters[pack.index], grads) if g is not None]
                 # the program frees dW right after this copy, and nothing adds to it any more
-                pairs = [(self.host.masters[pack.index][i], device.to_host(g, last_use=True))
-                         for i, g in enumerate(grads) if g is not None]
-                self._count(Stream.D2H, key, [copy for _, copy in pairs])
+                copies = device.grads_to_host([g for g in grads if g is not None])
+                self._count(Stream.D2H, key, copies)
                 event.on_host.append(lambda: self.host_grads.add_all(
-                    [(id(master), copy if copy.dtype == master.dtype else copy.to(master.dtype)) for master, copy in pairs],
-                    self.index))
+                    [(id(master), copy if copy.dtype == master.dtype else copy.to(master.dtype))
+                     for master, copy in zip(masters, copies)], self.index))
             else:
                 copy = pytrees.map_tensors(device.to_host, self.device_values[key])
                 self._count(Stream.D2H, key, copy)
@@ -581,11 +584,12 @@ class Runtime:
         weights = values[Key(KeyKind.WEIGHTS, pack.name)]
         wanted = set(self.grad_inputs[pack_index])
         input_targets = [(name, x) for name, x in zip(pack.act_inputs, inputs) if name in wanted]
-        weight_targets = [w for w in weights[: len(pack.params)]]
+        weight_targets = weights[: len(pack.params)]
         targets = [leaf for _, x in input_targets for leaf in _differentiable(x)]
         targets += [w for w in weight_targets if w.requires_grad]
         with self.device.compute_scope(), self._context(pack, "backward"):
-            grads = list(torch.autograd.grad(roots, targets, root_grads, allow_unused=True)) if roots and targets else [None] * len(targets)
+            grads = iter(torch.autograd.grad(roots, targets, root_grads, allow_unused=True) if roots and targets
+                         else [None] * len(targets))
             del roots, root_grads, inputs
             stored: set[int] = set()
             for name, x in input_targets:
@@ -594,7 +598,7 @@ class Runtime:
                     if not (isinstance(leaf, torch.Tensor) and leaf.requires_grad):
                         leaf_grads.append(None)
                         continue
-                    grad = grads.pop(0)
+                    grad = next(grads)
                     if grad is None:
                         grad = torch.zeros_like(leaf)
                     elif storage_key(grad) in stored:
@@ -608,7 +612,7 @@ class Runtime:
             accumulated = values.setdefault(wgrad_key, [None] * len(weight_targets))
             masters = self.host.masters[pack_index]
             for i, w in enumerate(weight_targets):
-                grad = grads.pop(0) if w.requires_grad else None
+                grad = next(grads) if w.requires_grad else None
                 if grad is None:
                     continue
                 # summed over microbatches in the master's dtype (fp32 under bf16 compute): each
