@@ -6,10 +6,11 @@
    from the page cache). Medians of five.
 2. Overlap: the step of an 8-layer MLP (1024 wide, AdamW: 8 MiB of state per layer, one pack per
    two layers) with every pack's state on the tier against the same step in host memory: the
-   exposed I/O time per step is the difference of the medians. Beside it: the reader's and
-   writer's busy time, the time the step's end waited for the last writes, the most state in host
-   memory at once on the tier's way, and the simulator's prediction of the same programs at the
-   bandwidths measured in 1.
+   exposed I/O time per step is the difference of the medians (a step's last writes go on into
+   the next step's forward). Beside it: the reader's and writer's busy time, the time the updates
+   waited for state the tier had not read yet (the last step's commit included), the most state in
+   host memory at once on the tier's way, and the simulator's prediction of the same programs at
+   the bandwidths measured in 1.
 The tier's directory is a temporary directory on the project's disk (``TMPDIR`` moves it).
 """
 from __future__ import annotations
@@ -107,7 +108,7 @@ def test_exposed_io(benchmark):
     (base, _, _, base_predicted, *_), (tiered, waited, busy, predicted, state, staged) = results.values()
     figures = {"state on tier MiB": round(state / 2**20, 1), "state in flight at most MiB": round(staged / 2**20, 1), "step ms (host memory)": round(base * 1e3, 1),
                "step ms (tier)": round(tiered * 1e3, 1), "exposed I/O ms": round((tiered - base) * 1e3, 1),
-               "I/O worker busy ms": round(busy * 1e3, 1), "end waited for writes ms": round(waited * 1e3, 1),
+               "I/O worker busy ms": round(busy * 1e3, 1), "updates waited for the tier ms": round(waited * 1e3, 1),
                "simulated step ms (host memory)": round(base_predicted * 1e3, 1),
                "simulated step ms (tier)": round(predicted * 1e3, 1),
                "simulated exposed I/O ms": round((predicted - base_predicted) * 1e3, 1)}

@@ -202,6 +202,7 @@ class Trainer:
         self.step_count = 0
         self.cluster = _cluster(process_group, shard_optimizer, collective_timeout)
         self._tier: StateTier | None = None  # the optimizer state on NVMe (nvme_path=)
+        self._pending: _PendingStep | None = None  # the last step, until its state is on the tier
         if self.hm.plan.tier_packs:
             if self.cluster is not None:
                 raise ValueError("nvme_path= trains one process for now: across processes the optimizer state "
@@ -226,6 +227,10 @@ class Trainer:
 
     @property
     def stats(self):
+        """The last step's measured figures (complete once its state is on the NVMe tier: waited for)."""
+        pending = self._pending
+        if pending is not None and pending.io.committed.exception() is None:
+            pending.committed()
         return self._last_hm.stats
 
     @property
@@ -254,6 +259,8 @@ class Trainer:
         args, kwargs = self._call_of(batch)
         hm = self.hm.for_batch(args, kwargs)
         tier = self._tier
+        if self._pending is not None and self._pending.io.committed.done():
+            self.flush()  # the last step's state is on the tier, or that step is undone and this raises
         if tier is not None and hm is not self.hm:
             raise ValueError(f"Trainer(nvme_path=...) trains on batches of the example's size; this batch has "
                              f"{hm.calls.batch_size_of(args, kwargs)} samples (drop the last, smaller batch, e.g. "
@@ -298,9 +305,7 @@ class Trainer:
                 if cross is None or pack_index not in cross.buffers:
                     params = groups.get(pack_index, [])
                     pending.append(workers.submit(_land_and_update, landing.pop(pack_index), runtime.host_grads,
-                                                  self.optimizer, params, undo,
-                                                  tier if tier is not None and pack_index in tier.packs else None,
-                                                  pack_index))
+                                                  self.optimizer, params, undo, tier, pack_index))
                     return
                 # every rank issues the packs' collectives in one order, whatever order they finish in
                 ready[pack_index] = landing.pop(pack_index)
@@ -321,7 +326,9 @@ class Trainer:
                 waited_from = time.perf_counter()
                 workers.shutdown(wait=True)
                 hm.stats.update_exposed_seconds = time.perf_counter() - waited_from
-            hm.stats.update_seconds = sum(future.result() for future in pending)  # re-raises an update's error
+            done = [future.result() for future in pending]  # re-raises an update's error
+            hm.stats.update_seconds = sum(seconds for seconds, _ in done)
+            hm.stats.tier_wait_seconds = sum(waited for _, waited in done)
             losses = [runtime.host_values[Key(KeyKind.ACT, loss_name, mb)] for mb in range(len(per_mb))]
             shares = [w * loss.detach().float() for w, loss in zip(weights, losses)]
             if cluster is not None:
@@ -345,9 +352,9 @@ class Trainer:
                 cross.commit(write=True)
                 hm.stats.network_bytes = dict(cross.bytes)
             if tier is not None:
-                tier.commit()  # the last thing that may fail: the step's state files become the state
-                hm.stats.tier_bytes, hm.stats.tier_seconds = dict(tier.bytes), tier.seconds
-                hm.stats.tier_staged_peak = tier.peak_staged
+                tier.wait_committed()  # done already: this step's updates waited for it
+                # committed once its last writes are on the device, while the next step runs its forward
+                self._pending = _PendingStep(self.step_count, undo, tier.finish(), hm.stats)
         except BaseException as error:
             workers.shutdown(wait=True)  # again: a second Ctrl-C may have cut the first wait short
             if tier is not None:
@@ -358,7 +365,8 @@ class Trainer:
             if not self.atomic and undo.updated:
                 error.add_note(f"harmony_fx: Trainer(atomic=False): {undo.updated} parameter(s) updated before the "
                                "failure keep their update (their optimizer state too); the others are as before")
-            if isinstance(error, NonFiniteLossError) and self.skip_nonfinite:
+            previous_undone = self._settle_pending(error)
+            if isinstance(error, NonFiniteLossError) and self.skip_nonfinite and not previous_undone:
                 self.skipped_steps.append(self.step_count)
                 self.step_count += 1
                 return loss
@@ -366,9 +374,39 @@ class Trainer:
         self.step_count += 1
         return loss
 
+    def flush(self) -> None:
+        """Wait until the last step's optimizer state is on the NVMe tier (its commit; a step
+        returns before its last writes end, which overlap the next step's forward). If those writes
+        failed, that step is undone (weights, optimizer state, ``step_count`` as before it) and
+        their error raised. Checkpoints, ``optimizer_state`` and ``close`` flush first."""
+        error = self._settle_pending()
+        if error is not None:
+            raise error
+
+    def _settle_pending(self, failure: BaseException | None = None) -> BaseException | None:
+        """Wait for the last step's commit; if it failed, undo that step and return its error (noted
+        on ``failure`` too, the error of a step that failed meanwhile)."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return None
+        error = pending.io.committed.exception()  # a Ctrl-C here leaves the pending step as it is
+        if error is None:
+            pending.committed()
+            return None
+        self._tier.abort_pending()
+        if pending.undo is not None:
+            pending.undo.restore()
+        self.step_count = pending.step
+        note = (f"harmony_fx: the optimizer state of step {pending.step} could not be written to the NVMe tier, so "
+                f"that step was undone too: weights, optimizer state and step_count ({pending.step}) are as before it")
+        for raised in {id(e): e for e in (error, failure) if e is not None}.values():
+            raised.add_note(note)
+        return error
+
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
         """A copy of everything the next steps depend on; later steps do not change it."""
+        self.flush()
         return {
             "format": _CHECKPOINT_FORMAT,
             "version": _CHECKPOINT_VERSION,
@@ -393,6 +431,7 @@ class Trainer:
     def optimizer_state(self, param: nn.Parameter) -> dict[str, Any]:
         """The optimizer's whole state for ``param``: what host memory holds, and what is on the
         NVMe tier (read back; between steps host memory holds only the first)."""
+        self.flush()
         state = dict(self.optimizer.state.get(param, {}))
         if self._tier is not None and id(param) in self._tier.params:
             state.update(self._tier.stored(param))
@@ -406,6 +445,7 @@ class Trainer:
             raise ValueError(f"not a {_CHECKPOINT_FORMAT} checkpoint of version {_CHECKPOINT_VERSION} "
                              f"(format {state_dict.get('format')!r}, version {state_dict.get('version')!r})")
         _check_same_model(self.model.state_dict(), state_dict["model"])
+        self.flush()
         # the optimizer first: it checks its parameter groups before changing anything
         self.optimizer.load_state_dict(state_dict["optimizer"])
         self.model.load_state_dict(state_dict["model"])  # copy_ under no_grad: the tensors stay the same objects
@@ -448,8 +488,12 @@ class Trainer:
         self.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
 
     def close(self) -> None:
-        """Stop the device's stream threads (each step's update worker stops with the step)."""
-        self.hm.close()
+        """Wait for the last step's state to reach the NVMe tier (``flush``), and stop the device's
+        stream threads (each step's update worker stops with the step)."""
+        try:
+            self.flush()
+        finally:
+            self.hm.close()
 
     def _call_of(self, batch: Any) -> tuple[tuple, dict]:
         """The loss model's ``(args, kwargs)`` for ``batch`` (see the class docstring)."""
@@ -597,6 +641,21 @@ class NonFiniteLossError(FloatingPointError, ValueError):
     """A step's loss is NaN or infinite (the step was undone, or skipped with ``skip_nonfinite``)."""
 
 
+class _PendingStep:
+    """A step that returned while its last writes to the NVMe tier go on: what undoes it is kept
+    until it is committed, and then its tier figures go to its stats."""
+
+    def __init__(self, step: int, undo: "_Undo", io, stats) -> None:
+        self.step, self.undo, self.io, self.stats = step, undo, io, stats
+        io.committed.add_done_callback(lambda committed: committed.exception() is None and self.committed())
+
+    def committed(self) -> None:
+        """Once the step is committed (its future's callback, or whoever waited for it first)."""
+        self.undo = None  # its copies leave host memory
+        stats, io = self.stats, self.io
+        stats.tier_bytes, stats.tier_seconds, stats.tier_staged_peak = dict(io.bytes), io.seconds, io.peak_staged
+
+
 class _Undo:
     """What a step changes on the host, kept so that a failed step can be put back (see the module
     docstring): ``save`` runs on the update worker right before each update."""
@@ -658,20 +717,25 @@ def _land_and_update_across(copies, host_grads: dict, optimizer: torch.optim.Opt
     grads = [host_grads.get(id(p)) for p in cross.buffers[pack].params]
     started = time.perf_counter()
     cross.step(pack, grads, lambda stepped: _update(optimizer, stepped, undo))
-    return time.perf_counter() - started
+    return time.perf_counter() - started, 0.0
 
 
 def _land_and_update(copies, host_grads: dict, optimizer: torch.optim.Optimizer, params: Sequence[nn.Parameter],
                      undo: _Undo, tier: StateTier | None = None, pack: int | None = None) -> float:
     """On the update worker: wait for the weight-gradient copies, which sums them on the host, then
     step ``params`` with their summed gradients (a pack on the NVMe ``tier``: one parameter at a
-    time, its state streaming in and out); returns the seconds the step itself took."""
-    land(copies)
+    time, its state streaming in and out); returns the seconds the step itself took and those it
+    waited for the tier's reads. With a tier,
+    the last step is committed first: only then are its copies for undoing it let go, so the two
+    steps' copies are never held at once."""
+    tier_waited = land(copies)
     for param in params:
         param.grad = host_grads.get(id(param))
     if tier is not None:
-        return _timed(tier.update, pack, lambda stepped: _update(optimizer, stepped, undo))
-    return _timed(_update, optimizer, params, undo)
+        tier_waited += _timed(tier.wait_committed)
+    if tier is not None and pack in tier.packs:
+        return _timed(tier.update, pack, lambda stepped: _update(optimizer, stepped, undo)), tier_waited
+    return _timed(_update, optimizer, params, undo), tier_waited
 
 
 def _update(optimizer: torch.optim.Optimizer, params: Sequence[nn.Parameter] | None, undo: _Undo) -> None:

@@ -130,6 +130,7 @@ def test_a_failed_write_undoes_the_step_and_keeps_the_files(tmp_path, monkeypatc
     for batch in batches[:2]:
         reference.step(batch)
         tiered.step(batch)
+    tiered.flush()  # the second step's last writes may still be going on
     before = _files_check(tmp_path)
     weights = [p.detach().clone() for p in tiered.model.parameters()]
     held = _held_state_bytes(tiered.optimizer)
@@ -142,8 +143,9 @@ def test_a_failed_write_undoes_the_step_and_keeps_the_files(tmp_path, monkeypatc
         return real_finish(file)
 
     monkeypatch.setattr(tier_module._FileWriter, "finish", failing)
-    with pytest.raises(OSError, match="injected"):
+    with pytest.raises(OSError, match="injected"):  # in the step, or once its writes are waited for
         tiered.step(batches[2])
+        tiered.flush()
     monkeypatch.setattr(tier_module._FileWriter, "finish", real_finish)
     assert len(calls) == 3  # nothing written after the failure
     assert _files_check(tmp_path) == before  # the manifest and its files as before; the step's files gone
@@ -156,9 +158,43 @@ def test_a_failed_write_undoes_the_step_and_keeps_the_files(tmp_path, monkeypatc
     _assert_same(reference, tiered)
 
 
+def test_a_write_failing_after_the_step_returned_undoes_that_step_at_the_next(tmp_path, monkeypatch):
+    """The last pack's file is written while the next step runs its forward: if that write fails,
+    the step that returned is undone when the next one finds out, and the next one too."""
+    reference, tiered = _trainer(), _trainer(nvme_path=tmp_path)
+    batches = _batches(4)
+    reference.step(batches[0])
+    tiered.step(batches[0])
+    tiered.flush()
+    before = _files_check(tmp_path)
+    weights = [p.detach().clone() for p in tiered.model.parameters()]
+    real_finish, calls = tier_module._FileWriter.finish, []
+
+    def failing(file):
+        calls.append(file.path)
+        if len(calls) == 4:  # the step's last file: nothing in the step waits for it
+            raise OSError(5, "Input/output error (injected)")
+        return real_finish(file)
+
+    monkeypatch.setattr(tier_module._FileWriter, "finish", failing)
+    tiered.step(batches[1])  # returns: its last write has not failed yet, or it has and nothing waited
+    assert tiered.step_count == 2
+    monkeypatch.setattr(tier_module._FileWriter, "finish", real_finish)
+    with pytest.raises(OSError, match="injected") as raised:
+        tiered.step(batches[2])
+    assert "step 1 could not be written to the NVMe tier, so that step was undone" in "\n".join(raised.value.__notes__)
+    assert tiered.step_count == 1
+    assert _files_check(tmp_path) == before
+    assert all(torch.equal(p, w) for p, w in zip(tiered.model.parameters(), weights))
+    for batch in batches[1:]:
+        assert torch.equal(reference.step(batch), tiered.step(batch))
+    _assert_same(reference, tiered)
+
+
 def test_a_corrupted_file_is_refused_and_the_step_undone(tmp_path):
     tiered = _trainer(nvme_path=tmp_path)
     tiered.step(_batches(1)[0])
+    tiered.flush()
     entry = json.loads((tmp_path / tier_module.MANIFEST).read_text())["packs"]["1"]
     with open(tmp_path / entry["file"], "r+b") as f:
         f.seek(8)

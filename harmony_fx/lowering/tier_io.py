@@ -13,11 +13,13 @@ that hands the pack's update to the host (the first that does, in data-parallel)
   pack before;
 * the ``UPDATE pk`` names the read's event (its worker waits for the state, as for the gradients,
   then streams the rest through the update a parameter at a time: ``runtime.tier``);
-* ``WRITE S[pk]`` right after it (at the backward program's start for an update in the forward's:
-  the write is waited for in the backward): done once the pack's stepped state is back on the
-  tier and out of host memory;
-* at the backward program's end the host waits for every write: a step is over, and may be
-  committed, only once its state is on the tier.
+* ``WRITE S[pk]`` right after it (at the backward program's start for an update in the forward's):
+  done once the pack's stepped state is back on the tier and out of host memory.
+
+No program waits for a write: the last writes of a step go on while the next step runs its
+forward. The tier commits the step once they are on the device, and the next step's reads and
+updates wait for that commit (``runtime.tier``), so its reads see the new files and its updates
+step the new state.
 """
 from __future__ import annotations
 
@@ -58,7 +60,6 @@ def insert_tier_io(device_actions: Sequence[tuple[Sequence[Action], Sequence[Act
             result.append((phases[0], phases[1]))
             continue
         reads: dict[int, int] = {}
-        writes: list[int] = []
         out: list[list[Action]] = [[], []]
         # a program's events are its own: a read goes into the program whose UPDATE names it
         phase_of = {a.pack: phase for phase in (0, 1) for a in phases[phase] if a.kind == K.UPDATE}
@@ -83,8 +84,6 @@ def insert_tier_io(device_actions: Sequence[tuple[Sequence[Action], Sequence[Act
                 if position + 1 < len(hosted):
                     upcoming = hosted[position + 1]
                     reads[upcoming] = emit(phase_of[upcoming], K.READ, upcoming)  # the backward's start, or now
-                writes.append(emit(1, K.WRITE, pack))  # the backward's start when the update is in the forward
-        for event in writes:
-            out[1].append(Action(K.WAIT, Stream.HOST, event=event, device=device, created_by=PASS_NAME))
+                emit(1, K.WRITE, pack)  # the backward's start when the update is in the forward
         result.append((out[0], out[1]))
     return result

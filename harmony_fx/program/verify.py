@@ -15,9 +15,9 @@ it is valid and the copies still reading it, and for each stream the events it h
    copy before it that neither the host waited for nor an earlier ``UPDATE`` named (its worker
    waits for them).
 6. The NVMe tier: a pack's state is read (``READ``) at most once, before the ``UPDATE`` of that
-   pack, which names the read's event; it is written (``WRITE``) after that update; every read
-   state is stepped, and the host waits for every write before the program ends (the step is
-   committed only once its state is on the tier).
+   pack, which names the read's event; it is written (``WRITE``) after that update, and every
+   read state is stepped. No program needs to wait for a write: the tier commits the step once
+   its writes are done, before the next step reads or updates (``runtime.tier``).
 7. The static peak (from the FakeTensor run of the program) is within the budget (``check_peak``).
 
 ``verify_packs`` checks the captured graph after ``split_packs``: it lints, every compute node
@@ -76,7 +76,7 @@ def verify_program(actions: Sequence[Action], host_keys: Iterable[Key] = (),
     """``host_keys``: keys present on the host before the program (model inputs, grad outputs, and
     with several devices what the others offload); ``host_results``: host keys the caller reads
     afterwards; ``resident``: device keys the program starts with; ``ends_iteration=False``: a
-    Trainer's forward, which its backward follows at once (the tier's reads and writes may go on)."""
+    Trainer's forward, which its backward follows at once (the tier's reads may go on)."""
     ready: dict[Key, tuple[int | None, Stream]] = {key: (None, Stream.COMPUTE) for key in resident}
     readers: dict[Key, list[int]] = {}
     waited: dict[Stream, set[int]] = {stream: set() for stream in Stream}
@@ -87,7 +87,6 @@ def verify_program(actions: Sequence[Action], host_keys: Iterable[Key] = (),
     offloads: list[tuple[int, Action]] = []
     tier_reads: dict[Key, tuple[int, Action]] = {}  # state key -> its READ
     stepped: set[int] = set()                        # packs an UPDATE stepped so far
-    tier_writes: list[tuple[int, Action]] = []
     # the action that last took each key off the device: an early FREE shows up at the next use,
     # and the error names both
     gone: dict[Key, tuple[int, Action]] = {}
@@ -161,7 +160,6 @@ def verify_program(actions: Sequence[Action], host_keys: Iterable[Key] = (),
             pack = int(action.key.name[1:])
             if action.key not in tier_reads or pack not in stepped:
                 fail(index, action, f"writes {action.key} back before it was read and its UPDATE p{pack} stepped it")
-            tier_writes.append((index, action))
         elif kind == K.UPDATE:
             # the update worker waits for the copies the UPDATE names (and, in order, for those the
             # UPDATEs before it named); none may be left out
@@ -215,7 +213,7 @@ def verify_program(actions: Sequence[Action], host_keys: Iterable[Key] = (),
     for key, (index, action) in tier_reads.items() if ends_iteration else ():
         if int(key.name[1:]) not in stepped:
             fail(index, action, f"reads {key}, but no UPDATE of the pack follows")
-    for index, action in offloads + (tier_writes if ends_iteration else []):
+    for index, action in offloads:
         if action.event not in waited[Stream.HOST]:
             fail(index, action, f"the program ends without the host waiting for this copy: add "
                                 f"WAIT e{action.event} host before the end")

@@ -56,7 +56,7 @@ class Stats:
     # the time the issuing threads spent handing updates to the host optimizer
     handoff_seconds: float = 0.0
     # the NVMe tier (Trainer(nvme_path=...)): bytes read and written, the reader's and writer's busy time, and
-    # the time the issuing threads waited on the host for the tier's writes at the iteration's end
+    # the time the updates waited for state the tier had not read yet (the last step's commit included)
     tier_bytes: dict[str, int] = dataclasses.field(default_factory=dict)
     tier_seconds: float = 0.0
     tier_wait_seconds: float = 0.0
@@ -156,12 +156,20 @@ class HostState:
     masters: list[list[torch.Tensor]]
 
 
-def land(copies: Sequence["_Event"]) -> None:
+def land(copies: Sequence["_Event"]) -> float:
     """Wait on this thread until ``copies`` have landed, and run their host work (summing gradients
-    into ``host_grads``): what an update worker does before it steps."""
+    into ``host_grads``): what an update worker does before it steps. Returns the seconds it
+    waited for the NVMe tier's reads among them."""
+    tier_waited = 0.0
     for copy in copies:
-        copy.device_event.synchronize()
+        if isinstance(copy.device_event, _Waited):
+            started = time.perf_counter()
+            copy.device_event.synchronize()
+            tier_waited += time.perf_counter() - started
+        else:
+            copy.device_event.synchronize()
         copy.run_host_work()
+    return tier_waited
 
 
 class HostGradients:
@@ -465,11 +473,8 @@ class Runtime:
 
     def wait(self, event: _Event, stream: str) -> None:
         stream = Stream(stream)
-        if isinstance(event.device_event, _Waited):  # the tier's write: the step waits for it to commit
-            started = time.perf_counter()
+        if isinstance(event.device_event, _Waited):  # the tier's work runs on host threads
             event.device_event.synchronize()
-            with self._stats_lock:
-                self.stats.tier_wait_seconds += time.perf_counter() - started
             return
         self.device.streams.wait(event.device_event, stream)
         if stream == Stream.HOST:

@@ -20,10 +20,16 @@ update one parameter at a time, so host memory holds a few parameters' state, no
 The state in flight is therefore at most ``compiler.tier.staged_params(devices)`` parameters'
 worth (the plan's host memory counts it, and ``peak_staged`` measures it).
 
-A step's files become the state only at ``commit``, which replaces the manifest (``tier.json``:
-per pack its file and the layout and CRC-32 of each tensor) atomically, and only then deletes
-the files it replaced. A step that fails (``abort``) deletes the files it wrote and drops what it
-read, so the tier is as before the step: the step's all-or-nothing rule extends to it.
+A step's files become the state only when it is committed: once its writer has put the last of
+them on the device, it replaces the manifest (``tier.json``: per pack its file and the layout and
+CRC-32 of each tensor) atomically, and only then deletes the files it replaced. The step itself
+does not wait for that (``finish``): its last writes go on while the next step runs its forward,
+whose first ``READ`` waits for the commit (the files to read are the committed ones), as does its
+first update (``wait_committed``; until then the trainer keeps what undoes the last step). A step
+that fails while it runs (``abort``) deletes the files it wrote and drops what it read; a step
+whose writes fail after it returned is undone when that is found (``abort_pending``: its files
+deleted, the manifest as before it). Either way the tier is as before the step: the step's
+all-or-nothing rule extends to it.
 
 The directory is the trainer's: the files of an earlier run there are replaced.
 """
@@ -71,6 +77,35 @@ def on_tier_entry(value) -> bool:
     return isinstance(value, torch.Tensor) and value.dim() > 0
 
 
+class _StepIO:
+    """One step's I/O: its reader and writer threads, what it read, the files it writes (its
+    generation), its first error, and ``committed``, done once its files are the state."""
+
+    def __init__(self, step: int, generation: int, packs: Sequence[int], threads: bool = True) -> None:
+        self.step, self.generation = step, generation
+        self.reader = self.writer = None
+        if threads:
+            self.reader = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="harmony-io-read")
+            self.writer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="harmony-io-write")
+        self.reads: dict[tuple[int, str], concurrent.futures.Future] = {}  # (pack, parameter) -> its read
+        self.files: dict[int, _FileWriter] = {}  # files being written
+        self.written: dict[int, dict | None] = {}  # finished files, by pack
+        self.done = {pack: concurrent.futures.Future() for pack in packs}  # pack -> its file on the device
+        self.committed: concurrent.futures.Future = concurrent.futures.Future()
+        self.write_slot = threading.Semaphore(1)  # one parameter in the writer's hands at a time
+        self.failed: BaseException | None = None  # the first I/O error: what follows is not done
+        self.bytes = {"read": 0, "write": 0}  # of state (without the files' alignment)
+        self.seconds = 0.0                    # reader and writer time
+        self.staged = self.peak_staged = 0    # state bytes in host memory on the tier's way
+        self.lock = threading.Lock()
+
+    def drain(self) -> None:
+        """Wait for the reader and the writer to finish what they were given."""
+        for worker in (self.reader, self.writer):
+            if worker is not None:
+                worker.shutdown(wait=True)
+
+
 class StateTier:
     """The optimizer state of ``packs`` (each a list of parameters, by pack index) under ``path``."""
 
@@ -84,53 +119,49 @@ class StateTier:
         self._pack_of = {id(p): pack for pack, params in self.packs.items() for p in params}
         self.params = frozenset(self._pack_of)  # id of every parameter whose state is on the tier
         self.committed: dict[int, dict] = {}  # pack -> its manifest entry
-        self.step = 0
+        self.committed_step = 0  # the trainer's step count the committed state is after
         # each step's files are a new generation: no file of the committed state is ever overwritten
         self._replaced, self.generation = _read_manifest(self.path)  # an earlier run's: replaced at the first commit
-        self._lock = threading.Lock()
-        self._reset()
-
-    def _reset(self) -> None:
-        self._reader = self._writer = None
-        self._written: dict[int, dict] = {}       # this step's finished files, by pack
-        self._files: dict[int, _FileWriter] = {}  # this step's files being written
-        self._reads: dict[tuple[int, str], concurrent.futures.Future] = {}  # (pack, parameter) -> its read
-        self._done: dict[int, concurrent.futures.Future] = {}  # pack -> its file on the device
-        self._write_slot = threading.Semaphore(1)  # one parameter in the writer's hands at a time
-        self._failed: BaseException | None = None  # the step's first I/O error: what follows is not done
-        self.bytes = {"read": 0, "write": 0}       # this step's, of state (without the files' alignment)
-        self.seconds = 0.0                         # this step's reader and writer time
-        self.staged = self.peak_staged = 0         # state bytes in host memory on the tier's way
+        self.current: _StepIO | None = None  # the running step's
+        self.pending: _StepIO | None = None  # the last step's, until it is committed
 
     # ------------------------------------------------------------------ a step
     def begin(self, step: int) -> None:
-        """A new step (``step``: the trainer's count, recorded in the manifest) and its generation."""
-        self._reset()
-        self.step = step
+        """A new step (``step``: the trainer's count, recorded in the manifest) and its generation;
+        the last step's writes and commit may still be going on."""
         self.generation += 1
-        self._reader = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="harmony-io-read")
-        self._writer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="harmony-io-write")
-        self._done = {pack: concurrent.futures.Future() for pack in self.packs}
+        self.current = _StepIO(step, self.generation, list(self.packs))
 
     def read(self, pack: int) -> concurrent.futures.Future:
-        """``READ S[p<pack>]``: the reader starts on the pack's first parameters; done once the
-        first has landed (or at once, for a pack with no state yet)."""
-        order = self._stored_order(pack)
-        for name in order[:READ_AHEAD]:
-            self._read_param(pack, name)
-        if not order:
-            done = concurrent.futures.Future()
-            done.set_result(None)
-            return done
-        return self._reads[(pack, order[0])]
+        """``READ S[p<pack>]``: the reader starts on the pack's first parameters, once the last
+        step is committed (its files are the ones to read); done once the first has landed (or at
+        once, for a pack with no state yet)."""
+        io, pending = self.current, self.pending
+        first: concurrent.futures.Future = concurrent.futures.Future()
+
+        def opening() -> None:
+            if pending is not None:
+                pending.committed.result()  # the last step's error, if its state never reached the tier
+            order = self._stored_order(pack)
+            for name in order[:READ_AHEAD]:
+                self._read_param(io, pack, name)  # queued behind this task
+            if not order:
+                _settle(first, None)
+                return
+            io.reads[(pack, order[0])].add_done_callback(lambda read: _settle(first, read.exception()))
+
+        io.reader.submit(self._timed, io, opening).add_done_callback(
+            lambda opened: opened.exception() is not None and _settle(first, opened.exception()))
+        return first
 
     def write(self, pack: int) -> concurrent.futures.Future:
         """``WRITE S[p<pack>]``: done once the pack's new file is on the device."""
-        return self._done[pack]
+        return self.current.done[pack]
 
     def update(self, pack: int, step: Callable[[list[nn.Parameter]], None]) -> None:
         """On the update worker: ``pack``'s update, one parameter at a time, its state streaming in
         from the reader and out to the writer (see the module docstring)."""
+        io = self.current
         order = self._stored_order(pack)
         position = {name: index for index, name in enumerate(order)}
         try:
@@ -140,81 +171,118 @@ class StateTier:
                 if read:
                     ahead = position[name] + READ_AHEAD
                     if ahead < len(order):
-                        self._read_param(pack, order[ahead])
-                    self.optimizer.state[param].update(self._reads[(pack, name)].result())
+                        self._read_param(io, pack, order[ahead])
+                    self.optimizer.state[param].update(io.reads.pop((pack, name)).result())
                 step([param])
-                self._hand_to_writer(pack, param, read)
-            self._writer.submit(self._timed, self._finish_file, pack)
+                self._hand_to_writer(io, pack, param, read)
+            io.writer.submit(self._timed, io, self._finish_file, io, pack)
         except BaseException as error:
             self.fail(error)
             raise
 
+    def wait_committed(self) -> None:
+        """Block until the last step is committed; raise its error if it never will be. A step's
+        first update waits for this: until then that step's copies for undoing it are kept."""
+        if self.pending is not None:
+            self.pending.committed.result()
+
     def fail(self, error: BaseException) -> None:
-        """The step failed (here, or a device that will never hand some updates over): every file
-        not yet on the device fails with ``error``, and the reader and writer stop."""
-        with self._lock:
-            self._failed = self._failed or error
-        for done in self._done.values():
-            _settle(done, error)
+        """The running step failed (here, or a device that will never hand some updates over):
+        every file not yet on the device fails with ``error``, and the reader and writer stop."""
+        _fail(self.current, error)
 
-    def drain(self) -> None:
-        """Wait for the reader and the writer to finish what they were given."""
-        for worker in (self._reader, self._writer):
-            if worker is not None:
-                worker.shutdown(wait=True)
-        self._reader = self._writer = None
-
-    def commit(self) -> None:
-        """The step succeeded: its files become the state (a new manifest, atomically), and the
-        files they replace are deleted."""
-        self.drain()
-        assert self._failed is None and len(self._written) == len(self.packs), "commit of a step that failed"
-        self._commit()
+    def finish(self) -> _StepIO:
+        """The running step succeeded: its files become the state once its writer has put the
+        last of them on the device (``committed``), while the next step may already run."""
+        io, self.current = self.current, None
+        io.writer.submit(self._commit_step, io)
+        for worker in (io.reader, io.writer):
+            worker.shutdown(wait=False)  # their threads end once the queued work is done
+        self.pending = io
+        return io
 
     def abort(self) -> None:
-        """The step failed: the files it wrote are deleted and what it read leaves host memory;
-        the manifest and its files are as before the step."""
-        self.fail(StepUndone("the step failed before this pack's state was written"))
-        self.drain()
-        for file in self._files.values():
-            file.discard()
-        for entry in self._written.values():
-            (self.path / entry["file"]).unlink(missing_ok=True)
-        self._written, self._files = {}, {}
+        """The running step failed: the files it wrote are deleted and what it read leaves host
+        memory; the manifest and its files are as before the step."""
+        io, self.current = self.current, None
+        if io is None:
+            return
+        _fail(io, StepUndone("the step failed before this pack's state was written"))
+        io.drain()
+        self._discard(io)
         for params in self.packs.values():
             for param in params:
                 self._take_entries(param)
 
-    def _commit(self) -> None:
-        replaced = [self.committed[pack]["file"] for pack in self._written if pack in self.committed]
+    def abort_pending(self) -> None:
+        """The last step could not be committed (its error came from ``wait_committed``): its files
+        are deleted and the manifest rewritten as the state before it, so the tier is consistent
+        with that step undone."""
+        io, self.pending = self.pending, None
+        if io is None:
+            return
+        io.drain()
+        self._discard(io)
+        _write_manifest(self.path, self.committed_step, io.generation - 1, self.committed)
+
+    def _commit_step(self, io: _StepIO) -> None:
+        """On the writer, after the step's last file: the files become the state, or ``committed``
+        carries why they cannot."""
+        try:
+            if io.failed is not None:
+                raise io.failed
+            assert len(io.written) == len(self.packs), "commit of a step whose packs were not all written"
+            self._commit(io)
+        except BaseException as error:  # noqa: BLE001 - handed to whoever waits on the commit
+            _settle(io.committed, error)
+            return
+        _settle(io.committed, None)
+
+    def _commit(self, io: _StepIO) -> None:
+        replaced = [self.committed[pack]["file"] for pack in io.written if pack in self.committed]
         replaced += [entry["file"] for entry in self._replaced.values()]
-        for pack, entry in self._written.items():
+        committed = dict(self.committed)
+        for pack, entry in io.written.items():
             if entry is None:  # no state at all
-                self.committed.pop(pack, None)
+                committed.pop(pack, None)
             else:
-                self.committed[pack] = entry
-        self._written, self._replaced = {}, {}
-        _write_manifest(self.path, self.step, self.generation, self.committed)
-        keep = {entry["file"] for entry in self.committed.values()}
+                committed[pack] = entry
+        _write_manifest(self.path, io.step, io.generation, committed)
+        self.committed, self.committed_step, self._replaced = committed, io.step, {}
+        keep = {entry["file"] for entry in committed.values()}
         for name in set(replaced) - keep:
             (self.path / name).unlink(missing_ok=True)
+
+    def _discard(self, io: _StepIO) -> None:
+        """Delete the files ``io`` wrote or was writing (none is in the manifest)."""
+        for file in io.files.values():
+            file.discard()
+        for entry in io.written.values():
+            if entry is not None:
+                (self.path / entry["file"]).unlink(missing_ok=True)
+        io.written, io.files = {}, {}
 
     # ------------------------------------------------------------------ whole state (checkpoints)
     def store_all(self, step: int) -> None:
         """Move every tiered pack's state now in host memory to the tier (a new optimizer's, one
-        just loaded from a checkpoint), committed as generation ``step``; on this thread."""
-        self.begin(step)
-        self.drain()  # no threads: everything below runs here
+        just loaded from a checkpoint), committed as generation ``step``; on this thread. The last
+        step must be committed (``wait_committed``)."""
+        assert self.pending is None or self.pending.committed.done(), "store_all while a step commits"
+        self.pending = None
+        self.generation += 1
+        io = _StepIO(step, self.generation, list(self.packs), threads=False)
         try:
             for pack, params in self.packs.items():
                 if any(on_tier_entry(v) for p in params for v in self.optimizer.state.get(p, {}).values()):
                     for param in params:
-                        self._write_param(pack, param, self._take_entries(param))
-                    self._finish_file(pack)
+                        self._write_param(io, pack, param, self._take_entries(param))
+                    self._finish_file(io, pack)
+                else:
+                    io.written[pack] = None
+            self._commit(io)
         except BaseException:
-            self.abort()
+            self._discard(io)
             raise
-        self._commit()
 
     def stored(self, param: nn.Parameter) -> dict[str, torch.Tensor]:
         """``param``'s state entries on the tier, read from the committed file (checked)."""
@@ -222,7 +290,7 @@ class StateTier:
         if pack is None:
             return {}
         name = self.names[id(param)]
-        return self._load(pack, name) if name in self._stored_order(pack) else {}
+        return self._load(None, pack, name) if name in self._stored_order(pack) else {}
 
     # ------------------------------------------------------------------ reading
     def _stored_order(self, pack: int) -> list[str]:
@@ -230,13 +298,13 @@ class StateTier:
         entry = self.committed.get(pack)
         return list(dict.fromkeys(t[0] for t in entry["tensors"])) if entry else []
 
-    def _read_param(self, pack: int, name: str) -> None:
-        if (pack, name) not in self._reads:
-            self._reads[(pack, name)] = self._reader.submit(self._timed, self._load, pack, name, True)
+    def _read_param(self, io: _StepIO, pack: int, name: str) -> None:
+        if (pack, name) not in io.reads:
+            io.reads[(pack, name)] = io.reader.submit(self._timed, io, self._load, io, pack, name)
 
-    def _load(self, pack: int, name: str, staged: bool = False) -> dict[str, torch.Tensor]:
+    def _load(self, io: _StepIO | None, pack: int, name: str) -> dict[str, torch.Tensor]:
         """The tensors of parameter ``name`` in ``pack``'s committed file: its region read into one
-        buffer, each tensor checked against its CRC-32."""
+        buffer, each tensor checked against its CRC-32 (``io``: the step that stages them)."""
         entry = self.committed[pack]
         tensors = [t for t in entry["tensors"] if t[0] == name]
         start, end = tensors[0][4], tensors[-1][4] + tensors[-1][5]
@@ -256,12 +324,12 @@ class StateTier:
                                     "changed since they were written (disk error, or a write outside this trainer); "
                                     "resume from a checkpoint")
             loaded[key] = data.view(getattr(torch, dtype)).view(shape)
-        if staged:
-            self._count("read", sum(t[5] for t in tensors), staged=sum(t[5] for t in tensors))
+        if io is not None:
+            _count(io, "read", sum(t[5] for t in tensors), staged=sum(t[5] for t in tensors))
         return loaded
 
     # ------------------------------------------------------------------ writing
-    def _hand_to_writer(self, pack: int, param: nn.Parameter, read: bool) -> None:
+    def _hand_to_writer(self, io: _StepIO, pack: int, param: nn.Parameter, read: bool) -> None:
         """``param``'s stepped state to the writer; the step waits while the writer still has the
         parameter before (``read``: its bytes were counted as staged when they were read)."""
         entries = self._take_entries(param)
@@ -269,40 +337,40 @@ class StateTier:
             return
         nbytes = sum(v.numel() * v.element_size() for v in entries.values())
         if not read:
-            self._count(None, 0, staged=nbytes)  # made by this step's update
-        while not self._write_slot.acquire(timeout=0.1):
-            if self._failed is not None:
-                raise self._failed
-        self._writer.submit(self._write_task, pack, param, entries, nbytes)
+            _count(io, None, 0, staged=nbytes)  # made by this step's update
+        while not io.write_slot.acquire(timeout=0.1):
+            if io.failed is not None:
+                raise io.failed
+        io.writer.submit(self._write_task, io, pack, param, entries, nbytes)
 
-    def _write_task(self, pack: int, param: nn.Parameter, entries: dict, nbytes: int) -> None:
+    def _write_task(self, io: _StepIO, pack: int, param: nn.Parameter, entries: dict, nbytes: int) -> None:
         try:
-            self._timed(self._write_param, pack, param, entries)
+            self._timed(io, self._write_param, io, pack, param, entries)
         finally:
-            self._count(None, 0, staged=-nbytes)
-            self._write_slot.release()
+            _count(io, None, 0, staged=-nbytes)
+            io.write_slot.release()
 
-    def _write_param(self, pack: int, param: nn.Parameter, entries: dict) -> None:
-        if pack not in self._files:
-            self._files[pack] = _FileWriter(self.path / f"p{pack}.g{self.generation:08d}.state")
-        file = self._files[pack]
+    def _write_param(self, io: _StepIO, pack: int, param: nn.Parameter, entries: dict) -> None:
+        if pack not in io.files:
+            io.files[pack] = _FileWriter(self.path / f"p{pack}.g{io.generation:08d}.state")
+        file = io.files[pack]
         for key, value in entries.items():
             flat = value.detach().contiguous().reshape(-1).view(torch.uint8)
             offset = file.add(flat)
             file.tensors.append([self.names[id(param)], key, str(value.dtype).removeprefix("torch."),
                                  list(value.shape), offset, flat.numel(), zlib.crc32(flat.numpy())])
-        self._count("write", sum(v.numel() * v.element_size() for v in entries.values()))
+        _count(io, "write", sum(v.numel() * v.element_size() for v in entries.values()))
 
-    def _finish_file(self, pack: int) -> None:
-        """``pack``'s new file on the device: its entry is this step's, and its WRITE done."""
-        file = self._files.get(pack)
+    def _finish_file(self, io: _StepIO, pack: int) -> None:
+        """``pack``'s new file on the device: its entry is the step's, and its WRITE done."""
+        file = io.files.get(pack)
         if file is not None:
-            size = file.finish()  # if it fails, ``abort`` deletes the file
-            del self._files[pack]
-            self._written[pack] = {"file": file.path.name, "bytes": size, "tensors": file.tensors}
+            size = file.finish()  # if it fails, the step's abort deletes the file
+            del io.files[pack]
+            io.written[pack] = {"file": file.path.name, "bytes": size, "tensors": file.tensors}
         else:  # nothing to keep (no state at all): the committed entry goes
-            self._written[pack] = None
-        _settle(self._done[pack], None)
+            io.written[pack] = None
+        _settle(io.done[pack], None)
 
     def _take_entries(self, param: nn.Parameter) -> dict[str, torch.Tensor]:
         """Remove ``param``'s tier entries from the optimizer's state and return them."""
@@ -310,25 +378,37 @@ class StateTier:
         return {key: state.pop(key) for key in [k for k, v in state.items() if on_tier_entry(v)]}
 
     # ------------------------------------------------------------------ accounting
-    def _timed(self, work, *args):
-        if self._failed is not None:
-            raise self._failed  # the step is undone: what waits on this hears why
+    @staticmethod
+    def _timed(io: _StepIO, work, *args):
+        if io.failed is not None:
+            raise io.failed  # the step is undone: what waits on this hears why
         started = time.perf_counter()
         try:
             return work(*args)
         except BaseException as error:
-            self.fail(error)
+            _fail(io, error)
             raise
         finally:
-            with self._lock:
-                self.seconds += time.perf_counter() - started
+            with io.lock:
+                io.seconds += time.perf_counter() - started
 
-    def _count(self, what: str | None, nbytes: int, staged: int = 0) -> None:
-        with self._lock:
-            if what is not None:
-                self.bytes[what] += nbytes
-            self.staged += staged
-            self.peak_staged = max(self.peak_staged, self.staged)
+
+def _fail(io: _StepIO | None, error: BaseException) -> None:
+    """``io``'s step failed: its first error is kept, and every file not yet on the device fails."""
+    if io is None:
+        return
+    with io.lock:
+        io.failed = io.failed or error
+    for done in io.done.values():
+        _settle(done, error)
+
+
+def _count(io: _StepIO, what: str | None, nbytes: int, staged: int = 0) -> None:
+    with io.lock:
+        if what is not None:
+            io.bytes[what] += nbytes
+        io.staged += staged
+        io.peak_staged = max(io.peak_staged, io.staged)
 
 
 class _FileWriter:

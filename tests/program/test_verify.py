@@ -547,15 +547,3 @@ def test_a_second_read_of_the_same_state_is_refused(tier_programs):
         message = _tier_refused(tier_programs, mutated, num_forward + (first < num_forward), f"{read.key} twice")
         assert repr(again) in message
         assert f"reads S[p{pack}] a second time (first at action #{first} `{read!r}`" in message
-
-
-def test_a_write_the_host_never_waits_for_is_refused(tier_programs):
-    """The step would be committed before its state is on the tier."""
-    _, program, num_forward, _ = tier_programs
-    for pack in range(4):
-        write = program[_tier_action(program, K.WRITE, pack)]
-        mutated = [a for a in program if not (a.kind == K.WAIT and a.event == write.event)]
-        assert len(mutated) == len(program) - 1 and program[-1].kind == K.WAIT  # a wait at the backward's end
-        message = _tier_refused(tier_programs, mutated, num_forward, f"without the wait for {write!r}")
-        assert repr(write) in message and "(created by insert_tier_io)" in message
-        assert f"the program ends without the host waiting for this copy: add WAIT e{write.event} host" in message
