@@ -87,6 +87,32 @@ def test_the_program_reads_and_writes_each_tiered_pack_around_its_update():
     assert simulation.seconds > without.seconds
 
 
+def _toy_simulation(read: float, write: float, tier: bool = True):
+    spec = DeviceSpec("toy", 10**9, {"bf16": 1e6, "fp32": 1e6}, memory_bandwidth=1e9, host_bandwidth=1e9,
+                      peer_bandwidth=1e9, efficiency=1.0, launch_seconds=0.0)
+    host = _host(memory=1 if tier else None, nvme=10**9 if tier else None, update_params_per_second=1e9,
+                 nvme_read=read, nvme_write=write)
+    return simulate(*chain_schedule(PROFILE, Schedule(BOUNDARIES, 2, "single", 1), 16, spec, host), spec, host)
+
+
+def test_an_iterations_last_writes_go_on_into_the_next():
+    """No program waits for a write: the iteration ends with its last action but the writes, and
+    the next one's reads queue behind what they carry over (the steady state). With a drive that
+    keeps up, the tier costs no time at all; with one that does not, the drive's work sets the pace."""
+    fast = _toy_simulation(8e8, 4e8)
+    spans = [(label, start, end) for _, _, label, start, end in fast.spans]
+    core = max(end for label, _, end in spans if not label.startswith("WRITE"))
+    last_write = max(end for label, _, end in spans if label.startswith("WRITE"))
+    assert fast.seconds == pytest.approx(core) and last_write > core
+    assert fast.io_carried == pytest.approx(last_write - core, rel=0.02)  # carried in as much as it carries out
+    assert min(start for label, start, _ in spans if label.endswith(" io")) >= fast.io_carried - 1e-12
+    assert fast.seconds == pytest.approx(_toy_simulation(8e8, 4e8, tier=False).seconds)
+
+    slow = _toy_simulation(8e3, 4e3)
+    lane = sum(end - start for _, lane, _, start, end in slow.spans if lane == "io")
+    assert slow.seconds == pytest.approx(lane) and slow.seconds > 100 * fast.seconds
+
+
 def test_plan_with_an_nvme_tier_fits_host_memory_and_reports_the_traffic(capsys):
     code = main(["plan", "gpt2-xl", "--host-memory", "24GB", "--nvme", "1TB", "--json"])
     out, err = capsys.readouterr()
