@@ -40,6 +40,7 @@ def resolve(path: str | os.PathLike) -> pathlib.Path:
 
 
 def save(trainer, root: str | os.PathLike) -> pathlib.Path:
+    trainer.flush()  # the last step's state on the NVMe tier first (or that step undone)
     root = pathlib.Path(root)
     cluster = trainer.cluster
     folder = root / f"step_{trainer.step_count:08d}"
@@ -69,6 +70,7 @@ def load(trainer, path: str | os.PathLike) -> None:
     from harmony_fx.trainer import _check_same_model, _set_rng_states  # noqa: PLC0415 - a cycle otherwise
 
     folder = resolve(path)
+    trainer.flush()  # the tier's last step settled before its state is replaced
     stored = dcp.FileSystemReader(folder).read_metadata().state_dict_metadata
     model_state = trainer.model.state_dict()
     expected = {f"model.{name}" for name in model_state}
