@@ -24,8 +24,11 @@ of the packs updated so far (at most one more copy of the parameters and optimiz
 With ``nvme_path`` (and ``host_memory``), the optimizer state of the packs the plan chooses lives
 on an NVMe tier between updates (``runtime.tier``): each such pack's update streams it in and out
 one parameter at a time, the program's ``READ``/``WRITE`` actions around it. Its files follow the
-all-or-nothing rule: a step's files count only once the step succeeded, so an undone step needs
-no copy of that state.
+all-or-nothing rule: a step's files count only once the step succeeded and they are all on the
+drive, so an undone step needs no copy of that state. ``step`` returns before its last writes end
+(they overlap the next step's forward); until they do, the step's copies are kept, and a write
+that fails then undoes that step when the next step, ``flush``, a checkpoint or ``close`` finds
+out.
 
 Checkpoints (``state_dict``/``load_state_dict``, ``save``/``load``) hold what decides the next
 losses: the host master weights and buffers (the model's own tensors, which the compiled packs
@@ -711,7 +714,7 @@ def _cluster(process_group, shard_optimizer: bool | None, timeout: float | None)
 
 
 def _land_and_update_across(copies, host_grads: dict, optimizer: torch.optim.Optimizer, undo: "_Undo",
-                            cross: CrossProcessUpdates, pack: int) -> float:
+                            cross: CrossProcessUpdates, pack: int) -> tuple[float, float]:
     """``_land_and_update`` across processes: the pack's gradients summed over the ranks first."""
     land(copies)
     grads = [host_grads.get(id(p)) for p in cross.buffers[pack].params]
@@ -721,13 +724,12 @@ def _land_and_update_across(copies, host_grads: dict, optimizer: torch.optim.Opt
 
 
 def _land_and_update(copies, host_grads: dict, optimizer: torch.optim.Optimizer, params: Sequence[nn.Parameter],
-                     undo: _Undo, tier: StateTier | None = None, pack: int | None = None) -> float:
+                     undo: _Undo, tier: StateTier | None = None, pack: int | None = None) -> tuple[float, float]:
     """On the update worker: wait for the weight-gradient copies, which sums them on the host, then
     step ``params`` with their summed gradients (a pack on the NVMe ``tier``: one parameter at a
     time, its state streaming in and out); returns the seconds the step itself took and those it
-    waited for the tier's reads. With a tier,
-    the last step is committed first: only then are its copies for undoing it let go, so the two
-    steps' copies are never held at once."""
+    waited for the tier. With a tier, the last step is committed first: only then are its copies
+    for undoing it let go, so two steps' copies are never held at once."""
     tier_waited = land(copies)
     for param in params:
         param.grad = host_grads.get(id(param))

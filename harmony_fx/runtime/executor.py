@@ -362,7 +362,8 @@ class Runtime:
             if key.kind == KeyKind.WEIGHTS:
                 pack = self.packs[int(key.name[1:])]
                 masters = self.host.masters[pack.index]
-                with _DeviceContext(device, f" while copying the weights of {pack.name} ({pack.describe_layers()}) to the device"):
+                what = f" while copying the weights of {pack.name} ({pack.describe_layers()}) to the device"
+                with _DeviceContext(device, what):
                     value = device.weights_to_device(pack.index, masters, self.compute_dtype, pack.written_slots)
                 for copy, master in zip(value[: len(pack.params)], masters):
                     if master.requires_grad:
