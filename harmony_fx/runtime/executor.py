@@ -594,8 +594,9 @@ class Runtime:
         targets = [leaf for _, x in input_targets for leaf in _differentiable(x)]
         targets += [w for w in weight_targets if w.requires_grad]
         with self.device.compute_scope(), self._context(pack, "backward"):
-            grads = iter(torch.autograd.grad(roots, targets, root_grads, allow_unused=True) if roots and targets
-                         else [None] * len(targets))
+            with self.compiler.backward_scope() if self.compiler is not None else contextlib.nullcontext():
+                grads = iter(torch.autograd.grad(roots, targets, root_grads, allow_unused=True) if roots and targets
+                             else [None] * len(targets))
             del roots, root_grads, inputs
             stored: set[int] = set()
             for name, x in input_targets:

@@ -137,7 +137,7 @@ class Session:
             iteration.run([[programs["backward"]] for programs in self.compiled.device_programs])
         finally:
             iteration.release()
-        self.finish_stats()
+        self.finish_stats(iteration_ended=True)
 
     def run_iteration(self, per_mb: Sequence[Sequence[torch.Tensor]], on_update: Callable[[Runtime, int, Sequence], None],
                       output_grads: dict[Key, torch.Tensor], on_tier: Callable | None = None) -> Iteration:
@@ -150,11 +150,13 @@ class Session:
             iteration.run([[programs["forward"], programs["backward"]] for programs in self.compiled.device_programs])
         finally:
             iteration.release()
-        self.finish_stats()
+        self.finish_stats(iteration_ended=True)
         return iteration
 
-    def finish_stats(self) -> None:
+    def finish_stats(self, iteration_ended: bool = False) -> None:
         compiler = self.pack_compiler
+        if compiler is not None and iteration_ended:
+            compiler.end_iteration()
         if compiler is not None and compiler.graphs > self._graphs_logged:
             new, self._graphs_logged = compiler.graphs - self._graphs_logged, compiler.graphs
             self.compiled.passes.add("compile packs (inductor)", compiler.compile_seconds - self._seconds_logged,

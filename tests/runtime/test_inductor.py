@@ -42,6 +42,28 @@ def test_compiled_packs_train_like_eager_with_dropout_and_compile_identical_bloc
     assert stage.seconds > 0 and f"{len(keys)} distinct pack structure(s)" in stage.decision
 
 
+def test_packs_compile_without_dynamo_and_keep_their_graphs():
+    """A pack's graph is ATen already: inductor compiles it directly (Dynamo traces no frame, so
+    no guards run at every call), and the pack's graph and node metadata stay the passes' own."""
+    torch.manual_seed(0)
+    model = TinyGPT(GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32, dropout=0.0))
+    x, y = torch.randint(0, 64, (4, 16)), torch.randint(0, 64, (4, 16))
+    hm = harmony_fx.compile(model, x, devices=["host:0"], microbatches=1, compile_packs=True, track_memory=False,
+                            pack_boundaries=(0, 5))
+
+    def graphs():
+        return [(pack.gm.code, [[(key, id(value)) for key, value in node.meta.items()] for node in pack.gm.graph.nodes])
+                for pack in hm.packs]
+
+    before = graphs()
+    torch._dynamo.utils.counters.clear()
+    for _ in range(2):
+        _loss(hm(x), y).backward()
+    assert not torch._dynamo.utils.counters["frames"]
+    assert graphs() == before
+    assert hm.session.pack_compiler.settled  # the second step compiled nothing new
+
+
 def test_compiled_packs_refuse_per_tensor_tracking():
     model = torch.nn.Linear(4, 4)
     with pytest.raises(ValueError, match="track_memory=False"):
