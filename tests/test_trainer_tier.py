@@ -179,9 +179,10 @@ def test_a_write_failing_after_the_step_returned_undoes_that_step_at_the_next(tm
     monkeypatch.setattr(tier_module._FileWriter, "finish", failing)
     tiered.step(batches[1])  # returns: its last write has not failed yet, or it has and nothing waited
     assert tiered.step_count == 2
-    monkeypatch.setattr(tier_module._FileWriter, "finish", real_finish)
-    with pytest.raises(OSError, match="injected") as raised:
+    with pytest.raises(OSError, match="injected") as raised:  # the patch stays: the write may not have run yet
         tiered.step(batches[2])
+    monkeypatch.setattr(tier_module._FileWriter, "finish", real_finish)
+    assert len(calls) == 4
     assert "step 1 could not be written to the NVMe tier, so that step was undone" in "\n".join(raised.value.__notes__)
     assert tiered.step_count == 1
     assert _files_check(tmp_path) == before
