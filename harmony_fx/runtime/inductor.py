@@ -39,9 +39,9 @@ class PackCompiler:
     def __init__(self) -> None:
         self._by_graph: dict[int, object] = {}  # id(pack.gm) -> its structure key
         self._structures: set[object] = set()
-        self._compiled: dict[tuple, Callable] = {}  # (structure, inputs, grad mode) -> compiled function
+        self._compiled: dict[tuple, Callable] = {}  # (structure, grad mode, inputs) -> compiled function
         self._lock = threading.Lock()
-        self.compile_seconds = 0.0  # first calls of each compiled graph (tracing and compiling)
+        self.compile_seconds = 0.0  # time in compile_fx (the backward's compile runs at its first call)
         self.graphs = 0             # distinct graphs compiled
         # whether an iteration compiled nothing new: until then backward tasks run one at a time
         self.settled = False
@@ -56,7 +56,7 @@ class PackCompiler:
         structure = self._by_graph.get(id(pack.gm))
         if structure is None:
             structure = self._by_graph.setdefault(id(pack.gm), structure_key(pack.gm))
-        key = (structure, grad and torch.is_grad_enabled(), _signature(inputs))
+        key = (structure, grad and torch.is_grad_enabled(), _signature(pack, inputs))
         function = self._compiled.get(key)
         if function is None:
             with self._lock:  # one compile at a time; another thread's call may be compiling this one
@@ -70,7 +70,6 @@ class PackCompiler:
                     self._structures.add(structure)
                     self.graphs += 1
         return function(*inputs)
-
 
     def backward_scope(self):
         """Held around a backward task's ``torch.autograd.grad`` until the compiles are over. A
@@ -93,10 +92,19 @@ def _private_copy(gm: fx.GraphModule) -> fx.GraphModule:
     return fx.GraphModule(gm, graph)
 
 
-def _signature(inputs: list) -> tuple:
+def _signature(pack: Pack, inputs: list) -> tuple:
     """What a compiled function is specialised to, per input (see the module docstring)."""
-    return tuple((tuple(x.shape), x.stride(), x.dtype, x.device, x.requires_grad) if isinstance(x, torch.Tensor)
-                 else ("value", x) for x in inputs)
+    signature = []
+    for x in inputs:
+        if isinstance(x, torch.Tensor):
+            signature.append((tuple(x.shape), x.stride(), x.dtype, x.device, x.requires_grad))
+        elif x is None or isinstance(x, (bool, int, float)):
+            signature.append(("value", x))
+        else:
+            raise ValueError(f"compile_packs: pack {pack.name} ({pack.describe_layers()}) takes a {type(x).__name__} "
+                             "(a value of several tensors crossing packs), which inductor's compile_fx does not take; "
+                             "train this model with compile_packs=False")
+    return tuple(signature)
 
 
 def structure_key(gm: fx.GraphModule) -> object:
