@@ -40,6 +40,13 @@ def _loss(output, target):
     return torch.nn.functional.cross_entropy(output.reshape(-1, CONFIG.vocab_size), target.reshape(-1))
 
 
+def _budget(model, idx, target, fraction: float | None) -> int | None:
+    """``fraction`` of what eager training needs (``None``: unlimited)."""
+    if fraction is None:
+        return None
+    return int(fraction * eager_training_bytes(model, (idx,), lambda out: _loss(out, target)))
+
+
 def _step(fn, idx, target, model):
     _loss(fn(idx), target).backward()
     model.zero_grad(set_to_none=True)
@@ -56,9 +63,7 @@ def test_eager(benchmark):
 @pytest.mark.parametrize("track_memory", [True, False], ids=["tracked", "untracked"])
 def test_harmony(benchmark, fraction, track_memory):
     model, idx, target = _setup()
-    budget = None
-    if fraction is not None:
-        budget = int(fraction * eager_training_bytes(model, (idx,), lambda out: _loss(out, target)))
+    budget = _budget(model, idx, target, fraction)
     # one microbatch, the fewest balanced packs: the runtime's own overhead against eager (the planner
     # would choose microbatches and packs for speed on a GPU, not for this comparison)
     hm = harmony_fx.compile(model, (idx,), devices=["host:0"], memory_budget=budget, track_memory=track_memory,
@@ -83,9 +88,7 @@ def test_torch_compile(benchmark, layers):
 @pytest.mark.parametrize("fraction", [None, 0.25], ids=["unlimited", "budget25"])
 def test_harmony_compiled(benchmark, fraction, layers):
     model, idx, target = _setup(layers)
-    budget = None
-    if fraction is not None:
-        budget = int(fraction * eager_training_bytes(model, (idx,), lambda out: _loss(out, target)))
+    budget = _budget(model, idx, target, fraction)
     hm = harmony_fx.compile(model, (idx,), devices=["host:0"], memory_budget=budget, microbatches=1,
                             compile_packs=True, track_memory=False)
     _step(hm, idx, target, model)  # compiles
@@ -119,9 +122,7 @@ def test_paired(benchmark, compiled, fraction, layers):
     """harmony (untracked) against eager, or with ``compile_packs`` against ``torch.compile(model)``,
     alternating; the ratio goes to the JSON's ``extra_info`` and is printed."""
     model, idx, target = _setup(layers)
-    budget = None
-    if fraction is not None:
-        budget = int(fraction * eager_training_bytes(model, (idx,), lambda out: _loss(out, target)))
+    budget = _budget(model, idx, target, fraction)
     hm = harmony_fx.compile(model, (idx,), devices=["host:0"], memory_budget=budget, microbatches=1,
                             compile_packs=compiled, track_memory=False)
     baseline = torch.compile(model) if compiled else model

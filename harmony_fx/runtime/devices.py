@@ -191,7 +191,7 @@ class HostDevice(Device):
     def grads_to_host(self, grads: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         if self.shares_host_memory:
             return [grad.detach() for grad in grads]
-        return [grad.detach().clone() for grad in grads]
+        return super().grads_to_host(grads)
 
     @property
     def shares_host_memory(self) -> bool:
