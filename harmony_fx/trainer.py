@@ -59,7 +59,7 @@ from harmony_fx.config import CompileOptions
 from harmony_fx.distributed import checkpoint
 from harmony_fx.distributed.cluster import Cluster, PeerError, StepFailedElsewhere
 from harmony_fx.distributed.updates import CrossProcessUpdates
-from harmony_fx.runtime.executor import Runtime, land
+from harmony_fx.runtime.executor import Runtime, grad_dtype, land
 from harmony_fx.runtime.tier import StateTier, on_tier_entry
 from harmony_fx.program.actions import Key, KeyKind
 
@@ -212,7 +212,8 @@ class Trainer:
                                  "stays in host memory (shard_optimizer=True divides it over the ranks)")
             names = {id(p): name for name, p in model.named_parameters()}
             self._tier = StateTier(compile_options.nvme_path, optimizer,
-                                   {pack: self._groups[pack] for pack in self.hm.plan.tier_packs}, names)
+                                   {pack: self._groups[pack] for pack in self.hm.plan.tier_packs}, names,
+                                   self.hm.plan.tier_master_packs, compile_options.compute_dtype)
             self._tier.store_all(self.step_count)  # state the optimizer already holds goes there now
         self._cross: CrossProcessUpdates | None = None
         if self.cluster is not None:
@@ -281,7 +282,7 @@ class Trainer:
         output_grads = {Key(KeyKind.GRAD, loss_name, mb): torch.full(loss_like.shape, w, dtype=loss_like.dtype)
                         for mb, w in enumerate(weights)}
         undo = _Undo(self.optimizer, [p for group in groups.values() for p in group], hm.compiled.written_buffers(),
-                     copies=self.atomic, tiered=set() if tier is None else tier.params)
+                     copies=self.atomic, tier=tier)
         if tier is not None:
             tier.begin(self.step_count)
 
@@ -414,11 +415,29 @@ class Trainer:
             "format": _CHECKPOINT_FORMAT,
             "version": _CHECKPOINT_VERSION,
             "step_count": self.step_count,
-            "model": {name: t.detach().clone() for name, t in self.model.state_dict().items()},
+            "model": self._model_state(),
             # the optimizer's own state_dict shares its state tensors, which updates modify in place
             "optimizer": self._optimizer_state_dict(),
             "rng": _get_rng_states(),
         }
+
+    def _model_state(self, copied: bool = True) -> dict[str, torch.Tensor]:
+        """``model.state_dict()`` (``copied``: its tensors cloned), with the fp32 masters on the NVMe
+        tier read back into it (host memory holds their bf16 copies)."""
+        state = {name: t.detach().clone() if copied else t for name, t in self.model.state_dict().items()}
+        if self._tier is not None and self._tier.masters:
+            for name, param in self.model.named_parameters(remove_duplicate=False):  # a tied weight: each name
+                if id(param) in self._tier.masters and name in state:
+                    state[name] = self._tier.stored_master(param)
+        return state
+
+    def _model_state_like(self) -> dict[str, torch.Tensor]:
+        """The shapes and dtypes of ``_model_state()``, on the meta device (nothing read)."""
+        state = {name: torch.empty_like(t, device="meta") for name, t in self.model.state_dict().items()}
+        for name, param in self.model.named_parameters(remove_duplicate=False):
+            if name in state:
+                state[name] = torch.empty_like(param, device="meta", dtype=grad_dtype(param))
+        return state
 
     def _optimizer_state_dict(self) -> dict[str, Any]:
         """``optimizer.state_dict()``, copied, with the state on the NVMe tier read back into it."""
@@ -447,10 +466,19 @@ class Trainer:
         if state_dict.get("format") != _CHECKPOINT_FORMAT or state_dict.get("version") != _CHECKPOINT_VERSION:
             raise ValueError(f"not a {_CHECKPOINT_FORMAT} checkpoint of version {_CHECKPOINT_VERSION} "
                              f"(format {state_dict.get('format')!r}, version {state_dict.get('version')!r})")
-        _check_same_model(self.model.state_dict(), state_dict["model"])
+        _check_same_model(self._model_state_like(), state_dict["model"])
         self.flush()
-        # the optimizer first: it checks its parameter groups before changing anything
-        self.optimizer.load_state_dict(state_dict["optimizer"])
+        if self._tier is not None:
+            # the fp32 masters the tier holds: what the model loads into, and the dtype the optimizer
+            # casts its state to; store_all moves them back
+            self._tier.masters_to_host()
+        try:
+            # the optimizer first: it checks its parameter groups before changing anything
+            self.optimizer.load_state_dict(state_dict["optimizer"])
+        except BaseException:
+            if self._tier is not None:
+                self._tier.masters_from_host()
+            raise
         self.model.load_state_dict(state_dict["model"])  # copy_ under no_grad: the tensors stay the same objects
         _set_rng_states(state_dict["rng"])
         self.step_count = state_dict["step_count"]
@@ -491,10 +519,13 @@ class Trainer:
         self.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
 
     def close(self) -> None:
-        """Wait for the last step's state to reach the NVMe tier (``flush``), and stop the device's
-        stream threads (each step's update worker stops with the step)."""
+        """Wait for the last step's state to reach the NVMe tier (``flush``), put the fp32 masters
+        the tier held back into the model's parameters (which held their bf16 copies), and stop the
+        device's stream threads (each step's update worker stops with the step)."""
         try:
             self.flush()
+            if self._tier is not None:
+                self._tier.masters_to_host()
         finally:
             self.hm.close()
 
@@ -664,11 +695,11 @@ class _Undo:
     docstring): ``save`` runs on the update worker right before each update."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, params: Sequence[nn.Parameter],
-                 buffers: Sequence[torch.Tensor], copies: bool = True, tiered: set[int] = frozenset()) -> None:
+                 buffers: Sequence[torch.Tensor], copies: bool = True, tier: StateTier | None = None) -> None:
         self.optimizer = optimizer
         self.copies = copies  # False (Trainer(atomic=False)): parameters and optimizer state are not kept
-        # parameters whose tensor state is on the NVMe tier: its previous file is their copy
-        self.tiered = tiered
+        # the NVMe tier: its committed file is the copy of the tensor state (and fp32 masters) it holds
+        self.tier = tier
         self.updated = 0      # parameters updated without a copy
         # taken at the start: .grad is replaced (not written into) as each pack's gradients arrive
         self.grads = [(param, param.grad) for param in params]
@@ -679,17 +710,20 @@ class _Undo:
         if not self.copies:
             self.updated += len(params)
             return
+        tier = self.tier
         for param in params:
             state = self.optimizer.state.get(param)
-            tiered = id(param) in self.tiered
+            tiered = tier is not None and id(param) in tier.params
             copied = None if state is None else {k: v.clone() if isinstance(v, torch.Tensor) else copy.deepcopy(v)
                                                  for k, v in state.items() if not (tiered and on_tier_entry(v))}
-            self.saved.append((param, param.detach().clone(), copied))
+            # a master on the tier: restored from its committed file (None here)
+            data = None if tier is not None and id(param) in tier.masters else param.detach().clone()
+            self.saved.append((param, data, copied))
 
     @torch.no_grad()
     def restore(self) -> None:
         for param, data, state in reversed(self.saved):
-            param.copy_(data)
+            param.copy_(self.tier.stored_master(param) if data is None else data)
             if state is None:
                 self.optimizer.state.pop(param, None)  # it had no state before this step
             else:

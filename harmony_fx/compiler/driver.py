@@ -252,7 +252,9 @@ def _plan_tier(candidate: Candidate, shapes: Shapes, layout: Layout, options: Co
                 if a.kind == ActionKind.OFFLOAD and a.key.kind == KeyKind.ACT)
     return plan_tier(update_groups(packs, shapes.masters), masters, stash, optimizer, options.host_memory,
                      tier=options.nvme_path is not None,
-                     devices=len(candidate.device_actions) if layout.parallel == "pp" else 1)
+                     devices=len(candidate.device_actions) if layout.parallel == "pp" else 1,
+                     compute_dtype=options.compute_dtype,
+                     weight_stagers=1 if layout.parallel == "pp" else len(candidate.device_actions))
 
 
 def _insert_tier_io(candidate: Candidate, tier: TierPlan, layout: Layout, verify: bool) -> Candidate:
@@ -263,7 +265,8 @@ def _insert_tier_io(candidate: Candidate, tier: TierPlan, layout: Layout, verify
 
 
 def _describe_tier(tier: TierPlan) -> str:
-    where = (f"optimizer state of {len(tier.packs)} of {len(tier.pack_state_bytes)} pack(s) on the tier "
+    masters = f", fp32 masters of {len(tier.master_packs)}" if tier.master_packs else ""
+    where = (f"optimizer state of {len(tier.packs)} of {len(tier.pack_state_bytes)} pack(s){masters} on the tier "
              f"({format_size(tier.tier_bytes)})" if tier.packs else "everything in host memory")
     limit = "" if tier.host_memory is None else f" of {format_size(tier.host_memory)}"
     return f"{where}; host memory {format_size(tier.needs.total)}{limit}"

@@ -60,6 +60,7 @@ class Plan:
     tier_packs: tuple[int, ...] = ()
     tier_bytes: int = 0
     host_detail: str = ""
+    tier_master_packs: tuple[int, ...] = ()  # of tier_packs, those whose fp32 masters are there too
 
     @property
     def bytes_h2d(self) -> int:
@@ -110,8 +111,10 @@ class Plan:
         line = f"host memory per step {format_size(self.host_bytes)}{limit}: {self.host_detail}"
         if self.tier_packs:
             packs = " ".join(f"p{p}" for p in self.tier_packs)
-            line += (f"; NVMe tier {self.nvme_path}: optimizer state of {packs}, {format_size(self.tier_bytes)}, "
-                     f"read and written once per iteration")
+            masters = (f" and fp32 masters of {' '.join(f'p{p}' for p in self.tier_master_packs)}"
+                       if self.tier_master_packs else "")
+            line += (f"; NVMe tier {self.nvme_path}: optimizer state of {packs}{masters}, "
+                     f"{format_size(self.tier_bytes)}, read and written once per iteration")
         return line
 
     def __str__(self) -> str:
@@ -156,4 +159,4 @@ def make_plan(candidate, shapes, nodes: Mapping[str, fx.Node], devices: Sequence
                 max(layout.sizes[a.mb] or 0 for a in forward) if forward else 0, max(s or 0 for s in layout.mb_sizes),
                 layout.handoff if layout.parallel == "pp" else "",
                 *(() if tier is None else (tier.needs.total, tier.host_memory, str(nvme_path or ""), tier.packs,
-                                           tier.tier_bytes, tier.needs.describe())))
+                                           tier.tier_bytes, tier.needs.describe(), tier.master_packs)))

@@ -1,8 +1,12 @@
-"""``plan_tier``: which packs keep their optimizer state on the NVMe tier, so that host memory fits.
+"""``plan_tier``: which packs keep their optimizer state, and then their fp32 masters, on the NVMe
+tier, so that host memory fits.
 
 What a ``Trainer`` step holds in host memory (``HostNeeds``, every figure in bytes):
 
-* ``masters``: the model's parameters and buffers (what the devices' weight copies read);
+* ``masters``: the model's parameters and buffers (what the devices' weight copies read); a
+  parameter whose fp32 master is on the tier counts as its compute-dtype copy (bf16: 2 B);
+* ``weight_copies``: under a compute dtype (``precision="bf16"``), the copy in that dtype each
+  device's weight copies read of every other floating parameter (``runtime.devices`` stages them);
 * ``grads``: a gradient per trainable parameter, summed on the host;
 * ``state``: the optimizer's state of the packs not on the tier;
 * ``stash``: every activation the forward copies out, held until the backward reads it;
@@ -11,21 +15,27 @@ What a ``Trainer`` step holds in host memory (``HostNeeds``, every figure in byt
   file stays until the step is committed);
 * ``staging``: the tier's state in flight: a pack's state streams through its update one
   parameter at a time (``runtime.tier``), so at most ``staged_params(devices)`` times the largest
-  tiered parameter's state.
+  tiered parameter's state (and its fp32 master, where that is on the tier too).
 
 Packs go to the tier largest state first (the fewest packs, so the fewest files and reads),
-until the total fits ``host_memory``. A planning pass: it decides, ``insert_tier_io`` applies.
+until the total fits ``host_memory``. If every pack's state is there and it still does not fit,
+and weights travel in a narrower compute dtype, the fp32 masters follow, largest first: the
+parameter then holds its bf16 copy in host memory (the tensor the devices read; its gradient stays
+fp32 through ``Tensor.grad_dtype``), and its update reads the fp32 master with the state, steps it
+and writes it back (``runtime.tier``). A master on the tier saves its 4 B and the copy the devices
+would otherwise stage. A planning pass: it decides, ``insert_tier_io`` applies.
 """
 from __future__ import annotations
 
 import dataclasses
 from typing import Callable, Mapping, Sequence
 
+import torch
 from torch import nn
 
 from harmony_fx.config import format_size
 
-__all__ = ["OptimizerFacts", "HostNeeds", "TierPlan", "plan_tier", "staged_params", "READ_AHEAD"]
+__all__ = ["OptimizerFacts", "HostNeeds", "TierPlan", "plan_tier", "masters_may_move", "staged_params", "READ_AHEAD"]
 
 PASS_NAME = "plan_tier"
 READ_AHEAD = 2  # parameters a pack's state stream reads ahead of the one being stepped
@@ -54,13 +64,15 @@ class HostNeeds:
     stash: int
     copies: int
     staging: int
+    weight_copies: int = 0
 
     @property
     def total(self) -> int:
-        return self.masters + self.grads + self.state + self.stash + self.copies + self.staging
+        return self.masters + self.weight_copies + self.grads + self.state + self.stash + self.copies + self.staging
 
     def describe(self) -> str:
-        parts = [(self.masters, "weights"), (self.grads, "gradients"), (self.state, "optimizer state"),
+        parts = [(self.masters, "weights"), (self.weight_copies, "weight copies in the compute dtype"),
+                 (self.grads, "gradients"), (self.state, "optimizer state"),
                  (self.stash, "stash"), (self.copies, "the step's undo copies"), (self.staging, "tier staging")]
         return ", ".join(f"{format_size(n)} {what}" for n, what in parts if n)
 
@@ -71,42 +83,78 @@ class TierPlan:
     packs: tuple[int, ...]                  # packs whose optimizer state is on the tier
     pack_state_bytes: Mapping[int, int]     # every updated pack's optimizer state
     needs: HostNeeds                        # host memory with that choice
+    master_packs: tuple[int, ...] = ()      # packs whose fp32 masters are on the tier too
+    pack_master_bytes: Mapping[int, int] = dataclasses.field(default_factory=dict)  # fp32 masters a pack may move
 
     @property
     def tier_bytes(self) -> int:
-        return sum(self.pack_state_bytes[p] for p in self.packs)
+        return (sum(self.pack_state_bytes[p] for p in self.packs)
+                + sum(self.pack_master_bytes[p] for p in self.master_packs))
+
+
+def masters_may_move(param: nn.Parameter, compute_dtype: torch.dtype | None) -> bool:
+    """Whether ``param``'s master can live on the tier: weights travel in a narrower floating
+    ``compute_dtype``, and torch keeps a gradient's dtype apart from its tensor's
+    (``Tensor.grad_dtype``), so the host copy may be that dtype while gradients stay fp32."""
+    return (compute_dtype is not None and param.is_floating_point() and hasattr(param, "grad_dtype")
+            and param.element_size() > torch.empty((), dtype=compute_dtype).element_size())
 
 
 def plan_tier(groups: Mapping[int, Sequence[nn.Parameter]], masters: Sequence, stash: int,
-              optimizer: OptimizerFacts, host_memory: int | None, tier: bool, devices: int = 1) -> TierPlan:
+              optimizer: OptimizerFacts, host_memory: int | None, tier: bool, devices: int = 1,
+              compute_dtype: torch.dtype | None = None, weight_stagers: int = 1) -> TierPlan:
     """``groups``: the parameters each pack's update steps; ``masters``: every host tensor the
     packs read (parameters and buffers, each once); ``stash``: bytes the forward copies out;
     ``tier``: whether there is a tier to move state to (``nvme_path``); ``devices``: how many
-    devices' programs may open a pack's stream ahead."""
+    devices' programs may open a pack's stream ahead; ``compute_dtype``: the dtype weights travel
+    in (``None``: their own); ``weight_stagers``: how many devices stage a copy of each weight in
+    it (each, data-parallel; one, a pipeline)."""
     state = {pack: sum(optimizer.state_bytes(p) for p in params) for pack, params in groups.items()}
     largest = {pack: max((optimizer.state_bytes(p) for p in params), default=0) for pack, params in groups.items()}
     params = [p for group in groups.values() for p in group]
-    param_bytes = sum(p.numel() * p.element_size() for p in params)
-    fixed = sum(t.numel() * t.element_size() for t in masters)
+    nbytes = lambda t: t.numel() * t.element_size()  # noqa: E731
+    param_bytes = sum(nbytes(p) for p in params)
+    narrow = torch.empty((), dtype=compute_dtype).element_size() if compute_dtype is not None else 0
+    staged_copy = lambda t: (t.numel() * narrow if compute_dtype is not None and t.is_floating_point()  # noqa: E731
+                             and t.dtype != compute_dtype else 0)
+    fixed = sum(nbytes(t) for t in masters)
+    fixed_copies = weight_stagers * sum(staged_copy(t) for t in masters)
+    # per pack, what moving its masters would take off the host: the fp32 tensor less its bf16
+    # copy, and the copies the devices would stage
+    movable = {pack: [p for p in params if masters_may_move(p, compute_dtype)] for pack, params in groups.items()}
+    master_bytes = {pack: sum(nbytes(p) for p in movable[pack]) for pack in groups}
+    largest_master = {pack: max((nbytes(p) for p in movable[pack]), default=0) for pack in groups}
 
-    def needs(on_tier: Sequence[int]) -> HostNeeds:
+    def needs(on_tier: Sequence[int], masters_on_tier: Sequence[int] = ()) -> HostNeeds:
         kept = sum(n for pack, n in state.items() if pack not in on_tier)
-        staged = staged_params(devices) * max((largest[p] for p in on_tier), default=0)
-        copies = param_bytes + kept if optimizer.keeps_copies else 0
-        return HostNeeds(fixed, param_bytes, kept, stash, copies, staged)
+        moved = [p for pack in masters_on_tier for p in movable[pack]]
+        staged = staged_params(devices) * max([largest[p] + (largest_master[p] if p in masters_on_tier else 0)
+                                               for p in on_tier], default=0)
+        copies = param_bytes - sum(nbytes(p) for p in moved) + kept if optimizer.keeps_copies else 0
+        return HostNeeds(fixed - sum(nbytes(p) - staged_copy(p) for p in moved), param_bytes, kept, stash, copies,
+                         staged, fixed_copies - weight_stagers * sum(staged_copy(p) for p in moved))
 
     chosen: list[int] = []
+    chosen_masters: list[int] = []
     order = sorted((p for p in state if state[p]), key=lambda p: (-state[p], -p))
+    master_order = sorted((p for p in order if master_bytes[p]), key=lambda p: (-master_bytes[p], -p))
     if tier and host_memory is not None:
         for pack in order:
             if needs(chosen).total <= host_memory:
                 break
             chosen.append(pack)
+        for pack in master_order:  # every pack's state is on the tier, and it still does not fit
+            if needs(chosen, chosen_masters).total <= host_memory:
+                break
+            chosen_masters.append(pack)
     elif tier:
-        chosen = order  # a tier and no limit: all of it, as asked
-    plan = TierPlan(host_memory, tuple(sorted(chosen)), state, needs(chosen))
+        chosen = order  # a tier and no limit: all of the state, as asked
+    plan = TierPlan(host_memory, tuple(sorted(chosen)), state, needs(chosen, chosen_masters),
+                    tuple(sorted(chosen_masters)), master_bytes)
     if host_memory is not None and plan.needs.total > host_memory:
-        best = min((needs(order[:k]) for k in range(len(order) + 1)), key=lambda n: n.total) if tier else plan.needs
+        candidates = [needs(order[:k]) for k in range(len(order) + 1)]
+        candidates += [needs(order, master_order[:k]) for k in range(1, len(master_order) + 1)]
+        best = min(candidates, key=lambda n: n.total) if tier else plan.needs
         advice = (f"raise host_memory to at least {format_size(best.total)}" if tier else
                   f"raise host_memory to at least {format_size(best.total)}, or pass nvme_path= so that the "
                   "optimizer state goes to an NVMe tier")

@@ -47,7 +47,7 @@ def save(trainer, root: str | os.PathLike) -> pathlib.Path:
     if cluster is None or cluster.rank == 0:
         folder.mkdir(parents=True, exist_ok=True)
     # plain values as bytes: DCP would otherwise flatten their dicts and lists into keys of their own
-    state = {"harmony_fx": _pack(_HEADER), "step_count": trainer.step_count, "model": trainer.model.state_dict(),
+    state = {"harmony_fx": _pack(_HEADER), "step_count": trainer.step_count, "model": trainer._model_state(copied=False),
              "optimizer/param_groups": _pack([{k: v for k, v in group.items() if k != "params"}
                                               for group in trainer.optimizer.param_groups]),
              f"rng/{0 if cluster is None else cluster.rank}": _pack(_rng())}
@@ -72,6 +72,8 @@ def load(trainer, path: str | os.PathLike) -> None:
     folder = resolve(path)
     trainer.flush()  # the tier's last step settled before its state is replaced
     stored = dcp.FileSystemReader(folder).read_metadata().state_dict_metadata
+    if trainer._tier is not None:
+        trainer._tier.masters_to_host()  # what the model loads into; store_all moves them back
     model_state = trainer.model.state_dict()
     expected = {f"model.{name}" for name in model_state}
     found = {key for key in stored if key.startswith("model.")}

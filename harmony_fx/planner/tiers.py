@@ -1,12 +1,12 @@
 """Host memory and an NVMe tier: what of each pack's host state lives where.
 
 A parameter costs the host its fp32 master (4 B), its fp32 gradient (4 B) and the optimizer's
-state (Adam: 8 B), and the stash comes on top. Where that passes ``HostSpec.memory`` and an NVMe
-tier is given (``HostSpec.nvme_bytes``), packs move state to it, the largest first (the fewest
-packs, so the fewest reads and writes), as the runtime's ``compiler.tier.plan_tier`` does: the
-optimizer state first; then, when weights travel in bf16 (the host keeps a bf16 copy for the
-devices' copies, 2 B), the fp32 masters (the planner's alone so far: the runtime moves optimizer
-state only). A pack on the tier streams its state through its update one parameter at a time
+state (Adam: 8 B); when weights travel in bf16, the bf16 copy the devices' copies read (2 B, one
+for all devices); the stash comes on top. Where that passes ``HostSpec.memory`` and an NVMe tier
+is given (``HostSpec.nvme_bytes``), packs move state to it, the largest first (the fewest packs,
+so the fewest reads and writes), as the runtime's ``compiler.tier.plan_tier`` does: the optimizer
+state first; then, under bf16, the fp32 masters (4 B each; the bf16 copy stays). A pack on the
+tier streams its state through its update one parameter at a time
 (``runtime.tier``), so host memory also holds ``staged_params`` times the largest tiered layer's
 tier bytes (a bound: the runtime's unit is a parameter, at most a layer).
 
@@ -51,19 +51,20 @@ def plan_tiers(profile: ModelProfile, boundaries: Sequence[int], batch_size: int
     # master chunks with their optimizer state (the part the tier may take)
     state_per_param = (4 + host.optimizer_state_bytes) / cluster.nodes if sharded else host.optimizer_state_bytes
     state = [int(n * state_per_param) for n in params]
-    base = int(sum(params) * MASTER_AND_GRAD_BYTES + sum(state) + stash)
+    # the masters may follow only where the devices read bf16 copies, which the host keeps
+    copies = 2 * sum(params) if profile.precision == "bf16" else 0
+    base = int(sum(params) * MASTER_AND_GRAD_BYTES + copies + sum(state) + stash)
     if host.memory is None or base <= host.memory or not host.nvme_bytes:
         return Tiers(base, 0, pack_nvme_bytes=(0,) * len(params))
-    # the masters may follow only where the devices read bf16 copies (the host keeps those, 2 B)
     masters = [4 * n if profile.precision == "bf16" and not sharded else 0 for n in params]
     on_tier = [0] * len(params)
     state_moved: list[int] = []
     masters_moved: list[int] = []
 
     def need() -> int:
-        # the tier takes the state moved, and each master moved less its bf16 copy; staging: the
-        # largest tiered layer's tier bytes, as many times as the stream holds parameters
-        taken = sum(state[p] for p in state_moved) + sum(masters[p] // 2 for p in masters_moved)
+        # the tier takes the state and the masters moved; staging: the largest tiered layer's
+        # tier bytes, as many times as the stream holds parameters
+        taken = sum(state[p] for p in state_moved) + sum(masters[p] for p in masters_moved)
         staging = max((largest[p] * (state_per_param + (4 if p in masters_moved else 0)) for p in state_moved),
                       default=0)
         return int(base - taken + staged_params(devices) * staging)

@@ -398,7 +398,7 @@ class Runtime:
                 copies = device.grads_to_host([g for g in grads if g is not None])
                 self._count(Stream.D2H, key, copies)
                 event.on_host.append(lambda: self.host_grads.add_all(
-                    [(id(master), copy if copy.dtype == master.dtype else copy.to(master.dtype))
+                    [(id(master), copy if copy.dtype == grad_dtype(master) else copy.to(grad_dtype(master)))
                      for master, copy in zip(masters, copies)], self.index))
             else:
                 copy = pytrees.map_tensors(device.to_host, self.device_values[key])
@@ -622,12 +622,12 @@ class Runtime:
                 grad = next(grads) if w.requires_grad else None
                 if grad is None:
                     continue
-                # summed over microbatches in the master's dtype (fp32 under bf16 compute): each
-                # microbatch's gradient is rounded once, not the running sum at every step
+                # summed over microbatches in the master's gradient dtype (fp32 under bf16 compute):
+                # each microbatch's gradient is rounded once, not the running sum at every step
                 if accumulated[i] is not None:
                     accumulated[i].add_(grad)
-                elif grad.dtype != masters[i].dtype:
-                    accumulated[i] = grad.to(masters[i].dtype)
+                elif grad.dtype != grad_dtype(masters[i]):
+                    accumulated[i] = grad.to(grad_dtype(masters[i]))
                 else:
                     accumulated[i] = _own(grad, stored)
             del grads
@@ -674,6 +674,12 @@ class Runtime:
     def _count(self, stream: Stream, key: Key, value: object) -> None:
         """Bytes a copy moved, by its direction (the stream it ran on) and its key's kind."""
         self.moved[(stream.value, key.kind.name.lower())] += pytrees.value_bytes(value)
+
+
+def grad_dtype(master: torch.Tensor) -> torch.dtype:
+    """The dtype of ``master``'s gradient: its own, unless set apart (a parameter whose fp32 master
+    is on the NVMe tier holds its bf16 copy, with fp32 gradients: ``runtime.tier``)."""
+    return getattr(master, "grad_dtype", None) or master.dtype
 
 
 class _MadeOnDemand(dict):

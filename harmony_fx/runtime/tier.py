@@ -1,4 +1,4 @@
-"""The NVMe tier at run time: a pack's optimizer state in a file between its updates.
+"""The NVMe tier at run time: a pack's optimizer state (and fp32 masters) in a file between its updates.
 
 ``StateTier`` keeps, for each pack the plan put on the tier (``compiler.tier``), the optimizer's
 state tensors of that pack's parameters (Adam's moments; scalars such as its step count stay in
@@ -16,6 +16,13 @@ update one parameter at a time, so host memory holds a few parameters' state, no
   writes with ``fsync`` here; buffered where the file system refuses it), and the step waits at
   most for one parameter in its queue; ``WRITE S[pk]`` is done once the whole file is on the
   device (``fsync``).
+
+Where the plan put a pack's fp32 masters there too (``master_packs``, weights computed in bf16),
+each of its parameters holds its bf16 copy in host memory between updates, the tensor the devices
+read, with ``grad_dtype`` fp32 so that its gradient is summed and kept in fp32 as before. Its
+master is one more tensor of its region (``MASTER_KEY``): the update swaps it in as the
+parameter's data, steps it, refreshes the bf16 copy from it and hands it to the writer with the
+state; an undone step refreshes the copy from the committed file (``stored_master``).
 
 The state in flight is therefore at most ``compiler.tier.staged_params(devices)`` parameters'
 worth (the plan's host memory counts it, and ``peak_staged`` measures it).
@@ -44,16 +51,17 @@ import tempfile
 import threading
 import time
 import zlib
-from typing import Callable, Mapping, Sequence
+from typing import Callable, Collection, Mapping, Sequence
 
 import torch
 from torch import nn
 
-from harmony_fx.compiler.tier import READ_AHEAD
+from harmony_fx.compiler.tier import READ_AHEAD, masters_may_move
 
-__all__ = ["StateTier", "TierCorrupted", "StepUndone", "on_tier_entry"]
+__all__ = ["StateTier", "TierCorrupted", "StepUndone", "on_tier_entry", "MASTER_KEY"]
 
 MANIFEST = "tier.json"
+MASTER_KEY = "harmony_fx.fp32_master"  # a parameter's master among its state tensors in a tier file
 _FORMAT = {"format": "harmony_fx.nvme_tier", "version": 1}
 _ALIGN = 64  # each tensor starts at a multiple of this in its file, so a dtype view of the buffer is aligned
 _PAGE = 4096  # a file's size is a multiple of this: O_DIRECT writes whole pages
@@ -110,7 +118,8 @@ class StateTier:
     """The optimizer state of ``packs`` (each a list of parameters, by pack index) under ``path``."""
 
     def __init__(self, path: str | os.PathLike, optimizer: torch.optim.Optimizer,
-                 packs: Mapping[int, Sequence[nn.Parameter]], names: Mapping[int, str]) -> None:
+                 packs: Mapping[int, Sequence[nn.Parameter]], names: Mapping[int, str],
+                 master_packs: Collection[int] = (), compute_dtype: torch.dtype | None = None) -> None:
         self.path = pathlib.Path(path)
         self.path.mkdir(parents=True, exist_ok=True)
         self.optimizer = optimizer
@@ -118,6 +127,10 @@ class StateTier:
         self.names = names  # id(parameter) -> its name in the model (what the manifest records)
         self._pack_of = {id(p): pack for pack, params in self.packs.items() for p in params}
         self.params = frozenset(self._pack_of)  # id of every parameter whose state is on the tier
+        # id of every parameter whose fp32 master is on the tier (its data: the bf16 copy)
+        self.masters = frozenset(id(p) for pack in master_packs for p in self.packs[pack]
+                                 if masters_may_move(p, compute_dtype))
+        self.compute_dtype = compute_dtype
         self.committed: dict[int, dict] = {}  # pack -> its manifest entry
         self.committed_step = 0  # the trainer's step count the committed state is after
         # each step's files are a new generation: no file of the committed state is ever overwritten
@@ -172,9 +185,17 @@ class StateTier:
                     ahead = position[name] + READ_AHEAD
                     if ahead < len(order):
                         self._read_param(io, pack, order[ahead])
-                    self.optimizer.state[param].update(io.reads.pop((pack, name)).result())
-                step([param])
-                self._hand_to_writer(io, pack, param, read)
+                    entries = io.reads.pop((pack, name)).result()
+                    master = entries.pop(MASTER_KEY, None)
+                    self.optimizer.state[param].update(entries)
+                if id(param) in self.masters:
+                    if not read or master is None:
+                        raise TierCorrupted(f"the NVMe tier's file of pack {pack} has no fp32 master for {name}")
+                    master = _step_master(param, master, step)
+                    self._hand_to_writer(io, pack, param, read, {MASTER_KEY: master})
+                else:
+                    step([param])
+                    self._hand_to_writer(io, pack, param, read)
             io.writer.submit(self._timed, io, self._finish_file, io, pack)
         except BaseException as error:
             self.fail(error)
@@ -271,11 +292,14 @@ class StateTier:
         self.pending = None
         self.generation += 1
         io = _StepIO(step, self.generation, list(self.packs), threads=False)
+        moving = [p for params in self.packs.values() for p in params if id(p) in self.masters]
+        assert all(p.dtype != self.compute_dtype for p in moving), "store_all with masters already on the tier"
         try:
             for pack, params in self.packs.items():
-                if any(on_tier_entry(v) for p in params for v in self.optimizer.state.get(p, {}).values()):
+                if any(id(p) in self.masters or self._has_state(p) for p in params):
                     for param in params:
-                        self._write_param(io, pack, param, self._take_entries(param))
+                        master = {MASTER_KEY: param.detach()} if id(param) in self.masters else {}
+                        self._write_param(io, pack, param, {**self._take_entries(param), **master})
                     self._finish_file(io, pack)
                 else:
                     io.written[pack] = None
@@ -283,14 +307,40 @@ class StateTier:
         except BaseException:
             self._discard(io)
             raise
+        for param in moving:  # committed: host memory keeps the bf16 copy only
+            param.grad_dtype = param.dtype
+            param.data = param.data.to(self.compute_dtype)
+
+    def masters_to_host(self) -> None:
+        """Every fp32 master on the tier back in its parameter (read from the committed files), as
+        before ``store_all`` moved it: a checkpoint loads into them, ``close`` leaves them there."""
+        for params in self.packs.values():
+            for param in params:
+                if id(param) in self.masters and param.dtype == self.compute_dtype:
+                    param.data = self.stored_master(param)
+
+    def masters_from_host(self) -> None:
+        """Undo ``masters_to_host`` where nothing was loaded into the masters: the tier's committed
+        files hold them still, so each parameter goes back to its bf16 copy without a write."""
+        for params in self.packs.values():
+            for param in params:
+                if id(param) in self.masters and param.dtype != self.compute_dtype:
+                    param.data = param.data.to(self.compute_dtype)
 
     def stored(self, param: nn.Parameter) -> dict[str, torch.Tensor]:
-        """``param``'s state entries on the tier, read from the committed file (checked)."""
+        """``param``'s optimizer state entries on the tier, read from the committed file (checked)."""
         pack = self._pack_of.get(id(param))
         if pack is None:
             return {}
         name = self.names[id(param)]
-        return self._load(None, pack, name) if name in self._stored_order(pack) else {}
+        entries = self._load(None, pack, name) if name in self._stored_order(pack) else {}
+        entries.pop(MASTER_KEY, None)
+        return entries
+
+    def stored_master(self, param: nn.Parameter) -> torch.Tensor:
+        """``param``'s fp32 master, read from the committed file (checked)."""
+        assert id(param) in self.masters, "stored_master of a parameter whose master is in host memory"
+        return self._load(None, self._pack_of[id(param)], self.names[id(param)])[MASTER_KEY]
 
     # ------------------------------------------------------------------ reading
     def _stored_order(self, pack: int) -> list[str]:
@@ -329,10 +379,12 @@ class StateTier:
         return loaded
 
     # ------------------------------------------------------------------ writing
-    def _hand_to_writer(self, io: _StepIO, pack: int, param: nn.Parameter, read: bool) -> None:
-        """``param``'s stepped state to the writer; the step waits while the writer still has the
-        parameter before (``read``: its bytes were counted as staged when they were read)."""
-        entries = self._take_entries(param)
+    def _hand_to_writer(self, io: _StepIO, pack: int, param: nn.Parameter, read: bool,
+                        extra: Mapping[str, torch.Tensor] = {}) -> None:  # noqa: B006 - never changed
+        """``param``'s stepped state (and ``extra``: its master) to the writer; the step waits while
+        the writer still has the parameter before (``read``: its bytes were counted as staged when
+        they were read)."""
+        entries = {**self._take_entries(param), **extra}
         if not entries:
             return
         nbytes = sum(v.numel() * v.element_size() for v in entries.values())
@@ -372,6 +424,9 @@ class StateTier:
             io.written[pack] = None
         _settle(io.done[pack], None)
 
+    def _has_state(self, param: nn.Parameter) -> bool:
+        return any(on_tier_entry(v) for v in (self.optimizer.state.get(param) or {}).values())
+
     def _take_entries(self, param: nn.Parameter) -> dict[str, torch.Tensor]:
         """Remove ``param``'s tier entries from the optimizer's state and return them."""
         state = self.optimizer.state.get(param) or {}
@@ -391,6 +446,21 @@ class StateTier:
         finally:
             with io.lock:
                 io.seconds += time.perf_counter() - started
+
+
+def _step_master(param: nn.Parameter, master: torch.Tensor, step: Callable[[list[nn.Parameter]], None]) -> torch.Tensor:
+    """Step ``param`` (whose data is its bf16 copy) on its fp32 ``master``: the master is its data
+    for the optimizer's step, then the copy is refreshed from it; returns the stepped master."""
+    copy = param.data
+    param.data = master
+    try:
+        step([param])
+        stepped = param.data
+        with torch.no_grad():
+            copy.copy_(stepped)
+    finally:
+        param.data = copy  # the tensor the devices read, whatever happened
+    return stepped
 
 
 def _fail(io: _StepIO | None, error: BaseException) -> None:

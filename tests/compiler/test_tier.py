@@ -4,7 +4,9 @@ On hand-made parameter groups with known byte counts: with a tier and no limit e
 state goes there; under a limit, the fewest packs, largest state first, whose host memory (counted
 here from the parameters, independently of the pass) fits, where one pack fewer would not; a limit
 nothing fits names the smallest that does, and without a tier suggests ``nvme_path``; without undo
-copies (``keeps_copies=False``) that term is gone.
+copies (``keeps_copies=False``) that term is gone. Under bf16 compute the host also holds each
+stager's bf16 copy of every weight, and once all the state is on the tier the fp32 masters follow,
+largest first, each leaving its bf16 copy as the only host tensor.
 """
 from __future__ import annotations
 
@@ -58,7 +60,7 @@ def _expected(tiered, keeps_copies: bool = True) -> dict[str, int]:
     kept = sum(_state(pack) for pack in NUMELS if pack not in tiered)
     staged = STAGED_PARAMS * max((STATE_PER_ELEMENT * n for pack in tiered for n in NUMELS[pack]), default=0)
     needs = {"masters": params + FLOAT * 6, "grads": params, "state": kept, "stash": STASH,
-             "copies": params + kept if keeps_copies else 0, "staging": staged}
+             "copies": params + kept if keeps_copies else 0, "staging": staged, "weight_copies": 0}
     needs["total"] = sum(needs.values())
     return needs
 
@@ -66,7 +68,8 @@ def _expected(tiered, keeps_copies: bool = True) -> dict[str, int]:
 def _needs(plan) -> dict[str, int]:
     needs = plan.needs
     return {"masters": needs.masters, "grads": needs.grads, "state": needs.state, "stash": needs.stash,
-            "copies": needs.copies, "staging": needs.staging, "total": needs.total}
+            "copies": needs.copies, "staging": needs.staging, "weight_copies": needs.weight_copies,
+            "total": needs.total}
 
 
 def test_the_example_is_what_this_file_assumes():
@@ -146,3 +149,53 @@ def test_without_undo_copies_the_copies_term_is_gone():
     kept = _plan(None, tier=False, keeps_copies=True).needs
     assert kept.copies == kept.grads + kept.state
     assert _plan(None, tier=False, keeps_copies=False).needs.total == kept.total - kept.copies
+
+
+BF16 = 2  # bytes per bfloat16 element
+ELEMENTS = sum(n for numels in NUMELS.values() for n in numels) + 6  # every floating master, the buffer too
+
+
+def _plan_bf16(host_memory: int | None, stagers: int = 1):
+    groups = _groups()
+    masters = [p for params in groups.values() for p in params] + [_buffer()]
+    return plan_tier(groups, masters, STASH, _facts(), host_memory, True, compute_dtype=torch.bfloat16,
+                     weight_stagers=stagers)
+
+
+def _expected_bf16(masters_tiered, stagers: int = 1) -> dict[str, int]:
+    """Every pack's state on the tier and the fp32 masters of ``masters_tiered`` too, under bf16."""
+    needs = _expected(BY_STATE)
+    moved = sum(n for pack in masters_tiered for n in NUMELS[pack])
+    needs["masters"] -= (FLOAT - BF16) * moved  # each moved master leaves its bf16 copy
+    needs["copies"] -= FLOAT * moved            # its committed file is its undo copy
+    needs["weight_copies"] = stagers * BF16 * (ELEMENTS - moved)
+    needs["staging"] = STAGED_PARAMS * max(STATE_PER_ELEMENT * n + (FLOAT * n if pack in masters_tiered else 0)
+                                           for pack in BY_STATE for n in NUMELS[pack])
+    needs["total"] = sum(v for k, v in needs.items() if k != "total")
+    return needs
+
+
+@pytest.mark.parametrize("stagers", [1, 2])
+def test_under_bf16_without_a_limit_only_the_state_moves_and_each_stager_copies_the_weights(stagers):
+    plan = _plan_bf16(None, stagers)
+    assert plan.packs == tuple(sorted(BY_STATE)) and plan.master_packs == ()
+    assert _needs(plan) == _expected_bf16((), stagers)
+    assert plan.tier_bytes == sum(_state(pack) for pack in NUMELS)
+
+
+@pytest.mark.parametrize("k", range(len(BY_STATE) + 1))
+def test_under_bf16_the_masters_follow_once_all_state_is_on_the_tier_largest_first(k):
+    exact = _expected_bf16(BY_STATE[:k])["total"]
+    plan = _plan_bf16(exact)
+    assert plan.packs == tuple(sorted(BY_STATE))
+    assert plan.master_packs == tuple(sorted(BY_STATE[:k]))
+    assert _needs(plan) == _expected_bf16(BY_STATE[:k])
+    assert plan.tier_bytes == sum(_state(p) for p in NUMELS) + sum(FLOAT * n for p in BY_STATE[:k] for n in NUMELS[p])
+    if k < len(BY_STATE):
+        assert _plan_bf16(exact - 1).master_packs == tuple(sorted(BY_STATE[:k + 1]))
+
+
+def test_under_bf16_a_limit_below_every_master_on_the_tier_names_the_smallest_that_fits():
+    smallest = _expected_bf16(BY_STATE)["total"]
+    with pytest.raises(ValueError, match=f"at least {re.escape(format_size(smallest))}"):
+        _plan_bf16(smallest - 1)
