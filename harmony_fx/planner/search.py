@@ -317,10 +317,12 @@ def search(profile: ModelProfile, spec: DeviceSpec, host: HostSpec, *, batch_siz
     fixed = least.host_bytes
     if host.memory is not None and fixed > host.memory:
         tier = f" with {format_size(least.nvme_bytes)} of it on the NVMe tier" if host.nvme_bytes else ""
+        per_param = MASTER_AND_GRAD_BYTES + host.optimizer_state_bytes + (2 if profile.precision == "bf16" else 0)
         raise PlanningError(
             f"search: {profile.name} needs at least {format_size(fixed)} of host memory for its fp32 masters, "
-            f"gradients and optimizer state ({MASTER_AND_GRAD_BYTES + host.optimizer_state_bytes} bytes per parameter, "
-            f"{profile.num_params / 1e9:.1f}B parameters){tier}, more than the {format_size(host.memory)} given. Use "
+            f"{'bf16 weight copies, ' if profile.precision == 'bf16' else ''}gradients and optimizer state "
+            f"({per_param} bytes per parameter, {profile.num_params / 1e9:.1f}B parameters){tier}, more than the "
+            f"{format_size(host.memory)} given. Use "
             "a host with more memory, an NVMe tier (--nvme), or an optimizer with less state.")
     ranked = []
     smallest_need = float("inf")

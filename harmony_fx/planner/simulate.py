@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import heapq
 from typing import Protocol, Sequence
 
@@ -73,8 +74,16 @@ class Simulation:
     bytes_moved: dict[tuple[str, str], int]          # (direction, key kind) -> bytes, all devices
     bytes_by_device: list[dict[str, int]]            # per device: direction -> bytes
     busy: dict[tuple[int, str], float]               # (device, stream) -> busy seconds
-    spans: list[tuple[int, str, str, float, float]]  # (device, stream, label, start, end)
+    # (device, stream, label or the action itself, start, end): a search simulates millions of
+    # actions and reads the spans of one simulation, so an action's label is made when read
+    span_records: list[tuple[int, str, object, float, float]]
     io_carried: float = 0.0  # the last iteration's writes the NVMe lane finishes at this one's start
+
+    @functools.cached_property
+    def spans(self) -> list[tuple[int, str, str, float, float]]:
+        """(device, stream, label, start, end) of every action, in the order they ended."""
+        return [(device, stream, label if isinstance(label, str) else repr(label).split(" -> ")[0], start, end)
+                for device, stream, label, start, end in self.span_records]
 
     def trace_events(self) -> list[dict]:
         from harmony_fx.trace import chrome_events
@@ -125,6 +134,7 @@ class _Simulator:
         self.queues = {(d, s): collections.deque() for d in range(n) for s in Stream if s not in (Stream.HOST, Stream.IO)}
         self.running: dict[tuple[int, Stream], tuple[float, float, Action]] = {}  # start, end, task
         self.transfers: list[_Transfer] = []
+        self.copying: collections.Counter = collections.Counter()  # (device, stream) -> its transfers running
         self.updates: list[float] = []      # end times of running CPU updates (a heap)
         self.update_queue: collections.deque = collections.deque()
         self.update_after: collections.defaultdict = collections.defaultdict(set)  # pack -> copies it waits for
@@ -142,7 +152,7 @@ class _Simulator:
         self.moved: dict[tuple[str, str], int] = collections.defaultdict(int)
         self.by_device = [collections.defaultdict(int) for _ in range(n)]
         self.busy: dict[tuple[int, str], float] = collections.defaultdict(float)
-        self.spans: list[tuple[int, str, str, float, float]] = []
+        self.spans: list[tuple[int, str, object, float, float]] = []  # Simulation.span_records
         self.last_end = 0.0
         self.core_end = 0.0  # the last end but the NVMe writes', which the next iteration may overlap
         self.network_free = 0.0  # when the link to the other servers is next free
@@ -242,6 +252,7 @@ class _Simulator:
                 if action.kind != K.SEND:
                     self._count(device, action)
                 self.transfers.append(_Transfer(action, device, lane, float(size), float(size), self.now))
+                self.copying[(device, action.stream)] += 1
                 queue.popleft()
                 return True
             queue.popleft()
@@ -253,7 +264,7 @@ class _Simulator:
                 or any(queue for (d, _), queue in self.queues.items() if d == device))
 
     def _transferring(self, device: int, stream: Stream) -> bool:
-        return any(t.device == device and t.action.stream == stream for t in self.transfers)
+        return self.copying[(device, stream)] > 0
 
     def _start_updates(self) -> bool:
         progressed = False
@@ -373,6 +384,7 @@ class _Simulator:
                 finished.append(t)
         for t in finished:
             self.transfers.remove(t)
+            self.copying[(t.device, t.action.stream)] -= 1
             self._finish(t.device, t.action.stream, t.action, t.start)
             if t.action.kind == K.SEND:
                 self.sent[(t.device, t.action.key)] = self.now
@@ -391,7 +403,7 @@ class _Simulator:
 
     def _finish(self, device: int, stream: Stream, action: Action, start: float) -> None:
         self._record(device, action)
-        self.spans.append((device, stream.value, repr(action).split(" -> ")[0], start, self.now))
+        self.spans.append((device, stream.value, action, start, self.now))
         self.busy[(device, stream.value)] += self.now - start
         self.last_end = max(self.last_end, self.now)
         if action.kind != K.WRITE:
@@ -420,7 +432,7 @@ class _Simulator:
             bytes_moved=dict(self.moved),
             bytes_by_device=[dict(d) for d in self.by_device],
             busy=dict(self.busy),
-            spans=self.spans,
+            span_records=self.spans,
         )
 
     def _check_finished(self) -> None:

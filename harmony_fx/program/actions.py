@@ -32,7 +32,15 @@ from typing import NamedTuple
 __all__ = ["ActionKind", "Stream", "KeyKind", "Key", "Action", "parse_action", "parse_key"]
 
 
-class ActionKind(enum.Enum):
+class _Enum(enum.Enum):
+    """An Enum hashed by identity, in C: its members are singletons compared by identity, and
+    Enum's own ``__hash__`` (the name's, in Python) took a tenth of planning a large model, whose
+    simulations hash these tens of millions of times (streams, key kinds, in dict keys)."""
+
+    __hash__ = object.__hash__
+
+
+class ActionKind(_Enum):
     PREFETCH = "PREFETCH"    # host → device copy of a key
     OFFLOAD = "OFFLOAD"      # device → host copy of a key
     WAIT = "WAIT"            # stream waits for an event
@@ -48,7 +56,7 @@ class ActionKind(enum.Enum):
     WRITE = "WRITE"          # the pack's stepped state back on the NVMe tier
 
 
-class Stream(enum.Enum):
+class Stream(_Enum):
     COMPUTE = "compute"
     H2D = "h2d"
     D2H = "d2h"
@@ -57,7 +65,7 @@ class Stream(enum.Enum):
     IO = "io"          # the host's NVMe tier: one reader and one writer per process
 
 
-class KeyKind(enum.Enum):
+class KeyKind(_Enum):
     WEIGHTS = "W"      # parameters and buffers of a pack (one copy per distinct master)
     BUFFERS = "B"      # the buffers a pack updates in place (a part of W), written back to host
     ACT = "act"        # an activation (or model input/output) on one microbatch
