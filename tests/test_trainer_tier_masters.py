@@ -29,10 +29,10 @@ def _trainer(**options) -> harmony_fx.Trainer:
                               pack_boundaries=BOUNDARIES, precision="bf16", **options)
 
 
-def _least_host_memory(tmp_path) -> int:
+def _least_host_memory(tmp_path, **options) -> int:
     """The smallest ``host_memory`` the refusal of a smaller one names (rounded up to whole KiB)."""
     with pytest.raises(ValueError, match="raise host_memory to at least") as refused:
-        _trainer(nvme_path=tmp_path / "refused", host_memory="1KiB")
+        _trainer(nvme_path=tmp_path / "refused", host_memory="1KiB", **options)
     return int(float(re.search(r"at least ([\d.]+) KiB", str(refused.value)).group(1)) + 1) * 1024
 
 
@@ -153,3 +153,27 @@ def test_close_gives_the_model_its_fp32_parameters_back(tmp_path):
     tiered.close()
     for p, q in zip(reference.model.parameters(), tiered.model.parameters()):
         assert q.dtype == torch.float32 and torch.equal(p, q)
+
+
+@pytest.mark.parametrize("parallel", ["dp", "pp"])
+def test_two_devices_hold_the_weight_copies_the_plan_counts(tmp_path, parallel):
+    """Data-parallel, each device stages its own bf16 copy of every weight; a pipeline, the device
+    that runs the pack. With the masters on the tier, neither stages any: the parameters are the copies."""
+    options = dict(devices=2, parallel=parallel)
+    least = _least_host_memory(tmp_path, **options)
+    reference = _trainer(**options)
+    state_only = _trainer(nvme_path=tmp_path / "state", **options)
+    tiered = _trainer(nvme_path=tmp_path / "masters", host_memory=least, **options)
+    assert tiered.plan.tier_master_packs == (0, 1, 2, 3)
+    for batch in _batches(2):
+        assert torch.equal(reference.step(batch), tiered.step(batch))
+        state_only.step(batch)
+    tiered.flush()
+    _assert_same(reference, tiered)
+    params = sum(p.numel() for p in reference.model.parameters())
+    copies = 2 if parallel == "dp" else 1
+    assert _weight_bytes_held(state_only) == (4 + 2 * copies) * params
+    assert _weight_bytes_held(tiered) == 2 * params
+    for trainer in (state_only, tiered):
+        needs = trainer.hm.compiled.tier.needs
+        assert _weight_bytes_held(trainer) == needs.masters + needs.weight_copies
