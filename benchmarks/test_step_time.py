@@ -132,3 +132,39 @@ def test_paired(benchmark, compiled, fraction, layers):
     print(f"\n{'torch.compile' if compiled else 'eager'}, {layers} layers, "
           f"{'unlimited' if fraction is None else f'{fraction:.0%}'}: harmony / baseline = {ratio:.3f}")
     benchmark.pedantic(_step, (hm, idx, target, model), rounds=STEPS_PER_ROUND)
+
+
+class _BareFunction(torch.autograd.Function):
+    """The least any runtime of this design can do at an unlimited budget, with no runtime at all:
+    the pack's graph on detached aliases of the weights inside one autograd function whose inputs
+    are the parameters, and ``torch.autograd.grad`` of its output in the backward, handed to
+    autograd to accumulate into ``.grad``."""
+
+    @staticmethod
+    def forward(ctx, pack, masters, idx, *params):
+        weights = [m.detach().requires_grad_(m.requires_grad) for m in masters]
+        with torch.enable_grad():
+            (out,) = pack.gm(idx, *[weights[slot] for slot in pack.state_slot])
+        ctx.saved = (out, [w for w in weights if w.requires_grad])
+        return out.detach()
+
+    @staticmethod
+    def backward(ctx, grad):
+        out, weights = ctx.saved
+        return (None, None, None, *torch.autograd.grad(out, weights, grad))
+
+
+@pytest.mark.benchmark(group="paired ratio")
+@pytest.mark.parametrize("layers", [8, 12], ids=["gpt8", "gpt12"])
+def test_paired_floor(benchmark, layers):
+    """``_BareFunction`` against eager, alternating: the floor under harmony's unlimited-budget ratio."""
+    model, idx, target = _setup(layers)
+    hm = harmony_fx.compile(model, (idx,), devices=["host:0"], microbatches=1, track_memory=False)
+    (pack,) = hm.packs
+    masters = [hm.compiled.masters[name] for name in pack.params + pack.buffers]
+    params = [m for m in masters if m.requires_grad]
+    bare = lambda x: _BareFunction.apply(pack, masters, x, *params)  # noqa: E731
+    ratio = _paired_ratio(bare, model, idx, target, model)
+    benchmark.extra_info["ratio"] = ratio
+    print(f"\neager, {layers} layers: a bare autograd function over the pack's graph / eager = {ratio:.3f}")
+    benchmark.pedantic(_step, (bare, idx, target, model), rounds=STEPS_PER_ROUND)

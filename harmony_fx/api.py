@@ -191,7 +191,7 @@ class HarmonyModule:
         per_mb = self.calls.split(args, kwargs)
         params = self.compiled.trainable_params()
         needs_grad = torch.is_grad_enabled() and (
-            any(p.requires_grad for p in params) or any(x.requires_grad for flat in per_mb for x in flat))
+            bool(params) or any(x.requires_grad for flat in per_mb for x in flat))  # params: those requiring grad
         if needs_grad:
             flat_whole = per_mb[0] if len(per_mb) == 1 else self.captured.flatten_inputs(args, kwargs)
             outputs = HarmonyFunction.apply(self.session, self.calls, per_mb, *flat_whole, *params)

@@ -154,6 +154,9 @@ class HostState:
     """Host-side tensors of one compiled model: per pack, its masters (params then buffers)."""
 
     masters: list[list[torch.Tensor]]
+    # bytes of a pack's weights or weight gradients as copied (``Runtime._count``): the same every
+    # iteration, and summing a hundred tensors' sizes at every copy showed in a step's time
+    copy_bytes: dict[tuple, int] = dataclasses.field(default_factory=dict)
 
 
 def land(copies: Sequence["_Event"]) -> float:
@@ -397,9 +400,9 @@ class Runtime:
                 # the program frees dW right after this copy, and nothing adds to it any more
                 copies = device.grads_to_host([g for g in grads if g is not None])
                 self._count(Stream.D2H, key, copies)
+                # already in each master's gradient dtype: the backward summed them in it
                 event.on_host.append(lambda: self.host_grads.add_all(
-                    [(id(master), copy if copy.dtype == grad_dtype(master) else copy.to(grad_dtype(master)))
-                     for master, copy in zip(masters, copies)], self.index))
+                    [(id(master), copy) for master, copy in zip(masters, copies)], self.index))
             else:
                 copy = pytrees.map_tensors(device.to_host, self.device_values[key])
                 self._count(Stream.D2H, key, copy)
@@ -673,7 +676,17 @@ class Runtime:
 
     def _count(self, stream: Stream, key: Key, value: object) -> None:
         """Bytes a copy moved, by its direction (the stream it ran on) and its key's kind."""
-        self.moved[(stream.value, key.kind.name.lower())] += pytrees.value_bytes(value)
+        if key.kind in (KeyKind.WEIGHTS, KeyKind.WGRAD):
+            sizes, size_key = self.host.copy_bytes, (key, len(value))
+            nbytes = sizes.get(size_key)
+            if nbytes is None:
+                nbytes = sizes[size_key] = pytrees.value_bytes(value)
+        else:
+            nbytes = pytrees.value_bytes(value)
+        self.moved[(stream.value, _KIND_NAMES[key.kind])] += nbytes
+
+
+_KIND_NAMES = {kind: kind.name.lower() for kind in KeyKind}  # the stats' names of key kinds
 
 
 def grad_dtype(master: torch.Tensor) -> torch.dtype:
