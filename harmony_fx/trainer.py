@@ -704,26 +704,34 @@ class _Undo:
         # taken at the start: .grad is replaced (not written into) as each pack's gradients arrive
         self.grads = [(param, param.grad) for param in params]
         self.buffers = [(buffer, buffer.clone()) for buffer in buffers]
-        self.saved: list[tuple[nn.Parameter, torch.Tensor, dict | None]] = []
+        self.saved: list[tuple[nn.Parameter, torch.Tensor | None, dict | None]] = []
+        # parameters updated whose fp32 master is on the tier: the committed file restores their
+        # bf16 copies, so they are put back even without copies (atomic=False)
+        self.tiered_masters: list[nn.Parameter] = []
 
     def save(self, params: Sequence[nn.Parameter]) -> None:
-        if not self.copies:
-            self.updated += len(params)
-            return
         tier = self.tier
+        masters = tier.masters if tier is not None else frozenset()
+        self.tiered_masters += [param for param in params if id(param) in masters]
+        if not self.copies:
+            self.updated += sum(id(param) not in masters for param in params)
+            return
         for param in params:
             state = self.optimizer.state.get(param)
             tiered = tier is not None and id(param) in tier.params
             copied = None if state is None else {k: v.clone() if isinstance(v, torch.Tensor) else copy.deepcopy(v)
                                                  for k, v in state.items() if not (tiered and on_tier_entry(v))}
-            # a master on the tier: restored from its committed file (None here)
-            data = None if tier is not None and id(param) in tier.masters else param.detach().clone()
+            data = None if id(param) in masters else param.detach().clone()
             self.saved.append((param, data, copied))
 
     @torch.no_grad()
     def restore(self) -> None:
+        for param in self.tiered_masters:
+            param.copy_(self.tier.stored_master(param))  # the bf16 copy of the master the step read
+        self.tiered_masters.clear()
         for param, data, state in reversed(self.saved):
-            param.copy_(self.tier.stored_master(param) if data is None else data)
+            if data is not None:
+                param.copy_(data)
             if state is None:
                 self.optimizer.state.pop(param, None)  # it had no state before this step
             else:

@@ -160,7 +160,8 @@ def _from_layout(log: StageLog, example: _Example, devices: list, options: Compi
         tier = log.run("plan tier", _plan_tier, candidate, shapes, layout, options, optimizer, decision=_describe_tier)
         if tier.packs:
             candidate = log.run("insert tier io", _insert_tier_io, candidate, tier, layout, options.verify,
-                                decision=lambda c: f"READ/WRITE of {len(tier.packs)} pack(s)' optimizer state")
+                                decision=lambda c: f"READ/WRITE of {len(tier.packs)} pack(s)' optimizer state"
+                                + (" and fp32 masters" if tier.master_packs else ""))
     device_programs = log.run("codegen", _codegen, candidate, layout,
                               decision=lambda programs: f"{2 * len(programs)} program(s), "
                               f"{sum(len(f) + len(b) for f, b in candidate.device_actions)} actions")
