@@ -23,7 +23,8 @@ of the packs updated so far (at most one more copy of the parameters and optimiz
 
 With ``nvme_path`` (and ``host_memory``), the optimizer state of the packs the plan chooses lives
 on an NVMe tier between updates (``runtime.tier``): each such pack's update streams it in and out
-one parameter at a time, the program's ``READ``/``WRITE`` actions around it. Its files follow the
+one parameter at a time, the program's ``READ``/``WRITE`` actions around it (with ``max_grad_norm``
+the programs update nothing, and the final update streams each pack in turn). Its files follow the
 all-or-nothing rule: a step's files count only once the step succeeded and they are all on the
 drive, so an undone step needs no copy of that state. ``step`` returns before its last writes end
 (they overlap the next step's forward); until they do, the step's copies are kept, and a write
@@ -558,7 +559,10 @@ class Trainer:
             for param in params:
                 param.grad = host_grads.get(id(param))
             torch.nn.utils.clip_grad_norm_(params, self.max_grad_norm)
-            _update(self.optimizer, None, undo)
+            if self._tier is None:
+                _update(self.optimizer, None, undo)
+            else:
+                self._update_through_tier(undo)
             return
         for pack in cross.order:
             cross.reduce(pack, [host_grads.get(id(p)) for p in cross.buffers[pack].params])
@@ -572,6 +576,24 @@ class Trainer:
         _update(self.optimizer, None, undo)
         for pack in cross.order:
             cross.gather(pack)
+
+    def _update_through_tier(self, undo: "_Undo") -> None:
+        """The update after clipping, with optimizer state on the NVMe tier: no program reads or
+        writes it (clipping needs every gradient before any update, so the programs update nothing),
+        so here each tiered pack streams through its update in turn, the next one's read issued
+        before this one steps (as the programs issue theirs, one pack ahead); then the rest."""
+        tier = self._tier
+        tier.wait_committed()  # the last step's files are the ones to read, and its undo copies go
+        packs = sorted(tier.packs)
+        opened = tier.read(packs[0]) if packs else None
+        for index, pack in enumerate(packs):
+            opened.result()
+            if index + 1 < len(packs):
+                opened = tier.read(packs[index + 1])
+            tier.update(pack, lambda stepped: _update(self.optimizer, stepped, undo))
+        rest = [p for group in self.optimizer.param_groups for p in group["params"] if id(p) not in tier.params]
+        if rest:
+            _update(self.optimizer, rest, undo)
 
     def _fail_across(self, cross: CrossProcessUpdates, taken: int, agreed: bool, microbatches: int) -> None:
         """This rank's step failed: it still takes its part in the collectives its peers wait for

@@ -263,12 +263,27 @@ def test_two_devices_equal_host_memory(tmp_path, parallel):
     assert len(moves) == 8
 
 
+def test_clipping_streams_the_tier_through_the_final_update(tmp_path):
+    """With ``max_grad_norm`` the programs update nothing (the norm needs every gradient first), so
+    no program reads or writes the tier: the trainer's final update streams each pack through it."""
+    reference, tiered = _trainer(max_grad_norm=0.1), _trainer(nvme_path=tmp_path, max_grad_norm=0.1)
+    assert tiered.plan.tier_packs == (0, 1, 2, 3)
+    assert not [a for forward, backward in tiered.hm.device_actions for a in forward + backward if a.stream.name == "IO"]
+    for batch in _batches(3):
+        assert torch.equal(reference.step(batch), tiered.step(batch))
+    clipped = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in tiered.model.parameters()]))
+    assert clipped == pytest.approx(0.1, rel=1e-4)  # the gradients were clipped, not merely small
+    _assert_same(reference, tiered)
+    assert _held_state_bytes(reference.optimizer) - _held_state_bytes(tiered.optimizer) == tiered.plan.tier_bytes
+    tiered.flush()
+    stored = sum(t[5] for entry in _files_check(tmp_path)["packs"].values() for t in entry["tensors"])
+    assert tiered.stats.tier_bytes == {"read": stored, "write": stored} and stored == tiered.plan.tier_bytes
+
+
 def test_refusals_say_what_to_do(tmp_path):
     model = _model()
     with pytest.raises(ValueError, match="options of harmony_fx.Trainer"):
         harmony_fx.compile(model, (torch.randn(4, 32),), nvme_path=tmp_path)
-    with pytest.raises(ValueError, match="max_grad_norm"):
-        _trainer(nvme_path=tmp_path, max_grad_norm=1.0)
     with pytest.raises(ValueError, match="nvme_path="):
         _trainer(host_memory="10KiB")
     with pytest.raises(ValueError, match="raise host_memory to at least"):

@@ -195,3 +195,14 @@ def test_two_devices_hold_the_weight_copies_the_plan_counts(tmp_path, parallel):
     for trainer in (state_only, tiered):
         needs = trainer.hm.compiled.tier.needs
         assert _weight_bytes_held(trainer) == needs.masters + needs.weight_copies
+
+
+def test_clipping_with_the_masters_on_the_tier(tmp_path):
+    least = _least_host_memory(tmp_path, max_grad_norm=0.1)
+    reference = _trainer(max_grad_norm=0.1)
+    tiered = _trainer(nvme_path=tmp_path / "tier", host_memory=least, max_grad_norm=0.1)
+    assert tiered.plan.tier_master_packs == (0, 1, 2, 3)
+    for batch in _batches(3):
+        assert torch.equal(reference.step(batch), tiered.step(batch))
+    tiered.flush()
+    _assert_same(reference, tiered)

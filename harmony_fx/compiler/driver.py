@@ -83,9 +83,6 @@ def compile_program(model: nn.Module, args: tuple, kwargs: dict, options: Compil
         raise ValueError("nvme_path= and host_memory= are options of harmony_fx.Trainer: the tier holds the "
                          "optimizer's state, which only the Trainer steps (harmony_fx.compile leaves the "
                          "optimizer to you)")
-    if options.nvme_path is not None and not updates:
-        raise ValueError("nvme_path= needs the per-pack updates, which max_grad_norm turns off (clipping needs every "
-                         "gradient before any update); clip without it, or keep the optimizer state in host memory")
     log = StageLog()
     devices = log.run("resolve devices", resolve_devices, options.devices, options.memory_budget,
                       options.tracks_memory, options.chaos, decision=_describe_devices)
@@ -158,7 +155,7 @@ def _from_layout(log: StageLog, example: _Example, devices: list, options: Compi
     tier = None
     if optimizer is not None and (options.nvme_path is not None or options.host_memory is not None):
         tier = log.run("plan tier", _plan_tier, candidate, shapes, layout, options, optimizer, decision=_describe_tier)
-        if tier.packs:
+        if tier.packs and updates:  # without per-pack updates (max_grad_norm) the Trainer's final update streams it
             candidate = log.run("insert tier io", _insert_tier_io, candidate, tier, layout, options.verify,
                                 decision=lambda c: f"READ/WRITE of {len(tier.packs)} pack(s)' optimizer state"
                                 + (" and fp32 masters" if tier.master_packs else ""))
