@@ -202,16 +202,18 @@ class HarmonyModule:
             self.session.finish_stats()
         return self.calls.structure(list(outputs))
 
-    def for_batch(self, args: tuple, kwargs: dict) -> "HarmonyModule":
+    def for_batch(self, args: tuple, kwargs: dict, **roles: Any) -> "HarmonyModule":
         """The module that runs a call on ``(args, kwargs)``: this one when the batch has the
         example's size, else one compiled for the new batch size, planned on its first call and
         kept for the next ones (the packs and microbatch sizes depend on the batch size). Only the
-        batch dim may change between calls: other shapes are baked into the captured graph."""
+        batch dim may change between calls: other shapes are baked into the captured graph.
+        ``roles``: what a module compiled for a new size does otherwise (``updates=False``)."""
         size = self.calls.batch_size_of(args, kwargs)
         if size is None:
             return self
         if size not in self._by_batch:
-            self._by_batch[size] = module = HarmonyModule(self.model, args, kwargs, self.options, **self._roles)
+            self._by_batch[size] = module = HarmonyModule(self.model, args, kwargs, self.options,
+                                                          **{**self._roles, **roles})
             module.record_timeline(self.session.recording)
         return self._by_batch[size]
 

@@ -23,8 +23,9 @@ of the packs updated so far (at most one more copy of the parameters and optimiz
 
 With ``nvme_path`` (and ``host_memory``), the optimizer state of the packs the plan chooses lives
 on an NVMe tier between updates (``runtime.tier``): each such pack's update streams it in and out
-one parameter at a time, the program's ``READ``/``WRITE`` actions around it (with ``max_grad_norm``
-the programs update nothing, and the final update streams each pack in turn). Its files follow the
+one parameter at a time, the program's ``READ``/``WRITE`` actions around it (with ``max_grad_norm``,
+and on a batch of another size than the example's, the programs update nothing, and the final
+update streams each pack in turn). Its files follow the
 all-or-nothing rule: a step's files count only once the step succeeded and they are all on the
 drive, so an undone step needs no copy of that state. ``step`` returns before its last writes end
 (they overlap the next step's forward); until they do, the step's copies are kept, and a write
@@ -262,14 +263,12 @@ class Trainer:
         """One iteration on ``batch``; returns the batch's loss. All or nothing: if anything fails
         (including Ctrl-C), the weights, buffers and optimizer state are as before the call."""
         args, kwargs = self._call_of(batch)
-        hm = self.hm.for_batch(args, kwargs)
         tier = self._tier
+        # the tier's files are the example's packs: a batch of another size, cut into other packs,
+        # updates nothing in its programs, and its final update streams the tier (``_update_through_tier``)
+        hm = self.hm.for_batch(args, kwargs, **({"updates": False} if tier is not None else {}))
         if self._pending is not None and self._pending.io.committed.done():
             self.flush()  # the last step's state is on the tier, or that step is undone and this raises
-        if tier is not None and hm is not self.hm:
-            raise ValueError(f"Trainer(nvme_path=...) trains on batches of the example's size; this batch has "
-                             f"{hm.calls.batch_size_of(args, kwargs)} samples (drop the last, smaller batch, e.g. "
-                             "DataLoader(drop_last=True)): its packs, and so the tier's files, would differ")
         groups = self._groups if hm is self.hm else hm.update_groups()
         (loss_name,) = hm.signature.model_outputs
         per_mb = hm.split_inputs(args, kwargs)
@@ -352,6 +351,11 @@ class Trainer:
             if self.max_grad_norm is not None:
                 params = [p for group in groups.values() for p in group]
                 seconds = _timed(self._clip_and_update, params, runtime.host_grads, undo)
+                hm.stats.update_seconds = hm.stats.update_exposed_seconds = seconds
+            elif tier is not None and hm is not self.hm:
+                for param in (p for group in groups.values() for p in group):
+                    param.grad = runtime.host_grads.get(id(param))
+                seconds = _timed(self._update_through_tier, undo)
                 hm.stats.update_seconds = hm.stats.update_exposed_seconds = seconds
             if cross is not None:
                 cross.commit(write=True)
@@ -578,10 +582,11 @@ class Trainer:
             cross.gather(pack)
 
     def _update_through_tier(self, undo: "_Undo") -> None:
-        """The update after clipping, with optimizer state on the NVMe tier: no program reads or
-        writes it (clipping needs every gradient before any update, so the programs update nothing),
-        so here each tiered pack streams through its update in turn, the next one's read issued
-        before this one steps (as the programs issue theirs, one pack ahead); then the rest."""
+        """The step's update after the backward, with optimizer state on the NVMe tier, where no
+        program reads or writes it: clipping needs every gradient before any update, and a batch of
+        another size than the example's is cut into other packs than the tier's files. Each tiered
+        pack streams through its update in turn, the next one's read issued before this one steps
+        (as the programs issue theirs, one pack ahead); then the rest."""
         tier = self._tier
         tier.wait_committed()  # the last step's files are the ones to read, and its undo copies go
         packs = sorted(tier.packs)

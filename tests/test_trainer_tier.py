@@ -280,6 +280,22 @@ def test_clipping_streams_the_tier_through_the_final_update(tmp_path):
     assert tiered.stats.tier_bytes == {"read": stored, "write": stored} and stored == tiered.plan.tier_bytes
 
 
+def test_a_batch_of_another_size_streams_the_tier_through_its_final_update(tmp_path):
+    """A smaller batch (a DataLoader's last) is cut into other packs than the tier's files: its
+    programs update nothing, and the step's final update streams each tiered pack in turn."""
+    reference, tiered = _trainer(), _trainer(nvme_path=tmp_path)
+    batches = _batches(3)
+    small = tuple(t[:12] for t in batches[1])
+    for batch in [batches[0], small, batches[2], small]:
+        assert torch.equal(reference.step(batch), tiered.step(batch))
+    moves = [a.kind.name for forward, backward in tiered._last_hm.device_actions for a in forward + backward]
+    assert tiered._last_hm is not tiered.hm and "UPDATE" not in moves and "READ" not in moves
+    _assert_same(reference, tiered)
+    tiered.flush()
+    assert _held_state_bytes(reference.optimizer) - _held_state_bytes(tiered.optimizer) == tiered.plan.tier_bytes
+    _files_check(tmp_path)
+
+
 def test_refusals_say_what_to_do(tmp_path):
     model = _model()
     with pytest.raises(ValueError, match="options of harmony_fx.Trainer"):

@@ -206,3 +206,14 @@ def test_clipping_with_the_masters_on_the_tier(tmp_path):
         assert torch.equal(reference.step(batch), tiered.step(batch))
     tiered.flush()
     _assert_same(reference, tiered)
+
+
+def test_a_smaller_batch_with_the_masters_on_the_tier(tmp_path):
+    least = _least_host_memory(tmp_path)
+    reference, tiered = _trainer(), _trainer(nvme_path=tmp_path / "tier", host_memory=least)
+    batches = _batches(2)
+    small = tuple(t[:12] for t in batches[1])
+    for batch in [batches[0], small, batches[1]]:
+        assert torch.equal(reference.step(batch), tiered.step(batch))
+    tiered.flush()
+    _assert_same(reference, tiered)

@@ -19,6 +19,7 @@ and the graph's flat placeholders and outputs. Every scalar output (a loss) also
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
 import re
@@ -70,6 +71,30 @@ def capture(model: nn.Module, args: tuple, kwargs: dict | None = None) -> Captur
     if not isinstance(args, tuple):
         args = (args,)
     kwargs = dict(kwargs or {})
+    with _grads_set_aside(model):
+        captured = _capture(model, args, kwargs)
+    _refuse_input_mutation(captured.gm)
+    captured.reductions = _scalar_reductions(captured.gm)
+    return captured
+
+
+@contextlib.contextmanager
+def _grads_set_aside(model: nn.Module):
+    """The parameters' ``.grad`` set aside while capturing: the graph does not read them, and
+    export's fake copy of a parameter whose gradient has another dtype than its own (a bf16 weight
+    with fp32 gradients: ``Tensor.grad_dtype``) fails to take the gradient."""
+    params = [p for p in model.parameters() if p.grad is not None]
+    grads = [p.grad for p in params]
+    for param in params:
+        param.grad = None
+    try:
+        yield
+    finally:
+        for param, grad in zip(params, grads):
+            param.grad = grad
+
+
+def _capture(model: nn.Module, args: tuple, kwargs: dict) -> Captured:
     try:
         try:
             captured = _capture_with_export(model, args, kwargs)
@@ -83,8 +108,6 @@ def capture(model: nn.Module, args: tuple, kwargs: dict | None = None) -> Captur
             captured = _capture_with_symbolic_trace(model, args, kwargs)
         except Exception as trace_error:  # noqa: BLE001
             raise CaptureError(_capture_failure_message(model, export_error, trace_error)) from export_error
-    _refuse_input_mutation(captured.gm)
-    captured.reductions = _scalar_reductions(captured.gm)
     return captured
 
 

@@ -147,3 +147,17 @@ def test_symbolic_trace_fallback_trains_like_eager(monkeypatch, name):
     assert_step_equal(result)
     assert result.witnessed_peak == result.hm.stats.peak_bytes[result.hm.device.name] <= result.budget
     assert result.hm.stats.as_dict()["bytes_by_kind"] == result.hm.plan.predicted_bytes
+
+
+def test_a_bf16_weight_with_fp32_gradients_captures_and_keeps_its_gradient():
+    """A parameter whose gradient has another dtype (``Tensor.grad_dtype``, as with the fp32 masters
+    on the NVMe tier) captures with export, and keeps its gradient object."""
+    model = nn.Linear(4, 2).to(torch.bfloat16)
+    grads = []
+    for param in model.parameters():
+        param.grad_dtype = torch.float32
+        param.grad = torch.ones(param.shape)
+        grads.append(param.grad)
+    captured = capture(model, (torch.randn(3, 4, dtype=torch.bfloat16),))
+    assert captured.method == "torch.export"
+    assert all(p.grad is g for p, g in zip(model.parameters(), grads))
