@@ -439,8 +439,9 @@ class Trainer:
     def _model_state_like(self) -> dict[str, torch.Tensor]:
         """The shapes and dtypes of ``_model_state()``, on the meta device (nothing read)."""
         state = {name: torch.empty_like(t, device="meta") for name, t in self.model.state_dict().items()}
+        masters = self._tier.masters if self._tier is not None else frozenset()
         for name, param in self.model.named_parameters(remove_duplicate=False):
-            if name in state:
+            if name in state and id(param) in masters:  # its master's dtype: the gradient's
                 state[name] = torch.empty_like(param, device="meta", dtype=grad_dtype(param))
         return state
 

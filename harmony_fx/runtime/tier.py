@@ -190,7 +190,9 @@ class StateTier:
                     self.optimizer.state[param].update(entries)
                 if id(param) in self.masters:
                     if not read or master is None:
-                        raise TierCorrupted(f"the NVMe tier's file of pack {pack} has no fp32 master for {name}")
+                        raise TierCorrupted(f"the NVMe tier's file of pack {pack} has no fp32 master for {name}: "
+                                            "it was written by another run or changed outside this trainer; "
+                                            "resume from a checkpoint")
                     master = _step_master(param, master, step)
                     self._hand_to_writer(io, pack, param, read, {MASTER_KEY: master})
                 else:
