@@ -215,7 +215,8 @@ class Trainer:
             names = {id(p): name for name, p in model.named_parameters()}
             self._tier = StateTier(compile_options.nvme_path, optimizer,
                                    {pack: self._groups[pack] for pack in self.hm.plan.tier_packs}, names,
-                                   self.hm.plan.tier_master_packs, compile_options.compute_dtype)
+                                   self.hm.plan.tier_master_packs, compile_options.compute_dtype,
+                                   pin_copies=any(d.torch_device.type == "cuda" for d in self.hm.devices))
             self._tier.store_all(self.step_count)  # state the optimizer already holds goes there now
         self._cross: CrossProcessUpdates | None = None
         if self.cluster is not None:

@@ -10,12 +10,14 @@ compared too; TF32 is off, so fp32 means fp32.
 from __future__ import annotations
 
 import copy
+import re
 
 import pytest
 import torch
 
 import harmony_fx
 from harmony_fx.analysis.memory import eager_training_bytes
+from harmony_fx.config import parse_size
 from harmony_fx.testing.models import zoo
 
 pytestmark = pytest.mark.cuda
@@ -214,3 +216,26 @@ def test_compiled_packs_on_cuda_replay_dropout_like_eager():
     torch.testing.assert_close(loss, reference_loss.detach().cpu(), rtol=1e-5, atol=1e-6)
     _assert_grads(model, reference)
     assert hm.session.pack_compiler.structures < len(hm.packs)
+
+
+def test_fp32_masters_on_the_tier_leave_pinned_bf16_copies_that_no_device_stages(tmp_path):
+    """With the masters on the NVMe tier, each parameter holds a pinned bf16 copy, which the device's
+    weight copies read as it is: no staging buffer for it, as the plan counts."""
+    batch = (torch.randn(16, 32), torch.randn(16, 4))
+
+    def trainer(**options):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(*[torch.nn.Linear(32, 32) for _ in range(23)], torch.nn.Linear(32, 4))
+        return harmony_fx.Trainer(model, torch.nn.functional.mse_loss, torch.optim.AdamW(model.parameters()), batch,
+                                  microbatches=2, pack_boundaries=(0, 6, 12, 18), precision="bf16",
+                                  devices=["cuda:0"], **options)
+
+    with pytest.raises(ValueError, match="raise host_memory to at least") as refused:
+        trainer(nvme_path=tmp_path / "refused", host_memory="1KiB")
+    least = parse_size(re.search(r"at least ([\d.]+ \w+)", str(refused.value)).group(1)) + 2**20
+    tiered = trainer(nvme_path=tmp_path / "tier", host_memory=least)
+    assert tiered.plan.tier_master_packs == (0, 1, 2, 3)
+    tiered.step(batch)
+    tiered.flush()
+    assert all(p.dtype == torch.bfloat16 and p.is_pinned() for p in tiered.model.parameters())
+    assert sum(device.staging.nbytes for device in tiered.hm.devices) == 0 == tiered.hm.compiled.tier.needs.weight_copies

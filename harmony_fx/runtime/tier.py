@@ -119,7 +119,8 @@ class StateTier:
 
     def __init__(self, path: str | os.PathLike, optimizer: torch.optim.Optimizer,
                  packs: Mapping[int, Sequence[nn.Parameter]], names: Mapping[int, str],
-                 master_packs: Collection[int] = (), compute_dtype: torch.dtype | None = None) -> None:
+                 master_packs: Collection[int] = (), compute_dtype: torch.dtype | None = None,
+                 pin_copies: bool = False) -> None:
         self.path = pathlib.Path(path)
         self.path.mkdir(parents=True, exist_ok=True)
         self.optimizer = optimizer
@@ -131,6 +132,9 @@ class StateTier:
         self.masters = frozenset(id(p) for pack in master_packs for p in self.packs[pack]
                                  if masters_may_move(p, compute_dtype))
         self.compute_dtype = compute_dtype
+        # on GPUs the bf16 copies are pinned: a device's weight copy reads a pinned tensor of its
+        # dtype directly, where it would stage a pageable one into a pinned buffer of its own
+        self.pin_copies = pin_copies
         self.committed: dict[int, dict] = {}  # pack -> its manifest entry
         self.committed_step = 0  # the trainer's step count the committed state is after
         # each step's files are a new generation: no file of the committed state is ever overwritten
@@ -311,7 +315,7 @@ class StateTier:
             raise
         for param in moving:  # committed: host memory keeps the bf16 copy only
             param.grad_dtype = param.dtype
-            param.data = param.data.to(self.compute_dtype)
+            param.data = self._copy_of(param.data)
 
     def masters_to_host(self) -> None:
         """Every fp32 master on the tier back in its parameter (read from the committed files), as
@@ -327,7 +331,12 @@ class StateTier:
         for params in self.packs.values():
             for param in params:
                 if id(param) in self.masters and param.dtype != self.compute_dtype:
-                    param.data = param.data.to(self.compute_dtype)
+                    param.data = self._copy_of(param.data)
+
+    def _copy_of(self, master: torch.Tensor) -> torch.Tensor:
+        """The bf16 copy of ``master`` a parameter holds while its master is on the tier."""
+        copy = master.to(self.compute_dtype)
+        return copy.pin_memory() if self.pin_copies else copy
 
     def stored(self, param: nn.Parameter) -> dict[str, torch.Tensor]:
         """``param``'s optimizer state entries on the tier, read from the committed file (checked)."""
