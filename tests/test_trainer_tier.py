@@ -206,16 +206,22 @@ def test_a_corrupted_file_is_refused_and_the_step_undone(tmp_path):
     assert all(torch.equal(p, w) for p, w in zip(tiered.model.parameters(), weights))
 
 
+def _saved(trainer: harmony_fx.Trainer, tmp_path, folder: bool):
+    """``trainer.save`` to one file, or to a folder of step folders (``torch.distributed.checkpoint``)."""
+    path = tmp_path / ("checkpoints" if folder else "checkpoint.pt")
+    if folder:
+        path.mkdir()
+    trainer.save(path)
+    return path
+
+
 @pytest.mark.parametrize("folder", [False, True], ids=["file", "folder"])
 def test_resume_from_save_is_bit_identical(tmp_path, folder):
     batches = _batches(5)
     first = _trainer(nvme_path=tmp_path / "tier-a")
     for batch in batches[:2]:
         first.step(batch)
-    path = tmp_path / ("checkpoints" if folder else "checkpoint.pt")
-    if folder:
-        path.mkdir()
-    first.save(path)
+    path = _saved(first, tmp_path, folder)
     # the checkpoint holds the whole optimizer state, tier included, as a trainer without one saves it
     if not folder:
         saved = torch.load(path, weights_only=True)["optimizer"]["state"]

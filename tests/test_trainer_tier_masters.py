@@ -19,7 +19,7 @@ from torch import nn
 import harmony_fx
 from harmony_fx.runtime import tier as tier_module
 
-from tests.test_trainer_tier import BOUNDARIES, _batches, _files_check, _full_state, _model
+from tests.test_trainer_tier import BOUNDARIES, _batches, _files_check, _full_state, _model, _saved
 
 
 def _trainer(**options) -> harmony_fx.Trainer:
@@ -147,10 +147,7 @@ def test_resume_holds_the_fp32_masters_and_is_bit_identical(tmp_path, folder):
     first = _trainer(nvme_path=tmp_path / "tier-a", host_memory=least)
     for batch in batches[:2]:
         first.step(batch)
-    path = tmp_path / ("checkpoints" if folder else "checkpoint.pt")
-    if folder:
-        path.mkdir()
-    first.save(path)
+    path = _saved(first, tmp_path, folder)
     if not folder:
         saved = torch.load(path, weights_only=True)["model"]
         assert {t.dtype for t in saved.values()} == {torch.float32}  # the masters, not their bf16 copies
