@@ -25,7 +25,8 @@ With ``nvme_path`` (and ``host_memory``), the optimizer state of the packs the p
 on an NVMe tier between updates (``runtime.tier``): each such pack's update streams it in and out
 one parameter at a time, the program's ``READ``/``WRITE`` actions around it (with ``max_grad_norm``,
 and on a batch of another size than the example's, the programs update nothing, and the final
-update streams each pack in turn). Its files follow the
+update streams each pack in turn; across processes each rank has its own tier, and the ranks agree
+on a step once every rank's files are written). Its files follow the
 all-or-nothing rule: a step's files count only once the step succeeded and they are all on the
 drive, so an undone step needs no copy of that state. ``step`` returns before its last writes end
 (they overlap the next step's forward); until they do, the step's copies are kept, and a write
@@ -45,6 +46,7 @@ import concurrent.futures
 import copy
 import inspect
 import os
+import pathlib
 import random
 import tempfile
 import threading
@@ -196,24 +198,28 @@ class Trainer:
                 loss_model_dims["kwargs"] = {name: dims.get(name, 0) for name in kwargs}
             options = {**options, "batch_dims": loss_model_dims}
         compile_options = CompileOptions(**options)
+        if compile_options.nvme_path is not None and shard_optimizer is None:
+            shard_optimizer = False  # the tier takes each rank's whole state (sharded state on it: not yet)
+        self.cluster = _cluster(process_group, shard_optimizer, collective_timeout)
+        if compile_options.nvme_path is not None and self.cluster is not None:
+            _check_tier_across(self.cluster, max_grad_norm)
         facts = None
         if compile_options.nvme_path is not None or compile_options.host_memory is not None:
-            facts = OptimizerFacts(_state_bytes(optimizer), keeps_copies=atomic)
+            facts = OptimizerFacts(_state_bytes(optimizer), keeps_copies=atomic, masters_may_move=self.cluster is None)
         self.hm = HarmonyModule(_LossModel(model, loss_fn, self._takes_target), args, kwargs, compile_options,
                                 trainer=True, updates=max_grad_norm is None, optimizer=facts)
         (self._loss_name,) = self.hm.signature.model_outputs
         self._groups = self.hm.update_groups()
         self._last_hm = self.hm  # the module that ran the last step (one per batch size)
         self.step_count = 0
-        self.cluster = _cluster(process_group, shard_optimizer, collective_timeout)
         self._tier: StateTier | None = None  # the optimizer state on NVMe (nvme_path=)
         self._pending: _PendingStep | None = None  # the last step, until its state is on the tier
         if self.hm.plan.tier_packs:
-            if self.cluster is not None:
-                raise ValueError("nvme_path= trains one process for now: across processes the optimizer state "
-                                 "stays in host memory (shard_optimizer=True divides it over the ranks)")
             names = {id(p): name for name, p in model.named_parameters()}
-            self._tier = StateTier(compile_options.nvme_path, optimizer,
+            path = pathlib.Path(compile_options.nvme_path)
+            if self.cluster is not None:
+                path = path / f"rank{self.cluster.rank}"  # each rank's own copy of the (replicated) state
+            self._tier = StateTier(path, optimizer,
                                    {pack: self._groups[pack] for pack in self.hm.plan.tier_packs}, names,
                                    self.hm.plan.tier_master_packs, compile_options.compute_dtype,
                                    pin_copies=any(d.torch_device.type == "cuda" for d in self.hm.devices))
@@ -265,6 +271,10 @@ class Trainer:
         (including Ctrl-C), the weights, buffers and optimizer state are as before the call."""
         args, kwargs = self._call_of(batch)
         tier = self._tier
+        if tier is not None and self.cluster is not None and self.hm.calls.batch_size_of(args, kwargs) is not None:
+            raise ValueError(f"Trainer(nvme_path=...) across processes trains on batches of the example's size; this "
+                             f"batch has {self.hm.calls.batch_size_of(args, kwargs)} samples (drop the last, smaller "
+                             "batch, e.g. DataLoader(drop_last=True)): its packs differ from the tier's files")
         # the tier's files are the example's packs: a batch of another size, cut into other packs,
         # updates nothing in its programs, and its final update streams the tier (``_update_through_tier``)
         hm = self.hm.for_batch(args, kwargs, **({"updates": False} if tier is not None else {}))
@@ -318,7 +328,7 @@ class Trainer:
                     pack = cross.order[turn[0]]
                     turn[0] += 1
                     pending.append(workers.submit(_land_and_update_across, ready.pop(pack), runtime.host_grads,
-                                                  self.optimizer, undo, cross, pack))
+                                                  self.optimizer, undo, cross, pack, tier))
 
         self._last_hm = hm
         agreed = False  # whether the ranks have exchanged this step's outcome
@@ -337,6 +347,10 @@ class Trainer:
             losses = [runtime.host_values[Key(KeyKind.ACT, loss_name, mb)] for mb in range(len(per_mb))]
             shares = [w * loss.detach().float() for w, loss in zip(weights, losses)]
             if cluster is not None:
+                if tier is not None:
+                    # every rank's files on its drive before the ranks agree: a write failing after
+                    # that would leave one rank a step behind the others
+                    tier.wait_written()
                 everyone, failed = cluster.agree([share.item() for share in shares], failed=False)
                 agreed = True
                 if failed:
@@ -772,6 +786,17 @@ class _Undo:
             param.grad = grad
 
 
+def _check_tier_across(cluster: Cluster, max_grad_norm: float | None) -> None:
+    """Across processes, the NVMe tier takes replicated optimizer state, updated per pack."""
+    if cluster.shard_optimizer:
+        raise ValueError("nvme_path= across processes keeps each rank's whole optimizer state on its own tier: "
+                         "pass shard_optimizer=False, or leave it out (sharded state on the tier is not supported yet)")
+    if max_grad_norm is not None:
+        raise ValueError("nvme_path= across processes needs the per-pack updates, which max_grad_norm turns off "
+                         "(in one process the tier then streams through the final update); clip without the "
+                         "tier, or train in one process")
+
+
 def _cluster(process_group, shard_optimizer: bool | None, timeout: float | None) -> Cluster | None:
     """The processes to train across: ``process_group``, else the default group if there is one
     with more than one process; ``None``: this process alone."""
@@ -785,13 +810,19 @@ def _cluster(process_group, shard_optimizer: bool | None, timeout: float | None)
 
 
 def _land_and_update_across(copies, host_grads: dict, optimizer: torch.optim.Optimizer, undo: "_Undo",
-                            cross: CrossProcessUpdates, pack: int) -> tuple[float, float]:
-    """``_land_and_update`` across processes: the pack's gradients summed over the ranks first."""
-    land(copies)
+                            cross: CrossProcessUpdates, pack: int, tier: StateTier | None = None) -> tuple[float, float]:
+    """``_land_and_update`` across processes: the pack's gradients summed over the ranks first
+    (a pack on the NVMe ``tier``: then streamed through its update as in one process)."""
+    tier_waited = land(copies)
     grads = [host_grads.get(id(p)) for p in cross.buffers[pack].params]
+    if tier is not None:
+        tier_waited += _timed(tier.wait_committed)
     started = time.perf_counter()
-    cross.step(pack, grads, lambda stepped: _update(optimizer, stepped, undo))
-    return time.perf_counter() - started, 0.0
+    if tier is not None and pack in tier.packs:
+        cross.step(pack, grads, lambda stepped: tier.update(pack, lambda one: _update(optimizer, one, undo)))
+    else:
+        cross.step(pack, grads, lambda stepped: _update(optimizer, stepped, undo))
+    return time.perf_counter() - started, tier_waited
 
 
 def _land_and_update(copies, host_grads: dict, optimizer: torch.optim.Optimizer, params: Sequence[nn.Parameter],

@@ -54,6 +54,7 @@ class OptimizerFacts:
 
     state_bytes: Callable[[nn.Parameter], int]  # the optimizer's state tensors for a parameter, once made
     keeps_copies: bool                          # Trainer(atomic=True): copies of each updated pack
+    masters_may_move: bool = True               # False: the fp32 masters stay in host memory (across processes)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,7 +122,8 @@ def plan_tier(groups: Mapping[int, Sequence[nn.Parameter]], masters: Sequence, s
     fixed_copies = weight_stagers * sum(staged_copy(t) for t in masters)
     # per pack, what moving its masters would take off the host: the fp32 tensor less its bf16
     # copy, and the copies the devices would stage
-    movable = {pack: [p for p in params if masters_may_move(p, compute_dtype)] for pack, params in groups.items()}
+    movable = {pack: [p for p in params if optimizer.masters_may_move and masters_may_move(p, compute_dtype)]
+               for pack, params in groups.items()}
     master_bytes = {pack: sum(nbytes(p) for p in movable[pack]) for pack in groups}
     largest_master = {pack: max((nbytes(p) for p in movable[pack]), default=0) for pack in groups}
 

@@ -23,6 +23,7 @@ from torch import nn
 
 from harmony_fx.distributed.cluster import Cluster
 from harmony_fx.distributed.shards import PackBuffers
+from harmony_fx.runtime.executor import grad_dtype
 
 __all__ = ["CrossProcessUpdates"]
 
@@ -66,7 +67,10 @@ class CrossProcessUpdates:
 
     @torch.no_grad()
     def refresh_shards(self) -> None:
-        """Each master chunk from its full parameter again (after a checkpoint was loaded into them)."""
+        """Each master chunk from its full parameter again (after a checkpoint was loaded into them);
+        replicated, there are none: the optimizer steps the parameters themselves."""
+        if not self.shards:
+            return
         for buffers in self.buffers.values():
             for param, chunk in zip(buffers.params, buffers.chunks):
                 self.shards[id(param)].copy_(param.detach().reshape(-1)[chunk.start:chunk.stop])
@@ -95,7 +99,7 @@ class CrossProcessUpdates:
             self._count("all_reduce", send)
             offset = 0
             for param in buffers.params:
-                param.grad = send[offset:offset + param.numel()].view_as(param).to(param.dtype)
+                param.grad = send[offset:offset + param.numel()].view_as(param).to(grad_dtype(param))
                 offset += param.numel()
 
     def gather(self, pack: int) -> None:

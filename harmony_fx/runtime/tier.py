@@ -207,6 +207,12 @@ class StateTier:
             self.fail(error)
             raise
 
+    def wait_written(self) -> None:
+        """Block until every file of the running step is on the device; raise the first write's
+        error. Across processes a step waits for this before the ranks agree on it."""
+        for done in self.current.done.values():
+            done.result()
+
     def wait_committed(self) -> None:
         """Block until the last step is committed; raise its error if it never will be. A step's
         first update waits for this: until then that step's copies for undoing it are kept."""

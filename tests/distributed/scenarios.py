@@ -41,7 +41,7 @@ def full_state(trainer) -> dict[int, dict[str, torch.Tensor]]:
     import torch.distributed as dist
 
     params = list(trainer.model.parameters())
-    state = trainer.optimizer.state_dict()["state"]
+    state = trainer.state_dict()["optimizer"]["state"]  # the NVMe tier's state read back too
     cross = trainer._cross
     if cross is None or not cross.shards:
         return {i: {k: v.clone() for k, v in s.items()} for i, s in state.items()}
@@ -67,14 +67,14 @@ def state_bytes(trainer) -> int:
 
 
 def train(rank: int, world: int, out: pathlib.Path, shard_optimizer: bool = True, steps: int = STEPS,
-          max_grad_norm: float | None = None) -> dict:
+          max_grad_norm: float | None = None, nvme: bool = False) -> dict:
     model, batches = model_and_batches(world, steps)
     optimizer = optimizer_of(model)
     # made before the Trainer: it must stay bound to the optimizer when the Trainer shards it
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 0.7 ** step)
     trainer = harmony_fx.Trainer(model, loss_fn, optimizer, local(batches[0], rank), devices=["host:0"],
                                  microbatches=MICROBATCHES, pack_boundaries=PACKS, shard_optimizer=shard_optimizer,
-                                 max_grad_norm=max_grad_norm)
+                                 max_grad_norm=max_grad_norm, nvme_path=out / "tier" if nvme else None)
     losses = []
     for batch in batches:
         losses.append(trainer.step(local(batch, rank)).clone())
@@ -83,7 +83,8 @@ def train(rank: int, world: int, out: pathlib.Path, shard_optimizer: bool = True
             "state": full_state(trainer), "state_bytes": state_bytes(trainer),
             "network_bytes": dict(trainer.stats.network_bytes),
             "numels": [p.numel() for p in model.parameters()],
-            "packs": {pack: [p.numel() for p in params] for pack, params in trainer._groups.items()}}
+            "packs": {pack: [p.numel() for p in params] for pack, params in trainer._groups.items()},
+            "tier_bytes": trainer.plan.tier_bytes}
 
 
 def one_process(world: int, steps: int = STEPS, max_grad_norm: float | None = None) -> dict:
@@ -301,3 +302,84 @@ def different_packs(rank: int, world: int, out: pathlib.Path) -> dict:
     except ValueError as error:
         return {"error": str(error)}
     return {"error": None}
+
+
+def tier_write_fails(rank: int, world: int, out: pathlib.Path, failing_file: int, failing_step: int = 2) -> dict:
+    """Every rank's optimizer state on its NVMe tier; rank 1's write of its ``failing_file``-th pack
+    file (from 1) fails in step ``failing_step``: every rank undoes the step (its tier files too)
+    and retries it, to the end."""
+    from harmony_fx.distributed import StepFailedElsewhere
+    from harmony_fx.runtime import tier
+
+    model, batches = model_and_batches(world)
+    optimizer = optimizer_of(model)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 0.7 ** step)  # as ``train``
+    trainer = harmony_fx.Trainer(model, loss_fn, optimizer, local(batches[0], rank), devices=["host:0"],
+                                 microbatches=MICROBATCHES, pack_boundaries=PACKS, shard_optimizer=False,
+                                 nvme_path=out / "tier")
+    if rank == 1:
+        finish, files = tier._FileWriter.finish, []
+
+        def failing(file):
+            if trainer.step_count == failing_step:
+                files.append(file.path)
+                if len(files) == failing_file:
+                    raise OSError(28, "No space left on device (injected)")
+            return finish(file)
+
+        tier._FileWriter.finish = failing
+    losses, errors = [], []
+    for batch in batches:
+        while True:
+            try:
+                losses.append(trainer.step(local(batch, rank)).clone())
+                schedule.step()
+                break
+            except (OSError, StepFailedElsewhere) as error:
+                errors.append(f"{type(error).__name__}: {error}")
+    trainer.flush()
+    return {"losses": losses, "errors": errors, "params": [p.detach().clone() for p in model.parameters()],
+            "state": full_state(trainer)}
+
+
+def tier_refusals(rank: int, world: int, out: pathlib.Path) -> dict:
+    """What ``nvme_path=`` across processes refuses, and the messages."""
+    model, batches = model_and_batches(world)
+    refused = {}
+    for name, options in (("sharded", {"shard_optimizer": True}), ("clipping", {"max_grad_norm": 1.0})):
+        try:
+            harmony_fx.Trainer(model, loss_fn, optimizer_of(model), local(batches[0], rank), devices=["host:0"],
+                               microbatches=MICROBATCHES, pack_boundaries=PACKS, nvme_path=out / name, **options)
+        except ValueError as error:
+            refused[name] = str(error)
+    # without shard_optimizer: the tier takes each rank's whole state
+    trainer = harmony_fx.Trainer(model, loss_fn, optimizer_of(model), local(batches[0], rank), devices=["host:0"],
+                                 microbatches=MICROBATCHES, pack_boundaries=PACKS, nvme_path=out / "tier")
+    refused["sharded by default"] = trainer.cluster.shard_optimizer
+    try:
+        trainer.step(tuple(t[:2] for t in local(batches[0], rank)))
+    except ValueError as error:
+        refused["smaller batch"] = str(error)
+    return {"refused": refused}
+
+
+def tier_resumed(rank: int, world: int, out: pathlib.Path) -> dict:
+    """Two steps, a checkpoint folder written by every rank (its tier's state read back into it),
+    three more steps; then a new trainer on a new tier resumes from the folder and trains the same
+    three steps."""
+    def trainer_on(tier: str):
+        model, _ = model_and_batches(world, steps=0)
+        return harmony_fx.Trainer(model, loss_fn, optimizer_of(model), local(batches[0], rank), devices=["host:0"],
+                                  microbatches=MICROBATCHES, pack_boundaries=PACKS, nvme_path=out / tier)
+
+    _, batches = model_and_batches(world)
+    first = trainer_on("tier-a")
+    for batch in batches[:2]:
+        first.step(local(batch, rank))
+    first.save(out / "checkpoints")
+    later = [first.step(local(batch, rank)).clone() for batch in batches[2:]]
+    resumed = trainer_on("tier-b")
+    resumed.load(out / "checkpoints")
+    again = [resumed.step(local(batch, rank)).clone() for batch in batches[2:]]
+    return {"later": later, "again": again, "first": full_state(first), "resumed": full_state(resumed),
+            "params": [[p.detach().clone() for p in t.model.parameters()] for t in (first, resumed)]}
