@@ -128,9 +128,9 @@ class StateTier:
         self.names = names  # id(parameter) -> its name in the model (what the manifest records)
         self._pack_of = {id(p): pack for pack, params in self.packs.items() for p in params}
         self.params = frozenset(self._pack_of)  # id of every parameter whose state is on the tier
-        # id of every parameter whose fp32 master is on the tier (its data: the bf16 copy)
-        self.masters = frozenset(id(p) for pack in master_packs for p in self.packs[pack]
-                                 if masters_may_move(p, compute_dtype))
+        # every parameter whose fp32 master is on the tier (its data: the bf16 copy), and their ids
+        self._master_params = [p for pack in master_packs for p in self.packs[pack] if masters_may_move(p, compute_dtype)]
+        self.masters = frozenset(map(id, self._master_params))
         self.compute_dtype = compute_dtype
         # on GPUs the bf16 copies are pinned: a device's weight copy reads a pinned tensor of its
         # dtype directly, where it would stage a pageable one into a pinned buffer of its own
@@ -304,8 +304,7 @@ class StateTier:
         self.pending = None
         self.generation += 1
         io = _StepIO(step, self.generation, list(self.packs), threads=False)
-        moving = [p for params in self.packs.values() for p in params if id(p) in self.masters]
-        assert all(p.dtype != self.compute_dtype for p in moving), "store_all with masters already on the tier"
+        assert all(p.dtype != self.compute_dtype for p in self._master_params), "store_all with masters on the tier"
         try:
             for pack, params in self.packs.items():
                 if any(id(p) in self.masters or self._has_state(p) for p in params):
@@ -319,25 +318,23 @@ class StateTier:
         except BaseException:
             self._discard(io)
             raise
-        for param in moving:  # committed: host memory keeps the bf16 copy only
+        for param in self._master_params:  # committed: host memory keeps the bf16 copy only
             param.grad_dtype = param.dtype
             param.data = self._copy_of(param.data)
 
     def masters_to_host(self) -> None:
         """Every fp32 master on the tier back in its parameter (read from the committed files), as
         before ``store_all`` moved it: a checkpoint loads into them, ``close`` leaves them there."""
-        for params in self.packs.values():
-            for param in params:
-                if id(param) in self.masters and param.dtype == self.compute_dtype:
-                    param.data = self.stored_master(param)
+        for param in self._master_params:
+            if param.dtype == self.compute_dtype:
+                param.data = self.stored_master(param)
 
     def masters_from_host(self) -> None:
         """Undo ``masters_to_host`` where nothing was loaded into the masters: the tier's committed
         files hold them still, so each parameter goes back to its bf16 copy without a write."""
-        for params in self.packs.values():
-            for param in params:
-                if id(param) in self.masters and param.dtype != self.compute_dtype:
-                    param.data = self._copy_of(param.data)
+        for param in self._master_params:
+            if param.dtype != self.compute_dtype:
+                param.data = self._copy_of(param.data)
 
     def _copy_of(self, master: torch.Tensor) -> torch.Tensor:
         """The bf16 copy of ``master`` a parameter holds while its master is on the tier."""
