@@ -30,6 +30,10 @@ class Calls:
         self.mb_sizes = compiled.layout.mb_sizes
         self.inputs = compiled.captured.inputs
         self.outputs = compiled.signature.model_outputs
+        # read at every call: the dtype of each input and output as captured, and the output node's args
+        self._dtypes = {name: getattr(compiled.nodes[name].meta[meta.VAL], "dtype", None)
+                        for name in (*self.inputs, *self.outputs)}
+        self._output_args = compiled.captured.gm.graph.find_nodes(op="output")[0].args[0]
 
     # ------------------------------------------------------------------ calls in
     def batch_size_of(self, args: tuple, kwargs: dict) -> int | None:
@@ -94,7 +98,7 @@ class Calls:
         outputs = []
         for name in self.outputs:
             chunks = [values[Key(KeyKind.ACT, name, mb)] for mb in range(num)]
-            dtype = self.compiled.nodes[name].meta[meta.VAL].dtype
+            dtype = self._dtypes[name]
             if len(chunks) > 1 and chunks[0].dim() == 0:  # a loss: weighted as eager reduces the whole batch
                 per_mb = [[values[Key(KeyKind.ACT, n, mb)] for n in self.inputs] for mb in range(num)]
                 iteration.scalar_weights[name] = self.scalar_weights(name, per_mb)
@@ -107,8 +111,7 @@ class Calls:
     def structure(self, tensors: Sequence[torch.Tensor]) -> Any:
         """The model's output structure (tuple, dict, ``ModelOutput``) around the merged outputs."""
         by_name = dict(zip(self.outputs, tensors))
-        output_args = self.compiled.captured.gm.graph.find_nodes(op="output")[0].args[0]
-        flat = [by_name[arg.name] if isinstance(arg, fx.Node) else arg for arg in output_args]
+        flat = [by_name[arg.name] if isinstance(arg, fx.Node) else arg for arg in self._output_args]
         return self.compiled.captured.unflatten_outputs(flat)
 
     def put_output_grads(self, iteration, grad_outputs: Sequence[torch.Tensor | None]) -> None:
@@ -133,7 +136,7 @@ class Calls:
         """The gradient of each flat input on the whole batch (``None`` where it has none)."""
         grads = []
         for name, dim in zip(self.inputs, self.compiled.flat_dims):
-            dtype = self.compiled.nodes[name].meta[meta.VAL].dtype
+            dtype = self._dtypes[name]
             chunks = [iteration.host_values.get(Key(KeyKind.GRAD, name, mb)) for mb in range(len(self.mb_sizes))]
             grads.append(microbatch.merge([c if c is None else c.to(dtype) for c in chunks], dim))
         return grads

@@ -19,6 +19,7 @@ class HarmonyFunction(torch.autograd.Function):
     def forward(ctx, session, calls, per_mb, *inputs_and_params):
         iteration = session.start(per_mb)
         ctx.session, ctx.calls, ctx.iteration = session, calls, iteration
+        ctx.params = inputs_and_params[len(calls.inputs):]  # the trainable parameters, as the caller found them
         outputs = calls.merge_outputs(iteration)
         session.finish_stats()
         differentiable = session.compiled.signature.differentiable
@@ -33,5 +34,5 @@ class HarmonyFunction(torch.autograd.Function):
         calls.put_output_grads(iteration, grad_outputs)
         session.finish(iteration)
         input_grads = calls.input_grads(iteration)
-        param_grads = iteration.host_grads.get_all([id(param) for param in session.compiled.trainable_params()])
+        param_grads = iteration.host_grads.get_all([id(param) for param in ctx.params])
         return (None, None, None, *input_grads, *param_grads)

@@ -41,7 +41,7 @@ class Device:
     # bytes a plan keeps free below the budget, for allocations its FakeTensor run cannot see
     margin: int = 0
     margin_note: str = ""
-    context: str = ""  # the running task, for an out-of-memory message
+    context: object = ""  # the running task (its ``str``), for an out-of-memory message
     # reading the live bytes is cheap (a HostDevice's own count), so the timeline samples it after
     # every op; on a GPU it builds the allocator's statistics, so only after compute tasks
     cheap_live_bytes: bool = True
@@ -190,7 +190,7 @@ class HostDevice(Device):
 
     def grads_to_host(self, grads: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         if self.shares_host_memory:
-            return [grad.detach() for grad in grads]
+            return list(grads)  # handed over: the device frees them next
         return super().grads_to_host(grads)
 
     @property

@@ -16,7 +16,7 @@ import contextlib
 import dataclasses
 import threading
 import time
-from typing import Callable, Sequence
+from typing import Callable, Iterator, Sequence
 
 import torch
 from torch import fx
@@ -154,9 +154,14 @@ class HostState:
     """Host-side tensors of one compiled model: per pack, its masters (params then buffers)."""
 
     masters: list[list[torch.Tensor]]
+    # per pack, the key of each master's gradient in ``HostGradients`` (its ``id``)
+    grad_keys: list[list[int]] = dataclasses.field(init=False)
     # bytes of a pack's weights or weight gradients as copied (``Runtime._count``): the same every
     # iteration, and summing a hundred tensors' sizes at every copy showed in a step's time
     copy_bytes: dict[tuple, int] = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.grad_keys = [[id(master) for master in masters] for masters in self.masters]
 
 
 def land(copies: Sequence["_Event"]) -> float:
@@ -183,37 +188,45 @@ class HostGradients:
     process per device would sum them (``distributed``)."""
 
     def __init__(self) -> None:
-        self._parts: dict[int, dict[int, torch.Tensor]] = {}
+        self._by_device: dict[int, dict[int, torch.Tensor]] = {}
         self._lock = threading.Lock()
 
-    def add_all(self, grads: Sequence[tuple[int, torch.Tensor]], device: int) -> None:
-        """Each ``(key, grad)`` added, under one lock (a pack's weight gradients at once)."""
+    def add_all(self, keys: Sequence[int], grads: Sequence[torch.Tensor], device: int) -> None:
+        """Each ``grads[i]`` added to ``keys[i]``'s (``keys`` may run on: a pack's masters), under one lock."""
         with self._lock:
-            for key, grad in grads:
-                parts = self._parts.setdefault(key, {})
-                existing = parts.get(device)
-                parts[device] = grad if existing is None else existing.add_(grad)
+            landed = self._by_device.setdefault(device, {})
+            for key, grad in zip(keys, grads):
+                existing = landed.get(key)
+                landed[key] = grad if existing is None else existing.add_(grad)
 
     def get(self, key: int, default: torch.Tensor | None = None) -> torch.Tensor | None:
         with self._lock:
-            return self._summed(key, default)
+            got = self._summed([key])[0]
+            return default if got is None else got
 
     def get_all(self, keys: Sequence[int]) -> list[torch.Tensor | None]:
         """``get`` of each key (``None`` where none landed), under one lock."""
         with self._lock:
-            return [self._summed(key, None) for key in keys]
+            return self._summed(keys)
 
-    def _summed(self, key: int, default: torch.Tensor | None) -> torch.Tensor | None:
-        parts = self._parts.get(key)
-        if not parts:
-            return default
-        if len(parts) > 1:
-            devices = sorted(parts)
-            total = parts[devices[0]]
+    def _summed(self, keys: Sequence[int]) -> list[torch.Tensor | None]:
+        by_device = self._by_device
+        if len(by_device) <= 1:  # one device: its sums as they are
+            landed = next(iter(by_device.values()), {})
+            return [landed.get(key) for key in keys]
+        devices = sorted(by_device)
+        first = by_device[devices[0]]
+        totals = []
+        for key in keys:
+            total = first.get(key)
             for device in devices[1:]:
-                total = total.add_(parts[device])
-            self._parts[key] = parts = {devices[0]: total}
-        return next(iter(parts.values()))
+                part = by_device[device].pop(key, None)
+                if part is not None:
+                    total = part if total is None else total.add_(part)
+            if total is not None:
+                first[key] = total  # read again: summed once
+            totals.append(total)
+        return totals
 
 
 class _Event:
@@ -332,10 +345,10 @@ class Runtime:
         return parse_key(text)  # cached: programs name the same keys every iteration
 
     def _submit(self, stream: Stream, work: Callable[[], None], event: "_Event | None" = None,
-                label: str = "") -> "_Event":
+                label: str = "", *label_args: object) -> "_Event":
         """Run ``work`` on ``stream`` (inline, on a stream thread, or issued to the GPU); when the
-        timeline is recorded, timed, with the span and the device's memory after it going to the
-        measured timeline (``Stats.spans``)."""
+        timeline is recorded, timed, with the span (``label.format(*label_args)``, formatted only
+        then) and the device's memory after it going to the measured timeline (``Stats.spans``)."""
         event = event or _Event(None)
         entries = self._marks
         if entries is None:
@@ -351,7 +364,7 @@ class Runtime:
                 ended = clock.mark()
                 device = self.device
                 live = device.live_bytes() if device.cheap_live_bytes or stream == Stream.COMPUTE else None
-                entries.append((stream.value, label, started, ended, live))  # list.append: atomic
+                entries.append((stream.value, label.format(*label_args), started, ended, live))  # list.append: atomic
 
         event.device_event = self.device.streams.submit(stream, timed)
         return event
@@ -365,19 +378,19 @@ class Runtime:
             if key.kind == KeyKind.WEIGHTS:
                 pack = self.packs[int(key.name[1:])]
                 masters = self.host.masters[pack.index]
-                what = f" while copying the weights of {pack.name} ({pack.describe_layers()}) to the device"
-                with _DeviceContext(device, what):
+                with _DeviceContext(device, " while copying the weights of {} ({}) to the device", pack.name,
+                                    pack.describe_layers):
                     value = device.weights_to_device(pack.index, masters, self.compute_dtype, pack.written_slots)
                 for copy, master in zip(value[: len(pack.params)], masters):
                     if master.requires_grad:
                         copy.requires_grad_(True)
             else:
-                with _DeviceContext(device, f" while copying {key} to the device"):
+                with _DeviceContext(device, " while copying {} to the device", key_text):
                     value = pytrees.map_tensors(lambda t: device.to_device(self._compute_dtype(t)), self.host_values[key])
             self._count(Stream.H2D, key, value)
             self.device_values[key] = value
 
-        return self._submit(Stream.H2D, work, label=f"PREFETCH {key}")
+        return self._submit(Stream.H2D, work, None, "PREFETCH {}", key_text)
 
     def offload(self, key_text: str, stream: str) -> _Event:
         key = self.key(key_text)
@@ -396,13 +409,15 @@ class Runtime:
             elif key.kind == KeyKind.WGRAD:
                 pack = self.packs[int(key.name[1:])]
                 grads = self.device_values[key]
-                masters = [master for master, g in zip(self.host.masters[pack.index], grads) if g is not None]
+                keys = self.host.grad_keys[pack.index]
+                if any(g is None for g in grads):  # weights frozen, or unused by this backward
+                    keys = [k for k, g in zip(keys, grads) if g is not None]
+                    grads = [g for g in grads if g is not None]
                 # the program frees dW right after this copy, and nothing adds to it any more
-                copies = device.grads_to_host([g for g in grads if g is not None])
+                copies = device.grads_to_host(grads)
                 self._count(Stream.D2H, key, copies)
                 # already in each master's gradient dtype: the backward summed them in it
-                event.on_host.append(lambda: self.host_grads.add_all(
-                    [(id(master), copy) for master, copy in zip(masters, copies)], self.index))
+                event.on_host.append(lambda: self.host_grads.add_all(keys, copies, self.index))
             else:
                 copy = pytrees.map_tensors(device.to_host, self.device_values[key])
                 self._count(Stream.D2H, key, copy)
@@ -413,7 +428,7 @@ class Runtime:
                 else:
                     self.host_values[key] = copy
 
-        return self._submit(Stream.D2H, work, event, label=f"OFFLOAD {key}")
+        return self._submit(Stream.D2H, work, event, "OFFLOAD {}", key_text)
 
     def send(self, key_text: str, peer: int) -> _Event:
         key = self.key(key_text)
@@ -426,7 +441,7 @@ class Runtime:
             parcel.ready = self.device.record_event()  # on the peer stream, after the key was made
             parcel.posted.set()
 
-        self._submit(Stream.PEER, work, label=f"SEND {key} -> d{peer}")
+        self._submit(Stream.PEER, work, None, "SEND {} -> d{}", key_text, peer)
         return _Event(parcel)
 
     def recv(self, key_text: str, peer: int) -> _Event:
@@ -447,7 +462,7 @@ class Runtime:
             existing = self.device_values.get(key)
             self.device_values[key] = value if existing is None else pytrees.add_grads(existing, value, inplace=True)
 
-        return self._submit(Stream.PEER, work, label=f"RECV {key} <- d{peer}")
+        return self._submit(Stream.PEER, work, None, "RECV {} <- d{}", key_text, peer)
 
     def split(self, key_text: str, *microbatches: int) -> _Event:
         """The host value of ``key`` (a larger forward microbatch's) as views, one per backward
@@ -476,7 +491,7 @@ class Runtime:
         return _Event(_PICKED_UP) if self.peer_value is not None else self.links.remote(number)
 
     def wait(self, event: _Event, stream: str) -> None:
-        stream = Stream(stream)
+        stream = _STREAMS[stream]
         if isinstance(event.device_event, _Waited):  # the tier's work runs on host threads
             event.device_event.synchronize()
             return
@@ -486,7 +501,7 @@ class Runtime:
 
     def free(self, key_text: str) -> None:
         key = self.key(key_text)
-        self._submit(Stream.COMPUTE, lambda: self.device_values.pop(key), label=f"FREE {key}")
+        self._submit(Stream.COMPUTE, lambda: self.device_values.pop(key), None, "FREE {}", key_text)
 
     def update(self, pack_index: int, *copies: _Event) -> None:
         """Hand ``pack_index``'s update to the host: ``on_update`` gets the weight-gradient copies to
@@ -514,16 +529,16 @@ class Runtime:
 
     def fwd(self, pack_index: int, mb: int) -> _Event:
         return self._submit(Stream.COMPUTE, self._probed("FWD", pack_index, mb, lambda: self._forward(pack_index, mb)),
-                            label=f"FWD p{pack_index}@{mb}")
+                            None, "FWD p{}@{}", pack_index, mb)
 
     def recompute(self, pack_index: int, mb: int) -> _Event:
         return self._submit(Stream.COMPUTE,
                             self._probed("RECOMPUTE", pack_index, mb, lambda: self._recompute(pack_index, mb)),
-                            label=f"RECOMPUTE p{pack_index}@{mb}")
+                            None, "RECOMPUTE p{}@{}", pack_index, mb)
 
     def bwd(self, pack_index: int, mb: int) -> _Event:
         return self._submit(Stream.COMPUTE, self._probed("BWD", pack_index, mb, lambda: self._backward(pack_index, mb)),
-                            label=f"BWD p{pack_index}@{mb}")
+                            None, "BWD p{}@{}", pack_index, mb)
 
     def _probed(self, kind: str, pack_index: int, mb: int, work: Callable[[], None]) -> Callable[[], None]:
         """With ``task_memory`` set (the FakeTensor run that plans memory), record each compute
@@ -619,22 +634,54 @@ class Runtime:
                     leaf_grads.append(grad)
                 self._accumulate(Key(KeyKind.GRAD, name, mb), pytrees.with_leaves(x, leaf_grads))
             wgrad_key = Key(KeyKind.WGRAD, pack.name)
-            accumulated = values.setdefault(wgrad_key, [None] * len(weight_targets))
             masters = self.host.masters[pack_index]
-            for i, w in enumerate(weight_targets):
-                grad = next(grads) if w.requires_grad else None
-                if grad is None:
-                    continue
-                # summed over microbatches in the master's gradient dtype (fp32 under bf16 compute):
-                # each microbatch's gradient is rounded once, not the running sum at every step
-                if accumulated[i] is not None:
-                    accumulated[i].add_(grad)
-                elif grad.dtype != grad_dtype(masters[i]):
-                    accumulated[i] = grad.to(grad_dtype(masters[i]))
-                else:
-                    accumulated[i] = _own(grad, stored)
+            accumulated = values.get(wgrad_key)
+            if accumulated is None:
+                values[wgrad_key] = self._first_weight_grads(weight_targets, masters, grads, stored)
+            else:
+                self._add_weight_grads(accumulated, weight_targets, masters, grads, stored)
             del grads
             self.device.check_budget()
+
+    def _first_weight_grads(self, weights: Sequence[torch.Tensor], masters: Sequence[torch.Tensor],
+                            grads: Iterator[torch.Tensor | None], handed: set[int]) -> list[torch.Tensor | None]:
+        """A pack's weight gradients from its first backward on this device, each in its master's
+        gradient dtype (fp32 under bf16 compute) and one the runtime may add into in place: as
+        ``_own(grad, handed)`` decides, written out here because it runs for every weight."""
+        kept: list[torch.Tensor | None] = []
+        for weight, master in zip(weights, masters):
+            grad = next(grads) if weight.requires_grad else None
+            if grad is not None:
+                if grad.dtype != grad_dtype(master):
+                    grad = grad.to(grad_dtype(master))
+                else:
+                    base = grad._base
+                    if not grad.is_contiguous() or (base is not None and base.numel() != grad.numel()):
+                        grad = grad.clone(memory_format=torch.contiguous_format)
+                    else:
+                        storage = storage_key(grad)
+                        if storage in handed:
+                            grad = grad.clone()
+                        else:
+                            handed.add(storage)
+            kept.append(grad)
+        return kept
+
+    @staticmethod
+    def _add_weight_grads(accumulated: list[torch.Tensor | None], weights: Sequence[torch.Tensor],
+                          masters: Sequence[torch.Tensor], grads: Iterator[torch.Tensor | None], handed: set[int]) -> None:
+        """Another microbatch's weight gradients summed into ``accumulated`` in the master's gradient
+        dtype: each microbatch's gradient rounded once, not the running sum at every step."""
+        for i, (weight, master) in enumerate(zip(weights, masters)):
+            grad = next(grads) if weight.requires_grad else None
+            if grad is None:
+                continue
+            if accumulated[i] is not None:
+                accumulated[i].add_(grad)
+            elif grad.dtype != grad_dtype(master):
+                accumulated[i] = grad.to(grad_dtype(master))
+            else:
+                accumulated[i] = _own(grad, handed)
 
     # ------------------------------------------------------------------ helpers
     def _run_pack(self, pack: Pack, inputs: list, grad: bool, what: str) -> tuple:
@@ -649,8 +696,7 @@ class Runtime:
             return outputs
 
     def _context(self, pack: Pack, what: str):
-        device, text = self.device, f" in the {what} of {pack.name} ({pack.describe_layers()})"
-        return _DeviceContext(device, text)
+        return _DeviceContext(self.device, " in the {} of {} ({})", what, pack.name, pack.describe_layers)
 
     def _accumulate(self, key: Key, grad: object) -> None:
         existing = self.device_values.get(key)
@@ -687,6 +733,7 @@ class Runtime:
 
 
 _KIND_NAMES = {kind: kind.name.lower() for kind in KeyKind}  # the stats' names of key kinds
+_STREAMS = {stream.value: stream for stream in Stream}  # what ``Stream(name)`` finds, without Enum's lookup
 
 
 def grad_dtype(master: torch.Tensor) -> torch.dtype:
@@ -806,13 +853,19 @@ class _Links:
 
 
 class _DeviceContext:
-    """Names the running task in an out-of-memory error."""
+    """Names the running task in an out-of-memory error: ``text.format(*args)``, a callable among
+    ``args`` called, formatted only when an error is raised (a task runs hundreds of times a step)."""
 
-    def __init__(self, device: Device, text: str) -> None:
-        self.device, self.text = device, text
+    __slots__ = ("device", "text", "args")
+
+    def __init__(self, device: Device, text: str, *args: object) -> None:
+        self.device, self.text, self.args = device, text, args
+
+    def __str__(self) -> str:
+        return self.text.format(*[arg() if callable(arg) else arg for arg in self.args])
 
     def __enter__(self):
-        self.device.context = self.text
+        self.device.context = self
 
     def __exit__(self, kind, error, traceback) -> None:
         try:

@@ -94,10 +94,14 @@ def _private_copy(gm: fx.GraphModule) -> fx.GraphModule:
 
 def _signature(pack: Pack, inputs: list) -> tuple:
     """What a compiled function is specialised to, per input (see the module docstring)."""
+    try:  # all tensors, as nearly always: one comprehension (this runs at every pack call, on ~100 weights)
+        return tuple([(x.size(), x.stride(), x.dtype, x.device, x.requires_grad) for x in inputs])
+    except AttributeError:
+        pass
     signature = []
     for x in inputs:
         if isinstance(x, torch.Tensor):
-            signature.append((tuple(x.shape), x.stride(), x.dtype, x.device, x.requires_grad))
+            signature.append((x.size(), x.stride(), x.dtype, x.device, x.requires_grad))
         elif x is None or isinstance(x, (bool, int, float)):
             signature.append(("value", x))
         else:

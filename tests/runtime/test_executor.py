@@ -47,7 +47,7 @@ def test_host_gradients_sum_in_device_order_whatever_order_they_land():
     grads = HostGradients()
     # float32: (1e8 + -1e8) + 1 == 1, but 1 + -1e8 == -1e8 and then + 1e8 == 0
     for device, value in ((2, 1.0), (1, -1e8), (0, 1e8)):
-        grads.add_all([(7, torch.tensor([value]))], device)
+        grads.add_all([7], [torch.tensor([value])], device)
     assert grads.get(7).item() == 1.0
     assert grads.get(8) is None
 
@@ -84,3 +84,67 @@ def test_a_device_sharing_host_memory_trains_like_eager(name):
         torch.testing.assert_close(p, q[1], rtol=1e-5, atol=1e-6, msg=pname)
     for b, c in zip(model.buffers(), reference.buffers()):
         torch.testing.assert_close(b, c, rtol=1e-5, atol=1e-6)
+
+
+class _SharedGradients(torch.nn.Module):
+    """Weights whose gradients autograd hands out in shared memory once the batch is cut into
+    microbatches of one sample: ``h + w_a + w_b`` gives ``h``, ``w_a`` and ``w_b`` one tensor (the
+    shapes match, nothing is summed), ``cat([w_c, w_d])`` gives two views of one buffer; ``h``
+    also feeds the residual, so its gradient is summed in place from two packs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = torch.nn.Linear(4, 4)
+        self.w_a = torch.nn.Parameter(torch.randn(1, 4))
+        self.w_b = torch.nn.Parameter(torch.randn(1, 4))
+        self.w_c = torch.nn.Parameter(torch.randn(2))
+        self.w_d = torch.nn.Parameter(torch.randn(2))
+        self.out = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = self.inp(x)
+        return self.out((h + self.w_a + self.w_b) * torch.cat([self.w_c, self.w_d])) + h
+
+
+@pytest.mark.parametrize("track_memory", [False, True], ids=["shared-memory", "tracked"])
+def test_weight_gradients_autograd_hands_out_in_shared_memory_sum_like_eager(track_memory):
+    """Each weight's gradient is summed over four microbatches into a tensor of its own: one that
+    another weight's or an input's gradient shares is copied before anything adds into it."""
+    import copy
+
+    torch.manual_seed(0)
+    model, x = _SharedGradients(), torch.randn(4, 4)
+    reference = copy.deepcopy(model)
+    hm = harmony_fx.compile(model, (x,), devices=["host:0"], microbatches=4, pack_boundaries=[0, 1, 5],
+                            track_memory=track_memory)
+    assert len(hm.packs) == 3
+    for _ in range(2):  # the second call sums into .grad the first left
+        hm(x).square().sum().backward()
+        reference(x).square().sum().backward()
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_clipping_scales_each_weight_gradient_once_when_autograd_shared_them():
+    """``max_grad_norm`` scales the host gradients in place: two weights handed one tensor by
+    autograd must not get it scaled twice."""
+    import copy
+
+    torch.manual_seed(0)
+    model, x = _SharedGradients(), torch.randn(1, 4)
+    reference = copy.deepcopy(model)
+    loss_fn = lambda out, target: (out - target).square().sum()  # noqa: E731
+    target = torch.zeros(1, 4)
+    trainer = harmony_fx.Trainer(model, loss_fn, torch.optim.SGD(model.parameters(), lr=0.1), (x, target),
+                                 devices=["host:0"], microbatches=1, max_grad_norm=0.01, pack_boundaries=[0, 1, 5],
+                                 track_memory=False)  # gradients handed over as autograd made them
+    assert trainer.hm.device.shares_host_memory
+    trainer.step((x, target))
+    optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+    loss_fn(reference(x), target).backward()
+    assert torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.01) > 0.1  # the clip takes effect
+    optimizer.step()
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        # the clipped gradients are ~1e-3: compared relative to their own size
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-12, msg=name)
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-7, msg=name)
