@@ -13,6 +13,8 @@ the same at 12 layers. Each compiled run warms up (compiles) before it is timed.
 """
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import dataclasses
 import statistics
 import time
@@ -23,6 +25,22 @@ import torch
 import harmony_fx
 from harmony_fx.analysis.memory import eager_training_bytes
 from harmony_fx.testing.models import GPTConfig, TinyGPT
+
+def _pin_malloc_thresholds() -> None:
+    """glibc's malloc serves a large block with fresh pages (mmap) until a free raises its threshold,
+    so which of a step's tensors are faulted in anew differed from process to process: the same
+    code's step moved by ±2% against eager between runs. Fixed thresholds (what
+    ``MALLOC_MMAP_THRESHOLD_``/``MALLOC_TRIM_THRESHOLD_`` set) make every process allocate alike;
+    both sides of every ratio run under them."""
+    libc_name = ctypes.util.find_library("c")
+    if libc_name and "libc.so" in libc_name:
+        libc = ctypes.CDLL(libc_name)
+        M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
+        libc.mallopt(M_MMAP_THRESHOLD, 1 << 25)  # 32 MiB: the most every glibc takes
+        libc.mallopt(M_TRIM_THRESHOLD, 1 << 30)
+
+
+_pin_malloc_thresholds()
 
 CONFIG = GPTConfig(vocab_size=64, block_size=32, n_layer=8, n_head=4, n_embd=64, dropout=0.0)
 BATCH = 16

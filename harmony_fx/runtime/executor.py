@@ -25,6 +25,7 @@ from harmony_fx.ir.pack import Pack
 from harmony_fx.ir import values as pytrees
 from harmony_fx.ir.tracking import storage_key
 from harmony_fx.runtime.devices import Device
+from harmony_fx.runtime.direct import direct_forward
 from harmony_fx.runtime.inductor import PackCompiler
 from harmony_fx.program.actions import Key, KeyKind, Stream, parse_key
 
@@ -689,7 +690,7 @@ class Runtime:
         state = [weights[slot] for slot in pack.state_slot]
         with self.device.compute_scope(), self._context(pack, what), torch.set_grad_enabled(grad):
             if self.compiler is None:
-                outputs = pack.gm(*inputs, *state)
+                outputs = direct_forward(pack.gm)(pack.gm, *inputs, *state)
             else:
                 outputs = self.compiler.run(pack, [*inputs, *state], grad)
             self.device.check_budget()
