@@ -61,11 +61,12 @@ class Device:
         raise NotImplementedError
 
     def weights_to_device(self, pack_index: int, masters: Sequence[torch.Tensor], dtype: torch.dtype | None,
-                          written: frozenset[int]) -> list[torch.Tensor]:
+                          written: frozenset[int], params: int) -> list[torch.Tensor]:
         """A pack's weights on the device: each master staged in ``dtype`` and copied, read-only
-        but for the slots in ``written`` (BatchNorm statistics, which the device updates)."""
+        but for the slots in ``written`` (BatchNorm statistics, which the device updates); the copy
+        of each of the first ``params`` (the parameters) records gradients where its master does."""
         return [self.to_device(self.stage((pack_index, slot), master, dtype), (pack_index, slot),
-                               read_only=slot not in written)
+                               read_only=slot not in written).requires_grad_(slot < params and master.requires_grad)
                 for slot, master in enumerate(masters)]
 
     def grads_to_host(self, grads: Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -183,10 +184,11 @@ class HostDevice(Device):
 
     # one check for a pack's tensors, not one per tensor: these run for every weight every step
     def weights_to_device(self, pack_index: int, masters: Sequence[torch.Tensor], dtype: torch.dtype | None,
-                          written: frozenset[int]) -> list[torch.Tensor]:
+                          written: frozenset[int], params: int) -> list[torch.Tensor]:
         if dtype is None and not written and self.shares_host_memory:
-            return [master.detach() for master in masters]
-        return super().weights_to_device(pack_index, masters, dtype, written)
+            return ([master.detach().requires_grad_(master.requires_grad) for master in masters[:params]]
+                    + [master.detach() for master in masters[params:]])
+        return super().weights_to_device(pack_index, masters, dtype, written, params)
 
     def grads_to_host(self, grads: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         if self.shares_host_memory:

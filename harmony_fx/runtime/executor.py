@@ -381,10 +381,8 @@ class Runtime:
                 masters = self.host.masters[pack.index]
                 with _DeviceContext(device, " while copying the weights of {} ({}) to the device", pack.name,
                                     pack.describe_layers):
-                    value = device.weights_to_device(pack.index, masters, self.compute_dtype, pack.written_slots)
-                for copy, master in zip(value[: len(pack.params)], masters):
-                    if master.requires_grad:
-                        copy.requires_grad_(True)
+                    value = device.weights_to_device(pack.index, masters, self.compute_dtype, pack.written_slots,
+                                                     len(pack.params))
             else:
                 with _DeviceContext(device, " while copying {} to the device", key_text):
                     value = pytrees.map_tensors(lambda t: device.to_device(self._compute_dtype(t)), self.host_values[key])

@@ -79,3 +79,23 @@ def test_a_recompiled_graph_gets_a_new_function_and_errors_point_at_the_generate
         second(gm, torch.randn(2, 4))  # the wrong width: mm refuses it
     lines = traceback.format_tb(raised.value.__traceback__)
     assert any("harmony_fx direct" in line and "torch.ops" not in line and "(" in line for line in lines)
+
+
+def _dropout_graph(p: float, train: bool) -> torch.fx.GraphModule:
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    dropped = graph.call_function(torch.ops.aten.dropout.default, (x, p, train))
+    graph.output(graph.call_function(torch.ops.aten.mul.Tensor, (dropped, 2.0)))
+    return torch.fx.GraphModule(torch.nn.Module(), graph)
+
+
+@pytest.mark.parametrize(("p", "train", "called"), [(0.0, True, False), (0.5, False, False), (0.5, True, True)])
+def test_a_dropout_aten_returns_its_input_from_is_not_called(p, train, called):
+    gm = _dropout_graph(p, train)
+    assert ("dropout" in direct_source(gm)) == called
+    x = torch.randn(64)
+    torch.manual_seed(3)
+    expected = gm(x)
+    torch.manual_seed(3)
+    assert torch.equal(direct_forward(gm)(gm, x), expected)
+    assert "dropout" in gm.code  # the graph module itself keeps it
