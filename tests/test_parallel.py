@@ -167,7 +167,10 @@ def test_pp_handing_on_through_the_host_trains_like_peer_and_frees_per_microbatc
     soon as their copy landed: the same numbers bitwise, no peer traffic, and no device's peak
     above the device-to-device hand-off's (both measured by the witness)."""
     peer = _train(name, num_devices, chaos, 2, parallel="pp", microbatches=4)
-    host = _train(name, num_devices, chaos, 2, parallel="pp", microbatches=4, handoff="host")
+    # the same packs for both (planned apart, each hand-off could pack the budget its own way)
+    boundaries = [pack.layers[0] for pack in peer[0].hm.packs]
+    host = _train(name, num_devices, chaos, 2, parallel="pp", microbatches=4, handoff="host",
+                  pack_boundaries=boundaries)
     trainer, model, witnessed = host[0], host[1], host[5]
     for param, expected in zip(model.parameters(), peer[1].parameters()):
         assert torch.equal(param, expected)

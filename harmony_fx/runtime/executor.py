@@ -500,7 +500,13 @@ class Runtime:
 
     def free(self, key_text: str) -> None:
         key = self.key(key_text)
-        self._submit(Stream.COMPUTE, lambda: self.device_values.pop(key), None, "FREE {}", key_text)
+        self._submit(Stream.COMPUTE, lambda: self._free(key), None, "FREE {}", key_text)
+
+    def _free(self, key: Key) -> None:
+        self.device_values.pop(key)
+        if key.kind == KeyKind.WGRAD:  # the weights' ``.grad`` autograd summed them in (``_backward``) go too
+            for weight in self.device_values.get(Key(KeyKind.WEIGHTS, key.name), ()):
+                weight.grad = None
 
     def update(self, pack_index: int, *copies: _Event) -> None:
         """Hand ``pack_index``'s update to the host: ``on_update`` gets the weight-gradient copies to
@@ -610,10 +616,27 @@ class Runtime:
         weight_targets = weights[: len(pack.params)]
         targets = [leaf for _, x in input_targets for leaf in _differentiable(x)]
         targets += [w for w in weight_targets if w.requires_grad]
+        # In the compute dtype the masters' gradients keep, autograd sums each weight's gradient into
+        # its device copy's ``.grad`` itself (AccumulateGrad, in C++: it takes autograd's tensor where
+        # nothing else holds it, else a copy, and adds later microbatches in place), as eager does
+        # for parameters; ``dW`` is then those ``.grad``. Under another compute dtype (bf16) each
+        # microbatch's gradient is captured and summed in the master's dtype here.
+        summed_by_autograd = self.compute_dtype is None
+        wgrad_key = Key(KeyKind.WGRAD, pack.name)
+        accumulated = values.get(wgrad_key)
+        if summed_by_autograd and accumulated is not None:
+            for weight, grad in zip(weight_targets, accumulated):
+                if weight.grad is not grad:  # the weights were fetched again since the last microbatch
+                    weight.grad = grad
         with self.device.compute_scope(), self._context(pack, "backward"):
             with self.compiler.backward_scope() if self.compiler is not None else contextlib.nullcontext():
-                grads = iter(torch.autograd.grad(roots, targets, root_grads, allow_unused=True) if roots and targets
-                             else [None] * len(targets))
+                if summed_by_autograd:
+                    if roots and targets:
+                        torch.autograd.backward(roots, root_grads)
+                    grads = iter([target.grad for target in targets])
+                else:
+                    grads = iter(torch.autograd.grad(roots, targets, root_grads, allow_unused=True)
+                                 if roots and targets else [None] * len(targets))
             del roots, root_grads, inputs
             stored: set[int] = set()
             for name, x in input_targets:
@@ -632,10 +655,10 @@ class Runtime:
                     stored.add(storage_key(grad))
                     leaf_grads.append(grad)
                 self._accumulate(Key(KeyKind.GRAD, name, mb), pytrees.with_leaves(x, leaf_grads))
-            wgrad_key = Key(KeyKind.WGRAD, pack.name)
             masters = self.host.masters[pack_index]
-            accumulated = values.get(wgrad_key)
-            if accumulated is None:
+            if summed_by_autograd:  # the sums so far
+                values[wgrad_key] = [next(grads) if weight.requires_grad else None for weight in weight_targets]
+            elif accumulated is None:
                 values[wgrad_key] = self._first_weight_grads(weight_targets, masters, grads, stored)
             else:
                 self._add_weight_grads(accumulated, weight_targets, masters, grads, stored)
