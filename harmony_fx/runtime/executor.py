@@ -16,7 +16,7 @@ import contextlib
 import dataclasses
 import threading
 import time
-from typing import Callable, Iterator, Sequence
+from typing import Callable, Sequence
 
 import torch
 from torch import fx
@@ -658,52 +658,22 @@ class Runtime:
             masters = self.host.masters[pack_index]
             if summed_by_autograd:  # the sums so far
                 values[wgrad_key] = [next(grads) if weight.requires_grad else None for weight in weight_targets]
-            elif accumulated is None:
-                values[wgrad_key] = self._first_weight_grads(weight_targets, masters, grads, stored)
             else:
-                self._add_weight_grads(accumulated, weight_targets, masters, grads, stored)
+                accumulated = values.setdefault(wgrad_key, [None] * len(weight_targets))
+                for i, weight in enumerate(weight_targets):
+                    grad = next(grads) if weight.requires_grad else None
+                    if grad is None:
+                        continue
+                    # summed over microbatches in the master's gradient dtype (fp32 under bf16 compute):
+                    # each microbatch's gradient is rounded once, not the running sum at every step
+                    if accumulated[i] is not None:
+                        accumulated[i].add_(grad)
+                    elif grad.dtype != grad_dtype(masters[i]):
+                        accumulated[i] = grad.to(grad_dtype(masters[i]))
+                    else:
+                        accumulated[i] = _own(grad, stored)
             del grads
             self.device.check_budget()
-
-    def _first_weight_grads(self, weights: Sequence[torch.Tensor], masters: Sequence[torch.Tensor],
-                            grads: Iterator[torch.Tensor | None], handed: set[int]) -> list[torch.Tensor | None]:
-        """A pack's weight gradients from its first backward on this device, each in its master's
-        gradient dtype (fp32 under bf16 compute) and one the runtime may add into in place: as
-        ``_own(grad, handed)`` decides, written out here because it runs for every weight."""
-        kept: list[torch.Tensor | None] = []
-        for weight, master in zip(weights, masters):
-            grad = next(grads) if weight.requires_grad else None
-            if grad is not None:
-                if grad.dtype != grad_dtype(master):
-                    grad = grad.to(grad_dtype(master))
-                else:
-                    base = grad._base
-                    if not grad.is_contiguous() or (base is not None and base.numel() != grad.numel()):
-                        grad = grad.clone(memory_format=torch.contiguous_format)
-                    else:
-                        storage = storage_key(grad)
-                        if storage in handed:
-                            grad = grad.clone()
-                        else:
-                            handed.add(storage)
-            kept.append(grad)
-        return kept
-
-    @staticmethod
-    def _add_weight_grads(accumulated: list[torch.Tensor | None], weights: Sequence[torch.Tensor],
-                          masters: Sequence[torch.Tensor], grads: Iterator[torch.Tensor | None], handed: set[int]) -> None:
-        """Another microbatch's weight gradients summed into ``accumulated`` in the master's gradient
-        dtype: each microbatch's gradient rounded once, not the running sum at every step."""
-        for i, (weight, master) in enumerate(zip(weights, masters)):
-            grad = next(grads) if weight.requires_grad else None
-            if grad is None:
-                continue
-            if accumulated[i] is not None:
-                accumulated[i].add_(grad)
-            elif grad.dtype != grad_dtype(master):
-                accumulated[i] = grad.to(grad_dtype(master))
-            else:
-                accumulated[i] = _own(grad, handed)
 
     # ------------------------------------------------------------------ helpers
     def _run_pack(self, pack: Pack, inputs: list, grad: bool, what: str) -> tuple:
