@@ -655,10 +655,10 @@ class Runtime:
                     stored.add(storage_key(grad))
                     leaf_grads.append(grad)
                 self._accumulate(Key(KeyKind.GRAD, name, mb), pytrees.with_leaves(x, leaf_grads))
-            masters = self.host.masters[pack_index]
             if summed_by_autograd:  # the sums so far
                 values[wgrad_key] = [next(grads) if weight.requires_grad else None for weight in weight_targets]
             else:
+                masters = self.host.masters[pack_index]
                 accumulated = values.setdefault(wgrad_key, [None] * len(weight_targets))
                 for i, weight in enumerate(weight_targets):
                     grad = next(grads) if weight.requires_grad else None
