@@ -40,6 +40,8 @@ def compile(model: nn.Module, example_inputs: tuple | torch.Tensor | None = None
     a batch of another size is planned on its first call. The options are ``CompileOptions``'."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"harmony_fx.compile expects an nn.Module, got {type(model).__name__}")
+    from harmony_fx.config import check_option_names, option_names
+    check_option_names(options, option_names(), "harmony_fx.compile")
     opts = CompileOptions(devices=devices, memory_budget=memory_budget, microbatches=microbatches,
                           parallel=parallel, **options)
     if example_inputs is None and example_kwargs is None:

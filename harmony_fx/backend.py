@@ -37,11 +37,9 @@ from torch import fx, nn
 from torch.fx import traceback as fx_traceback
 
 from harmony_fx.api import HarmonyModule, compile as harmony_compile
-from harmony_fx.config import CompileOptions
+from harmony_fx.config import check_option_names, option_names
 
 __all__ = ["harmony"]
-
-_OPTION_NAMES = tuple(field.name for field in dataclasses.fields(CompileOptions))
 
 
 class _Kind(enum.Enum):
@@ -64,12 +62,9 @@ def harmony(gm: fx.GraphModule, example_inputs: Sequence[Any], *, options: dict 
     """Compile one Dynamo graph for harmony; ``options`` are ``harmony_fx.compile``'s keyword options."""
     if mode not in (None, "default"):
         raise ValueError(f"torch.compile(mode={mode!r}) has no meaning for the harmony backend; pass harmony's "
-                         f"settings as options={{...}} (any of {', '.join(_OPTION_NAMES)}).")
+                         f"settings as options={{...}} (any of {', '.join(sorted(option_names()))}).")
     options = dict(options or {})
-    unknown = sorted(set(options) - set(_OPTION_NAMES))
-    if unknown:
-        raise TypeError(f"unknown option(s) {unknown} for backend='harmony'; the options are those of "
-                        f"harmony_fx.compile: {', '.join(_OPTION_NAMES)}.")
+    check_option_names(options, option_names(), 'torch.compile(backend="harmony") options')
     placeholders = gm.graph.find_nodes(op="placeholder")
     inputs = _sort_inputs(placeholders, example_inputs)
     if _num_microbatches(options) > 1 and "batch_dims" not in options:

@@ -3,13 +3,14 @@ parsing of sizes such as ``"2GiB"``."""
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import os
 import re
-from typing import Literal, Mapping
+from typing import Iterable, Literal, Mapping
 
 import torch
 
-__all__ = ["CompileOptions", "parse_size", "format_size", "cuda_reserve"]
+__all__ = ["CompileOptions", "parse_size", "format_size", "cuda_reserve", "option_names", "check_option_names"]
 
 _UNITS = {
     "": 1, "b": 1,
@@ -167,6 +168,38 @@ class CompileOptions:
         if self.track_memory is not None:
             return self.track_memory
         return TRACK_MEMORY_BY_DEFAULT and not self.compile_packs
+
+
+# Fields that harmony_fx sets itself, never a user: ``forward_microbatches`` comes from
+# ``microbatches={"forward": Mf, "backward": Mb}``, and passing it too would bypass that check.
+_INTERNAL_OPTIONS = frozenset({"forward_microbatches"})
+
+
+def _is_internal(name: str) -> bool:
+    return name in _INTERNAL_OPTIONS or name.startswith("_")
+
+
+def option_names() -> tuple[str, ...]:
+    """The ``CompileOptions`` fields a user may pass (to ``compile``, the ``Trainer``, the backend)."""
+    return tuple(field.name for field in dataclasses.fields(CompileOptions) if not _is_internal(field.name))
+
+
+def check_option_names(given: Iterable[str], valid: Iterable[str], door: str) -> None:
+    """Refuse the names in ``given`` that are not in ``valid`` (internal fields never are) with a
+    ``TypeError`` that names ``door`` (where the options were passed), suggests the nearest valid
+    name of each, and lists the valid ones: a typo would otherwise get Python's bare "unexpected
+    keyword argument", from a dataclass the user never called."""
+    valid = sorted({name for name in valid if not _is_internal(name)})
+    unknown = [name for name in given if name not in valid]
+    if not unknown:
+        return
+    described = []
+    for name in unknown:
+        nearest = difflib.get_close_matches(str(name), valid, n=1)
+        described.append(f"{name!r} (did you mean {nearest[0]!r}?)" if nearest else repr(name))
+    plural = "s" if len(unknown) > 1 else ""
+    raise TypeError(f"{door} got the unknown option{plural} {', '.join(described)}. Correct the name{plural}; "
+                    f"the valid options are: {', '.join(valid)}.")
 
 
 # What a GPU needs beyond the tensors a plan counts: cuBLAS and cuDNN workspaces (about 32 MiB per

@@ -59,7 +59,7 @@ from torch import nn
 
 from harmony_fx.api import HarmonyModule
 from harmony_fx.compiler.tier import OptimizerFacts
-from harmony_fx.config import CompileOptions
+from harmony_fx.config import CompileOptions, check_option_names, option_names
 from harmony_fx.distributed import checkpoint
 from harmony_fx.distributed.cluster import Cluster, PeerError, StepFailedElsewhere
 from harmony_fx.distributed.updates import CrossProcessUpdates
@@ -168,6 +168,9 @@ class Trainer:
                  loss_reduction: str = "mean", skip_nonfinite: bool = False, atomic: bool = True,
                  process_group: Any = None, shard_optimizer: bool | None = None,
                  collective_timeout: float | None = None, **options: Any) -> None:
+        # before anything else, so that a misspelled max_grad_norm is named as the Trainer's, not CompileOptions'
+        own = [name for name, p in inspect.signature(Trainer.__init__).parameters.items() if p.kind is p.KEYWORD_ONLY]
+        check_option_names(options, own + list(option_names()), "harmony_fx.Trainer")
         if skip_nonfinite and not atomic:
             raise ValueError("skip_nonfinite=True needs atomic=True: skipping a step puts back the updates the "
                              "backward already made, from the copies atomic=False does not keep")
