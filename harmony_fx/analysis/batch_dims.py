@@ -18,8 +18,11 @@ this analysis proves it safe; an option the user sets is theirs.
 4. An op acting along the batch dim, an op this module has no rule for, and a shared value that
    varies along the batch dim meeting a batched one (a ``[B, H]`` parameter added to ``[B, H]``
    activations) all make the graph *not separable*; the first such node is the reason given.
-5. A sum or mean over the batch is allowed once, on the way to a scalar model output (the loss),
-   through ops that keep it a mean or a sum; ``microbatch.scalar_reduction`` puts it back together.
+5. A sum or mean over the batch down to a number (a loss) may only go on to other numbers (not
+   meet the samples again) and end in a scalar model output. Whether that output can be put back
+   together from microbatches (a mean, a sum, a linear combination of them: ``loss_a.mean() +
+   loss_b.mean()``) is decided by ``microbatch.scalar_reduction``, the one analysis of how a loss
+   reduces, which also gives the runtime its weights; this module does not decide it again.
 
 Returns the batch dim of each model output (what microbatch outputs are concatenated along).
 """
@@ -33,6 +36,7 @@ from typing import Any, Mapping, Sequence
 import torch
 from torch import fx
 
+from harmony_fx.frontend.microbatch import ScalarReduction, scalar_reduction
 from harmony_fx.ir import meta
 from harmony_fx.ir.values import leaves
 
@@ -59,9 +63,11 @@ class BatchAnalysis:
     output_dims: Mapping[str, int | None] = dataclasses.field(default_factory=dict)
 
 
-def analyze_batch_dims(gm: fx.GraphModule, input_dims: Mapping[str, int | None], batch_size: int) -> BatchAnalysis:
+def analyze_batch_dims(gm: fx.GraphModule, input_dims: Mapping[str, int | None], batch_size: int,
+                       reductions: Mapping[str, ScalarReduction] | None = None) -> BatchAnalysis:
     """``input_dims``: model input placeholder name -> its batch dim (``None``: shared whole);
-    ``batch_size``: the number of samples along those dims."""
+    ``batch_size``: the number of samples along those dims; ``reductions``: how each scalar output
+    reduces the batch (``Captured.reductions``; ``None``: read from ``gm`` here)."""
     if not any(dim is not None for dim in input_dims.values()):
         return BatchAnalysis(False, "no input is cut along a batch dim")
     try:
@@ -76,6 +82,12 @@ def analyze_batch_dims(gm: fx.GraphModule, input_dims: Mapping[str, int | None],
         if dim is None:
             return BatchAnalysis(False, f"the output {arg.name} does not depend on the batch: every microbatch "
                                         "would compute it whole")
+        if dim == _REDUCED:
+            # whether a loss can be put back together from microbatches is scalar_reduction's call,
+            # the same one that gives the runtime its weights
+            reduction = (reductions or {}).get(arg.name) or scalar_reduction(gm, arg)
+            if reduction.combine is None:
+                return BatchAnalysis(False, reduction.why)
         output_dims[arg.name] = None if dim == _REDUCED else dim
     return BatchAnalysis(True, output_dims=output_dims)
 
@@ -105,8 +117,13 @@ def _propagate(gm: fx.GraphModule, env_inputs: Mapping[str, _Dims], batch_size: 
                 _follow_shared(node, c)
             continue
         if any(_REDUCED in env[arg] for arg in inputs):
-            if node.op == "call_function" and _name(node) in _KEEPS_A_LOSS and len(inputs) == 1:
-                env[node] = [_REDUCED]
+            value = node.meta.get(meta.VAL)
+            if isinstance(value, torch.Tensor) and value.dim() == 0 and all(
+                    set(env[arg]) <= {_REDUCED, None} for arg in inputs):
+                env[node] = [_REDUCED]  # still a number for the whole batch: see step 5
+                continue
+            if value is None or _name(node) in _SIZE_QUERIES:  # an assertion on the loss, not a use of it
+                env[node] = [None] * max(len(leaves(value)), 1)
                 continue
             raise _Mixed(f"{node.format_node()} computes with a loss reduced over the whole batch")
         if not any(isinstance(leaf, torch.Tensor) for leaf in leaves(node.meta.get(meta.VAL))):
@@ -219,9 +236,6 @@ def _arange_from_zero(node: fx.Node) -> bool:
 
 _FILL = {"zeros", "ones", "full", "empty", "empty_strided", "new_zeros", "new_ones", "new_full", "new_empty",
          "zeros_like", "ones_like", "full_like", "empty_like", "scalar_tensor", "fill", "fill_", "zero_", "zero"}
-# what a loss (a sum or mean over the batch) may go through on its way to the output and stay one
-_KEEPS_A_LOSS = {"clone", "alias", "detach", "_to_copy", "to", "contiguous", "view", "_unsafe_view", "reshape",
-                 "squeeze", "mul", "div", "neg", "type_as", "_assert_tensor_metadata"}
 
 
 def _name(node: fx.Node) -> str:

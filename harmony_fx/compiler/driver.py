@@ -9,8 +9,10 @@
 5. ``signature``: inputs, outputs, what is differentiable (``compiler.signature``).
 6. ``plan packs``: the fewest packs that fit, each candidate evaluated apart (split, lower,
    verify, FakeTensor peak: ``compiler.packing.evaluate``), changing nothing it is given.
-7. ``fall back``: if the planner's packing does not fit after all (its estimate was optimistic),
-   stages 3-6 again without it.
+7. ``fall back``: if a stage from 3 on raises for the planner's schedule (its packing does not
+   fit after all, a microbatch size captures another graph, ...), stages 3-9 again with its next
+   schedule, and last with the options' own settings; if those fail too, their error says what
+   was tried before.
 8. ``annotate packs``: the chosen packing written on the graphs, liveness, ``verify_packs``.
 9. ``check peak``; for a Trainer with ``host_memory``/``nvme_path``, ``plan tier`` (host memory,
    and which packs' optimizer state goes to the NVMe tier: ``compiler.tier``) and ``insert tier
@@ -46,7 +48,7 @@ from harmony_fx.frontend import microbatch
 from harmony_fx.lowering.tier_io import insert_tier_io
 from harmony_fx.passes.split_packs import annotate_packs
 from harmony_fx.planner.chain import Schedule
-from harmony_fx.planner.choose import choose_schedule
+from harmony_fx.planner.choose import choose_schedules
 from harmony_fx.program.actions import Action, ActionKind, KeyKind
 from harmony_fx.program.codegen import generate_program
 from harmony_fx.program.verify import check_peak, verify_packs
@@ -90,7 +92,8 @@ def compile_program(model: nn.Module, args: tuple, kwargs: dict, options: Compil
     flat_dims = tuple(d for x, d in zip(microbatch.pytree.tree_leaves((args, kwargs)), microbatch.pytree.tree_leaves(dims))
                       if isinstance(x, torch.Tensor))
     example = _Example(model, args, kwargs, dims, flat_dims)
-    whole = analysis = schedule = None
+    whole = analysis = None
+    schedules: tuple[Schedule, ...] = ()
     if options.pack_boundaries is None and (
             options.microbatches is None or (options.parallel == "auto" and len(devices) > 1)):
         batch = _batch_or_none(example)
@@ -98,19 +101,64 @@ def compile_program(model: nn.Module, args: tuple, kwargs: dict, options: Compil
             whole = log.run("capture whole batch", capture_variant, model, None, args, kwargs,
                             devices[0].torch_device, decision=_describe_variant)
             analysis = log.run("analyze batch", _analyze_batch, whole, batch, flat_dims, decision=_describe_batch)
-            schedule = log.run("choose schedule", choose_schedule, whole.captured.gm, model, batch, devices,
-                               devices[0].budget, options, analysis.separable, trainer,
-                               decision=lambda s: s.describe() if s else "none found: the options' defaults")
+            schedules = log.run("choose schedule", choose_schedules, whole.captured.gm, model, batch, devices,
+                                devices[0].budget, options, analysis.separable, trainer, decision=_describe_schedules)
     stages = functools.partial(_from_layout, log, example, devices, options, trainer, updates, optimizer, whole,
                                analysis)
-    try:
-        return stages(schedule)
-    except BudgetTooSmallError:
-        if schedule is None:
-            raise
-        log.run("fall back", lambda: None, decision=lambda _: "the planner's packing does not fit after all: "
-                                                              "planning again without it")
-        return stages(None)
+    return _first_that_compiles(log, stages, schedules, options, len(devices))
+
+
+def _first_that_compiles(log: StageLog, stages, schedules: tuple[Schedule, ...], options: CompileOptions,
+                         num_devices: int) -> Compiled:
+    """``stages(schedule)`` for the planner's schedules in turn, then the options' own (``None``):
+    the planner chose on the whole batch's graph and its own cost model, and a choice can still
+    fail here (a microbatch size captures another graph, the packing does not fit after all), which
+    is no reason to fail a model the next choice compiles. Each try is in the log; if the options'
+    own fail too, their error is raised (its type kept: callers catch ``BudgetTooSmallError``),
+    saying what was tried before and why each failed."""
+    tried: list[tuple[str, Exception]] = []
+    candidates = [*schedules, None]
+    for index, schedule in enumerate(candidates):
+        try:
+            return stages(schedule)
+        except Exception as error:  # noqa: BLE001 - any failure of a planner's choice: try the next
+            if schedule is None:
+                if not tried:
+                    raise
+                replacement = _say_what_was_tried(error, tried)
+                if replacement is error:
+                    raise
+                raise replacement from error
+            what = _describe_try(schedule, options, num_devices)
+            tried.append((what, error))
+            following = _describe_try(candidates[index + 1], options, num_devices)
+            log.run("fall back", lambda: None,
+                    decision=lambda _: f"{what} raised {type(error).__name__}; trying {following}")
+    raise AssertionError("unreachable: the options' own settings are the last candidate")
+
+
+def _describe_try(schedule: Schedule | None, options: CompileOptions, num_devices: int) -> str:
+    if schedule is None:
+        forward = "" if options.forward_microbatches is None else f", {options.forward_microbatches} in the forward"
+        return f"the options' own settings ({options.microbatches or num_devices} microbatches{forward})"
+    return f"the planner's {schedule.describe()}"
+
+
+def _first_line(error: Exception) -> str:
+    return (str(error).strip().splitlines() or [""])[0]
+
+
+def _say_what_was_tried(error: Exception, tried: list[tuple[str, Exception]]) -> Exception:
+    """``error``, its message followed by the schedules tried before and why each failed: the same
+    object where its message is its one argument (type and attributes kept, e.g.
+    ``BudgetTooSmallError.smallest_budget``), else a ``ValueError`` saying it all."""
+    lines = "\n".join(f"  - {what}: {type(failure).__name__}: {_first_line(failure)}" for what, failure in tried)
+    message = (f"{error}\nharmony_fx tried {len(tried)} schedule(s) of the planner before these options, and each "
+               f"failed:\n{lines}")
+    if type(error).__str__ is BaseException.__str__ and len(error.args) == 1 and isinstance(error.args[0], str):
+        error.args = (message,)
+        return error
+    return ValueError(f"{type(error).__name__}: {message}")
 
 
 def _from_layout(log: StageLog, example: _Example, devices: list, options: CompileOptions, trainer: bool,
@@ -191,7 +239,7 @@ def _capture_microbatches(example: _Example, layout: Layout, whole: Variant | No
             if size not in variants:
                 variants[size] = whole if size is None and whole is not None else capture_variant(
                     example.model, size, mb_args, mb_kwargs, target)
-    check_same_layers(variants, layout.num_microbatches)
+    check_same_layers(variants, backward_sizes, forward_sizes)
     return variants
 
 
@@ -210,15 +258,12 @@ def _check_forward_parts(trainer: bool, analysis: BatchAnalysis) -> None:
 
 def _analyze_batch(variant: Variant, batch: int, flat_dims) -> BatchAnalysis:
     """Whether this variant's graph treats the samples apart (and its outputs' batch dims), and
-    whether each scalar output (a loss) can be put back together from microbatches."""
+    whether each scalar output (a loss) can be put back together from microbatches: judged by the
+    reductions read at capture, the ones the runtime weighs the microbatches' losses by."""
     captured = variant.captured
     if batch < 2:
         return BatchAnalysis(False, "a batch of one sample has nothing to cut")
-    analysis = analyze_batch_dims(captured.gm, dict(zip(captured.inputs, flat_dims)), batch)
-    unknown = [reduction.why for reduction in captured.reductions.values() if reduction.combine is None]
-    if analysis.separable and unknown:
-        return BatchAnalysis(False, unknown[0])
-    return analysis
+    return analyze_batch_dims(captured.gm, dict(zip(captured.inputs, flat_dims)), batch, captured.reductions)
 
 
 def _analyze_largest(example: _Example, variants: dict, layout: Layout) -> BatchAnalysis:
@@ -319,6 +364,13 @@ def _refuse_fixed_float_casts(gm: fx.GraphModule) -> None:
 def _describe_devices(devices: list) -> str:
     return ", ".join(f"{d.name} (budget {'unlimited' if d.budget is None else format_size(d.budget)})"
                      for d in devices)
+
+
+def _describe_schedules(schedules: tuple[Schedule, ...]) -> str:
+    if not schedules:
+        return "none found: the options' defaults"
+    later = f" (then {len(schedules) - 1} simpler one(s) to fall back to)" if len(schedules) > 1 else ""
+    return schedules[0].describe() + later
 
 
 def _describe_variant(variant: Variant) -> str:

@@ -2,11 +2,15 @@
 
 Export bakes sizes into reshapes, so a batch of 10 in 4 microbatches (3, 3, 2, 2) is captured at
 sizes 3 and 2; every variant must have the same layers (the packs of every size share their
-boundaries and names). ``None`` is the whole batch (one microbatch).
+boundaries and names). ``None`` is the whole batch (one microbatch). Export may also capture other
+ops at another size (a ``contiguous`` on a size-1 dim is a no-op it drops); ``check_same_layers``
+then says which microbatches capture one size only, and ``compile`` falls back from a planner's
+choice that meets it.
 """
 from __future__ import annotations
 
 import dataclasses
+from typing import Sequence
 
 from torch import fx, nn
 
@@ -47,9 +51,40 @@ def capture_variant(model: nn.Module, size: int | None, args: tuple, kwargs: dic
     return Variant(size, captured, layers, {node.name: node for node in captured.gm.graph.nodes})
 
 
-def check_same_layers(variants: dict[int | None, Variant], num_microbatches: int) -> None:
+def check_same_layers(variants: dict[int | None, Variant], backward_sizes: Sequence[int | None],
+                      forward_sizes: Sequence[int] = ()) -> None:
+    """Every variant has the first's layers, node for node; else a ``ValueError`` saying where
+    they differ and which microbatches to use instead. ``backward_sizes``: the microbatches'
+    sizes; ``forward_sizes``: the larger forward microbatches', if any."""
     first, *others = variants.values()
     for variant in others:
-        if [layer.nodes for layer in variant.layers] != [layer.nodes for layer in first.layers]:
-            raise ValueError(f"the model's graph at microbatch size {variant.size} differs from the graph at size "
-                             f"{first.size}; use a batch size divisible by microbatches={num_microbatches}.")
+        if [layer.nodes for layer in variant.layers] == [layer.nodes for layer in first.layers]:
+            continue
+        where = next(((a, b) for a, b in zip(first.layers, variant.layers) if a.nodes != b.nodes), None)
+        detail = ""
+        if where is not None:
+            only = sorted(set(where[0].nodes) ^ set(where[1].nodes))
+            detail = (f", first in layer {where[0].name!r} (nodes only one of them has: "
+                      f"{', '.join(only[:3])}{', ...' if len(only) > 3 else ''})")
+        raise ValueError(
+            f"the model's graph at microbatch size {variant.size} differs from the graph at size {first.size}"
+            f"{detail}: export specialises some ops on the sizes it sees (a size-1 dim, for one, makes a "
+            "`contiguous` a no-op it drops), and the packs of every microbatch size must share their layers. "
+            + _same_size_advice(first.size, variant.size, backward_sizes, forward_sizes))
+
+
+def _same_size_advice(a: int | None, b: int | None, backward_sizes: Sequence[int | None],
+                      forward_sizes: Sequence[int]) -> str:
+    """What makes every microbatch one size, for the sizes ``a`` and ``b`` that capture differently."""
+    num = len(backward_sizes)
+    if {a, b} & (set(forward_sizes) - set(backward_sizes)):
+        advice = (f"The forward runs microbatches of {max(forward_sizes)} samples and the backward of "
+                  f"{min(s for s in backward_sizes if s)}: give microbatches as one int (e.g. microbatches={num}).")
+    else:
+        batch = sum(s for s in backward_sizes if s)
+        advice = (f"A batch of {batch} in microbatches={num} is cut into sizes "
+                  f"{', '.join(map(str, sorted(set(backward_sizes), reverse=True)))}: use a batch size divisible "
+                  f"by {num}, or a number of microbatches that divides {batch}.")
+    if 1 in (a, b):
+        advice += " Microbatches of one sample capture differently most often: prefer at least 2 samples each."
+    return advice

@@ -18,13 +18,22 @@ that into one coefficient per microbatch, so that the batch's value is
   the graph of each microbatch divides by its own size, so it is a mean over samples, weighted by
   them. A divisor is taken to be the batch size when it equals each microbatch's size, or when it
   differs between microbatches (then it is taken to grow with the batch); a divisor the same for
-  every microbatch size is a constant and commutes with the sum.
+  every microbatch size is a constant and commutes with the sum;
+* a linear combination of these (``out[0].pow(2).mean() + 0.1 * out[1].abs().mean()``), possibly
+  plus a value computed without the batch (a penalty on the parameters): put back together with
+  one weight per microbatch when every term weighs the microbatches alike (means of per-sample
+  values do; a sum and a mean do not, and are refused saying so).
+
+``scalar_reduction`` is the one analysis of how a loss reduces over the batch: the runtime's
+weights come from it, and ``analysis.batch_dims`` asks it whether a loss can be cut (for the
+planner, and for forward microbatches larger than the backward's).
 """
 from __future__ import annotations
 
 import dataclasses
 import enum
 import inspect
+import math
 import operator
 from typing import Any, Callable, Mapping, Sequence
 
@@ -121,6 +130,7 @@ aten = torch.ops.aten
 class Combine(enum.Enum):
     MEAN = "mean"
     SUM = "sum"
+    LINEAR = "linear"  # a linear combination of means and sums (``ScalarReduction.terms``)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,7 +139,9 @@ class ScalarReduction:
 
     ``combine``: ``MEAN`` weights microbatch i by ``count(inputs_i)`` (the number of items its mean
     is over; ``inputs_i``: placeholder name → the microbatch's input), ``SUM`` adds the values;
-    ``None`` when the graph does not say, and ``why`` tells the user what to do instead.
+    ``LINEAR``: a linear combination of ``terms`` (each a ``MEAN`` or ``SUM``), which one weight per
+    microbatch puts back together when every term weighs the microbatches alike; ``None`` when the
+    graph does not say, and ``why`` tells the user what to do instead.
     """
 
     combine: Combine | None
@@ -137,32 +149,105 @@ class ScalarReduction:
     why: str = ""
     # the constant the reduction was divided by on its way to the output (None: it was not scaled)
     divisor: float | None = None
+    terms: tuple[ScalarReduction, ...] = ()
+    # LINEAR: it also adds a value computed without the batch (a constant, a penalty on the
+    # parameters), which every microbatch computes whole: right only if the weights add up to 1
+    shared: bool = False
+    node: str = ""  # the node that reduces, for messages
 
 
 # ops a scalar passes through unchanged in kind: a mean stays a mean, a sum a sum
 _PASS_THROUGH = {aten.alias.default, aten.clone.default, aten.view.default, aten.reshape.default,
                  aten.squeeze.default, aten.to.dtype, aten._to_copy.default, aten.contiguous.default,
-                 aten.detach.default}
+                 aten.detach.default, aten.neg.default}
 _LABELLED_LOSSES = {aten.cross_entropy_loss.default, aten.nll_loss_nd.default, aten.nll_loss.default,
                     aten.nll_loss2d.default, aten.nll_loss_forward.default}
 _MEAN_REDUCTION, _SUM_REDUCTION = 1, 2  # at::Reduction
+_SHARED = object()  # a term of a sum that does not depend on the batch
 
 
 def scalar_reduction(gm: fx.GraphModule, node: fx.Node) -> ScalarReduction:
-    """How the scalar ``node`` (an output of the captured ATen graph ``gm``) reduces its batch."""
-    origin = node
-    divisor = None
+    """How the scalar ``node`` (an output of the captured ATen graph ``gm``) reduces its batch: one
+    mean or sum of the batch, or a linear combination of them (``loss_a.mean() + 0.5 * loss_b.sum()
+    / n``), possibly plus values that do not depend on the batch. This is the one place that decides
+    it: ``analysis.batch_dims`` asks it whether a loss can be cut, and the runtime's weights come
+    from it (``scalar_weights``)."""
+    terms = _terms(gm, node, None, node)
+    failed = [term for term in terms if term is not _SHARED and term.combine is None]
+    if failed:
+        return failed[0]
+    reductions = [term for term in terms if term is not _SHARED]
+    if not reductions:
+        return ScalarReduction(None, why=(
+            f"the model's output {node.name!r} is a number computed without the batch, which every microbatch would "
+            "compute whole; compute it outside the model, or use microbatches=1."))
+    if len(terms) == 1:
+        return reductions[0]
+    sums = [term.node for term in reductions if term.combine == Combine.SUM and term.divisor is None]
+    means = [term.node for term in reductions if term.combine == Combine.MEAN]
+    if sums and (means or len(reductions) < len(terms)):
+        # a sum counts each microbatch's value whole, a mean (and a value computed without the
+        # batch, which every microbatch computes) by its share: no one weight serves both
+        other = f"the mean {means[0]!r}" if means else "a value computed without the batch"
+        return ScalarReduction(None, why=(
+            f"the model's output {node.name!r} adds the sum {sums[0]!r} over the batch to {other}, which the "
+            "microbatches weigh differently (a sum by 1 each, a mean by each microbatch's share of the batch); "
+            "reduce every term the same way (all means or all sums), or use microbatches=1."))
+    return ScalarReduction(Combine.LINEAR, terms=tuple(reductions), shared=len(reductions) < len(terms),
+                           node=node.name)
+
+
+def _terms(gm: fx.GraphModule, node: fx.Node, divisor: float | None, origin: fx.Node) -> list:
+    """The reductions ``node`` adds up (each a ``ScalarReduction``, ``combine=None`` where the graph
+    does not say), and ``_SHARED`` for each term that does not depend on the batch. ``divisor``:
+    what the terms were divided by on the way from ``node`` to the output."""
+    if not _reads_inputs(node):
+        return [_SHARED]
     while node.op == "call_function":
-        if node.target in _PASS_THROUGH:
+        target = node.target
+        if target in _PASS_THROUGH:
             node = node.args[0]
-        elif node.target in (aten.mul.Tensor, aten.div.Tensor) and isinstance(node.args[1], (int, float)):
-            scale = node.args[1] if node.target is aten.div.Tensor else 1 / node.args[1]
-            divisor = scale if divisor is None else divisor * scale
-            node = node.args[0]
-        elif node.target is operator.getitem and node.args[1] == 0 and node.args[0].target is aten.nll_loss_forward.default:
+        elif target in (aten.mul.Tensor, aten.div.Tensor) and any(isinstance(a, (int, float)) for a in node.args[:2]):
+            (factor,) = [a for a in node.args[:2] if isinstance(a, (int, float))]
+            (node,) = [a for a in node.args[:2] if isinstance(a, fx.Node)]
+            if factor == 0:
+                return []  # nothing of it reaches the output
+            divisor = _scaled(divisor, factor if target is aten.div.Tensor else 1 / factor)
+        elif target in (aten.add.Tensor, aten.sub.Tensor) and len(node.args) == 2:
+            left, right = node.args
+            alpha = node.kwargs.get("alpha", 1)
+            right_terms = [] if alpha == 0 else (
+                _terms(gm, right, _scaled(divisor, 1 / alpha), origin) if isinstance(right, fx.Node) else [_SHARED])
+            return (_terms(gm, left, divisor, origin) if isinstance(left, fx.Node) else [_SHARED]) + right_terms
+        elif target is operator.getitem and node.args[1] == 0 and node.args[0].target is aten.nll_loss_forward.default:
             node = node.args[0]  # (loss, total_weight)
         else:
             break
+    return [dataclasses.replace(_reduction(gm, node, divisor, origin), node=node.name)]
+
+
+def _scaled(divisor: float | None, factor: float) -> float:
+    # a sign changes nothing in how microbatches combine
+    return abs(factor) if divisor is None else divisor * abs(factor)
+
+
+def _reads_inputs(node: fx.Node) -> bool:
+    """Whether ``node`` is computed from the model's inputs (else from parameters and constants)."""
+    seen: set[fx.Node] = set()
+    stack = [node]
+    while stack:
+        current = stack.pop()
+        if current in seen:
+            continue
+        seen.add(current)
+        if current.op == "placeholder" and meta.role_of(current) == meta.Role.INPUT:
+            return True
+        stack.extend(current.all_input_nodes)
+    return False
+
+
+def _reduction(gm: fx.GraphModule, node: fx.Node, divisor: float | None, origin: fx.Node) -> ScalarReduction:
+    """The one reduction of the batch at ``node``."""
     target = node.target
     if target in (aten.sum.default, aten.sum.dim_IntList):
         return ScalarReduction(Combine.SUM, divisor=divisor)
@@ -178,7 +263,8 @@ def scalar_reduction(gm: fx.GraphModule, node: fx.Node) -> ScalarReduction:
     return ScalarReduction(None, why=(
         f"the model's output {origin.name!r} is one number per microbatch, made by {node.format_node()}, and "
         "harmony_fx only knows how to put means and sums of the batch (cross_entropy, mse_loss, mean, sum, ...) "
-        "back together; return per-sample values (reduction='none'), or use microbatches=1."))
+        "and their linear combinations back together; return per-sample values (reduction='none'), or use "
+        "microbatches=1."))
 
 
 def scalar_weights(reductions: Sequence[ScalarReduction], inputs: Sequence[Mapping[str, torch.Tensor]],
@@ -191,15 +277,48 @@ def scalar_weights(reductions: Sequence[ScalarReduction], inputs: Sequence[Mappi
         if reduction.combine is None:
             raise ValueError(reduction.why)
     total = total or (lambda local: local)
+    first = reductions[0]
+    if first.combine != Combine.LINEAR:
+        return _term_weights(reductions, inputs, sizes, total)[0]
+    if any(reduction.combine != Combine.LINEAR or len(reduction.terms) != len(first.terms) for reduction in reductions):
+        raise ValueError(f"the loss {first.node!r} is made of other terms at different microbatch sizes (the graphs "
+                         "differ); use microbatches that cut the batch into equal sizes, or microbatches=1.")
+    # a_i = sum_t c_t * term_t(microbatch i), and the batch's term_t = sum_i w_ti * term_t(microbatch i):
+    # the batch's value is sum_i w_i * a_i exactly when w_ti = w_i for every term t
+    per_term = [_term_weights([reduction.terms[t] for reduction in reductions], inputs, sizes, total)
+                for t in range(len(first.terms))]
+    weights, normalised = per_term[0]
+    for t, (other, _) in enumerate(per_term[1:], 1):
+        if not all(math.isclose(a, b, rel_tol=1e-9) for a, b in zip(weights, other)):
+            raise ValueError(
+                f"the loss {first.node!r} adds {first.terms[0].node!r} and {first.terms[t].node!r}, which these "
+                f"microbatches weigh differently ({_rounded(weights)} and {_rounded(other)}: e.g. a mean over labelled "
+                "tokens and a mean over every element), so one weight per microbatch cannot put it back together; "
+                "reduce the terms over the same items, or use microbatches=1.")
+    if first.shared and not normalised:
+        raise ValueError(f"the loss {first.node!r} adds a value computed without the batch to sums over the batch: "
+                         "each microbatch computes that value whole and the sums add them up; divide the sums by "
+                         "the batch size, or use microbatches=1.")
+    return weights
+
+
+def _term_weights(reductions: Sequence[ScalarReduction], inputs: Sequence[Mapping[str, torch.Tensor]],
+                  sizes: Sequence[int | None], total: Callable[[float], float]) -> tuple[list[float], bool]:
+    """The weights of one mean or sum, and whether they are shares of the batch (adding up to 1
+    over the whole batch) rather than 1 each."""
     if reductions[0].combine == Combine.SUM:
         divisors = [reduction.divisor for reduction in reductions]
         if divisors[0] is not None and (len(set(divisors)) > 1 or divisors == [float(size) for size in sizes]):
             whole = total(sum(divisors))
-            return [divisor / whole for divisor in divisors]  # a sum over the batch / its size
-        return [1.0] * len(reductions)
+            return [divisor / whole for divisor in divisors], True  # a sum over the batch / its size
+        return [1.0] * len(reductions), False
     counts = [reduction.count(mb_inputs) for reduction, mb_inputs in zip(reductions, inputs)]
     whole = total(sum(counts))
-    return [count / whole if whole else float("nan") for count in counts]
+    return [count / whole if whole else float("nan") for count in counts], True
+
+
+def _rounded(weights: Sequence[float]) -> str:
+    return "[" + ", ".join(f"{w:.3g}" for w in weights) + "]"
 
 
 def merge_scalars(values: Sequence[torch.Tensor], weights: Sequence[float]) -> torch.Tensor:

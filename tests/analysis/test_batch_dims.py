@@ -80,6 +80,31 @@ def test_ops_that_keep_samples_apart_are_separable(fn):
     assert analysis.separable, analysis.reason
 
 
+@pytest.mark.parametrize("fn", [
+    lambda h, m: h.pow(2).mean() + h.abs().mean(),
+    lambda h, m: (h[:, :2].pow(2).mean() - 0.5 * h[:, 2:].sum() / h.shape[0]) * 3,
+    lambda h, m: h.pow(2).mean() + 0.01 * m.linear.weight.pow(2).sum(),
+], ids=["sum-of-means", "scaled-difference", "mean-plus-penalty"])
+def test_a_linear_combination_of_batch_means_is_separable(fn):
+    """A loss that adds means (and sums) of the batch is put back together from microbatches, each
+    weighted by its share: the samples stay apart, so the forward may run larger microbatches than
+    the backward. ``microbatch.scalar_reduction`` decides it, for this analysis and the runtime."""
+    analysis = _analysis(_Fn(fn), torch.randn(6, 4))
+    assert analysis.separable, analysis.reason
+    assert list(analysis.output_dims.values()) == [None]  # a number for the whole batch
+
+
+@pytest.mark.parametrize("fn,why", [
+    (lambda h, m: h.pow(2).sum() + h.abs().mean(), "weigh differently"),
+    (lambda h, m: h.mean() * h.sum(), "made by"),
+    (lambda h, m: h * h.mean(), "computes with a loss reduced over the whole batch"),
+], ids=["sum-plus-mean", "product", "mean-meets-the-samples"])
+def test_a_loss_that_cannot_be_put_back_together_is_not_separable(fn, why):
+    analysis = _analysis(_Fn(fn), torch.randn(6, 4))
+    assert not analysis.separable
+    assert why in analysis.reason
+
+
 def test_an_interleaving_reshape_is_not_separable():
     analysis = _analysis(_Fn(lambda h, m: h.view(2, 3, 4).transpose(0, 1).reshape(6, 4)), torch.randn(6, 4))
     assert not analysis.separable and "interleaving" in analysis.reason

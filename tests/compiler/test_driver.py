@@ -79,3 +79,117 @@ def test_a_capture_error_names_its_stage():
     with pytest.raises(harmony_fx.CaptureError) as info:
         harmony_fx.compile(Untraceable(), torch.randn(4, 3), microbatches=1)
     assert any("compile stage 'capture microbatches'" in note for note in info.value.__notes__)
+
+
+# ----------------------------------------------------------------------------------- falling back
+
+
+def _train_like_eager(trainer, model, reference, batch, loss_of, steps: int = 2) -> None:
+    """``steps`` SGD steps of ``trainer`` next to the same steps in eager: losses and parameters."""
+    optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+    try:
+        for step in range(steps):
+            loss = trainer.step(batch)
+            expected = loss_of(reference, batch)
+            expected.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            torch.testing.assert_close(loss, expected.detach(), rtol=1e-4, atol=1e-6, msg=lambda m: f"step {step}: {m}")
+    finally:
+        trainer.close()
+    for (name, param), ref in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(param.detach(), ref.detach(), rtol=1e-4, atol=1e-6, msg=lambda m: f"{name}: {m}")
+
+
+def test_a_planner_choice_that_cannot_be_captured_falls_back_and_trains_like_eager():
+    """A padded Hugging Face GPT-2 batch of 4: the planner chooses forward microbatches of 2 and
+    backward ones of 1, and export captures another graph at size 1 (a ``contiguous`` in the loss
+    is a no-op there and disappears). The planner's next schedule, one microbatch size, compiles;
+    the log shows both tries, and the Trainer trains as eager does."""
+    pytest.importorskip("transformers")
+    from harmony_fx.analysis.memory import eager_training_bytes
+    from harmony_fx.testing.hf_models import build_hf_model, hf_batch
+
+    model = build_hf_model("gpt2")
+    reference = copy.deepcopy(model)
+    batch = hf_batch("gpt2", batch=4)
+    batch["attention_mask"][1:, -4:] = 0  # padding, as a collator pads to the longest sequence
+    budget = int(eager_training_bytes(model, (), lambda out: out.loss, batch) / 1.5)
+    trainer = harmony_fx.Trainer(model, None, torch.optim.SGD(model.parameters(), lr=0.1), batch,
+                                 memory_budget=budget)
+    stages = list(trainer.hm.passes)
+    names = [stage.name for stage in stages]
+    fell_back = names.index("fall back")
+    assert stages[fell_back - 1].name == "capture microbatches"
+    assert "microbatch size 2 differs from the graph at size 1" in stages[fell_back - 1].decision
+    assert "2 in the forward" in stages[fell_back].decision and "trying the planner's" in stages[fell_back].decision
+    assert names[fell_back + 1:].count("capture microbatches") == 1 and "codegen" in names[fell_back + 1:]
+    assert trainer.plan.forward_microbatches == trainer.hm.num_microbatches  # one microbatch size
+    _train_like_eager(trainer, model, reference, batch, lambda m, b: m(**b).loss)
+
+
+def test_when_every_schedule_fails_the_error_says_what_was_tried(monkeypatch):
+    """The planner's schedules fail (forced here), then the options' own: their error is raised,
+    of its own type and with its attributes (callers catch ``BudgetTooSmallError`` and read
+    ``smallest_budget``), saying what was tried before and why each failed."""
+    from harmony_fx.compiler import driver
+
+    def fails(schedule, *args):
+        if schedule is not None:
+            raise ValueError(f"no layout for {schedule.microbatches} microbatches")
+        raise harmony_fx.BudgetTooSmallError("plan_packs: the options' own do not fit", smallest_budget=12345)
+
+    monkeypatch.setattr(driver, "decide_layout", fails)
+    torch.manual_seed(0)
+    hm = harmony_fx.compile(MLPChain(width=32, depth=6), memory_budget="24KiB")  # the planner: 2 microbatches
+    x = torch.randn(16, 32)
+    with pytest.raises(harmony_fx.BudgetTooSmallError) as info:
+        hm(x)
+    assert info.value.smallest_budget == 12345
+    message = str(info.value)
+    assert message.startswith("plan_packs: the options' own do not fit")
+    tried = re.findall(r"^  - the planner's (.*): ValueError: no layout for (\d+) microbatches$", message, re.M)
+    assert tried and all(f"{count} microbatches" in what for what, count in tried), message
+
+
+def test_an_error_of_the_options_own_settings_is_unchanged_without_a_planner():
+    torch.manual_seed(0)
+    with pytest.raises(harmony_fx.BudgetTooSmallError) as info:
+        harmony_fx.compile(MLPChain(width=16, depth=4), torch.randn(8, 16), microbatches=2, memory_budget=1024)
+    assert "tried" not in str(info.value)
+
+
+# ----------------------------------------------------------------------------------- losses
+
+
+class _TwoHeads(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.trunk = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(),
+                                         torch.nn.Linear(32, 32), torch.nn.Tanh())
+        self.first, self.second = torch.nn.Linear(32, 8), torch.nn.Linear(32, 4)
+
+    def forward(self, x):
+        h = self.trunk(x)
+        return self.first(h), self.second(h)
+
+
+def _sum_of_means(out):
+    return out[0].pow(2).mean() + out[1].abs().mean()
+
+
+@pytest.mark.parametrize("microbatches", [8, {"forward": 2, "backward": 8}], ids=["int", "split"])
+def test_a_sum_of_batch_means_trains_like_eager_with_either_microbatches(microbatches):
+    """The same loss, understood once (``microbatch.scalar_reduction``): the int microbatches weigh
+    it as the split does, and the split takes it (a linear combination of batch means is
+    separable)."""
+    torch.manual_seed(0)
+    model = _TwoHeads()
+    reference = copy.deepcopy(model)
+    x = torch.randn(20, 8)  # microbatches of 3 and 2 samples: weighted by their shares of the batch
+    # loss_reduction="sum" is the Trainer's guess where the graph does not say; here it says
+    trainer = harmony_fx.Trainer(model, _sum_of_means, torch.optim.SGD(model.parameters(), lr=0.1), x,
+                                 microbatches=microbatches, pack_boundaries=(0, 2, 4), loss_reduction="sum")
+    assert trainer.hm.num_microbatches == 8 and trainer.hm.batch_analysis.separable
+    assert trainer.plan.forward_microbatches == (2 if isinstance(microbatches, dict) else 8)
+    _train_like_eager(trainer, model, reference, x, lambda m, b: _sum_of_means(m(b)))

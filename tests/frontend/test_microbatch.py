@@ -351,3 +351,76 @@ def test_a_sum_divided_by_the_batch_size_is_a_mean_over_samples():
         for param, ref in zip(model.parameters(), reference.parameters()):
             torch.testing.assert_close(param.grad, ref.grad, rtol=RTOL, atol=ATOL)
             param.grad = ref.grad = None
+
+
+# ---------------------------------------------------------------------- linear combinations of losses
+
+
+class _Heads(nn.Module):
+    """Two outputs per sample and a loss made of them by ``loss(a, b, model)``."""
+
+    def __init__(self, loss) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 6)
+        self.loss = loss
+
+    def forward(self, x):
+        h = self.linear(x)
+        return self.loss(h[:, :4], h[:, 4:], self)
+
+
+@pytest.mark.parametrize("loss", [
+    lambda a, b, m: a.pow(2).mean() + b.abs().mean(),
+    lambda a, b, m: (a.pow(2).mean() - 0.5 * b.abs().mean()) / 3,
+    lambda a, b, m: a.pow(2).sum() + 2 * b.sum(),
+    lambda a, b, m: a.pow(2).sum() / a.shape[0] + b.abs().mean(),       # a sum / the batch size is a mean
+    lambda a, b, m: a.pow(2).mean() + 0.01 * m.linear.weight.pow(2).sum(),  # + a penalty without the batch
+], ids=["sum-of-means", "scaled-difference", "sum-of-sums", "batchmean-plus-mean", "mean-plus-penalty"])
+def test_a_linear_combination_of_means_and_sums_is_put_back_together(loss):
+    """One weight per microbatch serves every term that weighs the microbatches alike; uneven
+    microbatches (4, 3, 3) make the weights differ."""
+    torch.manual_seed(0)
+    model = _Heads(loss)
+    reference = copy.deepcopy(model)
+    x = torch.randn(10, 4)
+    hm = harmony_fx.compile(model, x, microbatches=3)
+    out, expected = hm(x), reference(x)
+    torch.testing.assert_close(out, expected, rtol=RTOL, atol=ATOL)
+    out.backward()
+    expected.backward()
+    for param, ref in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(param.grad, ref.grad, rtol=RTOL, atol=ATOL)
+
+
+@pytest.mark.parametrize("loss,match", [
+    (lambda a, b, m: a.pow(2).sum() + b.abs().mean(), "adds the sum .* to the mean"),
+    (lambda a, b, m: a.pow(2).sum() + m.linear.weight.pow(2).sum(), "to a value computed without the batch"),
+    (lambda a, b, m: a.pow(2).mean() * b.abs().mean(), "made by .*aten.mul"),
+    (lambda a, b, m: a.pow(2).mean() ** 2 + b.abs().mean(), "made by .*aten.pow"),
+], ids=["sum-plus-mean", "sum-plus-penalty", "product", "non-linear"])
+def test_a_loss_the_microbatches_cannot_weigh_alike_says_what_to_do(loss, match):
+    x = torch.randn(10, 4)
+    hm = harmony_fx.compile(_Heads(loss), x, microbatches=3)
+    with pytest.raises(ValueError, match=match):
+        hm(x)
+
+
+def test_terms_weighed_differently_only_at_run_time_are_refused_then():
+    """A mean over labelled tokens plus a mean over every element: alike until a microbatch holds
+    more ignored labels than another, which only the batch shows."""
+
+    class Mixed(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = nn.Linear(4, 3)
+
+        def forward(self, x, labels):
+            logits = self.linear(x)
+            return F.cross_entropy(logits, labels) + logits.pow(2).mean()
+
+    x, labels = torch.randn(10, 4), torch.randint(0, 3, (10,))
+    hm = harmony_fx.compile(Mixed(), (x, labels), microbatches=2)
+    hm(x, labels)  # every label counts: the shares are the sizes' in both terms
+    labels[:3] = -100
+    with pytest.raises(ValueError, match="weigh differently"):
+        hm(x, labels)
