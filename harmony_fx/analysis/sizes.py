@@ -2,10 +2,14 @@
 
 Read-only: writes ``NBYTES``, ``FLOPS`` and ``READS`` (see ``ir.meta``) and changes nothing else.
 FLOPs come from ``torch.utils.flop_counter.FlopCounterMode`` run on the node's FakeTensor inputs,
-so no real compute happens.
+so no real compute happens, and only for ATen ops (``OpOverload``), which cannot change Python's
+global state. A higher-order op (``wrap_with_set_grad_enabled``, ``wrap_with_autocast``, ...) is
+never called: it would set grad mode or autocast around its subgraph, and torch's wrappers do not
+restore them if the call fails. Its FLOPs are those of the subgraphs it runs, counted node by node.
 """
 from __future__ import annotations
 
+import torch
 from torch import fx
 from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.flop_counter import FlopCounterMode
@@ -21,11 +25,31 @@ def annotate_sizes(gm: fx.GraphModule) -> fx.GraphModule:
     for node in gm.graph.nodes:
         node.meta[meta.NBYTES] = value_bytes(node.meta.get(meta.VAL))
         node.meta[meta.READS] = tuple(arg.name for arg in node.all_input_nodes if arg.name in state)
-        node.meta[meta.FLOPS] = _flops(node) if node.op == "call_function" else 0
+        node.meta[meta.FLOPS] = _flops(node, gm) if node.op == "call_function" else 0
     return gm
 
 
-def _flops(node: fx.Node) -> int:
+def _flops(node: fx.Node, gm: fx.GraphModule) -> int:
+    if isinstance(node.target, torch._ops.OpOverload):
+        return _op_flops(node)
+    if isinstance(node.target, torch._ops.HigherOrderOperator):
+        return sum(_flops(inner, sub) for sub in _subgraphs(node, gm) for inner in sub.graph.nodes
+                   if inner.op == "call_function")
+    return 0  # getitem, Python functions: no compute we can count
+
+
+def _subgraphs(node: fx.Node, gm: fx.GraphModule) -> list[fx.GraphModule]:
+    """The graph modules a higher-order op's ``get_attr`` arguments name."""
+    found = []
+    for arg in node.all_input_nodes:
+        if arg.op == "get_attr":
+            sub = getattr(gm, str(arg.target), None)
+            if isinstance(sub, fx.GraphModule):
+                found.append(sub)
+    return found
+
+
+def _op_flops(node: fx.Node) -> int:
     args, kwargs = tree_map(_val_or_const, (node.args, node.kwargs))
     fake_mode = _fake_mode_of(node)
     if fake_mode is None:
@@ -34,8 +58,8 @@ def _flops(node: fx.Node) -> int:
     try:
         with fake_mode, counter:
             node.target(*args, **kwargs)
-    except Exception:  # noqa: BLE001 - an op FlopCounter cannot run costs nothing we can count
-        return 0
+    except Exception:  # noqa: BLE001 - an ATen op the fake mode cannot run (data-dependent output):
+        return 0         # no FLOPs we can count, and no global state an ATen op could have changed
     return counter.get_total_flops()
 
 
