@@ -9,6 +9,7 @@ until the first call; a batch of another size is compiled on its first call and 
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from typing import Any, Callable, Sequence
 
 import torch
@@ -17,10 +18,12 @@ from torch import nn
 from harmony_fx import pictures
 from harmony_fx.compiler.compiled import Compiled
 from harmony_fx.compiler.driver import compile_program
-from harmony_fx.compiler.packing import verify_programs
+from harmony_fx.compiler.packing import BudgetTooSmallError, verify_programs
 from harmony_fx.compiler.tier import OptimizerFacts
-from harmony_fx.config import CompileOptions
+from harmony_fx.config import CompileOptions, check_option_names, option_names
+from harmony_fx.frontend import microbatch
 from harmony_fx.frontend.calls import Calls
+from harmony_fx.frontend.guards import CallKey
 from harmony_fx.program.actions import Action, Key
 from harmony_fx.program.format import format_schedule
 from harmony_fx.runtime.autograd import HarmonyFunction
@@ -40,7 +43,6 @@ def compile(model: nn.Module, example_inputs: tuple | torch.Tensor | None = None
     a batch of another size is planned on its first call. The options are ``CompileOptions``'."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"harmony_fx.compile expects an nn.Module, got {type(model).__name__}")
-    from harmony_fx.config import check_option_names, option_names
     check_option_names(options, option_names(), "harmony_fx.compile")
     opts = CompileOptions(devices=devices, memory_budget=memory_budget, microbatches=microbatches,
                           parallel=parallel, **options)
@@ -70,33 +72,84 @@ class HarmonyModule:
         self.model = model
         self.options = options
         self._roles = dict(trainer=trainer, updates=updates, optimizer=optimizer)
-        self._by_batch: dict[int, HarmonyModule] = {}  # the modules compiled for other batch sizes
+        # every call's ``CallKey`` -> the module compiled for it (this one's own key included)
+        self._by_key: dict[CallKey, HarmonyModule] = {}
         self._last: HarmonyModule = self  # the module that ran the last call (its stats are ours)
         if example_args is not None:
             self._compile(example_args, example_kwargs or {})
 
-    def _compile(self, args: tuple, kwargs: dict) -> None:
-        self.compiled: Compiled = compile_program(self.model, args, kwargs, self.options, **self._roles)
+    def _compile(self, args: tuple, kwargs: dict, key: CallKey | None = None,
+                 options: CompileOptions | None = None) -> None:
+        """Capture and plan for ``(args, kwargs)`` under ``options`` (``None``: this module's)."""
+        key = key or CallKey.of(self.model, args, kwargs)
+        forward_only = not self._roles["trainer"] and not _needs_grad(key, self.model, args, kwargs)
+        args, kwargs = _outside_inference_mode(args, kwargs)
+        # the graph is captured with grad on whatever the caller's mode (a forward-only program is
+        # the lowering's choice, not the graph's), under the caller's autocast and training flags
+        with torch.inference_mode(False), torch.enable_grad():
+            self.compiled: Compiled = compile_program(self.model, args, kwargs, options or self.options,
+                                                      **self._roles, forward_only=forward_only)
         self.session = Session(self.compiled)
         self.session.recording = self.options.timeline
         self.calls = Calls(self.compiled, self.model)
+        self._key = key
+        self._by_key[key] = self
 
     def __getattr__(self, name: str) -> Any:
-        # only reached for what is not there: before the first call of compile(model)
-        if name in ("compiled", "session", "calls") or name in _AFTER_COMPILING:
+        # only reached for what is not there: before the first call of compile(model), or an
+        # attribute of the wrapped model (``hm.config``), as torch.compile's wrapper does
+        if name in ("compiled", "session", "calls", "_key") or name in _AFTER_COMPILING:
             raise AttributeError(
                 f"HarmonyModule.{name} exists after the first call: harmony_fx.compile(model) without example "
                 "inputs captures and plans the model when it is first called (as torch.compile does). Call it "
                 "once (hm(*inputs)), or pass example inputs: harmony_fx.compile(model, (x,)).")
+        model = self.__dict__.get("model")
+        if model is not None and not name.startswith("__"):
+            return getattr(model, name)
         raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+    # ------------------------------------------------------------------ the wrapped model, as nn.Module's
+    # A call after any of these finds the graph for the new state (``frontend.guards``).
+    @property
+    def training(self) -> bool:
+        return self.model.training
+
+    def train(self, mode: bool = True) -> "HarmonyModule":
+        self.model.train(mode)
+        return self
+
+    def eval(self) -> "HarmonyModule":
+        return self.train(False)
+
+    def parameters(self, recurse: bool = True):
+        return self.model.parameters(recurse)
+
+    def named_parameters(self, *args: Any, **kwargs: Any):
+        return self.model.named_parameters(*args, **kwargs)
+
+    def buffers(self, recurse: bool = True):
+        return self.model.buffers(recurse)
+
+    def named_buffers(self, *args: Any, **kwargs: Any):
+        return self.model.named_buffers(*args, **kwargs)
+
+    def state_dict(self, *args: Any, **kwargs: Any):
+        return self.model.state_dict(*args, **kwargs)
+
+    def load_state_dict(self, *args: Any, **kwargs: Any):
+        return self.model.load_state_dict(*args, **kwargs)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.model.zero_grad(set_to_none)
 
     def close(self) -> None:
         """Stop the devices' stream threads (chaos mode) and the controller threads; the module is
         unusable afterwards."""
         if "session" in self.__dict__:
             self.session.close()
-        for module in self._by_batch.values():
-            module.close()
+        for module in self._by_key.values():
+            if module is not self:
+                module.close()
 
     # ------------------------------------------------------------------ what people look at
     @property
@@ -127,8 +180,9 @@ class HarmonyModule:
         memory after it, for ``save_trace`` and ``plot_memory``. Off by default (``timeline=``),
         as it costs bookkeeping per task."""
         self.session.recording = on
-        for module in self._by_batch.values():
-            module.record_timeline(on)
+        for module in self._by_key.values():
+            if module is not self:
+                module.record_timeline(on)
 
     def save_trace(self, path) -> None:
         """The last iteration's measured timeline as a Chrome trace (see ``harmony_fx.pictures``)."""
@@ -180,7 +234,13 @@ class HarmonyModule:
     @property
     def batch_sizes(self) -> list[int | None]:
         """The batch sizes compiled for other calls than the example's (each planned on its first call)."""
-        return sorted(self._by_batch)
+        own = self.calls.batch_size
+        return sorted({m.calls.batch_size for m in self._by_key.values()} - {own})
+
+    @property
+    def variants(self) -> list[tuple[CallKey, "HarmonyModule"]]:
+        """Every call state compiled so far and its module (this one's first)."""
+        return list(self._by_key.items())
 
     # ------------------------------------------------------------------ running
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -191,33 +251,64 @@ class HarmonyModule:
         if module is not self:
             return module(*args, **kwargs)
         per_mb = self.calls.split(args, kwargs)
-        params = self.compiled.trainable_params()
-        needs_grad = torch.is_grad_enabled() and (
-            bool(params) or any(x.requires_grad for flat in per_mb for x in flat))  # params: those requiring grad
-        if needs_grad:
+        if not self.compiled.signature.forward_only:
             flat_whole = per_mb[0] if len(per_mb) == 1 else self.captured.flatten_inputs(args, kwargs)
-            outputs = HarmonyFunction.apply(self.session, self.calls, per_mb, *flat_whole, *params)
+            outputs = HarmonyFunction.apply(self.session, self.calls, per_mb, *flat_whole,
+                                            *self.compiled.trainable_params())
         else:
             iteration = self.session.start(per_mb)
-            outputs = self.calls.merge_outputs(iteration)
-            iteration.release()
+            try:
+                outputs = self.calls.merge_outputs(iteration)
+            finally:
+                iteration.release()
             self.session.finish_stats()
         return self.calls.structure(list(outputs))
 
     def for_batch(self, args: tuple, kwargs: dict, **roles: Any) -> "HarmonyModule":
-        """The module that runs a call on ``(args, kwargs)``: this one when the batch has the
-        example's size, else one compiled for the new batch size, planned on its first call and
-        kept for the next ones (the packs and microbatch sizes depend on the batch size). Only the
-        batch dim may change between calls: other shapes are baked into the captured graph.
-        ``roles``: what a module compiled for a new size does otherwise (``updates=False``)."""
-        size = self.calls.batch_size_of(args, kwargs)
-        if size is None:
+        """The module that runs a call on ``(args, kwargs)``: this one when the call's ``CallKey``
+        (training flags, grad and autocast mode, parameters, input shapes: ``frontend.guards``) is
+        the one it was compiled for, else one compiled for the call's key on its first call and
+        kept for the next ones. ``roles``: what a module compiled for another key does otherwise
+        (``updates=False``)."""
+        key = CallKey.of(self.model, args, kwargs)
+        if key == self._key:
             return self
-        if size not in self._by_batch:
-            self._by_batch[size] = module = HarmonyModule(self.model, args, kwargs, self.options,
-                                                          **{**self._roles, **roles})
-            module.record_timeline(self.session.recording)
-        return self._by_batch[size]
+        module = self._by_key.get(key)
+        if module is None:
+            module = self._by_key[key] = self._compile_for(key, args, kwargs, roles)
+            if len(self._by_key) == _MANY_VARIANTS + 1:
+                warnings.warn(
+                    f"harmony_fx: this module has compiled for {len(self._by_key)} call states (train/eval, no_grad, "
+                    "autocast, parameters, input shapes), each kept with its graphs and buffers. If the sequence "
+                    "length changes with every batch, pad to a multiple (DataCollatorWithPadding(..., "
+                    "pad_to_multiple_of=64)) to bound how many lengths are compiled.", stacklevel=3)
+        return module
+
+    def _compile_for(self, key: CallKey, args: tuple, kwargs: dict, roles: dict) -> "HarmonyModule":
+        """A module for a call state not seen before. Where only the inputs' shapes changed (a new
+        sequence length, another batch size), the packing of the largest such call compiled so far
+        is tried first: it is lowered and checked at the new shapes, and kept if it fits, so no new
+        plan is searched. Otherwise (or if it does not fit) the call is planned afresh."""
+        module = HarmonyModule(self.model, None, None, self.options, **{**self._roles, **roles})
+        changes = ", ".join(key.changes_from(self._key, self.model))
+        donor = self._largest_same_state(key)
+        try:
+            if donor is None:
+                raise _Replan
+            module._compile(args, kwargs, key, donor.compiled.decisions())
+            how = f"the packing planned for microbatches of {donor.calls.describe_inputs()} reused (it fits)"
+        except (_Replan, BudgetTooSmallError):
+            module._compile(args, kwargs, key)
+            how = "planned afresh"
+        module.compiled.passes.add("guards", 0.0, f"a new call state ({changes}): {how}")
+        module.record_timeline(self.session.recording)
+        return module
+
+    def _largest_same_state(self, key: CallKey) -> "HarmonyModule | None":
+        """Of the modules compiled for ``key``'s state with inputs of the same structure and
+        dtypes, the one whose inputs are largest."""
+        same = [m for k, m in self._by_key.items() if k.same_but_shapes(key)]
+        return max(same, key=lambda m: m.calls.input_numel, default=None)
 
     def split_inputs(self, args: tuple, kwargs: dict) -> list[list[torch.Tensor]]:
         """The flat tensor inputs of each microbatch, checked against the example."""
@@ -239,6 +330,35 @@ class HarmonyModule:
         """Forward and backward in one go (the Trainer); see ``Session.run_iteration``."""
         self._last = self
         return self.session.run_iteration(per_mb, on_update, output_grads, on_tier)
+
+
+# past this many compiled call states a module warns (as Dynamo's recompile limit): each holds its graphs
+_MANY_VARIANTS = 8
+
+
+class _Replan(Exception):
+    """No packing to reuse: plan."""
+
+
+def _needs_grad(key: CallKey, model: nn.Module, args: tuple, kwargs: dict) -> bool:
+    """Whether a call with ``key`` builds a graph for a backward: grad on, and a parameter or an
+    input that requires grad (else the program is forward-only)."""
+    if not key.grad:
+        return False
+    leaves = microbatch.pytree.tree_leaves((args, kwargs))
+    return (any(p.requires_grad for p in model.parameters())
+            or any(isinstance(x, torch.Tensor) and x.requires_grad for x in leaves))
+
+
+def _outside_inference_mode(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """The call's inputs as tensors usable outside ``inference_mode`` (capturing needs grad mode):
+    an inference tensor is cloned, as the same values."""
+    def usable(x: Any) -> Any:
+        if isinstance(x, torch.Tensor) and x.is_inference():
+            with torch.inference_mode(False):
+                return x.clone()
+        return x
+    return microbatch.pytree.tree_map(usable, (args, kwargs))
 
 
 # what exists once the model is compiled (asking for it before says so, instead of a bare AttributeError)

@@ -186,15 +186,12 @@ def test_trainer_steps_on_batches_of_several_sizes_equal_eager():
         trainer.close()
 
 
-@pytest.mark.parametrize("shape, dim", [((8, 5, 16), 1), ((8, 4, 12), 2)], ids=["sequence", "features"])
-def test_a_change_to_any_other_dim_is_refused(shape, dim):
-    # (batch, sequence, features): MLPChain works on the last dim, so both could be captured again
+def test_a_shape_the_model_cannot_take_fails_as_eager_does():
+    # MLPChain works on the last dim (16): eager refuses 12 features, and so does the new capture;
+    # other dims changing is served (tests/frontend/test_guards.py)
     hm = harmony_fx.compile(_mlp(), (torch.randn(8, 4, 16),), microbatches=2)
-    with pytest.raises(ValueError) as info:
-        hm(torch.randn(*shape))
-    message = str(info.value)
-    assert f"shape {shape}" in message and "(8, 4, 16)" in message
-    assert "only its batch dim 0 may change" in message and "Compile again" in message
+    with pytest.raises(ValueError, match="could not capture MLPChain"):
+        hm(torch.randn(8, 4, 12))
     assert hm.batch_sizes == []
 
 

@@ -141,3 +141,94 @@ def test_larger_forward_microbatches_train_like_one_size(name, memory_witness):
     (loss, params, forward), (same_loss, same_params, _) = results
     assert forward == 2 and torch.equal(loss, same_loss)
     assert all(torch.equal(a, b) for a, b in zip(params, same_params))
+
+
+# ---------------------------------------------------------------------- padded batches of changing length
+
+# each batch padded to its longest sequence, as DataCollatorWithPadding does: three lengths, then one
+# again; the longest first, so its plan is the one the shorter ones reuse
+PADDED = [[31, 5, 12, 30], [20, 13, 17, 9], [7, 8, 9, 10], [20, 13, 17, 9]]
+
+
+def _sgd_pair(model):
+    reference = copy.deepcopy(model)
+    return (reference, torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(reference.parameters(), lr=0.1))
+
+
+def _eager_step(reference, optimizer, batch):
+    optimizer.zero_grad()
+    loss = reference(**batch).loss
+    loss.backward()
+    optimizer.step()
+    return loss.detach()
+
+
+def _assert_params_equal(model, reference, step):
+    for (name, param), ref in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(param.detach(), ref.detach(), rtol=RTOL, atol=ATOL,
+                                   msg=lambda m: f"step {step}, {name}: {m}")
+
+
+def _plans_and_reuses(modules):
+    """How many modules planned afresh, and how many reused another length's packing."""
+    decisions = [list(module.passes)[-1].decision for module in modules[1:]]
+    reused = sum("reused (it fits)" in decision for decision in decisions)
+    return 1 + len(decisions) - reused, reused
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_padded_batches_through_compile_train_like_eager(name):
+    pytest.importorskip("transformers")
+    from harmony_fx.testing.hf_models import padded_batches
+    model = build_hf_model(name)
+    reference, optimizer, ref_optimizer = _sgd_pair(model)
+    hm = harmony_fx.compile(model, memory_budget="1.5MiB", microbatches=2)
+    for step, batch in enumerate(padded_batches(PADDED)):
+        optimizer.zero_grad()
+        out = hm(**batch)
+        out.loss.backward()
+        optimizer.step()
+        torch.testing.assert_close(out.loss.detach(), _eager_step(reference, ref_optimizer, batch), rtol=RTOL, atol=ATOL)
+        _assert_params_equal(model, reference, step)
+    modules = [module for _, module in hm.variants]
+    assert len(modules) == 3 and _plans_and_reuses(modules) == (1, 2)
+    hm.close()
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_padded_batches_through_the_trainer_train_like_eager(name):
+    pytest.importorskip("transformers")
+    from harmony_fx.testing.hf_models import padded_batches
+    model = build_hf_model(name)
+    reference, optimizer, ref_optimizer = _sgd_pair(model)
+    batches = padded_batches(PADDED, pad_to_multiple_of=8)
+    trainer = harmony_fx.Trainer(model, None, optimizer, batches[0], memory_budget="2MiB")
+    try:
+        for step, batch in enumerate(batches):
+            loss = trainer.step(batch)
+            torch.testing.assert_close(loss, _eager_step(reference, ref_optimizer, batch), rtol=RTOL, atol=ATOL)
+            _assert_params_equal(model, reference, step)
+        modules = [module for _, module in trainer.hm.variants]  # lengths 32, 24, 16 (multiples of 8)
+        assert len(modules) == 3 and _plans_and_reuses(modules) == (1, 2)
+    finally:
+        trainer.close()
+
+
+def test_padded_batches_through_the_backend_train_like_eager():
+    pytest.importorskip("transformers")
+    from harmony_fx.testing.hf_models import padded_batches
+    torch._dynamo.reset()
+    model = build_hf_model("gpt2")
+    reference, optimizer, ref_optimizer = _sgd_pair(model)
+    compiled = torch.compile(model, backend="harmony", dynamic=True,
+                             options={"memory_budget": "1.5MiB", "microbatches": 2})
+    try:
+        for step, batch in enumerate(padded_batches(PADDED)):
+            optimizer.zero_grad()
+            loss = compiled(**batch).loss
+            loss.backward()
+            optimizer.step()
+            torch.testing.assert_close(loss.detach(), _eager_step(reference, ref_optimizer, batch), rtol=RTOL, atol=ATOL)
+            _assert_params_equal(model, reference, step)
+    finally:
+        torch._dynamo.reset()

@@ -52,6 +52,18 @@ class Compiled:
     passes: StageLog
     tier: TierPlan | None = None  # host memory and the NVMe tier (Trainer(host_memory=, nvme_path=))
 
+    def decisions(self) -> CompileOptions:
+        """The options with this compile's decisions fixed (packs, microbatch counts, parallelism,
+        forward groups, handoff): compiling another call shape with them plans nothing, it only
+        lowers, verifies and checks the peak of this packing at the new shape."""
+        layout = self.layout
+        forward_groups = layout.forward_groups[1] if layout.forward_groups else None
+        return dataclasses.replace(
+            self.options, pack_boundaries=self.candidate.boundaries, forward_groups=forward_groups,
+            microbatches=layout.num_microbatches, forward_microbatches=len(layout.forward_parts) or None,
+            parallel=self.options.parallel if layout.parallel == "single" else layout.parallel,
+            handoff=layout.handoff)
+
     # ------------------------------------------------------------------ read off the parts
     @property
     def primary(self) -> Variant:

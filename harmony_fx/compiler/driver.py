@@ -76,11 +76,13 @@ class _Example:
 
 
 def compile_program(model: nn.Module, args: tuple, kwargs: dict, options: CompileOptions, *,
-                    trainer: bool = False, updates: bool = False, optimizer: OptimizerFacts | None = None) -> Compiled:
+                    trainer: bool = False, updates: bool = False, optimizer: OptimizerFacts | None = None,
+                    forward_only: bool = False) -> Compiled:
     """Compile ``model`` for its example call ``model(*args, **kwargs)``; see the module docstring.
     ``trainer``: the model's output is its loss (``harmony_fx.Trainer``); ``updates``: the host
     updates each pack's parameters as soon as their gradients are complete; ``optimizer``: what the
-    Trainer's optimizer keeps, for ``host_memory`` and the NVMe tier."""
+    Trainer's optimizer keeps, for ``host_memory`` and the NVMe tier; ``forward_only``: calls under
+    ``no_grad``, with no backward after them."""
     if (options.nvme_path is not None or options.host_memory is not None) and optimizer is None:
         raise ValueError("nvme_path= and host_memory= are options of harmony_fx.Trainer: the tier holds the "
                          "optimizer's state, which only the Trainer steps (harmony_fx.compile leaves the "
@@ -104,7 +106,7 @@ def compile_program(model: nn.Module, args: tuple, kwargs: dict, options: Compil
             schedules = log.run("choose schedule", choose_schedules, whole.captured.gm, model, batch, devices,
                                 devices[0].budget, options, analysis.separable, trainer, decision=_describe_schedules)
     stages = functools.partial(_from_layout, log, example, devices, options, trainer, updates, optimizer, whole,
-                               analysis)
+                               analysis, forward_only=forward_only)
     return _first_that_compiles(log, stages, schedules, options, len(devices))
 
 
@@ -163,7 +165,7 @@ def _say_what_was_tried(error: Exception, tried: list[tuple[str, Exception]]) ->
 
 def _from_layout(log: StageLog, example: _Example, devices: list, options: CompileOptions, trainer: bool,
                  updates: bool, optimizer: OptimizerFacts | None, whole: Variant | None, analysis: BatchAnalysis | None,
-                 schedule: Schedule | None) -> Compiled:
+                 schedule: Schedule | None, forward_only: bool = False) -> Compiled:
     """Stages 3-9 of the module docstring, for ``schedule`` (``None``: the options' own)."""
     layout = log.run("lay out", decide_layout, schedule, options, len(devices), example.batch_size,
                      decision=Layout.describe)
@@ -178,7 +180,7 @@ def _from_layout(log: StageLog, example: _Example, devices: list, options: Compi
     example_flat = primary.captured.flatten_inputs(*microbatch.split_call(
         example.call, example.dims, [s for s in layout.mb_sizes if s] or [0])[0])
     signature = log.run("signature", program_signature, primary.captured, [x.requires_grad for x in example_flat],
-                        layout.num_microbatches, options.grouping, trainer, decision=_describe_signature)
+                        layout.num_microbatches, options.grouping, trainer, forward_only, decision=_describe_signature)
     if layout.forward_parts:
         _check_forward_parts(trainer, analysis)
     shapes = Shapes(variants, layout.sizes, primary.masters, options.compute_dtype)

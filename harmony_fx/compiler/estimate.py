@@ -55,7 +55,8 @@ def estimate_device(forward: Sequence[Action], backward: Sequence[Action], micro
         runtime = Runtime([packs_by_size[size] for size in shapes.mb_sizes], device, host_state(packs, fake_masters),
                           [grad_inputs(pack, signature) for pack in packs], Stats(),
                           compute_dtype=shapes.compute_dtype, standalone=lambda key: shapes.fake_value(key, target),
-                          task_memory=task_memory, split_dims=shapes.split_dims)
+                          task_memory=task_memory, split_dims=shapes.split_dims,
+                          keeps_last_graph=not signature.forward_only)
         for mb in microbatches:
             for name in signature.model_inputs:
                 key = Key(KeyKind.ACT, name, mb)

@@ -15,9 +15,10 @@ __all__ = ["program_signature"]
 
 
 def program_signature(captured: Captured, requires_grad: Sequence[bool], num_microbatches: int, grouping: bool,
-                      trainer: bool) -> ProgramSignature:
+                      trainer: bool, forward_only: bool = False) -> ProgramSignature:
     """``requires_grad``: per captured input, whether the caller's tensor requires grad;
-    ``trainer``: the loss is in the graph and the last pack runs forward and backward fused."""
+    ``trainer``: the loss is in the graph and the last pack runs forward and backward fused;
+    ``forward_only``: no backward follows (nothing is differentiable, nothing is stashed)."""
     nodes = captured.gm.graph.nodes
     differentiable = [n.name for n in nodes
                       if any_requires_grad(n) and meta.role_of(n) not in (meta.Role.PARAM, meta.Role.BUFFER)]
@@ -28,6 +29,8 @@ def program_signature(captured: Captured, requires_grad: Sequence[bool], num_mic
                              "output to be computed by the model (return a copy, e.g. x.clone()).")
     outputs = [arg.name for arg in output_args if isinstance(arg, fx.Node)]
     inputs_requiring_grad = [name for name, flag in zip(captured.inputs, requires_grad) if flag]
+    if forward_only:
+        differentiable, inputs_requiring_grad = [], []
     return ProgramSignature(tuple(captured.inputs), tuple(dict.fromkeys(outputs)), frozenset(inputs_requiring_grad),
                             frozenset(differentiable), tuple(range(num_microbatches)), grouping=grouping,
-                            fuse_last=trainer)
+                            fuse_last=trainer, forward_only=forward_only)

@@ -1,8 +1,8 @@
 """Calls in and results out: between the caller's ``(args, kwargs)`` and a compiled program's
 microbatches.
 
-``Calls`` checks a call against what was compiled (only the batch dim may change; a new batch size
-is the caller's to compile for), cuts it into each microbatch's flat inputs, puts the microbatches'
+``Calls`` checks a call against what was compiled (a call of another shape is another program's:
+``frontend.guards``), cuts it into each microbatch's flat inputs, puts the microbatches'
 outputs back together as eager computes them on the whole batch (concatenated along each output's
 batch dim; a scalar loss weighted by ``microbatch.scalar_weights``), rebuilds the model's output
 structure, cuts the caller's output gradients into microbatches, and joins the input gradients.
@@ -36,28 +36,29 @@ class Calls:
         self._output_args = compiled.captured.gm.graph.find_nodes(op="output")[0].args[0]
 
     # ------------------------------------------------------------------ calls in
-    def batch_size_of(self, args: tuple, kwargs: dict) -> int | None:
-        """The call's batch size where it differs from the example's (``None``: the same). Any
-        other change of shape or dtype is refused: it is baked into the captured graph."""
-        compiled = self.compiled
-        flat = compiled.captured.flatten_inputs(args, kwargs)
-        size = example_size = None
-        for name, given, (shape, dtype, _), dim in zip(self.inputs, flat, compiled.input_specs, compiled.flat_dims):
-            whole = list(shape)
-            if dim is not None and self.mb_sizes[0] is not None:
-                whole[dim] = sum(self.mb_sizes)  # the example's microbatches are cut along this dim
-            fixed = [n if d != dim else "B" for d, n in enumerate(whole)]
-            given_fixed = [n if d != dim else "B" for d, n in enumerate(given.shape)]
-            if given_fixed != fixed or given.dtype != dtype:
-                free = "no dim of it (batch_dims gives it none)" if dim is None else f"only its batch dim {dim}"
-                raise ValueError(
-                    f"input {name!r} has shape {tuple(given.shape)} and dtype {given.dtype}, but the model was "
-                    f"compiled for {tuple(whole)} and {dtype}; {free} may change between calls (a new batch "
-                    "size is planned on its first call), the other dims are baked into the captured graph. Compile "
-                    "again with an example of the new shape, or pad the inputs to the compiled one.")
+    @property
+    def batch_size(self) -> int | None:
+        """The batch size this program was compiled for (``None``: no input has a batch dim)."""
+        for (shape, _, _), dim in zip(self.compiled.input_specs, self.compiled.flat_dims):
             if dim is not None:
-                size, example_size = given.shape[dim], whole[dim]
-        return None if size == example_size else size
+                return sum(self.mb_sizes) if self.mb_sizes[0] is not None else shape[dim]
+        return None
+
+    def batch_size_of(self, args: tuple, kwargs: dict) -> int | None:
+        """The call's batch size where it differs from this program's (``None``: the same)."""
+        flat = self.compiled.captured.flatten_inputs(args, kwargs)
+        for given, dim in zip(flat, self.compiled.flat_dims):
+            if dim is not None:
+                return None if given.shape[dim] == self.batch_size else given.shape[dim]
+        return None
+
+    @property
+    def input_numel(self) -> int:
+        """Elements in the example call's tensor inputs: which of two calls is larger."""
+        return sum(shape.numel() for shape, _, _ in self.compiled.input_specs) * len(self.mb_sizes)
+
+    def describe_inputs(self) -> str:
+        return ", ".join(f"{name} {tuple(shape)}" for name, (shape, _, _) in zip(self.inputs, self.compiled.input_specs))
 
     def split(self, args: tuple, kwargs: dict) -> list[list[torch.Tensor]]:
         """The flat tensor inputs of each microbatch, checked against the example."""

@@ -117,6 +117,9 @@ class _PipeBuilder(Builder):
         if pack < self.facts.last and key.name in wrap.packs[pack + 1].act_inputs and wrap.sent_forward(key.name, pack + 1):
             self.send(key, wrap.fdev(pack + 1))
 
+    def to_host(self, key: Key, pack: int) -> bool:
+        return True  # a forward-only pipeline still stashes: the next device may read it from the host
+
     def keeps(self, key: Key, pack: int) -> bool:
         # what a peer takes, and what the next pack of the same forward group reads here; every
         # other input is stashed for the recompute on another device

@@ -10,7 +10,9 @@ Forward, pack by pack (input-batch grouping: a pack's weights come in once for a
    still needs it.
 3. ``OFFLOAD B[p]`` (buffers updated in place, e.g. BatchNorm statistics) and ``FREE W[p]``.
 
-The last pack runs forward *with* grad and keeps its graph and weights to backward (it would be
+A forward-only program (``ProgramSignature.forward_only``: a call under ``no_grad``) ends here,
+having copied to the host only the model's outputs and the values a pack after the next reads.
+Otherwise the last pack runs forward *with* grad and keeps its graph and weights to backward (it would be
 recomputed at once otherwise). Backward, packs in reverse order:
 
 4. ``PREFETCH W[p]``; per microbatch ``PREFETCH`` the next task's stashed inputs (one task ahead,
@@ -52,6 +54,8 @@ def lower_program(packs: Sequence[Pack], signature: ProgramSignature) -> tuple[l
     b = Builder(facts)
     microbatches = signature.microbatches
     last = len(packs) - 1
+    # forward-only: the last pack leaves like the others, and there is no backward program
+    kept = last if not signature.forward_only else len(packs)
     deferred = signature.last_in_backward  # the fused last pack runs in the backward program
     if deferred:
         check_forward_parts(packs, signature, PASS_NAME)
@@ -86,13 +90,13 @@ def lower_program(packs: Sequence[Pack], signature: ProgramSignature) -> tuple[l
                 event = last_task[p] = forward_task(b, pack, mb)
                 if fused:
                     backward_task(b, pack, mb)
-                if not grouping and p < last:
+                if not grouping and p < kept:
                     _free_weights(b, pack, event)
                 elif not grouping and fused:
                     _release_fused(b, pack, event)
         for p in group:
             pack, fused, event = packs[p], p == last and signature.fuse_last, last_task[p]
-            if grouping and p < last:
+            if grouping and p < kept:
                 _free_weights(b, pack, event)
             elif grouping and fused:
                 _release_fused(b, pack, event)
@@ -114,6 +118,9 @@ def lower_program(packs: Sequence[Pack], signature: ProgramSignature) -> tuple[l
     if deferred:
         split_stash(b, packs)
     num_forward = len(b.actions)
+    if signature.forward_only:
+        assert not b.ready, f"lower_program left keys resident: {sorted(map(str, b.ready))}"
+        return b.actions, []
 
     # ---------------------------------------------------------------- backward
     # each task's stashed inputs are prefetched one task ahead: a copy onto the device waits for

@@ -56,6 +56,9 @@ class ProgramSignature:
     # through the host ("host": the next device reads the stash the pack copies out anyway, and
     # the sender frees each microbatch's values as soon as that copy has landed)
     handoff: str = "peer"
+    # a forward with no backward after it (a call under ``no_grad`` or ``inference_mode``): no
+    # stash for a recompute, no graph kept by the last pack, and the backward program is empty
+    forward_only: bool = False
 
     @property
     def forward_microbatches(self) -> tuple[int, ...]:
@@ -100,12 +103,14 @@ class PackFacts:
         # for each model output: the first pack in backward order that reads or writes its gradient
         self.grad_owner: dict[str, int] = {}
         self.lowest_consumer: dict[str, int] = {}  # for each activation: the first pack that reads it
+        self.last_consumer: dict[str, int] = {}    # and the last
         for pack in packs:
             for v in pack.outputs + pack.act_inputs:
                 if v in signature.model_outputs:
                     self.grad_owner[v] = max(self.grad_owner.get(v, -1), pack.index)
             for v in pack.act_inputs:
                 self.lowest_consumer.setdefault(v, pack.index)
+                self.last_consumer[v] = pack.index
         self.dw_events: list[int] = []  # every copy of weight gradients, in issue order
         self.handed: set[int] = set()   # those an earlier UPDATE already hands to the host's worker
 
@@ -197,6 +202,15 @@ class Builder:
     def route_output(self, key: Key, pack: int) -> None:
         """After ``key`` (an output of ``pack``'s forward) is offloaded: nothing more on one device."""
 
+    def to_host(self, key: Key, pack: int) -> bool:
+        """Whether ``key``, an output of ``pack``'s forward, is copied to the host: all of them for
+        the backward's recompute (the stash); in a forward-only program the model's outputs and
+        what a pack after the next one reads (it does not stay on the device that long)."""
+        facts = self.facts
+        if not facts.signature.forward_only or key.name in facts.signature.model_outputs:
+            return True
+        return facts.last_consumer.get(key.name, -1) > pack + 1
+
     def keeps(self, key: Key, pack: int) -> bool:
         """Whether ``key``, an input or output of ``pack``'s forward, stays on the device after it."""
         return key.name in self.facts.next_users[pack]
@@ -233,8 +247,10 @@ class Builder:
 
 def forward_task(b: Builder, pack: Pack, mb: int) -> int:
     """``pack``'s forward on microbatch ``mb``: inputs in, ``FWD``, every output to the host (the
-    stash, or the model's output), then free what the next task does not take. Returns its event."""
-    p, last = pack.index, b.facts.last
+    stash, or the model's output; forward-only: what ``Builder.to_host`` says), then free what the
+    next task does not take. Returns its event."""
+    p = pack.index
+    keeps_graph = p == b.facts.last and not b.facts.signature.forward_only
     inputs = [Key(KeyKind.ACT, v, mb) for v in pack.act_inputs]
     for key in inputs:
         b.fetch_input(key, p)
@@ -242,15 +258,16 @@ def forward_task(b: Builder, pack: Pack, mb: int) -> int:
     outputs = [Key(KeyKind.ACT, v, mb) for v in pack.outputs]
     # a forward that updates buffers in place writes W[p]: copies of it wait for the forward
     written = outputs + ([weights(p)] if pack.mutated_buffers else [])
-    if p == last:  # the last pack keeps its graph (and takes over its inputs) for the backward
+    if keeps_graph:  # the last pack keeps its graph (and takes over its inputs) for the backward
         event = b.compute(K.FWD, p, mb, produces=written + [Key(KeyKind.GRAPH, pack.name, mb)],
                           consumes=inputs, reads=[weights(p)])
     else:
         event = b.compute(K.FWD, p, mb, produces=written, reads=inputs + [weights(p)])
     for key in outputs:
-        b.offload(key)
-        b.route_output(key, p)
-    if p < last:
+        if b.to_host(key, p):
+            b.offload(key)
+            b.route_output(key, p)
+    if not keeps_graph:
         for key in inputs + outputs:
             if b.resident(key) and not b.keeps(key, p):
                 b.free(key)

@@ -122,6 +122,16 @@ def _op_name(node: fx.Node) -> str:
     return getattr(target, "__name__", str(target))
 
 
+def _updates_statistics(node: fx.Node) -> bool:
+    """Whether a batch or instance norm updates its running statistics: not in eval mode, where its
+    ``training`` (``use_input_stats``) argument is a constant ``False``."""
+    for index, argument in enumerate(node.target._schema.arguments):
+        if argument.name in ("training", "use_input_stats"):
+            value = node.args[index] if index < len(node.args) else node.kwargs.get(argument.name)
+            return value is not False
+    return True
+
+
 def _mutated_buffers(members, buffer_names, masters, master_to_buffer) -> tuple[str, ...]:
     """Buffers written in place. ATen ops say so in their schema; for plain torch functions (the
     symbolic_trace path) we cannot tell, so every buffer such a pack reads counts as written."""
@@ -132,7 +142,7 @@ def _mutated_buffers(members, buffer_names, masters, master_to_buffer) -> tuple[
             for arg, schema_arg in zip(node.args, node.target._schema.arguments):
                 if isinstance(arg, fx.Node) and schema_arg.alias_info is not None and schema_arg.alias_info.is_write:
                     written.append(arg)
-            if "batch_norm" in _op_name(node) or "instance_norm" in _op_name(node):
+            if ("batch_norm" in _op_name(node) or "instance_norm" in _op_name(node)) and _updates_statistics(node):
                 # aten.batch_norm updates running statistics without saying so in its schema
                 written += list(node.all_input_nodes)
         elif node.op in ("call_function", "call_method"):

@@ -24,6 +24,7 @@ from torch import fx
 from harmony_fx.ir.pack import Pack
 from harmony_fx.ir import values as pytrees
 from harmony_fx.ir.tracking import storage_key
+from harmony_fx.runtime import ambient
 from harmony_fx.runtime.devices import Device
 from harmony_fx.runtime.direct import direct_forward
 from harmony_fx.runtime.inductor import PackCompiler
@@ -272,7 +273,7 @@ class Runtime:
                  task_memory: dict[tuple[str, int, int], tuple[int, int]] | None = None,
                  compiler: "PackCompiler | None" = None,
                  split_dims: Callable[[Key, Sequence[int]], Sequence] | None = None,
-                 on_tier: Callable[["Runtime", str, int], object] | None = None) -> None:
+                 on_tier: Callable[["Runtime", str, int], object] | None = None, keeps_last_graph: bool = True) -> None:
         """``packs_for_mb[mb]``: the packs compiled at microbatch ``mb``'s size (same boundaries and
         names for every size). ``on_update(runtime, pack)``: the host's optimizer step for the parameters
         whose gradients are complete after ``pack``'s backward. ``shared``: another device's runtime of
@@ -285,7 +286,13 @@ class Runtime:
         peak bytes (see ``_probed``). ``split_dims(key, parts)``: how ``SPLIT`` cuts a key
         (``compiler.shapes.Shapes.split_dims``). ``on_tier(runtime, "read" | "write", pack)``: hands
         a ``READ``/``WRITE`` of a pack's optimizer state to the tier's reader and writer and returns what to
-        wait on (a ``concurrent.futures.Future``)."""
+        wait on (a ``concurrent.futures.Future``). ``keeps_last_graph``: the last pack's forward
+        keeps its graph for the backward (``False``: a forward-only program, with no backward).
+
+        The autocast state current on the constructing thread is the one every forward and
+        recompute of this iteration runs under (``runtime.ambient``)."""
+        self.autocast = ambient.Autocast.current()
+        self.keeps_last_graph = keeps_last_graph
         self.packs_for_mb = packs_for_mb
         self.packs = packs_for_mb[0]
         self.on_update = on_update
@@ -566,7 +573,7 @@ class Runtime:
     # ------------------------------------------------------------------ compute (on the compute stream)
     def _forward(self, pack_index: int, mb: int) -> None:
         pack = self.packs_for_mb[mb][pack_index]
-        keep_graph = pack_index == self.last
+        keep_graph = pack_index == self.last and self.keeps_last_graph
         values = self.device_values
         inputs = [values.pop(Key(KeyKind.ACT, v, mb)) if keep_graph else values[Key(KeyKind.ACT, v, mb)]
                   for v in pack.act_inputs]
@@ -628,7 +635,7 @@ class Runtime:
             for weight, grad in zip(weight_targets, accumulated):
                 if weight.grad is not grad:  # the weights were fetched again since the last microbatch
                     weight.grad = grad
-        with self.device.compute_scope(), self._context(pack, "backward"):
+        with self.device.compute_scope(), self._context(pack, "backward"), ambient.scope(ambient.OFF):
             with self.compiler.backward_scope() if self.compiler is not None else contextlib.nullcontext():
                 if summed_by_autograd:
                     if roots and targets:
@@ -679,7 +686,8 @@ class Runtime:
     def _run_pack(self, pack: Pack, inputs: list, grad: bool, what: str) -> tuple:
         weights = self.device_values[Key(KeyKind.WEIGHTS, pack.name)]
         state = [weights[slot] for slot in pack.state_slot]
-        with self.device.compute_scope(), self._context(pack, what), torch.set_grad_enabled(grad):
+        with (self.device.compute_scope(), self._context(pack, what), torch.set_grad_enabled(grad),
+              ambient.scope(self.autocast)):
             if self.compiler is None:
                 outputs = direct_forward(pack.gm)(pack.gm, *inputs, *state)
             else:

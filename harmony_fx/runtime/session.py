@@ -113,7 +113,7 @@ class Session:
             runtimes.append(Runtime(self._packs_for_mb[len(runtimes)], device, self.host_state, self._grad_inputs, self.stats,
                                     on_update, compiled.options.compute_dtype, runtimes[0] if runtimes else None,
                                     len(runtimes), compiler=self.pack_compiler, split_dims=compiled.shapes.split_dims,
-                                    on_tier=on_tier))
+                                    on_tier=on_tier, keeps_last_graph=not compiled.signature.forward_only))
         iteration = Iteration(runtimes, self._controller_threads())
         layout = compiled.layout
         joined = [_join(compiled.flat_dims, [per_mb[j] for j in parts]) for parts in layout.forward_parts]

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-__all__ = ["HF_MODELS", "NUM_LAYERS", "build_hf_model", "hf_batch"]
+__all__ = ["HF_MODELS", "NUM_LAYERS", "build_hf_model", "hf_batch", "padded_batches"]
 
 HF_MODELS = ("gpt2", "bert", "llama")
 # 2 blocks over 64 positions: activations, not weights, dominate eager's peak, so a quarter of it
@@ -66,3 +66,26 @@ def hf_batch(name: str, seed: int = 1, batch: int = BATCH, seq: int = SEQ) -> di
         for row in range(batch):
             labels[row, seq - 3 * row:] = IGNORE_INDEX
     return {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids), "labels": labels}
+
+
+def padded_batches(lengths: list[list[int]], seed: int = 2, pad_to_multiple_of: int | None = None):
+    """Batches as a DataLoader with ``transformers.DataCollatorWithPadding`` makes them: each padded
+    to its longest sequence (so each batch has another length), ``labels`` the input ids with the
+    padding ignored. ``lengths``: each batch's sequence lengths. The tokenizer is built in memory
+    (a word-level vocabulary of ``VOCAB`` ids, ``[PAD]`` = 0): nothing is downloaded."""
+    import transformers
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+
+    vocab = {"[PAD]": 0, "[UNK]": 1, **{f"w{i}": i for i in range(2, VOCAB)}}
+    tokenizer = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer(WordLevel(vocab, unk_token="[UNK]")), pad_token="[PAD]", unk_token="[UNK]")
+    collate = transformers.DataCollatorWithPadding(tokenizer, pad_to_multiple_of=pad_to_multiple_of)
+    generator = torch.Generator().manual_seed(seed)
+    batches = []
+    for batch_lengths in lengths:
+        features = [{"input_ids": torch.randint(2, VOCAB, (n,), generator=generator).tolist()} for n in batch_lengths]
+        batch = dict(collate(features))
+        batch["labels"] = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, IGNORE_INDEX)
+        batches.append(batch)
+    return batches

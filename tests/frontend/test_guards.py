@@ -1,0 +1,286 @@
+"""Every call means what eager means: what a captured graph bakes in (training flags, grad mode,
+autocast, parameters, input shapes) is keyed on every call (``frontend.guards``), each against an
+eager copy of the same model."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import harmony_fx
+from harmony_fx.frontend.guards import CallKey
+from harmony_fx.program.actions import ActionKind, KeyKind
+from tests.helpers import RTOL, ATOL, assert_buffers_equal, assert_grads_equal
+
+BOUNDARIES = (0, 3, 6)  # three packs, so the middle one is recomputed from its stash
+
+
+def _drop_bn(seed: int = 0) -> nn.Module:
+    """Dropout and BatchNorm: both compute differently in train and eval mode."""
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(16, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Dropout(0.3),
+                         nn.Linear(32, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Dropout(0.3), nn.Linear(32, 4))
+
+
+def _batch(size: int = 8, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(size, 16, generator=generator), torch.randint(0, 4, (size,), generator=generator)
+
+
+def _pair(**options):
+    model = _drop_bn()
+    reference = copy.deepcopy(model)
+    return model, reference, harmony_fx.compile(model, pack_boundaries=BOUNDARIES, **options)
+
+
+def _step(module, model, optimizer, x, target, seed: int) -> torch.Tensor:
+    torch.manual_seed(seed)  # the same dropout masks in both
+    optimizer.zero_grad()
+    loss = F.cross_entropy(module(x), target)
+    loss.backward()
+    optimizer.step()
+    return loss.detach()
+
+
+def _assert_params_equal(model: nn.Module, reference: nn.Module) -> None:
+    for param, ref in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(param.detach(), ref.detach(), rtol=RTOL, atol=ATOL)
+
+
+# ---------------------------------------------------------------------- train and eval
+
+
+@pytest.mark.parametrize("first", ["train", "eval"])
+def test_train_and_eval_in_either_order_equal_eager(first):
+    model, reference, hm = _pair()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+    x, target = _batch()
+    order = ["train", "eval", "train"] if first == "train" else ["eval", "train", "eval", "train"]
+    for step, mode in enumerate(order):
+        hm.train(mode == "train")
+        reference.train(mode == "train")
+        assert hm.training == model.training == (mode == "train")
+        if mode == "train":
+            loss = _step(hm, model, optimizer, x, target, seed=step)
+            ref_loss = _step(reference, reference, ref_optimizer, x, target, seed=step)
+            torch.testing.assert_close(loss, ref_loss, rtol=RTOL, atol=ATOL)
+        else:
+            with torch.no_grad():
+                out, ref_out = hm(x), reference(x)
+                torch.testing.assert_close(out, ref_out, rtol=RTOL, atol=ATOL)
+                torch.testing.assert_close(hm(x), out)  # dropout off: the same twice
+            # and a step in eval mode (frozen statistics, no dropout: fine-tuning), grad on
+            loss = _step(hm, model, optimizer, x, target, seed=step)
+            ref_loss = _step(reference, reference, ref_optimizer, x, target, seed=step)
+            torch.testing.assert_close(loss, ref_loss, rtol=RTOL, atol=ATOL)
+        _assert_params_equal(model, reference)
+        assert_buffers_equal(model, reference)  # BatchNorm statistics updated in train mode only
+    # train with grad, eval without, eval with; back to a state seen before: no new compile
+    assert len(hm.variants) == 3
+    hm.close()
+
+
+@pytest.mark.parametrize("mode", ["no_grad", "inference_mode"])
+def test_eval_loop_is_forward_only_and_equals_eager(mode):
+    model, reference, hm = _pair(memory_budget=None)
+    x, target = _batch()
+    for module in (hm, reference):  # a training call first (its program stashes), statistics updated alike
+        torch.manual_seed(0)
+        F.cross_entropy(module(x), target).backward()
+    hm.eval()
+    reference.eval()
+    buffers = [b.clone() for b in model.buffers()]
+    context = torch.no_grad if mode == "no_grad" else torch.inference_mode
+    with context():
+        for seed in range(3):
+            x = _batch(seed=seed)[0]
+            torch.testing.assert_close(hm(x), reference(x), rtol=RTOL, atol=ATOL)
+    for before, after in zip(buffers, model.buffers()):
+        torch.testing.assert_close(before, after, rtol=0, atol=0)  # running statistics used, not updated
+    forward_only = hm._last
+    assert forward_only is not hm and forward_only.compiled.signature.forward_only
+    forward, backward = forward_only.device_actions[0]
+    assert backward == []
+    # nothing but the model's output goes to the host, and no pack keeps a graph
+    offloaded = {a.key.name for a in forward if a.kind == ActionKind.OFFLOAD and a.key.kind == KeyKind.ACT}
+    assert offloaded == set(forward_only.signature.model_outputs)
+    assert forward_only.stats.bytes_d2h == 8 * 4 * 4  # the (8, 4) fp32 logits, counted from the shape
+    assert not any(a.kind == ActionKind.RECOMPUTE for a in forward)
+    hm.close()
+
+
+def test_a_training_call_under_no_grad_updates_batchnorm_statistics_once():
+    model, reference, hm = _pair()
+    x, _ = _batch()
+    with torch.no_grad():
+        torch.manual_seed(0)
+        out = hm(x)
+        torch.manual_seed(0)
+        torch.testing.assert_close(out, reference(x), rtol=RTOL, atol=ATOL)
+    assert_buffers_equal(model, reference)
+    hm.close()
+
+
+# ---------------------------------------------------------------------- parameters
+
+
+def test_freezing_a_layer_after_compile_stops_its_gradient():
+    model, reference, hm = _pair()
+    hm.eval(), reference.eval()
+    x, target = _batch()
+    F.cross_entropy(hm(x), target).backward()
+    F.cross_entropy(reference(x), target).backward()
+    for module in (model, reference):
+        module[0].requires_grad_(False)
+        module.zero_grad()
+    F.cross_entropy(hm(x), target).backward()
+    F.cross_entropy(reference(x), target).backward()
+    assert model[0].weight.grad is None and model[0].bias.grad is None
+    assert_grads_equal(model, reference)
+    hm.close()
+
+
+def test_a_parameter_replaced_by_assignment_is_the_one_trained():
+    model, reference, hm = _pair()
+    hm.eval(), reference.eval()
+    x, target = _batch()
+    F.cross_entropy(hm(x), target).backward()
+    for module in (model, reference):
+        module[8].weight = nn.Parameter(torch.full_like(module[8].weight, 0.01))
+        module.zero_grad()
+    out = hm(x)
+    ref_out = reference(x)
+    torch.testing.assert_close(out, ref_out, rtol=RTOL, atol=ATOL)
+    F.cross_entropy(out, target).backward()
+    F.cross_entropy(ref_out, target).backward()
+    assert model[8].weight.grad is not None
+    assert_grads_equal(model, reference)
+    hm.close()
+
+
+# ---------------------------------------------------------------------- autocast
+
+
+def _autocast_losses(hm_model, reference, x, target):
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out, ref_out = hm_model(x), reference(x)
+        assert out.dtype == ref_out.dtype == torch.bfloat16
+        loss, ref_loss = F.cross_entropy(out, target), F.cross_entropy(ref_out, target)
+    loss.backward()
+    ref_loss.backward()
+    return loss, ref_loss
+
+
+def test_autocast_around_the_forward_equals_eager_autocast_with_recompute():
+    model, reference, hm = _pair()
+    hm.eval(), reference.eval()  # deterministic: equal bitwise where eager is
+    x, target = _batch()
+    F.cross_entropy(hm(x), target).backward()  # compiled outside autocast first
+    model.zero_grad()
+    loss, ref_loss = _autocast_losses(hm, reference, x, target)
+    torch.testing.assert_close(loss, ref_loss, rtol=0, atol=0)
+    assert_grads_equal(model, reference, rtol=0, atol=0)
+    assert any(a.kind == ActionKind.RECOMPUTE for a in hm._last.backward_actions)
+    assert torch.get_autocast_dtype("cpu") == torch.bfloat16 and not torch.is_autocast_enabled("cpu")
+    hm.close()
+
+
+def test_recompute_replays_the_forwards_autocast_not_the_backwards():
+    model, reference, hm = _pair()
+    hm.eval(), reference.eval()
+    x, target = _batch()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = F.cross_entropy(hm(x), target)
+        ref_loss = F.cross_entropy(reference(x), target)
+    # the backward (and so every recompute) runs with autocast off here
+    loss.backward()
+    ref_loss.backward()
+    assert_grads_equal(model, reference, rtol=0, atol=0)
+    hm.close()
+
+
+def test_autocast_weight_cache_is_not_held_past_the_budget():
+    # fp32 fits this budget with room to spare; autocast's cache of every pack's bf16 weights would not
+    model = _drop_bn()
+    model.eval()
+    x, target = _batch()
+    from tests.helpers import smallest_budget
+    budget = smallest_budget(model, (x,), pack_boundaries=BOUNDARIES)
+    hm = harmony_fx.compile(model, memory_budget=budget, pack_boundaries=BOUNDARIES, track_memory=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = F.cross_entropy(hm(x), target)
+    loss.backward()
+    assert 0 < hm.stats.peak_bytes["host:0"] <= budget
+    hm.close()
+
+
+def test_backend_under_autocast_equals_eager_autocast():
+    torch._dynamo.reset()
+    model = _drop_bn().eval()
+    reference = copy.deepcopy(model)
+    compiled = torch.compile(model, backend="harmony", options={"pack_boundaries": BOUNDARIES})
+    x, target = _batch()
+    try:
+        loss, ref_loss = _autocast_losses(compiled, reference, x, target)
+        torch.testing.assert_close(loss, ref_loss, rtol=0, atol=0)
+        assert_grads_equal(model, reference, rtol=0, atol=0)
+    finally:
+        torch._dynamo.reset()
+
+
+# ---------------------------------------------------------------------- shapes
+
+
+def test_new_sequence_lengths_reuse_the_plan_that_fits():
+    from harmony_fx.testing.models import GPTConfig, TinyGPT
+    torch.manual_seed(0)
+    model = TinyGPT(GPTConfig(n_layer=4, dropout=0.0))
+    reference = copy.deepcopy(model)
+    hm = harmony_fx.compile(model, memory_budget="2MiB", microbatches=2)
+    for length in (32, 24, 16, 24):
+        idx = torch.randint(0, 96, (4, length), generator=torch.Generator().manual_seed(length))
+        model.zero_grad(), reference.zero_grad()
+        hm(idx).sum().backward()
+        reference(idx).sum().backward()
+        assert_grads_equal(model, reference, rtol=1e-4, atol=1e-5)
+    modules = [module for _, module in hm.variants]
+    assert len(modules) == 3  # 24 again found its program
+    decisions = [list(module.passes)[-1].decision for module in modules[1:]]
+    assert all("reused (it fits)" in d for d in decisions), decisions
+    assert {len(m.packs) for m in modules} == {len(hm.packs)}
+    hm.close()
+
+
+def test_the_key_sees_what_the_graph_bakes_in():
+    model = _drop_bn()
+    x = torch.randn(4, 16)
+    key = CallKey.of(model, (x,), {})
+    assert CallKey.of(model, (x.clone(),), {}) == key
+    changed = []
+    model.eval()
+    changed.append(CallKey.of(model, (x,), {}))
+    model.train()
+    with torch.no_grad():
+        changed.append(CallKey.of(model, (x,), {}))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        changed.append(CallKey.of(model, (x,), {}))
+    changed.append(CallKey.of(model, (torch.randn(4, 16, dtype=torch.float64),), {}))
+    changed.append(CallKey.of(model, (x,), {"flag": True}))
+    model[1].running_mean = torch.zeros(32)
+    changed.append(CallKey.of(model, (x,), {}))
+    assert all(k != key for k in changed) and len(set(changed)) == len(changed)
+    assert CallKey.of(model, (torch.randn(4, 16),), {}) == changed[-1]
+
+
+def test_many_call_states_warn_once_with_what_to_do():
+    model, _, hm = _pair()
+    hm.eval()
+    with torch.no_grad(), pytest.warns(UserWarning, match="pad_to_multiple_of") as caught:
+        for size in range(2, 12):  # ten batch sizes: ten call states
+            hm(torch.randn(size, 16))
+    assert len([w for w in caught if "call states" in str(w.message)]) == 1
+    hm.close()
