@@ -79,16 +79,18 @@ class HarmonyModule:
             self._compile(example_args, example_kwargs or {})
 
     def _compile(self, args: tuple, kwargs: dict, key: CallKey | None = None,
-                 options: CompileOptions | None = None) -> None:
-        """Capture and plan for ``(args, kwargs)`` under ``options`` (``None``: this module's)."""
+                 reuse: Compiled | None = None) -> None:
+        """Capture and plan for ``(args, kwargs)``; ``reuse``: the compile of a larger call in the
+        same state, whose packing is taken where it fits (``compile_program``)."""
         key = key or CallKey.of(self.model, args, kwargs)
         forward_only = not self._roles["trainer"] and not _needs_grad(key, self.model, args, kwargs)
         args, kwargs = _outside_inference_mode(args, kwargs)
         # the graph is captured with grad on whatever the caller's mode (a forward-only program is
         # the lowering's choice, not the graph's), under the caller's autocast and training flags
         with torch.inference_mode(False), torch.enable_grad():
-            self.compiled: Compiled = compile_program(self.model, args, kwargs, options or self.options,
-                                                      **self._roles, forward_only=forward_only)
+            options = self.options if reuse is None else reuse.decisions()
+            self.compiled: Compiled = compile_program(self.model, args, kwargs, options, **self._roles,
+                                                      forward_only=forward_only, reuse=reuse)
         self.session = Session(self.compiled)
         self.session.recording = self.options.timeline
         self.calls = Calls(self.compiled, self.model)
@@ -246,10 +248,11 @@ class HarmonyModule:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if "compiled" not in self.__dict__:
             self._compile(args, kwargs)
-        module = self.for_batch(args, kwargs)
-        self._last = module
-        if module is not self:
-            return module(*args, **kwargs)
+        module = self._last = self.for_batch(args, kwargs)
+        return module._run(args, kwargs)
+
+    def _run(self, args: tuple, kwargs: dict) -> Any:
+        """Run the call on this module's program (its key is the call's)."""
         per_mb = self.calls.split(args, kwargs)
         if not self.compiled.signature.forward_only:
             flat_whole = per_mb[0] if len(per_mb) == 1 else self.captured.flatten_inputs(args, kwargs)
@@ -292,14 +295,16 @@ class HarmonyModule:
         module = HarmonyModule(self.model, None, None, self.options, **{**self._roles, **roles})
         changes = ", ".join(key.changes_from(self._key, self.model))
         donor = self._largest_same_state(key)
-        try:
-            if donor is None:
-                raise _Replan
-            module._compile(args, kwargs, key, donor.compiled.decisions())
-            how = f"the packing planned for microbatches of {donor.calls.describe_inputs()} reused (it fits)"
-        except (_Replan, BudgetTooSmallError):
+        how = "planned afresh"
+        if donor is not None:
+            packing = f"the packing planned for microbatches of {donor.calls.describe_inputs()}"
+            try:
+                module._compile(args, kwargs, key, donor.compiled)
+                how = f"{packing} reused (it fits)"
+            except BudgetTooSmallError as error:
+                how = f"{packing} does not fit here ({str(error).splitlines()[0][:80]}...): planned afresh"
+        if how.endswith("planned afresh"):
             module._compile(args, kwargs, key)
-            how = "planned afresh"
         module.compiled.passes.add("guards", 0.0, f"a new call state ({changes}): {how}")
         module.record_timeline(self.session.recording)
         return module
@@ -334,10 +339,6 @@ class HarmonyModule:
 
 # past this many compiled call states a module warns (as Dynamo's recompile limit): each holds its graphs
 _MANY_VARIANTS = 8
-
-
-class _Replan(Exception):
-    """No packing to reuse: plan."""
 
 
 def _needs_grad(key: CallKey, model: nn.Module, args: tuple, kwargs: dict) -> bool:

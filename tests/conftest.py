@@ -28,6 +28,42 @@ def _devices_by_marker(request: pytest.FixtureRequest, monkeypatch: pytest.Monke
         monkeypatch.setattr("harmony_fx.runtime.devices.visible_gpus", lambda: 0)
 
 
+def _global_state() -> dict[str, object]:
+    """What harmony_fx must never leave changed (it restores each in ``finally``)."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    from harmony_fx.runtime.ambient import Autocast
+
+    return {
+        "grad mode": torch.is_grad_enabled(),
+        "inference mode": torch.is_inference_mode_enabled(),
+        "autocast": Autocast.current(),
+        "autocast cache": torch.is_autocast_cache_enabled(),
+        "default dtype": torch.get_default_dtype(),
+        "deterministic algorithms": torch.are_deterministic_algorithms_enabled(),
+        "threads": torch.get_num_threads(),
+        "dispatch modes": len(_get_current_dispatch_mode_stack()),
+        "torch function modes": torch._C._len_torch_function_stack(),
+    }
+
+
+@pytest.fixture(autouse=True)
+def _no_global_state_leaks():
+    """Fails a test after which grad mode, autocast, the default dtype, ... differ from before it:
+    one leak (a grad mode left off) otherwise fails every later test in the worker far from its
+    cause. The state is put back so that the next test starts clean."""
+    before = _global_state()
+    yield
+    after = _global_state()
+    changed = {name: (before[name], after[name]) for name in before if before[name] != after[name]}
+    if changed:
+        torch.set_grad_enabled(before["grad mode"])
+        torch.set_default_dtype(before["default dtype"])
+        torch.set_num_threads(before["threads"])
+        torch.use_deterministic_algorithms(before["deterministic algorithms"])
+        pytest.fail(f"the test left global state changed (before, after): {changed}", pytrace=False)
+
+
 @pytest.fixture
 def memory_witness():
     """A ``DeviceMemoryWitness`` active for the whole test: what every HostDevice held, counted

@@ -75,12 +75,16 @@ def test_one_step_equals_eager(name, devices):
 @pytest.mark.parametrize("devices", DEVICES)
 @pytest.mark.parametrize("name", MODELS)
 def test_adamw_steps_equal_one_microbatch_size(name, devices):
-    """The backward's microbatches compute what they compute with one size: bitwise equal."""
+    """The backward's microbatches compute what they compute with one size: equal to the last bits a
+    CPU's matrix kernels leave to the number of rows (bitwise on some CPUs; on others a GEMM over 8
+    rows blocks its sums otherwise than one over 4). AdamW's normalised step turns such a rounding
+    difference of a gradient near zero into a visible one (up to its lr, 1e-2): the parameters are
+    compared at 1% of that lr, the losses at fp32 rounding."""
     _, losses, params = _apart(name, devices, "adamw", 3)
     _, same_losses, same_params = _run(name, SIZES["backward"], devices, "adamw", 3)
-    assert [float(x) for x in losses] == [float(x) for x in same_losses]
+    torch.testing.assert_close(torch.stack(losses), torch.stack(same_losses), rtol=1e-6, atol=0)
     for param, expected in zip(params, same_params):
-        assert torch.equal(param, expected)
+        torch.testing.assert_close(param, expected, rtol=1e-5, atol=1e-4)
 
 
 @pytest.mark.parametrize("devices", DEVICES)

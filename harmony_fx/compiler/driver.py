@@ -35,6 +35,7 @@ from harmony_fx.compiler.compiled import Compiled
 from harmony_fx.compiler.layout import Layout, decide_layout
 from harmony_fx.compiler.packing import (
     BudgetTooSmallError, Candidate, PackingContext, balanced, evaluate, fixed, layer_costs, plan_packs,
+    reuse as reuse_packing,
     update_groups, verify_programs,
 )
 from harmony_fx.compiler.plan import make_plan
@@ -77,12 +78,14 @@ class _Example:
 
 def compile_program(model: nn.Module, args: tuple, kwargs: dict, options: CompileOptions, *,
                     trainer: bool = False, updates: bool = False, optimizer: OptimizerFacts | None = None,
-                    forward_only: bool = False) -> Compiled:
+                    forward_only: bool = False, reuse: Compiled | None = None) -> Compiled:
     """Compile ``model`` for its example call ``model(*args, **kwargs)``; see the module docstring.
     ``trainer``: the model's output is its loss (``harmony_fx.Trainer``); ``updates``: the host
     updates each pack's parameters as soon as their gradients are complete; ``optimizer``: what the
     Trainer's optimizer keeps, for ``host_memory`` and the NVMe tier; ``forward_only``: calls under
-    ``no_grad``, with no backward after them."""
+    ``no_grad``, with no backward after them; ``reuse``: the compile of a larger call of the same
+    model and state, whose packing this one takes (``options`` then fix its decisions:
+    ``Compiled.decisions``) without a FakeTensor run where its peak provably bounds this one's."""
     if (options.nvme_path is not None or options.host_memory is not None) and optimizer is None:
         raise ValueError("nvme_path= and host_memory= are options of harmony_fx.Trainer: the tier holds the "
                          "optimizer's state, which only the Trainer steps (harmony_fx.compile leaves the "
@@ -106,7 +109,7 @@ def compile_program(model: nn.Module, args: tuple, kwargs: dict, options: Compil
             schedules = log.run("choose schedule", choose_schedules, whole.captured.gm, model, batch, devices,
                                 devices[0].budget, options, analysis.separable, trainer, decision=_describe_schedules)
     stages = functools.partial(_from_layout, log, example, devices, options, trainer, updates, optimizer, whole,
-                               analysis, forward_only=forward_only)
+                               analysis, forward_only=forward_only, reuse=reuse)
     return _first_that_compiles(log, stages, schedules, options, len(devices))
 
 
@@ -165,7 +168,7 @@ def _say_what_was_tried(error: Exception, tried: list[tuple[str, Exception]]) ->
 
 def _from_layout(log: StageLog, example: _Example, devices: list, options: CompileOptions, trainer: bool,
                  updates: bool, optimizer: OptimizerFacts | None, whole: Variant | None, analysis: BatchAnalysis | None,
-                 schedule: Schedule | None, forward_only: bool = False) -> Compiled:
+                 schedule: Schedule | None, forward_only: bool = False, reuse: Compiled | None = None) -> Compiled:
     """Stages 3-9 of the module docstring, for ``schedule`` (``None``: the options' own)."""
     layout = log.run("lay out", decide_layout, schedule, options, len(devices), example.batch_size,
                      decision=Layout.describe)
@@ -192,11 +195,17 @@ def _from_layout(log: StageLog, example: _Example, devices: list, options: Compi
         policy, policy_name = fixed(options.pack_boundaries), "fixed"
     else:
         policy, policy_name = balanced, "balanced"
-    candidate: Candidate = log.run(
-        "plan packs", lambda: plan_packs(layer_costs(primary), functools.partial(evaluate, context),
-                                         lambda c: c.peak, devices[0].budget, policy, devices[0].margin)[1],
-        decision=lambda c: f"{policy_name}: {len(c.packs)} pack(s), peak "
-                           + ", ".join(f"{d.name} {format_size(p)}" for d, p in zip(devices, c.peaks)))
+    candidate: Candidate | None = None
+    if reuse is not None:
+        candidate = log.run("reuse packs", reuse_packing, context, reuse.candidate, reuse.variants, reuse.layout.sizes,
+                            decision=lambda c: "the larger call's packing, every value no larger: its peak bounds this "
+                            "one's" if c is not None else "a value is larger here: the packing is checked in full")
+    if candidate is None:
+        candidate = log.run(
+            "plan packs", lambda: plan_packs(layer_costs(primary), functools.partial(evaluate, context),
+                                             lambda c: c.peak, devices[0].budget, policy, devices[0].margin)[1],
+            decision=lambda c: f"{policy_name}: {len(c.packs)} pack(s), peak "
+                               + ", ".join(f"{d.name} {format_size(p)}" for d, p in zip(devices, c.peaks)))
     log.run("annotate packs", _annotate, variants, candidate.boundaries, options.verify,
             decision=lambda _: "the chosen packs and liveness written on the graph" + (", verified" if options.verify else ""))
     if options.verify:

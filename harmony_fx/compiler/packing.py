@@ -155,6 +155,18 @@ def evaluate(context: PackingContext, boundaries: Sequence[int]) -> Candidate:
 
 
 def _evaluate(context: PackingContext, boundaries: Sequence[int], stash_ahead: bool) -> Candidate:
+    packs_by_size, device_actions, signature = _lower(context, boundaries, stash_ahead)
+    layout = context.layout
+    estimates = [estimate_device(forward, backward, mbs + tuple(f for f, _ in layout.device_forward_parts(device)),
+                                 packs_by_size, context.shapes, signature, target)
+                 for device, ((forward, backward), mbs, target)
+                 in enumerate(zip(device_actions, layout.device_microbatches, context.targets))]
+    return Candidate(tuple(boundaries), packs_by_size, device_actions, estimates, signature)
+
+
+def _lower(context: PackingContext, boundaries: Sequence[int], stash_ahead: bool):
+    """The packs at ``boundaries`` at every microbatch size, every device's programs (verified),
+    and the signature they were lowered with."""
     layout = context.layout
     signature = dataclasses.replace(context.signature, stash_ahead=stash_ahead)
     packs_by_size = {size: split_packs(v.captured.gm, v.layers, boundaries, v.masters)
@@ -165,11 +177,49 @@ def _evaluate(context: PackingContext, boundaries: Sequence[int], stash_ahead: b
     device_actions = lower_devices(packs, signature, layout, boundaries)
     if context.verify:
         verify_programs(device_actions, signature, layout)
-    estimates = [estimate_device(forward, backward, mbs + tuple(f for f, _ in layout.device_forward_parts(device)),
-                                 packs_by_size, context.shapes, signature, target)
-                 for device, ((forward, backward), mbs, target)
-                 in enumerate(zip(device_actions, layout.device_microbatches, context.targets))]
-    return Candidate(tuple(boundaries), packs_by_size, device_actions, estimates, signature)
+    return packs_by_size, device_actions, signature
+
+
+def reuse(context: PackingContext, donor: Candidate, donor_variants: Mapping[int | None, Variant],
+          donor_sizes: Sequence[int | None]) -> Candidate | None:
+    """``donor``'s packing (compiled for a larger call of the same model, state and microbatch
+    count) at ``context``'s shapes without a FakeTensor run, where that run provably could not
+    exceed the donor's: every value of every graph here (activations, and so their gradients and
+    stash) is no larger than the same-named value of the donor's graph at the same microbatch, and
+    the programs move the same keys in the same order, so every device holds at most what the
+    donor's did at every action. The donor's measured peaks are then bounds of these. ``None``
+    where a graph differs or a value is larger (the caller checks the packing in full)."""
+    if len(donor_sizes) != len(context.layout.sizes):
+        return None
+    for size, donor_size in zip(context.layout.sizes, donor_sizes):
+        if not _no_larger(context.variants[size], donor_variants[donor_size]):
+            return None
+    packs_by_size, device_actions, signature = _lower(context, donor.boundaries, donor.signature.stash_ahead)
+    if [[list(map(str, program)) for program in pair] for pair in device_actions] != [
+            [list(map(str, program)) for program in pair] for pair in donor.device_actions]:
+        return None  # not the same programs over the same keys
+    return Candidate(donor.boundaries, packs_by_size, device_actions, donor.estimates, signature)
+
+
+def _no_larger(variant: Variant, donor: Variant) -> bool:
+    """Every value of ``variant``'s graph no larger than the same-named one of ``donor``'s. A node
+    only one graph has must be a view, which holds no memory of its own: export writes a slice over
+    a whole dim as ``alias`` at one size and as ``slice`` at a smaller one."""
+    nodes, donor_nodes = variant.nodes, donor.nodes
+    for name in nodes.keys() ^ donor_nodes.keys():
+        node = nodes.get(name) or donor_nodes[name]
+        if not _is_view(node):
+            return False
+    return all(meta.nbytes_of(node) <= meta.nbytes_of(donor_nodes[name])
+               for name, node in nodes.items() if name in donor_nodes)
+
+
+def _is_view(node) -> bool:
+    target = node.target
+    if not isinstance(target, torch._ops.OpOverload):
+        return False
+    returns = target._schema.returns
+    return bool(returns) and returns[0].alias_info is not None and not returns[0].alias_info.is_write
 
 
 def lower_devices(packs: Sequence[Pack], signature: ProgramSignature, layout: Layout,

@@ -5,6 +5,7 @@ import re
 
 import pytest
 import torch
+pytest.importorskip("hypothesis")  # a test extra: without it this module skips
 from hypothesis import given, settings, strategies as st
 
 import harmony_fx

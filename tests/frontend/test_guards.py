@@ -247,12 +247,32 @@ def test_new_sequence_lengths_reuse_the_plan_that_fits():
         hm(idx).sum().backward()
         reference(idx).sum().backward()
         assert_grads_equal(model, reference, rtol=1e-4, atol=1e-5)
+        # the reused packing's peak is a bound: what the device held, counted by its tracker
+        assert 0 < hm.stats.peak_bytes["host:0"] <= hm._last.plan.predicted_peak["host:0"] <= hm.budget
     modules = [module for _, module in hm.variants]
     assert len(modules) == 3  # 24 again found its program
     decisions = [list(module.passes)[-1].decision for module in modules[1:]]
     assert all("reused (it fits)" in d for d in decisions), decisions
+    for module in modules[1:]:  # no packing searched, no FakeTensor run: every value is no larger
+        stages = {stage.name: stage.decision for stage in module.passes}
+        assert "plan packs" not in stages and "choose schedule" not in stages
+        assert "its peak bounds this one's" in stages["reuse packs"]
     assert {len(m.packs) for m in modules} == {len(hm.packs)}
-    hm.close()
+    # a longer call than any so far is checked in full (its values are larger)
+    idx = torch.randint(0, 96, (4, 32), generator=torch.Generator().manual_seed(0))
+    small = harmony_fx.compile(model, (idx[:, :16],), memory_budget="2MiB", microbatches=2)
+    small(idx).sum().backward()
+    stages = {stage.name: stage.decision for stage in small._last.passes}
+    assert "does not fit here" in stages["guards"] and "planned afresh" in stages["guards"]
+    assert "balanced" in stages["plan packs"]
+    # where it still fits, the same packing is checked in full (lowered, run on FakeTensors) and kept
+    fixed = harmony_fx.compile(model, (idx[:, :16],), pack_boundaries=(0, 2, 4), microbatches=2)
+    fixed(idx).sum().backward()
+    stages = {stage.name: stage.decision for stage in fixed._last.passes}
+    assert "a value is larger here" in stages["reuse packs"] and "fixed: 3 pack(s)" in stages["plan packs"]
+    assert "reused (it fits)" in stages["guards"]
+    for module in (hm, small, fixed):
+        module.close()
 
 
 def test_the_key_sees_what_the_graph_bakes_in():
@@ -284,3 +304,15 @@ def test_many_call_states_warn_once_with_what_to_do():
             hm(torch.randn(size, 16))
     assert len([w for w in caught if "call states" in str(w.message)]) == 1
     hm.close()
+
+
+def test_the_module_methods_act_on_the_wrapped_model():
+    model, _, hm = _pair()
+    assert hm.eval() is hm and not model.training and not hm.training
+    assert hm.train() is hm and model.training and all(m.training for m in model.modules())
+    assert [p for p in hm.parameters()] == [p for p in model.parameters()]
+    assert [n for n, _ in hm.named_parameters()] == [n for n, _ in model.named_parameters()]
+    assert list(hm.state_dict()) == list(model.state_dict())
+    assert hm.training is model.training and hm._modules is model._modules  # the model's own attributes
+    with pytest.raises(AttributeError, match="exists after the first call"):
+        hm.plan

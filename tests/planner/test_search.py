@@ -12,6 +12,7 @@ import functools
 import itertools
 
 import pytest
+pytest.importorskip("hypothesis")  # a test extra: without it this module skips
 from hypothesis import HealthCheck, Phase, given, settings, strategies as st
 
 from harmony_fx.config import format_size

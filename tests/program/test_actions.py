@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import pytest
+
+pytest.importorskip("hypothesis")  # a test extra: without it this module skips
 from hypothesis import given, settings, strategies as st
 
 from harmony_fx.program.actions import Action, ActionKind, Key, KeyKind, Stream, parse_action, parse_key
