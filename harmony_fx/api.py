@@ -94,8 +94,9 @@ class HarmonyModule:
         self.session = Session(self.compiled)
         self.session.recording = self.options.timeline
         self.calls = Calls(self.compiled, self.model)
-        self._key = key
-        self._by_key[key] = self
+        # read again: capturing runs the forward, which materializes a lazy module's parameters
+        self._key = CallKey.of(self.model, args, kwargs)
+        self._by_key[self._key] = self
 
     def __getattr__(self, name: str) -> Any:
         # only reached for what is not there: before the first call of compile(model), or an
@@ -279,6 +280,7 @@ class HarmonyModule:
         module = self._by_key.get(key)
         if module is None:
             module = self._by_key[key] = self._compile_for(key, args, kwargs, roles)
+            self._by_key[module._key] = module
             if len(self._by_key) == _MANY_VARIANTS + 1:
                 warnings.warn(
                     f"harmony_fx: this module has compiled for {len(self._by_key)} call states (train/eval, no_grad, "

@@ -33,6 +33,7 @@ from torch.utils import _pytree as pytree
 
 from harmony_fx.analysis.aliasing import alias_base, written_arguments
 from harmony_fx.ir import meta
+from harmony_fx.frontend.decomposition_fixes import decomposition_fixes
 from harmony_fx.frontend.microbatch import ScalarReduction, scalar_reduction
 
 __all__ = ["Captured", "capture", "CaptureError"]
@@ -215,7 +216,7 @@ def _advice(export_error: Exception) -> str:
 def _capture_with_export(model: nn.Module, args: tuple, kwargs: dict) -> Captured:
     from torch.export.graph_signature import InputKind, OutputKind
 
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(), decomposition_fixes():
         # nn.RNN/LSTM/GRU re-assign their own _flat_weights on every call: torch's advice to register
         # them as buffers is about torch's code, not the user's
         warnings.filterwarnings("ignore", message=r"The tensor attributes (\S+\._flat_weights\[\d+\](, )?)+ were")

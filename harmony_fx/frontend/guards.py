@@ -88,10 +88,16 @@ def module_state(model: nn.Module) -> tuple:
         facts.append(module.training)
         for param in module._parameters.values():
             if param is not None:
-                facts.append((id(param), param.dtype, param.shape, param.requires_grad))
+                try:
+                    facts.append((id(param), param.dtype, param.shape, param.requires_grad))
+                except RuntimeError:  # a lazy module's parameter before its first call: no shape yet
+                    facts.append((id(param), "uninitialized"))
         for buffer in module._buffers.values():
             if buffer is not None:
-                facts.append((id(buffer), buffer.dtype, buffer.shape))
+                try:
+                    facts.append((id(buffer), buffer.dtype, buffer.shape))
+                except RuntimeError:
+                    facts.append((id(buffer), "uninitialized"))
         stack.extend(module._modules.values())
     return tuple(facts)
 
