@@ -61,6 +61,9 @@ class BatchAnalysis:
     separable: bool
     reason: str = ""
     output_dims: Mapping[str, int | None] = dataclasses.field(default_factory=dict)
+    # the values that are ``arange(B)`` along a dim (each sample's own index, step 3): separable
+    # when every microbatch computes its own, wrong if a larger forward microbatch's is cut apart
+    batch_indices: tuple[str, ...] = ()
 
 
 def analyze_batch_dims(gm: fx.GraphModule, input_dims: Mapping[str, int | None], batch_size: int,
@@ -71,7 +74,7 @@ def analyze_batch_dims(gm: fx.GraphModule, input_dims: Mapping[str, int | None],
     if not any(dim is not None for dim in input_dims.values()):
         return BatchAnalysis(False, "no input is cut along a batch dim")
     try:
-        env = _propagate(gm, {name: [dim] for name, dim in input_dims.items()}, batch_size)
+        env, context = _propagate(gm, {name: [dim] for name, dim in input_dims.items()}, batch_size)
     except _Mixed as mixed:
         return BatchAnalysis(False, str(mixed))
     output_dims = {}
@@ -89,7 +92,8 @@ def analyze_batch_dims(gm: fx.GraphModule, input_dims: Mapping[str, int | None],
             if reduction.combine is None:
                 return BatchAnalysis(False, reduction.why)
         output_dims[arg.name] = None if dim == _REDUCED else dim
-    return BatchAnalysis(True, output_dims=output_dims)
+    indices = tuple(node.name for node in context.iota if context.is_batch_index(node) is not None)
+    return BatchAnalysis(True, output_dims=output_dims, batch_indices=indices)
 
 
 # ----------------------------------------------------------------------------------- propagation
@@ -97,7 +101,7 @@ def analyze_batch_dims(gm: fx.GraphModule, input_dims: Mapping[str, int | None],
 _Dims = list  # one entry per leaf of a node's value: an int, None (shared), or _REDUCED
 
 
-def _propagate(gm: fx.GraphModule, env_inputs: Mapping[str, _Dims], batch_size: int) -> dict[fx.Node, _Dims]:
+def _propagate(gm: fx.GraphModule, env_inputs: Mapping[str, _Dims], batch_size: int) -> tuple[dict[fx.Node, _Dims], _Context]:
     env: dict[fx.Node, _Dims] = {}
     c = _Context(env, {}, {}, batch_size)
     placeholders = gm.graph.find_nodes(op="placeholder")
@@ -137,7 +141,7 @@ def _propagate(gm: fx.GraphModule, env_inputs: Mapping[str, _Dims], batch_size: 
             raise
         except Exception as error:  # noqa: BLE001 - an op we cannot read is one we cannot prove safe
             raise _Mixed(f"{node.format_node()}: cannot tell how it treats the batch ({error})") from error
-    return env
+    return env, c
 
 
 def _val(node: Any) -> Any:
@@ -617,7 +621,7 @@ def _subgraph(node: fx.Node, c: _Context) -> _Dims:
     placeholders = sub.graph.find_nodes(op="placeholder")
     inner = {p.name: c.env[arg] if isinstance(arg, fx.Node) else [None]
              for p, arg in zip(placeholders, node.args[position + 1:])}
-    inner_env = _propagate(sub, inner, c.batch_size)
+    inner_env, _ = _propagate(sub, inner, c.batch_size)
     outputs = sub.graph.find_nodes(op="output")[0].args[0]
     outputs = outputs if isinstance(outputs, (tuple, list)) else [outputs]
     return [d for out in outputs for d in (inner_env[out] if isinstance(out, fx.Node) else [None])]

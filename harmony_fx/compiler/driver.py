@@ -265,6 +265,11 @@ def _check_forward_parts(trainer: bool, analysis: BatchAnalysis) -> None:
         raise ValueError("microbatches={'forward': ..., 'backward': ...}: the backward recomputes each pack on part "
                          "of a forward microbatch, which computes the same only when every op treats the samples "
                          f"apart, and this model's do not ({analysis.reason}); give microbatches as one int")
+    if analysis.batch_indices:
+        raise ValueError("microbatches={'forward': ..., 'backward': ...}: the model computes each sample's index "
+                         f"in the batch ({analysis.batch_indices[0]} is arange over the batch, e.g. to pick each "
+                         "sample's row of a mask); stashed at the forward's size and cut for the backward, the second "
+                         "part would index past its own microbatch. Give microbatches as one int")
 
 
 def _analyze_batch(variant: Variant, batch: int, flat_dims) -> BatchAnalysis:

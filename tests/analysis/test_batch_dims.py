@@ -80,6 +80,14 @@ def test_ops_that_keep_samples_apart_are_separable(fn):
     assert analysis.separable, analysis.reason
 
 
+def test_a_batch_index_is_named_so_a_larger_forward_microbatch_is_not_cut_apart():
+    # separable (every microbatch computes its own arange), but arange(6)'s second half is 3, 4, 5:
+    # cut out of a forward microbatch's stash it would index past a backward microbatch of 3
+    analysis = _analysis(_Fn(lambda h, m: h[torch.arange(6), (h > 0).sum(1) % 4]), torch.randn(6, 4))
+    assert analysis.separable and len(analysis.batch_indices) == 1
+    assert _analysis(_Fn(lambda h, m: h * 2), torch.randn(6, 4)).batch_indices == ()
+
+
 @pytest.mark.parametrize("fn", [
     lambda h, m: h.pow(2).mean() + h.abs().mean(),
     lambda h, m: (h[:, :2].pow(2).mean() - 0.5 * h[:, 2:].sum() / h.shape[0]) * 3,
