@@ -1,30 +1,34 @@
-"""The GPU check: one command, on one GPU, no network, under 8 minutes.
+"""The GPU check: on one GPU, no network, by phases that each fit a short command.
 
-    PYTHONPATH=. python benchmarks/gpu_check.py [--out gpu_check.json] [--quick]
+    PYTHONPATH=. python benchmarks/gpu_check.py --phase env --out gpu_check.json
+    PYTHONPATH=. python benchmarks/gpu_check.py --phase tests --out gpu_check.json
+    ...                                          --phase probes | gpt-eager | gpt-harmony | gpt-fsdp | table
+    PYTHONPATH=. python benchmarks/gpu_check.py --quick --out gpu_check.json   # every phase, small GPT
 
-Phases, each writing the JSON (``--out``) as it ends, so a timeout still leaves what ran:
+Each phase adds its entry to the JSON at ``--out`` (read first, so phases run as separate commands
+add up) and writes it as soon as it ends; a phase that times out keeps what it printed.
 
-0. ``env``: versions, the device, ``torch.cuda.mem_get_info()``.
-1. ``cuda_tests``: ``pytest -m cuda`` (the suite's GPU tests).
-2. ``probes``, figures the tests do not report: the largest gradient difference of dropout
-   replayed on CUDA against eager, the implicit syncs of a Trainer step
-   (``torch.cuda.set_sync_debug_mode``), predicted vs allocated / requested / reserved peaks over
-   two iterations. (Delays on the copy streams, two CudaDevices on one GPU in dp and pp, CUDA
-   inputs and bf16 are ``cuda`` tests, run in phase 1.)
-3. ``gpt``: a GPT of about 1B parameters (width 2048, 20 layers, sequence 1024), one CPU state dict
-   for every run, 1 warm-up + 3 timed steps by (i) eager, uncapped, fused AdamW on the GPU; (ii)
-   the harmony Trainer under ``set_per_process_memory_fraction`` of an 8 GiB cap; (iii) FSDP2
-   ``fully_shard`` per block with ``CPUOffloadPolicy(pin_memory=True)`` and activation
-   checkpointing per block, world size 1, under the same cap; the same global batch. Each run is a
-   subprocess of its own (the memory cap is per process).
+- ``env``: versions, the device, ``torch.cuda.mem_get_info()``.
+- ``tests``: ``pytest -m cuda`` (the suite's GPU tests; they run packs as graphs).
+- ``probes``, figures the tests do not report: the largest gradient difference of dropout
+  replayed on CUDA against eager on the same (one) microbatch, the implicit syncs of a Trainer step
+  (``torch.cuda.set_sync_debug_mode``), predicted vs allocated / requested / reserved peaks over
+  two iterations. Packs run as graphs (compiled packs, the GPU default, would spend minutes here).
+- ``gpt-eager``, ``gpt-harmony``, ``gpt-fsdp``: a GPT of about 1B parameters (width 2048, 20 layers,
+  sequence 1024; ``--quick``: 4 layers of 512, sequence 256), one CPU state dict for every run,
+  1 warm-up + 3 timed steps by (i) eager, uncapped, fused AdamW on the GPU; (ii) the harmony
+  Trainer under ``set_per_process_memory_fraction`` of an 8 GiB cap; (iii) FSDP2 ``fully_shard``
+  per block with ``CPUOffloadPolicy(pin_memory=True)`` and activation checkpointing per block,
+  world size 1, under the same cap; the same global batch. Each run is a subprocess of its own (the
+  memory cap is per process).
+- ``table``: the side-by-side table of what the JSON holds.
 
-At the end a side-by-side table. Without a GPU it says so, runs what needs none (the environment,
-and the harmony plan of the GPT for an H200), and exits 0.
+Without a GPU every phase says so; ``env`` runs, and ``plan`` (the harmony plan of the GPT for an
+H200, the planner alone) stands in for the runs.
 """
 from __future__ import annotations
 
 import argparse
-import contextlib
 import copy
 import datetime
 import json
@@ -61,16 +65,22 @@ def env() -> dict:
     return info
 
 
-def cuda_tests() -> dict:
+def _text(output: str | bytes | None) -> str:
+    return output.decode(errors="replace") if isinstance(output, bytes) else output or ""
+
+
+def cuda_tests(timeout: float) -> dict:
     started = time.perf_counter()
+    command = [sys.executable, "-m", "pytest", "-q", "-rf", "-m", "cuda", "-p", "no:cacheprovider", "tests"]
     try:
-        run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "cuda", "-p", "no:cacheprovider", "tests"],
-                             capture_output=True, text=True, timeout=180)
-    except subprocess.TimeoutExpired:
-        return {"returncode": None, "summary": "timed out after 180 s", "seconds": time.perf_counter() - started}
-    tail = run.stdout.strip().splitlines()[-1:] or [run.stderr.strip()[-300:]]
-    return {"returncode": run.returncode, "summary": tail[0], "seconds": time.perf_counter() - started,
-            "failures": [line for line in run.stdout.splitlines() if line.startswith("FAILED")][:20]}
+        run = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
+        stdout, returncode, summary = run.stdout, run.returncode, None
+    except subprocess.TimeoutExpired as expired:  # what ran until then is still worth reading
+        stdout, returncode, summary = _text(expired.stdout), None, f"timed out after {timeout:.0f} s"
+    lines = stdout.strip().splitlines()
+    return {"returncode": returncode, "summary": summary or (lines[-1:] or ["(no output)"])[0],
+            "seconds": time.perf_counter() - started,
+            "failures": [line for line in lines if line.startswith("FAILED")][:20], "tail": "\n".join(lines[-15:])}
 
 
 def _grads_equal(model, reference, exact: bool = False) -> float:
@@ -109,9 +119,11 @@ def probes() -> dict:
         results[name]["seconds"] = round(time.perf_counter() - started, 2)
 
     def dropout_replay():
+        # one microbatch: eager draws one mask over the whole batch, and so must the compared run
         model, x, y = _small_gpt(dropout=0.2)
         reference = copy.deepcopy(model).cuda()
-        hm = harmony_fx.compile(model, x, devices=["cuda:0"], microbatches=2, memory_budget="256KiB")
+        hm = harmony_fx.compile(model, x, devices=["cuda:0"], microbatches=1, memory_budget="256KiB",
+                                compile_packs=False)
         torch.manual_seed(1)
         _loss(hm(x), y).backward()
         torch.manual_seed(1)
@@ -121,7 +133,7 @@ def probes() -> dict:
     def syncs_and_peaks():
         model, x, y = _small_gpt()
         trainer = harmony_fx.Trainer(model, _loss, torch.optim.AdamW(model.parameters()), (x, y),
-                                     devices=["cuda:0"], microbatches=2, memory_budget="512KiB")
+                                     devices=["cuda:0"], microbatches=2, memory_budget="512KiB", compile_packs=False)
         trainer.step((x, y))  # warm-up
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
@@ -269,28 +281,28 @@ def run_gpt(kind: str, state_path: str, quick: bool) -> dict:
     return result
 
 
-def gpt(quick: bool, out: dict, save) -> None:
-    config = QUICK if quick else BIG
-    state_path = "/tmp/harmony_gpu_check_gpt.pt"
-    torch.manual_seed(0)
-    model = TinyGPT(config)
-    torch.save(model.state_dict(), state_path)  # one initial state for all three runs
-    del model
-    out["gpt"] = {}
-    for kind in ("eager", "harmony", "fsdp"):
-        started = time.perf_counter()
-        try:
-            run = subprocess.run([sys.executable, __file__, "--run", kind, "--state", state_path]
-                                 + (["--quick"] if quick else []), capture_output=True, text=True, timeout=150)
-            out["gpt"][kind] = json.loads(run.stdout.strip().splitlines()[-1])
-        except subprocess.TimeoutExpired:
-            out["gpt"][kind] = {"error": "timed out after 150 s"}
-        except (IndexError, json.JSONDecodeError):
-            out["gpt"][kind] = {"error": (run.stderr or run.stdout).strip()[-800:]}
-        out["gpt"][kind]["wall_seconds"] = time.perf_counter() - started
-        save()
-    with contextlib.suppress(OSError):
-        os.remove(state_path)
+STATE_PATH = "/tmp/harmony_gpu_check_gpt.pt"
+
+
+def gpt(kind: str, quick: bool, timeout: float) -> dict:
+    """One GPT run (``kind``) in a subprocess; the initial state is saved once for all three."""
+    if not os.path.exists(STATE_PATH + (".quick" if quick else "")):
+        torch.manual_seed(0)
+        torch.save(TinyGPT(QUICK if quick else BIG).state_dict(), STATE_PATH + (".quick" if quick else ""))
+    started = time.perf_counter()
+    command = [sys.executable, __file__, "--run", kind, "--state", STATE_PATH + (".quick" if quick else "")]
+    try:
+        run = subprocess.run(command + (["--quick"] if quick else []), capture_output=True, text=True, timeout=timeout)
+        stdout, stderr = run.stdout, run.stderr
+    except subprocess.TimeoutExpired as expired:
+        return {"error": f"timed out after {timeout:.0f} s", "output": _text(expired.stdout)[-800:],
+                "stderr": _text(expired.stderr)[-800:], "wall_seconds": time.perf_counter() - started}
+    try:
+        result = json.loads(stdout.strip().splitlines()[-1])
+    except (IndexError, json.JSONDecodeError):
+        result = {"error": (stderr or stdout).strip()[-800:]}
+    result["wall_seconds"] = time.perf_counter() - started
+    return result
 
 
 def plan_only(quick: bool) -> dict:
@@ -337,10 +349,15 @@ def table(out: dict) -> str:
     return "\n".join(lines)
 
 
+PHASES = ("env", "tests", "probes", "gpt-eager", "gpt-harmony", "gpt-fsdp", "table")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--out", default="gpu_check.json")
-    parser.add_argument("--quick", action="store_true", help="a small GPT instead of the 1B one")
+    parser.add_argument("--out", default="gpu_check.json", help="the JSON each phase adds its entry to")
+    parser.add_argument("--phase", choices=[*PHASES, "all"], default="all")
+    parser.add_argument("--quick", action="store_true", help="a small GPT instead of the 1B one (every phase in minutes)")
+    parser.add_argument("--timeout", type=float, default=220, help="seconds for a subprocess phase (tests, each GPT run)")
     parser.add_argument("--run", choices=["eager", "harmony", "fsdp"], help=argparse.SUPPRESS)
     parser.add_argument("--state", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -348,29 +365,36 @@ def main() -> None:
         print(json.dumps(run_gpt(args.run, args.state, args.quick)))
         return
     out: dict = {}
+    if os.path.exists(args.out):
+        with open(args.out) as f:
+            out = json.load(f)
 
     def save() -> None:
         with open(args.out, "w") as f:
             json.dump(out, f, indent=2, default=str)
 
-    out["env"] = env()
-    save()
-    print(json.dumps(out["env"]), flush=True)
-    if not torch.cuda.is_available():
-        print("gpu_check: no GPU here (torch.cuda.is_available() is False); ran what needs none.")
-        out["plan"] = plan_only(args.quick)
-        save()
-        print(out["plan"]["output"][-600:])
-        return
-    for name, phase in (("cuda_tests", cuda_tests), ("probes", probes)):
+    gpu = torch.cuda.is_available()
+    for phase in PHASES if args.phase == "all" else (args.phase,):
         started = time.perf_counter()
-        out[name] = phase()
-        print(f"{name} ({time.perf_counter() - started:.0f} s): {json.dumps(out[name])[:1500]}", flush=True)
+        if phase == "env":
+            out["env"] = env()
+        elif phase == "table":
+            out["table"] = table(out)
+        elif not gpu:
+            if "plan" not in out:
+                out["plan"] = plan_only(args.quick)
+            out[phase] = {"skipped": "no GPU here (torch.cuda.is_available() is False)"}
+        elif phase == "tests":
+            out["cuda_tests"] = cuda_tests(args.timeout)
+        elif phase == "probes":
+            out["probes"] = probes()
+        else:
+            out.setdefault("gpt", {})[phase.removeprefix("gpt-")] = gpt(phase.removeprefix("gpt-"), args.quick,
+                                                                        args.timeout)
         save()
-    gpt(args.quick, out, save)
-    out["table"] = table(out)
-    save()
-    print(out["table"])
+        shown = out.get("table") if phase == "table" else json.dumps(out.get(phase, out.get("gpt", {}).get(
+            phase.removeprefix("gpt-"), out.get("cuda_tests"))), default=str)[:1500]
+        print(f"{phase} ({time.perf_counter() - started:.0f} s): {shown}", flush=True)
 
 
 if __name__ == "__main__":

@@ -206,6 +206,8 @@ def _from_layout(log: StageLog, example: _Example, devices: list, options: Compi
                                              lambda c: c.peak, devices[0].budget, policy, devices[0].margin)[1],
             decision=lambda c: f"{policy_name}: {len(c.packs)} pack(s), peak "
                                + ", ".join(f"{d.name} {format_size(p)}" for d, p in zip(devices, c.peaks)))
+    if layout.forward_parts:
+        _refuse_stashed_batch_indices(candidate, analysis)
     log.run("annotate packs", _annotate, variants, candidate.boundaries, options.verify,
             decision=lambda _: "the chosen packs and liveness written on the graph" + (", verified" if options.verify else ""))
     if options.verify:
@@ -254,6 +256,17 @@ def _capture_microbatches(example: _Example, layout: Layout, whole: Variant | No
     return variants
 
 
+def _refuse_stashed_batch_indices(candidate: Candidate, analysis: BatchAnalysis) -> None:
+    """Larger forward microbatches cut their stash for the backward's: a sample's index in the batch
+    (``arange`` over it, e.g. to pick each sample's row of a mask) crossing packs would keep the
+    forward microbatch's numbers, and the second part would index past its own microbatch."""
+    crossing = sorted({v for pack in candidate.packs for v in pack.act_inputs} & set(analysis.batch_indices))
+    if crossing:
+        raise ValueError(f"microbatches={{'forward': ..., 'backward': ...}}: {crossing[0]} is each sample's index in "
+                         "the batch (arange over it) and crosses packs: stashed at the forward's size and cut for the "
+                         "backward, the second part would index past its own microbatch. Give microbatches as one int")
+
+
 def _check_forward_parts(trainer: bool, analysis: BatchAnalysis) -> None:
     """Larger forward microbatches compute what the backward's do only if the samples are apart."""
     if not trainer:
@@ -265,11 +278,6 @@ def _check_forward_parts(trainer: bool, analysis: BatchAnalysis) -> None:
         raise ValueError("microbatches={'forward': ..., 'backward': ...}: the backward recomputes each pack on part "
                          "of a forward microbatch, which computes the same only when every op treats the samples "
                          f"apart, and this model's do not ({analysis.reason}); give microbatches as one int")
-    if analysis.batch_indices:
-        raise ValueError("microbatches={'forward': ..., 'backward': ...}: the model computes each sample's index "
-                         f"in the batch ({analysis.batch_indices[0]} is arange over the batch, e.g. to pick each "
-                         "sample's row of a mask); stashed at the forward's size and cut for the backward, the second "
-                         "part would index past its own microbatch. Give microbatches as one int")
 
 
 def _analyze_batch(variant: Variant, batch: int, flat_dims) -> BatchAnalysis:

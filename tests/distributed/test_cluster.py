@@ -6,6 +6,7 @@ import pytest
 from tests.distributed import launch
 
 
+@pytest.mark.slow  # keeps the default suite under 8 minutes on 2 cores; run with -m slow
 def test_a_hung_rank_is_named_after_the_timeout(tmp_path):
     timeout = 4
     processes = launch.start("hanging", 2, tmp_path, timeout=30, hang_in_step=1)

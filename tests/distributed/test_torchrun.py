@@ -2,6 +2,8 @@
 (``--max-restarts 1``), they resume from the last checkpoint, and the run ends as an unbroken one."""
 from __future__ import annotations
 
+import pytest
+
 import subprocess
 import sys
 
@@ -15,6 +17,7 @@ def _demo(out, *extra) -> str:
     return result.stdout
 
 
+@pytest.mark.slow  # keeps the default suite under 8 minutes on 2 cores; run with -m slow
 def test_a_restarted_run_ends_as_an_unbroken_one(tmp_path):
     unbroken = _demo(tmp_path / "unbroken")
     restarted = _demo(tmp_path / "restarted", "--fail-once", "2")
