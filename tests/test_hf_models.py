@@ -214,11 +214,12 @@ def test_padded_batches_through_the_trainer_train_like_eager(name):
         trainer.close()
 
 
-def test_padded_batches_through_the_backend_train_like_eager():
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_padded_batches_through_the_backend_train_like_eager(name):
     pytest.importorskip("transformers")
     from harmony_fx.testing.hf_models import padded_batches
     torch._dynamo.reset()
-    model = build_hf_model("gpt2")
+    model = build_hf_model(name)
     reference, optimizer, ref_optimizer = _sgd_pair(model)
     compiled = torch.compile(model, backend="harmony", dynamic=True,
                              options={"memory_budget": "1.5MiB", "microbatches": 2})

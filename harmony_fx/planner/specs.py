@@ -195,10 +195,15 @@ def _runtime_overheads(flops: float, copy_bandwidth: float) -> tuple[float, floa
     """(seconds per compute task, seconds per op): the runtime's own cost on this machine, from two
     compiled MLPs whose arithmetic is negligible, one task per layer and four layers per task: what
     is left of their step times once FLOPs and bytes are paid, split between tasks and ops."""
+    with torch.random.fork_rng(devices=[]):  # seeded, without moving the caller's random numbers
+        torch.manual_seed(0)
+        return _time_two_mlps(flops, copy_bandwidth)
+
+
+def _time_two_mlps(flops: float, copy_bandwidth: float) -> tuple[float, float]:
     from harmony_fx.api import compile  # the runtime itself, timed
     from harmony_fx.testing.models import MLPChain
 
-    torch.manual_seed(0)
     x = torch.randn(8, 32)
     rows, times = [], []
     for boundaries in ((0, 1, 2, 3, 4, 5, 6, 7), (0, 4)):

@@ -4,6 +4,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+import torch
 
 from harmony_fx.planner.specs import PRESETS, DeviceSpec, HostSpec, get_spec, measure_local
 
@@ -99,3 +100,11 @@ def test_compile_plans_host_devices_with_fixed_figures():
 
     assert host_nominal("1MiB") == host_nominal("1MiB") and host_nominal("1MiB").memory == 2**20
     assert host_nominal().inline
+
+
+def test_timing_the_runtime_leaves_the_callers_random_numbers_alone():
+    from harmony_fx.planner.specs import _runtime_overheads
+
+    state = torch.get_rng_state()
+    _runtime_overheads(1e10, 1e10)  # seeds its own models, inside fork_rng
+    assert torch.equal(torch.get_rng_state(), state)
