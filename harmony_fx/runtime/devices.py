@@ -249,18 +249,41 @@ class CudaDevice(Device):
         self.streams = CudaStreams(self.torch_device)
         self.staging = StagingBuffers(pin=True)
         self.cheap_live_bytes = False
-        # cuBLAS allocates its workspace (about 32 MiB on Hopper) through the caching allocator on
-        # the first matmul of each stream and keeps it: take it now, so it is part of the baseline
-        # and not of the first task's bytes
-        with torch.cuda.device(self.torch_device):
-            torch.ones(2, 2, device=self.torch_device) @ torch.ones(2, 2, device=self.torch_device)
-            torch.cuda.synchronize(self.torch_device)
+        self._warmed: set[int] = set()  # the threads whose workspaces are taken (``_warm_up``)
+        self._warm_up()
         self._baseline = torch.cuda.memory_allocated(self.torch_device)
-        self._requested_baseline = torch.cuda.memory_stats(self.torch_device).get("requested_bytes.all.current", 0)
+        self._requested_baseline = self._requested_now()
+
+    def _warm_up(self) -> None:
+        """Take now, once per thread, what the first matmul allocates through the caching allocator
+        and keeps: cuBLAS's and cuBLASLt's workspaces (a Linear with a bias takes the Lt path) for
+        this thread on the compute stream, and, through a backward, those of autograd's device
+        thread. Taken before the baseline (or added to it), they are not charged as the first
+        task's bytes, which a small budget would refuse."""
+        thread = threading.get_ident()
+        if thread in self._warmed:
+            return
+        self._warmed.add(thread)
+        device = self.torch_device
+        with torch.cuda.device(device), torch.cuda.stream(self.streams.compute), torch.enable_grad():
+            weight = torch.ones(8, 8, device=device, requires_grad=True)
+            bias = torch.zeros(8, device=device, requires_grad=True)
+            torch.nn.functional.linear(torch.ones(4, 8, device=device), weight, bias).sum().backward()
+        torch.cuda.synchronize(device)
 
     def bind_thread(self) -> None:
-        """Called by a controller thread before it issues this device's program."""
+        """Called by a controller thread before it issues this device's program: its workspaces
+        are taken on its first call and counted with the baseline."""
         torch.cuda.set_device(self.torch_device)
+        if threading.get_ident() in self._warmed:
+            return
+        before, requested = torch.cuda.memory_allocated(self.torch_device), self._requested_now()
+        self._warm_up()
+        self._baseline += torch.cuda.memory_allocated(self.torch_device) - before
+        self._requested_baseline += self._requested_now() - requested
+
+    def _requested_now(self) -> int:
+        return torch.cuda.memory_stats(self.torch_device).get("requested_bytes.all.current", 0)
 
     def record_event(self) -> torch.cuda.Event:
         event = torch.cuda.Event()
