@@ -196,7 +196,7 @@ def lower_pipeline(packs: Sequence[Pack], signature: ProgramSignature,
                 buffers_out(b, pack, wrap.forward_events[(p, signature.forward_microbatches[-1])])
             if fused:
                 weight_grads_out(b, pack)
-            if fused or p < last:
+            if fused or p < last or signature.forward_only:
                 b.free(weights(p))
             if fused:
                 update(b, pack)
@@ -206,6 +206,10 @@ def lower_pipeline(packs: Sequence[Pack], signature: ProgramSignature,
         if deferred:
             split_stash(b, packs)
         num_forward.append(len(b.actions))
+    if signature.forward_only:  # no backward program (a call under no_grad)
+        for b in builders:
+            assert not b.ready, f"{PASS_NAME} left keys resident on d{b.device}: {sorted(map(str, b.ready))}"
+        return [(b.actions, []) for b in builders]
 
     # ---------------------------------------------------------------- backward
     for pack in reversed(packs):

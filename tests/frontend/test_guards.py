@@ -316,3 +316,16 @@ def test_the_module_methods_act_on_the_wrapped_model():
     assert hm.training is model.training and hm._modules is model._modules  # the model's own attributes
     with pytest.raises(AttributeError, match="exists after the first call"):
         hm.plan
+
+
+@pytest.mark.parametrize("parallel", ["dp", "pp"])
+def test_forward_only_on_two_devices_equals_eager(parallel):
+    model, reference, _ = _pair()
+    model.eval(), reference.eval()
+    hm = harmony_fx.compile(model, devices=["host:0", "host:1"], parallel=parallel, microbatches=2,
+                            pack_boundaries=BOUNDARIES)
+    x = _batch()[0]
+    with torch.no_grad():
+        torch.testing.assert_close(hm(x), reference(x), rtol=RTOL, atol=ATOL)
+    assert all(backward == [] for _, backward in hm.device_actions)
+    hm.close()
