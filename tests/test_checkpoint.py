@@ -40,7 +40,7 @@ def _gpt_trainer(seed: int, example, budget: int, **options) -> harmony_fx.Train
     return harmony_fx.Trainer(model, LOSS_FN, optimizer, example, microbatches=2, memory_budget=budget, **options)
 
 
-@pytest.mark.parametrize("form", ["file", "folder"])
+@pytest.mark.parametrize("form", ["file", pytest.param("folder", marks=pytest.mark.slow)])  # folder: also in tests/distributed
 def test_resumed_run_equals_uninterrupted_run(tmp_path, form):
     """``form``: one file, or a folder of step folders (torch.distributed.checkpoint, as across
     processes) with its ``latest`` pointer."""

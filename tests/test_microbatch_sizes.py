@@ -73,7 +73,8 @@ def test_one_step_equals_eager(name, devices):
 
 
 @pytest.mark.parametrize("devices", DEVICES)
-@pytest.mark.parametrize("name", MODELS)
+@pytest.mark.parametrize("name", [pytest.param(name, marks=[pytest.mark.slow] if name == "tiny_gpt" else [])
+                                  for name in MODELS])  # tiny_gpt: 10 s each, slow (the suite under 8 minutes)
 def test_adamw_steps_equal_one_microbatch_size(name, devices):
     """The backward's microbatches compute what they compute with one size: equal to the last bits a
     CPU's matrix kernels leave to the number of rows (bitwise on some CPUs; on others a GEMM over 8

@@ -25,7 +25,8 @@ def _shards(numels, world):
     return sum(4 * math.ceil(n / world) for n in numels)
 
 
-@pytest.mark.parametrize("shard_optimizer", [True, False])
+# replicated state is the sharded path less the shards: slow, so the default suite stays under 8 minutes
+@pytest.mark.parametrize("shard_optimizer", [True, pytest.param(False, marks=pytest.mark.slow)])
 def test_two_ranks_equal_one_process_bitwise(tmp_path, one_thread, shard_optimizer):
     ranks = launch.run("train", 2, tmp_path, shard_optimizer=shard_optimizer)
     reference = scenarios.one_process(2)
@@ -39,7 +40,7 @@ def test_two_ranks_equal_one_process_bitwise(tmp_path, one_thread, shard_optimiz
     assert [rank["state_bytes"] for rank in ranks] == [expected, expected]
 
 
-@pytest.mark.parametrize("shard_optimizer", [True, False])
+@pytest.mark.parametrize("shard_optimizer", [True, pytest.param(False, marks=pytest.mark.slow)])
 def test_three_ranks_within_1e6_and_send_what_the_formula_says(tmp_path, one_thread, shard_optimizer):
     ranks = launch.run("train", 3, tmp_path, shard_optimizer=shard_optimizer)
     reference = scenarios.one_process(3)

@@ -52,7 +52,7 @@ def test_host_gradients_sum_in_device_order_whatever_order_they_land():
     assert grads.get(8) is None
 
 
-@pytest.mark.parametrize("name", ["small_cnn", "tiny_gpt"])
+@pytest.mark.parametrize("name", ["small_cnn", pytest.param("tiny_gpt", marks=pytest.mark.slow)])  # 12 s: slow
 def test_a_device_sharing_host_memory_trains_like_eager(name):
     """``track_memory=False``: a HostDevice hands the masters of weights it only reads and takes
     the weight gradients it frees without copies. BatchNorm statistics (written in place) still get
