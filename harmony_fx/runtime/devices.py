@@ -239,7 +239,7 @@ class CudaDevice(Device):
                    f"{format_size(CUDA_RESERVE_FIXED)} + {CUDA_RESERVE_FRACTION:.0%} of the budget, at most "
                    f"{CUDA_RESERVE_CAP:.0%} of it")
 
-    def __init__(self, name: str = "cuda:0", budget: int | None = None) -> None:
+    def __init__(self, name: str = "cuda:0", budget: int | None = None, account: "GpuAccount | None" = None) -> None:
         self.name = name
         self.torch_device = torch.device(name)
         if budget is None:
@@ -249,41 +249,15 @@ class CudaDevice(Device):
         self.streams = CudaStreams(self.torch_device)
         self.staging = StagingBuffers(pin=True)
         self.cheap_live_bytes = False
-        self._warmed: set[int] = set()  # the threads whose workspaces are taken (``_warm_up``)
-        self._warm_up()
-        self._baseline = torch.cuda.memory_allocated(self.torch_device)
-        self._requested_baseline = self._requested_now()
-
-    def _warm_up(self) -> None:
-        """Take now, once per thread, what the first matmul allocates through the caching allocator
-        and keeps: cuBLAS's and cuBLASLt's workspaces (a Linear with a bias takes the Lt path) for
-        this thread on the compute stream, and, through a backward, those of autograd's device
-        thread. Taken before the baseline (or added to it), they are not charged as the first
-        task's bytes, which a small budget would refuse."""
-        thread = threading.get_ident()
-        if thread in self._warmed:
-            return
-        self._warmed.add(thread)
-        device = self.torch_device
-        with torch.cuda.device(device), torch.cuda.stream(self.streams.compute), torch.enable_grad():
-            weight = torch.ones(8, 8, device=device, requires_grad=True)
-            bias = torch.zeros(8, device=device, requires_grad=True)
-            torch.nn.functional.linear(torch.ones(4, 8, device=device), weight, bias).sum().backward()
-        torch.cuda.synchronize(device)
+        # the caching allocator counts per GPU: every device on this GPU shares one account
+        self.account = account if account is not None else GpuAccount(self.torch_device)
+        self.account.add(self)
 
     def bind_thread(self) -> None:
         """Called by a controller thread before it issues this device's program: its workspaces
         are taken on its first call and counted with the baseline."""
         torch.cuda.set_device(self.torch_device)
-        if threading.get_ident() in self._warmed:
-            return
-        before, requested = torch.cuda.memory_allocated(self.torch_device), self._requested_now()
-        self._warm_up()
-        self._baseline += torch.cuda.memory_allocated(self.torch_device) - before
-        self._requested_baseline += self._requested_now() - requested
-
-    def _requested_now(self) -> int:
-        return torch.cuda.memory_stats(self.torch_device).get("requested_bytes.all.current", 0)
+        self.account.warm_up(self.streams.compute)
 
     def record_event(self) -> torch.cuda.Event:
         event = torch.cuda.Event()
@@ -334,10 +308,11 @@ class CudaDevice(Device):
         return torch.cuda.device(self.torch_device)
 
     def check_budget(self) -> None:
-        """After a compute task: the allocator holds no more than the budget for our tensors."""
+        """After a compute task: the allocator holds no more than the budget for our tensors (on a
+        GPU that several devices share, no more than their budgets together)."""
         live = self.live_bytes()
-        if self.budget is not None and live > self.budget:
-            raise DeviceOutOfMemoryError(out_of_memory_message(self, live, self.budget))
+        if self.account.budget is not None and live > self.account.budget:
+            raise DeviceOutOfMemoryError(out_of_memory_message(self, live, self.account.budget))
 
     def get_rng_state(self) -> tuple[torch.Tensor, torch.Tensor]:
         # a pack may draw on the host's generator too (a CPU randperm in the model): keep both
@@ -351,29 +326,87 @@ class CudaDevice(Device):
         return _HOST_RNG_LOCK  # the host's generator is shared by every device
 
     def reset_peak(self) -> None:
+        self.account.reset_peak()
+
+    def live_bytes(self) -> int:
+        return self.account.live_bytes()
+
+    def peak_bytes(self) -> int:
+        return self.account.peak_bytes()
+
+    def memory_peaks(self) -> dict[str, int]:
+        return self.account.memory_peaks()
+
+    def pinned_bytes(self) -> int:
+        """Host memory pinned by torch's pinned allocator (masters, staging, offloaded copies)."""
+        return int(torch.cuda.host_memory_stats().get("allocated_bytes.current", 0))
+
+
+class GpuAccount:
+    """The bytes of one physical GPU, which every ``CudaDevice`` on it shares: the caching allocator
+    counts per GPU, so two devices on one GPU (``devices=["cuda:0", "cuda:0"]``) each see both's
+    tensors. One baseline, one peak reset, and one budget, their budgets' sum (``None`` if any is
+    unlimited); each device reports the GPU's figures."""
+
+    def __init__(self, torch_device: torch.device) -> None:
+        self.torch_device = torch_device
+        self.budgets: list[int | None] = []
+        self._warmed: set[tuple] = set()  # the (thread, stream) pairs whose workspaces are taken
+        self.baseline = self.requested_baseline = 0
+        self.warm_up(None)
+        self.reset_peak()
+
+    def add(self, device: "CudaDevice") -> None:
+        self.budgets.append(device.budget)
+
+    @property
+    def budget(self) -> int | None:
+        return None if None in self.budgets else sum(self.budgets)
+
+    def warm_up(self, stream) -> None:
+        """Take now, once per thread and stream, what the first matmul allocates through the caching
+        allocator and keeps: cuBLAS's and cuBLASLt's workspaces (a Linear with a bias takes the Lt
+        path) for this thread on ``stream`` (``None``: the current one), and, through a backward,
+        those of autograd's device thread. They are added to the baseline, not charged as a task's
+        bytes, which a small budget would refuse."""
+        key = (threading.get_ident(), None if stream is None else id(stream))
+        if key in self._warmed:
+            return
+        self._warmed.add(key)
+        device = self.torch_device
+        before, requested = torch.cuda.memory_allocated(device), self._requested()
+        with torch.cuda.device(device), torch.cuda.stream(stream), torch.enable_grad():
+            weight = torch.ones(8, 8, device=device, requires_grad=True)
+            bias = torch.zeros(8, device=device, requires_grad=True)
+            torch.nn.functional.linear(torch.ones(4, 8, device=device), weight, bias).sum().backward()
+            del weight, bias
+        torch.cuda.synchronize(device)
+        self.baseline += torch.cuda.memory_allocated(device) - before
+        self.requested_baseline += self._requested() - requested
+
+    def _requested(self) -> int:
+        return torch.cuda.memory_stats(self.torch_device).get("requested_bytes.all.current", 0)
+
+    def reset_peak(self) -> None:
         # no synchronize: the caching allocator counts at allocation and free, on the host
-        self._baseline = torch.cuda.memory_allocated(self.torch_device)
-        self._requested_baseline = torch.cuda.memory_stats(self.torch_device).get("requested_bytes.all.current", 0)
+        self.baseline = torch.cuda.memory_allocated(self.torch_device)
+        self.requested_baseline = self._requested()
         torch.cuda.reset_peak_memory_stats(self.torch_device)
 
     def live_bytes(self) -> int:
-        return torch.cuda.memory_allocated(self.torch_device) - self._baseline
+        return torch.cuda.memory_allocated(self.torch_device) - self.baseline
 
     def peak_bytes(self) -> int:
-        return torch.cuda.max_memory_allocated(self.torch_device) - self._baseline
+        return torch.cuda.max_memory_allocated(self.torch_device) - self.baseline
 
     def memory_peaks(self) -> dict[str, int]:
         """Peaks since ``reset_peak``, as the caching allocator counts them: ``allocated`` (blocks
         handed out, rounded) and ``requested`` (the bytes asked for), both above what was there
         before (the budget's terms), and ``reserved`` (all the process holds from CUDA)."""
         stats = torch.cuda.memory_stats(self.torch_device)
-        return {"allocated": stats.get("allocated_bytes.all.peak", 0) - self._baseline,
-                "requested": stats.get("requested_bytes.all.peak", 0) - self._requested_baseline,
+        return {"allocated": stats.get("allocated_bytes.all.peak", 0) - self.baseline,
+                "requested": stats.get("requested_bytes.all.peak", 0) - self.requested_baseline,
                 "reserved": stats.get("reserved_bytes.all.peak", 0)}
-
-    def pinned_bytes(self) -> int:
-        """Host memory pinned by torch's pinned allocator (masters, staging, offloaded copies)."""
-        return int(torch.cuda.host_memory_stats().get("allocated_bytes.current", 0))
 
 
 def pinned_source(source: torch.Tensor) -> torch.Tensor:
@@ -444,7 +477,9 @@ def resolve_devices(devices: object, budget: int | None, track_memory: bool = Tr
                     f"unknown device {name!r}: this machine has {torch.cuda.device_count()} CUDA device(s). "
                     "Use 'host:0' for a GPU stand-in in host memory."
                 )
-            result.append(CudaDevice(f"cuda:{index or 0}", budget))
+            gpu = int(index or 0)
+            shared = next((d.account for d in result if isinstance(d, CudaDevice) and d.torch_device.index == gpu), None)
+            result.append(CudaDevice(f"cuda:{gpu}", budget, shared))
         else:
             raise ValueError(f"unknown device {name!r}: write 'cuda:N' for a GPU or 'host:N' for a HostDevice")
     return result

@@ -246,3 +246,54 @@ def test_cuda_device_refuses_to_pass_its_budget():
         device.check_budget()
     peaks = device.memory_peaks()
     assert set(peaks) == {"allocated", "requested", "reserved"} and peaks["allocated"] >= 2 * MIB
+
+
+class _FakeAllocator:
+    """What ``torch.cuda`` reports of one GPU's caching allocator, counted here by hand."""
+
+    def __init__(self) -> None:
+        self.allocated = self.peak = 0
+
+    def allocate(self, nbytes: int) -> None:
+        self.allocated += nbytes
+        self.peak = max(self.peak, self.allocated)
+
+    def install(self, monkeypatch) -> None:
+        from harmony_fx.runtime import devices
+
+        cuda = devices.torch.cuda
+        monkeypatch.setattr(cuda, "is_available", lambda: True)
+        monkeypatch.setattr(cuda, "device_count", lambda: 1)
+        monkeypatch.setattr(cuda, "memory_allocated", lambda device=None: self.allocated)
+        monkeypatch.setattr(cuda, "max_memory_allocated", lambda device=None: self.peak)
+        monkeypatch.setattr(cuda, "memory_stats", lambda device=None: {
+            "allocated_bytes.all.peak": self.peak, "requested_bytes.all.current": self.allocated,
+            "requested_bytes.all.peak": self.peak, "reserved_bytes.all.peak": self.peak})
+        monkeypatch.setattr(cuda, "reset_peak_memory_stats", lambda device=None: setattr(self, "peak", self.allocated))
+        monkeypatch.setattr(devices.GpuAccount, "warm_up", lambda account, stream: None)  # no kernels here
+        monkeypatch.setattr(devices, "CudaStreams", lambda device: None)
+        monkeypatch.setattr(devices, "StagingBuffers", lambda pin: None)
+
+
+def test_two_devices_on_one_gpu_share_one_account(monkeypatch):
+    """The allocator counts per GPU: two devices on it are one account, whose budget is theirs
+    together (each charged the other's tensors, and each resetting the other's peak, before)."""
+    from harmony_fx.runtime.devices import CudaDevice, DeviceOutOfMemoryError
+
+    gpu = _FakeAllocator()
+    gpu.install(monkeypatch)
+    gpu.allocate(1000)  # the context, another library's tensors: the baseline
+    first, second = resolve_devices(["cuda:0", "cuda:0"], 4096, track_memory=False)
+    assert isinstance(first, CudaDevice) and first.account is second.account and first.account.budget == 8192
+    first.reset_peak()
+    second.reset_peak()  # at the start of an iteration every device resets: the same baseline, once
+    gpu.allocate(3000)  # the first device's tensors
+    gpu.allocate(3000)  # the second's: over either budget, within both together
+    first.check_budget()
+    second.check_budget()
+    assert first.live_bytes() == second.live_bytes() == 6000 and first.peak_bytes() == 6000
+    gpu.allocate(3000)
+    with pytest.raises(DeviceOutOfMemoryError):
+        second.check_budget()
+    other = resolve_devices(["cuda:0"], 4096, track_memory=False)[0]
+    assert other.account is not first.account  # another compile: an account of its own
