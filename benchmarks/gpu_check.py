@@ -291,8 +291,12 @@ def gpt(kind: str, quick: bool, timeout: float) -> dict:
         torch.save(TinyGPT(QUICK if quick else BIG).state_dict(), STATE_PATH + (".quick" if quick else ""))
     started = time.perf_counter()
     command = [sys.executable, __file__, "--run", kind, "--state", STATE_PATH + (".quick" if quick else "")]
+    # every run alike: expandable segments, so that near the cap the allocator grows a segment
+    # instead of failing on fragmentation (or freeing its cache, a device-wide sync)
+    env = {**os.environ, "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
     try:
-        run = subprocess.run(command + (["--quick"] if quick else []), capture_output=True, text=True, timeout=timeout)
+        run = subprocess.run(command + (["--quick"] if quick else []), capture_output=True, text=True,
+                             timeout=timeout, env=env)
         stdout, stderr = run.stdout, run.stderr
     except subprocess.TimeoutExpired as expired:
         return {"error": f"timed out after {timeout:.0f} s", "output": _text(expired.stdout)[-800:],

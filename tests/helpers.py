@@ -81,6 +81,9 @@ def train_step(entry: ZooEntry, budget_fraction: float, devices: Sequence[str] |
     else:
         need = eager_training_bytes(model, inputs, lambda out: entry.loss_fn(out, target))
     budget = int(need * budget_fraction)
+    # packs as graphs unless a test asks for inductor: compiled packs, the GPU default for users, would
+    # spend minutes of a GPU check compiling (the DeviceMemoryWitness also needs the graphs' tensors)
+    compile_options.setdefault("compile_packs", False)
     hm = harmony_fx.compile(model, inputs, memory_budget=budget, devices=devices, **compile_options)
 
     # The eager reference runs where harmony_fx computes, so dropout draws from the same generator.

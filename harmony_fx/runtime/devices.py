@@ -243,7 +243,7 @@ class CudaDevice(Device):
         self.name = name
         self.torch_device = torch.device(name)
         if budget is None:
-            budget, _ = torch.cuda.mem_get_info(self.torch_device)  # what is free now, not the card's size
+            budget = default_cuda_budget(self.torch_device)
         self.budget = budget
         self.margin = cuda_reserve(budget)
         self.streams = CudaStreams(self.torch_device)
@@ -342,6 +342,14 @@ class CudaDevice(Device):
         return int(torch.cuda.host_memory_stats().get("allocated_bytes.current", 0))
 
 
+def default_cuda_budget(device: torch.device) -> int:
+    """What is free on the GPU now (not the card's size), and no more than the process may reserve
+    under ``torch.cuda.set_per_process_memory_fraction``, less what it has reserved already."""
+    free, total = torch.cuda.mem_get_info(device)
+    fraction = getattr(torch.cuda, "get_per_process_memory_fraction", lambda device: 1.0)(device)
+    return min(free, int(fraction * total) - torch.cuda.memory_reserved(device))
+
+
 class GpuAccount:
     """The bytes of one physical GPU, which every ``CudaDevice`` on it shares: the caching allocator
     counts per GPU, so two devices on one GPU (``devices=["cuda:0", "cuda:0"]``) each see both's
@@ -350,6 +358,7 @@ class GpuAccount:
 
     def __init__(self, torch_device: torch.device) -> None:
         self.torch_device = torch_device
+        self.index = torch_device.index or 0
         self.budgets: list[int | None] = []
         self._warmed: set[tuple] = set()  # the (thread, stream) pairs whose workspaces are taken
         self.baseline = self.requested_baseline = 0
@@ -394,7 +403,9 @@ class GpuAccount:
         torch.cuda.reset_peak_memory_stats(self.torch_device)
 
     def live_bytes(self) -> int:
-        return torch.cuda.memory_allocated(self.torch_device) - self.baseline
+        # read after every compute task: the allocator's nested stats, without the flattening into
+        # one dict of every figure that ``memory_allocated`` does in Python (~0.1 ms a call)
+        return torch._C._cuda_memoryStats(self.index)["allocated_bytes"]["all"]["current"] - self.baseline
 
     def peak_bytes(self) -> int:
         return torch.cuda.max_memory_allocated(self.torch_device) - self.baseline

@@ -265,6 +265,8 @@ class _FakeAllocator:
         monkeypatch.setattr(cuda, "is_available", lambda: True)
         monkeypatch.setattr(cuda, "device_count", lambda: 1)
         monkeypatch.setattr(cuda, "memory_allocated", lambda device=None: self.allocated)
+        monkeypatch.setattr(devices.torch._C, "_cuda_memoryStats",
+                            lambda index: {"allocated_bytes": {"all": {"current": self.allocated}}}, raising=False)
         monkeypatch.setattr(cuda, "max_memory_allocated", lambda device=None: self.peak)
         monkeypatch.setattr(cuda, "memory_stats", lambda device=None: {
             "allocated_bytes.all.peak": self.peak, "requested_bytes.all.current": self.allocated,
@@ -297,3 +299,16 @@ def test_two_devices_on_one_gpu_share_one_account(monkeypatch):
         second.check_budget()
     other = resolve_devices(["cuda:0"], 4096, track_memory=False)[0]
     assert other.account is not first.account  # another compile: an account of its own
+
+
+def test_the_default_cuda_budget_stays_under_the_memory_fraction(monkeypatch):
+    from harmony_fx.runtime import devices
+
+    cuda = devices.torch.cuda
+    gib = 1 << 30
+    monkeypatch.setattr(cuda, "mem_get_info", lambda device: (100 * gib, 140 * gib))
+    monkeypatch.setattr(cuda, "get_per_process_memory_fraction", lambda device: 0.25, raising=False)
+    monkeypatch.setattr(cuda, "memory_reserved", lambda device: 2 * gib)
+    assert devices.default_cuda_budget(torch.device("cuda:0")) == 35 * gib - 2 * gib
+    monkeypatch.setattr(cuda, "get_per_process_memory_fraction", lambda device: 1.0, raising=False)
+    assert devices.default_cuda_budget(torch.device("cuda:0")) == 100 * gib  # what is free binds
