@@ -213,6 +213,9 @@ class Trainer:
                                 trainer=True, updates=max_grad_norm is None, optimizer=facts)
         (self._loss_name,) = self.hm.signature.model_outputs
         self._groups = self.hm.update_groups()
+        # the undo copies' memory, kept from step to step: copying into it costs half of cloning,
+        # which faults in fresh pages for every parameter and optimizer state every step
+        self._undo_store: dict[int, tuple] = {}
         self._last_hm = self.hm  # the module that ran the last step (one per batch size)
         self.step_count = 0
         self._tier: StateTier | None = None  # the optimizer state on NVMe (nvme_path=)
@@ -296,7 +299,10 @@ class Trainer:
         output_grads = {Key(KeyKind.GRAD, loss_name, mb): torch.full(loss_like.shape, w, dtype=loss_like.dtype)
                         for mb, w in enumerate(weights)}
         undo = _Undo(self.optimizer, [p for group in groups.values() for p in group], hm.compiled.written_buffers(),
-                     copies=self.atomic, tier=tier)
+                     copies=self.atomic, tier=tier,
+                     # with the tier a step's undo lives on until its files are committed, which may be
+                     # after the next step's copies: each step's its own then
+                     store=self._undo_store if tier is None else None)
         if tier is not None:
             tier.begin(self.step_count)
 
@@ -741,8 +747,11 @@ class _Undo:
     docstring): ``save`` runs on the update worker right before each update."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, params: Sequence[nn.Parameter],
-                 buffers: Sequence[torch.Tensor], copies: bool = True, tier: StateTier | None = None) -> None:
+                 buffers: Sequence[torch.Tensor], copies: bool = True, tier: StateTier | None = None,
+                 store: dict[int, tuple] | None = None) -> None:
         self.optimizer = optimizer
+        # per parameter (its id): the tensors its copies were made in last time, written into again
+        self.store = {} if store is None else store
         self.copies = copies  # False (Trainer(atomic=False)): parameters and optimizer state are not kept
         # the NVMe tier: its committed file is the copy of the tensor state (and fp32 masters) it holds
         self.tier = tier
@@ -765,9 +774,12 @@ class _Undo:
         for param in params:
             state = self.optimizer.state.get(param)
             tiered = tier is not None and id(param) in tier.params
-            copied = None if state is None else {k: v.clone() if isinstance(v, torch.Tensor) else copy.deepcopy(v)
-                                                 for k, v in state.items() if not (tiered and on_tier_entry(v))}
-            data = None if id(param) in masters else param.detach().clone()
+            kept_data, kept_state = self.store.get(id(param), (None, {}))
+            copied = None if state is None else {
+                k: _copy_into(kept_state.get(k), v) if isinstance(v, torch.Tensor) else copy.deepcopy(v)
+                for k, v in state.items() if not (tiered and on_tier_entry(v))}
+            data = None if id(param) in masters else _copy_into(kept_data, param.detach())
+            self.store[id(param)] = (data, copied or {})
             self.saved.append((param, data, copied))
 
     @torch.no_grad()
@@ -780,13 +792,21 @@ class _Undo:
                 param.copy_(data)
             if state is None:
                 self.optimizer.state.pop(param, None)  # it had no state before this step
-            else:
-                self.optimizer.state[param] = state
+            else:  # fresh tensors: the kept ones are written into again by the next step's copies
+                self.optimizer.state[param] = {k: v.clone() if isinstance(v, torch.Tensor) else v
+                                               for k, v in state.items()}
         self.saved.clear()
         for buffer, data in self.buffers:
             buffer.copy_(data)
         for param, grad in self.grads:
             param.grad = grad
+
+
+def _copy_into(kept: torch.Tensor | None, value: torch.Tensor) -> torch.Tensor:
+    """``value`` copied into ``kept`` where it has its shape, dtype and device, else a clone."""
+    if kept is not None and kept.shape == value.shape and kept.dtype == value.dtype and kept.device == value.device:
+        return kept.copy_(value)
+    return value.clone()
 
 
 def _check_tier_across(cluster: Cluster, max_grad_norm: float | None) -> None:
