@@ -305,7 +305,7 @@ class HarmonyModule:
                 how = f"{packing} reused (it fits)"
             except BudgetTooSmallError as error:
                 how = f"{packing} does not fit here ({str(error).splitlines()[0][:80]}...): planned afresh"
-        if how.endswith("planned afresh"):
+        if "compiled" not in module.__dict__:  # no packing to reuse, or it did not fit
             module._compile(args, kwargs, key)
         module.compiled.passes.add("guards", 0.0, f"a new call state ({changes}): {how}")
         module.record_timeline(self.session.recording)
@@ -343,16 +343,6 @@ class HarmonyModule:
 _MANY_VARIANTS = 8
 
 
-def _needs_grad(key: CallKey, model: nn.Module, args: tuple, kwargs: dict) -> bool:
-    """Whether a call with ``key`` builds a graph for a backward: grad on, and a parameter or an
-    input that requires grad (else the program is forward-only)."""
-    if not key.grad:
-        return False
-    leaves = microbatch.pytree.tree_leaves((args, kwargs))
-    return (any(p.requires_grad for p in model.parameters())
-            or any(isinstance(x, torch.Tensor) and x.requires_grad for x in leaves))
-
-
 def _outside_inference_mode(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     """The call's inputs as tensors usable outside ``inference_mode`` (capturing needs grad mode):
     an inference tensor is cloned, as the same values."""
@@ -362,6 +352,17 @@ def _outside_inference_mode(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
                 return x.clone()
         return x
     return microbatch.pytree.tree_map(usable, (args, kwargs))
+
+
+def _needs_grad(key: CallKey, model: nn.Module, args: tuple, kwargs: dict) -> bool:
+    """Whether a call with ``key`` builds a graph for a backward: grad on, and a parameter or an
+    input that requires grad (else the program is forward-only). Read from the model, not the
+    key: a lazy module's parameters, not materialized yet, have no facts in it but require grad."""
+    if not key.grad:
+        return False
+    leaves = microbatch.pytree.tree_leaves((args, kwargs))
+    return (any(p.requires_grad for p in model.parameters())
+            or any(isinstance(x, torch.Tensor) and x.requires_grad for x in leaves))
 
 
 # what exists once the model is compiled (asking for it before says so, instead of a bare AttributeError)

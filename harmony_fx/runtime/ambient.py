@@ -61,14 +61,15 @@ def scope(state: Autocast) -> Iterator[None]:
     if not state.enabled and not any(torch.is_autocast_enabled(t) for t in _DEVICE_TYPES):
         yield
         return
-    previous, cache = Autocast.current(), torch.is_autocast_cache_enabled()
-    previous_dtypes = [torch.get_autocast_dtype(t) for t in _DEVICE_TYPES]
+    # the dtype is kept where autocast is off too: a later torch.autocast(enabled=True) reads it
+    saved = [(t, torch.is_autocast_enabled(t), torch.get_autocast_dtype(t)) for t in _DEVICE_TYPES]
+    cache = torch.is_autocast_cache_enabled()
     try:
         _apply(state)
         torch.set_autocast_cache_enabled(False)
         yield
     finally:
-        _apply(previous)
-        for device_type, dtype in zip(_DEVICE_TYPES, previous_dtypes):
+        for device_type, enabled, dtype in saved:
+            torch.set_autocast_enabled(device_type, enabled)
             torch.set_autocast_dtype(device_type, dtype)
         torch.set_autocast_cache_enabled(cache)
