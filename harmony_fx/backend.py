@@ -21,6 +21,10 @@ Microbatches run the graph at a smaller batch, so its batch dim must be symbolic
 default static shapes the batch size is baked into the graph (``x.view(8, -1)``), and the backend
 refuses ``microbatches > 1`` and says to compile with ``dynamic=True`` (or ``mark_dynamic``).
 
+Options the code does not pass come from the ``HARMONY_FX_*`` environment variables
+(``config.options_from_environment``: ``HARMONY_FX_MEMORY_BUDGET=8GiB python train.py``), so that
+a script that calls ``torch.compile(model, backend="harmony")`` runs under a budget unedited.
+
 Each graph of a model with graph breaks becomes its own harmony program; gradients cross the break
 through autograd, as between any two autograd functions. The backend is registered through the
 ``torch_dynamo_backends`` entry point (``pyproject.toml``): ``backend="harmony"`` works after a
@@ -37,7 +41,7 @@ from torch import fx, nn
 from torch.fx import traceback as fx_traceback
 
 from harmony_fx.api import HarmonyModule, compile as harmony_compile
-from harmony_fx.config import check_option_names, option_names
+from harmony_fx.config import check_option_names, option_names, with_environment
 
 __all__ = ["harmony"]
 
@@ -63,8 +67,8 @@ def harmony(gm: fx.GraphModule, example_inputs: Sequence[Any], *, options: dict 
     if mode not in (None, "default"):
         raise ValueError(f"torch.compile(mode={mode!r}) has no meaning for the harmony backend; pass harmony's "
                          f"settings as options={{...}} (any of {', '.join(sorted(option_names()))}).")
-    options = dict(options or {})
-    check_option_names(options, option_names(), 'torch.compile(backend="harmony") options')
+    check_option_names(options or {}, option_names(), 'torch.compile(backend="harmony") options')
+    options = with_environment(options)  # HARMONY_FX_* variables: a script run under a budget unedited
     placeholders = gm.graph.find_nodes(op="placeholder")
     inputs = _sort_inputs(placeholders, example_inputs)
     if _num_microbatches(options) > 1 and "batch_dims" not in options:

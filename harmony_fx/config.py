@@ -6,11 +6,12 @@ import dataclasses
 import difflib
 import os
 import re
-from typing import Iterable, Literal, Mapping
+from typing import Any, Callable, Iterable, Literal, Mapping
 
 import torch
 
-__all__ = ["CompileOptions", "parse_size", "format_size", "cuda_reserve", "option_names", "check_option_names"]
+__all__ = ["CompileOptions", "parse_size", "format_size", "cuda_reserve", "option_names", "check_option_names",
+           "options_from_environment", "with_environment", "ENVIRONMENT_VARIABLES"]
 
 _UNITS = {
     "": 1, "b": 1,
@@ -200,6 +201,70 @@ def check_option_names(given: Iterable[str], valid: Iterable[str], door: str) ->
     plural = "s" if len(unknown) > 1 else ""
     raise TypeError(f"{door} got the unknown option{plural} {', '.join(described)}. Correct the name{plural}; "
                     f"the valid options are: {', '.join(valid)}.")
+
+
+def _devices_from_text(text: str) -> int | list[str]:
+    """``"2"`` -> 2 (that many devices); ``"cuda:0,cuda:1"`` -> the names."""
+    text = text.strip()
+    if text.isdigit():
+        return int(text)
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    if not names:
+        raise ValueError("name the devices, e.g. '2', 'cuda:0,cuda:1' or 'host:0'")
+    return names
+
+
+def _count_from_text(text: str) -> int:
+    if not text.strip().isdigit():
+        raise ValueError("write a whole number, e.g. 4")
+    return int(text)
+
+
+# Environment variables that set harmony's options where a script cannot be edited (its own
+# options win over them): ``HARMONY_FX_MEMORY_BUDGET=8GiB python train.py``. Read by the doors
+# that take options from a framework (the torch.compile backend, the Hugging Face and Lightning
+# integrations), not by ``harmony_fx.compile``/``harmony_fx.Trainer``, whose arguments are the code.
+ENVIRONMENT_VARIABLES: dict[str, tuple[str, Callable[[str], Any]]] = {
+    "HARMONY_FX_MEMORY_BUDGET": ("memory_budget", str.strip),   # "8GiB": parsed by CompileOptions
+    "HARMONY_FX_DEVICES": ("devices", _devices_from_text),
+    "HARMONY_FX_MICROBATCHES": ("microbatches", _count_from_text),
+    "HARMONY_FX_PRECISION": ("precision", str.strip),
+    "HARMONY_FX_PARALLEL": ("parallel", str.strip),
+    "HARMONY_FX_HOST_MEMORY": ("host_memory", str.strip),
+    "HARMONY_FX_NVME_PATH": ("nvme_path", str.strip),
+}
+# HARMONY_FX_ variables with another use than an option (not refused as misspelled ones)
+_OTHER_VARIABLES = frozenset({"HARMONY_FX_CACHE"})
+
+
+def options_from_environment(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """Harmony's options that ``HARMONY_FX_*`` environment variables set (``ENVIRONMENT_VARIABLES``),
+    each value parsed and checked here, so a wrong one is named by its variable. An unknown
+    ``HARMONY_FX_*`` variable is refused with the nearest known name: a misspelled budget would
+    otherwise be ignored, and the run would go on without it."""
+    environ = os.environ if environ is None else environ
+    options: dict[str, Any] = {}
+    for variable, text in environ.items():
+        if not variable.startswith("HARMONY_FX_") or variable in _OTHER_VARIABLES:
+            continue
+        if variable not in ENVIRONMENT_VARIABLES:
+            nearest = difflib.get_close_matches(variable, list(ENVIRONMENT_VARIABLES), n=1)
+            hint = f" (did you mean {nearest[0]}?)" if nearest else ""
+            raise ValueError(f"the environment variable {variable} is not one of harmony_fx's{hint}; the known ones are "
+                             f"{', '.join(ENVIRONMENT_VARIABLES)}. Correct or unset it.")
+        name, parse = ENVIRONMENT_VARIABLES[variable]
+        try:
+            options[name] = parse(text)
+            CompileOptions(**{name: options[name]})  # the option's own checks, blamed on the variable
+        except (TypeError, ValueError) as error:
+            raise ValueError(f"the environment variable {variable}={text!r} (harmony_fx's {name} option) cannot be "
+                             f"used: {error}") from error
+    return options
+
+
+def with_environment(options: Mapping[str, Any] | None) -> dict[str, Any]:
+    """``options`` over those the environment sets: what the code says wins."""
+    return {**options_from_environment(), **(options or {})}
 
 
 # What a GPU needs beyond the tensors a plan counts: cuBLAS and cuDNN workspaces (about 32 MiB per

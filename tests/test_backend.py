@@ -140,3 +140,18 @@ def test_without_microbatches_a_static_graph_trains_like_eager():
     nn.functional.cross_entropy(reference(x), target).backward()
     for param, ref in zip(model.parameters(), reference.parameters()):
         torch.testing.assert_close(param.grad, ref.grad, rtol=RTOL, atol=ATOL)
+
+
+def test_options_come_from_the_environment_where_the_code_passes_none(monkeypatch):
+    """A script that only says backend="harmony" runs under the budget HARMONY_FX_MEMORY_BUDGET
+    sets; an option the code passes wins over its variable."""
+    monkeypatch.setenv("HARMONY_FX_MEMORY_BUDGET", "3MiB")
+    monkeypatch.setenv("HARMONY_FX_MICROBATCHES", "4")
+    torch.manual_seed(0)
+    model = MLPChain(width=16, depth=4)
+    compiled: list = []
+    x = torch.randn(8, 16)
+    torch.compile(model, backend=_recording_backend(compiled), dynamic=True, options={"microbatches": 2})(x)
+    (hm,) = compiled[0].harmony_modules
+    assert hm.options.memory_budget == 3 * 2**20
+    assert hm.num_microbatches == 2

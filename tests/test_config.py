@@ -5,7 +5,7 @@ import dataclasses
 
 import pytest
 
-from harmony_fx.config import CompileOptions, format_size, parse_size
+from harmony_fx.config import CompileOptions, format_size, options_from_environment, parse_size, with_environment
 
 
 @pytest.mark.parametrize("text,expected", [
@@ -77,3 +77,24 @@ def test_memory_tracking_is_off_by_default_outside_the_tests(monkeypatch):
     assert CompileOptions(track_memory=True).tracks_memory
     monkeypatch.setattr("harmony_fx.config.TRACK_MEMORY_BY_DEFAULT", True)  # as conftest sets it
     assert CompileOptions().tracks_memory and not CompileOptions(compile_packs=True).tracks_memory
+
+
+def test_options_from_the_environment_are_parsed_and_named_by_their_variable():
+    environ = {"HARMONY_FX_MEMORY_BUDGET": "2GiB", "HARMONY_FX_DEVICES": "cuda:0, cuda:1", "HARMONY_FX_MICROBATCHES": "4",
+               "HARMONY_FX_CACHE": "/tmp/cache", "PATH": "/bin"}
+    assert options_from_environment(environ) == {"memory_budget": "2GiB", "devices": ["cuda:0", "cuda:1"],
+                                                 "microbatches": 4}
+    assert options_from_environment({"HARMONY_FX_DEVICES": "2"}) == {"devices": 2}
+    with pytest.raises(ValueError, match="HARMONY_FX_MEMORY_BUDGT is not one of harmony_fx's .did you mean "
+                                         "HARMONY_FX_MEMORY_BUDGET"):
+        options_from_environment({"HARMONY_FX_MEMORY_BUDGT": "2GiB"})
+    with pytest.raises(ValueError, match="HARMONY_FX_MEMORY_BUDGET='lots' .harmony_fx's memory_budget option"):
+        options_from_environment({"HARMONY_FX_MEMORY_BUDGET": "lots"})
+    with pytest.raises(ValueError, match="HARMONY_FX_PRECISION='fp16'.*'fp32' or 'bf16'"):
+        options_from_environment({"HARMONY_FX_PRECISION": "fp16"})
+
+
+def test_options_the_code_passes_win_over_the_environment(monkeypatch):
+    monkeypatch.setenv("HARMONY_FX_MEMORY_BUDGET", "2GiB")
+    monkeypatch.setenv("HARMONY_FX_MICROBATCHES", "4")
+    assert with_environment({"microbatches": 2}) == {"memory_budget": "2GiB", "microbatches": 2}
