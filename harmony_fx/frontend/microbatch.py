@@ -213,6 +213,11 @@ def _terms(gm: fx.GraphModule, node: fx.Node, divisor: float | None, origin: fx.
             if factor == 0:
                 return []  # nothing of it reaches the output
             divisor = _scaled(divisor, factor if target is aten.div.Tensor else 1 / factor)
+        elif target is aten.div.Tensor and isinstance(node.args[1], fx.Node) and _same_in_every_microbatch(node.args[1]):
+            # divided by a number every microbatch has whole (a 0-dim input such as transformers'
+            # num_items_in_batch, the whole batch's labelled tokens): each microbatch's value is its
+            # share of the batch's, weighed as the dividend is
+            node = node.args[0]
         elif target in (aten.add.Tensor, aten.sub.Tensor) and len(node.args) == 2:
             left, right = node.args
             alpha = node.kwargs.get("alpha", 1)
@@ -244,6 +249,24 @@ def _reads_inputs(node: fx.Node) -> bool:
             return True
         stack.extend(current.all_input_nodes)
     return False
+
+
+def _same_in_every_microbatch(node: fx.Node) -> bool:
+    """Whether ``node`` is computed only from parameters, constants and inputs every microbatch gets
+    whole (0-dim tensors, which have no batch dim to cut)."""
+    seen: set[fx.Node] = set()
+    stack = [node]
+    while stack:
+        current = stack.pop()
+        if current in seen:
+            continue
+        seen.add(current)
+        if current.op == "placeholder" and meta.role_of(current) == meta.Role.INPUT:
+            value = current.meta.get(meta.VAL)
+            if not isinstance(value, torch.Tensor) or value.dim() != 0:
+                return False
+        stack.extend(current.all_input_nodes)
+    return True
 
 
 def _reduction(gm: fx.GraphModule, node: fx.Node, divisor: float | None, origin: fx.Node) -> ScalarReduction:

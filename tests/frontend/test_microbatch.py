@@ -14,7 +14,8 @@ torch.set_num_threads(1)  # tiny ops on a 2-core machine: threads only add synch
 
 import harmony_fx  # noqa: E402
 from harmony_fx.frontend import microbatch  # noqa: E402
-from harmony_fx.testing.models import MLPChain, ResidualMLP  # noqa: E402
+from harmony_fx.models import MLPChain  # noqa: E402
+from harmony_fx.testing.models import ResidualMLP  # noqa: E402
 
 RTOL, ATOL = 1e-5, 1e-6
 BATCH = 32
@@ -351,6 +352,36 @@ def test_a_sum_divided_by_the_batch_size_is_a_mean_over_samples():
         for param, ref in zip(model.parameters(), reference.parameters()):
             torch.testing.assert_close(param.grad, ref.grad, rtol=RTOL, atol=ATOL)
             param.grad = ref.grad = None
+
+
+def test_a_sum_divided_by_a_count_every_microbatch_gets_whole_is_put_back_together():
+    """transformers' ``num_items_in_batch``: the loss is summed over labelled tokens and divided by
+    their number in the whole batch, a 0-dim input each microbatch gets whole; the microbatches'
+    values add up to the batch's, in a training call and in a forward-only one."""
+
+    class CountedLoss(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = nn.Linear(4, 5)
+
+        def forward(self, x, labels, num_items):
+            return F.cross_entropy(self.linear(x), labels, ignore_index=-100, reduction="sum") / num_items
+
+    torch.manual_seed(0)
+    model = CountedLoss()
+    reference = copy.deepcopy(model)
+    x, labels = torch.randn(10, 4), torch.randint(0, 5, (10,))
+    labels[[1, 2, 7]] = -100
+    num_items = (labels != -100).sum().float()
+    hm = harmony_fx.compile(model, (x, labels, num_items), microbatches=3)  # 4, 3, 3 samples
+    loss, expected = hm(x, labels, num_items), reference(x, labels, num_items)
+    torch.testing.assert_close(loss, expected, rtol=RTOL, atol=ATOL)
+    loss.backward()
+    expected.backward()
+    for param, ref in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(param.grad, ref.grad, rtol=RTOL, atol=ATOL)
+    with torch.no_grad():
+        torch.testing.assert_close(hm(x, labels, num_items), expected.detach(), rtol=RTOL, atol=ATOL)
 
 
 # ---------------------------------------------------------------------- linear combinations of losses
