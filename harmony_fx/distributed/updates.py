@@ -12,7 +12,8 @@ every rank prefetches from) at ``commit``, once every rank's step has succeeded:
 parameters are as before the step, which keeps a step all or nothing across ranks.
 
 Every rank runs the packs' collectives in one fixed order (``order``: the backward's, last pack
-first), whatever order its packs finish in.
+first), whatever order its packs finish in (``TurnOrder``). With ``max_grad_norm`` the gradients'
+global norm is over every rank's chunks (``clip_grad_norm_``).
 """
 from __future__ import annotations
 
@@ -23,9 +24,9 @@ from torch import nn
 
 from harmony_fx.distributed.cluster import Cluster
 from harmony_fx.distributed.shards import PackBuffers
-from harmony_fx.runtime.executor import grad_dtype
+from harmony_fx.runtime.host import grad_dtype
 
-__all__ = ["CrossProcessUpdates"]
+__all__ = ["CrossProcessUpdates", "TurnOrder"]
 
 
 class CrossProcessUpdates:
@@ -119,6 +120,19 @@ class CrossProcessUpdates:
         update(self.updated_params(self.buffers[pack].params))
         self.gather(pack)
 
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float) -> None:
+        """Scale every summed gradient (all packs reduced) by ``max_norm`` over their global norm
+        where that is below 1, as ``torch.nn.utils.clip_grad_norm_`` on one process; sharded, the
+        norm adds up every rank's chunks."""
+        stepped = [q for pack in self.order for q in self.updated_params(self.buffers[pack].params)]
+        grads = [q.grad for q in stepped if q.grad is not None]
+        squares = sum(float(g.double().pow(2).sum()) for g in grads)
+        norm = (self.cluster.total(squares) if self.cluster.shard_optimizer else squares) ** 0.5
+        coefficient = max_norm / (norm + 1e-6)  # as torch.nn.utils.clip_grad_norm_
+        if coefficient < 1:
+            torch._foreach_mul_(grads, coefficient)
+
     def stand_in(self, pack: int) -> None:
         """A rank whose step failed still takes its part in ``pack``'s collectives (zero gradients,
         unchanged chunks), so that no peer waits for it; nothing is updated."""
@@ -142,3 +156,29 @@ class CrossProcessUpdates:
         full = tensor.numel() * tensor.element_size()
         factor = 1 if collective == "all_gather" else 2
         self.bytes[collective] = self.bytes.get(collective, 0) + factor * full * (world - 1) // world
+
+
+class TurnOrder:
+    """The order in which every rank issues its packs' collectives, whatever order its packs'
+    gradients complete in: a pack whose gradients are complete waits until the packs before it in
+    ``order`` have had their turn."""
+
+    def __init__(self, order: Sequence[int]) -> None:
+        self.order = list(order)
+        self.taken = 0  # packs whose turn came
+        self._ready: dict[int, object] = {}
+
+    def arrive(self, pack: int, item: object) -> list[tuple[int, object]]:
+        """``pack`` is complete (``item``: what its turn needs); returns the packs whose turn came
+        now, in order, with their items."""
+        self._ready[pack] = item
+        turns = []
+        while self.taken < len(self.order) and self.order[self.taken] in self._ready:
+            turn = self.order[self.taken]
+            self.taken += 1
+            turns.append((turn, self._ready.pop(turn)))
+        return turns
+
+    def remaining(self) -> list[int]:
+        """The packs whose turn has not come (a failed step still takes its part in them)."""
+        return self.order[self.taken:]

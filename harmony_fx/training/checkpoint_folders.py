@@ -1,6 +1,6 @@
 """Checkpoint folders (``torch.distributed.checkpoint``) that resume at any number of processes.
 
-``save(trainer, root)`` writes ``root/step_00000012/`` (one file per rank plus ``.metadata``) and
+``save(state, step, root)`` writes ``root/step_00000012/`` (one file per rank plus ``.metadata``) and
 then, once every rank has written its part, points ``root/latest`` at it (a temporary file renamed
 over the old pointer, so a crash leaves the previous one). A folder counts once ``latest`` names it.
 
@@ -21,10 +21,12 @@ import warnings
 import torch
 import torch.distributed.checkpoint as dcp
 
+from harmony_fx.training.checkpoint import FORMAT, TrainingState, check_same_model, get_rng_states, set_rng_states
+
 __all__ = ["save", "load", "resolve"]
 
 LATEST = "latest"
-_HEADER = {"format": "harmony_fx.Trainer", "version": 2}
+_HEADER = {"format": FORMAT, "version": 2}
 
 
 def resolve(path: str | os.PathLike) -> pathlib.Path:
@@ -39,19 +41,20 @@ def resolve(path: str | os.PathLike) -> pathlib.Path:
     return path / pointer.read_text().strip()
 
 
-def save(trainer, root: str | os.PathLike) -> pathlib.Path:
-    trainer.flush()  # the last step's state on the NVMe tier first (or that step undone)
+def save(training: TrainingState, step_count: int, root: str | os.PathLike) -> pathlib.Path:
+    """The state after ``step_count`` steps, in its folder under ``root``; the NVMe tier's last step
+    is settled (the Trainer flushes first)."""
     root = pathlib.Path(root)
-    cluster = trainer.cluster
-    folder = root / f"step_{trainer.step_count:08d}"
+    cluster = training.cluster
+    folder = root / f"step_{step_count:08d}"
     if cluster is None or cluster.rank == 0:
         folder.mkdir(parents=True, exist_ok=True)
     # plain values as bytes: DCP would otherwise flatten their dicts and lists into keys of their own
-    state = {"harmony_fx": _pack(_HEADER), "step_count": trainer.step_count, "model": trainer._model_state(copied=False),
+    state = {"harmony_fx": _pack(_HEADER), "step_count": step_count, "model": training.model_state(copied=False),
              "optimizer/param_groups": _pack([{k: v for k, v in group.items() if k != "params"}
-                                              for group in trainer.optimizer.param_groups]),
-             f"rng/{0 if cluster is None else cluster.rank}": _pack(_rng())}
-    for name, key, value in _optimizer_state(trainer):
+                                              for group in training.optimizer.param_groups]),
+             f"rng/{0 if cluster is None else cluster.rank}": _pack(get_rng_states())}
+    for name, key, value in _optimizer_state(training):
         state[f"optimizer/state/{name}/{key}"] = value
     if cluster is None:
         with warnings.catch_warnings():
@@ -66,48 +69,47 @@ def save(trainer, root: str | os.PathLike) -> pathlib.Path:
     return folder
 
 
-def load(trainer, path: str | os.PathLike) -> None:
-    from harmony_fx.trainer import _check_same_model, _set_rng_states  # noqa: PLC0415 - a cycle otherwise
-
+def load(training: TrainingState, path: str | os.PathLike) -> int:
+    """Restore ``training`` from a step folder (or the one ``path``'s ``latest`` names); returns its
+    step count. The NVMe tier's last step is settled first (the Trainer flushes)."""
     folder = resolve(path)
-    trainer.flush()  # the tier's last step settled before its state is replaced
     stored = dcp.FileSystemReader(folder).read_metadata().state_dict_metadata
-    if trainer._tier is not None:
-        trainer._tier.masters_to_host()  # what the model loads into; store_all moves them back
-    model_state = trainer.model.state_dict()
+    if training.tier is not None:
+        training.tier.masters_to_host()  # what the model loads into; store_all moves them back
+    model_state = training.model.state_dict()
     expected = {f"model.{name}" for name in model_state}
     found = {key for key in stored if key.startswith("model.")}
     if expected != found:
-        _check_same_model(model_state, {key[len("model."):]: _like(stored[key]) for key in found})
-    cluster = trainer.cluster
+        check_same_model(model_state, {key[len("model."):]: _like(stored[key]) for key in found})
+    cluster = training.cluster
     rank = 0 if cluster is None else cluster.rank
     saved_ranks = sorted(int(key.split("/")[1]) for key in stored if key.startswith("rng/"))
     rng_key = f"rng/{rank if rank in saved_ranks else saved_ranks[rank % len(saved_ranks)]}"
-    holders = _holders(trainer)
+    holders = _holders(training)
     state: dict = {"harmony_fx": None, "step_count": 0, "model": model_state, "optimizer/param_groups": None,
                    rng_key: None}
-    destinations: dict[str, tuple[torch.Tensor, str, torch.Tensor | None]] = {}  # key -> (held, state key, local)
+    destinations: dict[str, tuple[torch.Tensor, str, torch.Tensor | None]] = {}  # key -> (holder, state key, local)
     for key, meta in stored.items():
         if not key.startswith("optimizer/state/"):
             continue
         name, state_key = key[len("optimizer/state/"):].rsplit("/", 1)
         if name not in holders:
             raise ValueError(f"the checkpoint {folder} has optimizer state for {name}, which the model lacks")
-        held, chunk = holders[name]
+        holder, chunk = holders[name]
         if not hasattr(meta, "size"):  # a plain Python value
             state[key] = None
-            destinations[key] = (held, state_key, None)
+            destinations[key] = (holder, state_key, None)
             continue
         size, dtype = tuple(meta.size), meta.properties.dtype
         if not size:  # a scalar, such as Adam's step: the same on every rank
             local = state[key] = torch.empty((), dtype=dtype)
         elif chunk is None:  # this process holds the whole parameter: its state whole, in its shape
-            local = torch.empty(held.shape, dtype=dtype)
+            local = torch.empty(holder.shape, dtype=dtype)
             state[key] = local.view(-1)
         else:
             local = torch.empty(chunk.length, dtype=dtype)
             state[key] = _sharded(local, cluster, chunk.numel)
-        destinations[key] = (held, state_key, local)
+        destinations[key] = (holder, state_key, local)
     if cluster is None:
         with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
@@ -116,25 +118,26 @@ def load(trainer, path: str | os.PathLike) -> None:
         dcp.load(state, checkpoint_id=folder, process_group=cluster.group)
     if _unpack(state["harmony_fx"]) != _HEADER:
         raise ValueError(f"{folder} is not a {_HEADER['format']} checkpoint of version {_HEADER['version']}")
-    optimizer = trainer.optimizer
+    optimizer = training.optimizer
     optimizer.state.clear()
-    for key, (held, state_key, local) in destinations.items():
-        optimizer.state.setdefault(held, {})[state_key] = _unpack(state[key]) if local is None else local
+    for key, (holder, state_key, local) in destinations.items():
+        optimizer.state.setdefault(holder, {})[state_key] = _unpack(state[key]) if local is None else local
     for group, saved in zip(optimizer.param_groups, _unpack(state["optimizer/param_groups"])):
         group.update(saved)
-    if trainer._cross is not None:
-        trainer._cross.refresh_shards()
-    _set_rng_states(_unpack(state[rng_key]))
-    trainer.step_count = state["step_count"]
-    if trainer._tier is not None:
-        trainer._tier.store_all(trainer.step_count)  # the loaded state leaves host memory for the tier
+    if training.cross is not None:
+        training.cross.refresh_shards()
+    set_rng_states(_unpack(state[rng_key]))
+    step_count = state["step_count"]
+    if training.tier is not None:
+        training.tier.store_all(step_count)  # the loaded state leaves host memory for the tier
+    return step_count
 
 
-def _optimizer_state(trainer):
+def _optimizer_state(training: TrainingState):
     """(parameter name, state key, value in the stored layout) for every optimizer state entry."""
-    cluster = trainer.cluster
-    for name, (held, chunk) in _holders(trainer).items():
-        for key, value in trainer.optimizer_state(held).items():
+    cluster = training.cluster
+    for name, (holder, chunk) in _holders(training).items():
+        for key, value in training.optimizer_state(holder).items():
             if not isinstance(value, torch.Tensor):
                 value = _pack(value)
             elif value.dim() > 0:
@@ -142,12 +145,12 @@ def _optimizer_state(trainer):
             yield name, key, value
 
 
-def _holders(trainer) -> dict[str, tuple[torch.Tensor, object]]:
+def _holders(training: TrainingState) -> dict[str, tuple[torch.Tensor, object]]:
     """Per parameter name: what the optimizer holds for it (the parameter, or this rank's chunk)
     and the chunk (``None``: whole)."""
-    cross = trainer._cross
+    cross = training.cross
     holders = {}
-    for name, param in trainer.model.named_parameters():
+    for name, param in training.model.named_parameters():
         if cross is not None and id(param) in cross.shards:
             holders[name] = (cross.shards[id(param)], cross.chunks[id(param)])
         else:
@@ -163,12 +166,6 @@ def _sharded(local: torch.Tensor, cluster, numel: int):
 
 def _like(meta) -> torch.Tensor:
     return torch.empty(tuple(meta.size), dtype=meta.properties.dtype, device="meta")
-
-
-def _rng():
-    from harmony_fx.trainer import _get_rng_states  # noqa: PLC0415 - a cycle otherwise
-
-    return _get_rng_states()
 
 
 def _point(root: pathlib.Path, name: str) -> None:

@@ -1,0 +1,204 @@
+"""The host optimizer's update: one ``Updater``, whatever the axes.
+
+Three axes, each answered in one place:
+
+* **when**: per pack, on a worker thread as soon as the pack's gradients are complete, overlapped
+  with the backward of the packs before it (``PackUpdates``); or at the step's end
+  (``Updater.update_all``), when the global gradient norm (``max_grad_norm``) needs every gradient
+  first, or when a batch of another size is cut into other packs than the NVMe tier's files;
+* **whose gradients**: this process's, or summed over the ranks first (``CrossProcessUpdates``,
+  which also fixes the order in which every rank issues its packs' collectives);
+* **where the optimizer state lives**: host memory, or the NVMe tier, through which a pack's state
+  streams one parameter at a time (``runtime.tier``).
+
+The updates are the user's own ``torch.optim`` optimizer, stepped over one group of parameters at
+a time, so the results and ``optimizer.state_dict()`` equal a plain ``optimizer.step()``. Before a
+parameter is stepped, the step's ``Undo`` keeps what the update changes (``transaction``).
+"""
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import threading
+import time
+from typing import Callable, Sequence
+
+import torch
+from torch import nn
+
+from harmony_fx.distributed.updates import CrossProcessUpdates, TurnOrder
+from harmony_fx.runtime.host import land
+from harmony_fx.runtime.tier import StateTier
+
+__all__ = ["Updater", "PackUpdates"]
+
+# packs whose NVMe state the final update reads ahead of the one it steps: one, as the programs'
+# READ actions do (``lowering.tier_io``)
+PACKS_READ_AHEAD = 1
+
+
+class Updater:
+    def __init__(self, optimizer: torch.optim.Optimizer, max_grad_norm: float | None = None,
+                 tier: StateTier | None = None, cross: CrossProcessUpdates | None = None) -> None:
+        self.optimizer = optimizer
+        self.max_grad_norm = max_grad_norm
+        self.tier = tier
+        self.cross = cross
+
+    def update_pack(self, pack: int, params: Sequence[nn.Parameter], grads: dict, undo) -> tuple[float, float]:
+        """``pack``'s update with its summed host gradients ``grads`` (``id`` of a parameter -> its
+        gradient); returns the seconds it took and those it waited for the tier. With a tier, the
+        last step is committed first: only then are its undo copies let go, so two steps' copies
+        are never held at once."""
+        waited = _timed(self.tier.wait_committed) if self.tier is not None else 0.0
+        started = time.perf_counter()
+        cross = self.cross
+        if cross is not None and pack in cross.buffers:
+            cross.step(pack, [grads.get(id(p)) for p in cross.buffers[pack].params],
+                       lambda stepped: self._step(pack, stepped, undo))
+        else:
+            _set_grads(params, grads)
+            self._step(pack, params, undo)
+        return time.perf_counter() - started, waited
+
+    def update_all(self, groups: dict[int, list[nn.Parameter]], grads: dict, undo) -> None:
+        """Every pack's update after the backward: the gradients summed over the ranks, clipped to
+        ``max_grad_norm`` by their global norm, then the update (the tier's packs streamed in turn,
+        then the rest)."""
+        cross = self.cross
+        if cross is None:
+            params = [p for group in groups.values() for p in group]
+            _set_grads(params, grads)
+            if self.max_grad_norm is not None:
+                torch.nn.utils.clip_grad_norm_(params, self.max_grad_norm)
+        else:
+            for pack in cross.order:
+                cross.reduce(pack, [grads.get(id(p)) for p in cross.buffers[pack].params])
+            if self.max_grad_norm is not None:
+                cross.clip_grad_norm_(self.max_grad_norm)
+        if self.tier is None:
+            _update(self.optimizer, None, undo)
+        else:
+            self._through_tier(undo)
+        if cross is not None:
+            for pack in cross.order:
+                cross.gather(pack)
+
+    def _step(self, pack: int, params: Sequence[nn.Parameter], undo) -> None:
+        """Step ``params`` of ``pack``, whose gradients are set: on the tier, one parameter at a time."""
+        if self.tier is not None and pack in self.tier.packs:
+            self.tier.update(pack, lambda stepped: _update(self.optimizer, stepped, undo))
+        else:
+            _update(self.optimizer, params, undo)
+
+    def _through_tier(self, undo) -> None:
+        """Each tiered pack streams through its update in turn, the next ones' reads issued before
+        this one steps, as the programs issue theirs; then every other parameter."""
+        tier = self.tier
+        tier.wait_committed()  # the last step's files are the ones to read, and its undo copies go
+        packs = sorted(tier.packs)
+        reads = [tier.read(pack) for pack in packs[:PACKS_READ_AHEAD]]
+        for index, pack in enumerate(packs):
+            reads.pop(0).result()
+            if index + PACKS_READ_AHEAD < len(packs):
+                reads.append(tier.read(packs[index + PACKS_READ_AHEAD]))
+            tier.update(pack, lambda stepped: _update(self.optimizer, stepped, undo))
+        rest = [p for group in self.optimizer.param_groups for p in group["params"] if id(p) not in tier.params]
+        if rest:
+            _update(self.optimizer, rest, undo)
+
+
+class PackUpdates:
+    """One step's per-pack updates. The iteration reports each device's share of a pack's weight
+    gradients (``on_pack``, from the device's issuing thread); once every device's share is in, the
+    pack goes to the step's one update worker, which lands the gradient copies (summing them on the
+    host) and updates the pack. Across processes, a complete pack waits for its turn in the order
+    every rank issues collectives in. A context manager: the worker is shut down when the step
+    leaves it, returned or raised, so no update still runs when a step is undone and no thread
+    outlives the step."""
+
+    def __init__(self, updater: Updater, groups: dict[int, list[nn.Parameter]], arrivals: int, undo) -> None:
+        self.updater, self.groups, self.undo = updater, groups, undo
+        self._needed = arrivals  # shares per pack: one per device holding it (data-parallel)
+        self._arrived: collections.Counter = collections.Counter()
+        self._landing: collections.defaultdict = collections.defaultdict(list)  # pack -> its gradient copies
+        self._lock = threading.Lock()
+        cross = updater.cross
+        self.turns = TurnOrder(cross.order) if cross is not None else None
+        self._futures: list[concurrent.futures.Future] = []
+        self._workers = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="harmony-update")
+        self.exposed_seconds = 0.0  # the time the step waited for its updates once the iteration ended
+
+    def on_pack(self, runtime, pack: int, copies: Sequence) -> None:
+        with self._lock:
+            self._arrived[pack] += 1
+            self._landing[pack].extend(copies)
+            if self._arrived[pack] < self._needed:
+                return
+            complete = self._landing.pop(pack)
+            if self.turns is None or pack not in self.updater.cross.buffers:
+                self._submit(pack, complete, runtime.host_grads)
+                return
+            for turn, copies_of_turn in self.turns.arrive(pack, complete):
+                self._submit(turn, copies_of_turn, runtime.host_grads)
+
+    def _submit(self, pack: int, copies: Sequence, grads: dict) -> None:
+        self._futures.append(self._workers.submit(self._land_and_update, pack, copies, grads))
+
+    def _land_and_update(self, pack: int, copies: Sequence, grads: dict) -> tuple[float, float]:
+        tier_waited = land(copies)  # the copies' host work sums the gradients into ``grads``
+        seconds, waited = self.updater.update_pack(pack, self.groups.get(pack, []), grads, self.undo)
+        return seconds, tier_waited + waited
+
+    def __enter__(self) -> "PackUpdates":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        started = time.perf_counter()
+        self._workers.shutdown(wait=True)
+        self.exposed_seconds = time.perf_counter() - started
+
+    def shutdown(self) -> None:
+        """Again on a failed step: a second Ctrl-C may have cut the first wait short."""
+        self._workers.shutdown(wait=True)
+
+    def results(self) -> tuple[float, float]:
+        """The seconds the updates took and those they waited for the tier; re-raises an update's
+        error."""
+        done = [future.result() for future in self._futures]
+        return sum(seconds for seconds, _ in done), sum(waited for _, waited in done)
+
+
+def _set_grads(params: Sequence[nn.Parameter], grads: dict) -> None:
+    for param in params:
+        param.grad = grads.get(id(param))
+
+
+def _update(optimizer: torch.optim.Optimizer, params: Sequence[nn.Parameter] | None, undo) -> None:
+    """Save what the update changes, then step ``params`` (``None``: every parameter)."""
+    if params is None:
+        undo.save([p for group in optimizer.param_groups for p in group["params"]])
+        optimizer.step()
+    else:
+        undo.save(params)
+        _step_subset(optimizer, params)
+
+
+def _step_subset(optimizer: torch.optim.Optimizer, params: Sequence[nn.Parameter]) -> None:
+    """``optimizer.step()`` over ``params`` only: every other parameter is hidden for the call.
+    Per-parameter state and arithmetic are those of a full step."""
+    wanted = {id(p) for p in params}
+    saved = [group["params"] for group in optimizer.param_groups]
+    try:
+        for group in optimizer.param_groups:
+            group["params"] = [p for p in group["params"] if id(p) in wanted]
+        optimizer.step()
+    finally:
+        for group, original in zip(optimizer.param_groups, saved):
+            group["params"] = original
+
+
+def _timed(fn: Callable, *args) -> float:
+    started = time.perf_counter()
+    fn(*args)
+    return time.perf_counter() - started

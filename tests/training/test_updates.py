@@ -1,0 +1,91 @@
+"""``training.updates`` and the turn order of ``distributed.updates``, without a compiled model:
+the updates against a plain ``optimizer.step()``, and the order every rank issues its packs in."""
+from __future__ import annotations
+
+import copy
+
+import torch
+from hypothesis import given, strategies as st
+from torch import nn
+
+from harmony_fx.distributed.updates import TurnOrder
+from harmony_fx.training.transaction import Undo
+from harmony_fx.training.updates import Updater
+
+
+def _model_and_grads(seed: int = 0):
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 3))
+    grads = {id(p): torch.randn_like(p) * 10 for p in model.parameters()}  # large: clipping bites
+    return model, grads
+
+
+def _groups(model: nn.Module) -> dict[int, list[nn.Parameter]]:
+    params = list(model.parameters())
+    return {0: params[:2], 1: params[2:]}
+
+
+def _eager(model: nn.Module, grads: dict, clip: float | None):
+    reference = copy.deepcopy(model)
+    optimizer = torch.optim.AdamW(reference.parameters(), lr=0.1)
+    for param, original in zip(reference.parameters(), model.parameters()):
+        param.grad = grads[id(original)].clone()
+    if clip is not None:
+        torch.nn.utils.clip_grad_norm_(reference.parameters(), clip)
+    optimizer.step()
+    return reference
+
+
+def _assert_params_equal(model: nn.Module, reference: nn.Module) -> None:
+    for param, ref in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(param.detach(), ref.detach(), rtol=0, atol=0)
+
+
+def test_per_pack_updates_equal_one_optimizer_step():
+    model, grads = _model_and_grads()
+    reference = _eager(model, grads, clip=None)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    updater, undo = Updater(optimizer), Undo(optimizer, list(model.parameters()), [])
+    for pack, params in sorted(_groups(model).items(), reverse=True):  # the backward's order
+        seconds, waited = updater.update_pack(pack, params, grads, undo)
+        assert seconds >= 0 and waited == 0.0  # no tier: nothing waited for
+    _assert_params_equal(model, reference)
+
+
+def test_the_final_update_clips_by_the_global_norm_as_torch_does():
+    model, grads = _model_and_grads(1)
+    reference = _eager(model, grads, clip=0.5)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    Updater(optimizer, max_grad_norm=0.5).update_all(_groups(model), grads, Undo(optimizer, [], []))
+    _assert_params_equal(model, reference)
+    unclipped = _eager(model, grads, clip=None)
+    assert any(not torch.equal(a, b) for a, b in zip(reference.parameters(), unclipped.parameters()))
+
+
+def test_an_update_saves_each_parameter_before_stepping_it_and_restore_puts_it_back():
+    model, grads = _model_and_grads(2)
+    before = copy.deepcopy(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    undo = Undo(optimizer, list(model.parameters()), [])
+    Updater(optimizer).update_pack(1, _groups(model)[1], grads, undo)
+    assert [param for param, _, _ in undo.saved] == _groups(model)[1]
+    assert all(param in optimizer.state for param in _groups(model)[1])
+    undo.restore()
+    _assert_params_equal(model, before)
+    assert not optimizer.state  # it had none before the step
+
+
+@given(st.permutations(list(range(6))))
+def test_turns_come_in_the_common_order_whatever_order_packs_complete_in(arrival):
+    order = [5, 4, 3, 2, 1, 0]
+    turns = TurnOrder(order)
+    taken = []
+    for count, pack in enumerate(arrival, start=1):
+        came = turns.arrive(pack, f"copies of {pack}")
+        assert all(item == f"copies of {turn}" for turn, item in came)
+        taken += [turn for turn, _ in came]
+        assert taken == order[:len(taken)]  # a prefix of the order, each pack once
+        assert turns.remaining() == order[len(taken):]
+        # a pack's turn comes as soon as every pack before it is complete
+        assert len(taken) == next((i for i, p in enumerate(order) if p not in arrival[:count]), len(order))
+    assert taken == order
