@@ -18,8 +18,8 @@ from torch import nn
 from harmony_fx import pictures
 from harmony_fx.compiler.compiled import Compiled
 from harmony_fx.compiler.driver import compile_program
+from harmony_fx.compiler.host_memory import OptimizerFacts
 from harmony_fx.compiler.packing import BudgetTooSmallError, verify_programs
-from harmony_fx.compiler.tier import OptimizerFacts
 from harmony_fx.config import CompileOptions, check_option_names, option_names
 from harmony_fx.frontend import microbatch
 from harmony_fx.frontend.calls import Calls

@@ -238,4 +238,4 @@ def test_fp32_masters_on_the_tier_leave_pinned_bf16_copies_that_no_device_stages
     tiered.step(batch)
     tiered.flush()
     assert all(p.dtype == torch.bfloat16 and p.is_pinned() for p in tiered.model.parameters())
-    assert sum(device.staging.nbytes for device in tiered.hm.devices) == 0 == tiered.hm.compiled.tier.needs.weight_copies
+    assert sum(device.staging.nbytes for device in tiered.hm.devices) == 0 == tiered.hm.compiled.host_memory.needs.weight_copies

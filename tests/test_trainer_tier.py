@@ -91,7 +91,7 @@ def test_five_adamw_steps_equal_host_memory_bitwise_and_hold_less(tmp_path):
     simulated = simulate_module(tiered.hm).bytes_moved
     assert simulated[("nvme", "read")] == simulated[("nvme", "write")] == stored
     # what was in flight at once, as the tier counted it, within the plan's staging
-    assert 0 < tiered.stats.tier_staged_peak <= tiered.hm.compiled.tier.needs.staging
+    assert 0 < tiered.stats.tier_staged_peak <= tiered.hm.compiled.host_memory.needs.staging
 
 
 def test_a_pack_streams_its_state_a_parameter_at_a_time(tmp_path):
@@ -107,8 +107,8 @@ def test_a_pack_streams_its_state_a_parameter_at_a_time(tmp_path):
     for batch in _batches(2):
         assert torch.equal(reference.step(batch), tiered.step(batch))
     _assert_same(reference, tiered)
-    pack_state = tiered.hm.compiled.tier.pack_state_bytes[0]
-    assert 0 < tiered.stats.tier_staged_peak <= tiered.hm.compiled.tier.needs.staging < pack_state
+    pack_state = tiered.hm.compiled.host_memory.pack_state_bytes[0]
+    assert 0 < tiered.stats.tier_staged_peak <= tiered.hm.compiled.host_memory.needs.staging < pack_state
 
 
 def test_host_memory_moves_only_what_does_not_fit(tmp_path):

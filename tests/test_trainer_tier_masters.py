@@ -73,7 +73,7 @@ def test_masters_follow_the_state_and_train_like_host_memory_bitwise(tmp_path):
     # host memory held for weights between steps, counted from the tensors, is what each plan says:
     # fp32 masters and their staged bf16 copies without the masters on the tier, bf16 copies alone with
     for trainer in (state_only, tiered):
-        needs = trainer.hm.compiled.tier.needs
+        needs = trainer.hm.compiled.host_memory.needs
         assert _weight_bytes_held(trainer) == needs.masters + needs.weight_copies
     params = sum(p.numel() for p in reference.model.parameters())
     assert _weight_bytes_held(state_only) - _weight_bytes_held(tiered) == 4 * params  # 6 B a parameter -> 2 B
@@ -190,7 +190,7 @@ def test_two_devices_hold_the_weight_copies_the_plan_counts(tmp_path, parallel):
     assert _weight_bytes_held(state_only) == (4 + 2 * copies) * params
     assert _weight_bytes_held(tiered) == 2 * params
     for trainer in (state_only, tiered):
-        needs = trainer.hm.compiled.tier.needs
+        needs = trainer.hm.compiled.host_memory.needs
         assert _weight_bytes_held(trainer) == needs.masters + needs.weight_copies
 
 

@@ -240,15 +240,15 @@ def _schedule_line(schedule: dict, batch_size: int) -> str:
 
 
 def _nvme_report(profile, choice, host) -> dict:
-    from harmony_fx.planner.tiers import plan_tiers
+    from harmony_fx.planner.host_memory import plan_host_memory
 
     schedule = choice.schedule
-    tiers = plan_tiers(profile, schedule.boundaries, choice.batch_size, host,
-                       schedule.devices if schedule.parallel == "pp" else 1)
+    levels = plan_host_memory(profile, schedule.boundaries, choice.batch_size, host,
+                              schedule.devices if schedule.parallel == "pp" else 1)
     moved = choice.simulation.bytes_moved
     return {
-        "capacity_bytes": host.nvme_bytes, "bytes_on_tier": tiers.nvme_bytes,
-        "optimizer_state_of_packs": list(tiers.state_on_nvme), "fp32_masters_of_packs": list(tiers.masters_on_nvme),
+        "capacity_bytes": host.nvme_bytes, "bytes_on_tier": levels.nvme_bytes,
+        "optimizer_state_of_packs": list(levels.state_on_nvme), "fp32_masters_of_packs": list(levels.masters_on_nvme),
         "read_bytes_per_iteration": moved.get(("nvme", "read"), 0),
         "write_bytes_per_iteration": moved.get(("nvme", "write"), 0),
         "read_bandwidth": host.nvme_read, "write_bandwidth": host.nvme_write,

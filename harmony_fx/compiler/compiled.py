@@ -13,12 +13,12 @@ import torch
 from torch import fx, nn
 
 from harmony_fx.analysis.batch_dims import BatchAnalysis
+from harmony_fx.compiler.host_memory import HostMemoryPlan
 from harmony_fx.compiler.layout import Layout
 from harmony_fx.compiler.packing import Candidate, update_groups
 from harmony_fx.compiler.plan import Plan
 from harmony_fx.compiler.shapes import Shapes
 from harmony_fx.compiler.stages import StageLog
-from harmony_fx.compiler.tier import TierPlan
 from harmony_fx.compiler.variants import Variant
 from harmony_fx.config import CompileOptions
 from harmony_fx.frontend.capture import Captured
@@ -50,7 +50,7 @@ class Compiled:
     device_programs: tuple[dict[str, fx.GraphModule], ...]  # per device: {"forward": ..., "backward": ...}
     plan: Plan
     passes: StageLog
-    tier: TierPlan | None = None  # host memory and the NVMe tier (Trainer(host_memory=, nvme_path=))
+    host_memory: HostMemoryPlan | None = None  # host memory and the NVMe tier (Trainer(host_memory=, nvme_path=))
 
     def decisions(self) -> CompileOptions:
         """The options with this compile's decisions fixed (packs, microbatch counts, parallelism,
@@ -121,9 +121,9 @@ class Compiled:
 
     def key_bytes(self, key: Key) -> int:
         """Bytes of a key as the plan counts them (from shapes and the compute dtype alone; a pack's
-        optimizer state on the tier, from the tier's plan)."""
+        optimizer state on the tier, from the host memory plan)."""
         if key.kind == KeyKind.STATE:
-            return self.tier.pack_state_bytes[int(key.name[1:])] if self.tier is not None else 0
+            return self.host_memory.pack_state_bytes[int(key.name[1:])] if self.host_memory is not None else 0
         return self.shapes.key_bytes(key, self.packs)
 
     def update_groups(self) -> dict[int, list[nn.Parameter]]:

@@ -14,9 +14,10 @@
    schedule, and last with the options' own settings; if those fail too, their error says what
    was tried before.
 8. ``annotate packs``: the chosen packing written on the graphs, liveness, ``verify_packs``.
-9. ``check peak``; for a Trainer with ``host_memory``/``nvme_path``, ``plan tier`` (host memory,
-   and which packs' optimizer state goes to the NVMe tier: ``compiler.tier``) and ``insert tier
-   io`` (their ``READ``/``WRITE``: ``lowering.tier_io``); ``codegen``, ``plan``.
+9. ``check peak``; for a Trainer with ``host_memory``/``nvme_path``, ``plan host memory`` (what a
+   step holds there, and which packs' optimizer state goes to the NVMe tier:
+   ``compiler.host_memory``) and ``insert tier io`` (their ``READ``/``WRITE``:
+   ``lowering.tier_io``); ``codegen``, ``plan``.
 
 The result is a frozen ``Compiled``; ``hm.passes`` is its ``StageLog``.
 """
@@ -32,6 +33,7 @@ from torch import fx, nn
 from harmony_fx.analysis.batch_dims import BatchAnalysis, analyze_batch_dims
 from harmony_fx.analysis.liveness import annotate_liveness
 from harmony_fx.compiler.compiled import Compiled
+from harmony_fx.compiler.host_memory import HostMemoryPlan, OptimizerFacts, plan_host_memory
 from harmony_fx.compiler.layout import Layout, decide_layout
 from harmony_fx.compiler.packing import (
     BudgetTooSmallError, Candidate, PackingContext, balanced, evaluate, fixed, layer_costs, plan_packs,
@@ -42,7 +44,6 @@ from harmony_fx.compiler.plan import make_plan
 from harmony_fx.compiler.shapes import Shapes
 from harmony_fx.compiler.signature import program_signature
 from harmony_fx.compiler.stages import StageLog
-from harmony_fx.compiler.tier import OptimizerFacts, TierPlan, plan_tier
 from harmony_fx.compiler.variants import Variant, capture_variant, check_same_layers
 from harmony_fx.config import CompileOptions, format_size
 from harmony_fx.frontend import microbatch
@@ -213,23 +214,24 @@ def _from_layout(log: StageLog, example: _Example, devices: list, options: Compi
     if options.verify:
         log.run("check peak", _check_peaks, candidate, devices,
                 decision=lambda _: "every device's peak, with its margin, within the budget")
-    tier = None
+    memory = None
     if optimizer is not None and (options.nvme_path is not None or options.host_memory is not None):
-        tier = log.run("plan tier", _plan_tier, candidate, shapes, layout, options, optimizer, decision=_describe_tier)
-        if tier.packs and updates:  # without per-pack updates (max_grad_norm) the Trainer's final update streams it
-            candidate = log.run("insert tier io", _insert_tier_io, candidate, tier, layout, options.verify,
-                                decision=lambda c: f"READ/WRITE of {len(tier.packs)} pack(s)' optimizer state"
-                                + (" and fp32 masters" if tier.master_packs else ""))
+        memory = log.run("plan host memory", _plan_host_memory, candidate, shapes, layout, options, optimizer,
+                         decision=_describe_host_memory)
+        if memory.tier_packs and updates:  # without per-pack updates (max_grad_norm) the final update streams it
+            candidate = log.run("insert tier io", _insert_tier_io, candidate, memory, layout, options.verify,
+                                decision=lambda c: f"READ/WRITE of {len(memory.tier_packs)} pack(s)' optimizer state"
+                                + (" and fp32 masters" if memory.tier_master_packs else ""))
     device_programs = log.run("codegen", _codegen, candidate, layout,
                               decision=lambda programs: f"{2 * len(programs)} program(s), "
                               f"{sum(len(f) + len(b) for f, b in candidate.device_actions)} actions")
     batch_note = _batch_note(analysis)
     plan = log.run("plan", make_plan, candidate, shapes, primary.nodes, devices, layout, devices[0].budget,
-                   policy_name, batch_note, tier, options.nvme_path, decision=lambda p: f"{format_size(p.bytes_h2d)} in, "
+                   policy_name, batch_note, memory, options.nvme_path, decision=lambda p: f"{format_size(p.bytes_h2d)} in, "
                    f"{format_size(p.bytes_d2h)} out per iteration")
     input_specs = tuple((x.shape, x.dtype, x.requires_grad) for x in example_flat)
     return Compiled(options, tuple(devices), trainer, updates, schedule, layout, variants, analysis, example.flat_dims,
-                    input_specs, candidate.signature, shapes, candidate, tuple(device_programs), plan, log, tier)
+                    input_specs, candidate.signature, shapes, candidate, tuple(device_programs), plan, log, memory)
 
 
 # ----------------------------------------------------------------------------------- the stages
@@ -310,33 +312,33 @@ def _annotate(variants: dict, boundaries, verify: bool) -> None:
     annotate_liveness(first.captured.gm)
 
 
-def _plan_tier(candidate: Candidate, shapes: Shapes, layout: Layout, options: CompileOptions,
-               optimizer: OptimizerFacts) -> TierPlan:
+def _plan_host_memory(candidate: Candidate, shapes: Shapes, layout: Layout, options: CompileOptions,
+                      optimizer: OptimizerFacts) -> HostMemoryPlan:
     packs = candidate.packs
     masters = list({id(t): t for pack in packs for name in pack.params + pack.buffers
                     for t in [shapes.masters[name]]}.values())
     stash = sum(shapes.key_bytes(a.key, packs) for forward, _ in candidate.device_actions for a in forward
                 if a.kind == ActionKind.OFFLOAD and a.key.kind == KeyKind.ACT)
-    return plan_tier(update_groups(packs, shapes.masters), masters, stash, optimizer, options.host_memory,
-                     tier=options.nvme_path is not None,
-                     devices=len(candidate.device_actions) if layout.parallel == "pp" else 1,
-                     compute_dtype=options.compute_dtype,
-                     weight_stagers=1 if layout.parallel == "pp" else len(candidate.device_actions))
+    return plan_host_memory(update_groups(packs, shapes.masters), masters, stash, optimizer, options.host_memory,
+                            tier=options.nvme_path is not None,
+                            devices=len(candidate.device_actions) if layout.parallel == "pp" else 1,
+                            compute_dtype=options.compute_dtype,
+                            weight_stagers=1 if layout.parallel == "pp" else len(candidate.device_actions))
 
 
-def _insert_tier_io(candidate: Candidate, tier: TierPlan, layout: Layout, verify: bool) -> Candidate:
-    device_actions = insert_tier_io(candidate.device_actions, frozenset(tier.packs))
+def _insert_tier_io(candidate: Candidate, memory: HostMemoryPlan, layout: Layout, verify: bool) -> Candidate:
+    device_actions = insert_tier_io(candidate.device_actions, frozenset(memory.tier_packs))
     if verify:
         verify_programs(device_actions, candidate.signature, layout)
     return dataclasses.replace(candidate, device_actions=device_actions)
 
 
-def _describe_tier(tier: TierPlan) -> str:
-    masters = f", fp32 masters of {len(tier.master_packs)}" if tier.master_packs else ""
-    where = (f"optimizer state of {len(tier.packs)} of {len(tier.pack_state_bytes)} pack(s){masters} on the tier "
-             f"({format_size(tier.tier_bytes)})" if tier.packs else "everything in host memory")
-    limit = "" if tier.host_memory is None else f" of {format_size(tier.host_memory)}"
-    return f"{where}; host memory {format_size(tier.needs.total)}{limit}"
+def _describe_host_memory(memory: HostMemoryPlan) -> str:
+    masters = f", fp32 masters of {len(memory.tier_master_packs)}" if memory.tier_master_packs else ""
+    where = (f"optimizer state of {len(memory.tier_packs)} of {len(memory.pack_state_bytes)} pack(s){masters} on "
+             f"the tier ({format_size(memory.tier_bytes)})" if memory.tier_packs else "everything in host memory")
+    limit = "" if memory.host_memory is None else f" of {format_size(memory.host_memory)}"
+    return f"{where}; host memory {format_size(memory.needs.total)}{limit}"
 
 
 def _check_peaks(candidate: Candidate, devices: list) -> None:

@@ -122,11 +122,12 @@ class Plan:
 
 
 def make_plan(candidate, shapes, nodes: Mapping[str, fx.Node], devices: Sequence, layout, budget: int | None,
-              policy: str, batch: str, tier=None, nvme_path=None) -> Plan:
+              policy: str, batch: str, host_memory=None, nvme_path=None) -> Plan:
     """The plan of the chosen ``candidate`` (a ``compiler.packing.Candidate``): per pack its layers,
     parameters, weight bytes and stash; per device its predicted peak; the bytes moved by
     direction and kind (``shapes``: the key sizes; ``nodes``: the primary graph's, annotated with
-    the chosen packs); ``tier``: the host memory plan (``compiler.tier.TierPlan``), if one was asked for."""
+    the chosen packs); ``host_memory``: the host memory plan (``compiler.host_memory.HostMemoryPlan``), if one
+    was asked for."""
     packs = candidate.packs_by_size[layout.mb_sizes[0]]
     key_bytes = lambda key: shapes.key_bytes(key, packs)  # noqa: E731
     every_action = [a for forward, backward in candidate.device_actions for a in forward + backward]
@@ -158,5 +159,6 @@ def make_plan(candidate, shapes, nodes: Mapping[str, fx.Node], devices: Sequence
                 first.margin, first.margin_note, pinned, len({a.mb for a in forward}), forward_packs,
                 max(layout.sizes[a.mb] or 0 for a in forward) if forward else 0, max(s or 0 for s in layout.mb_sizes),
                 layout.handoff if layout.parallel == "pp" else "",
-                *(() if tier is None else (tier.needs.total, tier.host_memory, str(nvme_path or ""), tier.packs,
-                                           tier.tier_bytes, tier.needs.describe(), tier.master_packs)))
+                *(() if host_memory is None else (
+                    host_memory.needs.total, host_memory.host_memory, str(nvme_path or ""), host_memory.tier_packs,
+                    host_memory.tier_bytes, host_memory.needs.describe(), host_memory.tier_master_packs)))

@@ -1,16 +1,17 @@
 """``insert_tier_io``: the NVMe tier's reads and writes, placed in the programs.
 
 A pack whose optimizer state lives on the tier (``tier_packs``, decided by
-``compiler.tier.plan_tier``) needs that state in host memory for its update only. On the device
-that hands the pack's update to the host (the first that does, in data-parallel), its programs get:
+``compiler.host_memory.plan_host_memory``) needs that state in host memory for its update only. On
+the device that hands the pack's update to the host (the first that does, in data-parallel), its
+programs get:
 
-* ``READ S[pk]`` one tiered pack ahead: the first at the start of the program that updates it
-  (the forward's, for a Trainer's last pack, which runs forward, loss and backward in one task,
-  so that read overlaps the whole forward); each next one right after the ``UPDATE`` of the
-  tiered pack before it (at the backward program's start when that update is in the forward's: a
-  program's events are its own). The tier's reader then fetches the pack's first parameters'
-  state while the device computes the backward of the packs in between and the host steps the
-  pack before;
+* ``READ S[pk]`` ``tier_policy.PACKS_READ_AHEAD`` (one) tiered pack ahead: the first at the start
+  of the program that updates it (the forward's, for a Trainer's last pack, which runs forward,
+  loss and backward in one task, so that read overlaps the whole forward); each next one right
+  after the ``UPDATE`` of the tiered pack before it (at the backward program's start when that
+  update is in the forward's: a program's events are its own). The tier's reader then fetches the
+  pack's first parameters' state while the device computes the backward of the packs in between
+  and the host steps the pack before;
 * the ``UPDATE pk`` names the read's event (its worker waits for the state, as for the gradients,
   then streams the rest through the update a parameter at a time: ``runtime.tier``);
 * ``WRITE S[pk]`` right after it (at the backward program's start for an update in the forward's):
@@ -26,6 +27,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from harmony_fx.program.actions import Action, ActionKind as K, Key, KeyKind, Stream
+from harmony_fx.tier_policy import PACKS_READ_AHEAD
 
 __all__ = ["insert_tier_io", "state_key"]
 
@@ -71,7 +73,8 @@ def insert_tier_io(device_actions: Sequence[tuple[Sequence[Action], Sequence[Act
                                      created_by=PASS_NAME))
             return event
 
-        reads[hosted[0]] = emit(phase_of[hosted[0]], K.READ, hosted[0])
+        for first in hosted[:PACKS_READ_AHEAD]:
+            reads[first] = emit(phase_of[first], K.READ, first)
         for phase, actions in enumerate(phases):
             for action in actions:
                 if action.kind != K.UPDATE or hosts.get(action.pack) != device:
@@ -81,8 +84,8 @@ def insert_tier_io(device_actions: Sequence[tuple[Sequence[Action], Sequence[Act
                 out[phase].append(Action(K.UPDATE, Stream.HOST, pack=pack, after=(*action.after, reads[pack]),
                                          device=device, created_by=action.created_by))
                 position = hosted.index(pack)
-                if position + 1 < len(hosted):
-                    upcoming = hosted[position + 1]
+                if position + PACKS_READ_AHEAD < len(hosted):
+                    upcoming = hosted[position + PACKS_READ_AHEAD]
                     reads[upcoming] = emit(phase_of[upcoming], K.READ, upcoming)  # the backward's start, or now
                 emit(1, K.WRITE, pack)  # the backward's start when the update is in the forward
         result.append((out[0], out[1]))

@@ -22,7 +22,7 @@ from harmony_fx.lowering.tier_io import insert_tier_io
 from harmony_fx.planner.costs import PackCosts, chain_key_bytes
 from harmony_fx.planner.profile import ModelProfile
 from harmony_fx.planner.specs import DeviceSpec, HostSpec
-from harmony_fx.planner.tiers import plan_tiers
+from harmony_fx.planner.host_memory import plan_host_memory
 from harmony_fx.program.actions import Action, KeyKind
 
 __all__ = ["Schedule", "chain_packs", "chain_schedule", "pack_layers"]
@@ -97,12 +97,12 @@ def chain_schedule(profile: ModelProfile, schedule: Schedule, batch_size: int, s
                                                           forward_parts=device_forward_parts(parts, count, mbs)))
                  for mbs in data_parallel_shares(count, schedule.devices, parts)]
     layers = pack_layers(schedule.boundaries, num_layers)
-    tiers = plan_tiers(profile, schedule.boundaries, batch_size, host,
-                       schedule.devices if schedule.parallel == "pp" else 1)
-    tiered = frozenset(p for p, nbytes in enumerate(tiers.pack_nvme_bytes) if nbytes)
+    levels = plan_host_memory(profile, schedule.boundaries, batch_size, host,
+                              schedule.devices if schedule.parallel == "pp" else 1)
+    tiered = frozenset(p for p, nbytes in enumerate(levels.pack_nvme_bytes) if nbytes)
     if tiered:
         pairs = insert_tier_io(pairs, tiered)
     key_bytes = chain_key_bytes(profile, layers, sizes)
     costs = PackCosts(profile, layers, sizes, spec, host,
-                      lambda key: tiers.pack_nvme_bytes[int(key.name[1:])] if key.kind == KeyKind.STATE else key_bytes(key))
+                      lambda key: levels.pack_nvme_bytes[int(key.name[1:])] if key.kind == KeyKind.STATE else key_bytes(key))
     return [forward + backward for forward, backward in pairs], costs

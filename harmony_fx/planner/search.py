@@ -21,7 +21,7 @@ forward's own packs and microbatches (Harmony's four: Ufwd, Pfwd, Ubwd, Pbwd).
    given the ones before it, and the simulator decides between them. A pipeline is simulated
    handing its values on through the host too (``ProgramSignature.handoff``). The fastest
    simulated schedule whose simulated peak fits the budget, and whose stash fits host memory
-   (less what an NVMe tier takes, ``planner.tiers``), is the choice.
+   (less what an NVMe tier takes, ``planner.host_memory``), is the choice.
 """
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ from harmony_fx.planner.costs import layer_seconds
 from harmony_fx.planner.profile import ModelProfile
 from harmony_fx.planner.simulate import Simulation, simulate
 from harmony_fx.planner.specs import DeviceSpec, HostSpec
-from harmony_fx.planner.tiers import MASTER_AND_GRAD_BYTES, plan_tiers
+from harmony_fx.planner.host_memory import MASTER_AND_GRAD_BYTES, plan_host_memory
 
 __all__ = ["PlanChoice", "search", "best_boundaries", "baselines", "lower_bound", "host_bytes",
            "PlanningError", "PackModel", "ForwardModel"]
@@ -256,8 +256,8 @@ def baselines(num_layers: int, model: PackModel, budget: float) -> dict[str, lis
 
 def host_bytes(profile: ModelProfile, boundaries: Sequence[int], batch_size: int, host: HostSpec) -> int:
     """Host memory one iteration holds: fp32 masters and gradients, the optimizer's state, and the
-    stash (every pack's inputs, for every sample), less what an NVMe tier takes (``planner.tiers``)."""
-    return plan_tiers(profile, boundaries, batch_size, host).host_bytes
+    stash (every pack's inputs, for every sample), less what an NVMe tier takes (``planner.host_memory``)."""
+    return plan_host_memory(profile, boundaries, batch_size, host).host_bytes
 
 
 def lower_bound(profile: ModelProfile, batch_size: int, devices: int, spec: DeviceSpec, host: HostSpec,
@@ -313,7 +313,7 @@ def search(profile: ModelProfile, spec: DeviceSpec, host: HostSpec, *, batch_siz
     num_layers = len(profile.layers)
     # the least any packing needs: no stash, and with a tier, one layer per pack (the smallest
     # staging buffers)
-    least = plan_tiers(profile, range(num_layers) if host.nvme_bytes else [], 0, host)
+    least = plan_host_memory(profile, range(num_layers) if host.nvme_bytes else [], 0, host)
     fixed = least.host_bytes
     if host.memory is not None and fixed > host.memory:
         tier = f" with {format_size(least.nvme_bytes)} of it on the NVMe tier" if host.nvme_bytes else ""

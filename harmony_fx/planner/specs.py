@@ -88,7 +88,7 @@ class HostSpec:
     update_workers: int = 1
     optimizer_state_bytes: int = 8    # per parameter: Adam's two fp32 moments (SGD momentum: 4)
     cluster: ClusterSpec = ClusterSpec()  # the other servers, if any
-    # an NVMe tier for what host memory cannot hold (``planner.tiers``): its size, and its read
+    # an NVMe tier for what host memory cannot hold (``planner.host_memory``): its size, and its read
     # and write bandwidth (one datacenter PCIe 4 drive, sustained)
     nvme_bytes: int | None = None
     nvme_read: float = 6.0e9

@@ -1,16 +1,17 @@
 """The NVMe tier at run time: a pack's optimizer state (and fp32 masters) in a file between its updates.
 
-``StateTier`` keeps, for each pack the plan put on the tier (``compiler.tier``), the optimizer's
-state tensors of that pack's parameters (Adam's moments; scalars such as its step count stay in
-host memory) in one file under ``nvme_path``, and serves the programs' ``READ`` and ``WRITE``
-actions with two host threads per step, a reader and a writer. A pack's state streams through its
-update one parameter at a time, so host memory holds a few parameters' state, not a pack's:
+``StateTier`` keeps, for each pack the plan put on the tier (``compiler.host_memory``, by the
+policy of ``tier_policy``), the optimizer's state tensors of that pack's parameters (Adam's
+moments; scalars such as its step count stay in host memory) in one file under ``nvme_path``, and
+serves the programs' ``READ`` and ``WRITE`` actions with two host threads per step, a reader and a
+writer. A pack's state streams through its update one parameter at a time, so host memory holds a
+few parameters' state, not a pack's:
 
 * ``READ S[pk]`` opens the pack's stream: the reader reads its first parameters' state (each
   parameter's tensors are one region of the file, each tensor CRC-32-checked) into host buffers;
 * the ``UPDATE`` of the pack (``update``) takes each parameter's state as it arrives, steps that
   parameter, hands its state to the writer and asks the reader for the one after next; so the
-  reader stays at most ``READ_AHEAD`` parameters ahead of the step;
+  reader stays at most ``tier_policy.READ_AHEAD`` parameters ahead of the step;
 * the writer appends each stepped parameter's state to the pack's *new* file (the step's
   generation), with ``O_DIRECT`` through a page-aligned buffer (measured faster than buffered
   writes with ``fsync`` here; buffered where the file system refuses it), and the step waits at
@@ -24,7 +25,7 @@ master is one more tensor of its region (``MASTER_KEY``): the update swaps it in
 parameter's data, steps it, refreshes the bf16 copy from it and hands it to the writer with the
 state; an undone step refreshes the copy from the committed file (``stored_master``).
 
-The state in flight is therefore at most ``compiler.tier.staged_params(devices)`` parameters'
+The state in flight is therefore at most ``tier_policy.staged_params(devices)`` parameters'
 worth (the plan's host memory counts it, and ``peak_staged`` measures it).
 
 A step's files become the state only when it is committed: once its writer has put the last of
@@ -56,7 +57,7 @@ from typing import Callable, Collection, Mapping, Sequence
 import torch
 from torch import nn
 
-from harmony_fx.compiler.tier import READ_AHEAD, masters_may_move
+from harmony_fx.tier_policy import READ_AHEAD, masters_may_move
 
 __all__ = ["StateTier", "TierCorrupted", "StepUndone", "on_tier_entry", "MASTER_KEY"]
 

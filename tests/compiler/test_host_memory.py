@@ -1,4 +1,5 @@
-"""plan_tier: which packs' optimizer state goes to the NVMe tier so that a step fits host memory.
+"""plan_host_memory: what a step holds in host memory, and which packs' optimizer state goes to the
+NVMe tier so that it fits.
 
 On hand-made parameter groups with known byte counts: with a tier and no limit every pack with
 state goes there; under a limit, the fewest packs, largest state first, whose host memory (counted
@@ -16,7 +17,7 @@ import pytest
 import torch
 from torch import nn
 
-from harmony_fx.compiler.tier import OptimizerFacts, plan_tier
+from harmony_fx.compiler.host_memory import OptimizerFacts, plan_host_memory
 from harmony_fx.config import format_size
 
 FLOAT = 4  # bytes per float32 element
@@ -47,7 +48,7 @@ def _facts(keeps_copies: bool = True) -> OptimizerFacts:
 def _plan(host_memory: int | None, tier: bool = True, keeps_copies: bool = True):
     groups = _groups()
     masters = [p for params in groups.values() for p in params] + [_buffer()]
-    return plan_tier(groups, masters, STASH, _facts(keeps_copies), host_memory, tier)
+    return plan_host_memory(groups, masters, STASH, _facts(keeps_copies), host_memory, tier)
 
 
 def _state(pack: int) -> int:
@@ -81,7 +82,7 @@ def test_the_example_is_what_this_file_assumes():
 
 def test_a_tier_without_a_limit_takes_every_pack_with_state():
     plan = _plan(None)
-    assert plan.packs == tuple(sorted(BY_STATE))  # not pack 4, which has no state
+    assert plan.tier_packs == tuple(sorted(BY_STATE))  # not pack 4, which has no state
     assert plan.pack_state_bytes == {pack: _state(pack) for pack in NUMELS}
     assert plan.tier_bytes == sum(_state(pack) for pack in NUMELS) > 0
     assert _needs(plan) == _expected(BY_STATE)
@@ -90,7 +91,7 @@ def test_a_tier_without_a_limit_takes_every_pack_with_state():
 
 def test_no_tier_and_no_limit_keeps_everything_in_host_memory():
     plan = _plan(None, tier=False)
-    assert plan.packs == () and plan.tier_bytes == 0
+    assert plan.tier_packs == () and plan.tier_bytes == 0
     assert _needs(plan) == _expected(())
 
 
@@ -99,7 +100,7 @@ def test_a_limit_between_the_extremes_tiers_the_fewest_largest_packs_that_fit():
     host_memory = (_expected(BY_STATE[:2])["total"] + _expected(BY_STATE[:3])["total"]) // 2
     assert _expected(BY_STATE)["total"] < host_memory < _expected(())["total"]
     plan = _plan(host_memory)
-    assert plan.packs == tuple(sorted(BY_STATE[:3])) == (1, 2, 3)
+    assert plan.tier_packs == tuple(sorted(BY_STATE[:3])) == (1, 2, 3)
     assert _needs(plan) == _expected(BY_STATE[:3])
     assert plan.needs.total <= host_memory < _expected(BY_STATE[:2])["total"]
     assert plan.tier_bytes == sum(_state(pack) for pack in BY_STATE[:3])
@@ -111,11 +112,11 @@ def test_each_limit_takes_exactly_the_packs_it_needs(k):
     """A limit equal to the total with the k largest packs tiered takes those k; one byte less, one more."""
     exact = _expected(BY_STATE[:k])["total"]
     plan = _plan(exact)
-    assert plan.packs == tuple(sorted(BY_STATE[:k]))
+    assert plan.tier_packs == tuple(sorted(BY_STATE[:k]))
     assert plan.needs.total == exact
     if k < len(BY_STATE):
         tighter = _plan(exact - 1)
-        assert tighter.packs == tuple(sorted(BY_STATE[:k + 1]))
+        assert tighter.tier_packs == tuple(sorted(BY_STATE[:k + 1]))
         assert tighter.needs.total == _expected(BY_STATE[:k + 1])["total"] <= exact - 1
 
 
@@ -125,7 +126,7 @@ def test_a_limit_below_everything_on_the_tier_names_the_smallest_that_fits():
     with pytest.raises(ValueError) as info:
         _plan(smallest - 1)
     message = str(info.value)
-    assert message.startswith("plan_tier:")
+    assert message.startswith("plan_host_memory:")
     assert "host_memory" in message and SIZE.search(message)
     assert f"at least {format_size(smallest)}" in message
     assert "nvme_path" not in message  # there is a tier already
@@ -133,7 +134,7 @@ def test_a_limit_below_everything_on_the_tier_names_the_smallest_that_fits():
 
 def test_without_a_tier_a_limit_too_small_suggests_nvme_path():
     everything = _expected(())["total"]
-    assert _plan(everything, tier=False).packs == ()  # fits in host memory: nothing moves
+    assert _plan(everything, tier=False).tier_packs == ()  # fits in host memory: nothing moves
     with pytest.raises(ValueError) as info:
         _plan(everything - 1, tier=False)
     message = str(info.value)
@@ -158,7 +159,7 @@ ELEMENTS = sum(n for numels in NUMELS.values() for n in numels) + 6  # every flo
 def _plan_bf16(host_memory: int | None, stagers: int = 1):
     groups = _groups()
     masters = [p for params in groups.values() for p in params] + [_buffer()]
-    return plan_tier(groups, masters, STASH, _facts(), host_memory, True, compute_dtype=torch.bfloat16,
+    return plan_host_memory(groups, masters, STASH, _facts(), host_memory, True, compute_dtype=torch.bfloat16,
                      weight_stagers=stagers)
 
 
@@ -178,7 +179,7 @@ def _expected_bf16(masters_tiered, stagers: int = 1) -> dict[str, int]:
 @pytest.mark.parametrize("stagers", [1, 2])
 def test_under_bf16_without_a_limit_only_the_state_moves_and_each_stager_copies_the_weights(stagers):
     plan = _plan_bf16(None, stagers)
-    assert plan.packs == tuple(sorted(BY_STATE)) and plan.master_packs == ()
+    assert plan.tier_packs == tuple(sorted(BY_STATE)) and plan.tier_master_packs == ()
     assert _needs(plan) == _expected_bf16((), stagers)
     assert plan.tier_bytes == sum(_state(pack) for pack in NUMELS)
 
@@ -187,12 +188,12 @@ def test_under_bf16_without_a_limit_only_the_state_moves_and_each_stager_copies_
 def test_under_bf16_the_masters_follow_once_all_state_is_on_the_tier_largest_first(k):
     exact = _expected_bf16(BY_STATE[:k])["total"]
     plan = _plan_bf16(exact)
-    assert plan.packs == tuple(sorted(BY_STATE))
-    assert plan.master_packs == tuple(sorted(BY_STATE[:k]))
+    assert plan.tier_packs == tuple(sorted(BY_STATE))
+    assert plan.tier_master_packs == tuple(sorted(BY_STATE[:k]))
     assert _needs(plan) == _expected_bf16(BY_STATE[:k])
     assert plan.tier_bytes == sum(_state(p) for p in NUMELS) + sum(FLOAT * n for p in BY_STATE[:k] for n in NUMELS[p])
     if k < len(BY_STATE):
-        assert _plan_bf16(exact - 1).master_packs == tuple(sorted(BY_STATE[:k + 1]))
+        assert _plan_bf16(exact - 1).tier_master_packs == tuple(sorted(BY_STATE[:k + 1]))
 
 
 def test_under_bf16_a_limit_below_every_master_on_the_tier_names_the_smallest_that_fits():

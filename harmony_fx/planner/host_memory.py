@@ -1,14 +1,15 @@
-"""Host memory and an NVMe tier: what of each pack's host state lives where.
+"""Host memory and an NVMe tier: what of each pack's host state lives where, for the planner.
 
 A parameter costs the host its fp32 master (4 B), its fp32 gradient (4 B) and the optimizer's
 state (Adam: 8 B); when weights travel in bf16, the bf16 copy the devices' copies read (2 B, one
 for all devices); the stash comes on top. Where that passes ``HostSpec.memory`` and an NVMe tier
-is given (``HostSpec.nvme_bytes``), packs move state to it, the largest first (the fewest packs,
-so the fewest reads and writes), as the runtime's ``compiler.tier.plan_tier`` does: the optimizer
-state first; then, under bf16, the fp32 masters (4 B each; the bf16 copy stays). A pack on the
-tier streams its state through its update one parameter at a time
-(``runtime.tier``), so host memory also holds ``staged_params`` times the largest tiered layer's
-tier bytes (a bound: the runtime's unit is a parameter, at most a layer).
+is given (``HostSpec.nvme_bytes``), packs move to it by the tier's policy, as the compiler's
+``compiler.host_memory.plan_host_memory`` does for a model at hand
+(``tier_policy.choose_tiered``: the optimizer state first, the largest first; then, under bf16,
+the fp32 masters, 4 B each, the bf16 copy staying), within the tier's capacity. A pack on the
+tier streams its state through its update one parameter at a time (``runtime.tier``), so host
+memory also holds ``tier_policy.staged_params`` times the largest tiered layer's tier bytes (a
+bound: the runtime's unit is a parameter, at most a layer).
 
 This decides for the planner and the simulator: ``chain_schedule`` inserts the programs' ``READ``
 and ``WRITE`` of each tiered pack, sized from it.
@@ -18,16 +19,16 @@ from __future__ import annotations
 import dataclasses
 from typing import Sequence
 
-from harmony_fx.compiler.tier import staged_params
 from harmony_fx.planner.profile import ModelProfile
+from harmony_fx.tier_policy import choose_tiered, staging_bytes
 
-__all__ = ["Tiers", "plan_tiers", "MASTER_AND_GRAD_BYTES"]
+__all__ = ["HostMemoryLevels", "plan_host_memory", "MASTER_AND_GRAD_BYTES"]
 
 MASTER_AND_GRAD_BYTES = 8  # fp32 master and its fp32 gradient, per parameter
 
 
 @dataclasses.dataclass(frozen=True)
-class Tiers:
+class HostMemoryLevels:
     host_bytes: int                      # host memory one iteration holds
     nvme_bytes: int                      # bytes on the tier
     state_on_nvme: tuple[int, ...] = ()  # packs whose optimizer state is on the tier
@@ -35,7 +36,8 @@ class Tiers:
     pack_nvme_bytes: tuple[int, ...] = ()  # per pack: bytes read before its update, written after
 
 
-def plan_tiers(profile: ModelProfile, boundaries: Sequence[int], batch_size: int, host, devices: int = 1) -> Tiers:
+def plan_host_memory(profile: ModelProfile, boundaries: Sequence[int], batch_size: int, host,
+                     devices: int = 1) -> HostMemoryLevels:
     """Where each pack's host state lives for the packs starting at ``boundaries`` (``[]``: no
     stash, what the parameters alone need). ``host``: a ``HostSpec``; ``devices``: how many
     devices' programs update packs (a pipeline's; data-parallel updates on the first)."""
@@ -55,25 +57,21 @@ def plan_tiers(profile: ModelProfile, boundaries: Sequence[int], batch_size: int
     copies = 2 * sum(params) if profile.precision == "bf16" else 0
     base = int(sum(params) * MASTER_AND_GRAD_BYTES + copies + sum(state) + stash)
     if host.memory is None or base <= host.memory or not host.nvme_bytes:
-        return Tiers(base, 0, pack_nvme_bytes=(0,) * len(params))
+        return HostMemoryLevels(base, 0, pack_nvme_bytes=(0,) * len(params))
     masters = [4 * n if profile.precision == "bf16" and not sharded else 0 for n in params]
-    on_tier = [0] * len(params)
-    state_moved: list[int] = []
-    masters_moved: list[int] = []
 
-    def need() -> int:
+    def need(state_moved: Sequence[int], masters_moved: Sequence[int]) -> int:
         # the tier takes the state and the masters moved; staging: the largest tiered layer's
         # tier bytes, as many times as the stream holds parameters
         taken = sum(state[p] for p in state_moved) + sum(masters[p] for p in masters_moved)
-        staging = max((largest[p] * (state_per_param + (4 if p in masters_moved else 0)) for p in state_moved),
-                      default=0)
-        return int(base - taken + staged_params(devices) * staging)
+        staging = staging_bytes(devices, [largest[p] * (state_per_param + (4 if p in masters_moved else 0))
+                                          for p in state_moved])
+        return int(base - taken + staging)
 
-    for moved, sizes in ((state_moved, state), (masters_moved, masters)):
-        for p in sorted(range(len(params)), key=lambda p: (-sizes[p], -p)):
-            if need() <= host.memory:
-                break
-            if sizes[p] and sum(on_tier) + sizes[p] <= host.nvme_bytes:
-                moved.append(p)
-                on_tier[p] += sizes[p]
-    return Tiers(need(), sum(on_tier), tuple(sorted(state_moved)), tuple(sorted(masters_moved)), tuple(on_tier))
+    state_moved, masters_moved = choose_tiered(
+        dict(enumerate(state)), dict(enumerate(masters)), lambda *moved: need(*moved) <= host.memory,
+        capacity=host.nvme_bytes)
+    on_tier = [(state[p] if p in state_moved else 0) + (masters[p] if p in masters_moved else 0)
+               for p in range(len(params))]
+    return HostMemoryLevels(need(state_moved, masters_moved), sum(on_tier), tuple(sorted(state_moved)),
+                            tuple(sorted(masters_moved)), tuple(on_tier))

@@ -1,4 +1,4 @@
-"""``planner.tiers``: what of each pack's host state the NVMe tier takes, and the simulator and
+"""``planner.host_memory``: what of each pack's host state the NVMe tier takes, and the simulator and
 ``harmony-fx plan`` with it. Host bytes are counted here again from the parameters, apart from
 the module."""
 from __future__ import annotations
@@ -13,7 +13,7 @@ from harmony_fx.planner.chain import Schedule, chain_schedule
 from harmony_fx.planner.profile import LayerProfile, ModelProfile
 from harmony_fx.planner.simulate import simulate
 from harmony_fx.planner.specs import DeviceSpec, HostSpec
-from harmony_fx.planner.tiers import plan_tiers
+from harmony_fx.planner.host_memory import plan_host_memory
 
 # 12 layers of 1,000 parameters in packs of 4, 6 and 2 layers: each pack streams its state through
 # its update, so host memory holds only a few layers' worth of it
@@ -30,37 +30,37 @@ def _host(memory=None, nvme=None, **rest):
 
 
 def test_without_a_shortage_nothing_moves():
-    tiers = plan_tiers(PROFILE, BOUNDARIES, 16, _host(memory=10**9, nvme=10**9))
+    levels = plan_host_memory(PROFILE, BOUNDARIES, 16, _host(memory=10**9, nvme=10**9))
     # fp32 master and gradient, Adam's two moments, and the bf16 copy the devices read (PROFILE is bf16)
-    assert tiers.host_bytes == 18 * sum(PARAMS) + STASH and tiers.nvme_bytes == 0
-    assert tiers.pack_nvme_bytes == (0, 0, 0)
+    assert levels.host_bytes == 18 * sum(PARAMS) + STASH and levels.nvme_bytes == 0
+    assert levels.pack_nvme_bytes == (0, 0, 0)
 
 
 def test_the_largest_state_moves_first_until_the_host_fits():
     """The middle pack's 48,000 B of state alone saves no more than its staging takes (six layers'
     state, 48,000 B); with the first pack's 32,000 B too, the host fits."""
     whole = int(18 * sum(PARAMS) + STASH)
-    tiers = plan_tiers(PROFILE, BOUNDARIES, 16, _host(memory=whole - 1, nvme=10**9))
-    assert tiers.state_on_nvme == (0, 1) and tiers.masters_on_nvme == ()
-    assert tiers.pack_nvme_bytes == (8 * 4000, 8 * 6000, 0)
-    assert tiers.host_bytes == whole - 8 * 10000 + 8 * STAGED
+    levels = plan_host_memory(PROFILE, BOUNDARIES, 16, _host(memory=whole - 1, nvme=10**9))
+    assert levels.state_on_nvme == (0, 1) and levels.masters_on_nvme == ()
+    assert levels.pack_nvme_bytes == (8 * 4000, 8 * 6000, 0)
+    assert levels.host_bytes == whole - 8 * 10000 + 8 * STAGED
 
 
 def test_masters_follow_the_state_in_bf16_only():
-    least = plan_tiers(PROFILE, BOUNDARIES, 16, _host(memory=1, nvme=10**9))  # nothing is enough
+    least = plan_host_memory(PROFILE, BOUNDARIES, 16, _host(memory=1, nvme=10**9))  # nothing is enough
     assert least.state_on_nvme == (0, 1, 2) and least.masters_on_nvme == (0, 1, 2)
     assert least.pack_nvme_bytes == (12 * 4000, 12 * 6000, 12 * 2000)
     # every state and master moved; the host keeps gradients (4 B), a bf16 copy (2 B), the stash,
     # and the stream's layers' state and master (12 B each)
     assert least.host_bytes == int(6 * sum(PARAMS) + STASH + 12 * STAGED)
-    fp32 = plan_tiers(dataclasses.replace(PROFILE, precision="fp32"), BOUNDARIES, 16, _host(memory=1, nvme=10**9))
+    fp32 = plan_host_memory(dataclasses.replace(PROFILE, precision="fp32"), BOUNDARIES, 16, _host(memory=1, nvme=10**9))
     assert fp32.masters_on_nvme == () and fp32.state_on_nvme == (0, 1, 2)
 
 
 def test_the_tier_holds_no_more_than_its_size():
-    tiers = plan_tiers(PROFILE, BOUNDARIES, 16, _host(memory=1, nvme=8 * 6000 + 8 * 4000))
-    assert tiers.nvme_bytes <= 8 * 6000 + 8 * 4000
-    assert tiers.state_on_nvme == (0, 1)  # the last pack's state would not fit beside them
+    levels = plan_host_memory(PROFILE, BOUNDARIES, 16, _host(memory=1, nvme=8 * 6000 + 8 * 4000))
+    assert levels.nvme_bytes <= 8 * 6000 + 8 * 4000
+    assert levels.state_on_nvme == (0, 1)  # the last pack's state would not fit beside them
 
 
 def test_the_program_reads_and_writes_each_tiered_pack_around_its_update():
@@ -73,10 +73,10 @@ def test_the_program_reads_and_writes_each_tiered_pack_around_its_update():
     schedule = Schedule(BOUNDARIES, 2, "single", 1)
     programs, costs = chain_schedule(PROFILE, schedule, 16, spec, host)
     simulation = simulate(programs, costs, spec, host)
-    tiers = plan_tiers(PROFILE, BOUNDARIES, 16, host)
-    assert simulation.bytes_moved[("nvme", "read")] == simulation.bytes_moved[("nvme", "write")] == tiers.nvme_bytes
+    levels = plan_host_memory(PROFILE, BOUNDARIES, 16, host)
+    assert simulation.bytes_moved[("nvme", "read")] == simulation.bytes_moved[("nvme", "write")] == levels.nvme_bytes
     spans = {label: (start, end) for _, lane, label, start, end in simulation.spans if lane in ("io", "host")}
-    for pack, nbytes in enumerate(tiers.pack_nvme_bytes):
+    for pack, nbytes in enumerate(levels.pack_nvme_bytes):
         read, update, write = spans[f"READ S[p{pack}] io"], spans[f"UPDATE p{pack}"], spans[f"WRITE S[p{pack}] io"]
         assert read[1] - read[0] == pytest.approx(nbytes / 8000.0)
         assert write[1] - write[0] == pytest.approx(nbytes / 4000.0)

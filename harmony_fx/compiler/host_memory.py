@@ -1,7 +1,7 @@
-"""``plan_tier``: which packs keep their optimizer state, and then their fp32 masters, on the NVMe
-tier, so that host memory fits.
+"""``plan_host_memory``: what a ``Trainer`` step holds in host memory, and which packs keep their
+optimizer state, and then their fp32 masters, on the NVMe tier so that it fits ``host_memory``.
 
-What a ``Trainer`` step holds in host memory (``HostNeeds``, every figure in bytes):
+What a step holds in host memory (``HostNeeds``, every figure in bytes):
 
 * ``masters``: the model's parameters and buffers (what the devices' weight copies read); a
   parameter whose fp32 master is on the tier counts as its compute-dtype copy (bf16: 2 B);
@@ -14,16 +14,16 @@ What a ``Trainer`` step holds in host memory (``HostNeeds``, every figure in byt
   in-memory state kept until the step ends (a tiered pack's state needs none: its previous
   file stays until the step is committed);
 * ``staging``: the tier's state in flight: a pack's state streams through its update one
-  parameter at a time (``runtime.tier``), so at most ``staged_params(devices)`` times the largest
-  tiered parameter's state (and its fp32 master, where that is on the tier too).
+  parameter at a time (``runtime.tier``), so at most ``tier_policy.staged_params(devices)`` times
+  the largest tiered parameter's state (and its fp32 master, where that is on the tier too).
 
-Packs go to the tier largest state first (the fewest packs, so the fewest files and reads),
-until the total fits ``host_memory``. If every pack's state is there and it still does not fit,
-and weights travel in a narrower compute dtype, the fp32 masters follow, largest first: the
-parameter then holds its bf16 copy in host memory (the tensor the devices read; its gradient stays
-fp32 through ``Tensor.grad_dtype``), and its update reads the fp32 master with the state, steps it
-and writes it back (``runtime.tier``). A master on the tier saves its 4 B and the copy the devices
-would otherwise stage. A planning pass: it decides, ``insert_tier_io`` applies.
+What goes to the tier, and in what order, is ``tier_policy.choose_tiered``'s: state, the largest
+first, until the total fits ``host_memory``; then, where weights travel in a narrower compute
+dtype, the fp32 masters, largest first: the parameter then holds its bf16 copy in host memory (the
+tensor the devices read; its gradient stays fp32 through ``Tensor.grad_dtype``), and its update
+reads the fp32 master with the state, steps it and writes it back (``runtime.tier``). A master on
+the tier saves its 4 B and the copy the devices would otherwise stage. A planning pass: it
+decides, ``lowering.tier_io.insert_tier_io`` applies.
 """
 from __future__ import annotations
 
@@ -34,18 +34,11 @@ import torch
 from torch import nn
 
 from harmony_fx.config import format_size
+from harmony_fx.tier_policy import choose_tiered, largest_first, masters_may_move, staging_bytes
 
-__all__ = ["OptimizerFacts", "HostNeeds", "TierPlan", "plan_tier", "masters_may_move", "staged_params", "READ_AHEAD"]
+__all__ = ["OptimizerFacts", "HostNeeds", "HostMemoryPlan", "plan_host_memory"]
 
-PASS_NAME = "plan_tier"
-READ_AHEAD = 2  # parameters a pack's state stream reads ahead of the one being stepped
-
-
-def staged_params(devices: int) -> int:
-    """Parameters' state the tier holds in host memory at most (``runtime.tier``): ``READ_AHEAD``
-    for each pack a device's program opened ahead of its update (one per device) and for the pack
-    being updated, the parameter being stepped, and the one in the writer's hands."""
-    return READ_AHEAD * (devices + 1) + 2
+PASS_NAME = "plan_host_memory"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,31 +72,23 @@ class HostNeeds:
 
 
 @dataclasses.dataclass(frozen=True)
-class TierPlan:
+class HostMemoryPlan:
     host_memory: int | None                 # the limit asked for (None: no limit)
-    packs: tuple[int, ...]                  # packs whose optimizer state is on the tier
+    tier_packs: tuple[int, ...]             # packs whose optimizer state is on the tier
     pack_state_bytes: Mapping[int, int]     # every updated pack's optimizer state
     needs: HostNeeds                        # host memory with that choice
-    master_packs: tuple[int, ...] = ()      # packs whose fp32 masters are on the tier too
+    tier_master_packs: tuple[int, ...] = ()  # packs whose fp32 masters are on the tier too
     pack_master_bytes: Mapping[int, int] = dataclasses.field(default_factory=dict)  # fp32 masters a pack may move
 
     @property
     def tier_bytes(self) -> int:
-        return (sum(self.pack_state_bytes[p] for p in self.packs)
-                + sum(self.pack_master_bytes[p] for p in self.master_packs))
+        return (sum(self.pack_state_bytes[p] for p in self.tier_packs)
+                + sum(self.pack_master_bytes[p] for p in self.tier_master_packs))
 
 
-def masters_may_move(param: nn.Parameter, compute_dtype: torch.dtype | None) -> bool:
-    """Whether ``param``'s master can live on the tier: weights travel in a narrower floating
-    ``compute_dtype``, and torch keeps a gradient's dtype apart from its tensor's
-    (``Tensor.grad_dtype``), so the host copy may be that dtype while gradients stay fp32."""
-    return (compute_dtype is not None and param.is_floating_point() and hasattr(param, "grad_dtype")
-            and param.element_size() > torch.empty((), dtype=compute_dtype).element_size())
-
-
-def plan_tier(groups: Mapping[int, Sequence[nn.Parameter]], masters: Sequence, stash: int,
-              optimizer: OptimizerFacts, host_memory: int | None, tier: bool, devices: int = 1,
-              compute_dtype: torch.dtype | None = None, weight_stagers: int = 1) -> TierPlan:
+def plan_host_memory(groups: Mapping[int, Sequence[nn.Parameter]], masters: Sequence, stash: int,
+                     optimizer: OptimizerFacts, host_memory: int | None, tier: bool, devices: int = 1,
+                     compute_dtype: torch.dtype | None = None, weight_stagers: int = 1) -> HostMemoryPlan:
     """``groups``: the parameters each pack's update steps; ``masters``: every host tensor the
     packs read (parameters and buffers, each once); ``stash``: bytes the forward copies out;
     ``tier``: whether there is a tier to move state to (``nvme_path``); ``devices``: how many
@@ -130,29 +115,25 @@ def plan_tier(groups: Mapping[int, Sequence[nn.Parameter]], masters: Sequence, s
     def needs(on_tier: Sequence[int], masters_on_tier: Sequence[int] = ()) -> HostNeeds:
         kept = sum(n for pack, n in state.items() if pack not in on_tier)
         moved = [p for pack in masters_on_tier for p in movable[pack]]
-        staged = staged_params(devices) * max([largest[p] + (largest_master[p] if p in masters_on_tier else 0)
-                                               for p in on_tier], default=0)
+        staged = staging_bytes(devices, [largest[p] + (largest_master[p] if p in masters_on_tier else 0)
+                                         for p in on_tier])
         copies = param_bytes - sum(nbytes(p) for p in moved) + kept if optimizer.keeps_copies else 0
         return HostNeeds(fixed - sum(nbytes(p) - staged_copy(p) for p in moved), param_bytes, kept, stash, copies,
                          staged, fixed_copies - weight_stagers * sum(staged_copy(p) for p in moved))
 
     chosen: list[int] = []
     chosen_masters: list[int] = []
-    order = sorted((p for p in state if state[p]), key=lambda p: (-state[p], -p))
-    master_order = sorted((p for p in order if master_bytes[p]), key=lambda p: (-master_bytes[p], -p))
+    order = largest_first(state)
+    # a pack's masters follow its state only (the tier's store keeps them in the state's file)
+    movable_masters = {p: master_bytes[p] for p in order}
+    master_order = largest_first(movable_masters)
     if tier and host_memory is not None:
-        for pack in order:
-            if needs(chosen).total <= host_memory:
-                break
-            chosen.append(pack)
-        for pack in master_order:  # every pack's state is on the tier, and it still does not fit
-            if needs(chosen, chosen_masters).total <= host_memory:
-                break
-            chosen_masters.append(pack)
+        chosen, chosen_masters = choose_tiered(state, movable_masters,
+                                               lambda *on_tier: needs(*on_tier).total <= host_memory)
     elif tier:
         chosen = order  # a tier and no limit: all of the state, as asked
-    plan = TierPlan(host_memory, tuple(sorted(chosen)), state, needs(chosen, chosen_masters),
-                    tuple(sorted(chosen_masters)), master_bytes)
+    plan = HostMemoryPlan(host_memory, tuple(sorted(chosen)), state, needs(chosen, chosen_masters),
+                          tuple(sorted(chosen_masters)), master_bytes)
     if host_memory is not None and plan.needs.total > host_memory:
         candidates = [needs(order[:k]) for k in range(len(order) + 1)]
         candidates += [needs(order, master_order[:k]) for k in range(1, len(master_order) + 1)]
