@@ -163,6 +163,10 @@ def test_a_resumed_run_continues_as_the_unbroken_one(tmp_path):
     assert first.losses + resumed.losses == unbroken.losses  # bitwise: same values, same order of operations
     for param, ref in zip(resumed.parameters(), unbroken.parameters()):
         assert torch.equal(param, ref)
+    # a checkpoint Lightning wrote without harmony resumes under it too
+    _fit("auto", 2, callbacks=[L.pytorch.callbacks.ModelCheckpoint(tmp_path / "eager", save_last=True)])
+    from_eager, _ = _fit(HarmonyStrategy(), 4, ckpt_path=tmp_path / "eager" / "last.ckpt")
+    torch.testing.assert_close(torch.tensor(from_eager.losses), torch.tensor(unbroken.losses[8:]), rtol=RTOL, atol=0)
 
 
 def test_validation_and_test_run_forward_only_through_harmony():
