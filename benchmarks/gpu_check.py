@@ -42,7 +42,7 @@ import torch
 import torch.nn.functional as F
 
 import harmony_fx
-from harmony_fx.testing.models import GPTConfig, TinyGPT
+from harmony_fx.models import GPTConfig, TinyGPT
 
 GIB = 1 << 30
 CAP = 8 * GIB

@@ -17,7 +17,7 @@ import torch
 import harmony_fx
 from harmony_fx.analysis.memory import eager_training_bytes
 from harmony_fx.frontend.guards import CallKey
-from harmony_fx.testing.models import GPTConfig, TinyGPT
+from harmony_fx.models import GPTConfig, TinyGPT
 
 CONFIG = GPTConfig(vocab_size=64, block_size=32, n_layer=8, n_head=4, n_embd=64, dropout=0.0)
 

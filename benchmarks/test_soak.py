@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 import harmony_fx
 from harmony_fx.analysis.memory import eager_training_bytes
-from harmony_fx.testing.models import GPTConfig, TinyGPT
+from harmony_fx.models import GPTConfig, TinyGPT
 
 STEPS = int(os.environ.get("HARMONY_SOAK_STEPS", 1000))
 WARM_UP = 100

@@ -24,7 +24,7 @@ import torch
 
 import harmony_fx
 from harmony_fx.analysis.memory import eager_training_bytes
-from harmony_fx.testing.models import GPTConfig, TinyGPT
+from harmony_fx.models import GPTConfig, TinyGPT
 
 def _pin_malloc_thresholds() -> None:
     """glibc's malloc serves a large block with fresh pages (mmap) until a free raises its threshold,

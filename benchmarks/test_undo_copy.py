@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 import harmony_fx
-from harmony_fx.testing.models import MLPChain
+from harmony_fx.models import MLPChain
 
 
 def _median_step(atomic: bool) -> tuple[float, int]:

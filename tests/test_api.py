@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import harmony_fx
-from harmony_fx.testing.models import MLPChain
+from harmony_fx.models import MLPChain
 from tests.helpers import (
     SEED, ZOO, assert_buffers_equal, assert_grads_equal, assert_step_equal, cached_train_step, eager_bytes,
     smallest_budget, train_step, train_step_equal,

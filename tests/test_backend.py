@@ -12,8 +12,9 @@ from torch import nn
 
 from harmony_fx.analysis.memory import eager_training_bytes
 from harmony_fx.backend import harmony
+from harmony_fx.models import MLPChain
 from harmony_fx.testing.hf_models import HF_MODELS, build_hf_model, hf_batch
-from harmony_fx.testing.models import MLPChain, zoo
+from harmony_fx.testing.models import zoo
 
 RTOL = 1e-4
 ATOL = 1e-6  # see tests/test_hf_models.py: BERT's key bias has an exactly zero gradient, i.e. noise

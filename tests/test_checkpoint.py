@@ -14,7 +14,8 @@ torch.set_num_threads(1)  # tiny ops: threads only add synchronisation
 
 import harmony_fx  # noqa: E402
 from harmony_fx.analysis.memory import eager_training_bytes  # noqa: E402
-from harmony_fx.testing.models import GPTConfig, MLPChain, TinyGPT, zoo  # noqa: E402
+from harmony_fx.models import GPTConfig, MLPChain, TinyGPT  # noqa: E402
+from harmony_fx.testing.models import zoo  # noqa: E402
 
 STEPS = 6
 BATCH = 8
@@ -189,7 +190,7 @@ def test_checkpoint_gets_ordinary_file_permissions(tmp_path):
     import stat
 
     import harmony_fx
-    from harmony_fx.testing.models import MLPChain
+    from harmony_fx.models import MLPChain
 
     torch.manual_seed(0)
     model = MLPChain(width=8, depth=2)

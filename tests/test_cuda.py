@@ -82,7 +82,7 @@ def test_trainer_on_cuda_matches_eager_adamw():
 
 
 def _gpt(dropout: float = 0.0):
-    from harmony_fx.testing.models import GPTConfig, TinyGPT
+    from harmony_fx.models import GPTConfig, TinyGPT
 
     torch.manual_seed(0)
     model = TinyGPT(GPTConfig(vocab_size=96, block_size=32, n_layer=6, n_head=4, n_embd=64, dropout=dropout))
@@ -117,7 +117,7 @@ def test_two_cuda_devices_on_one_gpu_match_eager(parallel):
 
 def test_cuda_inputs_are_copied_without_pinning():
     torch.manual_seed(0)
-    from harmony_fx.testing.models import MLPChain
+    from harmony_fx.models import MLPChain
 
     model = MLPChain(width=64, depth=8)
     reference = copy.deepcopy(model).cuda()

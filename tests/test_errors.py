@@ -21,9 +21,9 @@ torch.set_num_threads(1)  # tiny ops on a 2-core machine: threads only add synch
 
 import harmony_fx  # noqa: E402
 import harmony_fx.compiler.variants  # noqa: E402
+from harmony_fx.models import MLPChain  # noqa: E402
 from harmony_fx.program.ops import OP_OF_KIND  # noqa: E402
 from harmony_fx.runtime.executor import Runtime  # noqa: E402
-from harmony_fx.testing.models import MLPChain  # noqa: E402
 from tests.helpers import assert_grads_equal, smallest_budget  # noqa: E402
 from tests.memory_witness import DeviceMemoryWitness  # noqa: E402
 

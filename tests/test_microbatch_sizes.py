@@ -11,8 +11,9 @@ import torch
 import torch.nn.functional as F
 
 import harmony_fx
+from harmony_fx.models import GPTConfig, MLPChain, TinyGPT
 from harmony_fx.program.actions import ActionKind
-from harmony_fx.testing.models import GPTConfig, MLPChain, ResidualMLP, TinyGPT, _cross_entropy
+from harmony_fx.testing.models import ResidualMLP, _cross_entropy
 
 RTOL, ATOL = 1e-5, 1e-6
 SIZES = {"forward": 2, "backward": 8}  # forward microbatches 4x the backward's

@@ -16,8 +16,9 @@ import torch.nn.functional as F
 
 import harmony_fx
 from harmony_fx.analysis.memory import eager_training_bytes
+from harmony_fx.models import GPTConfig, MLPChain, TinyGPT
 from harmony_fx.program.actions import ActionKind
-from harmony_fx.testing.models import GPTConfig, MLPChain, ResidualMLP, SmallCNN, TinyGPT
+from harmony_fx.testing.models import ResidualMLP, SmallCNN
 from tests.memory_witness import DeviceMemoryWitness
 
 torch.set_num_threads(1)

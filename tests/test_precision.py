@@ -12,8 +12,8 @@ import torch.nn.functional as F
 torch.set_num_threads(1)  # tiny ops on a 2-core machine: threads only add synchronisation
 
 import harmony_fx  # noqa: E402
+from harmony_fx.models import GPTConfig, MLPChain, TinyGPT  # noqa: E402
 from harmony_fx.program.actions import ActionKind, KeyKind  # noqa: E402
-from harmony_fx.testing.models import GPTConfig, MLPChain, TinyGPT  # noqa: E402
 
 CONFIG = GPTConfig(vocab_size=64, block_size=16, n_layer=4, n_embd=32, dropout=0.0)
 # embeddings | h.0, h.1 | h.2, h.3 | ln_f, head and loss

@@ -16,9 +16,10 @@ torch.set_num_threads(1)  # tiny ops on a 2-core machine: threads only add synch
 
 import harmony_fx  # noqa: E402
 from harmony_fx.analysis.memory import eager_training_bytes  # noqa: E402
+from harmony_fx.models import GPTConfig, MLPChain, TinyGPT  # noqa: E402
 from harmony_fx.runtime.executor import Runtime  # noqa: E402
 from harmony_fx.program.actions import ActionKind  # noqa: E402
-from harmony_fx.testing.models import GPTConfig, MLPChain, TinyGPT, zoo  # noqa: E402
+from harmony_fx.testing.models import zoo  # noqa: E402
 
 RTOL, ATOL = 1e-5, 1e-6
 STEPS = 5

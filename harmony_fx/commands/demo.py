@@ -59,7 +59,7 @@ def run(args: argparse.Namespace) -> int:
     import harmony_fx
     from harmony_fx.analysis.memory import eager_training_bytes
     from harmony_fx.config import format_size
-    from harmony_fx.testing.models import GPTConfig, TinyGPT
+    from harmony_fx.models import GPTConfig, TinyGPT
 
     if args.quick:
         args.layers, args.width, args.batch = 6, 32, 8

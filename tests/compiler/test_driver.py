@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 import harmony_fx
-from harmony_fx.testing.models import MLPChain
+from harmony_fx.models import MLPChain
 from tests.helpers import assert_grads_equal
 
 STAGES_WITH_SEARCH = ["resolve devices", "capture whole batch", "analyze batch", "choose schedule", "lay out",

@@ -10,7 +10,7 @@ from hypothesis import given, settings, strategies as st
 
 import harmony_fx
 from harmony_fx.compiler.packing import BudgetTooSmallError, balanced, plan_packs
-from harmony_fx.testing.models import MLPChain
+from harmony_fx.models import MLPChain
 
 costs_strategy = st.lists(st.integers(min_value=0, max_value=10**9), min_size=1, max_size=60)
 

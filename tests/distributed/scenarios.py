@@ -6,7 +6,7 @@ import pathlib
 import torch
 
 import harmony_fx
-from harmony_fx.testing.models import GPTConfig, TinyGPT
+from harmony_fx.models import GPTConfig, TinyGPT
 
 BATCH = 4         # samples per rank
 MICROBATCHES = 2  # per rank

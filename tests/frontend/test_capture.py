@@ -8,7 +8,7 @@ from torch import nn
 import harmony_fx
 from harmony_fx.frontend.capture import CaptureError, capture
 from harmony_fx.ir import meta
-from harmony_fx.testing.models import TinyGPT
+from harmony_fx.models import TinyGPT
 from tests.helpers import ZOO, assert_grads_equal, assert_step_equal, train_step
 
 

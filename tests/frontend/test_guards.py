@@ -236,7 +236,7 @@ def test_backend_under_autocast_equals_eager_autocast():
 
 
 def test_new_sequence_lengths_reuse_the_plan_that_fits():
-    from harmony_fx.testing.models import GPTConfig, TinyGPT
+    from harmony_fx.models import GPTConfig, TinyGPT
     torch.manual_seed(0)
     model = TinyGPT(GPTConfig(n_layer=4, dropout=0.0))
     reference = copy.deepcopy(model)

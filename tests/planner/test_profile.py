@@ -14,8 +14,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from harmony_fx.frontend.capture import capture
+from harmony_fx.models import GPTConfig, MLPChain, TinyGPT
 from harmony_fx.planner.profile import LayerProfile, ModelProfile, measure_seconds, profile_graph, repeat_block
-from harmony_fx.testing.models import GPTConfig, MLPChain, TinyGPT
 
 WIDTH, DEPTH, CLASSES = 16, 3, 4
 

@@ -12,9 +12,9 @@ import torch
 
 import harmony_fx
 from harmony_fx.ir import meta
+from harmony_fx.models import MLPChain
 from harmony_fx.program.codegen import generate_program
 from harmony_fx.program.actions import Action, ActionKind, Key, KeyKind, Stream
-from harmony_fx.testing.models import MLPChain
 from tests.helpers import smallest_budget
 
 # the golden's checker: without it (the GPU machine has none) this module skips, and `pytest -m cuda` still collects

@@ -15,9 +15,9 @@ import torch
 
 import harmony_fx
 from harmony_fx.compiler.packing import BudgetTooSmallError
+from harmony_fx.models import MLPChain
 from harmony_fx.program.actions import Action, ActionKind as K, Key, KeyKind, Stream
 from harmony_fx.program.verify import ProgramError, check_peak, verify_program
-from harmony_fx.testing.models import MLPChain
 from tests.helpers import ZOO, eager_bytes
 
 COMPUTE = (K.FWD, K.RECOMPUTE, K.BWD)

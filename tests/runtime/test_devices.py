@@ -170,7 +170,7 @@ def test_bf16_weight_copies_reuse_one_buffer_per_weight_across_iterations():
     """Each weight is cast into its own reused buffer: the host allocates (on a GPU: pins) once per
     weight, not once per copy (twice per pack per iteration) as ``master.to(bf16)`` did."""
     import harmony_fx
-    from harmony_fx.testing.models import MLPChain
+    from harmony_fx.models import MLPChain
 
     torch.manual_seed(0)
     model = MLPChain(width=16, depth=4)
@@ -190,7 +190,7 @@ def test_bf16_weight_gradients_are_summed_and_copied_in_fp32():
     """Summed over microbatches in the masters' dtype: what leaves the device is 4 bytes a
     parameter, as the plan counts, and equals the fp32 sum of each microbatch's bf16 gradient."""
     import harmony_fx
-    from harmony_fx.testing.models import MLPChain
+    from harmony_fx.models import MLPChain
 
     torch.manual_seed(0)
     model = MLPChain(width=16, depth=2)

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 import harmony_fx
+from harmony_fx.models import GPTConfig, TinyGPT
 from harmony_fx.runtime.direct import direct_forward
-from harmony_fx.testing.models import GPTConfig, TinyGPT
 
 
 def _gpt():

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 import harmony_fx
+from harmony_fx.models import MLPChain
 from harmony_fx.runtime.streams import HostStreams
-from harmony_fx.testing.models import MLPChain
 
 
 class _TickingStreams(HostStreams):
