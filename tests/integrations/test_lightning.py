@@ -58,6 +58,9 @@ class Regressor(L.LightningModule):
         x, y = batch
         self.log("test_loss", nn.functional.mse_loss(self(x), y))
 
+    def predict_step(self, batch, batch_idx):
+        return {"prediction": self(batch[0])}
+
     def configure_optimizers(self):
         optimizer = torch.optim.AdamW(self.parameters(), lr=3e-2, weight_decay=0.01)
         scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=3, gamma=0.5)
@@ -101,6 +104,9 @@ class _Compiled(L.Callback):
         self._seen(trainer)
 
     def on_test_batch_end(self, trainer, *args):
+        self._seen(trainer)
+
+    def on_predict_batch_end(self, trainer, *args):
         self._seen(trainer)
 
 
@@ -169,7 +175,7 @@ def test_a_resumed_run_continues_as_the_unbroken_one(tmp_path):
     torch.testing.assert_close(torch.tensor(from_eager.losses), torch.tensor(unbroken.losses[8:]), rtol=RTOL, atol=0)
 
 
-def test_validation_and_test_run_forward_only_through_harmony():
+def test_validation_test_and_predict_run_forward_only_through_harmony():
     torch.manual_seed(0)
     module = Regressor()
     reference = Regressor()
@@ -180,6 +186,7 @@ def test_validation_and_test_run_forward_only_through_harmony():
                         enable_model_summary=False, callbacks=[compiled])
     (validated,) = trainer.validate(module, val, verbose=False)
     (tested,) = trainer.test(module, val, verbose=False)
+    predicted = trainer.predict(module, val)
     eager = L.Trainer(logger=False, enable_progress_bar=False, enable_model_summary=False)
     (ref_validated,) = eager.validate(reference, val, verbose=False)
     (ref_tested,) = eager.test(reference, val, verbose=False)
@@ -187,7 +194,12 @@ def test_validation_and_test_run_forward_only_through_harmony():
     assert validated.keys() == ref_validated.keys() == {"val_loss", "val_abs", "val_max"}
     for name, value in {**validated, **tested}.items():
         assert value == pytest.approx({**ref_validated, **ref_tested}[name], rel=RTOL)
-    assert compiled.methods == {"validation_step", "test_step"}
+    assert compiled.methods == {"validation_step", "test_step", "predict_step"}
+    with torch.no_grad():
+        expected = [reference(x) for x, _ in val]
+    assert len(predicted) == len(expected) == 2
+    for output, ref in zip(predicted, expected):
+        torch.testing.assert_close(output["prediction"], ref, rtol=RTOL, atol=1e-7)
     assert compiled.forward_only == {True}
     assert all(param.grad is None for param in module.parameters())
 
