@@ -47,21 +47,21 @@ from lightning.pytorch.strategies import SingleDeviceStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.enums import GradClipAlgorithmType
 
-from harmony_fx.api import HarmonyModule, compile as harmony_compile
+import harmony_fx
 from harmony_fx.config import check_option_names, option_names, with_environment
-from harmony_fx.trainer import Trainer
 
 __all__ = ["HarmonyStrategy"]
 
 # the harmony_fx.Trainer keywords the strategy passes through; the others are Lightning's to set
 # (max_grad_norm: gradient_clip_val) or need several processes (process_group, shard_optimizer, ...)
 _TRAINER_OPTIONS = ("loss_reduction", "skip_nonfinite", "atomic")
-_LIGHTNING_SETS = {
-    "max_grad_norm": "set L.Trainer(gradient_clip_val=...) instead (harmony clips by the global norm as Lightning does)",
+_REFUSED_OPTIONS = {
+    "max_grad_norm": "set L.Trainer(gradient_clip_val=...) instead (harmony clips by the global norm as Lightning "
+                     "does)",
     "process_group": "HarmonyStrategy trains in one process; to train across processes, run harmony_fx.Trainer "
                      "under torchrun (examples/torchrun_train.py)",
 }
-_LIGHTNING_SETS["shard_optimizer"] = _LIGHTNING_SETS["collective_timeout"] = _LIGHTNING_SETS["process_group"]
+_REFUSED_OPTIONS["shard_optimizer"] = _REFUSED_OPTIONS["collective_timeout"] = _REFUSED_OPTIONS["process_group"]
 # the checkpoint key of harmony's own state (its step counter and RNG states; the weights and
 # optimizer state are Lightning's "state_dict" and "optimizer_states")
 _CHECKPOINT_KEY = "harmony_fx"
@@ -79,7 +79,7 @@ class HarmonyStrategy(SingleDeviceStrategy):
     strategy_name = "harmony"
 
     def __init__(self, **options: Any) -> None:
-        for name, instead in _LIGHTNING_SETS.items():
+        for name, instead in _REFUSED_OPTIONS.items():
             if name in options:
                 raise TypeError(f"HarmonyStrategy does not take {name}: {instead}.")
         check_option_names(options, list(option_names()) + list(_TRAINER_OPTIONS), "HarmonyStrategy")
@@ -89,14 +89,14 @@ class HarmonyStrategy(SingleDeviceStrategy):
         super().__init__(device="cpu", accelerator=CPUAccelerator())
         self.trainer_options = {k: v for k, v in options.items() if k in _TRAINER_OPTIONS}
         self.compile_options = {k: v for k, v in options.items() if k not in _TRAINER_OPTIONS}
-        self._harmony: Trainer | None = None           # built at the first training batch
+        self._harmony: harmony_fx.Trainer | None = None  # built at the first training batch
         self._step_module: _StepModule | None = None
-        self._forward_only: dict[tuple, tuple[_StepModule, HarmonyModule]] = {}
+        self._forward_only: dict[tuple, tuple[_StepModule, harmony_fx.HarmonyModule]] = {}
         self._resume: dict[str, Any] | None = None     # a checkpoint's harmony state, loaded at the first batch
         self._state: tuple[int, dict[str, Any]] | None = None  # (step_count, harmony's state_dict) for a checkpoint
 
     @property
-    def harmony_trainer(self) -> Trainer | None:
+    def harmony_trainer(self) -> harmony_fx.Trainer | None:
         """The ``harmony_fx.Trainer`` running the training steps (its ``stats``, ``plan``,
         ``explain()``), from the first training batch of a ``fit`` to its end; else ``None``."""
         return self._harmony
@@ -121,13 +121,13 @@ class HarmonyStrategy(SingleDeviceStrategy):
         self._step_module.replay_logs(self.lightning_module, loss=loss.detach())
         return loss
 
-    def _build_trainer(self, leaves: list[torch.Tensor], spec: pytree.TreeSpec, batch_idx: int) -> Trainer:
+    def _build_trainer(self, leaves: list[torch.Tensor], spec: pytree.TreeSpec,
+                       batch_idx: int) -> harmony_fx.Trainer:
         module = self.lightning_module
         self._step_module = _StepModule(module, "training_step", spec, (batch_idx,))
-        trainer = self.lightning_module.trainer
-        clip = trainer.gradient_clip_val or None
-        harmony = Trainer(self._step_module, None, self.optimizers[0], tuple(leaves), max_grad_norm=clip,
-                          **self.trainer_options, **self.compile_options)
+        clip = module.trainer.gradient_clip_val or None
+        harmony = harmony_fx.Trainer(self._step_module, None, self.optimizers[0], tuple(leaves), max_grad_norm=clip,
+                                     **self.trainer_options, **self.compile_options)
         self._step_module.warn_unreplayable_logs()
         if self._resume is not None:
             harmony.load_state_dict(self._resume)  # the checkpoint's values, step counter and RNG states
@@ -165,7 +165,7 @@ class HarmonyStrategy(SingleDeviceStrategy):
         if key not in self._forward_only:
             step_module = _StepModule(self.lightning_module, method, spec, indices, logs_out=True)
             options = {**self.compile_options, "microbatches": None}
-            self._forward_only[key] = (step_module, harmony_compile(step_module, **options))
+            self._forward_only[key] = (step_module, harmony_fx.compile(step_module, **options))
         step_module, compiled = self._forward_only[key]
         output, logged = compiled(*leaves)
         step_module.replay_logs(self.lightning_module, values=logged)
@@ -344,6 +344,23 @@ def _overrides(module: "pl.LightningModule", name: str) -> bool:
 
 def _refuse_unsupported(trainer: "pl.Trainer", strategy: HarmonyStrategy) -> None:
     """What a harmony step cannot do as Lightning would, refused before training starts."""
+    problems = _training_problems(trainer, strategy) if trainer.state.fn == TrainerFn.FITTING else []
+    # a single-device strategy's trainer.num_devices is always 1: what was asked for is the connector's
+    devices = len(getattr(trainer._accelerator_connector, "_parallel_devices", None) or [None])
+    if devices != 1 or trainer.num_nodes != 1:
+        problems.append(f"devices={devices}, num_nodes={trainer.num_nodes}: HarmonyStrategy trains in one "
+                        "process, whose GPUs harmony's own option names (HarmonyStrategy(devices=['cuda:0', "
+                        "'cuda:1'])); leave L.Trainer's devices and num_nodes at 1, and to train across processes run "
+                        "harmony_fx.Trainer under torchrun")
+    if type(strategy.precision_plugin) is not Precision:
+        problems.append(f"precision={trainer.precision!r}: leave L.Trainer's precision at '32-true' and pass "
+                        "HarmonyStrategy(precision='bf16') for bfloat16 compute with fp32 masters")
+    if problems:
+        raise ValueError("HarmonyStrategy cannot train this as asked:\n- " + "\n- ".join(problems))
+
+
+def _training_problems(trainer: "pl.Trainer", strategy: HarmonyStrategy) -> list[str]:
+    """What ``fit`` asks for that a harmony step cannot do (validating or testing needs none of it)."""
     module = strategy.lightning_module
     problems = []
     if not module.automatic_optimization:
@@ -356,16 +373,6 @@ def _refuse_unsupported(trainer: "pl.Trainer", strategy: HarmonyStrategy) -> Non
     if trainer.gradient_clip_val and trainer.gradient_clip_algorithm not in (None, GradClipAlgorithmType.NORM):
         problems.append(f"gradient_clip_algorithm='{trainer.gradient_clip_algorithm.value}': harmony clips by the "
                         "global norm only; use gradient_clip_algorithm='norm'")
-    # a single-device strategy's trainer.num_devices is always 1: what was asked for is the connector's
-    devices = len(getattr(trainer._accelerator_connector, "_parallel_devices", None) or [None])
-    if devices != 1 or trainer.num_nodes != 1:
-        problems.append(f"devices={devices}, num_nodes={trainer.num_nodes}: HarmonyStrategy trains in one "
-                        "process, whose GPUs harmony's own option names (HarmonyStrategy(devices=['cuda:0', "
-                        "'cuda:1'])); leave L.Trainer's devices and num_nodes at 1, and to train across processes run "
-                        "harmony_fx.Trainer under torchrun")
-    if type(strategy.precision_plugin) is not Precision:
-        problems.append(f"precision={trainer.precision!r}: leave L.Trainer's precision at '32-true' and pass "
-                        "HarmonyStrategy(precision='bf16') for bfloat16 compute with fp32 masters")
     for hook, why in (("backward", "harmony runs the backward of the captured training_step"),
                       ("configure_gradient_clipping", "harmony clips inside its step; set gradient_clip_val"),
                       ("on_before_optimizer_step", "harmony updates each pack inside its step, as its gradients "
@@ -373,11 +380,8 @@ def _refuse_unsupported(trainer: "pl.Trainer", strategy: HarmonyStrategy) -> Non
                       ("on_after_backward", "the backward runs inside harmony's step")):
         if _overrides(module, hook):
             problems.append(f"{type(module).__name__}.{hook} is overridden but is never called ({why}); remove it")
-    if trainer.state.fn == TrainerFn.FITTING:
-        optimizers = strategy.optimizers
-        given = sum(type(optimizer).__name__ != "_MockOptimizer" for optimizer in optimizers)  # None gives a mock
-        if given != 1:
-            problems.append(f"configure_optimizers gave {given} optimizers: harmony steps exactly one (one "
-                            "torch.optim optimizer over the module's parameters, with any LR schedulers)")
-    if problems:
-        raise ValueError("HarmonyStrategy cannot train this as asked:\n- " + "\n- ".join(problems))
+    given = sum(type(optimizer).__name__ != "_MockOptimizer" for optimizer in strategy.optimizers)  # None: a mock
+    if given != 1:
+        problems.append(f"configure_optimizers gave {given} optimizers: harmony steps exactly one (one torch.optim "
+                        "optimizer over the module's parameters, with any LR schedulers)")
+    return problems

@@ -114,7 +114,8 @@ def _data(samples: int = 64):
     generator = torch.Generator().manual_seed(0)
     x = torch.randn(samples, 8, generator=generator)
     y = (x[:, :4].sum(1, keepdim=True) - x[:, 4:].prod(1, keepdim=True)) * 3
-    return DataLoader(TensorDataset(x, y), batch_size=BATCH), DataLoader(TensorDataset(x[:32], y[:32]), batch_size=BATCH)
+    return (DataLoader(TensorDataset(x, y), batch_size=BATCH),
+            DataLoader(TensorDataset(x[:32], y[:32]), batch_size=BATCH))
 
 
 def _fit(strategy, epochs: int, callbacks=(), ckpt_path=None, **trainer_options):
