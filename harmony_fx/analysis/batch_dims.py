@@ -21,7 +21,7 @@ this analysis proves it safe; an option the user sets is theirs.
 5. A sum or mean over the batch down to a number (a loss) may only go on to other numbers (not
    meet the samples again) and end in a scalar model output. Whether that output can be put back
    together from microbatches (a mean, a sum, a linear combination of them: ``loss_a.mean() +
-   loss_b.mean()``) is decided by ``microbatch.scalar_reduction``, the one analysis of how a loss
+   loss_b.mean()``) is decided by ``reductions.scalar_reduction``, the one analysis of how a loss
    reduces, which also gives the runtime its weights; this module does not decide it again.
 
 Returns the batch dim of each model output (what microbatch outputs are concatenated along).
@@ -36,7 +36,7 @@ from typing import Any, Mapping, Sequence
 import torch
 from torch import fx
 
-from harmony_fx.frontend.microbatch import ScalarReduction, scalar_reduction
+from harmony_fx.analysis.reductions import ScalarReduction, scalar_reduction
 from harmony_fx.ir import meta
 from harmony_fx.ir.values import leaves
 

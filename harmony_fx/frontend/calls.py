@@ -146,7 +146,7 @@ class Calls:
                        otherwise: Callable[[], list[float]] | None = None,
                        total: Callable[[float], float] | None = None) -> list[float]:
         """Each microbatch's coefficient in the batch's value of the scalar output ``name`` (its
-        loss), from how the graph reduces it (``microbatch.scalar_reduction``), given each
+        loss), from how the graph reduces it (``analysis.reductions.scalar_reduction``), given each
         microbatch's flat inputs ``per_mb``. Where the graph does not say, ``otherwise()`` if given
         (asked for only then: across processes it is a collective), else a ``ValueError`` saying
         what to do. ``total``: the whole batch's normaliser (``microbatch.scalar_weights``)."""

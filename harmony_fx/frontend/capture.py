@@ -15,7 +15,7 @@ and the option that avoids it (``use_cache=False``, ``torch.where``/``torch.cond
 Keyword inputs and structured outputs (dicts, dataclasses such as Hugging Face's ``ModelOutput``)
 go through ``torch.utils._pytree``: ``flatten_inputs`` and ``unflatten_outputs`` convert between them
 and the graph's flat placeholders and outputs. Every scalar output (a loss) also gets a
-``ScalarReduction`` (see ``microbatch``), so a microbatched run can put it back together.
+``ScalarReduction`` (see ``analysis.reductions``), so a microbatched run can put it back together.
 """
 from __future__ import annotations
 
@@ -32,9 +32,9 @@ from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 from torch.utils import _pytree as pytree
 
 from harmony_fx.analysis.aliasing import alias_base, written_arguments
+from harmony_fx.analysis.reductions import ScalarReduction, scalar_reduction
 from harmony_fx.ir import meta
 from harmony_fx.frontend.decomposition_fixes import decomposition_fixes
-from harmony_fx.frontend.microbatch import ScalarReduction, scalar_reduction
 
 __all__ = ["Captured", "capture", "CaptureError"]
 

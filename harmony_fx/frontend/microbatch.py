@@ -6,45 +6,25 @@ Sizes need not divide evenly: a batch of 10 in 4 microbatches is ``[3, 3, 2, 2]`
 whole to every microbatch, e.g. a mask shared by the batch; a 0-dim tensor always goes whole).
 
 A scalar output (the loss a Hugging Face model returns) has no batch dim to concatenate along.
-``scalar_reduction`` reads from the graph how the model reduced it, and ``scalar_weights`` turns
-that into one coefficient per microbatch, so that the batch's value is
-``sum(coefficient * microbatch value)`` exactly as eager computes it on the whole batch:
-
-* a mean over labelled items (``cross_entropy``, ``nll_loss``): weighted by how many labels each
-  microbatch has that are not ``ignore_index`` (counted on the host from the labels input);
-* a mean over all elements (``mean``, ``mse_loss``, ...): weighted by the number of elements;
-* a sum: every coefficient is 1;
-* a sum divided by the batch size (``kl_div(reduction="batchmean")``, ``loss.sum() / x.shape[0]``):
-  the graph of each microbatch divides by its own size, so it is a mean over samples, weighted by
-  them. A divisor is taken to be the batch size when it equals each microbatch's size, or when it
-  differs between microbatches (then it is taken to grow with the batch); a divisor the same for
-  every microbatch size is a constant and commutes with the sum;
-* a linear combination of these (``out[0].pow(2).mean() + 0.1 * out[1].abs().mean()``), possibly
-  plus a value computed without the batch (a penalty on the parameters): put back together with
-  one weight per microbatch when every term weighs the microbatches alike (means of per-sample
-  values do; a sum and a mean do not, and are refused saying so).
-
-``scalar_reduction`` is the one analysis of how a loss reduces over the batch: the runtime's
-weights come from it, and ``analysis.batch_dims`` asks it whether a loss can be cut (for the
-planner, and for forward microbatches larger than the backward's).
+``analysis.reductions.scalar_reduction`` reads from the graph how the model reduced it, and
+``scalar_weights`` turns that into one coefficient per microbatch, so that the batch's value is
+``sum(coefficient * microbatch value)`` exactly as eager computes it on the whole batch (the
+rules are ``analysis.reductions``'); ``merge_scalars`` adds them up.
 """
 from __future__ import annotations
 
-import dataclasses
-import enum
 import inspect
 import math
-import operator
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
-from torch import fx, nn
+from torch import nn
 from torch.utils import _pytree as pytree
 
-from harmony_fx.ir import meta
+from harmony_fx.analysis.reductions import Combine, ScalarReduction
 
-__all__ = ["microbatch_sizes", "argument_dims", "batch_size", "split_call", "merge", "Combine", "ScalarReduction",
-           "scalar_reduction", "scalar_weights", "merge_scalars"]
+__all__ = ["microbatch_sizes", "argument_dims", "batch_size", "split_call", "merge", "scalar_weights", "merge_scalars"]
+
 
 
 def microbatch_sizes(batch: int, num: int) -> list[int]:
@@ -124,172 +104,6 @@ def merge(chunks: Sequence[Any], dim: int | None) -> Any:
 
 # ------------------------------------------------------------------------------ scalar outputs
 
-aten = torch.ops.aten
-
-
-class Combine(enum.Enum):
-    MEAN = "mean"
-    SUM = "sum"
-    LINEAR = "linear"  # a linear combination of means and sums (``ScalarReduction.terms``)
-
-
-@dataclasses.dataclass(frozen=True)
-class ScalarReduction:
-    """How one microbatch's value of a scalar output enters the whole batch's.
-
-    ``combine``: ``MEAN`` weights microbatch i by ``count(inputs_i)`` (the number of items its mean
-    is over; ``inputs_i``: placeholder name → the microbatch's input), ``SUM`` adds the values;
-    ``LINEAR``: a linear combination of ``terms`` (each a ``MEAN`` or ``SUM``), which one weight per
-    microbatch puts back together when every term weighs the microbatches alike; ``None`` when the
-    graph does not say, and ``why`` tells the user what to do instead.
-    """
-
-    combine: Combine | None
-    count: Callable[[Mapping[str, torch.Tensor]], int] | None = None
-    why: str = ""
-    # the constant the reduction was divided by on its way to the output (None: it was not scaled)
-    divisor: float | None = None
-    terms: tuple[ScalarReduction, ...] = ()
-    # LINEAR: it also adds a value computed without the batch (a constant, a penalty on the
-    # parameters), which every microbatch computes whole: right only if the weights add up to 1
-    shared: bool = False
-    node: str = ""  # the node that reduces, for messages
-
-
-# ops a scalar passes through unchanged in kind: a mean stays a mean, a sum a sum
-_PASS_THROUGH = {aten.alias.default, aten.clone.default, aten.view.default, aten.reshape.default,
-                 aten.squeeze.default, aten.to.dtype, aten._to_copy.default, aten.contiguous.default,
-                 aten.detach.default, aten.neg.default}
-_LABELLED_LOSSES = {aten.cross_entropy_loss.default, aten.nll_loss_nd.default, aten.nll_loss.default,
-                    aten.nll_loss2d.default, aten.nll_loss_forward.default}
-_MEAN_REDUCTION, _SUM_REDUCTION = 1, 2  # at::Reduction
-_SHARED = object()  # a term of a sum that does not depend on the batch
-
-
-def scalar_reduction(gm: fx.GraphModule, node: fx.Node) -> ScalarReduction:
-    """How the scalar ``node`` (an output of the captured ATen graph ``gm``) reduces its batch: one
-    mean or sum of the batch, or a linear combination of them (``loss_a.mean() + 0.5 * loss_b.sum()
-    / n``), possibly plus values that do not depend on the batch. This is the one place that decides
-    it: ``analysis.batch_dims`` asks it whether a loss can be cut, and the runtime's weights come
-    from it (``scalar_weights``)."""
-    terms = _terms(gm, node, None, node)
-    failed = [term for term in terms if term is not _SHARED and term.combine is None]
-    if failed:
-        return failed[0]
-    reductions = [term for term in terms if term is not _SHARED]
-    if not reductions:
-        return ScalarReduction(None, why=(
-            f"the model's output {node.name!r} is a number computed without the batch, which every microbatch would "
-            "compute whole; compute it outside the model, or use microbatches=1."))
-    if len(terms) == 1:
-        return reductions[0]
-    sums = [term.node for term in reductions if term.combine == Combine.SUM and term.divisor is None]
-    means = [term.node for term in reductions if term.combine == Combine.MEAN]
-    if sums and (means or len(reductions) < len(terms)):
-        # a sum counts each microbatch's value whole, a mean (and a value computed without the
-        # batch, which every microbatch computes) by its share: no one weight serves both
-        other = f"the mean {means[0]!r}" if means else "a value computed without the batch"
-        return ScalarReduction(None, why=(
-            f"the model's output {node.name!r} adds the sum {sums[0]!r} over the batch to {other}, which the "
-            "microbatches weigh differently (a sum by 1 each, a mean by each microbatch's share of the batch); "
-            "reduce every term the same way (all means or all sums), or use microbatches=1."))
-    return ScalarReduction(Combine.LINEAR, terms=tuple(reductions), shared=len(reductions) < len(terms),
-                           node=node.name)
-
-
-def _terms(gm: fx.GraphModule, node: fx.Node, divisor: float | None, origin: fx.Node) -> list:
-    """The reductions ``node`` adds up (each a ``ScalarReduction``, ``combine=None`` where the graph
-    does not say), and ``_SHARED`` for each term that does not depend on the batch. ``divisor``:
-    what the terms were divided by on the way from ``node`` to the output."""
-    if not _reads_inputs(node):
-        return [_SHARED]
-    while node.op == "call_function":
-        target = node.target
-        if target in _PASS_THROUGH:
-            node = node.args[0]
-        elif target in (aten.mul.Tensor, aten.div.Tensor) and any(isinstance(a, (int, float)) for a in node.args[:2]):
-            (factor,) = [a for a in node.args[:2] if isinstance(a, (int, float))]
-            (node,) = [a for a in node.args[:2] if isinstance(a, fx.Node)]
-            if factor == 0:
-                return []  # nothing of it reaches the output
-            divisor = _scaled(divisor, factor if target is aten.div.Tensor else 1 / factor)
-        elif target is aten.div.Tensor and isinstance(node.args[1], fx.Node) and _same_in_every_microbatch(node.args[1]):
-            # divided by a number every microbatch has whole (a 0-dim input such as transformers'
-            # num_items_in_batch, the whole batch's labelled tokens): each microbatch's value is its
-            # share of the batch's, weighed as the dividend is
-            node = node.args[0]
-        elif target in (aten.add.Tensor, aten.sub.Tensor) and len(node.args) == 2:
-            left, right = node.args
-            alpha = node.kwargs.get("alpha", 1)
-            right_terms = [] if alpha == 0 else (
-                _terms(gm, right, _scaled(divisor, 1 / alpha), origin) if isinstance(right, fx.Node) else [_SHARED])
-            return (_terms(gm, left, divisor, origin) if isinstance(left, fx.Node) else [_SHARED]) + right_terms
-        elif target is operator.getitem and node.args[1] == 0 and node.args[0].target is aten.nll_loss_forward.default:
-            node = node.args[0]  # (loss, total_weight)
-        else:
-            break
-    return [dataclasses.replace(_reduction(gm, node, divisor, origin), node=node.name)]
-
-
-def _scaled(divisor: float | None, factor: float) -> float:
-    # a sign changes nothing in how microbatches combine
-    return abs(factor) if divisor is None else divisor * abs(factor)
-
-
-def _reads_inputs(node: fx.Node) -> bool:
-    """Whether ``node`` is computed from the model's inputs (else from parameters and constants)."""
-    seen: set[fx.Node] = set()
-    stack = [node]
-    while stack:
-        current = stack.pop()
-        if current in seen:
-            continue
-        seen.add(current)
-        if current.op == "placeholder" and meta.role_of(current) == meta.Role.INPUT:
-            return True
-        stack.extend(current.all_input_nodes)
-    return False
-
-
-def _same_in_every_microbatch(node: fx.Node) -> bool:
-    """Whether ``node`` is computed only from parameters, constants and inputs every microbatch gets
-    whole (0-dim tensors, which have no batch dim to cut)."""
-    seen: set[fx.Node] = set()
-    stack = [node]
-    while stack:
-        current = stack.pop()
-        if current in seen:
-            continue
-        seen.add(current)
-        if current.op == "placeholder" and meta.role_of(current) == meta.Role.INPUT:
-            value = current.meta.get(meta.VAL)
-            if not isinstance(value, torch.Tensor) or value.dim() != 0:
-                return False
-        stack.extend(current.all_input_nodes)
-    return True
-
-
-def _reduction(gm: fx.GraphModule, node: fx.Node, divisor: float | None, origin: fx.Node) -> ScalarReduction:
-    """The one reduction of the batch at ``node``."""
-    target = node.target
-    if target in (aten.sum.default, aten.sum.dim_IntList):
-        return ScalarReduction(Combine.SUM, divisor=divisor)
-    if target in (aten.mean.default, aten.mean.dim):
-        return _mean_over_elements(node.args[0])
-    reduction = _argument(node, "reduction") if isinstance(target, torch._ops.OpOverload) else None
-    if reduction == _SUM_REDUCTION:
-        return ScalarReduction(Combine.SUM, divisor=divisor)
-    if reduction == _MEAN_REDUCTION and target in _LABELLED_LOSSES:
-        return _mean_over_labels(gm, node)
-    if reduction == _MEAN_REDUCTION:  # mse_loss, l1_loss, binary_cross_entropy, ...: every element
-        return _mean_over_elements(node.args[0])
-    return ScalarReduction(None, why=(
-        f"the model's output {origin.name!r} is one number per microbatch, made by {node.format_node()}, and "
-        "harmony_fx only knows how to put means and sums of the batch (cross_entropy, mse_loss, mean, sum, ...) "
-        "and their linear combinations back together; return per-sample values (reduction='none'), or use "
-        "microbatches=1."))
-
-
 def scalar_weights(reductions: Sequence[ScalarReduction], inputs: Sequence[Mapping[str, torch.Tensor]],
                    sizes: Sequence[int | None], total: Callable[[float], float] | None = None) -> list[float]:
     """One coefficient per microbatch (``reductions[i]``, ``inputs[i]`` and ``sizes[i]`` are
@@ -348,60 +162,3 @@ def merge_scalars(values: Sequence[torch.Tensor], weights: Sequence[float]) -> t
     """``sum(w * v)``, leaving out microbatches of weight 0: their mean is over nothing (NaN), and
     eager's mean over the whole batch never sees them."""
     return torch.stack([value * weight for value, weight in zip(values, weights) if weight != 0]).sum(0)
-
-
-def _mean_over_elements(value: fx.Node) -> ScalarReduction:
-    numel = value.meta[meta.VAL].numel()
-    return ScalarReduction(Combine.MEAN, lambda inputs: numel)
-
-
-def _mean_over_labels(gm: fx.GraphModule, loss: fx.Node) -> ScalarReduction:
-    """A cross entropy's mean is over the targets that are not ``ignore_index``."""
-    if _argument(loss, "weight") is not None:
-        return ScalarReduction(None, why=(
-            f"{loss.format_node()} weights its classes, so a microbatch's share of the batch's mean depends on "
-            "which classes it holds; use reduction='sum' (and divide by the batch's total weight yourself) or "
-            "microbatches=1."))
-    ignore_index = _argument(loss, "ignore_index")
-    target = loss.args[1]
-    try:
-        labels = _input_function(gm, target)
-    except ValueError as error:
-        return ScalarReduction(None, why=str(error))
-    return ScalarReduction(Combine.MEAN, lambda inputs: int((labels(inputs) != ignore_index).sum()))
-
-
-def _input_function(gm: fx.GraphModule, node: fx.Node) -> Callable[[Mapping[str, torch.Tensor]], torch.Tensor]:
-    """``node``'s value computed from the model's inputs alone, by a copy of the part of ``gm`` that
-    makes it (the copy is taken before any pass retargets the graph, so it runs on the host)."""
-    needed: set[fx.Node] = set()
-    stack = [node]
-    while stack:
-        current = stack.pop()
-        if current not in needed:
-            needed.add(current)
-            stack.extend(current.all_input_nodes)
-    placeholders = [n for n in gm.graph.nodes if n in needed and n.op == "placeholder"]
-    state = [n.name for n in placeholders if meta.role_of(n) != meta.Role.INPUT]
-    if state:
-        raise ValueError(f"the labels of {node.name!r} are computed from the model's parameters or buffers {state}; "
-                         "harmony_fx counts each microbatch's labels from its inputs alone. Use microbatches=1.")
-    graph = fx.Graph()
-    copies: dict[fx.Node, fx.Node] = {}
-    for n in gm.graph.nodes:
-        if n in needed:
-            copies[n] = graph.node_copy(n, copies.__getitem__)
-    graph.output(copies[node])
-    function = fx.GraphModule(gm, graph)
-    names = [n.name for n in placeholders]
-    return lambda inputs: function(*[inputs[name] for name in names])
-
-
-def _argument(node: fx.Node, name: str) -> Any:
-    """The value of the ATen op's argument ``name`` at ``node``, its schema default if not given."""
-    for index, argument in enumerate(node.target._schema.arguments):
-        if argument.name == name:
-            if index < len(node.args):
-                return node.args[index]
-            return node.kwargs.get(name, argument.default_value if argument.has_default_value() else None)
-    return None

@@ -96,7 +96,7 @@ def test_a_batch_index_is_named_so_a_larger_forward_microbatch_is_not_cut_apart(
 def test_a_linear_combination_of_batch_means_is_separable(fn):
     """A loss that adds means (and sums) of the batch is put back together from microbatches, each
     weighted by its share: the samples stay apart, so the forward may run larger microbatches than
-    the backward. ``microbatch.scalar_reduction`` decides it, for this analysis and the runtime."""
+    the backward. ``reductions.scalar_reduction`` decides it, for this analysis and the runtime."""
     analysis = _analysis(_Fn(fn), torch.randn(6, 4))
     assert analysis.separable, analysis.reason
     assert list(analysis.output_dims.values()) == [None]  # a number for the whole batch

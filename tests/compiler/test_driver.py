@@ -180,7 +180,7 @@ def _sum_of_means(out):
 
 @pytest.mark.parametrize("microbatches", [8, {"forward": 2, "backward": 8}], ids=["int", "split"])
 def test_a_sum_of_batch_means_trains_like_eager_with_either_microbatches(microbatches):
-    """The same loss, understood once (``microbatch.scalar_reduction``): the int microbatches weigh
+    """The same loss, understood once (``analysis.reductions.scalar_reduction``): the int microbatches weigh
     it as the split does, and the split takes it (a linear combination of batch means is
     separable)."""
     torch.manual_seed(0)

@@ -1,0 +1,68 @@
+"""``analysis.reductions.scalar_reduction``: how a scalar output reduces the batch, read from the
+captured graph (the weights a microbatched run puts it back together with are tested end to end in
+tests/frontend/test_microbatch.py)."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import fx, nn
+
+from harmony_fx.analysis.reductions import Combine, scalar_reduction
+from harmony_fx.frontend.capture import capture
+
+
+class Loss(nn.Module):
+    """A linear layer, then ``loss(output, target)``."""
+
+    def __init__(self, loss) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 3)
+        self.loss = loss
+
+    def forward(self, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return self.loss(self.linear(x), target)
+
+
+def _reduction(loss, target: torch.Tensor):
+    torch.manual_seed(0)
+    captured = capture(Loss(loss), (torch.randn(6, 4), target))
+    gm = captured.gm
+    (output,) = [n for n in gm.graph.find_nodes(op="output")[0].args[0] if isinstance(n, fx.Node)]
+    return scalar_reduction(gm, output), [n.name for n in gm.graph.find_nodes(op="placeholder")]
+
+
+def test_a_mean_over_every_element_weighs_by_the_element_count() -> None:
+    reduction, _ = _reduction(F.mse_loss, torch.randn(6, 3))
+    assert reduction.combine == Combine.MEAN and reduction.count({}) == 18
+
+
+def test_a_sum_adds_and_a_sum_over_the_batch_size_is_a_mean_over_samples() -> None:
+    summed, _ = _reduction(lambda out, target: (out - target).pow(2).sum(), torch.randn(6, 3))
+    assert summed.combine == Combine.SUM and summed.divisor is None
+    per_sample, _ = _reduction(lambda out, target: (out - target).pow(2).sum() / out.shape[0], torch.randn(6, 3))
+    assert per_sample.combine == Combine.SUM and per_sample.divisor == 6
+
+
+def test_a_cross_entropy_counts_the_labels_that_are_not_ignored() -> None:
+    labels = torch.tensor([0, 1, -100, 2, -100, 1])
+    reduction, placeholders = _reduction(lambda out, target: F.cross_entropy(out, target), labels)
+    assert reduction.combine == Combine.MEAN and "target" in placeholders
+    assert reduction.count({"target": labels}) == 4  # counted from the microbatch's inputs alone
+    assert reduction.count({"target": torch.tensor([-100, 0])}) == 1
+
+
+@pytest.mark.parametrize("loss, why", [
+    (lambda out, target: (out - target).sum() + (out - target).pow(2).mean(), "weigh differently"),
+    (lambda out, target: F.cross_entropy(out, target.argmax(-1), weight=torch.ones(3)), "weights its classes"),
+])
+def test_what_cannot_be_put_back_together_says_why(loss, why) -> None:
+    reduction, _ = _reduction(loss, torch.randn(6, 3))
+    assert reduction.combine is None and why in reduction.why
+
+
+def test_a_linear_combination_of_means_keeps_its_terms() -> None:
+    reduction, _ = _reduction(lambda out, target: (out - target).pow(2).mean() + 0.5 * out.abs().mean(),
+                              torch.randn(6, 3))
+    assert reduction.combine == Combine.LINEAR
+    assert [term.combine for term in reduction.terms] == [Combine.MEAN, Combine.MEAN] and not reduction.shared
