@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 import harmony_fx
+from harmony_fx.calibrate import spec_for
 from harmony_fx.config import parse_size
 from harmony_fx.planner.module import simulate_module
 from harmony_fx.planner.specs import HostSpec
@@ -119,7 +120,8 @@ def test_exposed_io(benchmark, what):
                 trainer.flush()
                 waited = [stats.tier_wait_seconds for stats in steps]
                 busy = [stats.tier_seconds for stats in steps]
-                predicted = simulate_module(trainer.hm, host=HostSpec(nvme_read=read, nvme_write=write)).seconds
+                predicted = simulate_module(trainer.hm, spec_for(trainer.hm.device),
+                                            HostSpec(nvme_read=read, nvme_write=write)).seconds
                 results[name] = (_median(seconds), _median(waited), _median(busy), predicted,
                                  trainer.plan.tier_bytes, trainer.stats.tier_staged_peak)
             finally:

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from harmony_fx import pictures
+from harmony_fx.calibrate import spec_for
 from harmony_fx.compiler.compiled import Compiled
 from harmony_fx.compiler.driver import compile_program
 from harmony_fx.compiler.host_memory import OptimizerFacts
@@ -24,6 +25,7 @@ from harmony_fx.config import CompileOptions, check_option_names, option_names
 from harmony_fx.frontend import microbatch
 from harmony_fx.frontend.calls import Calls
 from harmony_fx.frontend.guards import CallKey
+from harmony_fx.planner.module import simulate_module
 from harmony_fx.program.actions import Action, Key
 from harmony_fx.program.format import format_schedule
 from harmony_fx.runtime.autograd import HarmonyFunction
@@ -192,8 +194,10 @@ class HarmonyModule:
         pictures.save_trace(self._last, path)
 
     def plot_memory(self, path) -> None:
-        """Memory over the last iteration per device, measured and predicted, as a PNG."""
-        pictures.plot_memory(self._last, path)
+        """Memory over the last iteration per device, measured and predicted (its programs simulated
+        on its device's spec: ``calibrate.spec_for``), as a PNG."""
+        last = self._last
+        pictures.plot_memory(last, path, simulate_module(last, spec_for(last.device, last.budget)))
 
     # the artifact's parts, by the names people and tests know
     devices = property(lambda self: list(self.compiled.devices))

@@ -3,8 +3,9 @@
 ``save_trace``: one process per device, one row per stream (compute, host→device, device→host,
 peer), every op as a span, and the device's memory as a counter; open it in ``chrome://tracing``
 or https://ui.perfetto.dev. ``plot_memory``: per device, memory measured after every op next to
-the simulator's prediction for the same programs (``planner.module``), with the budget; time is
-shown as a fraction of each one's iteration, so the shapes compare (the totals are in the legend).
+the simulator's prediction for the same programs (the caller simulates them: ``planner.module``),
+with the budget; time is shown as a fraction of each one's iteration, so the shapes compare (the
+totals are in the legend).
 """
 from __future__ import annotations
 
@@ -26,13 +27,12 @@ def save_trace(hm, path: str | os.PathLike) -> None:
     write_trace(path, chrome_events(stats.spans, memory, [device.name for device in hm.devices]))
 
 
-def plot_memory(hm, path: str | os.PathLike) -> None:
-    """A PNG (or any format matplotlib writes, by the file's extension)."""
+def plot_memory(hm, path: str | os.PathLike, predicted) -> None:
+    """A PNG (or any format matplotlib writes, by the file's extension); ``predicted``: the
+    simulation of ``hm``'s programs (a ``planner.simulate.Simulation``), drawn beside what it measured."""
     import matplotlib
     matplotlib.use("Agg")  # files only: never open a window
     import matplotlib.pyplot as plt
-
-    from harmony_fx.planner.module import simulate_module
 
     stats = hm.stats
     if not stats.recording:
@@ -40,7 +40,6 @@ def plot_memory(hm, path: str | os.PathLike) -> None:
                          "trainer.record_timeline()) before it, or compile with timeline=True")
     if not stats.memory:
         raise ValueError("plot_memory: nothing has run yet; call the module (and backward), or Trainer.step, first")
-    predicted = simulate_module(hm)
     mib = 2**20
     figure, axes = plt.subplots(len(hm.devices), 1, figsize=(9, 2.6 * len(hm.devices)), squeeze=False)
     for index, (device, ax) in enumerate(zip(hm.devices, axes[:, 0])):

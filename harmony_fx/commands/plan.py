@@ -54,9 +54,10 @@ def add_parser(commands) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from harmony_fx.calibrate import get_spec
     from harmony_fx.planner.presets import PRESETS, load_profile, preset_profile
     from harmony_fx.planner.search import PlanningError, search
-    from harmony_fx.planner.specs import ClusterSpec, HostSpec, get_spec
+    from harmony_fx.planner.specs import ClusterSpec, HostSpec
     from harmony_fx.trace import write_trace
 
     started = time.perf_counter()

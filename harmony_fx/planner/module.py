@@ -12,16 +12,15 @@ from harmony_fx.planner.costs import PackCosts
 from harmony_fx.program.actions import Action, Key, KeyKind
 from harmony_fx.planner.profile import profile_graph
 from harmony_fx.planner.simulate import Simulation, simulate
-from harmony_fx.planner.choose import device_spec
-from harmony_fx.planner.specs import DeviceSpec, HostSpec, measure_local
+from harmony_fx.planner.specs import DeviceSpec, HostSpec
 
 __all__ = ["simulate_module"]
 
 
-def simulate_module(hm, spec: DeviceSpec | None = None, host: HostSpec = HostSpec()) -> Simulation:
-    """Simulate one iteration of ``hm`` (a ``HarmonyModule``) on ``spec`` (default: its GPU's preset,
-    or this machine calibrated for a HostDevice)."""
-    spec = spec or (device_spec(hm.device, hm.budget) if hm.device.torch_device.type == "cuda" else measure_local())
+def simulate_module(hm, spec: DeviceSpec, host: HostSpec = HostSpec()) -> Simulation:
+    """Simulate one iteration of ``hm`` (a ``HarmonyModule``) on ``spec``: its device's, for a
+    prediction of what it measures (``harmony_fx.calibrate.spec_for(hm.device, hm.budget)``: its
+    GPU's preset, or this machine measured for a HostDevice)."""
     size = hm.mb_sizes[0] or _batch_of(hm)
     profile = profile_graph("model", hm.captured.gm, size, _itemsize(hm), hm.options.precision)
     sizes = [s or size for s in hm.compiled.layout.sizes]  # the larger forward microbatches too

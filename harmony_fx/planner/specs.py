@@ -1,26 +1,20 @@
 """Device and host specifications: the numbers the cost model turns FLOPs and bytes into seconds.
 
-Specs are data. ``PRESETS`` holds common GPUs (vendor peak figures; ``efficiency`` is the fraction
-of peak FLOP/s a training step's kernels reach); ``measure_local()`` is this machine, calibrated
-once and cached (matmul FLOP/s, memcpy bandwidth, the runtime's cost per task): what predicted
-step times and memory timelines of HostDevice runs use; ``host_nominal()`` is the fixed HostDevice
-spec ``compile`` plans with, so plans do not change from run to run with the machine's load.
+Specs are data, and the planner is handed them: it never measures. ``PRESETS`` holds common GPUs
+(vendor peak figures; ``efficiency`` is the fraction of peak FLOP/s a training step's kernels
+reach); ``host_nominal()`` is the fixed HostDevice spec ``compile`` plans with, so plans do not
+change from run to run with the machine's load; ``host_measured(figures)`` is this machine from
+the figures ``harmony_fx.calibrate`` measured (matmul FLOP/s, memcpy bandwidth, the runtime's cost
+per task and per op): what predicted step times and memory timelines of HostDevice runs use.
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import functools
-import json
-import os
-import pathlib
-import time
-
-import torch
+from typing import Mapping
 
 from harmony_fx.config import cuda_reserve, parse_size
 
-__all__ = ["DeviceSpec", "HostSpec", "PRESETS", "get_spec", "host_nominal", "measure_local"]
+__all__ = ["DeviceSpec", "HostSpec", "ClusterSpec", "PRESETS", "get_spec", "host_nominal", "host_measured"]
 
 GB = 10**9
 TFLOPS = 10**12
@@ -119,9 +113,10 @@ PRESETS: dict[str, DeviceSpec] = {spec.name: spec for spec in (
 
 
 def get_spec(name: str) -> DeviceSpec:
-    """A preset by name, or ``"host"`` for this machine (measured once)."""
+    """A preset by name. ``"host"``, this machine measured, is ``harmony_fx.calibrate.get_spec``'s:
+    the planner is handed specs, it does not measure them."""
     if name == "host":
-        return measure_local()
+        raise ValueError("device spec 'host' is this machine, measured: ask harmony_fx.calibrate.get_spec('host')")
     try:
         return PRESETS[name.lower()]
     except KeyError:
@@ -131,101 +126,16 @@ def get_spec(name: str) -> DeviceSpec:
 def host_nominal(memory: int | str | None = None) -> DeviceSpec:
     """A HostDevice as ``compile`` plans for it: fixed round figures of a 2-core machine like this
     one (matmul 8e10 FLOP/s, copies 1e10 B/s), so the same model compiles to the same plan on
-    every run; ``measure_local`` is for ``harmony-fx plan --device-spec host``."""
+    every run; ``host_measured`` is for ``harmony-fx plan --device-spec host``."""
     return DeviceSpec("host", parse_size(memory) or 2**40, {"fp32": 8e10, "bf16": 2e10}, 1e10, 1e10, 1e10,
                       efficiency=1.0, launch_seconds=300e-6, inline=True)
 
 
-@functools.lru_cache(maxsize=None)
-def measure_local(memory: int | str | None = None) -> DeviceSpec:
-    """This machine as a HostDevice, calibrated: FLOP/s of fp32 and bf16 matmuls at the sizes small
-    models use, memcpy bandwidth, and what the runtime costs per compute task beyond its FLOPs and
-    bytes (Python, autograd, the copies' and waits' own overhead), timed on a calibration model.
-    Measured once per machine (about 2 s) and kept in ``~/.cache/harmony_fx`` (``HARMONY_FX_CACHE``)."""
-    figures = _calibration()
+def host_measured(figures: Mapping[str, float], memory: int | str | None = None) -> DeviceSpec:
+    """This machine as a HostDevice, from measured ``figures`` (``harmony_fx.calibrate``'s): FLOP/s
+    of ``"fp32"`` and ``"bf16"`` matmuls, ``"copy"`` bandwidth in bytes/s (memory, host and peer
+    links alike: one memory), and the runtime's own seconds per compute task (``"task"``) and per
+    op (``"op"``) beyond its FLOPs and bytes."""
     return DeviceSpec("host", parse_size(memory) or 2**40, {"fp32": figures["fp32"], "bf16": figures["bf16"]},
                       figures["copy"], figures["copy"], figures["copy"], efficiency=1.0,
                       launch_seconds=figures["task"], inline=True, op_seconds=figures["op"])
-
-
-def _calibration() -> dict[str, float]:
-    # v2: the runtime without per-tensor tracking (its default since compiled packs)
-    key = f"v2-torch{torch.__version__}-cpus{os.cpu_count()}-threads{torch.get_num_threads()}"
-    path = pathlib.Path(os.environ.get("HARMONY_FX_CACHE", pathlib.Path.home() / ".cache" / "harmony_fx"))
-    path = path / "host_spec.json"
-    try:
-        cached = json.loads(path.read_text())
-    except (OSError, ValueError):
-        cached = {}
-    if key not in cached:
-        cached[key] = _measure_host()
-        with contextlib.suppress(OSError):  # a read-only home: measured again next time
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(json.dumps(cached, indent=2))
-    return cached[key]
-
-
-def _measure_host() -> dict[str, float]:
-    figures = {dtype: _matmul_flops(getattr(torch, name)) for dtype, name in (("fp32", "float32"), ("bf16", "bfloat16"))}
-    src = torch.empty(16 * 2**20, dtype=torch.uint8)
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    start = time.perf_counter()
-    for _ in range(4):
-        dst.copy_(src)
-    figures["copy"] = 4 * src.numel() / (time.perf_counter() - start)
-    figures["task"], figures["op"] = _runtime_overheads(figures["fp32"], figures["copy"])
-    return figures
-
-
-def _matmul_flops(dtype: torch.dtype, size: int = 256, reps: int = 4, trials: int = 5) -> float:
-    """The best of a few trials: the machine's speed, not its load at one instant."""
-    a = torch.randn(size, size).to(dtype)
-    torch.mm(a, a)
-    best = float("inf")
-    for _ in range(trials):
-        start = time.perf_counter()
-        for _ in range(reps):
-            torch.mm(a, a)
-        best = min(best, time.perf_counter() - start)
-    return 2 * size**3 * reps / best
-
-
-def _runtime_overheads(flops: float, copy_bandwidth: float) -> tuple[float, float]:
-    """(seconds per compute task, seconds per op): the runtime's own cost on this machine, from two
-    compiled MLPs whose arithmetic is negligible, one task per layer and four layers per task: what
-    is left of their step times once FLOPs and bytes are paid, split between tasks and ops."""
-    with torch.random.fork_rng(devices=[]):  # seeded, without moving the caller's random numbers
-        torch.manual_seed(0)
-        return _time_two_mlps(flops, copy_bandwidth)
-
-
-def _time_two_mlps(flops: float, copy_bandwidth: float) -> tuple[float, float]:
-    from harmony_fx.api import compile  # the runtime itself, timed
-    from harmony_fx.testing.models import MLPChain
-
-    x = torch.randn(8, 32)
-    rows, times = [], []
-    for boundaries in ((0, 1, 2, 3, 4, 5, 6, 7), (0, 4)):
-        hm = compile(MLPChain(width=32, depth=8), x, microbatches=2, pack_boundaries=boundaries,
-                     devices=["host:0"], memory_budget=None, track_memory=False)
-        tasks = [a for f, b in hm.device_actions for a in f + b if a.kind.name in ("FWD", "RECOMPUTE", "BWD")]
-        ops_of = {pack.index: sum(n.op == "call_function" for n in pack.gm.graph.nodes) for pack in hm.packs}
-        # a backward runs about twice its forward's ops
-        ops = sum(ops_of[a.pack] * (2 if a.kind.name == "BWD" else 1) for a in tasks)
-        best = float("inf")
-        for _ in range(5):
-            start = time.perf_counter()
-            hm(x).sum().backward()
-            best = min(best, time.perf_counter() - start)
-        moved = hm.stats.bytes_h2d + hm.stats.bytes_d2h
-        work = 6 * sum(p.numel() for p in hm.model.parameters()) * x.shape[0] / flops + moved / copy_bandwidth
-        rows.append((len(tasks), ops))
-        times.append(max(best - work, 0.0))
-    (t1, o1), (t2, o2) = rows
-    determinant = t1 * o2 - t2 * o1
-    per_task = (times[0] * o2 - times[1] * o1) / determinant
-    per_op = (t1 * times[1] - t2 * times[0]) / determinant
-    if per_task < 0 or per_op < 0:  # noise: put it all on the tasks
-        return times[0] / t1, 0.0
-    return per_task, per_op

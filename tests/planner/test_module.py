@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 
 import harmony_fx
+from harmony_fx.calibrate import spec_for
 from harmony_fx.planner.module import simulate_module
 from tests.helpers import ZOO, eager_bytes
 
@@ -31,7 +32,7 @@ def test_simulation_is_consistent_with_the_planning_run(name: str, mode: str, fr
     model, inputs, target = entry.build(0)
     hm = harmony_fx.compile(model, inputs, memory_budget=int(eager_bytes(name) * fraction), devices=devices,
                             parallel=parallel, microbatches=microbatches)
-    predicted = simulate_module(hm)
+    predicted = simulate_module(hm, spec_for(hm.device, hm.budget))
     entry.loss_fn(hm(*inputs), target).backward()
 
     assert predicted.bytes_moved == dict(hm.stats.bytes_by_kind)
@@ -58,7 +59,7 @@ def test_simulation_of_larger_forward_microbatches(mode: str) -> None:
                                  microbatches={"forward": 2, "backward": 8}, pack_boundaries=(0, 2, 4, 6),
                                  devices=devices, parallel=parallel)
     try:
-        predicted = simulate_module(trainer.hm)
+        predicted = simulate_module(trainer.hm, spec_for(trainer.hm.device))
         trainer.step(batch)
         assert predicted.bytes_moved == dict(trainer.hm.stats.bytes_by_kind)
         assert predicted.seconds > 0

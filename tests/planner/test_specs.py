@@ -1,12 +1,11 @@
-"""``planner.specs``: device presets, the roofline, and this machine measured as a device."""
+"""``planner.specs``: device presets, the roofline, and this machine as a device from measured figures."""
 from __future__ import annotations
 
 import dataclasses
 
 import pytest
-import torch
 
-from harmony_fx.planner.specs import PRESETS, DeviceSpec, HostSpec, get_spec, measure_local
+from harmony_fx.planner.specs import PRESETS, DeviceSpec, HostSpec, get_spec, host_measured
 
 # A device whose arithmetic is easy to follow: 100 FLOP/s peak at 50% efficiency, 10 B/s memory.
 TOY = DeviceSpec("toy", 1000, {"fp32": 100.0, "bf16": 400.0}, memory_bandwidth=10.0, host_bandwidth=5.0,
@@ -78,20 +77,20 @@ def test_host_spec_defaults() -> None:
     assert host.update_params_per_second > 0 and host.update_workers >= 1
 
 
-def test_measure_local_returns_positive_figures() -> None:
-    spec = measure_local()
-    assert spec.name == "host"
-    assert spec.flops["fp32"] > 0 and spec.flops["bf16"] > 0
-    assert spec.memory_bandwidth > 0 and spec.host_bandwidth > 0 and spec.peer_bandwidth > 0
+def test_host_measured_is_a_host_device_of_the_figures_it_is_handed() -> None:
+    figures = {"fp32": 2e10, "bf16": 1e10, "copy": 5e9, "task": 1e-4, "op": 2e-6}
+    spec = host_measured(figures)
+    assert spec.name == "host" and spec.inline and spec.efficiency == 1.0
+    assert spec.flops == {"fp32": 2e10, "bf16": 1e10}
+    assert spec.memory_bandwidth == spec.host_bandwidth == spec.peer_bandwidth == 5e9
+    assert (spec.launch_seconds, spec.op_seconds) == (1e-4, 2e-6)
     assert spec.memory == 2**40  # default: not limited
-    assert spec.efficiency == 1.0
-    assert spec.inline  # a HostDevice runs each op as it is issued
-    assert spec.compute_seconds(1e6, 1e6) > spec.launch_seconds
+    assert host_measured(figures, "1GiB").memory == 2**30
 
 
-def test_measure_local_is_measured_once_and_takes_a_memory_size() -> None:
-    assert get_spec("host") is measure_local()
-    assert measure_local("1GiB").memory == 2**30
+def test_the_planner_does_not_measure_the_host() -> None:
+    with pytest.raises(ValueError, match=r"harmony_fx\.calibrate\.get_spec\('host'\)"):
+        get_spec("host")
 
 
 def test_compile_plans_host_devices_with_fixed_figures():
@@ -100,11 +99,3 @@ def test_compile_plans_host_devices_with_fixed_figures():
 
     assert host_nominal("1MiB") == host_nominal("1MiB") and host_nominal("1MiB").memory == 2**20
     assert host_nominal().inline
-
-
-def test_timing_the_runtime_leaves_the_callers_random_numbers_alone():
-    from harmony_fx.planner.specs import _runtime_overheads
-
-    state = torch.get_rng_state()
-    _runtime_overheads(1e10, 1e10)  # seeds its own models, inside fork_rng
-    assert torch.equal(torch.get_rng_state(), state)
