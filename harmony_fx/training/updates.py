@@ -29,12 +29,9 @@ from torch import nn
 from harmony_fx.distributed.updates import CrossProcessUpdates, TurnOrder
 from harmony_fx.runtime.host import land
 from harmony_fx.runtime.tier import StateTier
+from harmony_fx.tier_policy import PACKS_READ_AHEAD
 
 __all__ = ["Updater", "PackUpdates"]
-
-# packs whose NVMe state the final update reads ahead of the one it steps: one, as the programs'
-# READ actions do (``lowering.tier_io``)
-PACKS_READ_AHEAD = 1
 
 
 class Updater:
@@ -92,8 +89,8 @@ class Updater:
             _update(self.optimizer, params, undo)
 
     def _through_tier(self, undo) -> None:
-        """Each tiered pack streams through its update in turn, the next ones' reads issued before
-        this one steps, as the programs issue theirs; then every other parameter."""
+        """Each tiered pack streams through its update in turn, the next ones' reads issued
+        ``PACKS_READ_AHEAD`` packs ahead, as the programs issue theirs; then every other parameter."""
         tier = self.tier
         tier.wait_committed()  # the last step's files are the ones to read, and its undo copies go
         packs = sorted(tier.packs)
