@@ -1,10 +1,14 @@
 """``Trainer`` checkpoints: a run resumed from ``save``/``load`` into a fresh trainer equals the
 uninterrupted run bit for bit (dropout included); ``state_dict`` round trips; ``save`` is atomic;
-a checkpoint of another model is refused."""
+a checkpoint of another model is refused. Checkpoint folders across processes
+(``tests/distributed/launch.py``): a rank killed mid-step, then resumed from ``latest`` at 2, 3 and
+1 processes."""
 from __future__ import annotations
 
 import os
 import random
+import shutil
+import stat
 
 import pytest
 import torch
@@ -16,6 +20,7 @@ import harmony_fx  # noqa: E402
 from harmony_fx.analysis.memory import eager_training_bytes  # noqa: E402
 from harmony_fx.models import GPTConfig, MLPChain, TinyGPT  # noqa: E402
 from harmony_fx.testing.models import zoo  # noqa: E402
+from tests.distributed import launch, scenarios  # noqa: E402
 
 STEPS = 6
 BATCH = 8
@@ -41,7 +46,7 @@ def _gpt_trainer(seed: int, example, budget: int, **options) -> harmony_fx.Train
     return harmony_fx.Trainer(model, LOSS_FN, optimizer, example, microbatches=2, memory_budget=budget, **options)
 
 
-@pytest.mark.parametrize("form", ["file", pytest.param("folder", marks=pytest.mark.slow)])  # folder: also in tests/distributed
+@pytest.mark.parametrize("form", ["file", pytest.param("folder", marks=pytest.mark.slow)])  # folder: also across processes below
 def test_resumed_run_equals_uninterrupted_run(tmp_path, form):
     """``form``: one file, or a folder of step folders (torch.distributed.checkpoint, as across
     processes) with its ``latest`` pointer."""
@@ -186,12 +191,6 @@ def test_load_refuses_another_model(tmp_path, width, depth, message):
 
 
 def test_checkpoint_gets_ordinary_file_permissions(tmp_path):
-    import os
-    import stat
-
-    import harmony_fx
-    from harmony_fx.models import MLPChain
-
     torch.manual_seed(0)
     model = MLPChain(width=8, depth=2)
     x, target = torch.randn(4, 8), torch.randint(0, 10, (4,))
@@ -205,3 +204,53 @@ def test_checkpoint_gets_ordinary_file_permissions(tmp_path):
         os.umask(mask)
         trainer.close()
     assert stat.S_IMODE(path.stat().st_mode) == 0o644
+
+
+# ---------------------------------------------------------------------- folders across processes
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """An unbroken 2-rank run, and one whose rank 1 dies in step 3 (both save after every step)."""
+    base = tmp_path_factory.mktemp("checkpoints")
+    unbroken = launch.run("checkpointed", 2, base / "a", folder=str(base / "unbroken"))
+    broken = launch.run("checkpointed", 2, base / "b", dying={1: 3}, folder=str(base / "broken"), die_in_step=3)
+    return base, unbroken[0], broken[0]
+
+
+@pytest.mark.slow  # keeps the default suite under 8 minutes on 2 cores; run with -m slow
+def test_a_killed_rank_is_named_by_the_other_within_the_timeout(runs):
+    base, _, survivor = runs
+    assert survivor["step_count"] == 3  # the failed step was undone
+    assert "rank(s) 1 did not report" in survivor["error"] and "step 3" in survivor["error"]
+    assert survivor["seconds"] < 20  # the group's timeout: a dead peer is found well before it
+    # the pointer names the last step every rank finished
+    assert (base / "broken" / "latest").read_text().strip() == "step_00000003"
+
+
+def test_resuming_at_two_ranks_gives_the_unbroken_losses_bitwise(runs, tmp_path):
+    base, unbroken, _ = runs
+    folder = tmp_path / "ck"
+    shutil.copytree(base / "broken", folder)
+    resumed = launch.run("checkpointed", 2, tmp_path / "out", folder=str(folder), resume=True)
+    for rank in resumed:
+        assert list(rank["losses"]) == [3, 4]
+        assert all(torch.equal(rank["losses"][step], unbroken["losses"][step]) for step in (3, 4))
+
+
+@pytest.mark.slow  # keeps the default suite under 8 minutes on 2 cores; run with -m slow
+def test_resuming_at_three_ranks_and_in_one_process_within_1e6(runs, tmp_path):
+    base, unbroken, _ = runs
+    folder = tmp_path / "ck3"
+    shutil.copytree(base / "broken", folder)
+    three = launch.run("checkpointed", 3, tmp_path / "out", folder=str(folder), resume=True)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        single = scenarios.single_resumed(str(base / "broken"))
+    finally:
+        torch.set_num_threads(threads)
+    for result in [*three, single]:
+        assert list(result["losses"]) == [3, 4], result
+        for step in (3, 4):
+            torch.testing.assert_close(result["losses"][step], unbroken["losses"][step], rtol=1e-6, atol=1e-6)

@@ -19,7 +19,7 @@ from torch import nn
 import harmony_fx
 from harmony_fx.runtime import tier as tier_module
 
-from tests.test_trainer_tier import BOUNDARIES, _batches, _files_check, _full_state, _model, _saved
+from tests.training.test_trainer_tier import BOUNDARIES, _batches, _files_check, _full_state, _model, _saved
 
 
 def _trainer(**options) -> harmony_fx.Trainer:
