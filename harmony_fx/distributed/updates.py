@@ -121,10 +121,10 @@ class CrossProcessUpdates:
         self.gather(pack)
 
     @torch.no_grad()
-    def clip_grad_norm_(self, max_norm: float) -> None:
+    def clip_grad_norm_(self, max_norm: float) -> float:
         """Scale every summed gradient (all packs reduced) by ``max_norm`` over their global norm
         where that is below 1, as ``torch.nn.utils.clip_grad_norm_`` on one process; sharded, the
-        norm adds up every rank's chunks."""
+        norm adds up every rank's chunks. Returns the norm (before clipping)."""
         stepped = [q for pack in self.order for q in self.updated_params(self.buffers[pack].params)]
         grads = [q.grad for q in stepped if q.grad is not None]
         squares = sum(float(g.double().pow(2).sum()) for g in grads)
@@ -132,6 +132,7 @@ class CrossProcessUpdates:
         coefficient = max_norm / (norm + 1e-6)  # as torch.nn.utils.clip_grad_norm_
         if coefficient < 1:
             torch._foreach_mul_(grads, coefficient)
+        return norm
 
     def stand_in(self, pack: int) -> None:
         """A rank whose step failed still takes its part in ``pack``'s collectives (zero gradients,

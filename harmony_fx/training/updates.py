@@ -58,21 +58,23 @@ class Updater:
             self._step(pack, params, undo)
         return time.perf_counter() - started, waited
 
-    def update_all(self, groups: dict[int, list[nn.Parameter]], grads: dict, undo) -> None:
+    def update_all(self, groups: dict[int, list[nn.Parameter]], grads: dict, undo) -> float | None:
         """Every pack's update after the backward: the gradients summed over the ranks, clipped to
         ``max_grad_norm`` by their global norm, then the update (the tier's packs streamed in turn,
-        then the rest)."""
+        then the rest). Returns that norm before clipping (``None`` without ``max_grad_norm``), the
+        figure a training log shows."""
         cross = self.cross
+        norm = None
         if cross is None:
             params = [p for group in groups.values() for p in group]
             _set_grads(params, grads)
             if self.max_grad_norm is not None:
-                torch.nn.utils.clip_grad_norm_(params, self.max_grad_norm)
+                norm = float(torch.nn.utils.clip_grad_norm_(params, self.max_grad_norm))
         else:
             for pack in cross.order:
                 cross.reduce(pack, [grads.get(id(p)) for p in cross.buffers[pack].params])
             if self.max_grad_norm is not None:
-                cross.clip_grad_norm_(self.max_grad_norm)
+                norm = cross.clip_grad_norm_(self.max_grad_norm)
         if self.tier is None:
             _update(self.optimizer, None, undo)
         else:
@@ -80,6 +82,7 @@ class Updater:
         if cross is not None:
             for pack in cross.order:
                 cross.gather(pack)
+        return norm
 
     def _step(self, pack: int, params: Sequence[nn.Parameter], undo) -> None:
         """Step ``params`` of ``pack``, whose gradients are set: on the tier, one parameter at a time."""

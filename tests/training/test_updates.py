@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 from hypothesis import given, strategies as st
 from torch import nn
@@ -56,8 +57,11 @@ def test_the_final_update_clips_by_the_global_norm_as_torch_does():
     model, grads = _model_and_grads(1)
     reference = _eager(model, grads, clip=0.5)
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
-    Updater(optimizer, max_grad_norm=0.5).update_all(_groups(model), grads, Undo(optimizer, [], []))
+    expected = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads.values()]))
+    norm = Updater(optimizer, max_grad_norm=0.5).update_all(_groups(model), grads, Undo(optimizer, [], []))
     _assert_params_equal(model, reference)
+    assert norm == pytest.approx(float(expected), rel=1e-6) and norm > 0.5  # before clipping: the log's figure
+    assert Updater(optimizer).update_all(_groups(model), grads, Undo(optimizer, [], [])) is None  # no clipping
     unclipped = _eager(model, grads, clip=None)
     assert any(not torch.equal(a, b) for a, b in zip(reference.parameters(), unclipped.parameters()))
 
