@@ -33,8 +33,9 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("api", "backend"),
     ("distributed",),
     ("training",),
-    ("trainer", "integrations"),
-    ("commands", "cli", "__init__"),
+    ("trainer",),
+    ("__init__",),       # the public names (harmony_fx.compile, Trainer, ...)
+    ("integrations", "commands", "cli"),  # built on the public names
     ("testing",),        # tests' models and helpers: no product module imports them
 )
 
