@@ -21,6 +21,7 @@ from harmony_fx.compiler.compiled import Compiled
 from harmony_fx.compiler.driver import compile_program
 from harmony_fx.compiler.host_memory import OptimizerFacts
 from harmony_fx.compiler.packing import BudgetTooSmallError, verify_programs
+from harmony_fx.compiler.stages import StageLog
 from harmony_fx.config import CompileOptions, check_option_names, option_names
 from harmony_fx.frontend import microbatch
 from harmony_fx.frontend.calls import Calls
@@ -93,7 +94,10 @@ class HarmonyModule:
             options = self.options if reuse is None else reuse.decisions()
             self.compiled: Compiled = compile_program(self.model, args, kwargs, options, **self._roles,
                                                       forward_only=forward_only, reuse=reuse)
-        self.session = Session(self.compiled)
+        # the stages after compiling: the call state it was for (``_compile_for``), inductor's
+        # compiles of the packs on the first calls (``Session``); ``passes`` shows them last
+        self._stages_after = StageLog()
+        self.session = Session(self.compiled, self._stages_after)
         self.session.recording = self.options.timeline
         self.calls = Calls(self.compiled, self.model)
         # read again: capturing runs the forward, which materializes a lazy module's parameters
@@ -103,7 +107,7 @@ class HarmonyModule:
     def __getattr__(self, name: str) -> Any:
         # only reached for what is not there: before the first call of compile(model), or an
         # attribute of the wrapped model (``hm.config``), as torch.compile's wrapper does
-        if name in ("compiled", "session", "calls", "_key") or name in _AFTER_COMPILING:
+        if name in ("compiled", "session", "calls", "_key", "_stages_after") or name in _AFTER_COMPILING:
             raise AttributeError(
                 f"HarmonyModule.{name} exists after the first call: harmony_fx.compile(model) without example "
                 "inputs captures and plans the model when it is first called (as torch.compile does). Call it "
@@ -160,7 +164,7 @@ class HarmonyModule:
     @property
     def passes(self):
         """The compile stages that ran, in order, each with its time and what it decided."""
-        return self.compiled.passes
+        return self.compiled.passes + self._stages_after
 
     @property
     def plan(self):
@@ -311,7 +315,7 @@ class HarmonyModule:
                 how = f"{packing} does not fit here ({str(error).splitlines()[0][:80]}...): planned afresh"
         if "compiled" not in module.__dict__:  # no packing to reuse, or it did not fit
             module._compile(args, kwargs, key)
-        module.compiled.passes.add("guards", 0.0, f"a new call state ({changes}): {how}")
+        module._stages_after.add("guards", 0.0, f"a new call state ({changes}): {how}")
         module.record_timeline(self.session.recording)
         return module
 

@@ -31,7 +31,7 @@ from harmony_fx.program.actions import Action, Key, KeyKind
 __all__ = ["Compiled"]
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)  # built by name: seventeen fields, several of one type
 class Compiled:
     options: CompileOptions
     devices: tuple  # the runtime.devices.Device each program runs on

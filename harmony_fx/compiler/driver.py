@@ -230,8 +230,10 @@ def _from_layout(log: StageLog, example: _Example, devices: list, options: Compi
                    policy_name, batch_note, memory, options.nvme_path, decision=lambda p: f"{format_size(p.bytes_h2d)} in, "
                    f"{format_size(p.bytes_d2h)} out per iteration")
     input_specs = tuple((x.shape, x.dtype, x.requires_grad) for x in example_flat)
-    return Compiled(options, tuple(devices), trainer, updates, schedule, layout, variants, analysis, example.flat_dims,
-                    input_specs, candidate.signature, shapes, candidate, tuple(device_programs), plan, log, memory)
+    return Compiled(options=options, devices=tuple(devices), trainer=trainer, updates=updates, schedule=schedule,
+                    layout=layout, variants=variants, batch_analysis=analysis, flat_dims=example.flat_dims,
+                    input_specs=input_specs, signature=candidate.signature, shapes=shapes, candidate=candidate,
+                    device_programs=tuple(device_programs), plan=plan, passes=log, host_memory=memory)
 
 
 # ----------------------------------------------------------------------------------- the stages

@@ -55,6 +55,13 @@ class StageLog:
         """A stage timed elsewhere (the packs' inductor compiles, which happen on the first calls)."""
         self._stages.append(Stage(name, seconds, decision))
 
+    def __add__(self, other: "StageLog") -> "StageLog":
+        """A new log of this one's stages, then ``other``'s (``hm.passes``: the compile's, then
+        those after it)."""
+        joined = StageLog()
+        joined._stages = [*self._stages, *other._stages]
+        return joined
+
     def __iter__(self) -> Iterator[Stage]:
         return iter(self._stages)
 

@@ -4,7 +4,7 @@ This is how the cost model is checked against measurements: bytes moved come fro
 actions and key sizes the runtime counts, and memory from the same residency rules. What a compute
 task holds beyond its keys (the autograd graph a recompute keeps, the working memory of a task)
 comes from the memory profile: each task's net and peak bytes, recorded when the module ran its
-programs on FakeTensors to plan (``Runtime._probed``), exact because memory depends on shapes only.
+programs on FakeTensors to plan (``runtime.probe.Probe``), exact because memory depends on shapes only.
 """
 from __future__ import annotations
 

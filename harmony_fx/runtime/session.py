@@ -19,8 +19,10 @@ from harmony_fx.ir.pack import Pack
 from harmony_fx.lowering.tasks import grad_inputs
 from harmony_fx.passes.retarget_device import packs_on
 from harmony_fx.program.actions import Key, KeyKind
-from harmony_fx.runtime.executor import HostState, Runtime, Stats
+from harmony_fx.runtime.executor import Runtime
+from harmony_fx.runtime.host import HostState
 from harmony_fx.runtime.inductor import PackCompiler
+from harmony_fx.runtime.stats import Stats
 
 __all__ = ["Session", "Iteration"]
 
@@ -77,13 +79,15 @@ class Iteration:
 
 
 class Session:
-    """Runs the programs of ``compiled`` (a ``compiler.compiled.Compiled``)."""
+    """Runs the programs of ``compiled`` (a ``compiler.compiled.Compiled``, which it never changes).
+    ``log``: where the stages compiling left to the first calls are added, the packs' inductor
+    compiles (a ``compiler.stages.StageLog``: ``hm.passes`` shows it after the compile's own)."""
 
-    def __init__(self, compiled) -> None:
+    def __init__(self, compiled, log) -> None:
         self.compiled = compiled
+        self.log = log
         self.devices = compiled.devices
-        self.host_state = HostState([[compiled.masters[name] for name in pack.params + pack.buffers]
-                                     for pack in compiled.packs])
+        self.host_state = HostState.of(compiled.packs, compiled.masters)
         if compiled.options.compute_dtype is None and any(d.torch_device.type == "cuda" for d in self.devices):
             _pin_in_place(compiled.masters.values())
         self.stats = Stats()
@@ -99,7 +103,7 @@ class Session:
             compile_packs = all(device.torch_device.type == "cuda" for device in self.devices)
         self.pack_compiler = PackCompiler() if compile_packs else None
         self.recording = False  # the timeline (``HarmonyModule.record_timeline``)
-        self._graphs_logged, self._seconds_logged = 0, 0.0  # compiles already in ``compiled.passes``
+        self._graphs_logged, self._seconds_logged = 0, 0.0  # compiles already in ``log``
 
     def begin(self, per_mb: Sequence[Sequence[torch.Tensor]], on_update: Callable[[Runtime, int, Sequence], None] | None = None,
               output_grads: dict[Key, torch.Tensor] | None = None, on_tier: Callable | None = None) -> Iteration:
@@ -111,8 +115,9 @@ class Session:
             device.reset_peak()
             device.planned_peak = compiled.plan.predicted_peak.get(device.name)  # named if it runs out of memory
             runtimes.append(Runtime(self._packs_for_mb[len(runtimes)], device, self.host_state, self._grad_inputs, self.stats,
-                                    on_update, compiled.options.compute_dtype, runtimes[0] if runtimes else None,
-                                    len(runtimes), compiler=self.pack_compiler, split_dims=compiled.shapes.split_dims,
+                                    on_update=on_update, compute_dtype=compiled.options.compute_dtype,
+                                    shared=runtimes[0] if runtimes else None, index=len(runtimes),
+                                    compiler=self.pack_compiler, split_dims=compiled.shapes.split_dims,
                                     on_tier=on_tier, keeps_last_graph=not compiled.signature.forward_only))
         iteration = Iteration(runtimes, self._controller_threads())
         layout = compiled.layout
@@ -159,9 +164,9 @@ class Session:
             compiler.end_iteration()
         if compiler is not None and compiler.graphs > self._graphs_logged:
             new, self._graphs_logged = compiler.graphs - self._graphs_logged, compiler.graphs
-            self.compiled.passes.add("compile packs (inductor)", compiler.compile_seconds - self._seconds_logged,
-                                     f"{new} graph(s) on the first calls; {compiler.structures} distinct pack "
-                                     f"structure(s) for {len(self.compiled.packs)} packs")
+            self.log.add("compile packs (inductor)", compiler.compile_seconds - self._seconds_logged,
+                         f"{new} graph(s) on the first calls; {compiler.structures} distinct pack "
+                         f"structure(s) for {len(self.compiled.packs)} packs")
             self._seconds_logged = compiler.compile_seconds
         for device in self.devices:
             self.stats.peak_bytes[device.name] = device.peak_bytes()

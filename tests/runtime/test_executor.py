@@ -1,4 +1,4 @@
-"""The executor: the measured timeline, host gradients, and a device that shares host memory."""
+"""The executor: the measured timeline, a device that shares host memory, gradients autograd shares."""
 from __future__ import annotations
 
 import itertools
@@ -39,17 +39,6 @@ def test_spans_and_busy_time_come_from_the_device_clock():
     assert hm.stats.busy_seconds["compute"] == len(compute)
     # a HostDevice samples its memory after every op, at the op's end by the same clock
     assert [t for t, _ in hm.stats.memory[0]] == sorted(end for *_, end in spans)
-
-
-def test_host_gradients_sum_in_device_order_whatever_order_they_land():
-    from harmony_fx.runtime.executor import HostGradients
-
-    grads = HostGradients()
-    # float32: (1e8 + -1e8) + 1 == 1, but 1 + -1e8 == -1e8 and then + 1e8 == 0
-    for device, value in ((2, 1.0), (1, -1e8), (0, 1e8)):
-        grads.add_all([7], [torch.tensor([value])], device)
-    assert grads.get(7).item() == 1.0
-    assert grads.get(8) is None
 
 
 @pytest.mark.parametrize("name", ["small_cnn", pytest.param("tiny_gpt", marks=pytest.mark.slow)])  # 12 s: slow
