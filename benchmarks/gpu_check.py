@@ -275,7 +275,8 @@ def run_gpt(kind: str, state_path: str, quick: bool) -> dict:
         result.update(bytes_moved=hm.stats.as_dict()["bytes_by_kind"], bytes_planned=hm.plan.predicted_bytes,
                       bytes_equal_plan=hm.stats.as_dict()["bytes_by_kind"] == hm.plan.predicted_bytes,
                       predicted_peak=hm.plan.predicted_peak["cuda:0"], budget=hm.plan.budget,
-                      update_seconds=hm.stats.update_seconds, exposed_update_seconds=hm.stats.update_exposed_seconds,
+                      update_seconds=trainer.stats.update_seconds, exposed_update_seconds=trainer.stats.update_exposed_seconds,
+                      undo_seconds=trainer.stats.undo_seconds,
                       simulated_seconds=simulate_module(hm, device_spec(hm.device, hm.budget)).seconds)
     result["gpu_busy_fraction"] = _busy_fraction(step)
     return result
@@ -342,7 +343,9 @@ def table(out: dict) -> str:
     row("GPU busy", lambda v: f"{v:.0%}", "gpu_busy_fraction")
     row("step s (measured)", lambda v: f"{sum(v) / len(v):.3f}", "step_seconds")
     row("step s (simulated)", lambda v: f"{v:.3f}", "simulated_seconds")
+    row("update s (host optimizer)", lambda v: f"{v:.3f}", "update_seconds")
     row("update s exposed", lambda v: f"{v:.3f}", "exposed_update_seconds")
+    row("undo copy s (in update)", lambda v: f"{v:.3f}", "undo_seconds")
     row("bytes = plan", str, "bytes_equal_plan")
     widths = [max(len(r[i]) for r in rows) for i in range(4)]
     lines = [" | ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows]

@@ -224,6 +224,7 @@ class Trainer:
             if self.max_grad_norm is not None or (self._tier is not None and hm is not self.hm):
                 stats.update_seconds = stats.update_exposed_seconds = _timed(
                     self._updater.update_all, groups, runtime.host_grads, undo)
+            stats.undo_seconds = undo.seconds
             self._pending = transaction.commit(stats)
         except BaseException as error:
             updates.shutdown()

@@ -13,9 +13,11 @@ class StepStats:
     are the step's own, written by the Trainer's update and commit."""
 
     iteration: object  # the runtime's ``Stats`` of the step's iteration
-    # the host optimizer's time, and the part of it the step waited for once the iteration ended
+    # the host optimizer's time, and the part of it the step waited for once the iteration ended;
+    # of the optimizer's time, that of the copies a failed step would be put back from (atomic)
     update_seconds: float = 0.0
     update_exposed_seconds: float = 0.0
+    undo_seconds: float = 0.0
     # bytes this process sent to other processes (across processes), per collective
     network_bytes: dict[str, int] = dataclasses.field(default_factory=dict)
     # the NVMe tier: bytes read and written, the reader's and writer's busy time (filled in once the
@@ -34,4 +36,5 @@ class StepStats:
 
     def as_dict(self) -> dict:
         return {**self.iteration.as_dict(), "update_seconds": self.update_seconds,
-                "update_exposed_seconds": self.update_exposed_seconds, "network_bytes": dict(self.network_bytes)}
+                "update_exposed_seconds": self.update_exposed_seconds, "undo_seconds": self.undo_seconds,
+                "network_bytes": dict(self.network_bytes)}

@@ -22,6 +22,7 @@ every rank, and the failed rank still takes its part in the collectives its peer
 from __future__ import annotations
 
 import copy
+import time
 from typing import Sequence
 
 import torch
@@ -55,6 +56,7 @@ class Undo:
         # parameters updated whose fp32 master is on the tier: the committed file restores their
         # bf16 copies, so they are put back even without copies (atomic=False)
         self.tiered_masters: list[nn.Parameter] = []
+        self.seconds = 0.0  # spent making the copies (on the update worker: part of the update's time)
 
     def save(self, params: Sequence[nn.Parameter]) -> None:
         tier = self.tier
@@ -63,6 +65,12 @@ class Undo:
         if not self.copies:
             self.updated += sum(id(param) not in masters for param in params)
             return
+        started = time.perf_counter()
+        self._copy(params, masters)
+        self.seconds += time.perf_counter() - started
+
+    def _copy(self, params: Sequence[nn.Parameter], masters: frozenset) -> None:
+        tier = self.tier
         for param in params:
             state = self.optimizer.state.get(param)
             tiered = tier is not None and id(param) in tier.params

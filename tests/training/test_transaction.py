@@ -63,3 +63,13 @@ def test_without_copies_an_update_is_counted_and_kept():
     undo.restore()
     assert undo.updated == len(params)
     assert all(torch.equal(p.detach(), a) for p, a in zip(params, after))  # nothing to put back
+
+
+def test_the_time_the_copies_take_is_counted_only_when_copies_are_made():
+    model = nn.Linear(64, 64)
+    optimizer = _trained_once(model)
+    params = list(model.parameters())
+    kept, dropped = Undo(optimizer, params, []), Undo(optimizer, params, [], copies=False)
+    kept.save(params)
+    dropped.save(params)
+    assert kept.seconds > 0 and dropped.seconds == 0.0
