@@ -222,8 +222,9 @@ class Trainer:
             # the programs update nothing with clipping (the norm is global), nor with the tier on a
             # batch cut into other packs than its files
             if self.max_grad_norm is not None or (self._tier is not None and hm is not self.hm):
-                stats.update_seconds = stats.update_exposed_seconds = _timed(
-                    self._updater.update_all, groups, runtime.host_grads, undo)
+                started = time.perf_counter()
+                stats.grad_norm = self._updater.update_all(groups, runtime.host_grads, undo)
+                stats.update_seconds = stats.update_exposed_seconds = time.perf_counter() - started
             stats.undo_seconds = undo.seconds
             self._pending = transaction.commit(stats)
         except BaseException as error:
@@ -329,12 +330,6 @@ class Trainer:
 
 class NonFiniteLossError(FloatingPointError, ValueError):
     """A step's loss is NaN or infinite (the step was undone, or skipped with ``skip_nonfinite``)."""
-
-
-def _timed(fn: Callable, *args) -> float:
-    started = time.perf_counter()
-    fn(*args)
-    return time.perf_counter() - started
 
 
 def _state_bytes(optimizer: torch.optim.Optimizer) -> Callable[[nn.Parameter], int]:

@@ -18,6 +18,8 @@ class StepStats:
     update_seconds: float = 0.0
     update_exposed_seconds: float = 0.0
     undo_seconds: float = 0.0
+    # the global norm of the step's gradients before clipping (Trainer(max_grad_norm=...)), else None
+    grad_norm: float | None = None
     # bytes this process sent to other processes (across processes), per collective
     network_bytes: dict[str, int] = dataclasses.field(default_factory=dict)
     # the NVMe tier: bytes read and written, the reader's and writer's busy time (filled in once the
@@ -37,4 +39,4 @@ class StepStats:
     def as_dict(self) -> dict:
         return {**self.iteration.as_dict(), "update_seconds": self.update_seconds,
                 "update_exposed_seconds": self.update_exposed_seconds, "undo_seconds": self.undo_seconds,
-                "network_bytes": dict(self.network_bytes)}
+                "grad_norm": self.grad_norm, "network_bytes": dict(self.network_bytes)}

@@ -1,6 +1,8 @@
 """``Trainer.stats``: the step's own figures beside the iteration's, each from its own source."""
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -30,5 +32,28 @@ def test_a_steps_figures_are_its_own_and_its_iterations(atomic):
         assert stats.as_dict()["bytes_by_kind"] == trainer.plan.predicted_bytes
         assert stats.bytes_h2d > 0 and stats.as_dict()["update_seconds"] == stats.update_seconds
         assert "update_seconds" not in trainer.hm.stats.as_dict()  # the runtime keeps no Trainer figures
+    finally:
+        trainer.close()
+
+
+def test_a_clipped_step_shows_its_gradient_norm_before_clipping():
+    """``max_grad_norm``: ``stats.grad_norm`` is the global norm the step clipped by (what a log
+    shows), the norm of the gradients left in ``.grad`` scaled back up; without clipping, None."""
+    trainer, batch = _trainer(max_grad_norm=1e-3)
+    reference = copy.deepcopy(trainer.model)
+    F.cross_entropy(reference(batch[0]), batch[1]).backward()
+    expected = torch.nn.utils.clip_grad_norm_(reference.parameters(), float("inf"))
+    try:
+        trainer.step(batch)
+        clipped = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in trainer.model.parameters()]))
+        assert trainer.stats.grad_norm == pytest.approx(float(expected), rel=1e-5) and float(expected) > 1e-3
+        assert float(clipped) == pytest.approx(1e-3, rel=1e-3)
+        assert trainer.stats.as_dict()["grad_norm"] == trainer.stats.grad_norm
+    finally:
+        trainer.close()
+    trainer, batch = _trainer()
+    try:
+        trainer.step(batch)
+        assert trainer.stats.grad_norm is None
     finally:
         trainer.close()
