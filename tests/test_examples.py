@@ -36,3 +36,15 @@ def test_torchrun_example_trains_across_two_processes_equal_to_one_eager_process
     assert len(re.findall(r"^step +\d+ +loss", out, re.MULTILINE)) == 4  # rank 0 alone prints
     harmony, eager = map(float, re.search(r"across 2 processes (\S+), eager in one process (\S+)", out).groups())
     assert harmony == pytest.approx(eager, rel=1e-5)
+
+
+def test_hf_example_fine_tunes_equal_to_transformers_trainer():
+    pytest.importorskip("accelerate")
+    pytest.importorskip("peft")
+    out = _run(str(EXAMPLES / "hf_finetune.py"), "--steps", "4")
+    for run in ("full fine-tune", "LoRA (peft)"):
+        eager, harmony, eager_eval, harmony_eval = map(float, re.search(rf"{re.escape(run)}\s+(\S+)\s+(\S+)\s+(\S+)\s+(\S+)",
+                                                                        out).groups())
+        assert harmony == pytest.approx(eager, rel=1e-5) and harmony_eval == pytest.approx(eager_eval, rel=1e-5), run
+    packs = [int(n) for n in re.findall(r"   (\d+), \S+ MiB, \S+ MiB", out)]
+    assert len(packs) == 2 and min(packs) >= 2

@@ -1,0 +1,338 @@
+"""``HarmonyTrainer``: the Hugging Face ``Trainer`` with each step run by ``harmony_fx.Trainer``.
+
+The one change to an HF training script is the class (as TRL's ``SFTTrainer`` is a ``Trainer``)::
+
+    from harmony_fx.integrations.huggingface import HarmonyTrainer
+
+    trainer = HarmonyTrainer(model=model, args=TrainingArguments(...), train_dataset=..., eval_dataset=...,
+                             harmony_options={"memory_budget": "8GiB", "devices": ["cuda:0"]})
+    trainer.train()
+
+transformers runs everything around the step as it always does (the data loader and collator, the
+optimizer and LR schedule it builds from ``TrainingArguments``, logging, callbacks, evaluation,
+checkpoints); four of its hooks are overridden:
+
+* the model is never moved to a GPU (``_move_model_to_device``, and ``accelerate`` is told not to
+  place it, wrap its forward in autocast or split the batch over GPUs: ``_build_accelerator_args``);
+  ``harmony_options["devices"]`` says which devices compute;
+* ``training_step`` collects the ``gradient_accumulation_steps`` batches of an optimizer step and,
+  at the last one, runs them as one ``harmony_fx.Trainer.step`` (they are its microbatches, by
+  default): forward and backward under the memory budget, the user's optimizer on the host,
+  overlapped with the backward, ``max_grad_norm`` as harmony's global-norm clipping. The loss it
+  returns is the accumulated batch's, as transformers computes it (summed over labelled tokens and
+  divided by their number in the whole accumulated batch), so the logged loss is the same;
+* the optimizer transformers steps after ``training_step`` is a stand-in (``_SteppedByHarmony``):
+  its ``step()`` does nothing, as harmony has updated the parameters, and everything else (the
+  parameter groups the LR scheduler sets, ``state_dict`` for checkpoints) is the real optimizer's;
+  ``_clip_grad_norm`` reports the norm harmony clipped by;
+* ``prediction_step`` (``evaluate``, ``predict``) runs the model forward-only through
+  ``harmony_fx.compile``: each batch shape is compiled once and kept.
+
+Checkpoints are transformers' own (weights, ``optimizer.pt``, ``scheduler.pt``, ``rng_state.pth``,
+``trainer_state.json``): harmony's state between steps is the model's host tensors and the
+optimizer's state, which those files hold, so ``resume_from_checkpoint`` continues identically.
+
+What a harmony step cannot honor is refused when the trainer is made, with what to do instead
+(``_refusals``; the texts are listed in ``docs/integrations.md``). Harmony's options come from
+``harmony_options`` over the ``HARMONY_FX_*`` environment variables (``config.options_from_environment``).
+"""
+from __future__ import annotations
+
+import inspect
+from typing import Any, Mapping
+
+import torch
+from torch import nn
+
+try:
+    import transformers
+except ImportError as error:  # an optional extra: say how to get it
+    raise ImportError("harmony_fx.integrations.huggingface needs transformers and accelerate: "
+                      "pip install 'harmony-fx[hf]'") from error
+
+from harmony_fx.api import HarmonyModule, compile as harmony_compile
+from harmony_fx.config import check_option_names, option_names, with_environment
+from harmony_fx.trainer import Trainer
+
+__all__ = ["HarmonyTrainer"]
+
+DOOR = "HarmonyTrainer(harmony_options=...)"
+# harmony_fx.Trainer's own keywords that harmony_options may hold; the others are TrainingArguments'
+# (max_grad_norm) or need several processes
+_TRAINER_OPTIONS = ("skip_nonfinite", "atomic")
+# keys a padded batch may hold besides the input ids, and what their padding is
+_PAD_VALUES = {"labels": -100, "attention_mask": 0, "token_type_ids": 0, "special_tokens_mask": 1}
+
+
+class HarmonyTrainer(transformers.Trainer):
+    """A ``transformers.Trainer`` whose steps run through ``harmony_fx.Trainer`` (module docstring).
+
+    ``harmony_options``: ``harmony_fx.compile``'s options (``memory_budget``, ``devices``,
+    ``microbatches``, ``precision``, ...) and ``harmony_fx.Trainer``'s ``skip_nonfinite`` and
+    ``atomic``; the ``HARMONY_FX_*`` environment variables fill in those it does not name.
+    ``TrainingArguments(bf16=True)`` is ``precision="bf16"``; ``microbatches`` defaults to
+    ``gradient_accumulation_steps``. Every other argument is ``transformers.Trainer``'s.
+
+    ``harmony`` is the ``harmony_fx.Trainer`` once the first step made it (``harmony.stats``: the
+    last step's bytes moved and peaks), ``None`` before.
+    """
+
+    def __init__(self, *args: Any, harmony_options: Mapping[str, Any] | None = None, **kwargs: Any) -> None:
+        bound = inspect.signature(transformers.Trainer.__init__).bind(self, *args, **kwargs).arguments
+        training_args = bound.get("args") or transformers.TrainingArguments(output_dir="tmp_trainer")
+        options = dict(harmony_options or {})
+        check_option_names(options, [*option_names(), *_TRAINER_OPTIONS], DOOR)
+        options = with_environment(options)
+        _refuse_unsupported(training_args, bound, options)
+        self._harmony_options = _with_training_arguments(options, training_args)
+        # one process drives every GPU harmony uses: never nn.DataParallel over them (transformers
+        # does the same for a model placed across GPUs); read before Trainer.__init__ sizes batches
+        _ = training_args.n_gpu
+        training_args._n_gpu = min(training_args._n_gpu, 1)
+        self.harmony: Trainer | None = None
+        self._host_optimizer: torch.optim.Optimizer | None = None  # the real one (create_optimizer)
+        self._forward_module: HarmonyModule | None = None
+        self._window: list[dict] = []  # the batches of the optimizer step under way
+        super().__init__(**{**{name: value for name, value in bound.items() if name != "self"}, "args": training_args})
+
+    # ------------------------------------------------------------------ the model stays on the host
+    def _move_model_to_device(self, model: nn.Module, device: torch.device) -> None:
+        """Never: harmony streams the weights to the devices it computes on."""
+
+    def _build_accelerator_args(self, **kwargs: Any) -> dict[str, Any]:
+        arguments = super()._build_accelerator_args(**kwargs)
+        # accelerate would move the model and each batch to the GPU and wrap the forward in autocast:
+        # harmony moves what each pack needs, and computes in bf16 under precision="bf16"
+        arguments.update(device_placement=False, mixed_precision="no")
+        return arguments
+
+    # ------------------------------------------------------------------ the optimizer
+    def create_optimizer(self, model: nn.Module | None = None) -> torch.optim.Optimizer:
+        """transformers' optimizer (from ``TrainingArguments``, or the one passed in ``optimizers``),
+        kept for harmony; transformers gets a stand-in that harmony has already stepped."""
+        optimizer = super().create_optimizer(model)
+        if not isinstance(optimizer, _SteppedByHarmony):
+            self._host_optimizer = optimizer
+            self.optimizer = _SteppedByHarmony(optimizer)
+        return self.optimizer
+
+    def train(self, *args: Any, **kwargs: Any):
+        # each train() captures the model anew: resume_from_checkpoint (or model_init) replaces
+        # what the last one's programs were made from
+        self._close_harmony()
+        return super().train(*args, **kwargs)
+
+    # ------------------------------------------------------------------ a step
+    def training_step(self, model: nn.Module, inputs: dict[str, Any],
+                      num_items_in_batch: torch.Tensor | int | None = None) -> torch.Tensor:
+        """Collect the optimizer step's batches; at its last, run them as one harmony step and
+        return the whole step's loss (each earlier batch returns 0, so transformers' running sum
+        is the step's loss). The model gets ``num_items_in_batch`` where transformers gives it (the
+        whole step's labelled tokens, which its loss divides its sum by): every microbatch has it
+        whole, and harmony adds their losses up as the graph says."""
+        self._window.append(inputs)
+        if not self.accelerator.sync_gradients:
+            return torch.zeros((), device=self.args.device)
+        batches, self._window = self._window, []
+        batch = _one_batch(batches, self._pad_token_id(), self._padding_side())
+        if self.model_accepts_loss_kwargs and num_items_in_batch is not None:
+            batch["num_items_in_batch"] = torch.as_tensor(num_items_in_batch).detach().cpu()
+        self.model.train()
+        loss = self._harmony_for(batch).step(batch)
+        return loss.detach().to(self.args.device)
+
+    def _clip_grad_norm(self, model: nn.Module) -> torch.Tensor:
+        """The global gradient norm harmony clipped by (``max_grad_norm``), for the log."""
+        return torch.tensor(self.harmony.stats.grad_norm)
+
+    def _harmony_for(self, batch: dict) -> Trainer:
+        if self.harmony is None:
+            if self.optimizer is None:
+                self.create_optimizer()
+            options = dict(self._harmony_options)
+            options.setdefault("microbatches", self.args.gradient_accumulation_steps)
+            max_grad_norm = self.args.max_grad_norm if self.args.max_grad_norm and self.args.max_grad_norm > 0 else None
+            self.harmony = Trainer(self.model, None, self._host_optimizer, batch, max_grad_norm=max_grad_norm,
+                                   **options)
+        return self.harmony
+
+    # ------------------------------------------------------------------ evaluation
+    def prediction_step(self, model: nn.Module, inputs: dict[str, Any], prediction_loss_only: bool,
+                        ignore_keys: list[str] | None = None):
+        """transformers' ``prediction_step`` with the model's forward run by harmony, forward-only
+        (``evaluate``, ``predict``): each batch shape is compiled on its first call and kept."""
+        self.model.eval()  # harmony compiles the call in the model's state (dropout off)
+        return super().prediction_step(self._forward(), inputs, prediction_loss_only, ignore_keys=ignore_keys)
+
+    def compute_loss(self, model: nn.Module, inputs: dict[str, Any], return_outputs: bool = False,
+                     num_items_in_batch: torch.Tensor | int | None = None):
+        """transformers' own, with the count of labelled tokens in host memory, where harmony's inputs
+        are. Only ``prediction_step`` calls it (``training_step`` runs harmony's step)."""
+        if isinstance(num_items_in_batch, torch.Tensor):
+            num_items_in_batch = num_items_in_batch.detach().cpu()
+        return super().compute_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
+
+    def _forward(self) -> HarmonyModule:
+        if self._forward_module is None:
+            # the NVMe tier and host_memory are the optimizer's: a forward holds no state
+            options = {k: v for k, v in self._harmony_options.items()
+                       if k not in (*_TRAINER_OPTIONS, "nvme_path", "host_memory")}
+            self._forward_module = harmony_compile(self.model, **options)
+        return self._forward_module
+
+    def _prepare_input(self, data: Any) -> Any:
+        """Batches stay in host memory: harmony copies each microbatch to the device that runs it."""
+        return data
+
+    # ------------------------------------------------------------------ helpers
+    def _pad_token_id(self) -> int:
+        for source in (self.processing_class, getattr(self.model, "config", None)):
+            pad = getattr(source, "pad_token_id", None)
+            if isinstance(pad, int):
+                return pad
+        return 0
+
+    def _padding_side(self) -> str:
+        return getattr(self.processing_class, "padding_side", "right")
+
+    def _close_harmony(self) -> None:
+        for compiled in (self.harmony, self._forward_module):
+            if compiled is not None:
+                compiled.close()
+        self.harmony, self._forward_module, self._window = None, None, []
+
+
+class _SteppedByHarmony(torch.optim.Optimizer):
+    """What transformers holds as its optimizer: ``step()`` does nothing (harmony stepped the real
+    optimizer during the backward); the parameter groups, state and ``state_dict`` are the real
+    optimizer's, so the LR scheduler, the log and checkpoints see and change the real one."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        # not Optimizer.__init__, which would make parameter groups of its own
+        self.optimizer = optimizer
+        self._optimizer_step_pre_hooks: dict = {}
+        self._optimizer_step_post_hooks: dict = {}
+
+    param_groups = property(lambda self: self.optimizer.param_groups)
+    state = property(lambda self: self.optimizer.state)
+    defaults = property(lambda self: self.optimizer.defaults)
+
+    def step(self, closure: Any = None) -> None:
+        """Nothing: harmony's step updated the parameters."""
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.optimizer.zero_grad(set_to_none)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.optimizer.load_state_dict(state_dict)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        self.optimizer.add_param_group(param_group)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.optimizer!r})"
+
+
+def _with_training_arguments(options: dict[str, Any], args: transformers.TrainingArguments) -> dict[str, Any]:
+    """Harmony's options with what ``TrainingArguments`` says about them: ``bf16``."""
+    if args.bf16:
+        if options.get("precision", "bf16") != "bf16":
+            raise ValueError(f"TrainingArguments(bf16=True) and harmony_options precision={options['precision']!r} "
+                             "disagree; drop one of them")
+        options["precision"] = "bf16"
+    return options
+
+
+def _refusals(args: transformers.TrainingArguments, trainer_arguments: Mapping[str, Any],
+              options: Mapping[str, Any]) -> list[str]:
+    """What a harmony step cannot honor, each with what to do instead."""
+    refused = []
+    if args.fp16 or getattr(args, "fp16_full_eval", False):
+        refused.append("fp16/fp16_full_eval: harmony computes in bfloat16 (no loss scaling); pass bf16=True instead")
+    if getattr(args, "bf16_full_eval", False):
+        refused.append("bf16_full_eval=True casts the model's weights, which are harmony's fp32 masters; "
+                       "pass bf16=True (evaluation then computes in bf16 too)")
+    if args.torch_compile:
+        refused.append("torch_compile=True: HarmonyTrainer compiles the model itself; drop torch_compile")
+    if args.deepspeed or args.fsdp or getattr(args, "parallelism_config", None) is not None:
+        refused.append("deepspeed/fsdp/parallelism_config: harmony places the model itself; drop them and set "
+                       "harmony_options={'devices': [...], 'memory_budget': ...}")
+    if getattr(args, "activation_checkpointing", False) or getattr(args, "gradient_checkpointing", False):
+        refused.append("activation (gradient) checkpointing: harmony chooses what to recompute under its "
+                       "memory budget; drop activation_checkpointing/gradient_checkpointing")
+    if args.auto_find_batch_size:
+        refused.append("auto_find_batch_size=True: harmony fits a batch to the memory budget by its microbatches; "
+                       "set per_device_train_batch_size and harmony_options={'memory_budget': ...}")
+    if getattr(args, "use_liger_kernel", False):
+        refused.append("use_liger_kernel=True replaces the model's modules with fused kernels harmony cannot "
+                       "split into packs; drop it")
+    if args.neftune_noise_alpha is not None:
+        refused.append("neftune_noise_alpha: the noise hook is not part of the graph harmony captures; drop it")
+    if args.label_smoothing_factor:
+        refused.append("label_smoothing_factor: transformers smooths outside the model, where harmony's step does "
+                       "not reach; drop it (or smooth inside the model's loss)")
+    optim = str(getattr(args.optim, "value", args.optim))  # an OptimizerNames member once parsed
+    if any(kind in optim.lower() for kind in ("lomo", "galore", "apollo")):
+        refused.append(f"optim={optim!r} updates inside the backward or projects gradients itself; harmony "
+                       "runs an ordinary torch optimizer on the host: choose e.g. optim='adamw_torch'")
+    if args.world_size > 1:
+        refused.append("several processes (torchrun/accelerate launch): HarmonyTrainer runs in one process and "
+                       "spreads it over the GPUs in harmony_options['devices']; launch one process")
+    if (args.save_strategy != "no" or args.resume_from_checkpoint) and options.get("nvme_path") is not None:
+        refused.append("nvme_path with checkpoints: transformers' checkpoint files hold the optimizer state in host "
+                       "memory, not the NVMe tier's; pass save_strategy='no', or train with harmony_fx.Trainer, whose "
+                       "save and load read the tier")
+    if trainer_arguments.get("compute_loss_func") is not None:
+        refused.append("compute_loss_func: harmony's step takes the loss the model returns; compute it in the "
+                       "model (labels=...) instead")
+    return refused
+
+
+def _refuse_unsupported(args: transformers.TrainingArguments, trainer_arguments: Mapping[str, Any],
+                        options: Mapping[str, Any]) -> None:
+    refused = _refusals(args, trainer_arguments, options)
+    if refused:
+        raise ValueError("HarmonyTrainer cannot honor " + "; ".join(refused) + ".")
+
+
+def _one_batch(batches: list[dict[str, Any]], pad_token_id: int, padding_side: str) -> dict[str, Any]:
+    """The batches of one optimizer step as one batch (harmony's microbatches), each key's tensors
+    concatenated along the batch. Batches padded to different lengths (``DataCollatorWithPadding``)
+    are padded to the longest first, on the tokenizer's side, with ``-100`` labels and a zero
+    attention mask, so the padding is masked out as the collator's own is."""
+    if len(batches) == 1:
+        return dict(batches[0])
+    whole = {}
+    for key in batches[0]:
+        values = [batch[key] for batch in batches]
+        if not all(isinstance(value, torch.Tensor) for value in values):
+            if any(value != values[0] for value in values[1:]):
+                raise ValueError(f"the batches of one optimizer step differ in their non-tensor input {key!r}; "
+                                 "harmony runs them as one batch: make it the same in every batch")
+            whole[key] = values[0]
+            continue
+        whole[key] = torch.cat(_padded(key, values, pad_token_id, padding_side, batches))
+    return whole
+
+
+def _padded(key: str, values: list[torch.Tensor], pad_token_id: int, padding_side: str,
+            batches: list[dict[str, Any]]) -> list[torch.Tensor]:
+    if all(value.shape[1:] == values[0].shape[1:] for value in values):
+        return values
+    if values[0].dim() < 2 or any(value.shape[2:] != values[0].shape[2:] for value in values):
+        raise ValueError(f"the batches of one optimizer step have {key!r} of shapes "
+                         f"{[tuple(v.shape) for v in values]}, which differ past the sequence dim; harmony runs "
+                         "them as one batch: give them one shape (e.g. padding='max_length')")
+    if "attention_mask" not in batches[0] or padding_side != "right":
+        raise ValueError("the batches of one optimizer step are padded to different lengths "
+                         f"({sorted({v.shape[1] for v in values})}) and harmony runs them as one batch, padded to the "
+                         "longest: that keeps the numbers only with an attention_mask and right padding. Pass the "
+                         "attention mask, pad on the right, or pad every batch alike (pad_to_multiple_of=..., "
+                         "padding='max_length')")
+    length = max(value.shape[1] for value in values)
+    fill = _PAD_VALUES.get(key, pad_token_id if key == "input_ids" else 0)
+    return [torch.nn.functional.pad(value, (0, 0) * (value.dim() - 2) + (0, length - value.shape[1]), value=fill)
+            for value in values]

@@ -1,0 +1,200 @@
+"""``HarmonyTrainer`` against ``transformers.Trainer`` without harmony: the same seeds, data and
+``TrainingArguments`` (AdamW, linear warmup, ``max_grad_norm=1.0`` that clips,
+``gradient_accumulation_steps=2``, an evaluation in the middle), each step's logged loss within 1e-5
+relative; a run resumed from its checkpoint continues as the unbroken one; the same with a ``peft``
+LoRA model, whose gradient traffic is the adapters' bytes; batches padded to changing lengths; the
+environment's options; and what the integration refuses."""
+from __future__ import annotations
+
+import pathlib
+import subprocess
+import sys
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+
+from harmony_fx.integrations.huggingface import HarmonyTrainer  # noqa: E402
+from harmony_fx.testing.hf_models import IGNORE_INDEX, VOCAB, build_hf_model  # noqa: E402
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+RTOL = 1e-5
+STEPS = 10
+SEQ = 16
+
+
+class _Tokens(torch.utils.data.Dataset):
+    """Random token sequences, labelled as a causal LM's (the input ids), the tail of some ignored;
+    ``lengths``: each sample's own length (the collator pads), else all ``SEQ`` long."""
+
+    def __init__(self, size: int, seed: int, lengths: list[int] | None = None) -> None:
+        generator = torch.Generator().manual_seed(seed)
+        self.lengths = lengths or [SEQ] * size
+        self.ids = [torch.randint(2, VOCAB, (n,), generator=generator) for n in self.lengths]
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, index: int) -> dict:
+        ids = self.ids[index]
+        if len(set(self.lengths)) > 1:
+            return {"input_ids": ids.tolist()}  # DataCollatorWithPadding pads lists
+        labels = ids.clone()
+        labels[SEQ - index % 5:] = IGNORE_INDEX
+        return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": labels}
+
+
+def _arguments(output_dir, **overrides) -> transformers.TrainingArguments:
+    settings = dict(output_dir=str(output_dir), per_device_train_batch_size=4, per_device_eval_batch_size=4,
+                    gradient_accumulation_steps=2, max_steps=STEPS, learning_rate=3e-3, lr_scheduler_type="linear",
+                    warmup_steps=3, max_grad_norm=1.0, optim="adamw_torch", weight_decay=0.01, logging_steps=1,
+                    eval_strategy="steps", eval_steps=5, save_strategy="steps", save_steps=5, report_to=[],
+                    seed=0, disable_tqdm=True, use_cpu=True, dataloader_pin_memory=False)
+    return transformers.TrainingArguments(**{**settings, **overrides})
+
+
+def _train(trainer_class, model, output_dir, resume=None, train_data=None, collator=None, **kwargs):
+    """Train, and return the trainer and the log: each step's (loss, learning rate, grad norm), and
+    each evaluation's (step, eval loss)."""
+    trainer = trainer_class(model=model, args=_arguments(output_dir, **kwargs.pop("arguments", {})),
+                            train_dataset=train_data or _Tokens(64, seed=0), eval_dataset=_Tokens(8, seed=1),
+                            data_collator=collator, **kwargs)
+    trainer.train(resume_from_checkpoint=resume)
+    history = trainer.state.log_history
+    steps = {entry["step"]: (entry["loss"], entry["learning_rate"], entry["grad_norm"])
+             for entry in history if "loss" in entry}
+    evaluations = [(entry["step"], entry["eval_loss"]) for entry in history if "eval_loss" in entry]
+    return trainer, steps, evaluations
+
+
+def _assert_same_steps(steps: dict, expected: dict, rtol: float = RTOL) -> None:
+    assert steps.keys() == expected.keys()
+    for step, ((loss, lr, norm), (ref_loss, ref_lr, ref_norm)) in zip(steps, zip(steps.values(), expected.values())):
+        assert loss == pytest.approx(ref_loss, rel=rtol), f"step {step}: loss {loss} != eager's {ref_loss}"
+        assert lr == pytest.approx(ref_lr, rel=1e-9), f"step {step}: learning rate {lr} != eager's {ref_lr}"
+        assert norm == pytest.approx(ref_norm, rel=1e-4), f"step {step}: grad norm {norm} != eager's {ref_norm}"
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """The eager run, harmony's (saving at step 5 and 10), and harmony's resumed from step 5."""
+    eager = _train(transformers.Trainer, build_hf_model("llama"), tmp_path_factory.mktemp("eager"))
+    folder = tmp_path_factory.mktemp("harmony")
+    harmony = _train(HarmonyTrainer, build_hf_model("llama"), folder, harmony_options={"memory_budget": "1MiB"})
+    resumed = _train(HarmonyTrainer, build_hf_model("llama", seed=7), tmp_path_factory.mktemp("resumed"),
+                     resume=str(folder / "checkpoint-5"), harmony_options={"memory_budget": "1MiB"})
+    return eager, harmony, resumed
+
+
+def test_each_step_equals_transformers_trainer(runs):
+    (_, eager_steps, eager_evaluations), (trainer, steps, evaluations), _ = runs
+    assert len(steps) == STEPS
+    _assert_same_steps(steps, eager_steps)
+    assert max(norm for _, _, norm in steps.values()) > 1.0, "max_grad_norm=1.0 never clipped: the test shows nothing"
+    assert [step for step, _ in evaluations] == [step for step, _ in eager_evaluations] == [5, 10]
+    for (step, loss), (_, expected) in zip(evaluations, eager_evaluations):
+        assert loss == pytest.approx(expected, rel=RTOL), f"evaluation at step {step}"
+    # harmony ran it: in packs under the budget, its microbatches the accumulated batches
+    assert len(trainer.harmony.plan.packs) > 1
+    assert trainer.harmony.hm.num_microbatches == 2
+    assert not trainer.accelerator.device_placement
+
+
+def test_a_resumed_run_continues_as_the_unbroken_one(runs):
+    """Resumed from step 5 in a new trainer over a differently seeded model: the checkpoint's
+    weights, optimizer, scheduler and RNG states make steps 6-10 (and the evaluation at 10) those
+    of the unbroken run; the log of steps 1-5 is the checkpoint's."""
+    _, (_, steps, evaluations), (resumed, resumed_steps, resumed_evaluations) = runs
+    assert resumed.harmony.step_count == STEPS - 5  # the steps harmony ran after resuming
+    _assert_same_steps(resumed_steps, steps, rtol=1e-6)
+    assert [step for step, _ in resumed_evaluations] == [step for step, _ in evaluations]
+    assert [loss for _, loss in resumed_evaluations] == pytest.approx([loss for _, loss in evaluations], rel=1e-6)
+
+
+def test_lora_equals_transformers_trainer_and_moves_only_the_adapters_gradients(tmp_path, monkeypatch):
+    """A ``peft`` LoRA model: the same losses as eager's; the weight gradients leaving the device
+    are the adapters' bytes, and the optimizer holds state for them alone. The options come from
+    the environment this time (HARMONY_FX_MEMORY_BUDGET)."""
+    peft = pytest.importorskip("peft")
+
+    def lora_model():
+        config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
+        return peft.get_peft_model(build_hf_model("llama"), config)
+
+    arguments = {"eval_strategy": "no", "save_strategy": "no", "max_steps": 4}
+    _, eager_steps, _ = _train(transformers.Trainer, lora_model(), tmp_path / "eager", arguments=arguments)
+    monkeypatch.setenv("HARMONY_FX_MEMORY_BUDGET", "1MiB")
+    model = lora_model()
+    trainer, steps, _ = _train(HarmonyTrainer, model, tmp_path / "harmony", arguments=arguments)
+    _assert_same_steps(steps, eager_steps)
+    assert trainer.harmony.hm.options.memory_budget == 2**20
+    adapters = [param for name, param in model.named_parameters() if "lora_" in name]
+    adapter_bytes = sum(param.numel() * param.element_size() for param in adapters)
+    assert adapter_bytes < sum(p.numel() * p.element_size() for p in model.parameters()) / 10
+    assert trainer.harmony.stats.as_dict()["bytes_by_kind"]["d2h/wgrad"] == adapter_bytes
+    assert {id(param) for param in trainer.optimizer.state} == {id(param) for param in adapters}
+
+
+def test_batches_padded_to_changing_lengths_equal_eager(tmp_path):
+    """``DataCollatorWithPadding``: every batch is padded to its own longest sequence; the two
+    batches of an optimizer step are padded to the longer one (masked out) and run as one."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+
+    vocab = {"[PAD]": 0, "[UNK]": 1, **{f"w{i}": i for i in range(2, VOCAB)}}
+    tokenizer = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer(WordLevel(vocab, unk_token="[UNK]")), pad_token="[PAD]", unk_token="[UNK]")
+    padding = transformers.DataCollatorWithPadding(tokenizer)
+
+    def collate(features):
+        batch = dict(padding(features))
+        batch["labels"] = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, IGNORE_INDEX)
+        return batch
+
+    # each optimizer step's two batches of 4 have other lengths (9 and 12, 14 and 7, 16 and 11)
+    data = _Tokens(24, seed=3, lengths=[5, 9, 7, 6, 12, 4, 8, 10, 14, 3, 6, 9, 7, 5, 6, 4, 16, 8, 9, 7, 11, 10, 5, 6])
+    arguments = {"eval_strategy": "no", "save_strategy": "no", "max_steps": 3, "train_sampling_strategy": "sequential"}
+    _, eager_steps, _ = _train(transformers.Trainer, build_hf_model("llama"), tmp_path / "eager", train_data=data,
+                               collator=collate, arguments=arguments)
+    trainer, steps, _ = _train(HarmonyTrainer, build_hf_model("llama"), tmp_path / "harmony", train_data=data,
+                               collator=collate, arguments=arguments)
+    _assert_same_steps(steps, eager_steps)
+    assert len(trainer.harmony.hm.variants) == 3  # one program per step's length (12, 14, 16)
+
+
+@pytest.mark.parametrize("overrides,match", [
+    ({"torch_compile": True}, r"torch_compile=True: HarmonyTrainer compiles the model itself; drop torch_compile"),
+    ({"label_smoothing_factor": 0.1}, r"label_smoothing_factor: transformers smooths outside the model"),
+    ({"auto_find_batch_size": True}, r"auto_find_batch_size=True: harmony fits a batch to the memory budget"),
+])
+def test_what_a_harmony_step_cannot_honor_is_refused_with_what_to_do(tmp_path, overrides, match):
+    with pytest.raises(ValueError, match="HarmonyTrainer cannot honor " + match):
+        HarmonyTrainer(model=build_hf_model("llama"), args=_arguments(tmp_path, **overrides),
+                       train_dataset=_Tokens(8, seed=0))
+
+
+def test_an_unknown_harmony_option_names_the_nearest(tmp_path):
+    with pytest.raises(TypeError, match=r"'memory_budgt' \(did you mean 'memory_budget'\?\)"):
+        HarmonyTrainer(model=build_hf_model("llama"), args=_arguments(tmp_path), train_dataset=_Tokens(8, seed=0),
+                       harmony_options={"memory_budgt": "1GiB"})
+
+
+def test_harmony_imports_without_the_hf_extra():
+    """With transformers, accelerate and peft hidden, ``import harmony_fx`` (and the integrations
+    package) works, and the integration's ImportError says which extra to install."""
+    hide = ("import sys\n"
+            "class Hidden:\n"
+            "    def find_spec(self, name, path=None, target=None):\n"
+            "        if name.split('.')[0] in ('transformers', 'accelerate', 'peft'):\n"
+            "            raise ImportError(f'hidden: {name}')\n"
+            "sys.meta_path.insert(0, Hidden())\n")
+    check = ("import harmony_fx, harmony_fx.integrations, harmony_fx.backend\n"
+             "try:\n"
+             "    import harmony_fx.integrations.huggingface\n"
+             "except ImportError as error:\n"
+             "    print(error)\n")
+    result = subprocess.run([sys.executable, "-c", hide + check], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "pip install 'harmony-fx[hf]'" in result.stdout
