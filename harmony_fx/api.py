@@ -201,6 +201,7 @@ class HarmonyModule:
         """Memory over the last iteration per device, measured and predicted (its programs simulated
         on its device's spec: ``calibrate.spec_for``), as a PNG."""
         last = self._last
+        pictures.check_recorded(last.stats)  # before the simulation (and a first call's calibration)
         pictures.plot_memory(last, path, simulate_module(last, spec_for(last.device, last.budget)))
 
     # the artifact's parts, by the names people and tests know

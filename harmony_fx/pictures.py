@@ -27,6 +27,15 @@ def save_trace(hm, path: str | os.PathLike) -> None:
     write_trace(path, chrome_events(stats.spans, memory, [device.name for device in hm.devices]))
 
 
+def check_recorded(stats) -> None:
+    """Raise unless ``stats`` hold a recorded timeline to draw (checked before anything is simulated)."""
+    if not stats.recording:
+        raise ValueError("plot_memory: the last call's timeline was not recorded; call hm.record_timeline() (or "
+                         "trainer.record_timeline()) before it, or compile with timeline=True")
+    if not stats.memory:
+        raise ValueError("plot_memory: nothing has run yet; call the module (and backward), or Trainer.step, first")
+
+
 def plot_memory(hm, path: str | os.PathLike, predicted) -> None:
     """A PNG (or any format matplotlib writes, by the file's extension); ``predicted``: the
     simulation of ``hm``'s programs (a ``planner.simulate.Simulation``), drawn beside what it measured."""
@@ -35,11 +44,7 @@ def plot_memory(hm, path: str | os.PathLike, predicted) -> None:
     import matplotlib.pyplot as plt
 
     stats = hm.stats
-    if not stats.recording:
-        raise ValueError("plot_memory: the last call's timeline was not recorded; call hm.record_timeline() (or "
-                         "trainer.record_timeline()) before it, or compile with timeline=True")
-    if not stats.memory:
-        raise ValueError("plot_memory: nothing has run yet; call the module (and backward), or Trainer.step, first")
+    check_recorded(stats)
     mib = 2**20
     figure, axes = plt.subplots(len(hm.devices), 1, figsize=(9, 2.6 * len(hm.devices)), squeeze=False)
     for index, (device, ax) in enumerate(zip(hm.devices, axes[:, 0])):
