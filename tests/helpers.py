@@ -6,19 +6,27 @@ eager training step needs (``eager_training_bytes``), compiles one copy under
 ``assert_step_equal`` then checks loss, every parameter gradient and every buffer against eager;
 ``train_step_equal`` does both. Results and the eager byte counts are cached per process, so a
 model is compiled once per (model, fraction, devices) however many tests look at it.
+
+``four_pack_trainer`` builds the Trainer the NVMe tier's tests share (a small MLP in four fixed
+packs), ``tier_files_check`` reads the tier's files back on their own.
 """
 from __future__ import annotations
 
 import dataclasses
-import re
 import functools
-from typing import Any, Sequence
+import json
+import os
+import pathlib
+import re
+import zlib
+from typing import Any, Callable, Sequence
 
 import torch
 from torch import nn
 
 import harmony_fx
 from harmony_fx.analysis.memory import eager_training_bytes
+from harmony_fx.runtime import tier as tier_module
 from harmony_fx.testing.models import ZooEntry, zoo
 from tests.memory_witness import DeviceMemoryWitness
 
@@ -28,7 +36,8 @@ SEED = 5
 __all__ = [
     "RTOL", "ATOL", "SEED", "StepResult", "ZOO", "eager_bytes", "train_step", "cached_train_step",
     "assert_step_equal", "train_step_equal", "assert_grads_equal", "assert_buffers_equal", "device_names",
-    "smallest_budget", "Prepared", "prepared",
+    "smallest_budget", "Prepared", "prepared", "LSTMStack", "FOUR_PACKS", "four_pack_model", "regression_batches",
+    "four_pack_trainer", "optimizer_states", "tier_files_check", "saved_checkpoint",
 ]
 
 ZOO: dict[str, ZooEntry] = zoo()
@@ -111,18 +120,22 @@ def cached_train_step(name: str, budget_fraction: float, devices: tuple[str, ...
     return train_step(ZOO[name], budget_fraction, list(devices) if devices else None)
 
 
-def assert_grads_equal(model: nn.Module, reference: nn.Module, rtol: float = RTOL, atol: float = ATOL) -> None:
-    """Every parameter of ``model`` has the gradient ``reference``'s namesake has."""
+def assert_grads_equal(model: nn.Module, reference: nn.Module, rtol: float = RTOL, atol: float = ATOL, *,
+                       inputs: Sequence[torch.Tensor] = (), ref_inputs: Sequence[torch.Tensor] = ()) -> None:
+    """Every parameter of ``model`` has the gradient ``reference``'s namesake has, and so does each
+    of ``inputs`` (tensors the step was called with) its counterpart in ``ref_inputs``."""
     params = dict(model.named_parameters(remove_duplicate=False))
     ref_params = dict(reference.named_parameters(remove_duplicate=False))
     assert params.keys() == ref_params.keys()
-    for name, param in params.items():
-        ref = ref_params[name]
+    assert len(inputs) == len(ref_inputs)
+    named = [(f"grad of {name}", params[name], ref) for name, ref in ref_params.items()]
+    named += [(f"grad of input {index}", x, ref) for index, (x, ref) in enumerate(zip(inputs, ref_inputs))]
+    for what, value, ref in named:
         if ref.grad is None:
-            assert param.grad is None, f"{name}: harmony_fx produced a gradient where eager has none"
+            assert value.grad is None, f"{what}: harmony_fx produced one where eager has none"
             continue
-        assert param.grad is not None, f"{name}: no gradient (eager has one)"
-        torch.testing.assert_close(param.grad, ref.grad.cpu(), rtol=rtol, atol=atol, msg=lambda m: f"grad of {name}: {m}")
+        assert value.grad is not None, f"{what}: none (eager has one)"
+        torch.testing.assert_close(value.grad, ref.grad.cpu(), rtol=rtol, atol=atol, msg=lambda m: f"{what}: {m}")
 
 
 def assert_buffers_equal(model: nn.Module, reference: nn.Module, rtol: float = RTOL, atol: float = ATOL) -> None:
@@ -188,3 +201,78 @@ def prepared(name: str) -> Prepared:
     annotate_sizes(captured.gm)
     layers = find_layers(captured.gm)
     return Prepared(model, inputs, target, captured, layers, {**captured.params, **captured.buffers})
+
+
+class LSTMStack(nn.Module):
+    """``depth`` LSTMs, each starting from the state the one before ended in: each one's
+    ``(output, (h, c))`` crosses into the next pack whole. Returns the last ``(output, (h, c))``,
+    or with ``head`` the output through a ``Linear(width, head)``."""
+
+    def __init__(self, width: int = 8, depth: int = 3, head: int | None = None) -> None:
+        super().__init__()
+        self.lstms = nn.ModuleList(nn.LSTM(width, width, batch_first=True) for _ in range(depth))
+        self.head = None if head is None else nn.Linear(width, head)
+
+    def forward(self, x):
+        state = None
+        for lstm in self.lstms:
+            x, state = lstm(x, state)
+        return (x, state) if self.head is None else self.head(x)
+
+
+# ---------------------------------------------------------------------- a Trainer over four fixed packs
+
+FOUR_PACKS = (0, 1, 2, 3)  # pack_boundaries of four_pack_model: one block a pack, the head with the last
+
+
+def four_pack_model() -> nn.Module:
+    """Four ``Linear(32, 32) + ReLU`` blocks and a ``Linear(32, 4)`` head, the same weights every call."""
+    torch.manual_seed(0)
+    return nn.Sequential(*[nn.Sequential(nn.Linear(32, 32), nn.ReLU()) for _ in range(4)], nn.Linear(32, 4))
+
+
+def regression_batches(n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``n`` batches of 16 ``(x, target)`` for ``four_pack_model``, the same every call."""
+    generator = torch.Generator().manual_seed(1)
+    return [(torch.randn(16, 32, generator=generator), torch.randn(16, 4, generator=generator)) for _ in range(n)]
+
+
+def four_pack_trainer(optimizer: Callable[[Any], torch.optim.Optimizer] | None = None,
+                      **options: Any) -> harmony_fx.Trainer:
+    """A Trainer of ``four_pack_model`` in the packs ``FOUR_PACKS``, MSE loss, two microbatches;
+    ``optimizer`` builds the optimizer from the parameters (AdamW, lr 1e-2, when ``None``);
+    ``options`` go to the Trainer (``nvme_path``, ``precision``, ``devices``, ...)."""
+    model = four_pack_model()
+    make = optimizer or (lambda params: torch.optim.AdamW(params, lr=1e-2))
+    return harmony_fx.Trainer(model, nn.functional.mse_loss, make(model.parameters()), regression_batches(1)[0],
+                              microbatches=2, pack_boundaries=FOUR_PACKS, **options)
+
+
+def optimizer_states(trainer: harmony_fx.Trainer) -> list[dict]:
+    """Every parameter's whole optimizer state, wherever it is kept (host memory or the NVMe tier)."""
+    return [trainer.optimizer_state(p) for p in trainer.model.parameters()]
+
+
+def tier_files_check(path: pathlib.Path) -> dict:
+    """The NVMe tier's manifest at ``path``, after checking every file it names against its size and
+    each tensor against its CRC-32 (here, not with the tier's own reader), and that no other state
+    file is there."""
+    manifest = json.loads((path / tier_module.MANIFEST).read_text())
+    named = set()
+    for entry in manifest["packs"].values():
+        data = (path / entry["file"]).read_bytes()
+        assert len(data) == entry["bytes"]
+        for *_, offset, nbytes, crc in entry["tensors"]:
+            assert zlib.crc32(data[offset:offset + nbytes]) == crc
+        named.add(entry["file"])
+    assert {f for f in os.listdir(path) if f.endswith(".state")} == named
+    return manifest
+
+
+def saved_checkpoint(trainer: harmony_fx.Trainer, tmp_path: pathlib.Path, folder: bool) -> pathlib.Path:
+    """``trainer.save`` to one file, or to a folder of step folders (``torch.distributed.checkpoint``)."""
+    path = tmp_path / ("checkpoints" if folder else "checkpoint.pt")
+    if folder:
+        path.mkdir()
+    trainer.save(path)
+    return path

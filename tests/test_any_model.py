@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import harmony_fx
+from tests.helpers import LSTMStack, assert_grads_equal
 
 RTOL, ATOL = 1e-5, 1e-6
 
@@ -33,17 +34,6 @@ def _step_both(model: nn.Module, inputs: tuple, loss_of, seed: int = 3, **option
     ref_loss.backward()
     torch.testing.assert_close(loss, ref_loss, rtol=RTOL, atol=ATOL)
     return hm, model, reference, inputs, ref_inputs
-
-
-def _assert_grads_equal(model, reference, inputs=(), ref_inputs=(), rtol=RTOL, atol=ATOL):
-    for (name, param), ref in zip(model.named_parameters(), reference.parameters()):
-        assert (param.grad is None) == (ref.grad is None), name
-        if ref.grad is not None:
-            torch.testing.assert_close(param.grad, ref.grad, rtol=rtol, atol=atol, msg=lambda m: f"grad of {name}: {m}")
-    for index, (x, ref) in enumerate(zip(inputs, ref_inputs)):
-        assert (x.grad is None) == (ref.grad is None), f"input {index}"
-        if ref.grad is not None:
-            torch.testing.assert_close(x.grad, ref.grad, rtol=rtol, atol=atol, msg=lambda m: f"grad of input {index}: {m}")
 
 
 def _pytree_inputs(hm) -> list[str]:
@@ -84,7 +74,7 @@ def test_sdpa_dropout_replays_in_recompute():
     hm, model, reference, inputs, ref_inputs = _step_both(
         model, (x,), lambda out: out.pow(2).sum(), pack_boundaries=(0, 1, 2, 3), microbatches=1)
     assert len(hm.packs) == 4 and all(pack.random for pack in hm.packs)
-    _assert_grads_equal(model, reference, inputs, ref_inputs, rtol=0, atol=1e-6)
+    assert_grads_equal(model, reference, rtol=0, atol=1e-6, inputs=inputs, ref_inputs=ref_inputs)
 
 
 def test_gumbel_softmax_replays_in_recompute():
@@ -101,26 +91,12 @@ def test_gumbel_softmax_replays_in_recompute():
                                           lambda out: (out * out.detach()).sum(),
                                           pack_boundaries=(0, 1, 2), microbatches=1)
     assert all(pack.random for pack in hm.packs)
-    _assert_grads_equal(model, reference)
-
-
-class _LSTMStack(nn.Module):
-    """Each LSTM's ``(output, (h, c))`` crosses into the next pack whole."""
-
-    def __init__(self, width: int = 8, depth: int = 3) -> None:
-        super().__init__()
-        self.lstms = nn.ModuleList(nn.LSTM(width, width, batch_first=True) for _ in range(depth))
-
-    def forward(self, x):
-        state = None
-        for lstm in self.lstms:
-            x, state = lstm(x, state)
-        return x, state
+    assert_grads_equal(model, reference, RTOL, ATOL)
 
 
 def test_lstm_stack_in_three_packs_trains_like_eager():
     torch.manual_seed(0)
-    model = _LSTMStack()
+    model = LSTMStack()
     reference = copy.deepcopy(model)
     x = torch.randn(4, 5, 8)
     hm = harmony_fx.compile(model, (x,), pack_boundaries=(0, 1, 2), microbatches=1)
@@ -133,7 +109,7 @@ def test_lstm_stack_in_three_packs_trains_like_eager():
             torch.testing.assert_close(got, want, rtol=RTOL, atol=ATOL)
         (out.sum() + h.pow(2).sum() + c.sum()).backward()
         (ref_out.sum() + ref_h.pow(2).sum() + ref_c.sum()).backward()
-        _assert_grads_equal(model, reference)
+        assert_grads_equal(model, reference, RTOL, ATOL)
         for opt in (optimizer, ref_optimizer):
             opt.step()
             opt.zero_grad()
@@ -157,7 +133,7 @@ def test_multihead_attention_stack_in_three_packs_trains_like_eager():
         _Stack(Block(), Block(), Block()), (x,), lambda out: out.pow(2).sum(), pack_boundaries=(0, 1, 2),
         microbatches=1)
     assert len(hm.packs) == 3
-    _assert_grads_equal(model, reference, inputs, ref_inputs)
+    assert_grads_equal(model, reference, RTOL, ATOL, inputs=inputs, ref_inputs=ref_inputs)
 
 
 def test_a_tuple_crossing_a_pack_is_moved_and_counted_per_tensor():
@@ -176,7 +152,7 @@ def test_a_tuple_crossing_a_pack_is_moved_and_counted_per_tensor():
     hm, model, reference, inputs, ref_inputs = _step_both(Pool(), (x,), lambda out: out.pow(2).sum(),
                                                           pack_boundaries=(0, 1), microbatches=1)
     assert _pytree_inputs(hm), "the pooling's (values, indices) should cross into the second pack"
-    _assert_grads_equal(model, reference, inputs, ref_inputs)
+    assert_grads_equal(model, reference, RTOL, ATOL, inputs=inputs, ref_inputs=ref_inputs)
     assert hm.stats.as_dict()["bytes_by_kind"] == hm.plan.predicted_bytes
 
 
@@ -194,7 +170,7 @@ def test_a_scalar_input_is_shared_by_every_microbatch():
     hm, model, reference, inputs, ref_inputs = _step_both(Scaled(), (x, scale), lambda out: out.pow(2).mean(),
                                                           microbatches=3)
     assert hm.mb_sizes == [2, 2, 2]
-    _assert_grads_equal(model, reference, inputs, ref_inputs)
+    assert_grads_equal(model, reference, RTOL, ATOL, inputs=inputs, ref_inputs=ref_inputs)
 
 
 def test_an_input_an_op_cannot_differentiate_gets_no_gradient_as_in_eager():
@@ -212,7 +188,7 @@ def test_an_input_an_op_cannot_differentiate_gets_no_gradient_as_in_eager():
     x, target = torch.randn(4, 4, requires_grad=True), torch.randn(4, 4).sign()
     hm, model, reference, inputs, ref_inputs = _step_both(Margin(), (x, target), lambda out: out,
                                                           pack_boundaries=(0, 1), microbatches=1)
-    _assert_grads_equal(model, reference, inputs, ref_inputs)
+    assert_grads_equal(model, reference, RTOL, ATOL, inputs=inputs, ref_inputs=ref_inputs)
     assert target.grad is None
 
 
@@ -226,7 +202,7 @@ def test_an_in_place_write_into_an_activation_stays_in_the_pack_that_made_it():
     assert "0+1" in layers and "2+3" in layers, layers  # each in-place op joined its producer's layer
     hm, model, reference, inputs, ref_inputs = _step_both(model, (x,), lambda out: out.pow(2).sum(),
                                                           pack_boundaries=(0, 1, 2), microbatches=1)
-    _assert_grads_equal(model, reference, inputs, ref_inputs)
+    assert_grads_equal(model, reference, RTOL, ATOL, inputs=inputs, ref_inputs=ref_inputs)
 
 
 def test_compile_without_example_inputs_plans_on_the_first_call():
@@ -241,7 +217,7 @@ def test_compile_without_example_inputs_plans_on_the_first_call():
     x = torch.randn(4, 8)
     hm(x).sum().backward()
     reference(x).sum().backward()
-    _assert_grads_equal(model, reference)
+    assert_grads_equal(model, reference, RTOL, ATOL)
     assert hm.plan.packs and "def forward" in hm.code
     # a new batch size is planned on its own first call, like torch.compile's recompile
     y = torch.randn(6, 8)
@@ -257,5 +233,5 @@ def test_the_readme_example_without_example_inputs(memory_witness):
     F.cross_entropy(hm(x), y).backward()
     F.cross_entropy(reference(x), y).backward()
     assert len(hm.packs) > 1
-    _assert_grads_equal(model, reference)
+    assert_grads_equal(model, reference, RTOL, ATOL)
     assert memory_witness.peak_of(hm.device) == hm.stats.peak_bytes[hm.device.name] <= 24 * 1024

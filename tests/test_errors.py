@@ -44,25 +44,6 @@ def _batch(size: int = 8, width: int = 16, seed: int = 1) -> tuple[torch.Tensor,
 # ---------------------------------------------------------------------- models that cannot run as asked
 
 
-class DataDependent(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.linear = nn.Linear(8, 8)
-
-    def forward(self, x):
-        if x.sum() > 0:  # Python control flow on a tensor's value
-            return self.linear(x)
-        return -self.linear(x)
-
-
-def test_data_dependent_control_flow_is_refused_with_advice():
-    with pytest.raises(harmony_fx.CaptureError) as info:
-        harmony_fx.compile(DataDependent(), (torch.randn(4, 8),))
-    assert isinstance(info.value, ValueError)
-    message = str(info.value)
-    assert "DataDependent" in message and "torch.where" in message and "torch.cond" in message
-
-
 class WritesItsInput(nn.Module):
     def __init__(self, clone_first: bool) -> None:
         super().__init__()
@@ -296,7 +277,7 @@ OPTIMIZERS = {
 
 
 @contextlib.contextmanager
-def _trainers(optimizer_name: str, **options):
+def _twin_trainers(optimizer_name: str, **options):
     """A trainer over three packs, and an identical twin that never fails (the reference); both
     closed on the way out."""
     pair = []
@@ -321,7 +302,7 @@ def _assert_twins(model: nn.Module, optimizer, reference: nn.Module, ref_optimiz
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")], ids=["nan", "inf"])
 def test_a_non_finite_loss_is_reported_with_its_step_and_undone(bad):
-    with _trainers("adam") as ((trainer, model, optimizer), (reference, ref_model, ref_optimizer)):
+    with _twin_trainers("adam") as ((trainer, model, optimizer), (reference, ref_model, ref_optimizer)):
         trainer.step(_batch(seed=1))
         reference.step(_batch(seed=1))
         x, target = _batch(seed=2)
@@ -341,7 +322,7 @@ def test_a_non_finite_loss_is_reported_with_its_step_and_undone(bad):
 
 
 def test_skip_nonfinite_skips_the_step_and_training_goes_on():
-    with _trainers("sgd", skip_nonfinite=True) as ((trainer, model, optimizer), (reference, ref_model, ref_optimizer)):
+    with _twin_trainers("sgd", skip_nonfinite=True) as ((trainer, model, optimizer), (reference, ref_model, ref_optimizer)):
         trainer.step(_batch(seed=1))
         reference.step(_batch(seed=1))
         x, target = _batch(seed=2)
@@ -390,7 +371,7 @@ def _fail_on_call(monkeypatch, number: int, when: str, error: type[BaseException
 
 @pytest.mark.parametrize("optimizer_name", ["sgd", "adam"])
 def test_an_error_in_any_task_leaves_the_step_undone(optimizer_name, monkeypatch):
-    with _trainers(optimizer_name) as ((trainer, model, optimizer), (reference, ref_model, ref_optimizer)):
+    with _twin_trainers(optimizer_name) as ((trainer, model, optimizer), (reference, ref_model, ref_optimizer)):
         device = trainer.hm.device
         trainer.step(_batch(seed=1))  # the optimizer has state to keep from here on
         reference.step(_batch(seed=1))
@@ -419,7 +400,7 @@ def test_an_error_in_any_task_leaves_the_step_undone(optimizer_name, monkeypatch
 def test_an_error_inside_an_update_undoes_every_update_of_the_step(optimizer_name, monkeypatch):
     """The host worker fails after it changed a group's parameters: that group and the ones updated
     before it are put back."""
-    with _trainers(optimizer_name) as ((trainer, model, optimizer), (reference, ref_model, ref_optimizer)):
+    with _twin_trainers(optimizer_name) as ((trainer, model, optimizer), (reference, ref_model, ref_optimizer)):
         # the very first step: the optimizer had no state, and has none after
         saved = _state(model, optimizer)
         with monkeypatch.context() as patch:
@@ -456,7 +437,7 @@ def test_without_atomic_steps_a_failure_keeps_the_updates_made_and_says_so(monke
     """``atomic=False`` keeps no copies: what was updated before the failure (including the update
     that failed, and those already handed to the worker) stays updated, and the error says how many
     parameters; the count is checked against the parameters that changed."""
-    with _trainers("adam", atomic=False) as ((trainer, model, optimizer), _):
+    with _twin_trainers("adam", atomic=False) as ((trainer, model, optimizer), _):
         trainer.step(_batch(seed=1))
         before = [p.detach().clone() for p in model.parameters()]
         calls = []
@@ -485,7 +466,7 @@ def test_skip_nonfinite_needs_atomic_steps():
 
 
 def test_out_of_memory_names_the_pack_the_planned_peak_and_the_budget():
-    with _trainers("adam") as ((trainer, model, optimizer), (reference, ref_model, ref_optimizer)):
+    with _twin_trainers("adam") as ((trainer, model, optimizer), (reference, ref_model, ref_optimizer)):
         device = trainer.hm.device
         planned = trainer.plan.predicted_peak[device.name]
         trainer.step(_batch(seed=1))
@@ -512,7 +493,7 @@ def test_out_of_memory_names_the_pack_the_planned_peak_and_the_budget():
 
 
 def test_ctrl_c_in_a_task_leaves_the_step_undone_and_no_thread_running(monkeypatch):
-    with _trainers("sgd") as ((trainer, model, optimizer), (reference, ref_model, ref_optimizer)):
+    with _twin_trainers("sgd") as ((trainer, model, optimizer), (reference, ref_model, ref_optimizer)):
         trainer.step(_batch(seed=1))
         reference.step(_batch(seed=1))
         saved = _state(model, optimizer)

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 import harmony_fx
-from tests.helpers import SEED, ZOO, eager_bytes, smallest_budget
+from tests.helpers import SEED, ZOO, LSTMStack, eager_bytes, smallest_budget
 from tests.memory_witness import DeviceMemoryWitness
 
 DEVICES = {"single": None, "dp": ["host:0", "host:1"], "pp": ["host:0", "host:1"]}
@@ -79,18 +79,6 @@ def test_zoo_stays_within_the_budget_by_an_independent_count(name, fraction, mod
     _assert_capped(hm, witness, budget)
 
 
-class _LSTMStack(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.lstms = nn.ModuleList(nn.LSTM(8, 8, batch_first=True) for _ in range(3))
-        self.head = nn.Linear(8, 4)
-
-    def forward(self, x):
-        for lstm in self.lstms:
-            x, _ = lstm(x)
-        return self.head(x)
-
-
 class _AttentionStack(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -103,7 +91,7 @@ class _AttentionStack(nn.Module):
 
 
 @pytest.mark.parametrize("mode", list(DEVICES))
-@pytest.mark.parametrize("build", [lambda: (_LSTMStack(), torch.randn(4, 5, 8)),
+@pytest.mark.parametrize("build", [lambda: (LSTMStack(head=4), torch.randn(4, 5, 8)),
                                    lambda: (_AttentionStack(), torch.randn(4, 6, 16))], ids=["lstm", "attention"])
 def test_lstm_and_attention_stacks_at_their_tightest_budget(build, mode):
     torch.manual_seed(0)

@@ -11,6 +11,7 @@ from torch import nn
 
 import harmony_fx
 from harmony_fx.config import check_option_names, option_names
+from tests.helpers import four_pack_trainer
 
 
 def _valid_list(message: str) -> list[str]:
@@ -66,13 +67,6 @@ def test_compile_refuses_the_internal_forward_microbatches():
         harmony_fx.compile(nn.Linear(4, 4), forward_microbatches=2)
 
 
-def _trainer(**options):
-    model = nn.Sequential(nn.Linear(4, 4))
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    return harmony_fx.Trainer(model, torch.nn.functional.mse_loss, optimizer,
-                              (torch.randn(8, 4), torch.randn(8, 4)), **options)
-
-
 @pytest.mark.parametrize("unknown,suggestion", [("max_grad_norms", "max_grad_norm"), ("memory_budgt", "memory_budget")])
 def test_trainer_names_itself_and_lists_its_own_keywords_too(unknown, suggestion, monkeypatch):
     def no_compiling(*args, **kwargs):
@@ -80,7 +74,7 @@ def test_trainer_names_itself_and_lists_its_own_keywords_too(unknown, suggestion
 
     monkeypatch.setattr(harmony_fx.trainer, "HarmonyModule", no_compiling)
     with pytest.raises(TypeError) as info:
-        _trainer(**{unknown: 1.0})
+        four_pack_trainer(**{unknown: 1.0})
     message = str(info.value)
     assert "CompileOptions" not in message
     listed = _check_message(message, "harmony_fx.Trainer", unknown, suggestion)

@@ -12,44 +12,39 @@ that updates a pack moves its state.
 from __future__ import annotations
 
 import pytest
-import torch
-from torch import nn
 
 import harmony_fx
 from harmony_fx.lowering.tier_io import insert_tier_io, state_key
 from harmony_fx.program.actions import Action, ActionKind as K, Stream
+from tests.helpers import four_pack_trainer
 
-BOUNDARIES = (0, 1, 2, 3)
 TIER = (K.READ, K.WRITE)
 
 
-def _trainer(**options) -> harmony_fx.Trainer:
-    torch.manual_seed(0)
-    model = nn.Sequential(*[nn.Sequential(nn.Linear(32, 32), nn.ReLU()) for _ in range(4)], nn.Linear(32, 4))
-    example = (torch.randn(16, 32), torch.randn(16, 4))
-    trainer = harmony_fx.Trainer(model, nn.functional.mse_loss, torch.optim.AdamW(model.parameters(), lr=1e-2),
-                                 example, microbatches=2, pack_boundaries=BOUNDARIES, **options)
-    trainer.close()  # only its programs are read
+def _closed_trainer(**options) -> harmony_fx.Trainer:
+    """``four_pack_trainer``, closed: only its programs are read."""
+    trainer = four_pack_trainer(**options)
+    trainer.close()
     return trainer
 
 
 @pytest.fixture(scope="module")
 def tiered(tmp_path_factory) -> harmony_fx.Trainer:
-    trainer = _trainer(nvme_path=tmp_path_factory.mktemp("nvme"))
+    trainer = _closed_trainer(nvme_path=tmp_path_factory.mktemp("nvme"))
     assert trainer.plan.tier_packs == (0, 1, 2, 3) and trainer.plan.tier_bytes > 0
     return trainer
 
 
 @pytest.fixture(scope="module")
 def untiered() -> harmony_fx.Trainer:
-    trainer = _trainer()
+    trainer = _closed_trainer()
     assert trainer.plan.tier_packs == ()
     return trainer
 
 
 @pytest.fixture(scope="module")
 def data_parallel(tmp_path_factory) -> harmony_fx.Trainer:
-    return _trainer(nvme_path=tmp_path_factory.mktemp("nvme_dp"), devices=["host:0", "host:1"], parallel="dp")
+    return _closed_trainer(nvme_path=tmp_path_factory.mktemp("nvme_dp"), devices=["host:0", "host:1"], parallel="dp")
 
 
 def _programs(trainer: harmony_fx.Trainer) -> list[tuple[list[Action], list[Action]]]:
@@ -190,6 +185,6 @@ def test_data_parallel_moves_each_packs_state_on_the_first_device_that_updates_i
             movers = [d for d, (f, b) in enumerate(programs)
                       if any(a.kind == kind and a.key == state_key(pack) for a in f + b)]
             assert movers == updating[:1], (kind, pack)
-    untiered = _trainer(devices=["host:0", "host:1"], parallel="dp")
+    untiered = _closed_trainer(devices=["host:0", "host:1"], parallel="dp")
     _check_placement(programs, frozenset(data_parallel.plan.tier_packs), _programs(untiered))
     data_parallel.hm.verify(programs, _update_packs(programs))

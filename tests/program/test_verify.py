@@ -383,7 +383,7 @@ def test_a_node_moved_into_an_earlier_pack_is_refused_naming_it_and_the_pass():
 # ---------------------------------------------------------------------- updates on the host
 
 
-def _trainer(microbatches):
+def _mlp_chain_trainer(microbatches):
     """A Trainer of a 6-layer MLP chain in four fixed packs (closed: only its programs are read)."""
     torch.manual_seed(0)
     model = MLPChain(width=16, depth=6)
@@ -396,7 +396,7 @@ def _trainer(microbatches):
 
 @functools.lru_cache(maxsize=None)
 def _trainer_programs():
-    trainer = _trainer(2)
+    trainer = _mlp_chain_trainer(2)
     hm = trainer.hm
     programs = [list(hm.forward_actions), list(hm.backward_actions)]
     update_packs = frozenset(a.pack for a in programs[0] + programs[1] if a.kind == K.UPDATE)
@@ -433,7 +433,7 @@ def test_the_issuing_thread_never_waits_on_the_host_between_two_backward_tasks()
 
 @functools.lru_cache(maxsize=None)
 def _split_programs():
-    trainer = _trainer({"forward": 1, "backward": 4})
+    trainer = _mlp_chain_trainer({"forward": 1, "backward": 4})
     return trainer.hm, [list(trainer.hm.forward_actions), list(trainer.hm.backward_actions)]
 
 

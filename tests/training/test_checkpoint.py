@@ -14,13 +14,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-torch.set_num_threads(1)  # tiny ops: threads only add synchronisation
-
-import harmony_fx  # noqa: E402
-from harmony_fx.analysis.memory import eager_training_bytes  # noqa: E402
-from harmony_fx.models import GPTConfig, MLPChain, TinyGPT  # noqa: E402
-from harmony_fx.testing.models import zoo  # noqa: E402
-from tests.distributed import launch, scenarios  # noqa: E402
+import harmony_fx
+from harmony_fx.analysis.memory import eager_training_bytes
+from harmony_fx.models import GPTConfig, MLPChain, TinyGPT
+from harmony_fx.testing.models import zoo
+from tests.distributed import launch, scenarios
 
 STEPS = 6
 BATCH = 8

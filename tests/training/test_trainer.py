@@ -12,14 +12,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-torch.set_num_threads(1)  # tiny ops on a 2-core machine: threads only add synchronisation
-
-import harmony_fx  # noqa: E402
-from harmony_fx.analysis.memory import eager_training_bytes  # noqa: E402
-from harmony_fx.models import GPTConfig, MLPChain, TinyGPT  # noqa: E402
-from harmony_fx.runtime.executor import Runtime  # noqa: E402
-from harmony_fx.program.actions import ActionKind  # noqa: E402
-from harmony_fx.testing.models import zoo  # noqa: E402
+import harmony_fx
+from harmony_fx.analysis.memory import eager_training_bytes
+from harmony_fx.models import GPTConfig, MLPChain, TinyGPT
+from harmony_fx.runtime.executor import Runtime
+from harmony_fx.program.actions import ActionKind
+from harmony_fx.testing.models import zoo
 
 RTOL, ATOL = 1e-5, 1e-6
 STEPS = 5

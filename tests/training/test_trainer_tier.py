@@ -8,8 +8,6 @@ bit.
 from __future__ import annotations
 
 import json
-import os
-import zlib
 
 import pytest
 import torch
@@ -19,25 +17,9 @@ import harmony_fx
 from harmony_fx.calibrate import spec_for
 from harmony_fx.planner.module import simulate_module
 from harmony_fx.runtime import tier as tier_module
-
-BOUNDARIES = (0, 1, 2, 3)
-
-
-def _model() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(*[nn.Sequential(nn.Linear(32, 32), nn.ReLU()) for _ in range(4)], nn.Linear(32, 4))
-
-
-def _batches(n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    generator = torch.Generator().manual_seed(1)
-    return [(torch.randn(16, 32, generator=generator), torch.randn(16, 4, generator=generator)) for _ in range(n)]
-
-
-def _trainer(**options) -> harmony_fx.Trainer:
-    model = _model()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    return harmony_fx.Trainer(model, nn.functional.mse_loss, optimizer, _batches(1)[0], microbatches=2,
-                              pack_boundaries=BOUNDARIES, **options)
+from tests.helpers import (
+    four_pack_model, four_pack_trainer, optimizer_states, regression_batches, saved_checkpoint, tier_files_check,
+)
 
 
 def _held_state_bytes(optimizer: torch.optim.Optimizer) -> int:
@@ -46,44 +28,25 @@ def _held_state_bytes(optimizer: torch.optim.Optimizer) -> int:
                if isinstance(v, torch.Tensor))
 
 
-def _full_state(trainer: harmony_fx.Trainer) -> list[dict]:
-    return [trainer.optimizer_state(p) for p in trainer.model.parameters()]
-
-
 def _assert_same(a: harmony_fx.Trainer, b: harmony_fx.Trainer) -> None:
     for p, q in zip(a.model.parameters(), b.model.parameters()):
         assert torch.equal(p, q)
-    for x, y in zip(_full_state(a), _full_state(b)):
+    for x, y in zip(optimizer_states(a), optimizer_states(b)):
         assert x.keys() == y.keys()
         for key in x:
             assert torch.equal(x[key], y[key]), key
 
 
-def _files_check(path) -> dict:
-    """The manifest, after checking every file it names against its size and each tensor against its
-    CRC-32 (here, not with the tier's own reader), and that no other state file is there."""
-    manifest = json.loads((path / tier_module.MANIFEST).read_text())
-    named = set()
-    for entry in manifest["packs"].values():
-        data = (path / entry["file"]).read_bytes()
-        assert len(data) == entry["bytes"]
-        for *_, offset, nbytes, crc in entry["tensors"]:
-            assert zlib.crc32(data[offset:offset + nbytes]) == crc
-        named.add(entry["file"])
-    assert {f for f in os.listdir(path) if f.endswith(".state")} == named
-    return manifest
-
-
 def test_five_adamw_steps_equal_host_memory_bitwise_and_hold_less(tmp_path):
-    reference, tiered = _trainer(), _trainer(nvme_path=tmp_path)
+    reference, tiered = four_pack_trainer(), four_pack_trainer(nvme_path=tmp_path)
     assert tiered.plan.tier_packs == (0, 1, 2, 3)
-    for batch in _batches(5):
+    for batch in regression_batches(5):
         assert torch.equal(reference.step(batch), tiered.step(batch))
     _assert_same(reference, tiered)
     # what host memory holds for optimizer state between steps: lower by the plan's bytes on the tier
     dropped = _held_state_bytes(reference.optimizer) - _held_state_bytes(tiered.optimizer)
     assert dropped == tiered.plan.tier_bytes > 0
-    manifest = _files_check(tmp_path)
+    manifest = tier_files_check(tmp_path)
     assert sorted(map(int, manifest["packs"])) == [0, 1, 2, 3]
     # every pack's state read and written once a step: the runtime's count, the files' layout and the
     # plan (sized before the first step) agree, and so does the simulation of the program
@@ -102,10 +65,10 @@ def test_a_pack_streams_its_state_a_parameter_at_a_time(tmp_path):
         torch.manual_seed(0)
         model = nn.Sequential(*[nn.Linear(32, 32) for _ in range(12)], nn.Linear(32, 4))
         return harmony_fx.Trainer(model, nn.functional.mse_loss, torch.optim.AdamW(model.parameters(), lr=1e-2),
-                                  _batches(1)[0], microbatches=2, pack_boundaries=(0, 12), **options)
+                                  regression_batches(1)[0], microbatches=2, pack_boundaries=(0, 12), **options)
 
     reference, tiered = trainer(), trainer(nvme_path=tmp_path)
-    for batch in _batches(2):
+    for batch in regression_batches(2):
         assert torch.equal(reference.step(batch), tiered.step(batch))
     _assert_same(reference, tiered)
     pack_state = tiered.hm.compiled.host_memory.pack_state_bytes[0]
@@ -113,26 +76,26 @@ def test_a_pack_streams_its_state_a_parameter_at_a_time(tmp_path):
 
 
 def test_host_memory_moves_only_what_does_not_fit(tmp_path):
-    everything = _trainer(nvme_path=tmp_path / "all")
+    everything = four_pack_trainer(nvme_path=tmp_path / "all")
     # room for about two packs' state (and their undo copies) more than with all of it on the tier
     limit = everything.plan.host_bytes + 20_000
-    partial = _trainer(nvme_path=tmp_path / "part", host_memory=limit)
+    partial = four_pack_trainer(nvme_path=tmp_path / "part", host_memory=limit)
     assert 0 < len(partial.plan.tier_packs) < 4 and partial.plan.host_bytes <= limit
-    reference = _trainer()
-    for batch in _batches(3):
+    reference = four_pack_trainer()
+    for batch in regression_batches(3):
         assert torch.equal(reference.step(batch), partial.step(batch))
     _assert_same(reference, partial)
     assert _held_state_bytes(reference.optimizer) - _held_state_bytes(partial.optimizer) == partial.plan.tier_bytes
 
 
 def test_a_failed_write_undoes_the_step_and_keeps_the_files(tmp_path, monkeypatch):
-    reference, tiered = _trainer(), _trainer(nvme_path=tmp_path)
-    batches = _batches(4)
+    reference, tiered = four_pack_trainer(), four_pack_trainer(nvme_path=tmp_path)
+    batches = regression_batches(4)
     for batch in batches[:2]:
         reference.step(batch)
         tiered.step(batch)
     tiered.flush()  # the second step's last writes may still be going on
-    before = _files_check(tmp_path)
+    before = tier_files_check(tmp_path)
     weights = [p.detach().clone() for p in tiered.model.parameters()]
     held = _held_state_bytes(tiered.optimizer)
     real_finish, calls = tier_module._FileWriter.finish, []
@@ -149,7 +112,7 @@ def test_a_failed_write_undoes_the_step_and_keeps_the_files(tmp_path, monkeypatc
         tiered.flush()
     monkeypatch.setattr(tier_module._FileWriter, "finish", real_finish)
     assert len(calls) == 3  # nothing written after the failure
-    assert _files_check(tmp_path) == before  # the manifest and its files as before; the step's files gone
+    assert tier_files_check(tmp_path) == before  # the manifest and its files as before; the step's files gone
     assert all(torch.equal(p, w) for p, w in zip(tiered.model.parameters(), weights))
     assert _held_state_bytes(tiered.optimizer) == held  # what the step read left host memory again
     assert tiered.step_count == 2
@@ -162,12 +125,12 @@ def test_a_failed_write_undoes_the_step_and_keeps_the_files(tmp_path, monkeypatc
 def test_a_write_failing_after_the_step_returned_undoes_that_step_at_the_next(tmp_path, monkeypatch):
     """The last pack's file is written while the next step runs its forward: if that write fails,
     the step that returned is undone when the next one finds out, and the next one too."""
-    reference, tiered = _trainer(), _trainer(nvme_path=tmp_path)
-    batches = _batches(4)
+    reference, tiered = four_pack_trainer(), four_pack_trainer(nvme_path=tmp_path)
+    batches = regression_batches(4)
     reference.step(batches[0])
     tiered.step(batches[0])
     tiered.flush()
-    before = _files_check(tmp_path)
+    before = tier_files_check(tmp_path)
     weights = [p.detach().clone() for p in tiered.model.parameters()]
     real_finish, calls = tier_module._FileWriter.finish, []
 
@@ -186,7 +149,7 @@ def test_a_write_failing_after_the_step_returned_undoes_that_step_at_the_next(tm
     assert len(calls) == 4
     assert "step 1 could not be written to the NVMe tier, so that step was undone" in "\n".join(raised.value.__notes__)
     assert tiered.step_count == 1
-    assert _files_check(tmp_path) == before
+    assert tier_files_check(tmp_path) == before
     assert all(torch.equal(p, w) for p, w in zip(tiered.model.parameters(), weights))
     for batch in batches[1:]:
         assert torch.equal(reference.step(batch), tiered.step(batch))
@@ -194,8 +157,8 @@ def test_a_write_failing_after_the_step_returned_undoes_that_step_at_the_next(tm
 
 
 def test_a_corrupted_file_is_refused_and_the_step_undone(tmp_path):
-    tiered = _trainer(nvme_path=tmp_path)
-    tiered.step(_batches(1)[0])
+    tiered = four_pack_trainer(nvme_path=tmp_path)
+    tiered.step(regression_batches(1)[0])
     tiered.flush()
     entry = json.loads((tmp_path / tier_module.MANIFEST).read_text())["packs"]["1"]
     with open(tmp_path / entry["file"], "r+b") as f:
@@ -203,32 +166,23 @@ def test_a_corrupted_file_is_refused_and_the_step_undone(tmp_path):
         f.write(b"\xff\xff\xff\xff")
     weights = [p.detach().clone() for p in tiered.model.parameters()]
     with pytest.raises(tier_module.TierCorrupted, match="CRC-32"):
-        tiered.step(_batches(2)[1])
+        tiered.step(regression_batches(2)[1])
     assert all(torch.equal(p, w) for p, w in zip(tiered.model.parameters(), weights))
-
-
-def _saved(trainer: harmony_fx.Trainer, tmp_path, folder: bool):
-    """``trainer.save`` to one file, or to a folder of step folders (``torch.distributed.checkpoint``)."""
-    path = tmp_path / ("checkpoints" if folder else "checkpoint.pt")
-    if folder:
-        path.mkdir()
-    trainer.save(path)
-    return path
 
 
 @pytest.mark.parametrize("folder", [False, True], ids=["file", "folder"])
 def test_resume_from_save_is_bit_identical(tmp_path, folder):
-    batches = _batches(5)
-    first = _trainer(nvme_path=tmp_path / "tier-a")
+    batches = regression_batches(5)
+    first = four_pack_trainer(nvme_path=tmp_path / "tier-a")
     for batch in batches[:2]:
         first.step(batch)
-    path = _saved(first, tmp_path, folder)
+    path = saved_checkpoint(first, tmp_path, folder)
     # the checkpoint holds the whole optimizer state, tier included, as a trainer without one saves it
     if not folder:
         saved = torch.load(path, weights_only=True)["optimizer"]["state"]
         assert all("exp_avg" in state for state in saved.values())
     later = [first.step(batch) for batch in batches[2:]]
-    resumed = _trainer(nvme_path=tmp_path / "tier-b")
+    resumed = four_pack_trainer(nvme_path=tmp_path / "tier-b")
     resumed.load(path)
     assert _held_state_bytes(resumed.optimizer) < _held_state_bytes(first.optimizer) + 1  # back on the tier
     assert [resumed.step(batch) for batch in batches[2:]] == later
@@ -244,13 +198,9 @@ def test_other_optimizers_and_bf16_equal_host_memory(tmp_path, optimizer, option
     """Each state the optimizer keeps per parameter (a momentum buffer, Adam's third moment) goes to
     the tier and is sized by the plan before it exists; stepping a parameter at a time, even with
     ``foreach``, computes what stepping the pack does."""
-    def trainer(**extra):
-        model = _model()
-        return harmony_fx.Trainer(model, nn.functional.mse_loss, optimizer(model.parameters()), _batches(1)[0],
-                                  microbatches=2, pack_boundaries=BOUNDARIES, **options, **extra)
-
-    reference, tiered = trainer(), trainer(nvme_path=tmp_path)
-    for batch in _batches(2):
+    reference = four_pack_trainer(optimizer, **options)
+    tiered = four_pack_trainer(optimizer, nvme_path=tmp_path, **options)
+    for batch in regression_batches(2):
         assert torch.equal(reference.step(batch), tiered.step(batch))
     _assert_same(reference, tiered)
     assert _held_state_bytes(reference.optimizer) - _held_state_bytes(tiered.optimizer) == tiered.plan.tier_bytes > 0
@@ -259,8 +209,8 @@ def test_other_optimizers_and_bf16_equal_host_memory(tmp_path, optimizer, option
 @pytest.mark.parametrize("parallel", ["dp", "pp"])
 def test_two_devices_equal_host_memory(tmp_path, parallel):
     options = dict(devices=2, parallel=parallel)
-    reference, tiered = _trainer(**options), _trainer(nvme_path=tmp_path, **options)
-    for batch in _batches(2):
+    reference, tiered = four_pack_trainer(**options), four_pack_trainer(nvme_path=tmp_path, **options)
+    for batch in regression_batches(2):
         assert torch.equal(reference.step(batch), tiered.step(batch))
     _assert_same(reference, tiered)
     # one process, one I/O worker: each pack's state is read and written by one device's program
@@ -273,25 +223,25 @@ def test_two_devices_equal_host_memory(tmp_path, parallel):
 def test_clipping_streams_the_tier_through_the_final_update(tmp_path):
     """With ``max_grad_norm`` the programs update nothing (the norm needs every gradient first), so
     no program reads or writes the tier: the trainer's final update streams each pack through it."""
-    reference, tiered = _trainer(max_grad_norm=0.1), _trainer(nvme_path=tmp_path, max_grad_norm=0.1)
+    reference, tiered = four_pack_trainer(max_grad_norm=0.1), four_pack_trainer(nvme_path=tmp_path, max_grad_norm=0.1)
     assert tiered.plan.tier_packs == (0, 1, 2, 3)
     assert not [a for forward, backward in tiered.hm.device_actions for a in forward + backward if a.stream.name == "IO"]
-    for batch in _batches(3):
+    for batch in regression_batches(3):
         assert torch.equal(reference.step(batch), tiered.step(batch))
     clipped = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in tiered.model.parameters()]))
     assert clipped == pytest.approx(0.1, rel=1e-4)  # the gradients were clipped, not merely small
     _assert_same(reference, tiered)
     assert _held_state_bytes(reference.optimizer) - _held_state_bytes(tiered.optimizer) == tiered.plan.tier_bytes
     tiered.flush()
-    stored = sum(t[5] for entry in _files_check(tmp_path)["packs"].values() for t in entry["tensors"])
+    stored = sum(t[5] for entry in tier_files_check(tmp_path)["packs"].values() for t in entry["tensors"])
     assert tiered.stats.tier_bytes == {"read": stored, "write": stored} and stored == tiered.plan.tier_bytes
 
 
 def test_a_batch_of_another_size_streams_the_tier_through_its_final_update(tmp_path):
     """A smaller batch (a DataLoader's last) is cut into other packs than the tier's files: its
     programs update nothing, and the step's final update streams each tiered pack in turn."""
-    reference, tiered = _trainer(), _trainer(nvme_path=tmp_path)
-    batches = _batches(3)
+    reference, tiered = four_pack_trainer(), four_pack_trainer(nvme_path=tmp_path)
+    batches = regression_batches(3)
     small = tuple(t[:12] for t in batches[1])
     for batch in [batches[0], small, batches[2], small]:
         assert torch.equal(reference.step(batch), tiered.step(batch))
@@ -300,14 +250,14 @@ def test_a_batch_of_another_size_streams_the_tier_through_its_final_update(tmp_p
     _assert_same(reference, tiered)
     tiered.flush()
     assert _held_state_bytes(reference.optimizer) - _held_state_bytes(tiered.optimizer) == tiered.plan.tier_bytes
-    _files_check(tmp_path)
+    tier_files_check(tmp_path)
 
 
 def test_refusals_say_what_to_do(tmp_path):
-    model = _model()
+    model = four_pack_model()
     with pytest.raises(ValueError, match="options of harmony_fx.Trainer"):
         harmony_fx.compile(model, (torch.randn(4, 32),), nvme_path=tmp_path)
     with pytest.raises(ValueError, match="nvme_path="):
-        _trainer(host_memory="10KiB")
+        four_pack_trainer(host_memory="10KiB")
     with pytest.raises(ValueError, match="raise host_memory to at least"):
-        _trainer(nvme_path=tmp_path, host_memory="10KiB")
+        four_pack_trainer(nvme_path=tmp_path, host_memory="10KiB")

@@ -18,21 +18,19 @@ from torch import nn
 
 import harmony_fx
 from harmony_fx.runtime import tier as tier_module
-
-from tests.training.test_trainer_tier import BOUNDARIES, _batches, _files_check, _full_state, _model, _saved
-
-
-def _trainer(**options) -> harmony_fx.Trainer:
-    model = _model()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    return harmony_fx.Trainer(model, nn.functional.mse_loss, optimizer, _batches(1)[0], microbatches=2,
-                              pack_boundaries=BOUNDARIES, precision="bf16", **options)
+from tests.helpers import four_pack_trainer, optimizer_states, regression_batches, saved_checkpoint, tier_files_check
 
 
-def _least_host_memory(tmp_path, **options) -> int:
-    """The smallest ``host_memory`` the refusal of a smaller one names (rounded up to whole KiB)."""
+def _bf16_trainer(**options) -> harmony_fx.Trainer:
+    """``four_pack_trainer`` computing in bf16 (fp32 masters on the host, or on the tier)."""
+    return four_pack_trainer(precision="bf16", **options)
+
+
+def _least_host_memory(tmp_path, build=_bf16_trainer, **options) -> int:
+    """The smallest ``host_memory`` the refusal of a smaller one names (rounded up to whole KiB), for
+    the trainer ``build`` makes."""
     with pytest.raises(ValueError, match="raise host_memory to at least") as refused:
-        _trainer(nvme_path=tmp_path / "refused", host_memory="1KiB", **options)
+        build(nvme_path=tmp_path / "refused", host_memory="1KiB", **options)
     return int(float(re.search(r"at least ([\d.]+) KiB", str(refused.value)).group(1)) + 1) * 1024
 
 
@@ -53,19 +51,19 @@ def _assert_same(reference: harmony_fx.Trainer, tiered: harmony_fx.Trainer) -> N
     for p, q in zip(reference.model.parameters(), tiered.model.parameters()):
         assert q.dtype == torch.bfloat16 and torch.equal(q, p.to(torch.bfloat16))
         assert q.grad.dtype == torch.float32 and torch.equal(q.grad, p.grad)
-    for x, y in zip(_full_state(reference), _full_state(tiered)):
+    for x, y in zip(optimizer_states(reference), optimizer_states(tiered)):
         assert x.keys() == y.keys() and all(torch.equal(x[key], y[key]) for key in x)
 
 
 def test_masters_follow_the_state_and_train_like_host_memory_bitwise(tmp_path):
     least = _least_host_memory(tmp_path)
-    state_only = _trainer(nvme_path=tmp_path / "state")  # no limit: the optimizer state alone moves
+    state_only = _bf16_trainer(nvme_path=tmp_path / "state")  # no limit: the optimizer state alone moves
     assert state_only.plan.tier_packs == (0, 1, 2, 3) and state_only.plan.tier_master_packs == ()
-    tiered = _trainer(nvme_path=tmp_path / "masters", host_memory=least)
+    tiered = _bf16_trainer(nvme_path=tmp_path / "masters", host_memory=least)
     assert tiered.plan.tier_master_packs == (0, 1, 2, 3) and tiered.plan.host_bytes <= least
     assert "fp32 masters of p0 p1 p2 p3" in tiered.plan.tier_line()
-    reference = _trainer()
-    for batch in _batches(5):
+    reference = _bf16_trainer()
+    for batch in regression_batches(5):
         assert torch.equal(reference.step(batch), tiered.step(batch))
         state_only.step(batch)
     tiered.flush()
@@ -78,7 +76,7 @@ def test_masters_follow_the_state_and_train_like_host_memory_bitwise(tmp_path):
     params = sum(p.numel() for p in reference.model.parameters())
     assert _weight_bytes_held(state_only) - _weight_bytes_held(tiered) == 4 * params  # 6 B a parameter -> 2 B
     # each file holds every parameter's fp32 master beside its state, read and written once a step
-    manifest = _files_check(tmp_path / "masters")
+    manifest = tier_files_check(tmp_path / "masters")
     stored = [t for entry in manifest["packs"].values() for t in entry["tensors"]]
     masters = [t for t in stored if t[1] == tier_module.MASTER_KEY]
     assert len(masters) == len(list(reference.model.parameters())) and {t[2] for t in masters} == {"float32"}
@@ -93,7 +91,7 @@ def _deep_trainer(**options) -> harmony_fx.Trainer:
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Linear(32, 32) for _ in range(23)], nn.Linear(32, 4))
     return harmony_fx.Trainer(model, nn.functional.mse_loss, torch.optim.AdamW(model.parameters(), lr=1e-2),
-                              _batches(1)[0], microbatches=2, pack_boundaries=(0, 6, 12, 18), precision="bf16",
+                              regression_batches(1)[0], microbatches=2, pack_boundaries=(0, 6, 12, 18), precision="bf16",
                               **options)
 
 
@@ -101,17 +99,15 @@ def _deep_trainer(**options) -> harmony_fx.Trainer:
 def test_a_failed_write_undoes_the_step_masters_and_copies_included(tmp_path, monkeypatch, atomic):
     """With ``atomic=False`` too: the committed masters restore their bf16 copies without any copy
     kept (the steps after differ then: Adam's step counts are not put back)."""
-    with pytest.raises(ValueError, match="raise host_memory to at least") as refused:
-        _deep_trainer(nvme_path=tmp_path / "refused", host_memory="1KiB", atomic=atomic)
-    least = int(float(re.search(r"at least ([\d.]+) KiB", str(refused.value)).group(1)) + 1) * 1024
+    least = _least_host_memory(tmp_path, _deep_trainer, atomic=atomic)
     reference, tiered = _deep_trainer(), _deep_trainer(nvme_path=tmp_path / "tier", host_memory=least, atomic=atomic)
     assert tiered.plan.tier_master_packs == (0, 1, 2, 3)
-    batches = _batches(4)
+    batches = regression_batches(4)
     for batch in batches[:2]:
         reference.step(batch)
         tiered.step(batch)
     tiered.flush()
-    before = _files_check(tmp_path / "tier")
+    before = tier_files_check(tmp_path / "tier")
     masters = _masters(tiered)
     copies = [p.detach().clone() for p in tiered.model.parameters()]
     real_finish, calls = tier_module._FileWriter.finish, []
@@ -127,7 +123,7 @@ def test_a_failed_write_undoes_the_step_masters_and_copies_included(tmp_path, mo
         tiered.step(batches[2])
         tiered.flush()
     monkeypatch.setattr(tier_module._FileWriter, "finish", real_finish)
-    assert _files_check(tmp_path / "tier") == before and tiered.step_count == 2
+    assert tier_files_check(tmp_path / "tier") == before and tiered.step_count == 2
     # the packs updated before the failure got their bf16 copies back from the committed masters
     assert all(torch.equal(p, c) for p, c in zip(tiered.model.parameters(), copies))
     after = _masters(tiered)
@@ -143,16 +139,16 @@ def test_a_failed_write_undoes_the_step_masters_and_copies_included(tmp_path, mo
 @pytest.mark.parametrize("folder", [False, True], ids=["file", "folder"])
 def test_resume_holds_the_fp32_masters_and_is_bit_identical(tmp_path, folder):
     least = _least_host_memory(tmp_path)
-    batches = _batches(4)
-    first = _trainer(nvme_path=tmp_path / "tier-a", host_memory=least)
+    batches = regression_batches(4)
+    first = _bf16_trainer(nvme_path=tmp_path / "tier-a", host_memory=least)
     for batch in batches[:2]:
         first.step(batch)
-    path = _saved(first, tmp_path, folder)
+    path = saved_checkpoint(first, tmp_path, folder)
     if not folder:
         saved = torch.load(path, weights_only=True)["model"]
         assert {t.dtype for t in saved.values()} == {torch.float32}  # the masters, not their bf16 copies
     later = [first.step(batch) for batch in batches[2:]]
-    resumed = _trainer(nvme_path=tmp_path / "tier-b", host_memory=least)
+    resumed = _bf16_trainer(nvme_path=tmp_path / "tier-b", host_memory=least)
     resumed.load(path)
     assert {p.dtype for p in resumed.model.parameters()} == {torch.bfloat16}  # the masters back on the tier
     assert [resumed.step(batch) for batch in batches[2:]] == later
@@ -161,8 +157,8 @@ def test_resume_holds_the_fp32_masters_and_is_bit_identical(tmp_path, folder):
 
 
 def test_close_gives_the_model_its_fp32_parameters_back(tmp_path):
-    reference, tiered = _trainer(), _trainer(nvme_path=tmp_path / "tier", host_memory=_least_host_memory(tmp_path))
-    for batch in _batches(2):
+    reference, tiered = _bf16_trainer(), _bf16_trainer(nvme_path=tmp_path / "tier", host_memory=_least_host_memory(tmp_path))
+    for batch in regression_batches(2):
         reference.step(batch)
         tiered.step(batch)
     tiered.close()
@@ -176,11 +172,11 @@ def test_two_devices_hold_the_weight_copies_the_plan_counts(tmp_path, parallel):
     that runs the pack. With the masters on the tier, neither stages any: the parameters are the copies."""
     options = dict(devices=2, parallel=parallel)
     least = _least_host_memory(tmp_path, **options)
-    reference = _trainer(**options)
-    state_only = _trainer(nvme_path=tmp_path / "state", **options)
-    tiered = _trainer(nvme_path=tmp_path / "masters", host_memory=least, **options)
+    reference = _bf16_trainer(**options)
+    state_only = _bf16_trainer(nvme_path=tmp_path / "state", **options)
+    tiered = _bf16_trainer(nvme_path=tmp_path / "masters", host_memory=least, **options)
     assert tiered.plan.tier_master_packs == (0, 1, 2, 3)
-    for batch in _batches(2):
+    for batch in regression_batches(2):
         assert torch.equal(reference.step(batch), tiered.step(batch))
         state_only.step(batch)
     tiered.flush()
@@ -196,10 +192,10 @@ def test_two_devices_hold_the_weight_copies_the_plan_counts(tmp_path, parallel):
 
 def test_clipping_with_the_masters_on_the_tier(tmp_path):
     least = _least_host_memory(tmp_path, max_grad_norm=0.1)
-    reference = _trainer(max_grad_norm=0.1)
-    tiered = _trainer(nvme_path=tmp_path / "tier", host_memory=least, max_grad_norm=0.1)
+    reference = _bf16_trainer(max_grad_norm=0.1)
+    tiered = _bf16_trainer(nvme_path=tmp_path / "tier", host_memory=least, max_grad_norm=0.1)
     assert tiered.plan.tier_master_packs == (0, 1, 2, 3)
-    for batch in _batches(3):
+    for batch in regression_batches(3):
         assert torch.equal(reference.step(batch), tiered.step(batch))
     tiered.flush()
     _assert_same(reference, tiered)
@@ -207,8 +203,8 @@ def test_clipping_with_the_masters_on_the_tier(tmp_path):
 
 def test_a_smaller_batch_with_the_masters_on_the_tier(tmp_path):
     least = _least_host_memory(tmp_path)
-    reference, tiered = _trainer(), _trainer(nvme_path=tmp_path / "tier", host_memory=least)
-    batches = _batches(2)
+    reference, tiered = _bf16_trainer(), _bf16_trainer(nvme_path=tmp_path / "tier", host_memory=least)
+    batches = regression_batches(2)
     small = tuple(t[:12] for t in batches[1])
     for batch in [batches[0], small, batches[1]]:
         assert torch.equal(reference.step(batch), tiered.step(batch))
