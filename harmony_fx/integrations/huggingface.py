@@ -70,7 +70,10 @@ class HarmonyTrainer(transformers.Trainer):
     ``harmony_options``: ``harmony_fx.compile``'s options (``memory_budget``, ``devices``,
     ``microbatches``, ``precision``, ...) and ``harmony_fx.Trainer``'s ``skip_nonfinite`` and
     ``atomic``; the ``HARMONY_FX_*`` environment variables fill in those it does not name.
-    ``TrainingArguments(bf16=True)`` is ``precision="bf16"``; ``microbatches`` defaults to
+    ``TrainingArguments(bf16=True)`` is bfloat16 autocast around each step and evaluation, as
+    ``transformers.Trainer`` computes (fp32 weights; harmony runs every pack's forward and recompute
+    under it); ``harmony_options={"precision": "bf16"}`` is harmony's own bfloat16 (weights and
+    transfers in bf16, fp32 masters on the host). ``microbatches`` defaults to
     ``gradient_accumulation_steps``. Every other argument is ``transformers.Trainer``'s.
 
     ``harmony`` is the ``harmony_fx.Trainer`` once the first step made it (``harmony.stats``: the
@@ -102,7 +105,7 @@ class HarmonyTrainer(transformers.Trainer):
     def _build_accelerator_args(self, **kwargs: Any) -> dict[str, Any]:
         arguments = super()._build_accelerator_args(**kwargs)
         # accelerate would move the model and each batch to the GPU and wrap the forward in autocast:
-        # harmony moves what each pack needs, and computes in bf16 under precision="bf16"
+        # harmony moves what each pack needs, and the step runs under this trainer's own autocast
         arguments.update(device_placement=False, mixed_precision="no")
         return arguments
 
@@ -138,7 +141,8 @@ class HarmonyTrainer(transformers.Trainer):
         if self.model_accepts_loss_kwargs and num_items_in_batch is not None:
             batch["num_items_in_batch"] = torch.as_tensor(num_items_in_batch).detach().cpu()
         self.model.train()
-        loss = self._harmony_for(batch).step(batch)
+        with self._autocast():
+            loss = self._harmony_for(batch).step(batch)
         return loss.detach().to(self.args.device)
 
     def _clip_grad_norm(self, model: nn.Module) -> torch.Tensor:
@@ -162,7 +166,8 @@ class HarmonyTrainer(transformers.Trainer):
         """transformers' ``prediction_step`` with the model's forward run by harmony, forward-only
         (``evaluate``, ``predict``): each batch shape is compiled on its first call and kept."""
         self.model.eval()  # harmony compiles the call in the model's state (dropout off)
-        return super().prediction_step(self._forward(), inputs, prediction_loss_only, ignore_keys=ignore_keys)
+        with self._autocast():
+            return super().prediction_step(self._forward(), inputs, prediction_loss_only, ignore_keys=ignore_keys)
 
     def compute_loss(self, model: nn.Module, inputs: dict[str, Any], return_outputs: bool = False,
                      num_items_in_batch: torch.Tensor | int | None = None):
@@ -185,6 +190,11 @@ class HarmonyTrainer(transformers.Trainer):
         return data
 
     # ------------------------------------------------------------------ helpers
+    def _autocast(self):
+        """``bf16=True``: autocast on the device type harmony computes on (a HostDevice: the CPU's),
+        as accelerate applies it around transformers' forward; harmony keys the call by it."""
+        return torch.autocast(self.args.device.type, dtype=torch.bfloat16, enabled=bool(self.args.bf16))
+
     def _pad_token_id(self) -> int:
         for source in (self.processing_class, getattr(self.model, "config", None)):
             pad = getattr(source, "pad_token_id", None)
@@ -237,12 +247,11 @@ class _SteppedByHarmony(torch.optim.Optimizer):
 
 
 def _with_training_arguments(options: dict[str, Any], args: transformers.TrainingArguments) -> dict[str, Any]:
-    """Harmony's options with what ``TrainingArguments`` says about them: ``bf16``."""
-    if args.bf16:
-        if options.get("precision", "bf16") != "bf16":
-            raise ValueError(f"TrainingArguments(bf16=True) and harmony_options precision={options['precision']!r} "
-                             "disagree; drop one of them")
-        options["precision"] = "bf16"
+    """Harmony's options with what ``TrainingArguments`` says about them."""
+    if args.bf16 and options.get("precision") is not None:
+        raise ValueError(f"{DOOR}: TrainingArguments(bf16=True) (bfloat16 autocast, as transformers.Trainer) and "
+                         f"harmony_options precision={options['precision']!r} (harmony's own weights-and-transfers "
+                         "precision) are two kinds of mixed precision; pass one of them")
     return options
 
 

@@ -198,3 +198,24 @@ def test_harmony_imports_without_the_hf_extra():
     result = subprocess.run([sys.executable, "-c", hide + check], capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert result.returncode == 0, result.stderr
     assert "pip install 'harmony-fx[hf]'" in result.stdout
+
+
+def test_bf16_is_autocast_as_in_transformers_trainer(tmp_path):
+    """``bf16=True``: each step runs under bfloat16 autocast as transformers' does (fp32 weights),
+    through harmony's packs under half the budget; the losses are eager's, and not fp32's."""
+    arguments = {"bf16": True, "max_steps": 4, "eval_strategy": "no", "save_strategy": "no"}
+    _, eager_steps, _ = _train(transformers.Trainer, build_hf_model("llama"), tmp_path / "eager", arguments=arguments)
+    trainer, steps, _ = _train(HarmonyTrainer, build_hf_model("llama"), tmp_path / "harmony", arguments=arguments,
+                               harmony_options={"memory_budget": "1MiB"})
+    _, fp32_steps, _ = _train(transformers.Trainer, build_hf_model("llama"), tmp_path / "fp32",
+                              arguments={**arguments, "bf16": False})
+    _assert_same_steps(steps, eager_steps)
+    assert [loss for loss, _, _ in steps.values()] != [loss for loss, _, _ in fp32_steps.values()]
+    assert len(trainer.harmony.plan.packs) > 1
+    assert next(iter(trainer.model.parameters())).dtype == torch.float32
+
+
+def test_bf16_and_harmonys_own_precision_together_are_refused(tmp_path):
+    with pytest.raises(ValueError, match="two kinds of mixed precision"):
+        HarmonyTrainer(model=build_hf_model("llama"), args=_arguments(tmp_path, bf16=True),
+                       train_dataset=_Tokens(8, seed=0), harmony_options={"precision": "bf16"})
