@@ -219,3 +219,38 @@ def test_bf16_and_harmonys_own_precision_together_are_refused(tmp_path):
     with pytest.raises(ValueError, match="two kinds of mixed precision"):
         HarmonyTrainer(model=build_hf_model("llama"), args=_arguments(tmp_path, bf16=True),
                        train_dataset=_Tokens(8, seed=0), harmony_options={"precision": "bf16"})
+
+
+def test_lora_over_a_bf16_base_keeps_and_moves_the_frozen_weights_in_bf16(tmp_path):
+    """The usual way to halve the frozen weights' bytes: the base in bfloat16, the adapters in fp32.
+    Harmony keeps the model's own tensors as its host masters and moves each weight in its dtype: the
+    planned weight bytes are the model's own (2 per frozen parameter), the measured copies equal the
+    plan, the weight gradients leaving the device are the fp32 adapters' bytes, and the losses
+    equal eager's on the same mixed model."""
+    peft = pytest.importorskip("peft")
+
+    def lora_model():
+        config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
+        model = peft.get_peft_model(build_hf_model("llama").to(torch.bfloat16), config)
+        for param in model.parameters():
+            if param.requires_grad:
+                param.data = param.data.float()
+        return model
+
+    arguments = {"eval_strategy": "no", "save_strategy": "no", "max_steps": 3}
+    _, eager_steps, _ = _train(transformers.Trainer, lora_model(), tmp_path / "eager", arguments=arguments)
+    model = lora_model()
+    trainer, steps, _ = _train(HarmonyTrainer, model, tmp_path / "harmony", arguments=arguments,
+                               harmony_options={"memory_budget": "1MiB"})
+    _assert_same_steps(steps, eager_steps)
+    frozen = [p for p in model.parameters() if not p.requires_grad]
+    adapters = [p for p in model.parameters() if p.requires_grad]
+    assert {p.dtype for p in frozen} == {torch.bfloat16} and {p.dtype for p in adapters} == {torch.float32}
+    # the packs' weights: every parameter in its own dtype, and the buffers the graph reads (of
+    # the model's: the rotary frequencies)
+    param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    buffer_bytes = sum(b.numel() * b.element_size() for b in model.buffers())
+    assert param_bytes <= sum(pack.weight_bytes for pack in trainer.harmony.plan.packs) <= param_bytes + buffer_bytes
+    moved = trainer.harmony.stats.as_dict()["bytes_by_kind"]
+    assert moved == trainer.harmony.plan.predicted_bytes
+    assert moved["d2h/wgrad"] == sum(p.numel() * p.element_size() for p in adapters)
