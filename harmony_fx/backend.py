@@ -17,6 +17,11 @@ state with the call's activations. The backend
    into their ``.grad``, buffer updates (BatchNorm statistics) land in the model's buffers;
 3. calls the harmony module with the activations; a new activation shape gets its own program.
 
+A call that compiles raises what the compile raised. Dynamo calls the same compiled frame again on
+the next call, so a ``BudgetTooSmallError`` (no packing of this graph fits the budget at these
+shapes) is remembered and raised again without planning anew: it cannot change for the same graph,
+shapes and options.
+
 Microbatches run the graph at a smaller batch, so its batch dim must be symbolic: with Dynamo's
 default static shapes the batch size is baked into the graph (``x.view(8, -1)``), and the backend
 refuses ``microbatches > 1`` and says to compile with ``dynamic=True`` (or ``mark_dynamic``).
@@ -41,6 +46,7 @@ from torch import fx, nn
 from torch.fx import traceback as fx_traceback
 
 from harmony_fx.api import HarmonyModule, compile as harmony_compile
+from harmony_fx.compiler.packing import BudgetTooSmallError
 from harmony_fx.config import check_option_names, option_names, with_environment
 
 __all__ = ["harmony"]
@@ -179,6 +185,7 @@ class _Compiled:
     def __init__(self, gm: fx.GraphModule, inputs: Sequence[_Input], options: dict) -> None:
         self.gm, self.inputs, self.options = gm, list(inputs), options
         self.modules: dict[tuple, tuple[_DynamoGraph, HarmonyModule]] = {}
+        self.refusals: dict[tuple, BudgetTooSmallError] = {}  # activation shapes -> the compile's refusal
 
     @property
     def harmony_modules(self) -> list[HarmonyModule]:
@@ -189,8 +196,17 @@ class _Compiled:
         activations = [arg for arg, item in zip(args, self.inputs) if item.kind == _Kind.ACTIVATION]
         key = tuple((tuple(x.shape), x.dtype, x.requires_grad) for x in activations)
         if key not in self.modules:
+            refusal = self.refusals.get(key)
+            if refusal is not None:
+                raise refusal.with_traceback(None)
             module = _DynamoGraph(self.gm, self.inputs, args)
-            self.modules[key] = module, harmony_compile(module, tuple(activations), **self.options)
+            try:
+                self.modules[key] = module, harmony_compile(module, tuple(activations), **self.options)
+            except BudgetTooSmallError as error:
+                error.add_note("harmony_fx: remembered for this graph at these shapes and options: later calls raise "
+                               "it again without planning")
+                self.refusals[key] = error
+                raise
         module, hm = self.modules[key]
         self._check_state(module, args)
         return hm(*activations)

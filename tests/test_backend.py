@@ -156,3 +156,34 @@ def test_options_come_from_the_environment_where_the_code_passes_none(monkeypatc
     (hm,) = compiled[0].harmony_modules
     assert hm.options.memory_budget == 3 * 2**20
     assert hm.num_microbatches == 2
+
+
+def test_a_refused_budget_is_remembered_for_the_same_graph_and_shapes(monkeypatch):
+    """Dynamo calls the compiled frame again on every call: a budget no packing fits is refused
+    once by planning and after that from memory, the same error; another shape is planned anew."""
+    import harmony_fx.backend as backend
+    from harmony_fx import BudgetTooSmallError
+
+    compiles = []
+
+    def counting_compile(*args, **kwargs):
+        compiles.append(args[1][0].shape)
+        return harmony_compile(*args, **kwargs)
+
+    harmony_compile = backend.harmony_compile
+    monkeypatch.setattr(backend, "harmony_compile", counting_compile)
+    torch.manual_seed(0)
+    compiled = torch.compile(MLPChain(width=16, depth=4), backend="harmony",
+                             options={"memory_budget": 1000, "devices": ["host:0"]})
+    x = torch.randn(8, 16)
+    refusals = []
+    for _ in range(3):
+        with pytest.raises(BudgetTooSmallError) as info:
+            compiled(x)
+        refusals.append(info.value)
+    assert compiles == [x.shape]
+    assert all(r.smallest_budget == refusals[0].smallest_budget > 1000 for r in refusals)
+    assert "remembered" in "\n".join(getattr(refusals[-1], "__notes__", []))
+    with pytest.raises(BudgetTooSmallError):
+        compiled(torch.randn(4, 16))  # another shape: Dynamo's graph is new or dynamic, planned again
+    assert len(compiles) == 2
