@@ -3,25 +3,46 @@ a HostDevice spec.
 
 The planner is handed numbers; it never runs the compiler. Measuring them does: besides matmul
 FLOP/s (fp32, bf16) and memcpy bandwidth, the runtime's own cost per compute task and per op
-(Python, autograd, the copies' and waits' bookkeeping) is timed on two compiled MLPs, so this
-module sits above the compiler and the runtime and below the front door (``api``, whose
-``plot_memory`` predicts with it).
+(Python, autograd, the copies' and waits' bookkeeping) is timed on two compiled MLPs, in each mode
+a run can be in: untracked (the default), with every tensor counted (``track_memory``, and a
+recorded timeline's memory on a HostDevice) and with the timeline recorded. So this module sits
+above the compiler and the runtime and below the front door (``api``, whose ``plot_memory``
+predicts with it).
 
-Two functions do the work, so either can change alone: ``measure_host()`` measures (about 2 s);
-``host_figures()`` loads the figures from the cache file, and on a miss measures and stores them
-(``~/.cache/harmony_fx/host_spec.json``, or under ``HARMONY_FX_CACHE``; one entry per torch
-version, core count and thread count; a read-only home measures again next time).
+A calibration taken while the machine is busy is wrong for every later prediction (a 40x slower
+machine model was once cached this way), so it is measured, kept and checked with that in mind:
+
+* ``measure_host()`` (a few seconds) takes each figure as the best of several short trials (the
+  machine's speed, not its load at one instant) and keeps, with each, its spread (the median
+  trial over the best: 1.0 when nothing disturbed them) and the load average per core it saw.
+* ``host_calibration()`` reads the cache file (``~/.cache/harmony_fx/host_spec.json``, or under
+  ``HARMONY_FX_CACHE``; one entry per torch version, CPU, core count and thread count) and uses an
+  entry only if it is plausible (``Calibration.problems``: sane values, a small spread, a quiet
+  machine, newer than the torch build) and agrees within 2x with a quick re-measure of matmul and
+  copy speed (some 20 ms). Otherwise it measures again and keeps, figure by figure, the faster of
+  the two (a busy moment makes a figure slower, never faster); a figure still implausible then is
+  used with a warning, never silently.
+* ``check_prediction(measured, predicted)``: a run more than 2x off its prediction measures again,
+  once per process (``plot_memory`` and ``harmony-fx demo`` call it).
+
+``harmony-fx calibrate`` shows the entry and its checks; ``--refresh`` measures it afresh.
 ``measure_local()`` is the spec, ``get_spec(name)`` a preset or ``"host"``, ``spec_for(device)``
 the spec a compiled module's device is predicted with.
 """
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import json
+import math
 import os
 import pathlib
+import platform
+import re
+import statistics
 import time
+import warnings
 
 import torch
 
@@ -35,10 +56,105 @@ from harmony_fx.planner.specs import DeviceSpec, get_spec as preset, host_measur
 from harmony_fx.runtime.autograd import HarmonyFunction
 from harmony_fx.runtime.session import Session
 
-__all__ = ["measure_host", "host_figures", "measure_local", "get_spec", "spec_for", "cache_path"]
+__all__ = ["Calibration", "measure_host", "checked", "host_calibration", "host_figures", "check_prediction", "recalibrate",
+           "measure_local", "get_spec", "spec_for", "cache_path", "cache_key"]
 
-# v2: the runtime without per-tensor tracking (its default since compiled packs)
-CACHE_VERSION = "v2"
+# v3: each figure with its spread and load; the runtime's cost in each mode (tracked, recorded)
+CACHE_VERSION = "v3"
+
+RATES = ("fp32", "bf16", "copy")  # higher is faster
+# the runtime's seconds per compute task and per op, untracked, then the extra of counting every
+# tensor (``track_``) and of recording the timeline (``record_``): taken together, from one timing
+RUNTIME = ("task", "op", "track_task", "track_op", "record_task", "record_op")
+FIGURES = RATES + RUNTIME
+
+SPREAD_LIMIT = 2.0   # a figure whose median trial took more than this times its best was disturbed
+LOAD_LIMIT = 1.5     # runnable tasks per core while measuring, above which the machine was busy
+DISAGREEMENT = 2.0   # a stored figure, or a run's time, this many times off what it is checked against
+# what a HostDevice's figures can be at all: FLOP/s and bytes/s, seconds per task and per op
+_BOUNDS = {"fp32": (1e7, 1e15), "bf16": (1e7, 1e16), "copy": (1e7, 1e13), "task": (0.0, 0.1), "op": (0.0, 0.01),
+           "track_task": (0.0, 0.1), "track_op": (0.0, 0.01), "record_task": (0.0, 0.1), "record_op": (0.0, 0.01)}
+
+
+@dataclasses.dataclass(frozen=True)
+class Calibration:
+    """This machine's figures (``FIGURES``), each with its ``spread`` (median trial over best) and
+    the ``load`` average per core while it was measured; ``measured_at``: seconds since the epoch."""
+
+    figures: dict[str, float]
+    spread: dict[str, float]
+    load: dict[str, float]
+    measured_at: float
+
+    def problems(self, built_at: float | None = None) -> list[str]:
+        """Why these figures should not be used as they are (empty: plausible). ``built_at``: when
+        torch was installed (``torch_built_at()``); figures older than it are stale."""
+        found = []
+        for name in FIGURES:
+            value = self.figures.get(name)
+            low, high = _BOUNDS[name]
+            if not isinstance(value, (int, float)) or not math.isfinite(value) or not low <= value <= high:
+                found.append(f"{name} = {value!r} is not a figure this machine can have ({low:g} to {high:g})")
+            elif self.spread.get(name, math.inf) > SPREAD_LIMIT:
+                found.append(f"{name}'s trials were {self.spread.get(name, math.inf):.1f}x apart (the machine was busy)")
+            elif self.load.get(name, math.inf) > LOAD_LIMIT:
+                found.append(f"{name} was measured under a load of {self.load.get(name, math.inf):.1f} per core")
+        if built_at is not None and self.measured_at < built_at:
+            found.append("measured before this torch build was installed")
+        return found
+
+    def merged(self, other: "Calibration") -> "Calibration":
+        """Figure by figure, the better of ``self`` and ``other`` (its spread and load with it): a
+        plausible figure over a doubtful one, else the faster (a busy moment slows a measurement
+        down, it never speeds one up). The runtime's figures are taken together (they are solved
+        together), by their cost per task."""
+        figures, spread, load = dict(self.figures), dict(self.spread), dict(self.load)
+        groups = [((name,), lambda c, name=name: -c.figures[name]) for name in RATES]
+        groups.append((RUNTIME, lambda c: c.figures["task"]))
+        for names, cost in groups:
+            if _rank(other, names, cost) < _rank(self, names, cost):
+                for name in names:
+                    figures[name], spread[name], load[name] = other.figures[name], other.spread[name], other.load[name]
+        return Calibration(figures, spread, load, max(self.measured_at, other.measured_at))
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, entry: object) -> "Calibration | None":
+        """An entry of the cache file, or ``None`` when it is not one (another version's, edited)."""
+        try:
+            return cls({k: float(v) for k, v in entry["figures"].items()},
+                       {k: float(v) for k, v in entry["spread"].items()},
+                       {k: float(v) for k, v in entry["load"].items()}, float(entry["measured_at"]))
+        except (KeyError, TypeError, ValueError, AttributeError):
+            return None
+
+    def describe(self) -> str:
+        """One line per figure: its value, spread and load, for ``harmony-fx calibrate``."""
+        units = {"fp32": ("GFLOP/s", 1e-9), "bf16": ("GFLOP/s", 1e-9), "copy": ("GB/s", 1e-9)}
+        lines = []
+        for name in FIGURES:
+            unit, scale = units.get(name, ("us", 1e6))
+            value = self.figures.get(name, math.nan) * scale
+            lines.append(f"  {name:<12} {value:>10.3f} {unit:<8} spread {self.spread.get(name, math.nan):.2f}x, "
+                         f"load {self.load.get(name, math.nan):.2f} per core")
+        return "\n".join(lines)
+
+
+def _rank(calibration: Calibration, names: tuple[str, ...], cost) -> tuple[int, float]:
+    """Lower is better: valid before invalid, plausible before doubtful, then cheaper."""
+    if not all(_valid(calibration, name) for name in names):
+        return (2, 0.0)
+    doubtful = any(calibration.spread.get(name, math.inf) > SPREAD_LIMIT or calibration.load.get(name, math.inf) > LOAD_LIMIT
+                   for name in names)
+    return (int(doubtful), cost(calibration))
+
+
+def _valid(calibration: Calibration, name: str) -> bool:
+    value = calibration.figures.get(name)
+    low, high = _BOUNDS[name]
+    return isinstance(value, float) and math.isfinite(value) and low <= value <= high
 
 
 def cache_path() -> pathlib.Path:
@@ -47,43 +163,148 @@ def cache_path() -> pathlib.Path:
     return folder / "host_spec.json"
 
 
-def host_figures() -> dict[str, float]:
-    """This machine's figures (``measure_host``'s keys), from the cache file; measured and stored
-    there when it has none for this torch version, core count and thread count."""
-    key = f"{CACHE_VERSION}-torch{torch.__version__}-cpus{os.cpu_count()}-threads{torch.get_num_threads()}"
-    path = cache_path()
-    try:
-        cached = json.loads(path.read_text())
-    except (OSError, ValueError):
-        cached = {}
-    if key not in cached:
-        cached[key] = measure_host()
-        with contextlib.suppress(OSError):  # a read-only home: measured again next time
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(json.dumps(cached, indent=2))
-    return cached[key]
-
-
-def measure_host() -> dict[str, float]:
-    """``{"fp32", "bf16"}``: matmul FLOP/s; ``"copy"``: memcpy bytes/s; ``"task"`` and ``"op"``:
-    the runtime's seconds per compute task and per op beyond its FLOPs and bytes."""
-    figures = {dtype: _matmul_flops(getattr(torch, name)) for dtype, name in (("fp32", "float32"), ("bf16", "bfloat16"))}
-    src = torch.empty(16 * 2**20, dtype=torch.uint8)
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    start = time.perf_counter()
-    for _ in range(4):
-        dst.copy_(src)
-    figures["copy"] = 4 * src.numel() / (time.perf_counter() - start)
-    figures["task"], figures["op"] = _runtime_overheads(figures["fp32"], figures["copy"])
-    return figures
+def cache_key() -> str:
+    """This machine's entry in the cache file: the version of the figures, torch's, the CPU's model,
+    its core count and torch's thread count (another of any is measured anew)."""
+    return (f"{CACHE_VERSION}-torch{torch.__version__}-{_cpu_name()}-cpus{os.cpu_count()}"
+            f"-threads{torch.get_num_threads()}")
 
 
 @functools.lru_cache(maxsize=None)
-def measure_local(memory: int | str | None = None) -> DeviceSpec:
+def _cpu_name() -> str:
+    with contextlib.suppress(OSError):
+        for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return re.sub(r"[^A-Za-z0-9]+", "_", line.split(":", 1)[1]).strip("_")
+    return re.sub(r"[^A-Za-z0-9]+", "_", platform.processor() or platform.machine()).strip("_")
+
+
+def torch_built_at() -> float:
+    """When this torch was installed (its library file's modification time): figures measured
+    before it timed another build."""
+    return os.path.getmtime(torch._C.__file__)
+
+
+def stored() -> Calibration | None:
+    """This machine's entry of the cache file, unchecked (``None``: there is none)."""
+    return Calibration.from_json(_read_cache().get(cache_key()))
+
+
+def _read_cache() -> dict:
+    try:
+        cached = json.loads(cache_path().read_text())
+    except (OSError, ValueError):
+        return {}
+    return cached if isinstance(cached, dict) else {}
+
+
+def _store(calibration: Calibration) -> None:
+    cached = _read_cache()
+    cached[cache_key()] = calibration.to_json()
+    path = cache_path()
+    with contextlib.suppress(OSError):  # a read-only home: measured again next time
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(cached, indent=2))
+
+
+def review(calibration: Calibration | None) -> list[str]:
+    """Why ``calibration`` (the stored entry) should be measured again: its own problems, and any
+    figure a quick re-measure finds more than ``DISAGREEMENT`` times faster (it was taken while the
+    machine was busy). Empty: use it."""
+    if calibration is None:
+        return ["nothing stored for this machine"]
+    found = calibration.problems(torch_built_at())
+    probe = quick_probe()
+    for name, now in probe.items():
+        then = calibration.figures.get(name, 0.0)
+        if _valid(calibration, name) and now > DISAGREEMENT * then:
+            found.append(f"{name} measures {now / then:.0f}x faster now than stored ({now:.3g} vs {then:.3g})")
+    return found
+
+
+def checked() -> tuple[Calibration, tuple[str, ...]]:
+    """This machine's calibration, checked (``review``) once per process and measured again where
+    it fails, and why it was (empty: the stored one is used). A figure still implausible after
+    measuring is used with a warning."""
+    if "checked" not in _process:
+        _process["checked"] = _check()
+    return _process["checked"]
+
+
+# this process's calibration once checked (``checked``), or measured again (``recalibrate``)
+_process: dict[str, tuple[Calibration, tuple[str, ...]]] = {}
+
+
+def _check() -> tuple[Calibration, tuple[str, ...]]:
+    calibration = stored()
+    if calibration is not None and calibration.measured_at < torch_built_at():
+        calibration = None  # another torch build's figures: not merged with this one's
+    reasons = review(calibration)
+    if reasons:
+        measured = measure_host()
+        calibration = measured if calibration is None else calibration.merged(measured)
+        _store(calibration)
+        left = calibration.problems()
+        if left:
+            warnings.warn(f"harmony_fx: this machine's calibration is doubtful ({'; '.join(left)}); predicted "
+                          "times may be off. `harmony-fx calibrate --refresh` on a quiet machine measures it again.",
+                          stacklevel=3)
+    return calibration, tuple(reasons)
+
+
+def host_calibration() -> Calibration:
+    """This machine's calibration, checked (``checked``)."""
+    return checked()[0]
+
+
+def host_figures() -> dict[str, float]:
+    """This machine's figures (``FIGURES``), from ``host_calibration()``."""
+    return dict(host_calibration().figures)
+
+
+def recalibrate(merge: bool = True) -> Calibration:
+    """Measure now and store: merged with the stored entry, figure by figure (``merge``), or in its
+    place; this process's specs are made again from it."""
+    measured = measure_host()
+    previous = stored()
+    calibration = previous.merged(measured) if merge and previous is not None else measured
+    _store(calibration)
+    _forget()
+    _process["checked"] = (calibration, ("measured again on request",))
+    return calibration
+
+
+def check_prediction(measured_seconds: float, predicted_seconds: float) -> bool:
+    """Called with a run's time and its prediction on this machine's figures: more than
+    ``DISAGREEMENT`` times apart, the figures are measured again (once per process; merged, so a
+    busy moment now cannot make them worse). True when they changed: predict again."""
+    ratio = max(measured_seconds, predicted_seconds) / max(min(measured_seconds, predicted_seconds), 1e-12)
+    if ratio <= DISAGREEMENT or _rechecked:
+        return False
+    _rechecked.append(ratio)
+    before = host_calibration().figures
+    return recalibrate().figures != before
+
+
+_rechecked: list[float] = []  # the disagreements that measured again in this process (at most one)
+
+
+def _forget() -> None:
+    """This process's figures and specs are made again from the cache file on next use."""
+    _process.clear()
+    _local_spec.cache_clear()
+
+
+def measure_local(memory: int | str | None = None, *, tracked: bool = False, recorded: bool = False) -> DeviceSpec:
     """This machine as a HostDevice (``planner.specs.host_measured`` of ``host_figures()``), with
-    ``memory`` bytes (default: unbounded); one spec per size for the process."""
-    return host_measured(host_figures(), memory)
+    ``memory`` bytes (default: unbounded), for a run that counts every tensor (``tracked``) and
+    records its timeline (``recorded``) or not; one spec per combination for the process."""
+    return _local_spec(memory, tracked, recorded)
+
+
+@functools.lru_cache(maxsize=None)
+def _local_spec(memory: int | str | None, tracked: bool, recorded: bool) -> DeviceSpec:
+    return host_measured(host_figures(), memory, tracked=tracked, recorded=recorded)
 
 
 def get_spec(name: str) -> DeviceSpec:
@@ -91,29 +312,84 @@ def get_spec(name: str) -> DeviceSpec:
     return measure_local() if name == "host" else preset(name)
 
 
-def spec_for(device, budget: int | None = None) -> DeviceSpec:
+def spec_for(device, budget: int | None = None, *, tracked: bool = False, recorded: bool = False) -> DeviceSpec:
     """The spec a compiled module's ``device`` (a ``runtime.devices.Device``) is predicted with:
-    its GPU's preset (``planner.choose.device_spec``), or this machine measured for a HostDevice."""
-    return device_spec(device, budget) if device.torch_device.type == "cuda" else measure_local()
+    its GPU's preset (``planner.choose.device_spec``), or this machine measured for a HostDevice,
+    in the mode the run was in (``tracked``: every tensor counted; ``recorded``: the timeline)."""
+    if device.torch_device.type == "cuda":
+        return device_spec(device, budget)
+    return measure_local(tracked=tracked, recorded=recorded)
 
 
-def _matmul_flops(dtype: torch.dtype, size: int = 256, reps: int = 4, trials: int = 5) -> float:
-    """The best of a few trials: the machine's speed, not its load at one instant."""
-    a = torch.randn(size, size).to(dtype)
+# ---------------------------------------------------------------------------------------- measuring
+def measure_host() -> Calibration:
+    """Every figure of ``FIGURES`` measured now (a few seconds), each the best of several trials."""
+    trials = {name: _matmul_trials(getattr(torch, dtype)) for name, dtype in (("fp32", "float32"), ("bf16", "bfloat16"))}
+    trials["copy"] = _copy_trials()
+    figures = {name: _best_rate(times) for name, times in trials.items()}
+    spread = {name: _spread(times) for name, times in trials.items()}
+    load = {name: _load() for name in trials}
+    runtime, runtime_spread = _runtime_overheads(figures["fp32"], figures["copy"])
+    figures.update(runtime)
+    spread.update({name: runtime_spread for name in RUNTIME})
+    load.update({name: _load() for name in RUNTIME})
+    return Calibration(figures, spread, load, time.time())
+
+
+def quick_probe() -> dict[str, float]:
+    """Matmul FLOP/s (fp32) and copy bytes/s in some 20 ms, each the best of its trials: enough to
+    tell a stored figure taken while the machine was busy (it is many times slower)."""
+    return {"fp32": _best_rate(_matmul_trials(torch.float32, trials=8)), "copy": _best_rate(_copy_trials(trials=4))}
+
+
+def _matmul_trials(dtype: torch.dtype, size: int = 256, reps: int = 4, trials: int = 20) -> list[tuple[float, float]]:
+    """(FLOPs, seconds) of each trial: several short ones, so that one of them finds the machine quiet."""
+    with torch.random.fork_rng(devices=[]):  # the caller's random numbers stay where they were
+        a = torch.randn(size, size).to(dtype)
     torch.mm(a, a)
-    best = float("inf")
+    times = []
     for _ in range(trials):
         start = time.perf_counter()
         for _ in range(reps):
             torch.mm(a, a)
-        best = min(best, time.perf_counter() - start)
-    return 2 * size**3 * reps / best
+        times.append((2 * size**3 * reps, time.perf_counter() - start))
+    return times
 
 
-def _runtime_overheads(flops: float, copy_bandwidth: float) -> tuple[float, float]:
-    """(seconds per compute task, seconds per op): the runtime's own cost on this machine, from two
-    compiled MLPs whose arithmetic is negligible, one task per layer and four layers per task: what
-    is left of their step times once FLOPs and bytes are paid, split between tasks and ops."""
+def _copy_trials(megabytes: int = 16, trials: int = 8) -> list[tuple[float, float]]:
+    src = torch.empty(megabytes * 2**20, dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    times = []
+    for _ in range(trials):
+        start = time.perf_counter()
+        dst.copy_(src)
+        times.append((src.numel(), time.perf_counter() - start))
+    return times
+
+
+def _best_rate(trials: list[tuple[float, float]]) -> float:
+    return max(work / max(seconds, 1e-9) for work, seconds in trials)
+
+
+def _spread(trials: list[tuple[float, float]]) -> float:
+    seconds = [s for _, s in trials]
+    return statistics.median(seconds) / max(min(seconds), 1e-9)
+
+
+def _load() -> float:
+    """The 1-minute load average per core (0 where the system does not say)."""
+    try:
+        return os.getloadavg()[0] / (os.cpu_count() or 1)
+    except OSError:
+        return 0.0
+
+
+def _runtime_overheads(flops: float, copy_bandwidth: float) -> tuple[dict[str, float], float]:
+    """The runtime's own cost on this machine (``RUNTIME``'s figures) and the spread of its trials,
+    from two compiled MLPs whose arithmetic is negligible, one task per layer and four layers per
+    task: what is left of their step times once FLOPs and bytes are paid, split between tasks and
+    ops, in each mode (untracked, counting every tensor, recording the timeline)."""
     # seeded, without moving the caller's random numbers; compiled and run with grad on, whatever
     # the caller's mode (as a HarmonyModule captures)
     with torch.random.fork_rng(devices=[]), torch.inference_mode(False), torch.enable_grad():
@@ -121,31 +397,48 @@ def _runtime_overheads(flops: float, copy_bandwidth: float) -> tuple[float, floa
         return _time_two_mlps(flops, copy_bandwidth)
 
 
-def _time_two_mlps(flops: float, copy_bandwidth: float) -> tuple[float, float]:
+_MODES = {"": (False, False), "track_": (True, False), "record_": (False, True)}  # prefix: (tracked, recorded)
+
+
+def _time_two_mlps(flops: float, copy_bandwidth: float) -> tuple[dict[str, float], float]:
     x = torch.randn(8, 32)
-    rows, times = [], []
+    rows, times, spreads = [], {prefix: [] for prefix in _MODES}, []
     for boundaries in ((0, 1, 2, 3, 4, 5, 6, 7), (0, 4)):
         model = MLPChain(width=32, depth=8)
         options = CompileOptions(devices=["host:0"], memory_budget=None, microbatches=2, pack_boundaries=boundaries,
                                  track_memory=False)
         compiled = compile_program(model, (x,), {}, options)
         session, calls = Session(compiled, StageLog()), Calls(compiled, model)
+        (device,) = compiled.devices
         tasks = [a for f, b in compiled.device_actions for a in f + b if a.kind.name in ("FWD", "RECOMPUTE", "BWD")]
         ops_of = {pack.index: sum(n.op == "call_function" for n in pack.gm.graph.nodes) for pack in compiled.packs}
         # a backward runs about twice its forward's ops
         ops = sum(ops_of[a.pack] * (2 if a.kind.name == "BWD" else 1) for a in tasks)
-        best = float("inf")
+        rows.append((len(tasks), ops))
         try:
-            for _ in range(5):
-                start = time.perf_counter()
-                _call(session, calls, x).sum().backward()
-                best = min(best, time.perf_counter() - start)
+            for prefix, (tracked, recorded) in _MODES.items():
+                device.track_memory, session.recording = tracked, recorded
+                seconds = []
+                for _ in range(7):
+                    start = time.perf_counter()
+                    _call(session, calls, x).sum().backward()
+                    seconds.append(time.perf_counter() - start)
+                moved = session.stats.bytes_h2d + session.stats.bytes_d2h
+                work = 6 * sum(p.numel() for p in model.parameters()) * x.shape[0] / flops + moved / copy_bandwidth
+                times[prefix].append(max(min(seconds) - work, 0.0))
+                spreads.append(statistics.median(seconds) / max(min(seconds), 1e-9))
         finally:
             session.close()
-        moved = session.stats.bytes_h2d + session.stats.bytes_d2h
-        work = 6 * sum(p.numel() for p in model.parameters()) * x.shape[0] / flops + moved / copy_bandwidth
-        rows.append((len(tasks), ops))
-        times.append(max(best - work, 0.0))
+    base = _split(rows, times[""])
+    figures = {"task": base[0], "op": base[1]}
+    for prefix in ("track_", "record_"):
+        task, op = _split(rows, times[prefix])
+        figures[prefix + "task"], figures[prefix + "op"] = max(task - base[0], 0.0), max(op - base[1], 0.0)
+    return figures, max(spreads)
+
+
+def _split(rows: list[tuple[int, int]], times: list[float]) -> tuple[float, float]:
+    """(seconds per task, seconds per op) that add up to both programs' times."""
     (t1, o1), (t2, o2) = rows
     determinant = t1 * o2 - t2 * o1
     per_task = (times[0] * o2 - times[1] * o1) / determinant

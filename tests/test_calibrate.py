@@ -1,32 +1,74 @@
-"""``calibrate``: this machine measured (FLOP/s, copies, the runtime's cost per task and per op),
-kept in a cache file, and handed to the planner as a spec."""
+"""``calibrate``: this machine measured (FLOP/s, copies, the runtime's cost per task and per op in
+each mode), kept in a cache file with each figure's spread and load, checked before it is used, and
+handed to the planner as a spec.
+
+The tests that check the cache replace the two measurements (``measure_host``, ``quick_probe``) by
+fixed figures: what they check is which figures are used, stored or measured again, never how fast
+this machine is."""
 from __future__ import annotations
 
 import json
+import math
+import os
+import time
 import types
 
 import pytest
 import torch
 
 from harmony_fx import calibrate
+from harmony_fx.calibrate import Calibration
 from harmony_fx.planner.specs import PRESETS
 
-FIGURES = {"fp32": 2e10, "bf16": 1e10, "copy": 5e9, "task": 1e-4, "op": 2e-6}
+# a quiet 2-core machine, as measured: fp32 87 GFLOP/s, copies 19 GB/s, 0.17 ms a task
+QUIET = {"fp32": 8.7e10, "bf16": 2.0e10, "copy": 1.9e10, "task": 1.7e-4, "op": 2e-6,
+         "track_task": 3e-5, "track_op": 2.5e-5, "record_task": 1e-5, "record_op": 0.0}
+# the same machine measured while busy (the cache that was once found): every figure 40x off
+POISONED = {**QUIET, "fp32": 2.1e9, "bf16": 5e8, "copy": 6.3e8, "task": 3.2e-3, "op": 8e-5}
 
 
-def test_measure_local_returns_positive_figures() -> None:
+def calibration(figures: dict, spread: float = 1.1, load: float = 0.2, measured_at: float | None = None) -> Calibration:
+    return Calibration(dict(figures), {name: spread for name in figures}, {name: load for name in figures},
+                       time.time() if measured_at is None else measured_at)
+
+
+@pytest.fixture
+def machine(tmp_path, monkeypatch):
+    """A cache folder of the test's own, the measurements replaced (``machine.measured``: the
+    calibrations ``measure_host`` returns, in turn; ``machine.probe``: what the quick re-measure
+    finds), and nothing of this process's figures kept before or after the test."""
+    monkeypatch.setenv("HARMONY_FX_CACHE", str(tmp_path))
+    state = types.SimpleNamespace(measured=[calibration(QUIET)], calls=0, probe={"fp32": QUIET["fp32"],
+                                                                                  "copy": QUIET["copy"]})
+
+    def measure_host() -> Calibration:
+        state.calls += 1
+        return state.measured[min(state.calls, len(state.measured)) - 1]
+
+    monkeypatch.setattr(calibrate, "measure_host", measure_host)
+    monkeypatch.setattr(calibrate, "quick_probe", lambda: dict(state.probe))
+    monkeypatch.setattr(calibrate, "_rechecked", [])
+    state.path = tmp_path / "host_spec.json"
+    state.store = lambda c: state.path.write_text(json.dumps({calibrate.cache_key(): c.to_json()}))
+    state.stored = lambda: Calibration.from_json(json.loads(state.path.read_text())[calibrate.cache_key()])
+    _forget()
+    yield state
+    _forget()
+
+
+def _forget() -> None:
+    calibrate._forget()
+
+
+def test_measure_local_is_this_machine_as_a_host_device(machine) -> None:
     spec = calibrate.measure_local()
     assert spec.name == "host"
-    assert spec.flops["fp32"] > 0 and spec.flops["bf16"] > 0
-    assert spec.memory_bandwidth > 0 and spec.host_bandwidth > 0 and spec.peer_bandwidth > 0
+    assert spec.flops == {"fp32": QUIET["fp32"], "bf16": QUIET["bf16"]}
+    assert spec.memory_bandwidth == spec.host_bandwidth == spec.peer_bandwidth == QUIET["copy"]
     assert spec.memory == 2**40  # default: not limited
     assert spec.efficiency == 1.0
     assert spec.inline  # a HostDevice runs each op as it is issued
-    assert spec.compute_seconds(1e6, 1e6) > spec.launch_seconds
-
-
-def test_measure_local_is_measured_once_and_takes_a_memory_size() -> None:
-    assert calibrate.get_spec("host") is calibrate.measure_local()
+    assert calibrate.get_spec("host") is spec  # one spec per process
     assert calibrate.measure_local("1GiB").memory == 2**30
 
 
@@ -37,38 +79,134 @@ def test_get_spec_names_a_preset_or_the_host() -> None:
     assert all(name in str(error.value) for name in ["'tpu-v9'", "host", *PRESETS])
 
 
-def test_a_host_device_is_predicted_with_this_machine_measured() -> None:
+def test_a_host_device_is_predicted_with_this_machine_measured_in_the_runs_mode(machine) -> None:
     host = types.SimpleNamespace(torch_device=torch.device("cpu"))
-    assert calibrate.spec_for(host, budget=2**20) is calibrate.measure_local()
+    untracked = calibrate.spec_for(host, budget=2**20)
+    assert untracked is calibrate.measure_local()
+    assert (untracked.launch_seconds, untracked.op_seconds) == (QUIET["task"], QUIET["op"])
+    tracked = calibrate.spec_for(host, tracked=True)
+    assert tracked.op_seconds == pytest.approx(QUIET["op"] + QUIET["track_op"])
+    both = calibrate.spec_for(host, tracked=True, recorded=True)
+    assert both.launch_seconds == pytest.approx(QUIET["task"] + QUIET["track_task"] + QUIET["record_task"])
 
 
-def test_figures_are_measured_once_then_read_from_the_cache_file(tmp_path, monkeypatch) -> None:
-    monkeypatch.setenv("HARMONY_FX_CACHE", str(tmp_path / "cache"))
-    measured = []
-    monkeypatch.setattr(calibrate, "measure_host", lambda: measured.append(1) or dict(FIGURES))
-    assert calibrate.host_figures() == FIGURES and len(measured) == 1
-    stored = json.loads((tmp_path / "cache" / "host_spec.json").read_text())
+def test_figures_are_measured_once_then_read_from_the_cache_file(machine) -> None:
+    assert calibrate.host_figures() == QUIET and machine.calls == 1
+    stored = json.loads(machine.path.read_text())
     (key,) = stored
-    assert key.startswith(f"{calibrate.CACHE_VERSION}-torch{torch.__version__}-") and stored[key] == FIGURES
-    assert calibrate.host_figures() == FIGURES and len(measured) == 1  # read, not measured again
+    assert key == calibrate.cache_key() and key.startswith(f"{calibrate.CACHE_VERSION}-torch{torch.__version__}-")
+    assert f"-cpus{os.cpu_count()}-threads{torch.get_num_threads()}" in key
+    assert stored[key]["figures"] == QUIET and set(stored[key]["spread"]) == set(stored[key]["load"]) == set(QUIET)
+    _forget()  # another process
+    assert calibrate.host_figures() == QUIET and machine.calls == 1  # read and checked, not measured again
 
 
-def test_an_unreadable_cache_is_measured_again_and_a_read_only_one_is_left_alone(tmp_path, monkeypatch) -> None:
-    monkeypatch.setattr(calibrate, "measure_host", lambda: dict(FIGURES))
-    monkeypatch.setenv("HARMONY_FX_CACHE", str(tmp_path))
-    (tmp_path / "host_spec.json").write_text("{not json")
-    assert calibrate.host_figures() == FIGURES
-    assert json.loads((tmp_path / "host_spec.json").read_text()) != {}
+def test_a_poisoned_calibration_is_detected_and_measured_again_before_a_plan_uses_it(machine, capsys) -> None:
+    """The cache holds figures taken while the machine was busy, 40x off, but plausible on their own
+    (small spread, quiet load): the quick re-measure finds matmuls and copies far faster than they
+    say, so they are measured again and replaced before ``harmony-fx plan --device-spec host`` plans
+    with them."""
+    machine.store(calibration(POISONED))
+    assert calibrate.review(calibration(POISONED)) == [
+        "fp32 measures 41x faster now than stored (8.7e+10 vs 2.1e+09)",
+        "copy measures 30x faster now than stored (1.9e+10 vs 6.3e+08)"]
+
+    from harmony_fx.cli import main
+    plan = ["plan", "bert-large", "--device-spec", "host", "--batch-size", "8", "--json"]
+    assert main(plan) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert machine.calls == 1 and machine.stored().figures == QUIET  # measured again, and stored
+    assert calibrate.measure_local().flops["fp32"] == QUIET["fp32"]
+
+    machine.store(calibration(QUIET))  # the plan is the one a quiet calibration gives
+    _forget()
+    assert main(plan) == 0
+    assert json.loads(capsys.readouterr().out)["iteration_seconds"] == report["iteration_seconds"]
+    assert machine.calls == 1
+
+
+def test_a_busy_remeasure_does_not_undo_a_quiet_calibration(machine) -> None:
+    """Measured again while the machine is busy (slower figures), each figure keeps the faster of
+    the two: a busy moment slows a measurement, it never speeds one up."""
+    old = calibration(QUIET, measured_at=time.time() - 100)
+    busy = calibration({name: (v / 10 if name in calibrate.RATES else v * 10) for name, v in QUIET.items()},
+                       spread=3.0, load=4.0)
+    merged = old.merged(busy)
+    assert merged.figures == QUIET and merged.spread == old.spread and merged.load == old.load
+    assert merged.measured_at == busy.measured_at
+    faster = calibration({**QUIET, "copy": 2 * QUIET["copy"], "task": QUIET["task"] / 2})
+    merged = old.merged(faster)
+    assert merged.figures["copy"] == 2 * QUIET["copy"] and merged.figures["task"] == QUIET["task"] / 2
+    assert merged.figures["fp32"] == QUIET["fp32"]
+
+
+@pytest.mark.parametrize("doubt, expected", [
+    (dict(spread=5.0), "trials were 5.0x apart"),
+    (dict(load=3.0), "under a load of 3.0 per core"),
+    (dict(measured_at=0.0), "before this torch build"),
+])
+def test_an_implausible_calibration_is_measured_again(machine, doubt: dict, expected: str) -> None:
+    doubtful = calibration(QUIET, **doubt)
+    assert any(expected in problem for problem in doubtful.problems(calibrate.torch_built_at()))
+    machine.store(doubtful)
+    machine.measured = [calibration({**QUIET, "fp32": 9e10})]
+    assert calibrate.host_figures()["fp32"] == 9e10 and machine.calls == 1
+    assert machine.stored().problems(calibrate.torch_built_at()) == []
+
+
+def test_figures_out_of_any_machines_range_are_not_used(machine) -> None:
+    broken = calibration({**QUIET, "task": -1.0, "fp32": math.inf})
+    problems = broken.problems()
+    assert any(p.startswith("task = -1.0") for p in problems) and any(p.startswith("fp32 = inf") for p in problems)
+    machine.store(broken)
+    assert calibrate.host_figures() == QUIET and machine.calls == 1
+    assert Calibration.from_json({"figures": "edited by hand"}) is None
+
+
+def test_a_calibration_still_doubtful_after_measuring_again_is_used_with_a_warning(machine) -> None:
+    machine.measured = [calibration(QUIET, spread=4.0)]
+    with pytest.warns(UserWarning, match=r"calibration is doubtful .*trials were 4\.0x apart.*calibrate --refresh"):
+        assert calibrate.host_figures() == QUIET
+
+
+def test_an_unreadable_cache_is_measured_again_and_a_read_only_one_is_left_alone(machine, tmp_path,
+                                                                                 monkeypatch) -> None:
+    machine.path.write_text("{not json")
+    assert calibrate.host_figures() == QUIET
+    assert json.loads(machine.path.read_text()) != {}
     blocked = tmp_path / "a file, not a folder"
     blocked.write_text("")
     monkeypatch.setenv("HARMONY_FX_CACHE", str(blocked))
-    assert calibrate.host_figures() == FIGURES  # nothing stored: measured again next time
+    _forget()
+    assert calibrate.host_figures() == QUIET  # nothing stored: measured again next time
+    assert machine.calls == 2
 
 
-def test_timing_the_runtime_leaves_the_callers_random_numbers_and_grad_mode_alone() -> None:
+def test_a_run_more_than_twice_off_its_prediction_measures_again_once(machine) -> None:
+    machine.measured = [calibration(POISONED), calibration(QUIET)]
+    assert calibrate.host_figures() == POISONED  # nothing stored: measured (while busy)
+    assert not calibrate.check_prediction(0.15, 0.25)  # within 2x: nothing to check
+    assert machine.calls == 1
+    assert calibrate.check_prediction(0.15, 6.0)  # 40x off: measured again, and the figures changed
+    assert machine.calls == 2 and calibrate.host_figures() == QUIET and machine.stored().figures == QUIET
+    assert calibrate.measure_local().launch_seconds == QUIET["task"]
+    assert not calibrate.check_prediction(0.15, 6.0) and machine.calls == 2  # once per process
+
+
+def test_recalibrate_replaces_the_entry_or_merges_with_it(machine) -> None:
+    machine.store(calibration(QUIET))
+    machine.measured = [calibration(POISONED)]
+    assert calibrate.recalibrate().figures == QUIET  # merged: the busy measurement changes nothing
+    assert calibrate.recalibrate(merge=False).figures == POISONED and machine.stored().figures == POISONED
+
+
+def test_measuring_gives_every_figure_and_leaves_the_callers_random_numbers_and_grad_mode_alone() -> None:
     state = torch.get_rng_state()
     with torch.no_grad():  # the runtime is timed forward and backward whatever the caller's mode
-        per_task, per_op = calibrate._runtime_overheads(1e10, 1e10)  # seeds its own models, inside fork_rng
+        measured = calibrate.measure_host()  # seeds its own models, inside fork_rng
         assert not torch.is_grad_enabled()
     assert torch.equal(torch.get_rng_state(), state)
-    assert per_task >= 0 and per_op >= 0
+    assert set(measured.figures) == set(measured.spread) == set(measured.load) == set(calibrate.FIGURES)
+    assert min(measured.figures[name] for name in calibrate.RATES) > 0
+    assert min(measured.figures.values()) >= 0 and min(measured.spread.values()) >= 1.0
+    assert measured.measured_at <= time.time()

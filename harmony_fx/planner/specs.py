@@ -131,11 +131,17 @@ def host_nominal(memory: int | str | None = None) -> DeviceSpec:
                       efficiency=1.0, launch_seconds=300e-6, inline=True)
 
 
-def host_measured(figures: Mapping[str, float], memory: int | str | None = None) -> DeviceSpec:
+def host_measured(figures: Mapping[str, float], memory: int | str | None = None, *, tracked: bool = False,
+                  recorded: bool = False) -> DeviceSpec:
     """This machine as a HostDevice, from measured ``figures`` (``harmony_fx.calibrate``'s): FLOP/s
     of ``"fp32"`` and ``"bf16"`` matmuls, ``"copy"`` bandwidth in bytes/s (memory, host and peer
     links alike: one memory), and the runtime's own seconds per compute task (``"task"``) and per
-    op (``"op"``) beyond its FLOPs and bytes."""
+    op (``"op"``) beyond its FLOPs and bytes; a run that counts every tensor (``tracked``) or
+    records its timeline (``recorded``) pays the extra of each per task and per op
+    (``"track_task"``, ``"track_op"``, ``"record_task"``, ``"record_op"``)."""
+    modes = [prefix for prefix, on in (("track_", tracked), ("record_", recorded)) if on]
+    task = figures["task"] + sum(figures[prefix + "task"] for prefix in modes)
+    op = figures["op"] + sum(figures[prefix + "op"] for prefix in modes)
     return DeviceSpec("host", parse_size(memory) or 2**40, {"fp32": figures["fp32"], "bf16": figures["bf16"]},
                       figures["copy"], figures["copy"], figures["copy"], efficiency=1.0,
-                      launch_seconds=figures["task"], inline=True, op_seconds=figures["op"])
+                      launch_seconds=task, inline=True, op_seconds=op)
