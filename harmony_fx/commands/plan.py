@@ -220,7 +220,7 @@ def _summary(report: dict) -> str:
         + f" (packing: {report['policy']})",
         _schedule_line(report["schedule"], report["batch_size"]),
         f"predicted iteration {report['iteration_seconds']:.4g} s, {report['samples_per_second']:.4g} samples/s",
-        f"lower bound {report['lower_bound_seconds']:.4g} s ({report['bound_by']}-bound): "
+        f"lower bound {report['lower_bound_seconds']:.4g} s (the {report['bound_by']} binds): "
         f"{report['iteration_seconds'] / report['lower_bound_seconds']:.2f}x of it",
         "bytes moved per iteration: " + ", ".join(f"{d} {format_size(n)}" for d, n in sorted(by_direction.items())),
         "peak per device: " + ", ".join(format_size(p) for p in report["peak_bytes"]),

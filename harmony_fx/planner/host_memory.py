@@ -12,7 +12,8 @@ memory also holds ``tier_policy.staged_params`` times the largest tiered layer's
 bound: the runtime's unit is a parameter, at most a layer).
 
 This decides for the planner and the simulator: ``chain_schedule`` inserts the programs' ``READ``
-and ``WRITE`` of each tiered pack, sized from it.
+and ``WRITE`` of each tiered pack, sized from it. The packing's dynamic program, which chooses
+packs before any of this is decided, charges each pack its share of the tier (``tier_share``).
 """
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ from typing import Sequence
 from harmony_fx.planner.profile import ModelProfile
 from harmony_fx.tier_policy import choose_tiered, staging_bytes
 
-__all__ = ["HostMemoryLevels", "plan_host_memory", "MASTER_AND_GRAD_BYTES"]
+__all__ = ["HostMemoryLevels", "plan_host_memory", "MASTER_AND_GRAD_BYTES", "TierShare", "tier_share"]
 
 MASTER_AND_GRAD_BYTES = 8  # fp32 master and its fp32 gradient, per parameter
 
@@ -75,3 +76,31 @@ def plan_host_memory(profile: ModelProfile, boundaries: Sequence[int], batch_siz
                for p in range(len(params))]
     return HostMemoryLevels(need(state_moved, masters_moved), sum(on_tier), tuple(sorted(state_moved)),
                             tuple(sorted(masters_moved)), tuple(on_tier))
+
+
+@dataclasses.dataclass(frozen=True)
+class TierShare:
+    """A pack's share of the NVMe tier, as bytes the tier holds for it (read before its update,
+    written after it): ``per_param`` for each of its parameters, and ``per_input_byte`` for each
+    byte of one sample's input to it (its stash, which takes host memory and so pushes as much
+    state out to the tier). Zero where everything fits host memory."""
+
+    per_param: float = 0.0
+    per_input_byte: float = 0.0
+
+
+def tier_share(profile: ModelProfile, batch_size: int, host, devices: int = 1) -> TierShare:
+    """Host memory's overflow shared out over a packing not yet chosen: what the parameters alone
+    overflow (masters, gradients, state, no stash) spread evenly over them, and the share of the
+    most stash (a pack per layer) that overflows beyond that, per byte of it. Additive over packs,
+    as the dynamic program needs; the tier's real placement (whole packs, the largest first) takes
+    up to a pack's state more."""
+    if host.memory is None or not host.nvme_bytes or not profile.num_params:
+        return TierShare()
+    unbounded = dataclasses.replace(host, memory=None)  # what an iteration holds, nothing on the tier
+    layers = range(len(profile.layers))
+    params_need = plan_host_memory(profile, layers, 0, unbounded, devices).host_bytes
+    stash = batch_size * (profile.input_bytes + sum(layer.out_bytes for layer in profile.layers[:-1]))
+    params_over = max(params_need - host.memory, 0)
+    stash_over = max(params_need + stash - host.memory, 0) - params_over
+    return TierShare(params_over / profile.num_params, batch_size * stash_over / stash if stash else 0.0)

@@ -2,10 +2,13 @@
 forward's own packs and microbatches (Harmony's four: Ufwd, Pfwd, Ubwd, Pbwd).
 
 1. **Packs, exactly.** For one (microbatch size, mode, devices) the boundaries come from a dynamic
-   program over contiguous layer ranges. A pack's cost is ``max(compute, transfers)`` (its copies
-   overlap its compute), and the memory constraint is the one the runtime meets: a pack's own need
-   plus the weights of the neighbour being prefetched meanwhile (forward: the next pack, backward:
-   the previous one), for every adjacent pair. The state is the last pack ``[i, j)``; for a next
+   program over contiguous layer ranges. A pack's cost is ``max(compute, transfers, forward +
+   tier)``: its copies overlap its compute, and the NVMe tier's read and write of the pack's share
+   of the state (``planner.host_memory.tier_share``) overlap its recompute and backward, around its
+   update (the tier is one lane: where it binds, the packs' shares add up to the iteration). The
+   memory constraint is the one the runtime meets: a pack's own need plus the weights of the
+   neighbour being prefetched meanwhile (forward: the next pack, backward: the previous one), for
+   every adjacent pair. The state is the last pack ``[i, j)``; for a next
    pack ``[j, k)`` the feasible ``i`` form a suffix (a smaller last pack needs less), so a suffix
    minimum makes each transition O(log L): O(L² log L) in all, exact for this cost model.
 2. **Everything else, by simulation.** Each (microbatches, mode, devices) is ranked by the dynamic
@@ -16,8 +19,8 @@ forward's own packs and microbatches (Harmony's four: Ufwd, Pfwd, Ubwd, Pbwd).
    forward's packs (Pfwd: groups of backward packs) come from a second exact dynamic program
    (``forward_groups``), once for the backward's microbatch size and once for each larger forward
    microbatch size (Ufwd: 2, 4, 8, ... backward microbatches each, until one fits neither way or
-   is no faster than the one before); each grouping, and the backward's own packs at each forward
-   size, is simulated. Pbwd is not chosen again for each Ufwd: the search is exact for each part
+   is not 0.1% faster than the one before); each grouping, and the backward's own packs at each
+   forward size, is simulated. Pbwd is not chosen again for each Ufwd: the search is exact for each part
    given the ones before it, and the simulator decides between them. A pipeline is simulated
    handing its values on through the host too (``ProgramSignature.handoff``). The fastest
    simulated schedule whose simulated peak fits the budget, and whose stash fits host memory
@@ -37,10 +40,10 @@ from harmony_fx.planner.costs import layer_seconds
 from harmony_fx.planner.profile import ModelProfile
 from harmony_fx.planner.simulate import Simulation, simulate
 from harmony_fx.planner.specs import DeviceSpec, HostSpec
-from harmony_fx.planner.host_memory import MASTER_AND_GRAD_BYTES, plan_host_memory
+from harmony_fx.planner.host_memory import MASTER_AND_GRAD_BYTES, TierShare, plan_host_memory, tier_share
 
 __all__ = ["PlanChoice", "search", "best_boundaries", "baselines", "lower_bound", "host_bytes",
-           "PlanningError", "PackModel", "ForwardModel"]
+           "PlanningError", "PackModel", "ForwardModel", "BOUND_TERMS"]
 
 
 class PlanningError(ValueError):
@@ -55,7 +58,7 @@ class PlanChoice:
     batch_size: int
     compared: dict[str, float]          # packing policy -> simulated seconds, for the chosen settings
     lower_bound: float
-    bound: str                          # "compute" | "transfer": what the lower bound is made of
+    bound: str                          # which term of the lower bound binds: one of ``BOUND_TERMS``
     host_bytes: int
 
     @property
@@ -72,10 +75,11 @@ def _prefix(values: Sequence[float]) -> np.ndarray:
 
 class PackModel:
     """Need and cost of packs ``[a, b)`` for one setting, from prefix sums: every method takes
-    ints or numpy arrays of them (broadcast), so the dynamic program works a row at a time."""
+    ints or numpy arrays of them (broadcast), so the dynamic program works a row at a time.
+    ``tier``: each pack's share of the NVMe tier (``planner.host_memory.tier_share``)."""
 
     def __init__(self, profile: ModelProfile, size: int, mbs_per_device: int, spec: DeviceSpec,
-                 devices_sharing_link: int, host: HostSpec) -> None:
+                 devices_sharing_link: int, host: HostSpec, tier: TierShare = TierShare()) -> None:
         layers = profile.layers
         self.num_layers = len(layers)
         self.mbs = mbs_per_device
@@ -93,7 +97,13 @@ class PackModel:
         self._grads = _prefix([4 * layer.num_params for layer in layers])  # summed and copied in fp32
         self.saved = np.asarray([layer.saved_bytes * size for layer in layers], dtype=np.float64)
         self._saved = _prefix(self.saved)
-        self.boundary = np.asarray([profile.input_bytes * size] + [layer.out_bytes * size for layer in layers])
+        inputs = np.asarray([profile.input_bytes] + [layer.out_bytes for layer in layers], dtype=np.float64)
+        self.boundary = inputs * size
+        # the tier's bytes for a pack: its parameters' share and its input's (its stash), each read
+        # before the pack's update and written after it, one after the other on the tier's lane
+        self._tier_inputs = tier.per_input_byte * inputs
+        self._tier_per_param = tier.per_param
+        self._read, self._write = 1 / host.nvme_read, 1 / host.nvme_write
         # range maximum of ``saved`` in O(1): a sparse table, level l holding maxima of 2**l layers
         levels = [self.saved]
         while 2 ** len(levels) <= len(layers):
@@ -119,6 +129,15 @@ class PackModel:
         io = 2 * (self.boundary[a] + self.boundary[b])
         return self.weights(a, b) + self.grads(a, b) + (self._saved[b] - self._saved[a]) + io + self.biggest(a, b)
 
+    def tier_bytes(self, a, b):
+        return self._tier_per_param * (self.params[b] - self.params[a]) + self._tier_inputs[a]
+
+    def io(self, a, b):
+        """Seconds the tier's lane spends on the pack within the iteration: its share read, then
+        written; the first pack's write, the last of the iteration, goes on into the next one's
+        forward, where the lane has nothing else to do."""
+        return self.tier_bytes(a, b) * (self._read + np.where(np.asarray(a) == 0, 0.0, self._write))
+
     def exposed(self, a, b):
         """What the first pack adds that nothing overlaps: its weights' first copy in, and its
         update, the last of the iteration."""
@@ -133,8 +152,11 @@ class PackModel:
         # their backward cannot cover is exposed
         update = (self.params[b] - self.params[a]) / self.update_rate
         tail = np.maximum(0.0, update - self.mbs * (self.forward[a] + self.backward[a]))
+        # the tier reads and writes a pack's state around its update, in the backward: its lane can
+        # overlap the pack's recompute and backward, not its forward
+        tier = self.mbs * (self.forward[b] - self.forward[a]) + self.io(a, b)
         # every pack adds synchronisation (waits, event records, a pipeline hand-off per microbatch)
-        return np.maximum(compute, moved / self.bandwidth) + tail + self.overhead
+        return np.maximum(np.maximum(compute, moved / self.bandwidth), tier) + tail + self.overhead
 
 
 class ForwardModel:
@@ -260,14 +282,22 @@ def host_bytes(profile: ModelProfile, boundaries: Sequence[int], batch_size: int
     return plan_host_memory(profile, boundaries, batch_size, host).host_bytes
 
 
-def lower_bound(profile: ModelProfile, batch_size: int, devices: int, spec: DeviceSpec, host: HostSpec,
-                recomputed: Sequence[int] = ()) -> tuple[float, str]:
-    """max(the compute, spread over every device at once, the transfers): a bound on any schedule
-    that recomputes the layers ``recomputed``, whatever its overlap.
+BOUND_TERMS = ("compute", "bus", "host optimizer", "tier")
 
-    Compute: forward and backward of every layer, and the forward again of those recomputed.
-    Transfers: each device's share of the weights in twice and their gradients out once over its
-    own link, and all of it over the shared host link."""
+
+def lower_bound(profile: ModelProfile, batch_size: int, devices: int, spec: DeviceSpec, host: HostSpec,
+                recomputed: Sequence[int] = (), tier_bytes: int = 0) -> tuple[float, str]:
+    """The longest of what every iteration must do on one resource, and its name (one of
+    ``BOUND_TERMS``): a bound on any schedule that recomputes the layers ``recomputed`` and keeps
+    ``tier_bytes`` on the NVMe tier, whatever its overlap.
+
+    * compute: forward and backward of every layer, and the forward again of those recomputed,
+      spread over every device at once;
+    * bus: each device's share of the weights in twice and their gradients out once over its own
+      link, and all of it over the shared host link;
+    * host optimizer: every parameter updated by the host's workers (on each server its share,
+      where the optimizer is sharded over servers);
+    * tier: ``tier_bytes`` read and written back on the tier's one lane."""
     compute = 0.0
     for index, layer in enumerate(profile.layers):
         forward, backward = layer_seconds(layer, batch_size, spec, profile.precision)
@@ -279,7 +309,13 @@ def lower_bound(profile: ModelProfile, batch_size: int, devices: int, spec: Devi
         transfer = min(transfer, moved / devices / spec.host_bandwidth)
     if host.link_bandwidth is not None:
         transfer = max(transfer, moved / host.link_bandwidth)
-    return (compute, "compute") if compute >= transfer else (transfer, "transfer")
+    cluster = host.cluster
+    shards = cluster.nodes if cluster.nodes > 1 and cluster.shard_optimizer else 1
+    updates = profile.num_params / (host.update_params_per_second * host.update_workers * shards)
+    tier = tier_bytes / host.nvme_read + tier_bytes / host.nvme_write
+    terms = dict(zip(BOUND_TERMS, (compute, transfer, updates, tier)))
+    binding = max(terms, key=terms.get)  # the first of equals: compute before the others
+    return terms[binding], binding
 
 
 def _settings(batch_size: int, max_devices: int, parallel: str | None, microbatches: int | None, all_devices: bool):
@@ -326,17 +362,23 @@ def search(profile: ModelProfile, spec: DeviceSpec, host: HostSpec, *, batch_siz
             "a host with more memory, an NVMe tier (--nvme), or an optimizer with less state.")
     ranked = []
     smallest_need = float("inf")
+    shares: dict[int, TierShare] = {}  # by the devices whose programs stage the tier's state
     for count, mode, used in _settings(batch_size, devices, parallel, microbatches, all_devices):
         size = -(-batch_size // count)
         per_device = count if mode == "pp" else -(-count // used)
-        model = PackModel(profile, size, per_device, spec, used, host)
+        stagers = used if mode == "pp" else 1
+        if stagers not in shares:
+            shares[stagers] = tier_share(profile, batch_size, host, stagers)
+        model = PackModel(profile, size, per_device, spec, used, host, shares[stagers])
         smallest_need = min(smallest_need, min(model.need(i, i + 1) + model.weights(i, i + 1) for i in range(num_layers)))
         boundaries = best_boundaries(num_layers, model, budget)
         if boundaries is None:
             continue
-        estimate = model.exposed(0, boundaries[1] if len(boundaries) > 1 else num_layers) + sum(
-            model.cost(a, b) for a, b in zip(boundaries, [*boundaries[1:], num_layers]))
-        ranked.append((estimate / (used if mode == "pp" else 1), count, mode, used, boundaries, model))
+        packs = list(zip(boundaries, [*boundaries[1:], num_layers]))
+        estimate = model.exposed(*packs[0]) + sum(model.cost(a, b) for a, b in packs)
+        if mode == "pp":  # its devices run packs at once; the tier's one lane serves them all
+            estimate = max(estimate / used, sum(model.io(a, b) for a, b in packs))
+        ranked.append((estimate, count, mode, used, boundaries, model))
     if not ranked:
         raise PlanningError(
             f"search: no packing of {profile.name} fits a device budget of {format_size(given)}"
@@ -391,7 +433,7 @@ def search(profile: ModelProfile, spec: DeviceSpec, host: HostSpec, *, batch_siz
             results[f"{chosen} + forward of {what}"] = (simulation, candidate)
             fits = fits or max(simulation.peak_bytes) <= budget
             fastest = min(fastest, simulation.seconds)
-        if forward_count is not None and (not fits or fastest >= previous):
+        if forward_count is not None and (not fits or fastest >= previous * (1 - _FORWARD_WORTH)):
             break  # larger forward microbatches need more memory still, or stopped paying
         previous = min(previous, fastest)
     if base.parallel == "pp" and handoff is None:  # through the host: a lower peak for more copies
@@ -411,8 +453,16 @@ def search(profile: ModelProfile, spec: DeviceSpec, host: HostSpec, *, batch_siz
             f"search: the stash of batch {batch_size} does not fit host memory: the best schedule needs "
             f"{format_size(needed)}, the host has {format_size(host.memory)}. Use a smaller batch.")
     recomputed = range(schedule.boundaries[-1])  # every pack but the last, which keeps its graph
-    bound, what = lower_bound(profile, batch_size, devices, spec, host, recomputed)
+    tiered = plan_host_memory(profile, schedule.boundaries, batch_size, host,
+                              schedule.devices if schedule.parallel == "pp" else 1).nvme_bytes
+    bound, what = lower_bound(profile, batch_size, devices, spec, host, recomputed, tiered)
     return PlanChoice(schedule, policy, simulation, batch_size, compared, bound, what, needed)
+
+
+# a larger forward microbatch is tried while the one before it saved at least this share of the
+# iteration: each try is a full simulation (gpt3-175b with an NVMe tier simulated 886-887 s at
+# five sizes in a row, the drive binding them all)
+_FORWARD_WORTH = 1e-3
 
 
 def _forward_counts(schedule: Schedule, apart: bool):

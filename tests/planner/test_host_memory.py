@@ -13,7 +13,7 @@ from harmony_fx.planner.chain import Schedule, chain_schedule
 from harmony_fx.planner.profile import LayerProfile, ModelProfile
 from harmony_fx.planner.simulate import simulate
 from harmony_fx.planner.specs import DeviceSpec, HostSpec
-from harmony_fx.planner.host_memory import plan_host_memory
+from harmony_fx.planner.host_memory import TierShare, plan_host_memory, tier_share
 
 # 12 layers of 1,000 parameters in packs of 4, 6 and 2 layers: each pack streams its state through
 # its update, so host memory holds only a few layers' worth of it
@@ -55,6 +55,19 @@ def test_masters_follow_the_state_in_bf16_only():
     assert least.host_bytes == int(6 * sum(PARAMS) + STASH + 12 * STAGED)
     fp32 = plan_host_memory(dataclasses.replace(PROFILE, precision="fp32"), BOUNDARIES, 16, _host(memory=1, nvme=10**9))
     assert fp32.masters_on_nvme == () and fp32.state_on_nvme == (0, 1, 2)
+
+
+def test_the_tier_share_is_what_the_parameters_and_the_stash_overflow():
+    """The dynamic program's share of the tier, in closed form: without a stash the parameters need
+    18 B each (fp32 master and gradient, Adam's moments, the bf16 copy); what passes host memory is
+    spread over them, and the most stash (every layer's output, 48 B a sample) adds its overflowing
+    part per byte, times the batch."""
+    need, stash = 18 * sum(PARAMS), 16 * 48.0
+    assert tier_share(PROFILE, 16, _host(memory=need - 12_000)) == TierShare()  # no tier: nothing
+    assert tier_share(PROFILE, 16, _host(memory=10**9, nvme=10**9)) == TierShare()  # no shortage
+    assert tier_share(PROFILE, 16, _host(memory=need - 12_000, nvme=10**9)) == TierShare(1.0, 16.0)
+    share = tier_share(PROFILE, 16, _host(memory=need + 400, nvme=10**9))
+    assert share.per_param == 0.0 and share.per_input_byte == pytest.approx(16 * (stash - 400) / stash)
 
 
 def test_the_tier_holds_no_more_than_its_size():

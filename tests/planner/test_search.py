@@ -17,9 +17,12 @@ from hypothesis import HealthCheck, Phase, given, settings, strategies as st
 
 from harmony_fx.config import format_size
 from harmony_fx.planner.chain import chain_schedule
+from harmony_fx.planner.costs import layer_seconds
 from harmony_fx.planner.presets import preset_profile
 from harmony_fx.planner.profile import LayerProfile, ModelProfile
-from harmony_fx.planner.search import PlanningError, PackModel, baselines, best_boundaries, host_bytes, search
+from harmony_fx.planner.host_memory import TierShare
+from harmony_fx.planner.search import (BOUND_TERMS, PlanningError, PackModel, baselines, best_boundaries, host_bytes,
+                                       lower_bound, search)
 from harmony_fx.planner.simulate import simulate
 from harmony_fx.planner.specs import DeviceSpec, HostSpec, get_spec
 
@@ -63,7 +66,9 @@ def _chains(draw):
         LayerProfile(f"l{i}", n, 2 * n, float(flops), float(out), float(saved))
         for i, (n, flops, out, saved) in enumerate(layers)), 1, float(draw(st.integers(0, 50))))
     size, microbatches = draw(st.integers(1, 3)), draw(st.integers(1, 4))
-    model = PackModel(profile, size, microbatches, TOY, 1, TOY_HOST)
+    # half of the chains with an NVMe tier taking a share of every pack's state and stash
+    tier = draw(st.one_of(st.just(TierShare()), st.builds(TierShare, st.floats(0.0, 8.0), st.floats(0.0, 4.0))))
+    model = PackModel(profile, size, microbatches, TOY, 1, TOY_HOST, tier)
     smallest = min(model.need(i, i + 1) + model.weights(i, i + 1) for i in range(len(layers)))
     budget = draw(st.floats(0.5, 8.0)) * smallest
     return profile, model, budget
@@ -113,6 +118,64 @@ def test_best_boundaries_misses_packings_whose_last_pack_ends_in_a_small_loss() 
     got = best_boundaries(4, model, budget)
     assert got is not None and _feasible(model, got, 4, budget)
     assert _total(model, got, 4) == pytest.approx(min(_total(model, cuts, 4) for cuts in feasible))
+
+
+def test_the_dynamic_program_charges_each_pack_the_tiers_read_and_write_of_its_share() -> None:
+    """A chain with nothing to compute or copy: a pack costs its overhead, its update's exposed
+    tail and, with a tier, its share read and written on the tier's lane: ``per_param`` bytes for
+    each of its parameters and ``per_input_byte`` for each byte of a sample's input to it. The first
+    pack's write, the iteration's last, goes on into the next forward: only its read counts."""
+    layers = tuple(LayerProfile(f"l{i}", 100 * (i + 1), 0, 0.0, float(i + 1), 0.0) for i in range(4))
+    profile = ModelProfile("params only", layers, 1, 8.0)
+    host = HostSpec(update_params_per_second=1e9, nvme_read=50.0, nvme_write=25.0)
+    share = TierShare(per_param=2.0, per_input_byte=16.0)
+    spec = dataclasses.replace(TOY, host_bandwidth=1e12, launch_seconds=0.0)  # copies and tasks take no time
+    plain = PackModel(profile, 1, 1, spec, 1, host)
+    tiered = PackModel(profile, 1, 1, spec, 1, host, share)
+    inputs = [8.0, 1.0, 2.0, 3.0]  # per sample: the model's input, then each layer's output
+    for a, b in [(0, 1), (0, 4), (1, 3), (2, 4), (3, 4)]:
+        params = sum(100 * (i + 1) for i in range(a, b))
+        held = 2.0 * params + 16.0 * inputs[a]
+        seconds = held / 50.0 + (held / 25.0 if a else 0.0)
+        assert tiered.io(a, b) == pytest.approx(seconds)
+        assert tiered.cost(a, b) - plain.cost(a, b) == pytest.approx(seconds)
+    assert plain.io(1, 3) == 0.0  # no tier: no share
+
+
+def test_the_lower_bound_is_the_longest_of_its_four_terms_and_names_it() -> None:
+    """Each term in closed form, each made the longest in turn: compute over the devices, the
+    weights twice and fp32 gradients over the bus, every parameter through the host's optimizer,
+    the tier's bytes read and written."""
+    layers = tuple(LayerProfile(f"l{i}", 1000, 2000, 0.0, 4.0, 4.0) for i in range(4))
+    profile = ModelProfile("chain", layers, 1, 4.0)
+    spec = dataclasses.replace(TOY, op_seconds=0.0)
+    compute = sum(sum(layer_seconds(layer, 8, spec, "fp32")) for layer in layers)  # nothing recomputed
+    bus = (2 * 8000 + 4 * 4000) / spec.host_bandwidth
+    cases = {
+        "compute": HostSpec(update_params_per_second=1e9),
+        "bus": HostSpec(update_params_per_second=1e9),
+        "host optimizer": HostSpec(update_params_per_second=4000 / (10 * max(compute, bus))),
+        "tier": HostSpec(update_params_per_second=1e9, nvme_read=1.0, nvme_write=1.0),
+    }
+    terms = {name: lower_bound(profile, 8, 1, spec, host, tier_bytes=1000) for name, host in cases.items()}
+    assert terms["tier"] == (2000.0, "tier")
+    assert terms["host optimizer"] == (pytest.approx(10 * max(compute, bus)), "host optimizer")
+    assert terms["compute"] == (pytest.approx(max(compute, bus)), "compute" if compute >= bus else "bus")
+    slow_bus = dataclasses.replace(spec, host_bandwidth=spec.host_bandwidth / 1000)
+    assert lower_bound(profile, 8, 1, slow_bus, cases["bus"]) == (pytest.approx(1000 * bus), "bus")
+
+
+def test_a_tier_bound_plan_is_within_its_bound_and_says_so() -> None:
+    """gpt2-xl with host memory for half of its Adam state: the tier's lane binds, the bound is its
+    bytes over its bandwidth, and the plan is no faster than that (the simulator's steady state
+    settles within 1% of an iteration)."""
+    profile, batch = _preset("gpt2-xl")
+    spec = get_spec("v100-32gb")
+    params_need = host_bytes(profile, [], batch, HostSpec())
+    host = HostSpec(memory=params_need - 4 * profile.num_params, nvme_bytes=10**13, nvme_read=2e8, nvme_write=1e8)
+    choice = search(profile, spec, host, batch_size=batch, forward_apart=False, simulate_top=1)
+    assert choice.bound == "tier"
+    assert choice.lower_bound <= choice.seconds * 1.01
 
 
 def test_best_boundaries_is_none_when_one_layer_does_not_fit() -> None:
@@ -195,7 +258,7 @@ def test_search_fits_the_budget_and_the_bound(name: str, spec: str, devices: int
     assert choice.batch_size == batch
     assert choice.schedule.boundaries[0] == 0 and choice.schedule.boundaries[-1] < len(profile.layers)
     assert 0 < choice.lower_bound <= choice.seconds
-    assert choice.bound in ("compute", "transfer")
+    assert choice.bound in BOUND_TERMS
     assert choice.samples_per_second() == pytest.approx(batch / choice.seconds)
 
 
