@@ -15,7 +15,7 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import nn
 
-from harmony_fx import pictures
+from harmony_fx import calibrate, pictures
 from harmony_fx.calibrate import spec_for
 from harmony_fx.compiler.compiled import Compiled
 from harmony_fx.compiler.driver import compile_program
@@ -30,6 +30,7 @@ from harmony_fx.planner.module import simulate_module
 from harmony_fx.program.actions import Action, Key
 from harmony_fx.program.format import format_schedule
 from harmony_fx.runtime.autograd import HarmonyFunction
+from harmony_fx.runtime.devices import HostDevice
 from harmony_fx.runtime.executor import Runtime
 from harmony_fx.runtime.session import Iteration, Session
 
@@ -78,6 +79,7 @@ class HarmonyModule:
         # every call's ``CallKey`` -> the module compiled for it (this one's own key included)
         self._by_key: dict[CallKey, HarmonyModule] = {}
         self._last: HarmonyModule = self  # the module that ran the last call (its stats are ours)
+        self._timeline_memory = True  # a recorded timeline counts a HostDevice's memory (``record_timeline``)
         if example_args is not None:
             self._compile(example_args, example_kwargs or {})
 
@@ -98,7 +100,7 @@ class HarmonyModule:
         # compiles of the packs on the first calls (``Session``); ``passes`` shows them last
         self._stages_after = StageLog()
         self.session = Session(self.compiled, self._stages_after)
-        self.session.recording = self.options.timeline
+        self.record_timeline(self.options.timeline, memory=self._timeline_memory)
         self.calls = Calls(self.compiled, self.model)
         # read again: capturing runs the forward, which materializes a lazy module's parameters
         self._key = CallKey.of(self.model, args, kwargs)
@@ -184,14 +186,22 @@ class HarmonyModule:
         return self.plan.table() + "\n\n" + format_schedule(
             [forward + backward for forward, backward in self.device_actions], [d.name for d in self.devices])
 
-    def record_timeline(self, on: bool = True) -> None:
-        """Record (or stop recording) the next calls' timeline: every op's span and the device's
-        memory after it, for ``save_trace`` and ``plot_memory``. Off by default (``timeline=``),
-        as it costs bookkeeping per task."""
+    def record_timeline(self, on: bool = True, *, memory: bool = True) -> None:
+        """Record (or stop recording) the next calls' timeline: every op's span and, with ``memory``,
+        the device's memory after it, for ``save_trace`` and ``plot_memory``. Off by default
+        (``timeline=``), as it costs bookkeeping per task. A HostDevice knows its memory only while
+        it counts every tensor (``track_memory``): recording with ``memory`` counts them for the
+        recorded calls, which then run as a tracked module does (slower; ``plot_memory`` predicts
+        them so); ``memory=False`` records the spans alone, at the untracked speed."""
+        self._timeline_memory = memory
         self.session.recording = on
+        counting = self.options.tracks_memory or (on and memory and self.session.pack_compiler is None)
+        for device in self.devices:
+            if isinstance(device, HostDevice):
+                device.track_memory = counting
         for module in self._by_key.values():
             if module is not self:
-                module.record_timeline(on)
+                module.record_timeline(on, memory=memory)
 
     def save_trace(self, path) -> None:
         """The last iteration's measured timeline as a Chrome trace (see ``harmony_fx.pictures``)."""
@@ -199,10 +209,24 @@ class HarmonyModule:
 
     def plot_memory(self, path) -> None:
         """Memory over the last iteration per device, measured and predicted (its programs simulated
-        on its device's spec: ``calibrate.spec_for``), as a PNG."""
+        on its device's spec, ``calibrate.spec_for``, in the mode it ran: recorded, and on a
+        HostDevice counting every tensor or not), as a PNG. On a HostDevice, a measured iteration
+        more than 2x off its prediction has this machine measured again
+        (``calibrate.check_prediction``) before it is drawn."""
         last = self._last
         pictures.check_recorded(last.stats)  # before the simulation (and a first call's calibration)
-        pictures.plot_memory(last, path, simulate_module(last, spec_for(last.device, last.budget)))
+        tracked = any(isinstance(device, HostDevice) and device.track_memory for device in last.devices)
+
+        def predict():
+            spec = spec_for(last.device, last.budget, tracked=tracked, recorded=True)
+            return simulate_module(last, spec, calibrate.host_spec())
+
+        predicted = predict()
+        if isinstance(last.device, HostDevice):
+            measured = max((end for *_, end in last.stats.spans), default=0.0)
+            if measured and calibrate.check_prediction(measured, predicted.seconds):
+                predicted = predict()
+        pictures.plot_memory(last, path, predicted)
 
     # the artifact's parts, by the names people and tests know
     devices = property(lambda self: list(self.compiled.devices))
@@ -317,7 +341,7 @@ class HarmonyModule:
         if "compiled" not in module.__dict__:  # no packing to reuse, or it did not fit
             module._compile(args, kwargs, key)
         module._stages_after.add("guards", 0.0, f"a new call state ({changes}): {how}")
-        module.record_timeline(self.session.recording)
+        module.record_timeline(self.session.recording, memory=self._timeline_memory)
         return module
 
     def _largest_same_state(self, key: CallKey) -> "HarmonyModule | None":

@@ -2,12 +2,12 @@
 a HostDevice spec.
 
 The planner is handed numbers; it never runs the compiler. Measuring them does: besides matmul
-FLOP/s (fp32, bf16) and memcpy bandwidth, the runtime's own cost per compute task and per op
-(Python, autograd, the copies' and waits' bookkeeping) is timed on two compiled MLPs, in each mode
-a run can be in: untracked (the default), with every tensor counted (``track_memory``, and a
-recorded timeline's memory on a HostDevice) and with the timeline recorded. So this module sits
-above the compiler and the runtime and below the front door (``api``, whose ``plot_memory``
-predicts with it).
+FLOP/s (fp32, bf16), memcpy bandwidth and the host optimizer's cost per parameter and per tensor,
+the runtime's own cost per compute task and per op (Python, autograd, small kernels, the copies'
+and waits' bookkeeping) is timed on two packings of a small GPT, in each mode a run can be in:
+untracked (the default), with every tensor counted (``track_memory``, and a recorded timeline's
+memory on a HostDevice) and with the timeline recorded. So this module sits above the compiler
+and the runtime and below the front door (``api``, whose ``plot_memory`` predicts with it).
 
 A calibration taken while the machine is busy is wrong for every later prediction (a 40x slower
 machine model was once cached this way), so it is measured, kept and checked with that in mind:
@@ -50,30 +50,33 @@ from harmony_fx.compiler.driver import compile_program
 from harmony_fx.compiler.stages import StageLog
 from harmony_fx.config import CompileOptions
 from harmony_fx.frontend.calls import Calls
-from harmony_fx.models import MLPChain
+from harmony_fx.models import GPTConfig, TinyGPT
 from harmony_fx.planner.choose import device_spec
-from harmony_fx.planner.specs import DeviceSpec, get_spec as preset, host_measured
+from harmony_fx.planner.specs import DeviceSpec, HostSpec, get_spec as preset, host_measured
 from harmony_fx.runtime.autograd import HarmonyFunction
 from harmony_fx.runtime.session import Session
 
 __all__ = ["Calibration", "measure_host", "checked", "host_calibration", "host_figures", "check_prediction", "recalibrate",
-           "measure_local", "get_spec", "spec_for", "cache_path", "cache_key"]
+           "measure_local", "host_spec", "get_spec", "spec_for", "cache_path", "cache_key"]
 
 # v3: each figure with its spread and load; the runtime's cost in each mode (tracked, recorded)
 CACHE_VERSION = "v3"
 
 RATES = ("fp32", "bf16", "copy")  # higher is faster
 # the runtime's seconds per compute task and per op, untracked, then the extra of counting every
-# tensor (``track_``) and of recording the timeline (``record_``): taken together, from one timing
-RUNTIME = ("task", "op", "track_task", "track_op", "record_task", "record_op")
-FIGURES = RATES + RUNTIME
+# tensor (per op: a dispatch) and of recording the timeline (per task: a span); from one timing
+RUNTIME = ("task", "op", "track_op", "record_task")
+# the host optimizer (AdamW, with the copies an all-or-nothing Trainer step keeps to undo it): seconds
+# per parameter and per parameter tensor
+UPDATE = ("update", "update_tensor")
+FIGURES = RATES + RUNTIME + UPDATE
 
 SPREAD_LIMIT = 2.0   # a figure whose median trial took more than this times its best was disturbed
 LOAD_LIMIT = 1.5     # runnable tasks per core while measuring, above which the machine was busy
 DISAGREEMENT = 2.0   # a stored figure, or a run's time, this many times off what it is checked against
 # what a HostDevice's figures can be at all: FLOP/s and bytes/s, seconds per task and per op
 _BOUNDS = {"fp32": (1e7, 1e15), "bf16": (1e7, 1e16), "copy": (1e7, 1e13), "task": (0.0, 0.1), "op": (0.0, 0.01),
-           "track_task": (0.0, 0.1), "track_op": (0.0, 0.01), "record_task": (0.0, 0.1), "record_op": (0.0, 0.01)}
+           "track_op": (0.0, 0.01), "record_task": (0.0, 0.1), "update": (0.0, 1e-6), "update_tensor": (0.0, 0.01)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,6 +114,7 @@ class Calibration:
         figures, spread, load = dict(self.figures), dict(self.spread), dict(self.load)
         groups = [((name,), lambda c, name=name: -c.figures[name]) for name in RATES]
         groups.append((RUNTIME, lambda c: c.figures["task"]))
+        groups.append((UPDATE, lambda c: c.figures["update_tensor"]))
         for names, cost in groups:
             if _rank(other, names, cost) < _rank(self, names, cost):
                 for name in names:
@@ -307,6 +311,14 @@ def _local_spec(memory: int | str | None, tracked: bool, recorded: bool) -> Devi
     return host_measured(host_figures(), memory, tracked=tracked, recorded=recorded)
 
 
+def host_spec() -> HostSpec:
+    """The host as measured: its optimizer's cost per parameter and per tensor (``UPDATE``), what a
+    Trainer's per-pack updates take on this machine (the predictions of ``plot_memory``)."""
+    figures = host_figures()
+    return HostSpec(update_params_per_second=1.0 / max(figures["update"], 1e-12),
+                    update_tensor_seconds=figures["update_tensor"])
+
+
 def get_spec(name: str) -> DeviceSpec:
     """A GPU preset by name (``planner.specs.PRESETS``), or ``"host"``: this machine, measured."""
     return measure_local() if name == "host" else preset(name)
@@ -333,6 +345,10 @@ def measure_host() -> Calibration:
     figures.update(runtime)
     spread.update({name: runtime_spread for name in RUNTIME})
     load.update({name: _load() for name in RUNTIME})
+    update, update_spread = _update_costs()
+    figures.update(update)
+    spread.update({name: update_spread for name in UPDATE})
+    load.update({name: _load() for name in UPDATE})
     return Calibration(figures, spread, load, time.time())
 
 
@@ -387,32 +403,37 @@ def _load() -> float:
 
 def _runtime_overheads(flops: float, copy_bandwidth: float) -> tuple[dict[str, float], float]:
     """The runtime's own cost on this machine (``RUNTIME``'s figures) and the spread of its trials,
-    from two compiled MLPs whose arithmetic is negligible, one task per layer and four layers per
-    task: what is left of their step times once FLOPs and bytes are paid, split between tasks and
-    ops, in each mode (untracked, counting every tensor, recording the timeline)."""
+    from two packings of a small GPT (the demo's width and sequence, two blocks) whose arithmetic is
+    small: one task per layer, and two packs. What is left of their iteration times once FLOPs and
+    bytes are paid is split between tasks and ops; counting every tensor costs a dispatch per op
+    (``track_op``), recording the timeline a span per task (``record_task``)."""
     # seeded, without moving the caller's random numbers; compiled and run with grad on, whatever
     # the caller's mode (as a HarmonyModule captures)
     with torch.random.fork_rng(devices=[]), torch.inference_mode(False), torch.enable_grad():
         torch.manual_seed(0)
-        return _time_two_mlps(flops, copy_bandwidth)
+        return _time_two_packings(flops, copy_bandwidth)
 
 
 _MODES = {"": (False, False), "track_": (True, False), "record_": (False, True)}  # prefix: (tracked, recorded)
 
 
-def _time_two_mlps(flops: float, copy_bandwidth: float) -> tuple[dict[str, float], float]:
-    x = torch.randn(8, 32)
+def _time_two_packings(flops: float, copy_bandwidth: float) -> tuple[dict[str, float], float]:
+    config = GPTConfig(vocab_size=64, block_size=32, n_layer=2, n_head=4, n_embd=64, dropout=0.0)
+    x = torch.randint(0, config.vocab_size, (8, config.block_size))
     rows, times, spreads = [], {prefix: [] for prefix in _MODES}, []
-    for boundaries in ((0, 1, 2, 3, 4, 5, 6, 7), (0, 4)):
-        model = MLPChain(width=32, depth=8)
-        options = CompileOptions(devices=["host:0"], memory_budget=None, microbatches=2, pack_boundaries=boundaries,
-                                 track_memory=False)
+    for boundaries in (None, (0, 5)):  # every layer a pack; the embeddings and first block, the rest
+        model = TinyGPT(config)
+        options = CompileOptions(devices=["host:0"], memory_budget=None, microbatches=2, track_memory=False,
+                                 pack_boundaries=boundaries)
+        if boundaries is None:
+            layers = len(compile_program(model, (x,), {}, options).layers)
+            options = dataclasses.replace(options, pack_boundaries=tuple(range(layers)))
         compiled = compile_program(model, (x,), {}, options)
         session, calls = Session(compiled, StageLog()), Calls(compiled, model)
         (device,) = compiled.devices
         tasks = [a for f, b in compiled.device_actions for a in f + b if a.kind.name in ("FWD", "RECOMPUTE", "BWD")]
         ops_of = {pack.index: sum(n.op == "call_function" for n in pack.gm.graph.nodes) for pack in compiled.packs}
-        # a backward runs about twice its forward's ops
+        # a backward runs about twice its forward's ops (as the simulator counts them)
         ops = sum(ops_of[a.pack] * (2 if a.kind.name == "BWD" else 1) for a in tasks)
         rows.append((len(tasks), ops))
         try:
@@ -421,24 +442,51 @@ def _time_two_mlps(flops: float, copy_bandwidth: float) -> tuple[dict[str, float
                 seconds = []
                 for _ in range(7):
                     start = time.perf_counter()
-                    _call(session, calls, x).sum().backward()
+                    _call(session, calls, x).float().mean().backward()
                     seconds.append(time.perf_counter() - start)
                 moved = session.stats.bytes_h2d + session.stats.bytes_d2h
-                work = 6 * sum(p.numel() for p in model.parameters()) * x.shape[0] / flops + moved / copy_bandwidth
+                work = 8 * sum(p.numel() for p in model.parameters()) * x.numel() / flops + moved / copy_bandwidth
                 times[prefix].append(max(min(seconds) - work, 0.0))
                 spreads.append(statistics.median(seconds) / max(min(seconds), 1e-9))
         finally:
             session.close()
-    base = _split(rows, times[""])
-    figures = {"task": base[0], "op": base[1]}
-    for prefix in ("track_", "record_"):
-        task, op = _split(rows, times[prefix])
-        figures[prefix + "task"], figures[prefix + "op"] = max(task - base[0], 0.0), max(op - base[1], 0.0)
-    return figures, max(spreads)
+    task, op = _split(rows, times[""])
+    extra = {prefix: max(sum(times[prefix]) - sum(times[""]), 0.0) for prefix in ("track_", "record_")}
+    return {"task": task, "op": op, "track_op": extra["track_"] / sum(o for _, o in rows),
+            "record_task": extra["record_"] / sum(t for t, _ in rows)}, max(spreads)
+
+
+def _update_costs() -> tuple[dict[str, float], float]:
+    """The host optimizer's seconds per parameter and per tensor (``UPDATE``) and the spread of its
+    trials: AdamW steps over many small tensors and over a few large ones, each after the copies of
+    the tensors and their state a Trainer keeps to undo the step."""
+    rows, times, spreads = [], [], []
+    with torch.random.fork_rng(devices=[]), torch.inference_mode(False):
+        for count, numel in ((64, 64), (4, 2**16)):
+            params = [torch.nn.Parameter(torch.randn(numel)) for _ in range(count)]
+            for param in params:
+                param.grad = torch.randn(numel)
+            optimizer = torch.optim.AdamW(params, lr=1e-3)
+            optimizer.step()  # its state, made on the first step
+            tensors = [t for p in params for t in (p.data, *optimizer.state[p].values()) if t.dim()]
+            undo = [torch.empty_like(t) for t in tensors]
+            seconds = []
+            for _ in range(7):
+                start = time.perf_counter()
+                for kept, tensor in zip(undo, tensors):
+                    kept.copy_(tensor)
+                optimizer.step()
+                seconds.append(time.perf_counter() - start)
+            rows.append((count, count * numel))
+            times.append(min(seconds))
+            spreads.append(statistics.median(seconds) / max(min(seconds), 1e-9))
+    per_tensor, per_param = _split(rows, times)
+    return {"update": per_param, "update_tensor": per_tensor}, max(spreads)
 
 
 def _split(rows: list[tuple[int, int]], times: list[float]) -> tuple[float, float]:
-    """(seconds per task, seconds per op) that add up to both programs' times."""
+    """Seconds per unit of each of two counts (tasks and ops; tensors and parameters) that add up
+    to both rows' times."""
     (t1, o1), (t2, o2) = rows
     determinant = t1 * o2 - t2 * o1
     per_task = (times[0] * o2 - times[1] * o1) / determinant

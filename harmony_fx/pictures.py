@@ -32,6 +32,9 @@ def check_recorded(stats) -> None:
     if not stats.recording:
         raise ValueError("plot_memory: the last call's timeline was not recorded; call hm.record_timeline() (or "
                          "trainer.record_timeline()) before it, or compile with timeline=True")
+    if not stats.memory and stats.spans:
+        raise ValueError("plot_memory: the last call's timeline was recorded without the device's memory "
+                         "(record_timeline(memory=False)); call record_timeline() before it")
     if not stats.memory:
         raise ValueError("plot_memory: nothing has run yet; call the module (and backward), or Trainer.step, first")
 

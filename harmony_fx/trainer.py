@@ -174,9 +174,10 @@ class Trainer:
     def explain(self) -> str:
         return self.hm.explain()
 
-    def record_timeline(self, on: bool = True) -> None:
-        """Record the next steps' timelines (for ``save_trace`` and ``plot_memory``)."""
-        self.hm.record_timeline(on)
+    def record_timeline(self, on: bool = True, *, memory: bool = True) -> None:
+        """Record the next steps' timelines (for ``save_trace`` and ``plot_memory``); ``memory=False``:
+        the spans alone, without counting a HostDevice's memory (see ``HarmonyModule.record_timeline``)."""
+        self.hm.record_timeline(on, memory=memory)
 
     def save_trace(self, path) -> None:
         """The last step's measured timeline as a Chrome trace."""

@@ -22,7 +22,7 @@ from harmony_fx.planner.specs import PRESETS
 
 # a quiet 2-core machine, as measured: fp32 87 GFLOP/s, copies 19 GB/s, 0.17 ms a task
 QUIET = {"fp32": 8.7e10, "bf16": 2.0e10, "copy": 1.9e10, "task": 1.7e-4, "op": 2e-6,
-         "track_task": 3e-5, "track_op": 2.5e-5, "record_task": 1e-5, "record_op": 0.0}
+         "track_op": 2.5e-5, "record_task": 1e-5, "update": 2e-9, "update_tensor": 4e-5}
 # the same machine measured while busy (the cache that was once found): every figure 40x off
 POISONED = {**QUIET, "fp32": 2.1e9, "bf16": 5e8, "copy": 6.3e8, "task": 3.2e-3, "op": 8e-5}
 
@@ -86,8 +86,10 @@ def test_a_host_device_is_predicted_with_this_machine_measured_in_the_runs_mode(
     assert (untracked.launch_seconds, untracked.op_seconds) == (QUIET["task"], QUIET["op"])
     tracked = calibrate.spec_for(host, tracked=True)
     assert tracked.op_seconds == pytest.approx(QUIET["op"] + QUIET["track_op"])
+    assert tracked.launch_seconds == QUIET["task"]
     both = calibrate.spec_for(host, tracked=True, recorded=True)
-    assert both.launch_seconds == pytest.approx(QUIET["task"] + QUIET["track_task"] + QUIET["record_task"])
+    assert both.launch_seconds == pytest.approx(QUIET["task"] + QUIET["record_task"])
+    assert both.op_seconds == tracked.op_seconds
 
 
 def test_figures_are_measured_once_then_read_from_the_cache_file(machine) -> None:

@@ -9,11 +9,22 @@ from harmony_fx.cli import main
 
 def test_demo_trains_and_writes_its_pictures(tmp_path, capsys) -> None:
     out = tmp_path / "demo"
-    assert main(["demo", "--quick", "--steps", "2", "--devices", "2", "--parallel", "pp", "--microbatches", "2",
+    assert main(["demo", "--quick", "--steps", "3", "--devices", "2", "--parallel", "pp", "--microbatches", "2",
                  "--out", str(out)]) == 0
     printed = capsys.readouterr().out
     assert "summary" in printed and "losses match eager" in printed
-    assert "under a budget of" in printed
+    assert "1 intra-op thread(s) for harmony and eager alike" in printed
+    assert "on the last step (every tensor counted; the plan predicted" in printed and "under a budget of" in printed
+    assert "tokens/s" in printed and "the time" in printed
+    # the second-to-last step's time, part by part: they add up to it
+    header = next(line for line in printed.splitlines() if line.startswith("  where harmony's step went"))
+    step_ms = float(header.split("step 1, ")[1].split(" ms")[0])
+    parts = {line.split()[0]: float(line.split(" ms")[0].split()[-1]) for line in printed.splitlines()
+             if line.startswith("    ") and " ms  " in line}
+    assert set(parts) == {"compute", "recompute", "copies", "optimizer", "runtime"}
+    assert abs(sum(parts.values()) - step_ms) <= 0.1 * len(parts)
+    assert "simulated on this machine's calibration" in printed
+    assert "on an a100-80gb (simulated, the planner's cost model): this plan" in printed and "eager" in printed
 
     events = json.loads((out / "trace.json").read_text())["traceEvents"]
     rows = {(e["pid"], e["cat"]) for e in events if e["ph"] == "X"}

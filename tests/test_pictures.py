@@ -35,3 +35,46 @@ def test_an_unrecorded_timeline_is_refused_before_anything_is_simulated(tmp_path
     with pytest.raises(ValueError, match="record_timeline"):
         hm.plot_memory(tmp_path / "memory.png")
     assert not (tmp_path / "memory.png").exists()
+
+
+def test_recording_counts_an_untracked_host_devices_memory_for_the_recorded_calls_only():
+    """A HostDevice knows its memory only while it counts every tensor: ``record_timeline()``
+    counts them for the recorded calls (the memory the plot draws), ``memory=False`` records the
+    spans alone, and stopping the recording stops the counting."""
+    hm, x, target = _module(track_memory=False)
+
+    def step():
+        F.cross_entropy(hm(x), target).backward()
+        return hm.stats
+
+    hm.record_timeline()
+    stats = step()
+    assert stats.peak_bytes["host:0"] > 0 and 0 < max(live for _, live in stats.memory[0]) <= stats.peak_bytes["host:0"]
+    hm.record_timeline(memory=False)
+    stats = step()
+    assert stats.spans and stats.peak_bytes["host:0"] == 0 and not stats.memory
+    hm.record_timeline(False)
+    assert step().peak_bytes["host:0"] == 0 and not hm.device.track_memory
+
+
+@pytest.mark.parametrize("memory", [True, False])
+def test_the_plot_predicts_the_run_in_the_mode_it_ran(tmp_path, monkeypatch, memory):
+    """Counted and recorded, or recorded alone: the simulation is handed this machine's spec for
+    that mode, and the run's time is checked against it (``calibrate.check_prediction``)."""
+    from harmony_fx import calibrate
+
+    specs, checked = [], []
+    real = api.simulate_module
+    monkeypatch.setattr(api, "simulate_module", lambda hm, spec, host: specs.append((spec, host)) or real(hm, spec, host))
+    monkeypatch.setattr(calibrate, "check_prediction", lambda measured, predicted: checked.append(measured) and False)
+    hm, x, target = _module(track_memory=False)
+    hm.record_timeline(memory=memory)
+    F.cross_entropy(hm(x), target).backward()
+    if not memory:
+        with pytest.raises(ValueError, match=r"without the device's memory \(record_timeline\(memory=False\)\)"):
+            hm.plot_memory(tmp_path / "memory.png")
+        return
+    hm.plot_memory(tmp_path / "memory.png")
+    ((spec, host),) = specs
+    assert spec == calibrate.spec_for(hm.device, tracked=True, recorded=True) and host == calibrate.host_spec()
+    assert checked == [max(end for *_, end in hm.stats.spans)]

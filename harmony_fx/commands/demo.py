@@ -2,9 +2,15 @@
 
 It takes the devices at hand (every GPU, else HostDevices: GPU stand-ins in host memory), sets each
 device's budget to a quarter of what eager training of the model needs, lets the planner choose
-packs and microbatches, and trains with a progress bar (loss, tokens/s, bytes moved, peak vs
-budget). It checks the first losses against eager training of an identical copy, then writes a
-Chrome trace of the last step and a PNG of memory over that step per device.
+packs and microbatches, and trains with a progress bar (loss, tokens/s, bytes moved), untracked, as
+harmony is meant to run (the plan's check keeps the budget). An identical copy trains eagerly
+beside it for the first steps: its losses are checked against harmony's, and its step time is the
+one harmony's is set beside. The second-to-last step records where its time went (compute,
+recompute, copies exposed, the optimizer exposed, the runtime); the last counts every tensor (the
+peak against the budget) and writes a Chrome trace and a PNG of memory over that step per device,
+measured against predicted. The summary gives the gap to eager and its breakdown, the step time
+predicted on this machine's calibration, and the same plan simulated on a GPU preset beside eager.
+On HostDevices both run with one intra-op thread (``--threads``): the model's ops are small.
 """
 from __future__ import annotations
 
@@ -36,6 +42,9 @@ def add_parser(commands) -> None:
     demo.add_argument("--check-steps", type=int, default=3, help="steps compared with eager training")
     demo.add_argument("--out", default="harmony_demo_out", help="where the trace and the memory plot go")
     demo.add_argument("--quick", action="store_true", help="a smaller model, for CI")
+    demo.add_argument("--threads", type=int, default=None,
+                      help="intra-op threads, for harmony and eager alike (default: 1 on HostDevices, whose small "
+                           "ops gain nothing from OpenMP's synchronisation; torch's default on GPUs)")
     demo.add_argument("--nodes", type=int, default=None,
                       help="train across this many processes on this machine (gloo on 127.0.0.1), as torchrun "
                            "runs one per server; prints the torchrun command")
@@ -54,15 +63,29 @@ def _device_names(count: int | None) -> list[str] | None:
 def run(args: argparse.Namespace) -> int:
     if args.nodes:
         return _across(args)
+    threads = torch.get_num_threads()
+    try:
+        return _train(args)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _train(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     import harmony_fx
+    from harmony_fx import calibrate
     from harmony_fx.analysis.memory import eager_training_bytes
     from harmony_fx.config import format_size
     from harmony_fx.models import GPTConfig, TinyGPT
+    from harmony_fx.planner.module import eager_seconds, simulate_module
+    from harmony_fx.planner.specs import PRESETS
+    from harmony_fx.runtime.breakdown import step_breakdown
 
     if args.quick:
         args.layers, args.width, args.batch = 6, 32, 8
+    if args.threads is not None or not torch.cuda.is_available():  # HostDevices without a GPU
+        torch.set_num_threads(args.threads or 1)
     config = GPTConfig(vocab_size=64, block_size=32, n_layer=args.layers, n_head=4, n_embd=args.width, dropout=0.0)
     torch.manual_seed(0)
     model = TinyGPT(config)
@@ -81,47 +104,57 @@ def run(args: argparse.Namespace) -> int:
     need = eager_training_bytes(model, (idx,), lambda out: loss_fn(out, target))
     budget = int(need * args.budget_fraction)
     print(f"TinyGPT: {config.n_layer} layers, width {config.n_embd}, "
-          f"{sum(p.numel() for p in model.parameters()):,} parameters; batch {args.batch}x{config.block_size}")
+          f"{sum(p.numel() for p in model.parameters()):,} parameters; batch {args.batch}x{config.block_size}; "
+          f"{torch.get_num_threads()} intra-op thread(s) for harmony and eager alike")
     print(f"eager training needs {format_size(need)}; each device's budget is {format_size(budget)} "
           f"({args.budget_fraction:.0%})")
     started = time.perf_counter()
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    # untracked, as harmony is meant to run: the plan's check keeps the budget, and the last step
+    # counts every tensor to confirm the peak
     trainer = harmony_fx.Trainer(model, loss_fn, optimizer, ((idx,), target), devices=_device_names(args.devices),
-                                 memory_budget=budget, microbatches=args.microbatches, parallel=args.parallel,
-                                 track_memory=True)  # the measured peak, shown against the budget
-    devices = [device.name for device in trainer.hm.devices]
+                                 memory_budget=budget, microbatches=args.microbatches, parallel=args.parallel)
+    hm = trainer.hm
+    devices = [device.name for device in hm.devices]
     print(f"planned and compiled for {', '.join(devices)} in {time.perf_counter() - started:.1f} s\n")
     print(trainer.explain())
     print()
 
     eager_optimizer = torch.optim.AdamW(eager_model.parameters(), lr=args.lr)
-    worst, eager_seconds, harmony_seconds, tokens = 0.0, 0.0, 0.0, args.batch * config.block_size
-    over_budget = []
+    eager_steps = min(args.steps, max(args.check_steps, _EAGER_STEPS))
+    eager_times: list[tuple[float, float]] = []  # (forward and backward, optimizer) seconds per step
+    worst, tokens = 0.0, args.batch * config.block_size
+    harmony_times: list[float] = []  # the untracked, unrecorded steps'
+    # the second-to-last step records its spans (at the untracked speed): where its time went; the
+    # last counts every tensor too: the peak, the trace and the memory plot
+    explained_step = args.steps - 2 if args.steps >= 3 else None
+    parts, explained_seconds, peak = None, 0.0, 0
     progress = tqdm(range(args.steps), desc="training", unit="step", file=sys.stdout, dynamic_ncols=True)
     try:
         for step in progress:
-            if step == args.steps - 1:
-                trainer.record_timeline()  # the last step's, for the trace and the memory plot
+            if step == explained_step:
+                trainer.record_timeline(memory=False)
+            elif step == args.steps - 1:
+                trainer.record_timeline()
             x, y = batch(step)
             started = time.perf_counter()
             loss = trainer.step(((x,), y))
             seconds = time.perf_counter() - started
-            harmony_seconds += seconds
             stats = trainer.stats
-            peak = max(stats.peak_bytes.values())
-            progress.set_postfix_str(
-                f"loss {loss.item():.4f}  {tokens / seconds:,.0f} tok/s  "
-                f"moved {format_size(stats.bytes_h2d + stats.bytes_d2h)}  peak {format_size(peak)}/{format_size(budget)}")
-            if peak > budget:
-                over_budget.append(step)
-            if step < args.check_steps:
-                started = time.perf_counter()
-                eager_loss = loss_fn(eager_model(x), y)
-                eager_loss.backward()
-                eager_optimizer.step()
-                eager_optimizer.zero_grad(set_to_none=True)
-                eager_seconds += time.perf_counter() - started
-                worst = max(worst, abs(loss.item() - eager_loss.item()) / max(abs(eager_loss.item()), 1e-12))
+            if step == explained_step:
+                parts = step_breakdown(stats.spans, seconds, stats.update_exposed_seconds)
+                explained_seconds = seconds
+            elif step == args.steps - 1:
+                peak = max(stats.peak_bytes.values())
+            else:
+                harmony_times.append(seconds)
+            progress.set_postfix_str(f"loss {loss.item():.4f}  {tokens / seconds:,.0f} tok/s  "
+                                     f"moved {format_size(stats.bytes_h2d + stats.bytes_d2h)}")
+            if step < eager_steps:
+                eager_loss, times = _eager_step(eager_model, eager_optimizer, loss_fn, x, y)
+                eager_times.append(times)
+                if step < args.check_steps:
+                    worst = max(worst, abs(loss.item() - eager_loss) / max(abs(eager_loss), 1e-12))
     finally:
         progress.close()
 
@@ -129,24 +162,87 @@ def run(args: argparse.Namespace) -> int:
     trace, plot = os.path.join(args.out, "trace.json"), os.path.join(args.out, "memory.png")
     trainer.save_trace(trace)
     trainer.plot_memory(plot)
+    planned = max(hm.plan.predicted_peak.values())
+    step_seconds = _steady(harmony_times) or explained_seconds
+    device = hm.device
+    measured_here = device.torch_device.type != "cuda"
+    predicted = _predicted(hm, simulate_module, calibrate)
+    if measured_here and step_seconds and calibrate.check_prediction(step_seconds, predicted):
+        predicted = _predicted(hm, simulate_module, calibrate)
     trainer.close()
+
     checked = min(args.check_steps, args.steps)
     print("\nsummary")
     print(f"  final loss {loss.item():.4f} after {args.steps} steps; first {checked} losses match eager "
           f"(largest relative difference {worst:.2e})")
-    print(f"  peak {format_size(peak)} per device under a budget of {format_size(budget)}; "
-          f"eager needs {format_size(need)} ({need / max(peak, 1):.1f}x more)")
-    if checked:
-        print(f"  {tokens * args.steps / harmony_seconds:,.0f} tokens/s vs eager {tokens * checked / eager_seconds:,.0f} "
-              f"tokens/s (eager without a memory cap, on the same machine)")
+    print(f"  peak {format_size(peak)} per device on the last step (every tensor counted; the plan predicted "
+          f"{format_size(planned)}) under a budget of {format_size(budget)}; eager needs {format_size(need)} "
+          f"({need / max(peak, 1):.1f}x more)")
+    eager_total = _steady([a + b for a, b in eager_times])
+    if step_seconds and eager_total:
+        print(f"  harmony {tokens / step_seconds:,.0f} tokens/s ({step_seconds * 1e3:.1f} ms a step) vs eager "
+              f"{tokens / eager_total:,.0f} tokens/s ({eager_total * 1e3:.1f} ms, without a memory cap) on the same "
+              f"machine: {step_seconds / eager_total:.1f}x the time")
+    if parts is not None:
+        eager_compute = _steady([a for a, _ in eager_times])
+        eager_update = _steady([b for _, b in eager_times])
+        print(f"  where harmony's step went (measured on step {explained_step}, {explained_seconds * 1e3:.1f} ms; "
+              f"eager's forward and backward take {eager_compute * 1e3:.1f} ms, its optimizer {eager_update * 1e3:.1f} ms):")
+        sizes = sorted({size for size in hm.mb_sizes if size})
+        notes = {
+            "compute": f"the packs' forward and backward, on microbatches of {'/'.join(map(str, sizes)) or args.batch}",
+            "recompute": "each pack's forward again before its backward (its activations were not kept)",
+            "copies exposed": "weights in, stash and gradients out, where no compute hides them",
+            "optimizer exposed": "the host's updates the step waited for at its end",
+            "runtime": "Python between tasks, and the step's own bookkeeping",
+        }
+        for name, value in parts.items():
+            print(f"    {name:<18} {value * 1e3:7.1f} ms  {notes[name]}")
+    if predicted and step_seconds:
+        where = "this machine's calibration" if measured_here else f"the {calibrate.spec_for(device).name} preset"
+        print(f"  predicted {predicted * 1e3:.1f} ms a step (simulated on {where}); measured {step_seconds / predicted:.2f}x of it")
+    if measured_here:
+        gpu = PRESETS[_GPU_PRESET]
+        projected, eager_projected = simulate_module(hm, gpu).seconds, eager_seconds(hm, gpu)
+        print(f"  on an {_GPU_PRESET} (simulated, the planner's cost model): this plan {projected * 1e3:.2f} ms a step "
+              f"({tokens / projected:,.0f} tokens/s), eager {eager_projected * 1e3:.2f} ms "
+              f"({tokens / eager_projected:,.0f} tokens/s)")
     print(f"  wrote {trace} (open in chrome://tracing or ui.perfetto.dev) and {plot}")
-    if over_budget:
-        print(f"FAILED: the measured peak was over the budget at steps {over_budget}", file=sys.stderr)
+    if peak > budget:
+        print(f"FAILED: the counted peak, {format_size(peak)}, was over the budget", file=sys.stderr)
         return 1
     if worst > 1e-5:
         print("FAILED: losses differ from eager", file=sys.stderr)
         return 1
     return 0
+
+
+# eager trains beside harmony for this many steps (its time is their steady mean), and a plan is
+# projected onto this GPU preset
+_EAGER_STEPS = 10
+_GPU_PRESET = "a100-80gb"
+
+
+def _eager_step(model, optimizer, loss_fn, x, y) -> tuple[float, tuple[float, float]]:
+    """One eager step: its loss, and its (forward and backward, optimizer) seconds."""
+    started = time.perf_counter()
+    loss = loss_fn(model(x), y)
+    loss.backward()
+    computed = time.perf_counter()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return loss.item(), (computed - started, time.perf_counter() - computed)
+
+
+def _steady(seconds: list[float]) -> float:
+    """The mean step time without the first (warm-up) step, when there are others."""
+    steady = seconds[1:] or seconds
+    return sum(steady) / len(steady) if steady else 0.0
+
+
+def _predicted(hm, simulate_module, calibrate) -> float:
+    """An untracked, unrecorded step of ``hm``, simulated on its device's spec and this host."""
+    return simulate_module(hm, calibrate.spec_for(hm.device, hm.budget), calibrate.host_spec()).seconds
 
 
 def _across(args: argparse.Namespace) -> int:

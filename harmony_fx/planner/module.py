@@ -8,13 +8,13 @@ programs on FakeTensors to plan (``runtime.probe.Probe``), exact because memory 
 """
 from __future__ import annotations
 
-from harmony_fx.planner.costs import PackCosts
+from harmony_fx.planner.costs import PackCosts, layer_seconds
 from harmony_fx.program.actions import Action, Key, KeyKind
 from harmony_fx.planner.profile import profile_graph
 from harmony_fx.planner.simulate import Simulation, simulate
 from harmony_fx.planner.specs import DeviceSpec, HostSpec
 
-__all__ = ["simulate_module"]
+__all__ = ["simulate_module", "eager_seconds"]
 
 
 def simulate_module(hm, spec: DeviceSpec, host: HostSpec = HostSpec()) -> Simulation:
@@ -27,8 +27,20 @@ def simulate_module(hm, spec: DeviceSpec, host: HostSpec = HostSpec()) -> Simula
     programs = [forward + backward for forward, backward in hm.device_actions]
     measured = {key: value for memory in hm.task_memory for key, value in memory.items()}
     costs = _MeasuredCosts(profile, [pack.layers for pack in hm.packs], sizes, spec, host, hm.key_bytes,
-                           measured, [a for program in programs for a in program])
+                           measured, [a for program in programs for a in program],
+                           {pack: len(group) for pack, group in hm.update_groups().items()})
     return simulate(programs, costs, spec, host, hm.update_arrivals)
+
+
+def eager_seconds(hm, spec: DeviceSpec) -> float:
+    """What one eager training step of ``hm``'s model takes on ``spec``, by the same cost model:
+    every layer's forward and backward on the whole batch, nothing copied, the optimizer on the
+    device (reading and writing each parameter, its gradient and two moments: 28 bytes, at memory
+    bandwidth): the figure a simulated harmony step on a GPU preset is set beside."""
+    batch = _batch_of(hm)
+    profile = profile_graph("model", hm.captured.gm, batch, _itemsize(hm), hm.options.precision)
+    compute = sum(sum(layer_seconds(layer, batch, spec, profile.precision)) for layer in profile.layers)
+    return compute + 28 * profile.num_params / spec.memory_bandwidth
 
 
 def _itemsize(hm) -> int | None:
@@ -44,10 +56,16 @@ def _batch_of(hm) -> int:
 class _MeasuredCosts(PackCosts):
     """``PackCosts`` whose graph sizes and working memory are the measured ones."""
 
-    def __init__(self, profile, pack_layers, sizes, spec, host, key_bytes, measured, actions: list[Action]) -> None:
+    def __init__(self, profile, pack_layers, sizes, spec, host, key_bytes, measured, actions: list[Action],
+                 tensors: dict[int, int]) -> None:
         super().__init__(profile, pack_layers, sizes, spec, host, key_bytes)
         self.measured = measured
         self.graph_makers = {key: a for a in actions for key in a.writes if key.kind == KeyKind.GRAPH}
+        self.tensors = tensors  # per pack: the parameter tensors the host updates
+
+    def update_seconds(self, pack: int) -> float:
+        """Its parameters at the host optimizer's throughput, and its fixed cost per tensor."""
+        return super().update_seconds(pack) + self.tensors.get(pack, 0) * self.host.update_tensor_seconds
 
     def key_bytes(self, key: Key) -> int:
         if key.kind != KeyKind.GRAPH:

@@ -15,7 +15,8 @@ It runs the same ``Action`` lists the runtime runs, with the runtime's semantics
   it have finished: its memory is allocated in compute-stream order, as ``CudaDevice`` does (a
   copy issued right after a task waits for that task);
 * on a device whose streams run inline (``DeviceSpec.inline``: a HostDevice) the controller
-  issues the next action only once the last one has finished;
+  issues the next action only once the last one has finished, and nothing while an ``UPDATE``
+  runs: the host optimizer shares the cores and Python's interpreter lock with it;
 * copies between host and device run at the device's link speed, and all devices' copies in one
   direction share the host's link (``HostSpec.link_bandwidth``), fairly, at every instant;
 * the ``READ``/``WRITE`` of a pack's state on the NVMe tier (``lowering.tier_io``) go to the
@@ -160,6 +161,7 @@ class _Simulator:
         self.io_running: tuple[float, float, int, Action] | None = None  # start, end, device, action
         self.io_free_at = io_busy  # the lane finishes the last iteration's writes first
         self.updated_at: dict[int, float] = {}  # pack -> when its update ends
+        self.held_until = 0.0  # inline devices: an update holds the host's cores and interpreter until then
 
     # -------------------------------------------------------------- memory
     def _hold(self, device: int, key: Key) -> None:
@@ -260,7 +262,8 @@ class _Simulator:
         return progressed
 
     def _busy(self, device: int) -> bool:
-        return (any(d == device for d, _ in self.running) or any(t.device == device for t in self.transfers)
+        return (self.held_until > self.now or any(d == device for d, _ in self.running)
+                or any(t.device == device for t in self.transfers)
                 or any(queue for (d, _), queue in self.queues.items() if d == device))
 
     def _transferring(self, device: int, stream: Stream) -> bool:
@@ -280,6 +283,8 @@ class _Simulator:
                 end = self._update(device, action.pack)
             heapq.heappush(self.updates, end)
             self.updated_at[action.pack] = end
+            if self.spec.inline:
+                self.held_until = max(self.held_until, end)
             self.last_end, self.core_end = max(self.last_end, end), max(self.core_end, end)
             progressed = True
         return progressed
@@ -368,6 +373,8 @@ class _Simulator:
         candidates = [end for _, end, _ in self.running.values()] + transfer_ends
         if self.updates:
             candidates.append(self.updates[0])
+        if self.held_until > self.now:
+            candidates.append(self.held_until)
         if self.io_running is not None:
             candidates.append(self.io_running[1])
         elif self.io_queue and self.io_free_at > self.now:

@@ -79,6 +79,8 @@ class HostSpec:
     memory: int | None = None         # bytes of host memory (None: not checked)
     link_bandwidth: float | None = None  # all devices' host traffic together, bytes/s per direction
     update_params_per_second: float = 1.0e9  # CPU optimizer throughput (Adam-like, all cores)
+    # and its fixed cost per parameter tensor (Python, dispatch): what bounds a small model's update
+    update_tensor_seconds: float = 0.0
     update_workers: int = 1
     optimizer_state_bytes: int = 8    # per parameter: Adam's two fp32 moments (SGD momentum: 4)
     cluster: ClusterSpec = ClusterSpec()  # the other servers, if any
@@ -136,12 +138,11 @@ def host_measured(figures: Mapping[str, float], memory: int | str | None = None,
     """This machine as a HostDevice, from measured ``figures`` (``harmony_fx.calibrate``'s): FLOP/s
     of ``"fp32"`` and ``"bf16"`` matmuls, ``"copy"`` bandwidth in bytes/s (memory, host and peer
     links alike: one memory), and the runtime's own seconds per compute task (``"task"``) and per
-    op (``"op"``) beyond its FLOPs and bytes; a run that counts every tensor (``tracked``) or
-    records its timeline (``recorded``) pays the extra of each per task and per op
-    (``"track_task"``, ``"track_op"``, ``"record_task"``, ``"record_op"``)."""
-    modes = [prefix for prefix, on in (("track_", tracked), ("record_", recorded)) if on]
-    task = figures["task"] + sum(figures[prefix + "task"] for prefix in modes)
-    op = figures["op"] + sum(figures[prefix + "op"] for prefix in modes)
+    op (``"op"``) beyond its FLOPs and bytes; a run that counts every tensor (``tracked``) pays
+    ``"track_op"`` more per op (a dispatch), one that records its timeline (``recorded``)
+    ``"record_task"`` more per task (a span)."""
+    task = figures["task"] + (figures["record_task"] if recorded else 0.0)
+    op = figures["op"] + (figures["track_op"] if tracked else 0.0)
     return DeviceSpec("host", parse_size(memory) or 2**40, {"fp32": figures["fp32"], "bf16": figures["bf16"]},
                       figures["copy"], figures["copy"], figures["copy"], efficiency=1.0,
                       launch_seconds=task, inline=True, op_seconds=op)

@@ -46,6 +46,12 @@ class Device:
     # every op; on a GPU it builds the allocator's statistics, so only after compute tasks
     cheap_live_bytes: bool = True
 
+    @property
+    def counts_memory(self) -> bool:
+        """Whether ``live_bytes`` is the device's memory now (a HostDevice's only while it tracks
+        every tensor): the timeline samples it only then."""
+        return True
+
     def to_device(self, source: torch.Tensor, slot: object = None, read_only: bool = False) -> torch.Tensor:
         """A device copy of ``source`` (``slot``: the staging buffer it was read from, if any;
         ``read_only``: nothing writes the copy, so a device in host memory may hand ``source``)."""
@@ -205,6 +211,10 @@ class HostDevice(Device):
 
     def compute_scope(self):
         return self.tracker.mode() if self.track_memory else contextlib.nullcontext()
+
+    @property
+    def counts_memory(self) -> bool:
+        return self.track_memory
 
     def get_rng_state(self) -> torch.Tensor:
         return torch.get_rng_state()

@@ -168,7 +168,8 @@ class DeviceRecorder:
                 work()
             finally:
                 ended = clock.mark()
-                live = device.live_bytes() if device.cheap_live_bytes or stream == Stream.COMPUTE else None
+                sampled = device.counts_memory and (device.cheap_live_bytes or stream == Stream.COMPUTE)
+                live = device.live_bytes() if sampled else None
                 entries.append((stream.value, label.format(*label_args), started, ended, live))  # list.append: atomic
 
         return timed
