@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import json
 import os
 import pathlib
@@ -27,6 +28,7 @@ from torch import nn
 import harmony_fx
 from harmony_fx.analysis.memory import eager_training_bytes
 from harmony_fx.runtime import tier as tier_module
+from harmony_fx.runtime.streams import HostStreams
 from harmony_fx.testing.models import ZooEntry, zoo
 from tests.memory_witness import DeviceMemoryWitness
 
@@ -276,3 +278,18 @@ def saved_checkpoint(trainer: harmony_fx.Trainer, tmp_path: pathlib.Path, folder
         path.mkdir()
     trainer.save(path)
     return path
+
+
+class TickingStreams(HostStreams):
+    """Inline streams whose clock ticks one second per mark: a span made from these marks lasts
+    exactly one second, whatever the host's time says."""
+
+    def __init__(self) -> None:
+        self._ticks = itertools.count()
+
+    def mark(self, stream=None) -> int:
+        return next(self._ticks)
+
+    @staticmethod
+    def seconds(origin: int, mark: int) -> float:
+        return float(mark - origin)

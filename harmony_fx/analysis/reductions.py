@@ -148,37 +148,31 @@ def _scaled(divisor: float | None, factor: float) -> float:
     return abs(factor) if divisor is None else divisor * abs(factor)
 
 
-def _reads_inputs(node: fx.Node) -> bool:
-    """Whether ``node`` is computed from the model's inputs (else from parameters and constants)."""
+def _inputs_under(node: fx.Node) -> list[fx.Node]:
+    """The model's input placeholders ``node`` is computed from."""
     seen: set[fx.Node] = set()
-    stack = [node]
+    stack, inputs = [node], []
     while stack:
         current = stack.pop()
         if current in seen:
             continue
         seen.add(current)
         if current.op == "placeholder" and meta.role_of(current) == meta.Role.INPUT:
-            return True
+            inputs.append(current)
         stack.extend(current.all_input_nodes)
-    return False
+    return inputs
+
+
+def _reads_inputs(node: fx.Node) -> bool:
+    """Whether ``node`` is computed from the model's inputs (else from parameters and constants)."""
+    return bool(_inputs_under(node))
 
 
 def _same_in_every_microbatch(node: fx.Node) -> bool:
     """Whether ``node`` is computed only from parameters, constants and inputs every microbatch gets
     whole (0-dim tensors, which have no batch dim to cut)."""
-    seen: set[fx.Node] = set()
-    stack = [node]
-    while stack:
-        current = stack.pop()
-        if current in seen:
-            continue
-        seen.add(current)
-        if current.op == "placeholder" and meta.role_of(current) == meta.Role.INPUT:
-            value = current.meta.get(meta.VAL)
-            if not isinstance(value, torch.Tensor) or value.dim() != 0:
-                return False
-        stack.extend(current.all_input_nodes)
-    return True
+    return all(isinstance(value := placeholder.meta.get(meta.VAL), torch.Tensor) and value.dim() == 0
+               for placeholder in _inputs_under(node))
 
 
 def _reduction(gm: fx.GraphModule, node: fx.Node, divisor: float | None, origin: fx.Node) -> ScalarReduction:

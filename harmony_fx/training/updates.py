@@ -31,7 +31,7 @@ from harmony_fx.runtime.host import land
 from harmony_fx.runtime.tier import StateTier
 from harmony_fx.tier_policy import PACKS_READ_AHEAD
 
-__all__ = ["Updater", "PackUpdates"]
+__all__ = ["Updater", "PackUpdates", "step_subset"]
 
 
 class Updater:
@@ -181,10 +181,10 @@ def _update(optimizer: torch.optim.Optimizer, params: Sequence[nn.Parameter] | N
         optimizer.step()
     else:
         undo.save(params)
-        _step_subset(optimizer, params)
+        step_subset(optimizer, params)
 
 
-def _step_subset(optimizer: torch.optim.Optimizer, params: Sequence[nn.Parameter]) -> None:
+def step_subset(optimizer: torch.optim.Optimizer, params: Sequence[nn.Parameter]) -> None:
     """``optimizer.step()`` over ``params`` only: every other parameter is hidden for the call.
     Per-parameter state and arithmetic are those of a full step."""
     wanted = {id(p) for p in params}

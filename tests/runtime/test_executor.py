@@ -1,29 +1,12 @@
 """The executor: the measured timeline, a device that shares host memory, gradients autograd shares."""
 from __future__ import annotations
 
-import itertools
-
 import pytest
 import torch
 
 import harmony_fx
 from harmony_fx.models import MLPChain
-from harmony_fx.runtime.streams import HostStreams
-
-
-class _TickingStreams(HostStreams):
-    """Inline streams whose clock ticks one second per mark: a span made from these marks lasts
-    exactly one second, whatever the host's time says."""
-
-    def __init__(self) -> None:
-        self._ticks = itertools.count()
-
-    def mark(self, stream=None) -> int:
-        return next(self._ticks)
-
-    @staticmethod
-    def seconds(origin: int, mark: int) -> float:
-        return float(mark - origin)
+from tests.helpers import TickingStreams
 
 
 def test_spans_and_busy_time_come_from_the_device_clock():
@@ -31,7 +14,7 @@ def test_spans_and_busy_time_come_from_the_device_clock():
     model = MLPChain(width=16, depth=4)
     x = torch.randn(8, 16)
     hm = harmony_fx.compile(model, x, devices=["host:0"], microbatches=2, pack_boundaries=(0, 2), timeline=True)
-    hm.device.streams = _TickingStreams()
+    hm.device.streams = TickingStreams()
     hm(x).sum().backward()
     spans = hm.stats.spans
     assert spans and all(end - start == 1.0 for _, _, _, start, end in spans)

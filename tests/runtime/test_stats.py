@@ -2,33 +2,17 @@
 timeline, and the figures ``hm.stats`` derives from them."""
 from __future__ import annotations
 
-import itertools
-
 import torch
 
 from harmony_fx.program.actions import Key, KeyKind, Stream
 from harmony_fx.runtime.devices import HostDevice
 from harmony_fx.runtime.stats import DeviceRecorder, Stats
-from harmony_fx.runtime.streams import HostStreams
-
-
-class _TickingStreams(HostStreams):
-    """Inline streams whose clock ticks one second per mark."""
-
-    def __init__(self) -> None:
-        self._ticks = itertools.count()
-
-    def mark(self, stream=None) -> int:
-        return next(self._ticks)
-
-    @staticmethod
-    def seconds(origin: int, mark: int) -> float:
-        return float(mark - origin)
+from tests.helpers import TickingStreams
 
 
 def _device(name: str = "host:0") -> HostDevice:
     device = HostDevice(name)
-    device.streams = _TickingStreams()
+    device.streams = TickingStreams()
     return device
 
 

@@ -20,6 +20,7 @@ from torch import nn
 from harmony_fx.runtime import tier as tier_module
 from harmony_fx.runtime.tier import StateTier, TierCorrupted
 from harmony_fx.tier_policy import staged_params
+from harmony_fx.training.updates import step_subset
 
 # two packs' parameters: pack 0 has more of them than the tier may hold in flight at once
 SHAPES = {0: [(6, 5)] * 9 + [(6,), (4, 6)], 1: [(3, 4), (3,)]}
@@ -36,19 +37,6 @@ def _grads(packs: dict[int, list[nn.Parameter]], step: int) -> None:
     for params in packs.values():
         for param in params:
             param.grad = torch.randn(param.shape, generator=generator)
-
-
-def _step_subset(optimizer: torch.optim.Optimizer, params: list[nn.Parameter]) -> None:
-    """``optimizer.step()`` over ``params`` alone (as the Trainer's per-pack update does)."""
-    saved = [group["params"] for group in optimizer.param_groups]
-    wanted = {id(p) for p in params}
-    try:
-        for group in optimizer.param_groups:
-            group["params"] = [p for p in group["params"] if id(p) in wanted]
-        optimizer.step()
-    finally:
-        for group, original in zip(optimizer.param_groups, saved):
-            group["params"] = original
 
 
 class Pair:
@@ -75,7 +63,7 @@ class Pair:
         self.tier.begin(self.steps)
         for pack in self.packs:
             self.tier.read(pack).result()
-            self.tier.update(pack, lambda params: _step_subset(self.optimizer, params))
+            self.tier.update(pack, lambda params: step_subset(self.optimizer, params))
             self.tier.write(pack)
         self.tier.wait_written()
         self.tier.finish()
@@ -136,7 +124,7 @@ def test_the_state_in_flight_stays_within_the_policys_bound(tmp_path):
     _grads(pair.packs, 2)
     for pack in pair.packs:
         pair.tier.read(pack).result()
-        pair.tier.update(pack, lambda params: _step_subset(pair.optimizer, params))
+        pair.tier.update(pack, lambda params: step_subset(pair.optimizer, params))
     pair.tier.wait_written()
     io = pair.tier.finish()
     pair.tier.wait_committed()
@@ -152,7 +140,7 @@ def test_an_aborted_step_leaves_the_files_and_the_state_as_before(tmp_path):
     pair.tier.begin(2)
     _grads(pair.packs, 2)
     pair.tier.read(0).result()
-    pair.tier.update(0, lambda params: _step_subset(pair.optimizer, params))
+    pair.tier.update(0, lambda params: step_subset(pair.optimizer, params))
     pair.tier.abort()
     assert _files(tmp_path) == before
     for params in pair.packs.values():
@@ -177,7 +165,7 @@ def test_a_failed_write_undoes_the_step(tmp_path, monkeypatch):
     with pytest.raises(OSError, match="No space left"):
         for pack in pair.packs:
             pair.tier.read(pack).result()
-            pair.tier.update(pack, lambda params: _step_subset(pair.optimizer, params))
+            pair.tier.update(pack, lambda params: step_subset(pair.optimizer, params))
         pair.tier.wait_written()
     pair.tier.abort()
     assert _files(tmp_path) == before  # the step's partial files deleted
