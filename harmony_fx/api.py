@@ -22,7 +22,7 @@ from harmony_fx.compiler.driver import compile_program
 from harmony_fx.compiler.host_memory import OptimizerFacts
 from harmony_fx.compiler.packing import BudgetTooSmallError, verify_programs
 from harmony_fx.compiler.stages import StageLog
-from harmony_fx.config import CompileOptions, check_option_names, option_names
+from harmony_fx.config import CompileOptions, check_option_names, format_size, option_names
 from harmony_fx.frontend import microbatch
 from harmony_fx.frontend.calls import Calls
 from harmony_fx.frontend.guards import CallKey
@@ -182,9 +182,30 @@ class HarmonyModule:
         return "\n".join(f"# ---- {name} program ----{program.code}" for name, program in self.programs.items())
 
     def explain(self) -> str:
-        """The plan's table, then the schedule: one column per device, one row per compute task."""
-        return self.plan.table() + "\n\n" + format_schedule(
+        """The plan's table (and, where it leaves more than half of the budget unused, why), then
+        the schedule: one column per device, one row per compute task."""
+        unused = self._budget_unused()
+        return self.plan.table() + (f"\n{unused}" if unused else "") + "\n\n" + format_schedule(
             [forward + backward for forward, backward in self.device_actions], [d.name for d in self.devices])
+
+    def _budget_unused(self) -> str:
+        """Why the plan leaves more than half of the budget unused ("" where it does not): the
+        planner's reason, or what fixed the plan instead of it."""
+        plan = self.plan
+        peak = max(plan.predicted_peak.values(), default=0)
+        if plan.budget is None or 2 * peak > plan.budget:
+            return ""
+        schedule = self.compiled.schedule
+        if self.options.pack_boundaries is not None:
+            why = "pack_boundaries fixes the packs"
+        elif schedule is not None and schedule.budget_note:
+            why = schedule.budget_note
+        elif schedule is None:
+            why = (f"packed by the {plan.policy} policy with the microbatches given (the planner searches when "
+                   "microbatches=None)")
+        else:
+            why = "the planner's fastest schedule needs no more"
+        return f"budget: this plan uses {format_size(peak)} of {format_size(plan.budget)}: {why}"
 
     def record_timeline(self, on: bool = True, *, memory: bool = True) -> None:
         """Record (or stop recording) the next calls' timeline: every op's span and, with ``memory``,

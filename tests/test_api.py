@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import functools
 import gc
+import re
 
 import pytest
 import torch
@@ -351,3 +352,46 @@ def test_compiling_and_closing_leaves_no_thread_behind():
     hm(x).sum().backward()
     hm.close()
     assert {t for t in threading.enumerate() if t.is_alive()} - threads == set()
+
+
+@pytest.mark.parametrize("given, why", [
+    ({}, r"the fastest schedule the planner simulated takes [\d.]+ ms and needs no more \(the largest packs that fit "
+         r"simulate at [\d.]+ ms, no faster; the batch is already whole \(one microbatch\)\)"),
+    ({"pack_boundaries": (0, 2)}, "pack_boundaries fixes the packs"),
+    ({"microbatches": 2}, r"packed by the balanced policy with the microbatches given"),
+])
+def test_explain_says_why_a_plan_leaves_more_than_half_of_its_budget_unused(given, why):
+    from harmony_fx.analysis.memory import eager_training_bytes
+    from harmony_fx.models import MLPChain
+
+    torch.manual_seed(0)
+    x, y = torch.randn(16, 32), torch.randint(0, 10, (16,))
+    model = MLPChain(width=32, depth=6)
+    need = eager_training_bytes(model, (x,), lambda out: F.cross_entropy(out, y))
+    hm = harmony_fx.compile(model, (x,), memory_budget=4 * need, **given)
+    (line,) = [line for line in hm.explain().splitlines() if line.startswith("budget:")]
+    peak = max(hm.plan.predicted_peak.values())
+    assert 2 * peak <= hm.budget
+    assert re.fullmatch(rf"budget: this plan uses .+ of .+: {why}.*", line), line
+    tight = harmony_fx.compile(MLPChain(width=32, depth=6), (x,), memory_budget=need // 2)
+    assert 2 * max(tight.plan.predicted_peak.values()) > tight.budget
+    assert "budget:" not in tight.explain()  # a plan that uses its budget needs no excuse
+
+
+def test_explain_names_the_planners_estimate_when_it_is_what_left_the_budget_unused():
+    """The demo's GPT under a quarter of eager's memory: the planner's estimate of its schedule
+    (from the layers' profile) is near the budget, the exact count of the planning run under half."""
+    from harmony_fx.analysis.memory import eager_training_bytes
+    from harmony_fx.models import GPTConfig, TinyGPT
+
+    torch.manual_seed(0)
+    config = GPTConfig(vocab_size=64, block_size=32, n_layer=6, n_head=4, n_embd=32, dropout=0.0)
+    model = TinyGPT(config)
+    idx = torch.randint(0, 64, (8, 32))
+    need = eager_training_bytes(model, (idx,), lambda out: out.float().mean())
+    hm = harmony_fx.compile(model, (idx,), memory_budget=need // 4)
+    (line,) = [line for line in hm.explain().splitlines() if line.startswith("budget:")]
+    estimate = re.search(r"the planner chose it on its estimate of ([\d.]+) (KiB|MiB) \((\d+)% of", line)
+    assert estimate, line
+    estimated = float(estimate.group(1)) * {"KiB": 2**10, "MiB": 2**20}[estimate.group(2)]
+    assert 2 * max(hm.plan.predicted_peak.values()) <= hm.budget < 2 * estimated

@@ -41,6 +41,8 @@ class Schedule:
     # the forward's larger microbatches: how many (``None``: the backward's)
     forward_microbatches: int | None = None
     handoff: str = "peer"  # a pipeline's: device to device, or through the host
+    # why the schedule leaves more than half of the budget unused, where it does (``choose``)
+    budget_note: str = dataclasses.field(default="", compare=False, repr=False)
 
     @property
     def forward_packs(self) -> int:

@@ -21,11 +21,11 @@ import dataclasses
 import torch
 from torch import fx, nn
 
-from harmony_fx.config import CompileOptions
+from harmony_fx.config import CompileOptions, format_size
 from harmony_fx.analysis.random_ops import draws_random
 from harmony_fx.planner.chain import Schedule
 from harmony_fx.planner.profile import profile_graph
-from harmony_fx.planner.search import PlanningError, search
+from harmony_fx.planner.search import PlanChoice, PlanningError, search
 from harmony_fx.planner.specs import PRESETS, DeviceSpec, HostSpec, host_nominal
 
 __all__ = ["choose_schedules", "device_spec"]
@@ -55,14 +55,20 @@ def choose_schedules(gm: fx.GraphModule, model: nn.Module, batch_size: int, devi
             parallel = "pp"
     elif microbatches is None and changes_results:
         microbatches = len(devices)
+    spec = device_spec(devices[0], budget)
+    settings = dict(batch_size=batch_size, devices=len(devices), budget=budget, parallel=parallel, simulate_top=3,
+                    all_devices=True, forward_apart=trainer and separable and not changes_results,
+                    handoff=options.handoff)
     try:
-        choice = search(profile, device_spec(devices[0], budget), HostSpec(), batch_size=batch_size,
-                        devices=len(devices), budget=budget, parallel=parallel, microbatches=microbatches,
-                        simulate_top=3, all_devices=True,
-                        forward_apart=trainer and separable and not changes_results, handoff=options.handoff)
+        choice = search(profile, spec, HostSpec(), microbatches=microbatches, **settings)
     except PlanningError:
         return ()
-    schedules = [choice.schedule]
+    fixed = (f"microbatches={microbatches} was given" if options.microbatches is not None
+             else "the batch is not cut (its samples are not apart)" if not separable
+             else f"{microbatches} microbatch(es), one per device (cutting the batch further changes its random "
+                  "numbers or batch statistics)" if microbatches is not None else None)
+    note = _budget_note(choice, profile, spec, settings, microbatches, fixed)
+    schedules = [dataclasses.replace(choice.schedule, budget_note=note)]
     if choice.schedule.forward_microbatches or choice.schedule.forward_groups:
         schedules.append(dataclasses.replace(choice.schedule, forward_groups=(), forward_microbatches=None))
     if microbatches is None and batch_size % schedules[-1].microbatches:
@@ -70,6 +76,43 @@ def choose_schedules(gm: fx.GraphModule, model: nn.Module, batch_size: int, devi
         even = next(n for n in range(schedules[-1].microbatches + 1, batch_size + 1) if batch_size % n == 0)
         schedules.append(dataclasses.replace(schedules[-1], microbatches=even))
     return tuple(schedules)
+
+
+def _budget_note(choice: PlanChoice, profile, spec: DeviceSpec, settings: dict, microbatches: int | None,
+                 fixed: str | None) -> str:
+    """Why ``choice`` may leave more than half of the budget unused (the plan says it where it
+    does): the planner's estimate of its peak was higher (the exact count comes later, from the
+    planning run); or its packing is the fastest the cost model finds within the budget (the
+    largest packs that fit simulate no faster), and half as many microbatches, each twice the
+    memory, do not fit or simulate no faster, or the microbatches were fixed (``microbatches``,
+    and ``fixed`` says why; ``settings``: the search's other arguments)."""
+    budget = settings["budget"]
+    if budget is None:
+        return ""
+    peak, usable = max(choice.simulation.peak_bytes), spec.usable(budget)
+    if 2 * peak > usable:  # the exact peak, from the planning run, may still be under half
+        return (f"the planner chose it on its estimate of {format_size(peak)} ({peak / usable:.0%} of the "
+                f"{format_size(usable)} it may use; the estimate is the layers' profile, the plan's peak the planning "
+                "run's exact count), by which a schedule that holds more does not fit")
+    reasons = []
+    largest = choice.compared.get("largest packs")
+    if largest is not None and largest != float("inf") and choice.policy != "largest packs":
+        reasons.append(f"the largest packs that fit simulate at {largest * 1e3:.3g} ms, no faster")
+    fewer = choice.schedule.microbatches // 2
+    if choice.schedule.microbatches == 1:
+        reasons.append("the batch is already whole (one microbatch)")
+    elif microbatches is not None:
+        reasons.append(fixed or f"{microbatches} microbatches are fixed")
+    elif fewer >= (choice.schedule.devices if choice.schedule.parallel == "dp" else 1):
+        try:
+            other = search(profile, spec, HostSpec(), microbatches=fewer, **{**settings, "simulate_top": 1})
+        except PlanningError:
+            reasons.append(f"{fewer} microbatches (twice the memory each) do not fit")
+        else:
+            reasons.append(f"{fewer} microbatches (twice the memory each) simulate at {other.seconds * 1e3:.3g} ms, "
+                           f"peak {format_size(max(other.simulation.peak_bytes))}")
+    return (f"the fastest schedule the planner simulated takes {choice.seconds * 1e3:.3g} ms and needs no more"
+            + (f" ({'; '.join(reasons)})" if reasons else ""))
 
 
 def _split_changes_results(gm: fx.GraphModule, model: nn.Module) -> bool:
