@@ -122,6 +122,14 @@ def cached_train_step(name: str, budget_fraction: float, devices: tuple[str, ...
     return train_step(ZOO[name], budget_fraction, list(devices) if devices else None)
 
 
+def assert_same_result(loss: torch.Tensor, ref_loss: torch.Tensor, params, ref_params, rtol: float = RTOL,
+                       atol: float = ATOL) -> None:
+    """A step's loss and the parameters after it equal the reference's (eager's)."""
+    torch.testing.assert_close(loss, ref_loss.detach(), rtol=rtol, atol=atol)
+    for param, ref in zip(params, ref_params):
+        torch.testing.assert_close(param.detach(), ref.detach(), rtol=rtol, atol=atol)
+
+
 def assert_grads_equal(model: nn.Module, reference: nn.Module, rtol: float = RTOL, atol: float = ATOL, *,
                        inputs: Sequence[torch.Tensor] = (), ref_inputs: Sequence[torch.Tensor] = ()) -> None:
     """Every parameter of ``model`` has the gradient ``reference``'s namesake has, and so does each

@@ -24,7 +24,7 @@ import harmony_fx.compiler.variants  # noqa: E402
 from harmony_fx.models import MLPChain  # noqa: E402
 from harmony_fx.program.ops import OP_OF_KIND  # noqa: E402
 from harmony_fx.runtime.executor import Runtime  # noqa: E402
-from tests.helpers import assert_grads_equal, smallest_budget  # noqa: E402
+from tests.helpers import assert_grads_equal, assert_same_result, smallest_budget  # noqa: E402
 from tests.memory_witness import DeviceMemoryWitness  # noqa: E402
 
 RTOL, ATOL = 1e-5, 1e-6
@@ -159,9 +159,7 @@ def test_trainer_steps_on_batches_of_several_sizes_equal_eager():
             ref_loss = F.cross_entropy(reference(x), target)
             ref_loss.backward()
             ref_optimizer.step()
-            torch.testing.assert_close(loss, ref_loss.detach(), rtol=RTOL, atol=ATOL)
-            for param, ref in zip(model.parameters(), reference.parameters()):
-                torch.testing.assert_close(param.detach(), ref.detach(), rtol=RTOL, atol=ATOL)
+            assert_same_result(loss, ref_loss, model.parameters(), reference.parameters(), RTOL, ATOL)
         assert trainer.hm.batch_sizes == [5, 6]
     finally:
         trainer.close()

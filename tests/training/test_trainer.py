@@ -18,6 +18,7 @@ from harmony_fx.models import GPTConfig, MLPChain, TinyGPT
 from harmony_fx.runtime.executor import Runtime
 from harmony_fx.program.actions import ActionKind
 from harmony_fx.testing.models import zoo
+from tests.helpers import assert_same_result
 
 RTOL, ATOL = 1e-5, 1e-6
 STEPS = 5
@@ -206,26 +207,20 @@ def _eager_grouping_reference():
 def test_grouped_trainer_step_equals_eager(num_microbatches):
     _, _, loss, params = _grouping_run(True, num_microbatches)
     ref_loss, ref_params = _eager_grouping_reference()
-    torch.testing.assert_close(loss, ref_loss, rtol=RTOL, atol=ATOL)
-    for param, ref in zip(params, ref_params):
-        torch.testing.assert_close(param, ref, rtol=RTOL, atol=ATOL)
+    assert_same_result(loss, ref_loss, params, ref_params, RTOL, ATOL)
 
 
 def test_ungrouped_trainer_step_with_one_microbatch_equals_eager():
     _, _, loss, params = _grouping_run(False, 1)
     ref_loss, ref_params = _eager_grouping_reference()
-    torch.testing.assert_close(loss, ref_loss, rtol=RTOL, atol=ATOL)
-    for param, ref in zip(params, ref_params):
-        torch.testing.assert_close(param, ref, rtol=RTOL, atol=ATOL)
+    assert_same_result(loss, ref_loss, params, ref_params, RTOL, ATOL)
 
 
 @pytest.mark.parametrize("num_microbatches", [4, 16])
 def test_ungrouped_trainer_step_with_microbatches_equals_eager(num_microbatches):
     trainer, _, loss, params = _grouping_run(False, num_microbatches)
     ref_loss, ref_params = _eager_grouping_reference()
-    torch.testing.assert_close(loss, ref_loss, rtol=RTOL, atol=ATOL)
-    for param, ref in zip(params, ref_params):
-        torch.testing.assert_close(param, ref, rtol=RTOL, atol=ATOL)
+    assert_same_result(loss, ref_loss, params, ref_params, RTOL, ATOL)
     updates = [a.pack for a in trainer.hm.forward_actions + trainer.hm.backward_actions if a.kind == ActionKind.UPDATE]
     num_groups = len(trainer.hm.update_groups())
     assert len(updates) == num_groups  # one update per group and iteration
@@ -389,9 +384,7 @@ def test_updates_run_per_pack_during_the_backward(monkeypatch):
         ref_loss = F.cross_entropy(reference(x), target)
         ref_loss.backward()
         ref_optimizer.step()
-        torch.testing.assert_close(loss, ref_loss.detach(), rtol=RTOL, atol=ATOL)
-        for param, ref in zip(model.parameters(), reference.parameters()):
-            torch.testing.assert_close(param.detach(), ref.detach(), rtol=RTOL, atol=ATOL)
+        assert_same_result(loss, ref_loss, model.parameters(), reference.parameters(), RTOL, ATOL)
     finally:
         trainer.close()
 
