@@ -56,7 +56,8 @@ from harmony_fx.planner.specs import DeviceSpec, HostSpec, get_spec as preset, h
 from harmony_fx.runtime.autograd import HarmonyFunction
 from harmony_fx.runtime.session import Session
 
-__all__ = ["Calibration", "measure_host", "checked", "host_calibration", "host_figures", "check_prediction", "recalibrate",
+__all__ = ["Calibration", "measure_host", "checked", "host_calibration", "host_figures", "check_prediction",
+           "recalibrate",
            "measure_local", "host_spec", "get_spec", "spec_for", "cache_path", "cache_key"]
 
 # v3: each figure with its spread and load; the runtime's cost in each mode (tracked, recorded)
@@ -99,7 +100,8 @@ class Calibration:
             if not isinstance(value, (int, float)) or not math.isfinite(value) or not low <= value <= high:
                 found.append(f"{name} = {value!r} is not a figure this machine can have ({low:g} to {high:g})")
             elif self.spread.get(name, math.inf) > SPREAD_LIMIT:
-                found.append(f"{name}'s trials were {self.spread.get(name, math.inf):.1f}x apart (the machine was busy)")
+                spread = self.spread.get(name, math.inf)
+                found.append(f"{name}'s trials were {spread:.1f}x apart (the machine was busy)")
             elif self.load.get(name, math.inf) > LOAD_LIMIT:
                 found.append(f"{name} was measured under a load of {self.load.get(name, math.inf):.1f} per core")
         if built_at is not None and self.measured_at < built_at:
@@ -150,8 +152,8 @@ def _rank(calibration: Calibration, names: tuple[str, ...], cost) -> tuple[int, 
     """Lower is better: valid before invalid, plausible before doubtful, then cheaper."""
     if not all(_valid(calibration, name) for name in names):
         return (2, 0.0)
-    doubtful = any(calibration.spread.get(name, math.inf) > SPREAD_LIMIT or calibration.load.get(name, math.inf) > LOAD_LIMIT
-                   for name in names)
+    doubtful = any(calibration.spread.get(name, math.inf) > SPREAD_LIMIT
+                   or calibration.load.get(name, math.inf) > LOAD_LIMIT for name in names)
     return (int(doubtful), cost(calibration))
 
 
@@ -250,8 +252,9 @@ def _check() -> tuple[Calibration, tuple[str, ...]]:
         _store(calibration)
         left = calibration.problems()
         if left:
-            warnings.warn(f"harmony_fx: this machine's calibration is doubtful ({'; '.join(left)}); predicted "
-                          "times may be off. `harmony-fx calibrate --refresh` on a quiet machine measures it again.",
+            shown = "; ".join(left[:2]) + (f"; and {len(left) - 2} more" if len(left) > 2 else "")
+            warnings.warn(f"harmony_fx: this machine's calibration is doubtful ({shown}); predicted times may be "
+                          "off. `harmony-fx calibrate` shows it; `--refresh` on a quiet machine measures it again.",
                           stacklevel=3)
     return calibration, tuple(reasons)
 
@@ -336,7 +339,7 @@ def spec_for(device, budget: int | None = None, *, tracked: bool = False, record
 # ---------------------------------------------------------------------------------------- measuring
 def measure_host() -> Calibration:
     """Every figure of ``FIGURES`` measured now (a few seconds), each the best of several trials."""
-    trials = {name: _matmul_trials(getattr(torch, dtype)) for name, dtype in (("fp32", "float32"), ("bf16", "bfloat16"))}
+    trials = {name: _matmul_trials(dtype) for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16))}
     trials["copy"] = _copy_trials()
     figures = {name: _best_rate(times) for name, times in trials.items()}
     spread = {name: _spread(times) for name, times in trials.items()}

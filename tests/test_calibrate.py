@@ -167,7 +167,8 @@ def test_figures_out_of_any_machines_range_are_not_used(machine) -> None:
 
 def test_a_calibration_still_doubtful_after_measuring_again_is_used_with_a_warning(machine) -> None:
     machine.measured = [calibration(QUIET, spread=4.0)]
-    with pytest.warns(UserWarning, match=r"calibration is doubtful .*trials were 4\.0x apart.*calibrate --refresh"):
+    with pytest.warns(UserWarning, match=r"calibration is doubtful \(fp32's trials were 4\.0x apart.*; and 7 more\)"
+                                         r".*`--refresh` on a quiet machine"):
         assert calibrate.host_figures() == QUIET
 
 

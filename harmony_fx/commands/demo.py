@@ -187,7 +187,8 @@ def _train(args: argparse.Namespace) -> int:
         eager_compute = _steady([a for a, _ in eager_times])
         eager_update = _steady([b for _, b in eager_times])
         print(f"  where harmony's step went (measured on step {explained_step}, {explained_seconds * 1e3:.1f} ms; "
-              f"eager's forward and backward take {eager_compute * 1e3:.1f} ms, its optimizer {eager_update * 1e3:.1f} ms):")
+              f"eager's forward and backward take {eager_compute * 1e3:.1f} ms, its optimizer "
+              f"{eager_update * 1e3:.1f} ms):")
         sizes = sorted({size for size in hm.mb_sizes if size})
         notes = {
             "compute": f"the packs' forward and backward, on microbatches of {'/'.join(map(str, sizes)) or args.batch}",
@@ -200,7 +201,8 @@ def _train(args: argparse.Namespace) -> int:
             print(f"    {name:<18} {value * 1e3:7.1f} ms  {notes[name]}")
     if predicted and step_seconds:
         where = "this machine's calibration" if measured_here else f"the {calibrate.spec_for(device).name} preset"
-        print(f"  predicted {predicted * 1e3:.1f} ms a step (simulated on {where}); measured {step_seconds / predicted:.2f}x of it")
+        print(f"  predicted {predicted * 1e3:.1f} ms a step (simulated on {where}); measured "
+              f"{step_seconds / predicted:.2f}x of it")
     if measured_here:
         gpu = PRESETS[_GPU_PRESET]
         projected, eager_projected = simulate_module(hm, gpu).seconds, eager_seconds(hm, gpu)
