@@ -1,5 +1,6 @@
 """The scripts in ``examples/`` run as a user runs them (a subprocess, torchrun for the distributed one)
-and train equal to eager: each prints its final loss beside eager's, and exits 1 if they differ."""
+and train equal to eager: each prints its final loss beside eager's, and exits 1 if they differ.
+Slow (a fresh interpreter and torch each, about a minute in all): CI runs them with ``-m slow``."""
 from __future__ import annotations
 
 import os
@@ -9,6 +10,8 @@ import subprocess
 import sys
 
 import pytest
+
+pytestmark = pytest.mark.slow
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"

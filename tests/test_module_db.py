@@ -7,7 +7,7 @@ that fits (from ``BudgetTooSmallError.smallest_budget``), and each run is compar
 copy: every output, every parameter gradient and every input gradient (a fixed random weighting of
 the outputs is the loss, so each output's gradient is exercised).
 
-The default run takes the first sample of each module; ``-m slow`` walks every sample.
+The default run takes the first sample of each module; ``-m walk`` walks every sample (hours).
 ``python -m tests.test_module_db [first module] [last module]`` walks every sample (of the modules
 in that range of names) and prints the tally.
 """
@@ -154,7 +154,7 @@ def test_first_sample_trains_like_eager(name):
         pytest.skip(outcome)
 
 
-@pytest.mark.slow
+@pytest.mark.walk
 @pytest.mark.parametrize("name", _module_names())
 def test_every_sample_trains_like_eager(name):
     outcomes = collections.Counter(check_sample(name, index) for index in range(len(_samples(name))))
