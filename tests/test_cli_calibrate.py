@@ -28,6 +28,13 @@ def test_calibrate_measures_a_poisoned_calibration_again(machine, capsys) -> Non
     assert "measured again (fp32 measures 41x faster now than stored" in out and "87.000 GFLOP/s" in out
 
 
+def test_calibrate_says_once_that_a_remeasure_is_still_doubtful(machine, capsys, recwarn) -> None:  # noqa: F811
+    machine.measured = [calibration(QUIET, load=2.5)]
+    assert main(["calibrate"]) == 0
+    _, err = capsys.readouterr()
+    assert "doubtful: fp32 was measured under a load of 2.5 per core" in err and not recwarn.list
+
+
 def test_calibrate_refresh_replaces_the_figures_and_says_when_they_are_doubtful(machine, capsys) -> None:  # noqa: F811
     machine.store(calibration(QUIET))
     machine.measured = [calibration(POISONED, spread=3.0)]  # measured while the machine is busy

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import sys
+import warnings
 
 __all__ = ["add_parser", "run"]
 
@@ -31,7 +32,9 @@ def run(args: argparse.Namespace) -> int:
         calibration = calibrate.recalibrate(merge=False)
         print("measured and stored:")
     else:
-        calibration, reasons = calibrate.checked()
+        with warnings.catch_warnings():  # a doubtful figure is said below, with all of its problems
+            warnings.simplefilter("ignore")
+            calibration, reasons = calibrate.checked()
         print(f"measured again ({'; '.join(reasons)}) and stored:" if reasons
               else "stored, plausible, and a quick re-measure agrees:")
     measured = datetime.datetime.fromtimestamp(calibration.measured_at).strftime("%Y-%m-%d %H:%M:%S")
