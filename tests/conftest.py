@@ -5,6 +5,7 @@ import pytest
 import torch
 
 import harmony_fx.config
+from tests import helpers
 
 # The zoo's tensors are tiny: intra-op threads only add OpenMP synchronisation, which on a busy
 # 2-core machine costs whole seconds per step. Harmony and its eager reference both run here, in
@@ -72,3 +73,10 @@ def memory_witness():
 
     with DeviceMemoryWitness() as witness:
         yield witness
+
+
+@pytest.fixture
+def machine(tmp_path, monkeypatch):
+    """This machine's calibration faked (``helpers.fake_machine``): a cache of the test's own and
+    measurements that return what the test says."""
+    yield from helpers.fake_machine(tmp_path, monkeypatch)

@@ -19,6 +19,8 @@ import json
 import os
 import pathlib
 import re
+import time
+import types
 import zlib
 from typing import Any, Callable, Sequence
 
@@ -26,7 +28,9 @@ import torch
 from torch import nn
 
 import harmony_fx
+from harmony_fx import calibrate
 from harmony_fx.analysis.memory import eager_training_bytes
+from harmony_fx.calibrate import Calibration
 from harmony_fx.runtime import tier as tier_module
 from harmony_fx.runtime.streams import HostStreams
 from harmony_fx.testing.models import ZooEntry, zoo
@@ -301,3 +305,39 @@ class TickingStreams(HostStreams):
     @staticmethod
     def seconds(origin: int, mark: int) -> float:
         return float(mark - origin)
+
+
+# ---------------------------------------------------------------------- a calibrated machine, faked
+# a quiet 2-core machine, as measured: fp32 87 GFLOP/s, copies 19 GB/s, 0.17 ms a task
+QUIET = {"fp32": 8.7e10, "bf16": 2.0e10, "copy": 1.9e10, "task": 1.7e-4, "op": 2e-6,
+         "track_op": 2.5e-5, "record_task": 1e-5, "update": 2e-9, "update_tensor": 4e-5}
+# the same machine measured while busy (the cache that was once found): every figure 40x off
+POISONED = {**QUIET, "fp32": 2.1e9, "bf16": 5e8, "copy": 6.3e8, "task": 3.2e-3, "op": 8e-5}
+
+
+def calibration(figures: dict, spread: float = 1.1, load: float = 0.2, measured_at: float | None = None) -> Calibration:
+    return Calibration(dict(figures), {name: spread for name in figures}, {name: load for name in figures},
+                       time.time() if measured_at is None else measured_at)
+
+
+def fake_machine(tmp_path, monkeypatch):
+    """A cache folder of the test's own, the measurements replaced (``machine.measured``: the
+    calibrations ``measure_host`` returns, in turn; ``machine.probe``: what the quick re-measure
+    finds), and nothing of this process's figures kept before or after the test."""
+    monkeypatch.setenv("HARMONY_FX_CACHE", str(tmp_path))
+    state = types.SimpleNamespace(measured=[calibration(QUIET)], calls=0, probe={"fp32": QUIET["fp32"],
+                                                                                  "copy": QUIET["copy"]})
+
+    def measure_host() -> Calibration:
+        state.calls += 1
+        return state.measured[min(state.calls, len(state.measured)) - 1]
+
+    monkeypatch.setattr(calibrate, "measure_host", measure_host)
+    monkeypatch.setattr(calibrate, "quick_probe", lambda: dict(state.probe))
+    monkeypatch.setattr(calibrate, "_rechecked", [])
+    state.path = tmp_path / "host_spec.json"
+    state.store = lambda c: state.path.write_text(json.dumps({calibrate.cache_key(): c.to_json()}))
+    state.stored = lambda: Calibration.from_json(json.loads(state.path.read_text())[calibrate.cache_key()])
+    calibrate._forget()
+    yield state
+    calibrate._forget()

@@ -19,46 +19,7 @@ import torch
 from harmony_fx import calibrate
 from harmony_fx.calibrate import Calibration
 from harmony_fx.planner.specs import PRESETS
-
-# a quiet 2-core machine, as measured: fp32 87 GFLOP/s, copies 19 GB/s, 0.17 ms a task
-QUIET = {"fp32": 8.7e10, "bf16": 2.0e10, "copy": 1.9e10, "task": 1.7e-4, "op": 2e-6,
-         "track_op": 2.5e-5, "record_task": 1e-5, "update": 2e-9, "update_tensor": 4e-5}
-# the same machine measured while busy (the cache that was once found): every figure 40x off
-POISONED = {**QUIET, "fp32": 2.1e9, "bf16": 5e8, "copy": 6.3e8, "task": 3.2e-3, "op": 8e-5}
-
-
-def calibration(figures: dict, spread: float = 1.1, load: float = 0.2, measured_at: float | None = None) -> Calibration:
-    return Calibration(dict(figures), {name: spread for name in figures}, {name: load for name in figures},
-                       time.time() if measured_at is None else measured_at)
-
-
-@pytest.fixture
-def machine(tmp_path, monkeypatch):
-    """A cache folder of the test's own, the measurements replaced (``machine.measured``: the
-    calibrations ``measure_host`` returns, in turn; ``machine.probe``: what the quick re-measure
-    finds), and nothing of this process's figures kept before or after the test."""
-    monkeypatch.setenv("HARMONY_FX_CACHE", str(tmp_path))
-    state = types.SimpleNamespace(measured=[calibration(QUIET)], calls=0, probe={"fp32": QUIET["fp32"],
-                                                                                  "copy": QUIET["copy"]})
-
-    def measure_host() -> Calibration:
-        state.calls += 1
-        return state.measured[min(state.calls, len(state.measured)) - 1]
-
-    monkeypatch.setattr(calibrate, "measure_host", measure_host)
-    monkeypatch.setattr(calibrate, "quick_probe", lambda: dict(state.probe))
-    monkeypatch.setattr(calibrate, "_rechecked", [])
-    state.path = tmp_path / "host_spec.json"
-    state.store = lambda c: state.path.write_text(json.dumps({calibrate.cache_key(): c.to_json()}))
-    state.stored = lambda: Calibration.from_json(json.loads(state.path.read_text())[calibrate.cache_key()])
-    _forget()
-    yield state
-    _forget()
-
-
-def _forget() -> None:
-    calibrate._forget()
-
+from tests.helpers import POISONED, QUIET, calibration
 
 def test_measure_local_is_this_machine_as_a_host_device(machine) -> None:
     spec = calibrate.measure_local()
@@ -99,7 +60,7 @@ def test_figures_are_measured_once_then_read_from_the_cache_file(machine) -> Non
     assert key == calibrate.cache_key() and key.startswith(f"{calibrate.CACHE_VERSION}-torch{torch.__version__}-")
     assert f"-cpus{os.cpu_count()}-threads{torch.get_num_threads()}" in key
     assert stored[key]["figures"] == QUIET and set(stored[key]["spread"]) == set(stored[key]["load"]) == set(QUIET)
-    _forget()  # another process
+    calibrate._forget()  # another process
     assert calibrate.host_figures() == QUIET and machine.calls == 1  # read and checked, not measured again
 
 
@@ -121,7 +82,7 @@ def test_a_poisoned_calibration_is_detected_and_measured_again_before_a_plan_use
     assert calibrate.measure_local().flops["fp32"] == QUIET["fp32"]
 
     machine.store(calibration(QUIET))  # the plan is the one a quiet calibration gives
-    _forget()
+    calibrate._forget()
     assert main(plan) == 0
     assert json.loads(capsys.readouterr().out)["iteration_seconds"] == report["iteration_seconds"]
     assert machine.calls == 1
@@ -180,7 +141,7 @@ def test_an_unreadable_cache_is_measured_again_and_a_read_only_one_is_left_alone
     blocked = tmp_path / "a file, not a folder"
     blocked.write_text("")
     monkeypatch.setenv("HARMONY_FX_CACHE", str(blocked))
-    _forget()
+    calibrate._forget()
     assert calibrate.host_figures() == QUIET  # nothing stored: measured again next time
     assert machine.calls == 2
 

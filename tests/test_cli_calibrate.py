@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from harmony_fx import calibrate
 from harmony_fx.cli import main
-from tests.test_calibrate import POISONED, QUIET, calibration, machine  # noqa: F401 - machine is a fixture
+from tests.helpers import POISONED, QUIET, calibration
 
 
 def test_calibrate_shows_a_plausible_calibration_without_measuring(machine, capsys) -> None:  # noqa: F811
