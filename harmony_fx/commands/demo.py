@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import os
 import sys
 import time
@@ -70,17 +71,27 @@ def run(args: argparse.Namespace) -> int:
         torch.set_num_threads(threads)
 
 
-def _train(args: argparse.Namespace) -> int:
-    from tqdm import tqdm
+@dataclasses.dataclass
+class _Run:
+    """What the training loop measured, for the summary."""
 
+    loss: float = 0.0
+    worst: float = 0.0  # the largest relative difference to eager's loss over the checked steps
+    harmony_times: list[float] = dataclasses.field(default_factory=list)  # untracked, unrecorded steps
+    eager_times: list[tuple[float, float]] = dataclasses.field(default_factory=list)  # (compute, optimizer)
+    explained_step: int | None = None  # the step whose time is broken down, and its parts
+    explained_seconds: float = 0.0
+    parts: dict[str, float] | None = None
+    peak: int = 0  # the last step's, every tensor counted
+
+
+def _train(args: argparse.Namespace) -> int:
     import harmony_fx
     from harmony_fx import calibrate
     from harmony_fx.analysis.memory import eager_training_bytes
     from harmony_fx.config import format_size
     from harmony_fx.models import GPTConfig, TinyGPT
-    from harmony_fx.planner.module import eager_seconds, simulate_module
-    from harmony_fx.planner.specs import PRESETS
-    from harmony_fx.runtime.breakdown import step_breakdown
+    from harmony_fx.planner.module import simulate_module
 
     if args.quick:
         args.layers, args.width, args.batch = 6, 32, 8
@@ -114,58 +125,20 @@ def _train(args: argparse.Namespace) -> int:
     # counts every tensor to confirm the peak
     trainer = harmony_fx.Trainer(model, loss_fn, optimizer, ((idx,), target), devices=_device_names(args.devices),
                                  memory_budget=budget, microbatches=args.microbatches, parallel=args.parallel)
-    hm = trainer.hm
-    devices = [device.name for device in hm.devices]
-    print(f"planned and compiled for {', '.join(devices)} in {time.perf_counter() - started:.1f} s\n")
+    print(f"planned and compiled for {', '.join(d.name for d in trainer.hm.devices)} in "
+          f"{time.perf_counter() - started:.1f} s\n")
     print(trainer.explain())
     print()
-
-    eager_optimizer = torch.optim.AdamW(eager_model.parameters(), lr=args.lr)
-    eager_steps = min(args.steps, max(args.check_steps, _EAGER_STEPS))
-    eager_times: list[tuple[float, float]] = []  # (forward and backward, optimizer) seconds per step
-    worst, tokens = 0.0, args.batch * config.block_size
-    harmony_times: list[float] = []  # the untracked, unrecorded steps'
-    # the second-to-last step records its spans (at the untracked speed): where its time went; the
-    # last counts every tensor too: the peak, the trace and the memory plot
-    explained_step = args.steps - 2 if args.steps >= 3 else None
-    parts, explained_seconds, peak = None, 0.0, 0
-    progress = tqdm(range(args.steps), desc="training", unit="step", file=sys.stdout, dynamic_ncols=True)
-    try:
-        for step in progress:
-            if step == explained_step:
-                trainer.record_timeline(memory=False)
-            elif step == args.steps - 1:
-                trainer.record_timeline()
-            x, y = batch(step)
-            started = time.perf_counter()
-            loss = trainer.step(((x,), y))
-            seconds = time.perf_counter() - started
-            stats = trainer.stats
-            if step == explained_step:
-                parts = step_breakdown(stats.spans, seconds, stats.update_exposed_seconds)
-                explained_seconds = seconds
-            elif step == args.steps - 1:
-                peak = max(stats.peak_bytes.values())
-            else:
-                harmony_times.append(seconds)
-            progress.set_postfix_str(f"loss {loss.item():.4f}  {tokens / seconds:,.0f} tok/s  "
-                                     f"moved {format_size(stats.bytes_h2d + stats.bytes_d2h)}")
-            if step < eager_steps:
-                eager_loss, times = _eager_step(eager_model, eager_optimizer, loss_fn, x, y)
-                eager_times.append(times)
-                if step < args.check_steps:
-                    worst = max(worst, abs(loss.item() - eager_loss) / max(abs(eager_loss), 1e-12))
-    finally:
-        progress.close()
+    tokens = args.batch * config.block_size
+    result = _loop(args, trainer, eager_model, loss_fn, batch, tokens)
 
     os.makedirs(args.out, exist_ok=True)
     trace, plot = os.path.join(args.out, "trace.json"), os.path.join(args.out, "memory.png")
     trainer.save_trace(trace)
     trainer.plot_memory(plot)
-    planned = max(hm.plan.predicted_peak.values())
-    step_seconds = _steady(harmony_times) or explained_seconds
-    device = hm.device
-    measured_here = device.torch_device.type != "cuda"
+    hm = trainer.hm
+    step_seconds = _steady(result.harmony_times) or result.explained_seconds
+    measured_here = hm.device.torch_device.type != "cuda"
     predicted = _predicted(hm, simulate_module, calibrate)
     if measured_here and step_seconds and calibrate.check_prediction(step_seconds, predicted):
         predicted = _predicted(hm, simulate_module, calibrate)
@@ -173,22 +146,85 @@ def _train(args: argparse.Namespace) -> int:
 
     checked = min(args.check_steps, args.steps)
     print("\nsummary")
-    print(f"  final loss {loss.item():.4f} after {args.steps} steps; first {checked} losses match eager "
-          f"(largest relative difference {worst:.2e})")
-    print(f"  peak {format_size(peak)} per device on the last step (every tensor counted; the plan predicted "
-          f"{format_size(planned)}) under a budget of {format_size(budget)}; eager needs {format_size(need)} "
-          f"({need / max(peak, 1):.1f}x more)")
-    eager_total = _steady([a + b for a, b in eager_times])
+    print(f"  final loss {result.loss:.4f} after {args.steps} steps; first {checked} losses match eager "
+          f"(largest relative difference {result.worst:.2e})")
+    print(f"  peak {format_size(result.peak)} per device on the last step (every tensor counted; the plan predicted "
+          f"{format_size(max(hm.plan.predicted_peak.values()))}) under a budget of {format_size(budget)}; eager "
+          f"needs {format_size(need)} ({need / max(result.peak, 1):.1f}x more)")
+    _print_times(args, hm, result, tokens, step_seconds, predicted, measured_here)
+    print(f"  wrote {trace} (open in chrome://tracing or ui.perfetto.dev) and {plot}")
+    if result.peak > budget:
+        print(f"FAILED: the counted peak, {format_size(result.peak)}, was over the budget", file=sys.stderr)
+        return 1
+    if result.worst > 1e-5:
+        print("FAILED: losses differ from eager", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _loop(args: argparse.Namespace, trainer, eager_model, loss_fn, batch, tokens: int) -> _Run:
+    """``args.steps`` harmony steps with a progress bar, the eager copy beside the first of them. The
+    second-to-last step records its spans (at the untracked speed): where its time went; the last
+    counts every tensor too: the peak, the trace and the memory plot."""
+    from tqdm import tqdm
+
+    from harmony_fx.config import format_size
+    from harmony_fx.runtime.breakdown import step_breakdown
+
+    result = _Run(explained_step=args.steps - 2 if args.steps >= 3 else None)
+    eager_optimizer = torch.optim.AdamW(eager_model.parameters(), lr=args.lr)
+    eager_steps = min(args.steps, max(args.check_steps, _EAGER_STEPS))
+    progress = tqdm(range(args.steps), desc="training", unit="step", file=sys.stdout, dynamic_ncols=True)
+    try:
+        for step in progress:
+            if step == result.explained_step:
+                trainer.record_timeline(memory=False)
+            elif step == args.steps - 1:
+                trainer.record_timeline()
+            x, y = batch(step)
+            started = time.perf_counter()
+            loss = trainer.step(((x,), y)).item()
+            seconds = time.perf_counter() - started
+            stats = trainer.stats
+            if step == result.explained_step:
+                result.parts = step_breakdown(stats.spans, seconds, stats.update_exposed_seconds)
+                result.explained_seconds = seconds
+            elif step == args.steps - 1:
+                result.peak = max(stats.peak_bytes.values())
+            else:
+                result.harmony_times.append(seconds)
+            result.loss = loss
+            progress.set_postfix_str(f"loss {loss:.4f}  {tokens / seconds:,.0f} tok/s  "
+                                     f"moved {format_size(stats.bytes_h2d + stats.bytes_d2h)}")
+            if step < eager_steps:
+                eager_loss, times = _eager_step(eager_model, eager_optimizer, loss_fn, x, y)
+                result.eager_times.append(times)
+                if step < args.check_steps:
+                    result.worst = max(result.worst, abs(loss - eager_loss) / max(abs(eager_loss), 1e-12))
+    finally:
+        progress.close()
+    return result
+
+
+def _print_times(args: argparse.Namespace, hm, result: _Run, tokens: int, step_seconds: float, predicted: float,
+                 measured_here: bool) -> None:
+    """The summary's times: harmony's against eager's, where harmony's step went, the prediction on
+    this machine, and the same plan simulated on a GPU preset beside eager."""
+    from harmony_fx import calibrate
+    from harmony_fx.planner.module import eager_seconds, simulate_module
+    from harmony_fx.planner.specs import PRESETS
+
+    eager_total = _steady([a + b for a, b in result.eager_times])
     if step_seconds and eager_total:
         print(f"  harmony {tokens / step_seconds:,.0f} tokens/s ({step_seconds * 1e3:.1f} ms a step) vs eager "
               f"{tokens / eager_total:,.0f} tokens/s ({eager_total * 1e3:.1f} ms, without a memory cap) on the same "
               f"machine: {step_seconds / eager_total:.1f}x the time")
-    if parts is not None:
-        eager_compute = _steady([a for a, _ in eager_times])
-        eager_update = _steady([b for _, b in eager_times])
-        print(f"  where harmony's step went (measured on step {explained_step}, {explained_seconds * 1e3:.1f} ms; "
-              f"eager's forward and backward take {eager_compute * 1e3:.1f} ms, its optimizer "
-              f"{eager_update * 1e3:.1f} ms):")
+    if result.parts is not None:
+        eager_compute = _steady([a for a, _ in result.eager_times])
+        eager_update = _steady([b for _, b in result.eager_times])
+        print(f"  where harmony's step went (measured on step {result.explained_step}, "
+              f"{result.explained_seconds * 1e3:.1f} ms; eager's forward and backward take {eager_compute * 1e3:.1f} "
+              f"ms, its optimizer {eager_update * 1e3:.1f} ms):")
         sizes = sorted({size for size in hm.mb_sizes if size})
         notes = {
             "compute": f"the packs' forward and backward, on microbatches of {'/'.join(map(str, sizes)) or args.batch}",
@@ -197,10 +233,10 @@ def _train(args: argparse.Namespace) -> int:
             "optimizer exposed": "the host's updates the step waited for at its end",
             "runtime": "Python between tasks, and the step's own bookkeeping",
         }
-        for name, value in parts.items():
+        for name, value in result.parts.items():
             print(f"    {name:<18} {value * 1e3:7.1f} ms  {notes[name]}")
     if predicted and step_seconds:
-        where = "this machine's calibration" if measured_here else f"the {calibrate.spec_for(device).name} preset"
+        where = "this machine's calibration" if measured_here else f"the {calibrate.spec_for(hm.device).name} preset"
         print(f"  predicted {predicted * 1e3:.1f} ms a step (simulated on {where}); measured "
               f"{step_seconds / predicted:.2f}x of it")
     if measured_here:
@@ -209,14 +245,6 @@ def _train(args: argparse.Namespace) -> int:
         print(f"  on an {_GPU_PRESET} (simulated, the planner's cost model): this plan {projected * 1e3:.2f} ms a step "
               f"({tokens / projected:,.0f} tokens/s), eager {eager_projected * 1e3:.2f} ms "
               f"({tokens / eager_projected:,.0f} tokens/s)")
-    print(f"  wrote {trace} (open in chrome://tracing or ui.perfetto.dev) and {plot}")
-    if peak > budget:
-        print(f"FAILED: the counted peak, {format_size(peak)}, was over the budget", file=sys.stderr)
-        return 1
-    if worst > 1e-5:
-        print("FAILED: losses differ from eager", file=sys.stderr)
-        return 1
-    return 0
 
 
 # eager trains beside harmony for this many steps (its time is their steady mean), and a plan is
