@@ -45,8 +45,6 @@ class AllocationTracker:
         self.live = 0
         self.peak = 0
         self._storages: dict[int, int] = {}  # key -> nbytes, for every live storage counted
-        self.registrations = 0  # storages counted so far, dead ones too: a mark for ``storages_since``
-        self._born: dict[int, int] = {}  # key -> ``registrations`` when it was counted (keys are reused)
         # stream worker threads register, and tensors die on whichever thread drops them last
         self._lock = threading.RLock()
 
@@ -62,8 +60,6 @@ class AllocationTracker:
             if self.cap is not None and self.live + nbytes > self.cap and self.on_exceed is not None:
                 self.on_exceed(self.live + nbytes, self.cap)  # raises; nothing was counted
             self._storages[key] = nbytes
-            self.registrations += 1
-            self._born[key] = self.registrations
             self.live += nbytes
             if self.live > self.peak:
                 self.peak = self.live
@@ -73,17 +69,9 @@ class AllocationTracker:
     def _release(self, key: int) -> None:
         with self._lock:
             self.live -= self._storages.pop(key)
-            del self._born[key]
 
     def reset_peak(self) -> None:
         self.peak = self.live
-
-    def storages_since(self, mark: int) -> dict[int, int]:
-        """``{storage key: bytes}`` of the live storages counted after ``registrations`` was
-        ``mark``, in the order they were counted (a key alone does not tell: a storage that dies
-        hands its key to the next one at its address)."""
-        with self._lock:
-            return {key: nbytes for key, nbytes in self._storages.items() if self._born[key] > mark}
 
     def mode(self) -> "_TrackingMode":
         """A dispatch mode that registers every tensor produced while it is active."""

@@ -180,19 +180,3 @@ def test_a_fake_run_sizes_an_rnn_workspace_as_the_real_kernel_does():
     assert fake_tracker.live == real_tracker.live
     assert fake_tracker.peak == real_tracker.peak
     del fake_out, real_out
-
-
-def test_storages_since_a_mark_are_the_ones_counted_after_it_even_at_a_dead_ones_address():
-    """A storage that dies hands its key (its address) to the next: what was counted after a mark
-    is told by when it was counted, not by its key."""
-    tracker = AllocationTracker()
-    kept = tracker.register(torch.empty(4))
-    dying = tracker.register(torch.empty(8))
-    mark = tracker.registrations
-    del dying
-    gc.collect()
-    fresh = [tracker.register(torch.empty(8)) for _ in range(3)]
-    since = tracker.storages_since(mark)
-    assert list(since.values()) == [32, 32, 32]
-    assert kept.untyped_storage()._cdata not in since
-    assert set(since) == {t.untyped_storage()._cdata for t in fresh}
