@@ -19,8 +19,8 @@ forward's own packs and microbatches (Harmony's four: Ufwd, Pfwd, Ubwd, Pbwd).
    forward's packs (Pfwd: groups of backward packs) come from a second exact dynamic program
    (``forward_groups``), once for the backward's microbatch size and once for each larger forward
    microbatch size (Ufwd: 2, 4, 8, ... backward microbatches each, until one fits neither way or
-   is not 0.1% faster than the one before); each grouping, and the backward's own packs at each
-   forward size, is simulated. Pbwd is not chosen again for each Ufwd: the search is exact for each part
+   is no faster than the one before); each grouping, and the backward's own packs at each forward
+   size, is simulated. Pbwd is not chosen again for each Ufwd: the search is exact for each part
    given the ones before it, and the simulator decides between them. A pipeline is simulated
    handing its values on through the host too (``ProgramSignature.handoff``). The fastest
    simulated schedule whose simulated peak fits the budget, and whose stash fits host memory
@@ -104,6 +104,7 @@ class PackModel:
         self._tier_inputs = tier.per_input_byte * inputs
         self._tier_per_param = tier.per_param
         self._read, self._write = 1 / host.nvme_read, 1 / host.nvme_write
+        self.tiered = bool(tier.per_param or tier.per_input_byte)
         # range maximum of ``saved`` in O(1): a sparse table, level l holding maxima of 2**l layers
         levels = [self.saved]
         while 2 ** len(levels) <= len(layers):
@@ -138,6 +139,14 @@ class PackModel:
         forward, where the lane has nothing else to do."""
         return self.tier_bytes(a, b) * (self._read + np.where(np.asarray(a) == 0, 0.0, self._write))
 
+    def lane(self, a, b):
+        """What a pack takes of the tier's one lane, the iteration's at least: its share read and
+        written after its forward (before it, the lane has nothing of the pack's to do); 0 without
+        a tier."""
+        if not self.tiered:
+            return np.zeros(np.broadcast(np.asarray(a), np.asarray(b)).shape)
+        return self.mbs * (self.forward[b] - self.forward[a]) + self.io(a, b)
+
     def exposed(self, a, b):
         """What the first pack adds that nothing overlaps: its weights' first copy in, and its
         update, the last of the iteration."""
@@ -152,11 +161,10 @@ class PackModel:
         # their backward cannot cover is exposed
         update = (self.params[b] - self.params[a]) / self.update_rate
         tail = np.maximum(0.0, update - self.mbs * (self.forward[a] + self.backward[a]))
+        # every pack adds synchronisation (waits, event records, a pipeline hand-off per microbatch);
         # the tier reads and writes a pack's state around its update, in the backward: its lane can
-        # overlap the pack's recompute and backward, not its forward
-        tier = self.mbs * (self.forward[b] - self.forward[a]) + self.io(a, b)
-        # every pack adds synchronisation (waits, event records, a pipeline hand-off per microbatch)
-        return np.maximum(np.maximum(compute, moved / self.bandwidth), tier) + tail + self.overhead
+        # overlap the pack's recompute and backward, not its forward (``lane``)
+        return np.maximum(np.maximum(compute, moved / self.bandwidth), self.lane(a, b)) + tail + self.overhead
 
 
 class ForwardModel:
@@ -377,7 +385,7 @@ def search(profile: ModelProfile, spec: DeviceSpec, host: HostSpec, *, batch_siz
         packs = list(zip(boundaries, [*boundaries[1:], num_layers]))
         estimate = model.exposed(*packs[0]) + sum(model.cost(a, b) for a, b in packs)
         if mode == "pp":  # its devices run packs at once; the tier's one lane serves them all
-            estimate = max(estimate / used, sum(model.io(a, b) for a, b in packs))
+            estimate = max(estimate / used, sum(model.lane(a, b) for a, b in packs))
         ranked.append((estimate, count, mode, used, boundaries, model))
     if not ranked:
         raise PlanningError(
@@ -405,9 +413,12 @@ def search(profile: ModelProfile, spec: DeviceSpec, host: HostSpec, *, batch_siz
     results = {"dynamic programming": (simulation, schedule)}
     for policy, cuts in baselines(num_layers, model, budget).items():
         candidate = dataclasses.replace(schedule, boundaries=tuple(cuts))
-        if progress:
+        same = next((found for found in results.values() if found[1] == candidate), None)
+        if same is None and progress:
             progress(f"simulating the {policy} baseline")
-        results[policy] = (_simulate(profile, candidate, batch_size, spec, host), candidate)
+        # a baseline that is a packing simulated already (largest packs and Harmony's greedy often
+        # are the same) is not simulated again
+        results[policy] = same or (_simulate(profile, candidate, batch_size, spec, host), candidate)
     # the forward apart from the backward (Harmony's Pfwd and Ufwd), if the simulator says it helps
     chosen = min(results, key=lambda policy: results[policy][0].seconds
                  if max(results[policy][0].peak_bytes) <= budget else float("inf"))
@@ -433,7 +444,7 @@ def search(profile: ModelProfile, spec: DeviceSpec, host: HostSpec, *, batch_siz
             results[f"{chosen} + forward of {what}"] = (simulation, candidate)
             fits = fits or max(simulation.peak_bytes) <= budget
             fastest = min(fastest, simulation.seconds)
-        if forward_count is not None and (not fits or fastest >= previous * (1 - _FORWARD_WORTH)):
+        if forward_count is not None and (not fits or fastest >= previous):
             break  # larger forward microbatches need more memory still, or stopped paying
         previous = min(previous, fastest)
     if base.parallel == "pp" and handoff is None:  # through the host: a lower peak for more copies
@@ -457,12 +468,6 @@ def search(profile: ModelProfile, spec: DeviceSpec, host: HostSpec, *, batch_siz
                               schedule.devices if schedule.parallel == "pp" else 1).nvme_bytes
     bound, what = lower_bound(profile, batch_size, devices, spec, host, recomputed, tiered)
     return PlanChoice(schedule, policy, simulation, batch_size, compared, bound, what, needed)
-
-
-# a larger forward microbatch is tried while the one before it saved at least this share of the
-# iteration: each try is a full simulation (gpt3-175b with an NVMe tier simulated 886-887 s at
-# five sizes in a row, the drive binding them all)
-_FORWARD_WORTH = 1e-3
 
 
 def _forward_counts(schedule: Schedule, apart: bool):

@@ -52,6 +52,7 @@ from harmony_fx.program.actions import Action, ActionKind as K, Key, Stream
 __all__ = ["Costs", "Simulation", "simulate", "SimulationDeadlock"]
 
 _COMPUTE = (K.FWD, K.RECOMPUTE, K.BWD)
+_DEVICE_STREAMS = tuple(stream for stream in Stream if stream not in (Stream.HOST, Stream.IO))
 
 
 class Costs(Protocol):
@@ -132,7 +133,7 @@ class _Simulator:
         n = len(programs)
         self.now = 0.0
         self.issued = [0] * n
-        self.queues = {(d, s): collections.deque() for d in range(n) for s in Stream if s not in (Stream.HOST, Stream.IO)}
+        self.queues = {(d, s): collections.deque() for d in range(n) for s in _DEVICE_STREAMS}
         self.running: dict[tuple[int, Stream], tuple[float, float, Action]] = {}  # start, end, task
         self.transfers: list[_Transfer] = []
         self.copying: collections.Counter = collections.Counter()  # (device, stream) -> its transfers running
@@ -418,14 +419,17 @@ class _Simulator:
 
     def run(self) -> Simulation:
         devices = range(len(self.programs))
+        # each device's stream queues, looked up once: a search simulates hundreds of thousands of
+        # steps, and most queues are empty at most of them
+        lanes = [[(stream, self.queues[(d, stream)]) for stream in _DEVICE_STREAMS] for d in devices]
         while True:
             progressed = True
             while progressed:
                 progressed = False
                 for d in devices:
                     progressed |= self._issue(d)
-                    for stream in Stream:
-                        if stream not in (Stream.HOST, Stream.IO):
+                    for stream, queue in lanes[d]:
+                        if queue:
                             progressed |= self._start(d, stream)
                 progressed |= self._start_updates()
                 progressed |= self._start_io()

@@ -139,7 +139,8 @@ def test_the_dynamic_program_charges_each_pack_the_tiers_read_and_write_of_its_s
         seconds = held / 50.0 + (held / 25.0 if a else 0.0)
         assert tiered.io(a, b) == pytest.approx(seconds)
         assert tiered.cost(a, b) - plain.cost(a, b) == pytest.approx(seconds)
-    assert plain.io(1, 3) == 0.0  # no tier: no share
+        assert tiered.lane(a, b) == pytest.approx(seconds)  # nothing to compute: its forward takes no time
+    assert plain.io(1, 3) == 0.0 and plain.lane(1, 3) == 0.0  # no tier: no share
 
 
 def test_the_lower_bound_is_the_longest_of_its_four_terms_and_names_it() -> None:
@@ -176,6 +177,31 @@ def test_a_tier_bound_plan_is_within_its_bound_and_says_so() -> None:
     choice = search(profile, spec, host, batch_size=batch, forward_apart=False, simulate_top=1)
     assert choice.bound == "tier"
     assert choice.lower_bound <= choice.seconds * 1.01
+
+
+def test_a_packing_is_simulated_once_whichever_policies_make_it(monkeypatch) -> None:
+    """Baselines often are the same packing (the largest packs and Harmony's greedy), or the
+    dynamic program's: each is simulated once, and every policy that makes it is compared."""
+    from harmony_fx.planner import search as planner_search
+
+    simulated = []
+    original = planner_search._simulate
+
+    def counting(profile, schedule, *args):
+        simulated.append(schedule)
+        return original(profile, schedule, *args)
+
+    monkeypatch.setattr(planner_search, "_simulate", counting)
+    # 12 alike layers and room for 4 beside a neighbour as big: front to back and back to front
+    # cut the same packs
+    profile = ModelProfile("alike", tuple(LayerProfile(f"l{i}", 10, 20, 10.0, 4.0, 4.0) for i in range(12)), 1, 4.0)
+    model = PackModel(profile, 1, 1, TOY, 1, TOY_HOST)
+    budget = int(model.need(0, 4) + model.weights(0, 4))
+    packings = baselines(12, model, budget)
+    assert packings["largest packs"] == packings["harmony greedy"] == [0, 4, 8]
+    choice = search(profile, TOY, TOY_HOST, batch_size=1, microbatches=1, budget=budget, forward_apart=False)
+    assert len(simulated) == len(set(simulated))
+    assert choice.compared["largest packs"] == choice.compared["harmony greedy"]
 
 
 def test_best_boundaries_is_none_when_one_layer_does_not_fit() -> None:
