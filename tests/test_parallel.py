@@ -17,7 +17,7 @@ import torch.nn.functional as F
 import harmony_fx
 from harmony_fx.analysis.memory import eager_training_bytes
 from harmony_fx.models import GPTConfig, MLPChain, TinyGPT
-from harmony_fx.program.actions import ActionKind
+from harmony_fx.program.actions import ActionKind, ActionKind as K, Stream
 from harmony_fx.testing.models import ResidualMLP, SmallCNN
 from tests.memory_witness import DeviceMemoryWitness
 
@@ -162,6 +162,26 @@ def test_pp_trains_like_eager(name, num_devices, chaos):
     assert all(peak <= budget for peak in witnessed.values())
     assert stats.as_dict()["bytes_by_kind"] == trainer.plan.predicted_bytes
     assert stats.as_dict()["bytes_by_kind"].get("peer/act", 0) > 0  # activations went device to device
+
+
+@pytest.mark.parametrize("num_devices", [2, 3])
+def test_pp_with_a_weight_tied_across_devices_trains_like_eager(num_devices):
+    """The small GPT ties its embedding to its head; one pack per layer puts the two on different
+    devices, so the tied weight's update waits, on the host, for the other device's gradient copy
+    (an UPDATE names only its own program's events)."""
+    trainer, model, reference, losses, reference_losses, witnessed, budget = _train(
+        "tiny_gpt", num_devices, None, 3, parallel="pp", microbatches=4, pack_boundaries=list(range(14)))
+    assert len(trainer.hm.packs) == 14 and trainer.hm.packs[-1].layers[-1] == 13  # the small GPT's 14 layers
+    # the embedding's update (with the first pack that holds the tied weight) waits on the host
+    # for the head's gradient copy from another device
+    first = min(p.index for p in trainer.hm.packs if "p_model_lm_head_weight" in p.params)
+    backward = next(b for _, b in trainer.hm.device_actions if any(a.kind == K.UPDATE and a.pack == first for a in b))
+    update = next(i for i, a in enumerate(backward) if a.kind == K.UPDATE and a.pack == first)
+    assert any(a.kind == K.WAIT and a.stream == Stream.HOST and a.peer is not None for a in backward[:update])
+    for loss, reference_loss in zip(losses, reference_losses):
+        torch.testing.assert_close(loss, reference_loss, rtol=RTOL, atol=ATOL)
+    for (param_name, param), reference_param in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(param, reference_param, rtol=RTOL, atol=ATOL, msg=param_name)
 
 
 @pytest.mark.parametrize("name, num_devices, chaos", [("mlp_chain", 2, None), ("residual_mlp", 3, None),

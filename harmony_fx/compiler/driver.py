@@ -7,8 +7,10 @@
 3. ``lay out``: microbatches, their sizes and the devices that run them (``compiler.layout``).
 4. ``capture microbatches``: the graph at every microbatch size (``compiler.variants``).
 5. ``signature``: inputs, outputs, what is differentiable (``compiler.signature``).
-6. ``plan packs``: the fewest packs that fit, each candidate evaluated apart (split, lower,
-   verify, FakeTensor peak: ``compiler.packing.evaluate``), changing nothing it is given.
+6. ``plan packs``: the fewest packs that fit (``compiler.packing.plan_packs``: bounds first, then a
+   monotone search), each candidate evaluated apart (split, lower, FakeTensor peak replaying the
+   tasks met before: ``compiler.packing.evaluate``), changing nothing it is given; the chosen one
+   verified.
 7. ``fall back``: if a stage from 3 on raises for the planner's schedule (its packing does not
    fit after all, a microbatch size captures another graph, ...), stages 3-9 again with its next
    schedule, and last with the options' own settings; if those fail too, their error says what
@@ -19,7 +21,9 @@
    ``compiler.host_memory``) and ``insert tier io`` (their ``READ``/``WRITE``:
    ``lowering.tier_io``); ``codegen``, ``plan``.
 
-The result is a frozen ``Compiled``; ``hm.passes`` is its ``StageLog``.
+The result is a frozen ``Compiled``; ``hm.passes`` is its ``StageLog``. A compile that runs past two
+seconds says on stderr which stage it is in, and which candidate packing it runs
+(``StageLog.report``).
 """
 from __future__ import annotations
 
@@ -36,14 +40,15 @@ from harmony_fx.compiler.compiled import Compiled
 from harmony_fx.compiler.host_memory import HostMemoryPlan, OptimizerFacts, plan_host_memory
 from harmony_fx.compiler.layout import Layout, decide_layout
 from harmony_fx.compiler.packing import (
-    BudgetTooSmallError, Candidate, PackingContext, balanced, evaluate, fixed, layer_costs, plan_packs,
+    BudgetTooSmallError, Candidate, PackingBounds, PackingContext, balanced, evaluate, finish_chosen, fixed,
+    layer_costs, plan_packs,
     reuse as reuse_packing,
     update_groups, verify_programs,
 )
 from harmony_fx.compiler.plan import make_plan
 from harmony_fx.compiler.shapes import Shapes
 from harmony_fx.compiler.signature import program_signature
-from harmony_fx.compiler.stages import StageLog
+from harmony_fx.compiler.stages import StageLog, progress_to_stderr
 from harmony_fx.compiler.variants import Variant, capture_variant, check_same_layers
 from harmony_fx.config import CompileOptions, format_size
 from harmony_fx.frontend import microbatch
@@ -91,7 +96,7 @@ def compile_program(model: nn.Module, args: tuple, kwargs: dict, options: Compil
         raise ValueError("nvme_path= and host_memory= are options of harmony_fx.Trainer: the tier holds the "
                          "optimizer's state, which only the Trainer steps (harmony_fx.compile leaves the "
                          "optimizer to you)")
-    log = StageLog()
+    log = StageLog(progress=progress_to_stderr, announced=_SLOW_STAGES)
     devices = log.run("resolve devices", resolve_devices, options.devices, options.memory_budget,
                       options.tracks_memory, options.chaos, decision=_describe_devices)
     dims = microbatch.argument_dims(model, args, kwargs, options.batch_dims)
@@ -112,6 +117,11 @@ def compile_program(model: nn.Module, args: tuple, kwargs: dict, options: Compil
     stages = functools.partial(_from_layout, log, example, devices, options, trainer, updates, optimizer, whole,
                                analysis, forward_only=forward_only, reuse=reuse)
     return _first_that_compiles(log, stages, schedules, options, len(devices))
+
+
+# the stages a compile past two seconds says it starts (the others take milliseconds)
+_SLOW_STAGES = frozenset({"capture whole batch", "choose schedule", "capture microbatches", "reuse packs", "plan packs",
+                          "plan host memory"})
 
 
 def _first_that_compiles(log: StageLog, stages, schedules: tuple[Schedule, ...], options: CompileOptions,
@@ -203,8 +213,7 @@ def _from_layout(log: StageLog, example: _Example, devices: list, options: Compi
                             "one's" if c is not None else "a value is larger here: the packing is checked in full")
     if candidate is None:
         candidate = log.run(
-            "plan packs", lambda: plan_packs(layer_costs(primary), functools.partial(evaluate, context),
-                                             lambda c: c.peak, devices[0].budget, policy, devices[0].margin)[1],
+            "plan packs", _plan_packs, log, context, primary, devices[0], policy, name_smallest=schedule is None,
             decision=lambda c: f"{policy_name}: {len(c.packs)} pack(s), peak "
                                + ", ".join(f"{d.name} {format_size(p)}" for d, p in zip(devices, c.peaks)))
     if layout.forward_parts:
@@ -258,6 +267,18 @@ def _capture_microbatches(example: _Example, layout: Layout, whole: Variant | No
                     example.model, size, mb_args, mb_kwargs, target)
     check_same_layers(variants, backward_sizes, forward_sizes)
     return variants
+
+
+def _plan_packs(log: StageLog, context: PackingContext, primary: Variant, device, policy,
+                name_smallest: bool) -> Candidate:
+    """The fewest packs that fit (``compiler.packing.plan_packs``: bounds, then a monotone search,
+    each run cut short where it passes the budget), the chosen packing as it will run.
+    ``name_smallest``: a refusal names the smallest budget (the options' own settings: a planner's
+    schedule falls back instead)."""
+    _, candidate = plan_packs(layer_costs(primary), functools.partial(evaluate, context), lambda c: c.peak,
+                              device.budget, policy, device.margin, bound=PackingBounds(context), cut_short=True,
+                              name_smallest=name_smallest, progress=log.report)
+    return finish_chosen(context, candidate)
 
 
 def _refuse_stashed_batch_indices(candidate: Candidate, analysis: BatchAnalysis) -> None:

@@ -1,10 +1,25 @@
 """Decide the packs: which contiguous layer ranges run together, and what each candidate costs.
 
-A packing policy maps ``(layer_costs, num_packs)`` to pack boundaries; ``plan_packs`` tries 1, 2,
-... packs and keeps the first packing whose program fits the budget. The policy is a parameter:
-the planner's boundaries (``fixed``) or ``balanced``: the layers in ``num_packs`` contiguous chunks
-of about equal cost (weights plus activations), cut at prefix-sum quantiles, as Harmony's
-``balanced_addx``.
+A packing policy maps ``(layer_costs, num_packs)`` to pack boundaries: the planner's boundaries
+(``fixed``) or ``balanced``: the layers in ``num_packs`` contiguous chunks of about equal cost
+(weights plus activations), cut at prefix-sum quantiles, as Harmony's ``balanced_addx``. The
+candidates are the policy's packings for 1, 2, ... packs; ``plan_packs`` keeps the fewest packs
+whose program fits the budget, without running every candidate:
+
+1. **Bounds first.** A packing needs at least, for its largest pack, the pack's weights and its
+   largest input (both on the device during its forward: ``PackingBounds``); a candidate whose
+   bound passes the budget is never run, and where every candidate's does, the budget is refused
+   with one run: the most packs', whose peak is the smallest budget named (asked for, the search
+   tries that packing second, and it fits).
+2. **A monotone search over the rest.** A packing's peak mostly falls as its packs get more: the
+   fewest packs are tried, then the most (the least memory), then bisection between the two for
+   the fewest that fit: a handful of runs, where trying every count ran a hundred for a deep
+   model. Where even the most packs do not fit, memory need not be monotone (a pack that ends at
+   a wide output holds it, one that goes on to reduce it need not), so every candidate the bounds
+   leave is run before the budget is refused: a refusal the bounds do not prove costs a run per
+   candidate, each cut short where it passes the budget.
+3. **Runs that share their work.** Every candidate of one compile replays the compute tasks the
+   ones before it ran (``compiler.replay``): a transformer's blocks run once, whatever the packing.
 
 ``evaluate`` is what a candidate costs, and changes nothing it is given: split the packs of every
 microbatch size, lower every device's programs, verify them, and run each on FakeTensors for its
@@ -22,9 +37,11 @@ from torch import nn
 
 from harmony_fx.compiler.estimate import DeviceEstimate, estimate_device
 from harmony_fx.compiler.layout import Layout
+from harmony_fx.compiler.replay import TaskRecords
 from harmony_fx.compiler.shapes import Shapes
 from harmony_fx.compiler.variants import Variant
 from harmony_fx.ir import meta
+from harmony_fx.ir import values as pytrees
 from harmony_fx.ir.pack import Pack
 from harmony_fx.lowering.pipeline import lower_pipeline
 from harmony_fx.lowering.single import lower_program
@@ -34,7 +51,7 @@ from harmony_fx.program.actions import Action, ActionKind, Key, KeyKind
 from harmony_fx.program.verify import verify_devices, verify_program
 
 __all__ = ["balanced", "fixed", "plan_packs", "PackingPolicy", "BudgetTooSmallError", "Candidate", "PackingContext",
-           "evaluate", "layer_costs", "lower_devices", "update_groups", "verify_programs"]
+           "PackingBounds", "evaluate", "finish_chosen", "layer_costs", "lower_devices", "update_groups", "verify_programs"]
 
 PackingPolicy = Callable[[Sequence[int], int], list[int]]
 C = TypeVar("C")
@@ -65,19 +82,59 @@ def balanced(layer_costs: Sequence[int], num_packs: int) -> list[int]:
 
 
 def plan_packs(layer_costs: Sequence[int], evaluate: Callable[[list[int]], C], peak_of: Callable[[C], int],
-               budget: int | None, policy: PackingPolicy = balanced, margin: int = 0) -> tuple[list[int], C]:
+               budget: int | None, policy: PackingPolicy = balanced, margin: int = 0, *,
+               bound: Callable[[Sequence[int]], int] | None = None, cut_short: bool = False,
+               name_smallest: bool = True, progress: Callable[[str], None] | None = None) -> tuple[list[int], C]:
     """The fewest packs whose program fits ``budget`` with ``margin`` bytes to spare (kept for
-    allocations no shape predicts); raises ``BudgetTooSmallError`` naming the smallest budget that
-    fits when none does."""
+    allocations no shape predicts), by the search of the module docstring; raises
+    ``BudgetTooSmallError`` naming the smallest budget that fits when none does. ``bound(boundaries)``:
+    a lower bound of the packing's peak (never above what ``evaluate`` finds); ``cut_short``: the
+    search calls ``evaluate(boundaries, limit)``, which may stop where the peak passes ``limit``
+    (then any peak above it does); ``name_smallest``: where none fits, run the packing of least
+    memory in full to name the smallest budget (else the error says only that more is needed: a
+    caller with another schedule to fall back on never shows it); ``progress``: told each candidate
+    run."""
+    candidates = list(dict.fromkeys(tuple(policy(layer_costs, n)) for n in range(1, len(layer_costs) + 1)))
     tried: dict[tuple[int, ...], C] = {}
-    for num_packs in range(1, len(layer_costs) + 1):
-        boundaries = policy(layer_costs, num_packs)
-        if tuple(boundaries) in tried:
-            continue
-        candidate = tried[tuple(boundaries)] = evaluate(boundaries)
-        if budget is None or peak_of(candidate) + margin <= budget:
-            return boundaries, candidate
-    smallest = min(peak_of(candidate) for candidate in tried.values()) + margin
+
+    def run(boundaries: tuple[int, ...], limit: int | None = None) -> C:
+        if boundaries not in tried:
+            if progress is not None:
+                progress(f"candidate {len(tried) + 1}: {len(boundaries)} of at most {len(candidates[-1])} packs")
+            tried[boundaries] = evaluate(list(boundaries)) if limit is None else evaluate(list(boundaries), limit)
+        return tried[boundaries]
+
+    if budget is None:
+        return list(candidates[0]), run(candidates[0])
+    limit = budget - margin if cut_short else None
+
+    def fits(boundaries: tuple[int, ...]) -> bool:
+        return peak_of(run(boundaries, limit)) + margin <= budget
+
+    possible = candidates if bound is None else [c for c in candidates if bound(c) + margin <= budget]
+    if possible and fits(possible[0]):
+        return list(possible[0]), tried[possible[0]]
+    if len(possible) > 1 and fits(possible[-1]):
+        low, high = 0, len(possible) - 1  # possible[low] does not fit, possible[high] does
+        while high - low > 1:
+            middle = (low + high) // 2
+            low, high = (low, middle) if fits(possible[middle]) else (middle, high)
+        return list(possible[high]), tried[possible[high]]
+    # The least memory does not fit, where memory falls with more packs; it does not always (a
+    # pack that ends at a wide output holds it, one that goes on to reduce it need not): before
+    # refusing, every candidate the bounds leave is run (cut short where it passes the budget)
+    for boundaries in possible[1:-1]:
+        if fits(boundaries):
+            return list(boundaries), tried[boundaries]
+    if not name_smallest:
+        least = min([peak_of(candidate) for candidate in tried.values()] or [budget - margin + 1]) + margin
+        raise BudgetTooSmallError(f"plan_packs: no packing fits the memory budget of {budget:,} bytes; these "
+                                  f"packings need at least {least:,} bytes", least)
+    # nothing fits. The smallest budget named is the most packs' peak (run in full): asked for
+    # again, the search finds that packing possible (its bound is below its peak) and tries it second
+    if progress is not None:
+        progress(f"no candidate fits: the peak of {len(candidates[-1])} packs, in full")
+    smallest = peak_of(evaluate(list(candidates[-1]))) + margin
     raise BudgetTooSmallError(
         f"plan_packs: no packing fits the memory budget of {budget:,} bytes; the smallest budget that "
         f"fits is {smallest:,} bytes ({smallest / 2**20:.2f} MiB). Raise memory_budget to at least that, "
@@ -114,6 +171,9 @@ class PackingContext:
     verify: bool
     budget: int | None = None          # the first device's budget, and the margin kept below it
     margin: int = 0
+    # what the candidates' planning runs recorded, for the next ones to replay (``compiler.replay``)
+    records: TaskRecords = dataclasses.field(default_factory=TaskRecords, compare=False)
+    packs: dict = dataclasses.field(default_factory=dict, compare=False)  # size -> the packs built, by layers
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,44 +198,103 @@ class Candidate:
     def peak(self) -> int:
         return max(self.peaks)
 
-
-def evaluate(context: PackingContext, boundaries: Sequence[int]) -> Candidate:
-    """The packing at ``boundaries``, its backward fetching each stash one task ahead, or, where
-    that does not fit the budget, just in time (one microbatch's stash less on the device)."""
-    if context.budget is None:
-        return _evaluate(context, boundaries, stash_ahead=True)
-    # Just in time first: fetching ahead never needs less, so where this does not fit, neither
-    # does that (one FakeTensor run per packing that does not fit, as plan_packs tries many), and
-    # its peak is the smallest budget these packs need.
-    just_in_time = _evaluate(context, boundaries, stash_ahead=False)
-    if just_in_time.peak + context.margin > context.budget:
-        return just_in_time
-    ahead = _evaluate(context, boundaries, stash_ahead=True)
-    return ahead if ahead.peak + context.margin <= context.budget else just_in_time
+    @property
+    def complete(self) -> bool:
+        """Every device's run went to the end (else its peak passed the limit it was run under)."""
+        return all(estimate.complete for estimate in self.estimates)
 
 
-def _evaluate(context: PackingContext, boundaries: Sequence[int], stash_ahead: bool) -> Candidate:
-    packs_by_size, device_actions, signature = _lower(context, boundaries, stash_ahead)
+def evaluate(context: PackingContext, boundaries: Sequence[int], limit: int | None = None) -> Candidate:
+    """The packing at ``boundaries`` as the search sees it: under a budget, its backward fetching
+    each stash just in time, the least these packs need (fetching ahead never needs less, so the
+    search asks only whether this fits, one FakeTensor run a candidate); without one, one task
+    ahead. ``limit``: stop each device's run where it would hold more (its peak is then only known
+    to pass it: ``Candidate.complete``). Its programs are verified once chosen (``finish_chosen``),
+    or where running them fails: a ``ProgramError`` then says what the lowering got wrong."""
+    return _evaluate(context, boundaries, stash_ahead=context.budget is None, verify=False, cap=limit)
+
+
+def finish_chosen(context: PackingContext, candidate: Candidate) -> Candidate:
+    """The chosen packing as it will run: its backward fetching each stash one task ahead where
+    that fits the budget too (else just in time: one microbatch's stash less on the device), its
+    programs verified."""
+    if not candidate.signature.stash_ahead:
+        ahead = _evaluate(context, candidate.boundaries, stash_ahead=True, verify=False)
+        if ahead.peak + context.margin <= context.budget:
+            candidate = ahead
+    if context.verify:
+        verify_programs(candidate.device_actions, candidate.signature, context.layout)
+    return candidate
+
+
+class PackingBounds:
+    """A lower bound of a packing's peak from shapes alone: the largest, over its packs, of the
+    pack's weights and its largest input, which its forward and its recompute hold on the device
+    together (distinct storages: the weights' copies and an input's), at every microbatch size.
+    ``bounds(boundaries)`` never passes what ``evaluate`` finds."""
+
+    def __init__(self, context: PackingContext) -> None:
+        variant = context.variants[context.layout.mb_sizes[0]]
+        shapes, masters = context.shapes, variant.masters
+        nodes = variant.nodes
+        defined_in = {name: layer.index for layer in variant.layers for name in layer.nodes}
+        self._weights: list[dict[int, int]] = []  # per layer: id of each master it reads -> its bytes
+        self._inputs: list[list[tuple[int, int]]] = []  # per layer: (defining layer, bytes) of what it takes in
+        sizes = range(len(context.layout.sizes))
+        for layer in variant.layers:
+            names = set(layer.nodes)
+            reads = {read for name in layer.nodes for read in nodes[name].meta[meta.READS]}
+            self._weights.append({id(masters[read]): pytrees.value_bytes(masters[read], shapes.itemsize)
+                                  for read in reads if read in masters})
+            taken = {arg.name for name in layer.nodes for arg in nodes[name].all_input_nodes
+                     if arg.name not in names and meta.role_of(arg) not in (meta.Role.PARAM, meta.Role.BUFFER)}
+            self._inputs.append([(defined_in.get(name, -1),
+                                  max(shapes.key_bytes(Key(KeyKind.ACT, name, mb), ()) for mb in sizes))
+                                 for name in sorted(taken)])
+
+    def __call__(self, boundaries: Sequence[int]) -> int:
+        ends = [*boundaries[1:], len(self._weights)]
+        return max(self._pack(start, end) for start, end in zip(boundaries, ends))
+
+    def _pack(self, start: int, end: int) -> int:
+        weights: dict[int, int] = {}
+        for layer in range(start, end):
+            weights.update(self._weights[layer])
+        largest = max((nbytes for layer in range(start, end) for defined, nbytes in self._inputs[layer]
+                       if defined < start), default=0)
+        return sum(weights.values()) + largest
+
+
+def _evaluate(context: PackingContext, boundaries: Sequence[int], stash_ahead: bool, verify: bool,
+              cap: int | None = None) -> Candidate:
+    packs_by_size, device_actions, signature = _lower(context, boundaries, stash_ahead, verify)
     layout = context.layout
-    estimates = [estimate_device(forward, backward, mbs + tuple(f for f, _ in layout.device_forward_parts(device)),
-                                 packs_by_size, context.shapes, signature, target)
-                 for device, ((forward, backward), mbs, target)
-                 in enumerate(zip(device_actions, layout.device_microbatches, context.targets))]
+    try:
+        estimates = [estimate_device(forward, backward,
+                                     mbs + tuple(f for f, _ in layout.device_forward_parts(device)), packs_by_size,
+                                     context.shapes, signature, target, context.records, cap)
+                     for device, ((forward, backward), mbs, target)
+                     in enumerate(zip(device_actions, layout.device_microbatches, context.targets))]
+    except Exception:
+        if not verify:  # programs the search did not verify: where they are wrong, say so
+            verify_programs(device_actions, signature, layout)
+        raise
     return Candidate(tuple(boundaries), packs_by_size, device_actions, estimates, signature)
 
 
-def _lower(context: PackingContext, boundaries: Sequence[int], stash_ahead: bool):
-    """The packs at ``boundaries`` at every microbatch size, every device's programs (verified),
-    and the signature they were lowered with."""
+def _lower(context: PackingContext, boundaries: Sequence[int], stash_ahead: bool, verify: bool):
+    """The packs at ``boundaries`` at every microbatch size (built once per layer range in a
+    compile), every device's programs (``verify``: verified), and the signature they were lowered
+    with."""
     layout = context.layout
     signature = dataclasses.replace(context.signature, stash_ahead=stash_ahead)
-    packs_by_size = {size: split_packs(v.captured.gm, v.layers, boundaries, v.masters)
+    packs_by_size = {size: split_packs(v.captured.gm, v.layers, boundaries, v.masters, context.packs.setdefault(size, {}))
                      for size, v in context.variants.items()}
     packs = packs_by_size[layout.mb_sizes[0]]
     update_packs = frozenset(update_groups(packs, context.shapes.masters)) if context.updates else frozenset()
     signature = dataclasses.replace(signature, update_packs=update_packs)
     device_actions = lower_devices(packs, signature, layout, boundaries)
-    if context.verify:
+    if verify:
         verify_programs(device_actions, signature, layout)
     return packs_by_size, device_actions, signature
 
@@ -194,7 +313,8 @@ def reuse(context: PackingContext, donor: Candidate, donor_variants: Mapping[int
     for size, donor_size in zip(context.layout.sizes, donor_sizes):
         if not _no_larger(context.variants[size], donor_variants[donor_size]):
             return None
-    packs_by_size, device_actions, signature = _lower(context, donor.boundaries, donor.signature.stash_ahead)
+    packs_by_size, device_actions, signature = _lower(context, donor.boundaries, donor.signature.stash_ahead,
+                                                      context.verify)
     if [[list(map(str, program)) for program in pair] for pair in device_actions] != [
             [list(map(str, program)) for program in pair] for pair in donor.device_actions]:
         return None  # not the same programs over the same keys

@@ -10,16 +10,28 @@ they were::
     resolve devices      0.0 ms    host:0, budget 24.00 KiB
     capture whole batch  312.5 ms  torch.export: 14 layers, 1,290 parameters
     ...
+
+Progress: once a compile has run for ``PROGRESS_AFTER`` seconds, the log tells its ``progress``
+sink (``progress_to_stderr``: a line on stderr) each of the ``announced`` stages it starts (those
+that may take long) and what a stage reports on the way (``report``: the packing search, each
+candidate it runs). A short compile says nothing.
 """
 from __future__ import annotations
 
 import dataclasses
+import sys
 import time
 from typing import Any, Callable, Iterator
 
 from harmony_fx.program.format import format_table
 
-__all__ = ["Stage", "StageLog"]
+__all__ = ["Stage", "StageLog", "PROGRESS_AFTER", "progress_to_stderr"]
+
+PROGRESS_AFTER = 2.0  # seconds a compile runs before it says what it is doing
+
+
+def progress_to_stderr(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,14 +42,23 @@ class Stage:
 
 
 class StageLog:
-    """The stages run so far (``list(log)``); printable."""
+    """The stages run so far (``list(log)``); printable. ``progress``: where to say what the
+    compile is doing once it has run for ``PROGRESS_AFTER`` seconds; ``announced``: the stages
+    whose start it says."""
 
-    def __init__(self) -> None:
+    def __init__(self, progress: Callable[[str], None] | None = None, announced: frozenset[str] = frozenset()) -> None:
         self._stages: list[Stage] = []
+        self._progress = progress
+        self._announced = announced
+        self._started = time.perf_counter()
+        self._running = ""  # the stage running now
 
     def run(self, name: str, fn: Callable[..., Any], *args: Any,
             decision: Callable[[Any], str] | None = None, **kwargs: Any) -> Any:
         """``fn(*args, **kwargs)`` as the stage ``name``; ``decision(result)`` is its summary."""
+        self._running = name
+        if name in self._announced:
+            self.report("started")
         started = time.perf_counter()
         try:
             result = fn(*args, **kwargs)
@@ -50,6 +71,13 @@ class StageLog:
             raise
         self._stages.append(Stage(name, time.perf_counter() - started, decision(result) if decision else ""))
         return result
+
+    def report(self, what: str) -> None:
+        """Tell the progress sink ``what`` the running stage does, once the compile has run for
+        ``PROGRESS_AFTER`` seconds."""
+        elapsed = time.perf_counter() - self._started
+        if self._progress is not None and elapsed >= PROGRESS_AFTER:
+            self._progress(f"harmony_fx compile, {elapsed:.1f} s: {self._running}: {what}")
 
     def add(self, name: str, seconds: float, decision: str) -> None:
         """A stage timed elsewhere (the packs' inductor compiles, which happen on the first calls)."""

@@ -45,6 +45,8 @@ class AllocationTracker:
         self.live = 0
         self.peak = 0
         self._storages: dict[int, int] = {}  # key -> nbytes, for every live storage counted
+        self.registrations = 0  # storages counted so far, dead ones too: a mark for ``storages_since``
+        self._born: dict[int, int] = {}  # key -> ``registrations`` when it was counted (keys are reused)
         # stream worker threads register, and tensors die on whichever thread drops them last
         self._lock = threading.RLock()
 
@@ -60,6 +62,8 @@ class AllocationTracker:
             if self.cap is not None and self.live + nbytes > self.cap and self.on_exceed is not None:
                 self.on_exceed(self.live + nbytes, self.cap)  # raises; nothing was counted
             self._storages[key] = nbytes
+            self.registrations += 1
+            self._born[key] = self.registrations
             self.live += nbytes
             if self.live > self.peak:
                 self.peak = self.live
@@ -69,9 +73,17 @@ class AllocationTracker:
     def _release(self, key: int) -> None:
         with self._lock:
             self.live -= self._storages.pop(key)
+            del self._born[key]
 
     def reset_peak(self) -> None:
         self.peak = self.live
+
+    def storages_since(self, mark: int) -> dict[int, int]:
+        """``{storage key: bytes}`` of the live storages counted after ``registrations`` was
+        ``mark``, in the order they were counted (a key alone does not tell: a storage that dies
+        hands its key to the next one at its address)."""
+        with self._lock:
+            return {key: nbytes for key, nbytes in self._storages.items() if self._born[key] > mark}
 
     def mode(self) -> "_TrackingMode":
         """A dispatch mode that registers every tensor produced while it is active."""
@@ -87,6 +99,8 @@ class _TrackingMode(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         inputs = {storage_key(t) for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
         out = tree_map(lambda leaf: _compact(leaf, inputs) if isinstance(leaf, torch.Tensor) else leaf, out)
+        if func in _META_SHARES:
+            out = _apart(out)
         leaves = tree_flatten(out)[0]
         sizes = _real_sizes(func, args, kwargs) if func in _META_UNDERSIZES else [None] * len(leaves)
         for leaf, nbytes in zip(leaves, sizes):
@@ -98,6 +112,29 @@ class _TrackingMode(TorchDispatchMode):
 # Ops whose meta kernels (what a FakeTensor run calls) cannot size a result the real kernel makes:
 # oneDNN's RNN layers return a workspace, kept for the backward, whose size oneDNN alone decides.
 _META_UNDERSIZES = {torch.ops.aten.mkldnn_rnn_layer.default}
+
+
+# Ops whose meta kernels return results that share a storage where the real kernel gives each its
+# own: oneDNN's RNN layer backward, its two bias gradients (one storage counted once, 128 B short
+# for a layer of width 8, and only in some runs: FakeTensor's cache of op results makes them apart).
+_META_SHARES = {torch.ops.aten.mkldnn_rnn_layer_backward.default}
+
+
+def _apart(out):
+    """``out`` with each FakeTensor result that shares an earlier result's storage copied into a
+    storage of its own, as the real kernel returns them."""
+    seen: set[int] = set()
+
+    def own(leaf):
+        if not isinstance(leaf, FakeTensor):
+            return leaf
+        key = storage_key(leaf)
+        if key in seen:
+            return leaf.clone()
+        seen.add(key)
+        return leaf
+
+    return tree_map(own, out)
 
 
 def _real_sizes(func, args, kwargs) -> list[int | None]:

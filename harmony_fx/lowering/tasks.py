@@ -112,7 +112,7 @@ class PackFacts:
                 self.lowest_consumer.setdefault(v, pack.index)
                 self.last_consumer[v] = pack.index
         self.dw_events: list[int] = []  # every copy of weight gradients, in issue order
-        self.handed: set[int] = set()   # those an earlier UPDATE already hands to the host's worker
+        self.dw_pack: dict[int, int] = {}  # each of those copies -> the pack whose gradients it copies
 
 
 class Builder:
@@ -131,6 +131,7 @@ class Builder:
         self.waited: dict[Stream, set[int]] = {s: set() for s in Stream}
         self.readers: dict[Key, list[int]] = {}   # device key -> events of copies reading it
         self.copy_events: set[int] = set()
+        self.handed: set[int] = set()  # weight-gradient copies an earlier UPDATE of this program names
 
     def emit(self, kind: K, stream: Stream, **fields) -> int | None:
         event = None
@@ -304,19 +305,28 @@ def weight_grads_out(b: Builder, pack: Pack) -> None:
     if pack.params:
         b.offload(key)
         b.facts.dw_events.append(b.on_host[key])
+        b.facts.dw_pack[b.on_host[key]] = pack.index
     b.free(key)
 
 
 def update(b: Builder, pack: Pack) -> None:
     """If ``pack`` is the last to add to some parameters' gradients, the host updates them while the
-    device goes on. The update worker, not the issuing thread, waits for the weight-gradient copies
-    (those no earlier ``UPDATE`` or host wait covers): the next pack's tasks are issued at once, so
-    the GPU does not drain while the copies land."""
-    if pack.index in b.facts.signature.update_packs:
-        facts = b.facts
-        after = tuple(e for e in facts.dw_events if e not in facts.handed and e not in b.waited[Stream.HOST])
-        facts.handed.update(after)
-        b.emit(K.UPDATE, Stream.HOST, pack=pack.index, after=after)
+    device goes on. The update worker, not the issuing thread, waits for this program's
+    weight-gradient copies (those no earlier ``UPDATE`` or host wait of it covers): the next pack's
+    tasks are issued at once, so the GPU does not drain while the copies land. A parameter shared
+    with a pack another device ran (a tied weight across a pipeline) also waits, on the host, for
+    that device's copy: an ``UPDATE`` names only its own program's events."""
+    facts = b.facts
+    if pack.index not in facts.signature.update_packs:
+        return
+    pending = [e for e in facts.dw_events if e not in b.handed and e not in b.waited[Stream.HOST]]
+    mine = set(pack.params)
+    for event in pending:
+        if b.shared.event_device[event] != b.device and mine.intersection(facts.packs[facts.dw_pack[event]].params):
+            b.wait(event, Stream.HOST)
+    after = tuple(e for e in pending if b.shared.event_device[e] == b.device)
+    b.handed.update(after)
+    b.emit(K.UPDATE, Stream.HOST, pack=pack.index, after=after)
 
 
 def buffers_out(b: Builder, pack: Pack, after: int) -> None:

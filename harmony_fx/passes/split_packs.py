@@ -17,6 +17,7 @@ Example: packs ``[blocks.0, blocks.1] [blocks.2, head]`` of an MLP give two Grap
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Sequence
 
 import torch
@@ -32,14 +33,23 @@ __all__ = ["split_packs", "annotate_packs", "pack_ranges"]
 
 
 def split_packs(gm: fx.GraphModule, layers: Sequence[Layer], boundaries: Sequence[int],
-                masters: dict[str, object]) -> list[Pack]:
+                masters: dict[str, object], cache: dict[tuple[int, int], Pack] | None = None) -> list[Pack]:
     """``boundaries``: index of the first layer of each pack (starts with 0, increasing).
-    ``masters``: placeholder name → master tensor, to merge tied parameters."""
+    ``masters``: placeholder name → master tensor, to merge tied parameters. ``cache``: the packs
+    built before from ``gm``, by (first layer, end): the same layers make the same pack, under
+    another index (a search over packings builds most of its packs many times)."""
     if not boundaries or boundaries[0] != 0 or list(boundaries) != sorted(set(boundaries)) or boundaries[-1] >= len(layers):
         raise ValueError(f"split_packs: pack boundaries {list(boundaries)} must start at 0 and increase within {len(layers)} layers")
     nodes = {node.name: node for node in gm.graph.nodes}
-    return [_build_pack(gm, layers, pack_index, start, stop, nodes, masters)
-            for pack_index, (start, stop) in enumerate(pack_ranges(boundaries, len(layers)))]
+    packs = []
+    for pack_index, (start, stop) in enumerate(pack_ranges(boundaries, len(layers))):
+        pack = None if cache is None else cache.get((start, stop))
+        if pack is None:
+            pack = _build_pack(gm, layers, pack_index, start, stop, nodes, masters)
+            if cache is not None:
+                cache[(start, stop)] = pack
+        packs.append(pack if pack.index == pack_index else dataclasses.replace(pack, index=pack_index))
+    return packs
 
 
 def pack_ranges(boundaries: Sequence[int], num_layers: int) -> list[tuple[int, int]]:

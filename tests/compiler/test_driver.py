@@ -193,3 +193,18 @@ def test_a_sum_of_batch_means_trains_like_eager_with_either_microbatches(microba
     assert trainer.hm.num_microbatches == 8 and trainer.hm.batch_analysis.separable
     assert trainer.plan.forward_microbatches == (2 if isinstance(microbatches, dict) else 8)
     _train_like_eager(trainer, model, reference, x, lambda m, b: _sum_of_means(m(b)))
+
+
+def test_a_compile_past_two_seconds_says_on_stderr_which_stage_and_candidate(monkeypatch, capsys):
+    """Each read of the clock a second later than the one before: the compile is past two seconds
+    by its packing search, which says on stderr that it started and each candidate it ran."""
+    from harmony_fx.compiler import stages
+
+    ticks = iter(range(10**6))
+    monkeypatch.setattr(stages.time, "perf_counter", lambda: float(next(ticks)))
+    torch.manual_seed(0)
+    harmony_fx.compile(MLPChain(width=32, depth=6), (torch.randn(16, 32),), memory_budget="64KiB", microbatches=2)
+    lines = capsys.readouterr().err.splitlines()
+    assert any(re.fullmatch(r"harmony_fx compile, \d+\.\d s: plan packs: started", line) for line in lines), lines
+    candidates = [line for line in lines if re.search(r"plan packs: candidate \d+: \d+ of at most \d+ packs", line)]
+    assert candidates and not any("codegen" in line for line in lines)

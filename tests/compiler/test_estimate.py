@@ -110,3 +110,20 @@ def test_with_dropout_the_peak_is_the_real_runs_too():
     estimate = _estimate(hm, 0)
     assert hm.device.live_bytes() == 0  # the estimate ran on a device of its own
     assert estimate.peak == _witnessed_step(hm, x, target).peak_of(hm.device)
+
+
+def test_a_capped_run_stops_where_it_passes_the_cap():
+    """Under a cap the run stops at the first action that passes it (a search learns that a
+    packing does not fit without running the rest); at its peak it runs to the end."""
+    hm, _, _ = _compiled(microbatches=2)
+    whole = _estimate(hm, 0)
+    compiled = hm.compiled
+    forward, backward = compiled.device_actions[0]
+
+    def capped(cap: int) -> DeviceEstimate:
+        return estimate_device(forward, backward, compiled.layout.device_microbatches[0], compiled.packs_by_size,
+                               compiled.shapes, compiled.candidate.signature, compiled.devices[0].torch_device, cap=cap)
+
+    assert capped(whole.peak) == whole and whole.complete
+    stopped = capped(whole.peak - 1)
+    assert not stopped.complete and stopped.peak == whole.peak and stopped.task_memory == {}

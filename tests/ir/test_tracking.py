@@ -180,3 +180,42 @@ def test_a_fake_run_sizes_an_rnn_workspace_as_the_real_kernel_does():
     assert fake_tracker.live == real_tracker.live
     assert fake_tracker.peak == real_tracker.peak
     del fake_out, real_out
+
+
+def test_storages_since_a_mark_are_the_ones_counted_after_it_even_at_a_dead_ones_address():
+    """A storage that dies hands its key (its address) to the next: what was counted after a mark
+    is told by when it was counted, not by its key."""
+    tracker = AllocationTracker()
+    kept = tracker.register(torch.empty(4))
+    dying = tracker.register(torch.empty(8))
+    mark = tracker.registrations
+    del dying
+    gc.collect()
+    fresh = [tracker.register(torch.empty(8)) for _ in range(3)]
+    since = tracker.storages_since(mark)
+    assert list(since.values()) == [32, 32, 32]
+    assert kept.untyped_storage()._cdata not in since
+    assert set(since) == {t.untyped_storage()._cdata for t in fresh}
+
+
+def test_an_lstm_backward_counts_on_fake_tensors_what_it_holds_on_real_ones():
+    """oneDNN's RNN backward returns its two bias gradients in one storage on FakeTensors (only in
+    some runs: FakeTensor's cache of op results makes them apart), in two on real tensors: counted
+    apart, every run, as the real kernel holds them."""
+    torch.manual_seed(0)
+    lstm, x = nn.LSTM(8, 8, batch_first=True), torch.randn(4, 5, 8, requires_grad=True)
+
+    def held_after_backward(fake: bool) -> int:
+        tracker = AllocationTracker()
+        with FakeTensorMode(allow_non_fake_inputs=True) if fake else torch.no_grad():
+            pass
+        mode = FakeTensorMode(allow_non_fake_inputs=True) if fake else None
+        with (mode or torch.enable_grad()):
+            inputs = mode.from_tensor(x) if fake else x.detach().requires_grad_()
+            with tracker.mode():
+                out, (h, c) = lstm(inputs)
+                grads = torch.autograd.grad(out.sum() + h.sum() + c.sum(), [inputs, *lstm.parameters()])
+            return tracker.live - sum(t.untyped_storage().nbytes() for t in (out, h, c))
+
+    real = held_after_backward(fake=False)
+    assert [held_after_backward(fake=True) for _ in range(3)] == [real] * 3

@@ -132,3 +132,20 @@ def test_bad_boundaries_are_refused(boundaries):
     prep = prepared("mlp_chain")
     with pytest.raises(ValueError, match="boundaries"):
         split_packs(prep.captured.gm, prep.layers, boundaries, prep.masters)
+
+
+def test_a_cache_builds_each_layer_range_once_under_any_index():
+    """A search over packings builds most packs many times: with a cache, a range of layers built
+    for one packing is the same pack (its graph shared) under its index in the next."""
+    prep = prepared("mlp_chain")
+    cache: dict = {}
+    first = split_packs(prep.captured.gm, prep.layers, [0, 2, 4], prep.masters, cache)
+    second = split_packs(prep.captured.gm, prep.layers, [0, 1, 2, 4], prep.masters, cache)
+    uncached = split_packs(prep.captured.gm, prep.layers, [0, 1, 2, 4], prep.masters)
+    assert [pack.index for pack in second] == [0, 1, 2, 3]
+    assert second[2].gm is first[1].gm and second[3].gm is first[2].gm and second[0].gm is not first[0].gm
+    for cached, built in zip(second, uncached):
+        assert (cached.layers, cached.act_inputs, cached.outputs, cached.params) == \
+               (built.layers, built.act_inputs, built.outputs, built.params)
+        assert cached.gm.code == built.gm.code
+    assert set(cache) == {(0, 2), (2, 4), (4, len(prep.layers)), (0, 1), (1, 2)}

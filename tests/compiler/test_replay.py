@@ -1,0 +1,101 @@
+"""compiler.replay: a planning run that replays the compute tasks it met before holds what the run
+that executes every task holds: the same peak, each task's net and peak bytes, the same action
+first at the peak. On one device over uneven microbatches, data-parallel and a pipeline, across
+packings of one model that share their records, and on GPT-2's repeated blocks; a replay that
+leaves other bytes than its record makes the run start again without replays; packs that draw
+random numbers always run."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import harmony_fx
+from harmony_fx.compiler import replay
+from harmony_fx.compiler.estimate import estimate_device
+from harmony_fx.compiler.replay import TaskRecords
+from harmony_fx.models import MLPChain
+
+TWO = ["host:0", "host:1"]
+
+
+def _estimates(hm: harmony_fx.HarmonyModule, records: TaskRecords | None) -> list:
+    compiled = hm.compiled
+    layout = compiled.layout
+    found = []
+    for device, (forward, backward) in enumerate(compiled.device_actions):
+        microbatches = layout.device_microbatches[device] + tuple(f for f, _ in layout.device_forward_parts(device))
+        estimate = estimate_device(forward, backward, microbatches, compiled.packs_by_size, compiled.shapes,
+                                   compiled.candidate.signature, compiled.devices[device].torch_device, records)
+        found.append((estimate.peak, estimate.task_memory, estimate.peak_at))
+    return found
+
+
+def _compiled(model: nn.Module, x: torch.Tensor, **options) -> harmony_fx.HarmonyModule:
+    return harmony_fx.compile(model, (x,), **options)
+
+
+@pytest.mark.parametrize("options", [
+    dict(microbatches=3),  # 4, 3, 3 samples
+    dict(microbatches=4, devices=TWO, parallel="dp"),
+    dict(microbatches=3, devices=TWO, parallel="pp"),
+], ids=["uneven", "dp", "pp"])
+def test_replayed_runs_hold_what_running_every_task_holds(options):
+    torch.manual_seed(0)
+    model, x = MLPChain(width=16, depth=6), torch.randn(10, 16)
+    records = TaskRecords()
+    for boundaries in [(0, 2, 4), tuple(range(7))]:  # the second packing replays the first one's blocks
+        hm = _compiled(model, x, pack_boundaries=boundaries, **options)
+        executed = _estimates(hm, None)
+        for _ in range(2):  # the second time round, every task replays
+            assert _estimates(hm, records) == executed
+    assert records.replayed > records.ran
+
+
+def test_gpt2_blocks_run_once_and_replay_after():
+    from harmony_fx.testing.hf_models import build_hf_model, hf_batch
+
+    model, batch = build_hf_model("gpt2", num_layers=4), hf_batch("gpt2")
+    hm = harmony_fx.compile(model, (), example_kwargs=batch, microbatches=2, devices=["host:0"])
+    layers = len(hm.compiled.variants[hm.mb_sizes[0]].layers)
+    hm = harmony_fx.compile(model, (), example_kwargs=batch, microbatches=2, devices=["host:0"],
+                            pack_boundaries=tuple(range(layers)))
+    records = TaskRecords()
+    assert _estimates(hm, records) == _estimates(hm, None)
+    # each of the blocks 1-3 replays its forward, recompute and backward on both microbatches
+    # (what block 0 ran), and so does every pack's second microbatch
+    assert records.replayed >= 3 * 3 * 2
+
+
+def test_a_replay_leaving_other_bytes_runs_again_without_replays(monkeypatch):
+    torch.manual_seed(0)
+    hm = _compiled(MLPChain(width=16, depth=6), torch.randn(10, 16), pack_boundaries=tuple(range(7)), microbatches=2)
+    records = TaskRecords()
+    _estimates(hm, records)
+    for signature, record in list(records._records.items()):  # every record now one byte off
+        if record is not None:
+            records._records[signature] = replay._Record(record.transient, record.net + 1, record.storages,
+                                                         record.writes, record.kept, record.grads)
+    runs = []
+    original = replay.ReplayingProbe.__init__
+
+    def counting(self, *args, **kwargs):
+        runs.append(kwargs.get("records"))
+        original(self, *args, **kwargs)
+
+    monkeypatch.setattr(replay.ReplayingProbe, "__init__", counting)
+    assert _estimates(hm, records) == _estimates(hm, None)
+    assert len(runs) == 1  # the replaying run, given up for one without replays
+
+
+def test_packs_that_draw_random_numbers_always_run():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), nn.Dropout(0.5), nn.Linear(16, 16), nn.Dropout(0.5), nn.Linear(16, 4))
+    hm = _compiled(model, torch.randn(8, 16), pack_boundaries=(0, 1, 2, 3, 4), microbatches=2)
+    records = TaskRecords()
+    first = _estimates(hm, records)
+    ran = records.ran
+    assert _estimates(hm, records) == first
+    random_packs = sum(pack.random for pack in hm.packs)
+    # their forward, recompute and backward on each microbatch, the second time too
+    assert random_packs and records.ran - ran >= 3 * 2 * random_packs
