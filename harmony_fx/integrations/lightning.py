@@ -23,8 +23,10 @@ Lightning still runs everything around the step: ``configure_optimizers`` (one o
 LR schedulers, stepped by Lightning between harmony's steps), ``gradient_clip_val`` (harmony's
 global-norm clipping, ``max_grad_norm``), checkpoints (the weights and optimizer state harmony holds,
 plus its step counter and RNG states: a resumed run continues identically), loggers and callbacks.
-What a harmony step cannot honor is refused before training starts, with what to do instead (see
-``_refuse_unsupported``).
+``L.Trainer(precision="bf16-mixed")`` is bfloat16 autocast around every step harmony runs, as
+Lightning's ``MixedPrecision`` wraps each step (fp32 weights, gradients and optimizer state), on the
+device type harmony computes on. What a harmony step cannot honor is refused before training starts,
+with what to do instead (see ``_refuse_unsupported`` and ``_precision_problems``).
 """
 from __future__ import annotations
 
@@ -42,13 +44,14 @@ except ImportError as error:  # an optional extra: say how to get it
     raise ImportError("harmony_fx.integrations.lightning needs Lightning: pip install 'harmony-fx[lightning]' "
                       "(or pip install lightning)") from error
 from lightning.pytorch.accelerators import CPUAccelerator
-from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.strategies import SingleDeviceStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.enums import GradClipAlgorithmType
 
 import harmony_fx
 from harmony_fx.config import check_option_names, option_names, with_environment
+from harmony_fx.runtime.devices import visible_gpus
 
 __all__ = ["HarmonyStrategy"]
 
@@ -74,7 +77,12 @@ class HarmonyStrategy(SingleDeviceStrategy):
     ``harmony_fx.compile``. ``options`` are ``harmony_fx.compile``'s (``memory_budget``, ``devices``,
     ``precision``, ``microbatches``, ...) and ``harmony_fx.Trainer``'s ``loss_reduction``,
     ``skip_nonfinite`` and ``atomic``; the ``HARMONY_FX_*`` environment variables set those not
-    given (``config.ENVIRONMENT_VARIABLES``). The model stays in host memory."""
+    given (``config.ENVIRONMENT_VARIABLES``). The model stays in host memory.
+
+    ``L.Trainer(precision="bf16-mixed")`` runs every step harmony runs under bfloat16 autocast, as
+    Lightning does without harmony (fp32 weights); ``HarmonyStrategy(precision="bf16")`` is
+    harmony's own bfloat16 (weights and transfers in bf16, fp32 masters on the host). Lightning's
+    other precisions are refused (``_precision_problems``)."""
 
     strategy_name = "harmony"
 
@@ -104,20 +112,35 @@ class HarmonyStrategy(SingleDeviceStrategy):
     # ------------------------------------------------------------------ setting up
     def setup(self, trainer: "pl.Trainer") -> None:
         self._close()
+        # before Lightning's setup, which converts the module's weights for a '-true' precision
+        _refuse(_precision_problems(trainer, self))
         super().setup(trainer)
         _refuse_unsupported(trainer, self)
+
+    def _autocast(self) -> contextlib.AbstractContextManager:
+        """``precision="bf16-mixed"``: bfloat16 autocast on the device types harmony computes on,
+        as Lightning's ``MixedPrecision`` enters it on its accelerator's (here always the CPU, which
+        holds the model while harmony's ``devices`` compute). harmony keys the captured graph on
+        the autocast state and runs every pack's forward and recompute under it."""
+        autocast = contextlib.ExitStack()
+        if isinstance(self.precision_plugin, MixedPrecision):
+            for device_type in _compute_device_types(self.compile_options.get("devices")):
+                autocast.enter_context(torch.autocast(device_type, dtype=torch.bfloat16, cache_enabled=False))
+        return autocast
 
     # ------------------------------------------------------------------ training
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         """One whole step (forward, backward, clipping, update) through harmony; returns the loss."""
         leaves, spec = _flatten_batch(batch, "training_step")
-        if self._harmony is None:
-            self._harmony = self._build_trainer(leaves, spec, batch_idx)
-        elif spec != self._step_module.spec:
-            raise ValueError(f"HarmonyStrategy: the training batches changed structure ({self._step_module.spec} "
-                             f"before, {spec} now); give every batch the same structure (the same keys and nesting)")
-        self._state = None
-        loss = self._harmony.step(tuple(leaves))  # a batch of a new size captures training_step again
+        with self._autocast():
+            if self._harmony is None:
+                self._harmony = self._build_trainer(leaves, spec, batch_idx)
+            elif spec != self._step_module.spec:
+                raise ValueError(f"HarmonyStrategy: the training batches changed structure ({self._step_module.spec} "
+                                 f"before, {spec} now); give every batch the same structure (the same keys and "
+                                 "nesting)")
+            self._state = None
+            loss = self._harmony.step(tuple(leaves))  # a batch of a new size captures training_step again
         self._step_module.replay_logs(self.lightning_module, loss=loss.detach())
         return loss
 
@@ -167,7 +190,8 @@ class HarmonyStrategy(SingleDeviceStrategy):
             options = {**self.compile_options, "microbatches": None}
             self._forward_only[key] = (step_module, harmony_fx.compile(step_module, **options))
         step_module, compiled = self._forward_only[key]
-        output, logged = compiled(*leaves)
+        with self._autocast():  # compiled at its first call, under the autocast it runs with
+            output, logged = compiled(*leaves)
         step_module.replay_logs(self.lightning_module, values=logged)
         return output
 
@@ -352,11 +376,45 @@ def _refuse_unsupported(trainer: "pl.Trainer", strategy: HarmonyStrategy) -> Non
                         "process, whose GPUs harmony's own option names (HarmonyStrategy(devices=['cuda:0', "
                         "'cuda:1'])); leave L.Trainer's devices and num_nodes at 1, and to train across processes run "
                         "harmony_fx.Trainer under torchrun")
-    if type(strategy.precision_plugin) is not Precision:
-        problems.append(f"precision={trainer.precision!r}: leave L.Trainer's precision at '32-true' and pass "
-                        "HarmonyStrategy(precision='bf16') for bfloat16 compute with fp32 masters")
+    _refuse(problems)
+
+
+def _refuse(problems: list[str]) -> None:
     if problems:
         raise ValueError("HarmonyStrategy cannot train this as asked:\n- " + "\n- ".join(problems))
+
+
+def _precision_problems(trainer: "pl.Trainer", strategy: HarmonyStrategy) -> list[str]:
+    """Lightning's precision, where a harmony step cannot honor it: '32-true' and 'bf16-mixed'
+    (autocast, ``HarmonyStrategy._autocast``) are honored."""
+    plugin = strategy.precision_plugin
+    if type(plugin) is Precision:
+        return []
+    if type(plugin) is MixedPrecision and plugin.precision == "bf16-mixed":
+        if strategy.compile_options.get("precision", "fp32") != "fp32":
+            return [f"precision='bf16-mixed' (bfloat16 autocast, as L.Trainer without harmony) and "
+                    f"HarmonyStrategy(precision={strategy.compile_options['precision']!r}) (harmony's own "
+                    "weights-and-transfers precision) are two kinds of mixed precision; pass one of them"]
+        return []
+    if trainer.precision == "16-mixed":
+        why = ("float16 autocast needs a gradient scaler (loss scaling), which a harmony step does not run; use "
+               "precision='bf16-mixed' (bfloat16 autocast, no scaler)")
+    elif trainer.precision in ("bf16-true", "16-true"):
+        why = ("it converts the module's weights to half precision, so there are no fp32 weights for the optimizer "
+               "to update; use precision='bf16-mixed' (bfloat16 autocast, fp32 weights), or leave '32-true' and "
+               "pass HarmonyStrategy(precision='bf16') (bf16 compute and transfers, fp32 masters on the host)")
+    else:
+        why = "HarmonyStrategy honors precision='32-true' and 'bf16-mixed'"
+    return [f"precision={trainer.precision!r}: {why}"]
+
+
+def _compute_device_types(devices: Any) -> set[str]:
+    """The torch device types harmony computes on for its ``devices`` option, read as
+    ``runtime.devices.resolve_devices`` reads it (a HostDevice, ``host:N``, computes on the CPU)."""
+    if devices is None or isinstance(devices, int):
+        return {"cuda" if visible_gpus() else "cpu"}
+    names = [devices] if isinstance(devices, str) else [str(name) for name in devices]
+    return {"cuda" if name.partition(":")[0] == "cuda" else "cpu" for name in names}
 
 
 def _training_problems(trainer: "pl.Trainer", strategy: HarmonyStrategy) -> list[str]:

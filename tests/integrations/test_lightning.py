@@ -238,19 +238,30 @@ class _Hooked(Regressor):
     (Regressor, {"accumulate_grad_batches": 2}, r"accumulate_grad_batches=2: .* HarmonyStrategy\(microbatches=2\)"),
     (Regressor, {"gradient_clip_val": CLIP, "gradient_clip_algorithm": "value"},
      "gradient_clip_algorithm='value': harmony clips by the global"),
-    (Regressor, {"precision": "bf16-mixed"}, r"precision='bf16-mixed': .* HarmonyStrategy\(precision='bf16'\)"),
+    (Regressor, {"precision": "16-mixed"}, r"precision='16-mixed': float16 autocast needs a gradient scaler"),
+    (Regressor, {"precision": "bf16-true"}, r"precision='bf16-true': it converts the module's weights"),
+    (Regressor, {"precision": "64-true"}, r"precision='64-true': HarmonyStrategy honors precision='32-true' and"),
     (Regressor, {"devices": 2}, "devices=2, num_nodes=1: HarmonyStrategy trains in one process"),
     (_Hooked, {}, "_Hooked.on_after_backward is overridden but is never called"),
 ])
 def test_what_a_harmony_step_cannot_do_is_refused_before_training(module_class, trainer_options, expected):
+    _assert_refused(module_class(), HarmonyStrategy(), trainer_options, expected)
+
+
+def test_bf16_mixed_with_harmonys_own_bf16_is_refused():
+    _assert_refused(Regressor(), HarmonyStrategy(precision="bf16"), {"precision": "bf16-mixed"},
+                    r"precision='bf16-mixed' \(bfloat16 autocast.* are two kinds of mixed precision; pass one of them")
+
+
+def _assert_refused(module, strategy, trainer_options, expected):
+    """``fit`` raises ``expected`` and leaves the module's weights as they were (dtype included)."""
     train, _ = _data(16)
-    trainer = L.Trainer(max_epochs=1, strategy=HarmonyStrategy(), logger=False, enable_progress_bar=False,
+    trainer = L.Trainer(max_epochs=1, strategy=strategy, logger=False, enable_progress_bar=False,
                         enable_model_summary=False, enable_checkpointing=False, **trainer_options)
-    module = module_class()
     before = [p.detach().clone() for p in module.parameters()]
     with pytest.raises(ValueError, match=expected):
         trainer.fit(module, train)
-    assert all(torch.equal(p, b) for p, b in zip(module.parameters(), before))
+    assert all(p.dtype == b.dtype and torch.equal(p, b) for p, b in zip(module.parameters(), before))
 
 
 @pytest.mark.parametrize("options,expected", [
@@ -291,3 +302,26 @@ def test_without_lightning_the_door_says_how_to_install_it(monkeypatch):
     monkeypatch.delitem(sys.modules, "harmony_fx.integrations.lightning")
     with pytest.raises(ImportError, match=r"needs Lightning: pip install 'harmony-fx\[lightning\]'"):
         importlib.import_module("harmony_fx.integrations.lightning")
+
+
+def test_bf16_mixed_is_autocast_as_in_lightnings_own():
+    """``L.Trainer(precision="bf16-mixed")``: every step harmony runs is under bfloat16 autocast as
+    Lightning's own (fp32 weights), through packs under half of eager's fp32 budget; the losses and
+    validation metrics are eager's bf16-mixed ones, and not fp32's. One microbatch, so harmony runs
+    the same bf16 kernels on the same rows in the same order as eager (bitwise equal on this
+    machine); RTOL leaves room for another kernel choice while staying far below what autocast
+    changes (from the second step on, more than 1e-3 relative from fp32's losses)."""
+    eager, eager_trainer = _fit("auto", 2, precision="bf16-mixed")
+    peaks = _Peaks()
+    harmony, harmony_trainer = _fit(HarmonyStrategy(memory_budget=_budget()), 2, callbacks=[peaks],
+                                    precision="bf16-mixed")
+    fp32, _ = _fit("auto", 2)
+
+    assert len(harmony.losses) == len(eager.losses) == 8
+    torch.testing.assert_close(torch.tensor(harmony.losses), torch.tensor(eager.losses), rtol=RTOL, atol=0)
+    assert max(abs(a - b) / b for a, b in zip(eager.losses[1:], fp32.losses[1:])) > 1e-3  # autocast bit
+    for name in ("val_loss", "val_abs", "val_max"):  # validation_step under autocast too
+        torch.testing.assert_close(harmony_trainer.callback_metrics[name], eager_trainer.callback_metrics[name],
+                                   rtol=RTOL, atol=1e-7, msg=lambda m: f"{name}: {m}")
+    assert min(peaks.packs) >= 2
+    assert {p.dtype for p in harmony.parameters()} == {torch.float32}
