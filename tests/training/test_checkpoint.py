@@ -226,6 +226,7 @@ def test_a_killed_rank_is_named_by_the_other_within_the_timeout(runs):
     assert (base / "broken" / "latest").read_text().strip() == "step_00000003"
 
 
+@pytest.mark.slow  # its fixture's two 2-rank runs take 25 s; the folder resume is in tests/distributed/test_tier.py
 def test_resuming_at_two_ranks_gives_the_unbroken_losses_bitwise(runs, tmp_path):
     base, unbroken, _ = runs
     folder = tmp_path / "ck"
