@@ -25,6 +25,7 @@ from harmony_fx.compiler.stages import StageLog
 from harmony_fx.config import CompileOptions, check_option_names, format_size, option_names
 from harmony_fx.frontend import microbatch
 from harmony_fx.frontend.calls import Calls
+from harmony_fx.frontend.frozen import frozen_in_compute_dtype
 from harmony_fx.frontend.guards import CallKey
 from harmony_fx.planner.module import simulate_module
 from harmony_fx.program.actions import Action, Key
@@ -91,8 +92,10 @@ class HarmonyModule:
         forward_only = not self._roles["trainer"] and not _needs_grad(key, self.model, args, kwargs)
         args, kwargs = _outside_inference_mode(args, kwargs)
         # the graph is captured with grad on whatever the caller's mode (a forward-only program is
-        # the lowering's choice, not the graph's), under the caller's autocast and training flags
-        with torch.inference_mode(False), torch.enable_grad():
+        # the lowering's choice, not the graph's), under the caller's autocast and training flags;
+        # frozen_to_bf16 converts the frozen weights first, and puts them back if compiling fails
+        with torch.inference_mode(False), torch.enable_grad(), frozen_in_compute_dtype(
+                self.model, self.options.compute_dtype, self.options.frozen_to_bf16):
             options = self.options if reuse is None else reuse.decisions()
             self.compiled: Compiled = compile_program(self.model, args, kwargs, options, **self._roles,
                                                       forward_only=forward_only, reuse=reuse)

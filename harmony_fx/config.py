@@ -79,6 +79,12 @@ class CompileOptions:
     ``batch_dims``: the batch dim of every input (an int), or ``{argument name: dim or None}``.
     ``precision``: ``"bf16"`` computes and moves floating tensors in bfloat16 on the device; master
     weights, optimizer state and gradients on the host stay fp32.
+    ``frozen_to_bf16``: with ``precision="bf16"``, every frozen fp32 parameter
+    (``requires_grad=False``: a LoRA model's base) is converted in place to bfloat16 before the model
+    is captured (its ``.data``; the ``nn.Parameter`` object stays), so the host holds 2 bytes an
+    element instead of the fp32 tensor plus its bf16 copy (6), and computes with the same values. The
+    fp32 values are dropped: the model keeps its frozen weights in bf16 after training, and so does
+    its ``state_dict`` (``frontend.frozen``). A parameter unfrozen later stays bf16 unless cast back.
     ``pack_boundaries``: fix the packs (the index of each pack's first layer) instead of planning.
     ``forward_groups``: with ``pack_boundaries``, larger packs for the forward (which holds no graph
     and no gradients): the first pack of each group. In a pipeline each group is one forward task of the wrap.
@@ -110,6 +116,7 @@ class CompileOptions:
     grouping: bool = True
     batch_dims: object = 0
     precision: Literal["fp32", "bf16"] = "fp32"
+    frozen_to_bf16: bool = False
     pack_boundaries: tuple[int, ...] | None = None
     forward_groups: tuple[int, ...] | None = None
     handoff: Literal["peer", "host"] | None = None
@@ -143,6 +150,10 @@ class CompileOptions:
                              f"got {self.microbatches!r}")
         if self.precision not in ("fp32", "bf16"):
             raise ValueError(f"precision must be 'fp32' or 'bf16', got {self.precision!r}")
+        if self.frozen_to_bf16 and self.precision != "bf16":
+            raise ValueError("frozen_to_bf16=True keeps frozen weights in the bf16 that precision='bf16' computes "
+                             f"with, but precision={self.precision!r}: pass precision='bf16' too, or convert the "
+                             "frozen weights yourself (model.to(torch.bfloat16) before adding fp32 adapters)")
         if self.forward_groups is not None and self.pack_boundaries is None:
             raise ValueError("forward_groups groups the packs of pack_boundaries: give both, or neither")
         if self.handoff not in (None, "peer", "host"):
