@@ -85,6 +85,7 @@ class CompileOptions:
     element instead of the fp32 tensor plus its bf16 copy (6), and computes with the same values. The
     fp32 values are dropped: the model keeps its frozen weights in bf16 after training, and so does
     its ``state_dict`` (``frontend.frozen``). A parameter unfrozen later stays bf16 unless cast back.
+    On a GPU the devices still stage a pinned copy of each pageable bf16 weight (4 bytes there).
     ``pack_boundaries``: fix the packs (the index of each pack's first layer) instead of planning.
     ``forward_groups``: with ``pack_boundaries``, larger packs for the forward (which holds no graph
     and no gradients): the first pack of each group. In a pipeline each group is one forward task of the wrap.
