@@ -33,6 +33,7 @@ from harmony_fx.program.format import format_schedule
 from harmony_fx.runtime.autograd import HarmonyFunction
 from harmony_fx.runtime.devices import HostDevice
 from harmony_fx.runtime.executor import Runtime
+from harmony_fx.runtime.host import GradientBuffers
 from harmony_fx.runtime.session import Iteration, Session
 
 __all__ = ["compile", "HarmonyModule"]
@@ -390,10 +391,11 @@ class HarmonyModule:
         return self.calls.output_like(name)
 
     def run_iteration(self, per_mb: Sequence[Sequence[torch.Tensor]], on_update: Callable[[Runtime, int], None],
-                      output_grads: dict[Key, torch.Tensor], on_tier: Callable | None = None) -> Iteration:
+                      output_grads: dict[Key, torch.Tensor], on_tier: Callable | None = None,
+                      grad_buffers: GradientBuffers | None = None) -> Iteration:
         """Forward and backward in one go (the Trainer); see ``Session.run_iteration``."""
         self._last = self
-        return self.session.run_iteration(per_mb, on_update, output_grads, on_tier)
+        return self.session.run_iteration(per_mb, on_update, output_grads, on_tier, grad_buffers)
 
 
 # past this many compiled call states a module warns (as Dynamo's recompile limit): each holds its graphs

@@ -8,7 +8,9 @@ before any update (the norm is global), so with clipping the update runs after t
 overlapped with it.
 
 A step is all or nothing (``training.transaction``): if anything fails, the weights, buffers and
-optimizer state are as before it.
+optimizer state are as before it, and every ``param.grad`` is ``None``. The weight gradients land
+on the host in the tensors that held the last step's (one set of them, not two), so after a
+successful step ``param.grad`` holds that step's gradients until the next step writes into it.
 
 With ``nvme_path`` (and ``host_memory``), the optimizer state of the packs the plan chooses lives
 on an NVMe tier between updates (``runtime.tier``): each such pack's update streams it in and out
@@ -39,6 +41,7 @@ from harmony_fx.compiler.host_memory import OptimizerFacts
 from harmony_fx.config import CompileOptions, check_option_names, option_names
 from harmony_fx.distributed.cluster import Cluster
 from harmony_fx.distributed.updates import CrossProcessUpdates
+from harmony_fx.runtime.host import GradientBuffers
 from harmony_fx.runtime.tier import StateTier, on_tier_entry
 from harmony_fx.training import checkpoint_folders
 from harmony_fx.training.checkpoint import TrainingState, load_file, save_file
@@ -128,6 +131,9 @@ class Trainer:
         # the undo copies' memory, kept from step to step: copying into it costs half of cloning,
         # which faults in fresh pages for every parameter and optimizer state every step
         self._undo_store: dict[int, tuple] = {}
+        # the host tensors each step's weight gradients land in, the last step's .grad. Across
+        # processes .grad is the all-reduced buffer instead, which a landed gradient is copied into
+        self._grad_buffers = GradientBuffers() if self.cluster is None else None
         self._last_hm = self.hm  # the module that ran the last step (one per batch size)
         self._stats: StepStats | None = None  # the last step's, once its iteration ran
         self.step_count = 0
@@ -150,7 +156,7 @@ class Trainer:
                 "how the model is cut into packs; give every rank the same batch size, memory_budget and options "
                 "(or the same pack_boundaries)")
             self._cross = CrossProcessUpdates(self.cluster, optimizer, self._groups)
-        self._updater = Updater(optimizer, max_grad_norm, self._tier, self._cross)
+        self._updater = Updater(optimizer, max_grad_norm, self._tier, self._cross, self._grad_buffers)
         self._state = TrainingState(model, optimizer, self._tier, self._cross, self.cluster)
 
     # ------------------------------------------------------------------ what people look at
@@ -190,7 +196,10 @@ class Trainer:
     # ------------------------------------------------------------------ training
     def step(self, batch: tuple) -> torch.Tensor:
         """One iteration on ``batch``; returns the batch's loss. All or nothing: if anything fails
-        (including Ctrl-C), the weights, buffers and optimizer state are as before the call."""
+        (including Ctrl-C), the weights, buffers and optimizer state are as before the call, and
+        every ``param.grad`` is ``None``. After it, ``param.grad`` holds this step's gradients (as
+        the optimizer stepped them, clipped with ``max_grad_norm``), in tensors the next step
+        writes its gradients into."""
         args, kwargs = self._loss_model.call_of(batch)
         hm = self._module_for(args, kwargs)
         if self._pending is not None and self._pending.io.committed.done():
@@ -210,7 +219,7 @@ class Trainer:
         try:
             with updates:
                 runtime = hm.run_iteration(per_mb, updates.on_pack, batch_loss.output_grads,
-                                           self._on_tier if self._tier is not None else None)
+                                           self._on_tier if self._tier is not None else None, self._grad_buffers)
             stats = self._stats = StepStats(hm.stats, update_exposed_seconds=updates.exposed_seconds)
             stats.update_seconds, stats.tier_wait_seconds = updates.results()  # re-raises an update's error
             # in microbatch order, over every rank's microbatches

@@ -239,3 +239,30 @@ def test_fp32_masters_on_the_tier_leave_pinned_bf16_copies_that_no_device_stages
     tiered.flush()
     assert all(p.dtype == torch.bfloat16 and p.is_pinned() for p in tiered.model.parameters())
     assert sum(device.staging.nbytes for device in tiered.hm.devices) == 0 == tiered.hm.compiled.host_memory.needs.weight_copies
+
+
+def test_trainer_steps_land_gradients_in_one_set_of_pinned_buffers():
+    """Each step's weight gradients land in the pinned tensors of the last step's (``.grad``): the
+    same storages every step, and the pinned bytes' peak of a later step no higher than the
+    first's (they held the last step's gradients beside this one's: a second set)."""
+    model, x, y = _gpt()
+    trainer = harmony_fx.Trainer(model, _gpt_loss, torch.optim.AdamW(model.parameters(), lr=1e-3), (x, y),
+                                 devices=["cuda:0"], compile_packs=False, microbatches=2, memory_budget="1MiB")
+    stats = getattr(torch.cuda, "host_memory_stats", None)
+    reset = getattr(torch.cuda, "reset_peak_host_memory_stats", None)
+    try:
+        assert len(trainer.hm.packs) >= 3
+        peaks, storages = [], []
+        for _ in range(3):
+            if reset is not None:
+                reset()
+            trainer.step((x, y))
+            if stats is not None:
+                peaks.append(stats().get("allocated_bytes.peak", 0))
+            storages.append([p.grad.untyped_storage().data_ptr() for p in model.parameters()])
+        assert all(p.grad.is_pinned() for p in model.parameters())
+        assert storages[0] == storages[1] == storages[2]
+        if stats is not None and reset is not None:  # older torch has no host allocator statistics
+            assert peaks[1] <= peaks[0] and peaks[2] <= peaks[0]
+    finally:
+        trainer.close()

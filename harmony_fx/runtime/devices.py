@@ -57,9 +57,10 @@ class Device:
         ``read_only``: nothing writes the copy, so a device in host memory may hand ``source``)."""
         raise NotImplementedError
 
-    def to_host(self, value: torch.Tensor, last_use: bool = False) -> torch.Tensor:
+    def to_host(self, value: torch.Tensor, last_use: bool = False, into: torch.Tensor | None = None) -> torch.Tensor:
         """A host copy of ``value`` (``last_use``: the device frees it next and never writes it
-        again, so a device in host memory may hand ``value`` itself)."""
+        again, so a device in host memory may hand ``value`` itself), written into ``into`` where
+        that is a host tensor this device can copy into (``landing_fits``), else into a new one."""
         raise NotImplementedError
 
     def stage(self, slot: object, master: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
@@ -75,9 +76,17 @@ class Device:
                                read_only=slot not in written).requires_grad_(slot < params and master.requires_grad)
                 for slot, master in enumerate(masters)]
 
-    def grads_to_host(self, grads: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        """Host copies of weight gradients the device frees next (``to_host(last_use=True)`` each)."""
-        return [self.to_host(grad, last_use=True) for grad in grads]
+    def grads_to_host(self, grads: Sequence[torch.Tensor],
+                      into: Sequence[torch.Tensor | None] | None = None) -> list[torch.Tensor]:
+        """Host copies of weight gradients the device frees next (``to_host(last_use=True)`` each),
+        ``grads[i]`` into ``into[i]`` where it fits (the last step's gradient: ``GradientBuffers``)."""
+        into = into if into is not None else [None] * len(grads)
+        return [self.to_host(grad, last_use=True, into=buffer) for grad, buffer in zip(grads, into)]
+
+    def landing_fits(self, into: torch.Tensor | None, value: torch.Tensor) -> bool:
+        """Whether a copy of ``value`` may be written into the host tensor ``into``."""
+        return (into is not None and into.device.type == "cpu" and into.shape == value.shape
+                and into.dtype == value.dtype)
 
     def bind_thread(self) -> None:
         """Called by a controller thread before it issues this device's program."""
@@ -185,8 +194,10 @@ class HostDevice(Device):
         copy = source.detach().clone()
         return self.tracker.register(copy) if self.track_memory else copy
 
-    def to_host(self, value: torch.Tensor, last_use: bool = False) -> torch.Tensor:
-        return value.detach() if last_use and self.shares_host_memory else value.detach().clone()
+    def to_host(self, value: torch.Tensor, last_use: bool = False, into: torch.Tensor | None = None) -> torch.Tensor:
+        if last_use and self.shares_host_memory:
+            return value.detach()
+        return into.copy_(value.detach()) if self.landing_fits(into, value) else value.detach().clone()
 
     # one check for a pack's tensors, not one per tensor: these run for every weight every step
     def weights_to_device(self, pack_index: int, masters: Sequence[torch.Tensor], dtype: torch.dtype | None,
@@ -196,10 +207,13 @@ class HostDevice(Device):
                     + [master.detach() for master in masters[params:]])
         return super().weights_to_device(pack_index, masters, dtype, written, params)
 
-    def grads_to_host(self, grads: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    def grads_to_host(self, grads: Sequence[torch.Tensor],
+                      into: Sequence[torch.Tensor | None] | None = None) -> list[torch.Tensor]:
         if self.shares_host_memory:
-            return list(grads)  # handed over: the device frees them next
-        return super().grads_to_host(grads)
+            # handed over, no copy: the device frees them next (``into``, the last step's, goes
+            # once the update replaces ``.grad``: one set still, and no copy made)
+            return list(grads)
+        return super().grads_to_host(grads, into)
 
     @property
     def shares_host_memory(self) -> bool:
@@ -307,12 +321,18 @@ class CudaDevice(Device):
         # No record_stream on the copy: the program frees it only after the compute stream waited for it.
         return copy
 
-    def to_host(self, value: torch.Tensor, last_use: bool = False) -> torch.Tensor:
-        """Runs on the d2h stream, into pinned memory. No record_stream: the program frees the
-        device value only after the compute stream waited for this copy."""
-        host = torch.empty(value.shape, dtype=value.dtype, pin_memory=True)
+    def to_host(self, value: torch.Tensor, last_use: bool = False, into: torch.Tensor | None = None) -> torch.Tensor:
+        """Runs on the d2h stream, into pinned memory: ``into`` where it fits (pinned, a weight
+        gradient's buffer of the last step, which nothing reads until this copy has landed), else a
+        new pinned tensor. No record_stream: the program frees the device value only after the
+        compute stream waited for this copy."""
+        host = into if self.landing_fits(into, value) else torch.empty(value.shape, dtype=value.dtype, pin_memory=True)
         host.copy_(value.detach(), non_blocking=True)
         return host
+
+    def landing_fits(self, into: torch.Tensor | None, value: torch.Tensor) -> bool:
+        # a pageable tensor would make the copy synchronous (and slow): a new pinned one instead
+        return super().landing_fits(into, value) and into.is_pinned()
 
     def compute_scope(self):
         return torch.cuda.device(self.torch_device)

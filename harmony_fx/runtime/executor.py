@@ -28,7 +28,7 @@ from harmony_fx.ir.tracking import storage_key
 from harmony_fx.runtime import ambient
 from harmony_fx.runtime.devices import Device
 from harmony_fx.runtime.direct import direct_forward
-from harmony_fx.runtime.host import DONE, Event, FutureEvent, HostGradients, HostState, grad_dtype
+from harmony_fx.runtime.host import DONE, Event, FutureEvent, GradientBuffers, HostGradients, HostState, grad_dtype
 from harmony_fx.runtime.inductor import PackCompiler
 from harmony_fx.runtime.links import Links
 from harmony_fx.runtime.stats import DeviceRecorder, Stats
@@ -46,7 +46,8 @@ class Runtime:
                  compute_dtype: torch.dtype | None = None, shared: "Runtime | None" = None, index: int = 0,
                  compiler: "PackCompiler | None" = None,
                  split_dims: Callable[[Key, Sequence[int]], Sequence] | None = None,
-                 on_tier: Callable[["Runtime", str, int], object] | None = None, keeps_last_graph: bool = True) -> None:
+                 on_tier: Callable[["Runtime", str, int], object] | None = None, keeps_last_graph: bool = True,
+                 grad_buffers: GradientBuffers | None = None) -> None:
         """``packs_for_mb[mb]``: the packs compiled at microbatch ``mb``'s size (same boundaries and
         names for every size). ``on_update(runtime, pack)``: the host's optimizer step for the parameters
         whose gradients are complete after ``pack``'s backward. ``shared``: another device's runtime of
@@ -57,7 +58,8 @@ class Runtime:
         ``on_tier(runtime, "read" | "write", pack)``: hands a ``READ``/``WRITE`` of a pack's optimizer
         state to the tier's reader and writer and returns what to wait on (a
         ``concurrent.futures.Future``). ``keeps_last_graph``: the last pack's forward keeps its graph
-        for the backward (``False``: a forward-only program, with no backward).
+        for the backward (``False``: a forward-only program, with no backward). ``grad_buffers``:
+        the host tensors weight gradients land in, the last step's (a Trainer's; ``None``: new ones).
 
         The autocast state current on the constructing thread is the one every forward and
         recompute of this iteration runs under (``runtime.ambient``)."""
@@ -88,6 +90,7 @@ class Runtime:
         self.record = DeviceRecorder(stats, index, device, host.copy_bytes)
         self.compiler = compiler  # packs compiled by inductor (``compile_packs``), else run as graphs
         self.split_dims = split_dims
+        self.grad_buffers = grad_buffers
 
     # ------------------------------------------------------------------ running programs
     def run(self, program: fx.GraphModule) -> None:
@@ -163,7 +166,8 @@ class Runtime:
                     keys = [k for k, g in zip(keys, grads) if g is not None]
                     grads = [g for g in grads if g is not None]
                 # the program frees dW right after this copy, and nothing adds to it any more
-                copies = device.grads_to_host(grads)
+                into = self.grad_buffers.take_all(keys) if self.grad_buffers is not None else None
+                copies = device.grads_to_host(grads, into)
                 self.record.count(Stream.D2H, key, copies)
                 # already in each master's gradient dtype: the backward summed them in it
                 event.on_host.append(lambda: self.host_grads.add_all(keys, copies, self.index))

@@ -3,7 +3,9 @@ and the program events whose host work lands them.
 
 ``HostState`` lives as long as the session: each pack's masters (the tensors the device copies
 read) and what copying them costs in bytes. ``HostGradients`` lives for one iteration: the weight
-gradients the devices copied back, summed in an order that does not depend on the threads. An
+gradients the devices copied back, summed in an order that does not depend on the threads.
+``GradientBuffers`` lives as long as a ``Trainer``: the tensors those copies land in, step after
+step (one set of host gradients, not one per step). An
 ``Event`` is what a program's op returns: the device's (or a peer hand-over's) event, plus host
 work to run once the copy has landed (adding the gradients in, writing BatchNorm statistics back);
 ``land`` is how an update worker waits for the copies it needs and runs that work.
@@ -19,7 +21,7 @@ import torch
 
 from harmony_fx.ir.pack import Pack
 
-__all__ = ["HostState", "HostGradients", "Event", "FutureEvent", "DONE", "land", "grad_dtype"]
+__all__ = ["HostState", "HostGradients", "GradientBuffers", "Event", "FutureEvent", "DONE", "land", "grad_dtype"]
 
 
 @dataclasses.dataclass
@@ -95,6 +97,35 @@ class HostGradients:
                 first[key] = total  # read again: summed once
             totals.append(total)
         return totals
+
+
+class GradientBuffers:
+    """The host tensors a Trainer's weight gradients land in, reused from step to step: each step's
+    copy of a parameter's gradient is written into the tensor that held the last step's (its
+    ``.grad``, which the update set), instead of a fresh one. The last step's gradients would
+    otherwise stay alive (as ``.grad``) while this step's land, two sets of host memory (pinned on
+    a GPU: ``CudaDevice.to_host``, the scarcest there is) where one does.
+
+    Keyed as ``HostGradients`` (``id`` of the master). ``take_all`` hands each key's tensor to one
+    copy a step (it leaves the pool: a tied weight's second share, or another device's, lands in a
+    fresh tensor and is summed into the first); ``keep`` puts back the summed gradient the update
+    stepped with, which ``.grad`` holds until the next step writes into it."""
+
+    def __init__(self) -> None:
+        self._by_key: dict[int, torch.Tensor] = {}
+        self._lock = threading.Lock()  # the devices' copy threads take, the update worker keeps
+
+    def take_all(self, keys: Sequence[int]) -> list[torch.Tensor | None]:
+        """Each key's tensor (``None`` where there is none: the first step, or one taken already)."""
+        with self._lock:
+            return [self._by_key.pop(key, None) for key in keys]
+
+    def keep(self, key: int, grad: torch.Tensor) -> None:
+        with self._lock:
+            self._by_key[key] = grad
+
+    def __len__(self) -> int:
+        return len(self._by_key)
 
 
 class Event:

@@ -20,7 +20,7 @@ from harmony_fx.lowering.tasks import grad_inputs
 from harmony_fx.passes.retarget_device import packs_on
 from harmony_fx.program.actions import Key, KeyKind
 from harmony_fx.runtime.executor import Runtime
-from harmony_fx.runtime.host import HostState
+from harmony_fx.runtime.host import GradientBuffers, HostState
 from harmony_fx.runtime.inductor import PackCompiler
 from harmony_fx.runtime.stats import Stats
 
@@ -106,8 +106,10 @@ class Session:
         self._graphs_logged, self._seconds_logged = 0, 0.0  # compiles already in ``log``
 
     def begin(self, per_mb: Sequence[Sequence[torch.Tensor]], on_update: Callable[[Runtime, int, Sequence], None] | None = None,
-              output_grads: dict[Key, torch.Tensor] | None = None, on_tier: Callable | None = None) -> Iteration:
-        """A new iteration over the microbatches' flat inputs ``per_mb`` (nothing run yet)."""
+              output_grads: dict[Key, torch.Tensor] | None = None, on_tier: Callable | None = None,
+              grad_buffers: GradientBuffers | None = None) -> Iteration:
+        """A new iteration over the microbatches' flat inputs ``per_mb`` (nothing run yet);
+        ``grad_buffers``: where weight gradients land (``Runtime``)."""
         compiled = self.compiled
         self.stats = Stats(budget={device.name: device.budget for device in self.devices}, recording=self.recording)
         runtimes: list[Runtime] = []
@@ -118,7 +120,8 @@ class Session:
                                     on_update=on_update, compute_dtype=compiled.options.compute_dtype,
                                     shared=runtimes[0] if runtimes else None, index=len(runtimes),
                                     compiler=self.pack_compiler, split_dims=compiled.shapes.split_dims,
-                                    on_tier=on_tier, keeps_last_graph=not compiled.signature.forward_only))
+                                    on_tier=on_tier, keeps_last_graph=not compiled.signature.forward_only,
+                                    grad_buffers=grad_buffers))
         iteration = Iteration(runtimes, self._controller_threads())
         layout = compiled.layout
         joined = [_join(compiled.flat_dims, [per_mb[j] for j in parts]) for parts in layout.forward_parts]
@@ -145,12 +148,13 @@ class Session:
         self.finish_stats(iteration_ended=True)
 
     def run_iteration(self, per_mb: Sequence[Sequence[torch.Tensor]], on_update: Callable[[Runtime, int, Sequence], None],
-                      output_grads: dict[Key, torch.Tensor], on_tier: Callable | None = None) -> Iteration:
+                      output_grads: dict[Key, torch.Tensor], on_tier: Callable | None = None,
+                      grad_buffers: GradientBuffers | None = None) -> Iteration:
         """Forward and backward in one go (the Trainer): each device runs its backward program as
         soon as its forward program ends, with no barrier between them (a pipeline's fused last task
         hands gradients to a device that is already in its backward). ``on_tier``: the NVMe tier's
-        reads and writes (``Runtime``)."""
-        iteration = self.begin(per_mb, on_update, output_grads, on_tier)
+        reads and writes; ``grad_buffers``: where weight gradients land (``Runtime``)."""
+        iteration = self.begin(per_mb, on_update, output_grads, on_tier, grad_buffers)
         try:
             iteration.run([[programs["forward"], programs["backward"]] for programs in self.compiled.device_programs])
         finally:

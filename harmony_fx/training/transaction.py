@@ -5,11 +5,18 @@ same iteration may still fail (an error in a task, a device out of memory, Ctrl-
 loss found at the end). Before it updates a pack, the update worker copies that pack's parameters
 and their optimizer state (``Undo.save``: host to host, on the worker, so the copy overlaps the
 device's backward as the update does); if the step fails, every pack updated so far is put back
-from its copy, newest first, along with the buffers the forward wrote back (BatchNorm statistics)
-and each parameter's ``.grad``. Deferring the updates to the end instead would keep no copies but
-would give up the overlap, the point of per-pack updates. The price is host memory: until the step
-ends, the copies of the packs updated so far (at most one more copy of the parameters and
-optimizer state).
+from its copy, newest first, along with the buffers the forward wrote back (BatchNorm statistics).
+Deferring the updates to the end instead would keep no copies but would give up the overlap, the
+point of per-pack updates. The price is host memory: until the step ends, the copies of the packs
+updated so far (at most one more copy of the parameters and optimizer state).
+
+Gradients are not put back: an undone step leaves every ``.grad`` of the parameters it trains
+``None`` (as ``optimizer.zero_grad(set_to_none=True)`` would). They are derived values, and
+keeping the last step's would cost a second set of them: each step's gradients land in the host
+tensors that held the last step's (``runtime.host.GradientBuffers``), so by the time a step fails
+some of those hold parts of the failed step's. The same reuse means that a tensor read from
+``param.grad`` after a step is written into by the next step (clone it to keep it), as with
+PyTorch's optimizers under ``zero_grad(set_to_none=False)``.
 
 The NVMe tier's files follow the same rule: a step's files count only once the step succeeded and
 they are all on the drive, so an undone step needs no copy of that state. A step returns before
@@ -49,8 +56,7 @@ class Undo:
         # the NVMe tier: its committed file is the copy of the tensor state (and fp32 masters) it holds
         self.tier = tier
         self.updated = 0      # parameters updated without a copy
-        # taken at the start: .grad is replaced (not written into) as each pack's gradients arrive
-        self.grads = [(param, param.grad) for param in params]
+        self.params = list(params)  # their .grad are None after ``restore`` (the module docstring says why)
         self.buffers = [(buffer, buffer.clone()) for buffer in buffers]
         self.saved: list[tuple[nn.Parameter, torch.Tensor | None, dict | None]] = []
         # parameters updated whose fp32 master is on the tier: the committed file restores their
@@ -98,8 +104,8 @@ class Undo:
         self.saved.clear()
         for buffer, data in self.buffers:
             buffer.copy_(data)
-        for param, grad in self.grads:
-            param.grad = grad
+        for param in self.params:
+            param.grad = None
 
 
 def _copy_into(kept: torch.Tensor | None, value: torch.Tensor) -> torch.Tensor:

@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from harmony_fx.distributed.updates import CrossProcessUpdates, TurnOrder
-from harmony_fx.runtime.host import land
+from harmony_fx.runtime.host import GradientBuffers, land
 from harmony_fx.runtime.tier import StateTier
 from harmony_fx.tier_policy import PACKS_READ_AHEAD
 
@@ -36,11 +36,14 @@ __all__ = ["Updater", "PackUpdates", "step_subset"]
 
 class Updater:
     def __init__(self, optimizer: torch.optim.Optimizer, max_grad_norm: float | None = None,
-                 tier: StateTier | None = None, cross: CrossProcessUpdates | None = None) -> None:
+                 tier: StateTier | None = None, cross: CrossProcessUpdates | None = None,
+                 grad_buffers: GradientBuffers | None = None) -> None:
         self.optimizer = optimizer
         self.max_grad_norm = max_grad_norm
         self.tier = tier
         self.cross = cross
+        # where the next step's gradients land: each ``.grad`` set here goes back to it
+        self.grad_buffers = grad_buffers
 
     def update_pack(self, pack: int, params: Sequence[nn.Parameter], grads: dict, undo) -> tuple[float, float]:
         """``pack``'s update with its summed host gradients ``grads`` (``id`` of a parameter -> its
@@ -54,7 +57,7 @@ class Updater:
             cross.step(pack, [grads.get(id(p)) for p in cross.buffers[pack].params],
                        lambda stepped: self._step(pack, stepped, undo))
         else:
-            _set_grads(params, grads)
+            _set_grads(params, grads, self.grad_buffers)
             self._step(pack, params, undo)
         return time.perf_counter() - started, waited
 
@@ -67,7 +70,7 @@ class Updater:
         norm = None
         if cross is None:
             params = [p for group in groups.values() for p in group]
-            _set_grads(params, grads)
+            _set_grads(params, grads, self.grad_buffers)
             if self.max_grad_norm is not None:
                 norm = float(torch.nn.utils.clip_grad_norm_(params, self.max_grad_norm))
         else:
@@ -169,9 +172,11 @@ class PackUpdates:
         return sum(seconds for seconds, _ in done), sum(waited for _, waited in done)
 
 
-def _set_grads(params: Sequence[nn.Parameter], grads: dict) -> None:
+def _set_grads(params: Sequence[nn.Parameter], grads: dict, buffers: GradientBuffers | None) -> None:
     for param in params:
-        param.grad = grads.get(id(param))
+        grad = param.grad = grads.get(id(param))
+        if grad is not None and buffers is not None:
+            buffers.keep(id(param), grad)  # the next step's copy of this gradient lands in it
 
 
 def _update(optimizer: torch.optim.Optimizer, params: Sequence[nn.Parameter] | None, undo) -> None:

@@ -312,3 +312,32 @@ def test_the_default_cuda_budget_stays_under_the_memory_fraction(monkeypatch):
     assert devices.default_cuda_budget(torch.device("cuda:0")) == 35 * gib - 2 * gib
     monkeypatch.setattr(cuda, "get_per_process_memory_fraction", lambda device: 1.0, raising=False)
     assert devices.default_cuda_budget(torch.device("cuda:0")) == 100 * gib  # what is free binds
+
+
+# ---------------------------------------------------------------------- where weight gradients land
+
+
+def test_weight_gradients_land_in_the_buffers_given_where_they_fit():
+    """A tracked HostDevice copies each gradient into its buffer when shape and dtype match, into a
+    new tensor otherwise; an untracked one hands the gradients over (no copy at all)."""
+    grads = [torch.randn(4, 4), torch.randn(3), torch.randn(2)]
+    fits, wrong_shape = torch.zeros(4, 4), torch.zeros(4)
+    into = [fits, wrong_shape, None]
+    copies = HostDevice(track_memory=True).grads_to_host(grads, into)
+    assert copies[0] is fits and torch.equal(fits, grads[0])
+    assert copies[1] is not wrong_shape and copies[2] is not grads[2]
+    assert all(torch.equal(c, g) for c, g in zip(copies, grads))
+    assert HostDevice(track_memory=True).to_host(grads[0], into=torch.zeros(4, 4, dtype=torch.float64)).dtype == torch.float32
+    handed = HostDevice(track_memory=False).grads_to_host(grads, [torch.zeros(4, 4), None, None])
+    assert all(h is g for h, g in zip(handed, grads))
+
+
+@pytest.mark.cuda
+def test_cuda_weight_gradients_land_in_a_pinned_buffer_given_and_never_in_pageable_memory():
+    device = CudaDevice("cuda:0", budget=64 * MIB)
+    grads = [torch.randn(64, 64, device="cuda:0"), torch.randn(64, device="cuda:0")]
+    pinned, pageable = torch.empty(64, 64, pin_memory=True), torch.empty(64)
+    copies = device.grads_to_host(grads, [pinned, pageable])
+    device.streams.synchronize()
+    assert copies[0] is pinned and copies[1] is not pageable and copies[1].is_pinned()
+    assert all(torch.equal(c, g.cpu()) for c, g in zip(copies, grads))

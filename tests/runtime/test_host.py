@@ -88,3 +88,17 @@ def test_land_counts_the_time_waited_for_tier_reads_only(monkeypatch):
     ticks = iter([10.0, 12.5, 20.0, 21.0])  # a clock read only around the tier's waits
     monkeypatch.setattr(host, "time", types.SimpleNamespace(perf_counter=lambda: next(ticks)))
     assert land([Event(FutureEvent(done)), Event(DONE), Event(FutureEvent(done))]) == 3.5
+
+
+def test_gradient_buffers_hand_each_tensor_to_one_copy_a_step():
+    buffers = host.GradientBuffers()
+    first, second = torch.zeros(3), torch.zeros(2)
+    buffers.keep(1, first)
+    buffers.keep(2, second)
+    taken = buffers.take_all([1, 3])
+    assert taken[0] is first and taken[1] is None
+    # a second share of key 1 (a tied weight, another device) lands in a new tensor
+    taken = buffers.take_all([1, 2])
+    assert taken[0] is None and taken[1] is second and len(buffers) == 0
+    buffers.keep(1, first)
+    assert buffers.take_all([1])[0] is first

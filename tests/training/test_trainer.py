@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import copy
 import functools
+import gc
 import threading
 import warnings
+import weakref
 
 import pytest
 import torch
@@ -18,7 +20,7 @@ from harmony_fx.models import GPTConfig, MLPChain, TinyGPT
 from harmony_fx.runtime.executor import Runtime
 from harmony_fx.program.actions import ActionKind
 from harmony_fx.testing.models import zoo
-from tests.helpers import assert_same_result
+from tests.helpers import FOUR_PACKS, assert_same_result, four_pack_model, four_pack_trainer, regression_batches
 
 RTOL, ATOL = 1e-5, 1e-6
 STEPS = 5
@@ -538,5 +540,87 @@ def test_the_undo_copies_are_written_into_the_same_memory_every_step():
         again = {key: (data.data_ptr(), {k: v.data_ptr() for k, v in state.items() if torch.is_tensor(v)})
                  for key, (data, state) in trainer._undo_store.items()}
         assert first == again and len(first) == len(list(model.parameters()))
+    finally:
+        trainer.close()
+
+
+def _storage_bytes(tensors) -> dict[int, int]:
+    """The distinct storages of ``tensors``: data pointer -> bytes."""
+    return {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+
+
+def _live_host_tensors() -> list[torch.Tensor]:
+    """Every live plain host tensor (gradients are such: type(), not isinstance, as some module
+    objects warn when their __class__ is looked up, and compiled graphs keep fake and meta tensors)."""
+    gc.collect()
+    return [t for t in gc.get_objects() if type(t) is torch.Tensor and t.device.type == "cpu"]
+
+
+def _live_bytes_shaped_as(params, besides, earlier: dict[int, weakref.ref]) -> int:
+    """Bytes of the live host tensors of a parameter's shape and dtype, each storage once, but for
+    the storages of ``besides`` and the tensors ``earlier`` (id -> weakref: alive before the
+    trainer, other tests' leftovers). In a function, so that no list of them outlives the count."""
+    shapes = {(p.shape, p.dtype) for p in params}
+    not_counted = _storage_bytes(besides)
+    return sum(_storage_bytes(t for t in _live_host_tensors() if (t.shape, t.dtype) in shapes
+                              and not (id(t) in earlier and earlier[id(t)]() is t)
+                              and t.untyped_storage().data_ptr() not in not_counted).values())
+
+
+@pytest.mark.parametrize("atomic", [True, False])
+def test_one_set_of_host_gradients_serves_every_step(atomic):
+    """Each step's weight gradients land in the tensors that held the last step's: the host holds
+    one set of gradients, not the last step's beside this one's. Counted here, over 3 steps of a
+    4-pack model: every gradient an update stepped with that is still alive, while each update
+    runs (the last one of a step sees them all); after each step, every live tensor of a
+    parameter's shape that is no parameter (and no undo copy); and where ``.grad`` lives."""
+    earlier = {id(t): weakref.ref(t) for t in _live_host_tensors()}
+    trainer = four_pack_trainer(lambda params: torch.optim.SGD(params, lr=0.05), atomic=atomic)
+    params = list(trainer.model.parameters())
+    one_set = sum(p.numel() * p.element_size() for p in params)
+    stepped_with: list[weakref.ref] = []  # every .grad an update read, as long as it lives
+    alive_during_updates: list[int] = []
+
+    def count_alive(optimizer, args, kwargs):  # on the update worker, after each pack's update
+        stepped_with.extend(weakref.ref(p.grad) for group in optimizer.param_groups for p in group["params"])
+        alive = [grad for grad in (ref() for ref in stepped_with) if grad is not None]
+        alive_during_updates.append(sum(_storage_bytes(alive).values()))
+
+    trainer.optimizer.register_step_post_hook(count_alive)
+    where_grads_live = []
+    try:
+        for x, target in regression_batches(3):
+            trainer.step((x, target))
+            copies = [data for data, _ in trainer._undo_store.values() if data is not None]
+            assert _live_bytes_shaped_as(params, [*params, *copies], earlier) == one_set, "after a step"
+            where_grads_live.append(sorted(_storage_bytes(p.grad for p in params)))
+    finally:
+        trainer.close()
+    assert len(alive_during_updates) == 3 * len(FOUR_PACKS)
+    assert max(alive_during_updates) == one_set
+    assert where_grads_live[0] == where_grads_live[1] == where_grads_live[2]
+    assert len(where_grads_live[0]) == len(params)
+
+
+@pytest.mark.parametrize("devices", [None, ["host:0", "host:1"]], ids=["one-device", "data-parallel"])
+def test_gradients_landing_in_last_steps_buffers_equal_eager(devices):
+    """Losses, weights and every .grad over several steps equal eager's while each step's gradients
+    are written into the last step's (two devices: each share of a gradient lands, one of them in
+    the last step's tensor, and they are summed)."""
+    options = {"devices": devices} if devices is not None else {}
+    trainer = four_pack_trainer(**options)
+    reference = four_pack_model()
+    ref_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    try:
+        for step, (x, target) in enumerate(regression_batches(4)):
+            loss = trainer.step((x, target))
+            ref_optimizer.zero_grad()
+            ref_loss = F.mse_loss(reference(x), target)
+            ref_loss.backward()
+            ref_optimizer.step()
+            assert_same_result(loss, ref_loss, trainer.model.parameters(), reference.parameters())
+            for param, ref in zip(trainer.model.parameters(), reference.parameters()):
+                torch.testing.assert_close(param.grad, ref.grad, rtol=RTOL, atol=ATOL,
+                                           msg=lambda m: f"a .grad after step {step}: {m}")
     finally:
         trainer.close()
