@@ -2,12 +2,14 @@
 a HostDevice spec.
 
 The planner is handed numbers; it never runs the compiler. Measuring them does: besides matmul
-FLOP/s (fp32, bf16), memcpy bandwidth and the host optimizer's cost per parameter and per tensor,
-the runtime's own cost per compute task and per op (Python, autograd, small kernels, the copies'
-and waits' bookkeeping) is timed on two packings of a small GPT, in each mode a run can be in:
-untracked (the default), with every tensor counted (``track_memory``, and a recorded timeline's
-memory on a HostDevice) and with the timeline recorded. So this module sits above the compiler
-and the runtime and below the front door (``api``, whose ``plot_memory`` predicts with it).
+FLOP/s (fp32, bf16, and what a Linear's forward and backward reach of it), memcpy bandwidth and the
+host optimizer's cost per parameter, per tensor and per call (a Trainer steps it once per pack),
+the runtime's own cost per compute task and per op (Python, autograd, small kernels, the waits'
+bookkeeping) is timed on three packings of a small GPT, in each mode a run can be in: untracked
+(the default), with every tensor counted (``track_memory``, and a recorded timeline's memory on a
+HostDevice) and with the timeline recorded; a copy's fixed cost is read from that timeline. So
+this module sits above the compiler and the runtime and below the front door (``api``, whose
+``plot_memory`` predicts with it).
 
 A calibration taken while the machine is busy is wrong for every later prediction (a 40x slower
 machine model was once cached this way), so it is measured, kept and checked with that in mind:
@@ -60,24 +62,30 @@ __all__ = ["Calibration", "measure_host", "checked", "host_calibration", "host_f
            "recalibrate",
            "measure_local", "host_spec", "get_spec", "spec_for", "cache_path", "cache_key"]
 
-# v3: each figure with its spread and load; the runtime's cost in each mode (tracked, recorded)
-CACHE_VERSION = "v3"
+# v3: each figure with its spread and load; the runtime's cost in each mode (tracked, recorded).
+# v4: a Linear's FLOP/s, the fixed cost of a copy and of an optimizer step call (the runtime's cost
+# per task no longer includes the copies': a v3 entry's would count them twice)
+CACHE_VERSION = "v4"
 
-RATES = ("fp32", "bf16", "copy")  # higher is faster
+# higher is faster; "linear": a Linear layer's forward and backward, the FLOP/s training reaches
+RATES = ("fp32", "bf16", "copy", "linear")
 # the runtime's seconds per compute task and per op, untracked, then the extra of counting every
-# tensor (per op: a dispatch) and of recording the timeline (per task: a span); from one timing
-RUNTIME = ("task", "op", "track_op", "record_task")
+# tensor (per op: a dispatch) and of recording the timeline (per task: a span); and its fixed
+# seconds per copy (a PREFETCH or OFFLOAD: detaching or cloning, its event, its bookkeeping), read
+# from a recorded timeline's copy spans; from one timing
+RUNTIME = ("task", "op", "track_op", "record_task", "copy_action")
 # the host optimizer (AdamW, with the copies an all-or-nothing Trainer step keeps to undo it): seconds
-# per parameter and per parameter tensor
-UPDATE = ("update", "update_tensor")
+# per parameter, per parameter tensor and per call (a Trainer steps the optimizer once per pack)
+UPDATE = ("update", "update_tensor", "update_call")
 FIGURES = RATES + RUNTIME + UPDATE
 
 SPREAD_LIMIT = 2.0   # a figure whose median trial took more than this times its best was disturbed
 LOAD_LIMIT = 1.5     # runnable tasks per core while measuring, above which the machine was busy
 DISAGREEMENT = 2.0   # a stored figure, or a run's time, this many times off what it is checked against
 # what a HostDevice's figures can be at all: FLOP/s and bytes/s, seconds per task and per op
-_BOUNDS = {"fp32": (1e7, 1e15), "bf16": (1e7, 1e16), "copy": (1e7, 1e13), "task": (0.0, 0.1), "op": (0.0, 0.01),
-           "track_op": (0.0, 0.01), "record_task": (0.0, 0.1), "update": (0.0, 1e-6), "update_tensor": (0.0, 0.01)}
+_BOUNDS = {"fp32": (1e7, 1e15), "bf16": (1e7, 1e16), "copy": (1e7, 1e13), "linear": (1e7, 1e15), "task": (0.0, 0.1),
+           "op": (0.0, 0.01), "track_op": (0.0, 0.01), "record_task": (0.0, 0.1), "copy_action": (0.0, 0.01),
+           "update": (0.0, 1e-6), "update_tensor": (0.0, 0.01), "update_call": (0.0, 0.1)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,7 +146,8 @@ class Calibration:
 
     def describe(self) -> str:
         """One line per figure: its value, spread and load, for ``harmony-fx calibrate``."""
-        units = {"fp32": ("GFLOP/s", 1e-9), "bf16": ("GFLOP/s", 1e-9), "copy": ("GB/s", 1e-9)}
+        units = {"fp32": ("GFLOP/s", 1e-9), "bf16": ("GFLOP/s", 1e-9), "linear": ("GFLOP/s", 1e-9),
+                 "copy": ("GB/s", 1e-9)}
         lines = []
         for name in FIGURES:
             unit, scale = units.get(name, ("us", 1e6))
@@ -315,11 +324,11 @@ def _local_spec(memory: int | str | None, tracked: bool, recorded: bool) -> Devi
 
 
 def host_spec() -> HostSpec:
-    """The host as measured: its optimizer's cost per parameter and per tensor (``UPDATE``), what a
-    Trainer's per-pack updates take on this machine (the predictions of ``plot_memory``)."""
+    """The host as measured: its optimizer's cost per parameter, per tensor and per call (``UPDATE``),
+    what a Trainer's per-pack updates take on this machine (the predictions of ``plot_memory``)."""
     figures = host_figures()
     return HostSpec(update_params_per_second=1.0 / max(figures["update"], 1e-12),
-                    update_tensor_seconds=figures["update_tensor"])
+                    update_tensor_seconds=figures["update_tensor"], update_call_seconds=figures["update_call"])
 
 
 def get_spec(name: str) -> DeviceSpec:
@@ -341,10 +350,11 @@ def measure_host() -> Calibration:
     """Every figure of ``FIGURES`` measured now (a few seconds), each the best of several trials."""
     trials = {name: _matmul_trials(dtype) for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16))}
     trials["copy"] = _copy_trials()
+    trials["linear"] = _linear_trials()
     figures = {name: _best_rate(times) for name, times in trials.items()}
     spread = {name: _spread(times) for name, times in trials.items()}
     load = {name: _load() for name in trials}
-    runtime, runtime_spread = _runtime_overheads(figures["fp32"], figures["copy"])
+    runtime, runtime_spread = _runtime_overheads(figures["linear"], figures["copy"])
     figures.update(runtime)
     spread.update({name: runtime_spread for name in RUNTIME})
     load.update({name: _load() for name in RUNTIME})
@@ -387,6 +397,26 @@ def _copy_trials(megabytes: int = 16, trials: int = 8) -> list[tuple[float, floa
     return times
 
 
+def _linear_trials(rows: int = 128, width: int = 512, reps: int = 2, trials: int = 12) -> list[tuple[float, float]]:
+    """(FLOPs, seconds) of a Linear layer's forward and backward (its input's gradient and its
+    weight's: three matmuls, the bias and the gradients' accumulation with them), the FLOP/s a
+    training step's matmuls reach: the backward's transposed operands run slower than the square
+    ``torch.mm`` of ``_matmul_trials`` (some 0.6x of it here at this size)."""
+    with torch.random.fork_rng(devices=[]), torch.inference_mode(False), torch.enable_grad():
+        torch.manual_seed(0)
+        layer = torch.nn.Linear(width, width)
+        x = torch.randn(rows, width, requires_grad=True)
+        grad = torch.ones(rows, width)
+        layer(x).backward(grad)
+        times = []
+        for _ in range(trials):
+            start = time.perf_counter()
+            for _ in range(reps):
+                layer(x).backward(grad)
+            times.append((6 * rows * width * width * reps, time.perf_counter() - start))
+    return times
+
+
 def _best_rate(trials: list[tuple[float, float]]) -> float:
     return max(work / max(seconds, 1e-9) for work, seconds in trials)
 
@@ -406,25 +436,28 @@ def _load() -> float:
 
 def _runtime_overheads(flops: float, copy_bandwidth: float) -> tuple[dict[str, float], float]:
     """The runtime's own cost on this machine (``RUNTIME``'s figures) and the spread of its trials,
-    from two packings of a small GPT (the demo's width and sequence, two blocks) whose arithmetic is
-    small: one task per layer, and two packs. What is left of their iteration times once FLOPs and
-    bytes are paid is split between tasks and ops; counting every tensor costs a dispatch per op
-    (``track_op``), recording the timeline a span per task (``record_task``)."""
+    from three packings of a small GPT (the demo's width and sequence, two blocks) whose arithmetic
+    is small: one task per layer, two packs, and one (few tasks of many ops: without it, tasks and
+    ops of the first two are nearly proportional and the split between them is noise). A copy's
+    fixed cost (``copy_action``) is the median of the recorded timeline's copy spans (their bytes
+    take microseconds at most here); what is left of the iteration times once FLOPs, bytes and
+    copies are paid is split between tasks and ops (least squares); counting every tensor costs a
+    dispatch per op (``track_op``), recording the timeline a span per task (``record_task``)."""
     # seeded, without moving the caller's random numbers; compiled and run with grad on, whatever
     # the caller's mode (as a HarmonyModule captures)
     with torch.random.fork_rng(devices=[]), torch.inference_mode(False), torch.enable_grad():
         torch.manual_seed(0)
-        return _time_two_packings(flops, copy_bandwidth)
+        return _time_packings(flops, copy_bandwidth)
 
 
 _MODES = {"": (False, False), "track_": (True, False), "record_": (False, True)}  # prefix: (tracked, recorded)
 
 
-def _time_two_packings(flops: float, copy_bandwidth: float) -> tuple[dict[str, float], float]:
+def _time_packings(flops: float, copy_bandwidth: float) -> tuple[dict[str, float], float]:
     config = GPTConfig(vocab_size=64, block_size=32, n_layer=2, n_head=4, n_embd=64, dropout=0.0)
     x = torch.randint(0, config.vocab_size, (8, config.block_size))
-    rows, times, spreads = [], {prefix: [] for prefix in _MODES}, []
-    for boundaries in (None, (0, 5)):  # every layer a pack; the embeddings and first block, the rest
+    rows, times, spreads, copies, copy_spans = [], {prefix: [] for prefix in _MODES}, [], [], []
+    for boundaries in (None, (0, 5), (0,)):  # every layer a pack; the embeddings and first block, the rest; one
         model = TinyGPT(config)
         options = CompileOptions(devices=["host:0"], memory_budget=None, microbatches=2, track_memory=False,
                                  pack_boundaries=boundaries)
@@ -439,6 +472,7 @@ def _time_two_packings(flops: float, copy_bandwidth: float) -> tuple[dict[str, f
         # a backward runs about twice its forward's ops (as the simulator counts them)
         ops = sum(ops_of[a.pack] * (2 if a.kind.name == "BWD" else 1) for a in tasks)
         rows.append((len(tasks), ops))
+        copies.append(sum(a.kind.name in ("PREFETCH", "OFFLOAD") for f, b in compiled.device_actions for a in f + b))
         try:
             for prefix, (tracked, recorded) in _MODES.items():
                 device.track_memory, session.recording = tracked, recorded
@@ -451,52 +485,63 @@ def _time_two_packings(flops: float, copy_bandwidth: float) -> tuple[dict[str, f
                 work = 8 * sum(p.numel() for p in model.parameters()) * x.numel() / flops + moved / copy_bandwidth
                 times[prefix].append(max(min(seconds) - work, 0.0))
                 spreads.append(statistics.median(seconds) / max(min(seconds), 1e-9))
+                if recorded:
+                    copy_spans += [end - start for _, stream, _, start, end in session.stats.spans
+                                   if stream in ("h2d", "d2h", "peer")]
         finally:
             session.close()
-    task, op = _split(rows, times[""])
+    copy_action = statistics.median(copy_spans) if copy_spans else 0.0
+    task, op = _solve(rows, [max(t - n * copy_action, 0.0) for t, n in zip(times[""], copies)])
     extra = {prefix: max(sum(times[prefix]) - sum(times[""]), 0.0) for prefix in ("track_", "record_")}
     return {"task": task, "op": op, "track_op": extra["track_"] / sum(o for _, o in rows),
-            "record_task": extra["record_"] / sum(t for t, _ in rows)}, max(spreads)
+            "record_task": extra["record_"] / sum(t for t, _ in rows), "copy_action": copy_action}, max(spreads)
 
 
 def _update_costs() -> tuple[dict[str, float], float]:
-    """The host optimizer's seconds per parameter and per tensor (``UPDATE``) and the spread of its
-    trials: AdamW steps over many small tensors and over a few large ones, each after the copies of
-    the tensors and their state a Trainer keeps to undo the step."""
+    """The host optimizer's seconds per parameter, per tensor and per call (``UPDATE``) and the
+    spread of its trials: AdamW steps over many small tensors in one call and in sixteen (a Trainer
+    steps the optimizer once per pack, each step's fixed cost paid again), and over a few large
+    ones, each after the copies of the tensors and their state a Trainer keeps to undo the step."""
     rows, times, spreads = [], [], []
     with torch.random.fork_rng(devices=[]), torch.inference_mode(False):
-        for count, numel in ((64, 64), (4, 2**16)):
+        for calls, count, numel in ((1, 64, 64), (16, 64, 64), (1, 4, 2**16)):
             params = [torch.nn.Parameter(torch.randn(numel)) for _ in range(count)]
             for param in params:
                 param.grad = torch.randn(numel)
-            optimizer = torch.optim.AdamW(params, lr=1e-3)
-            optimizer.step()  # its state, made on the first step
-            tensors = [t for p in params for t in (p.data, *optimizer.state[p].values()) if t.dim()]
-            undo = [torch.empty_like(t) for t in tensors]
+            share = count // calls
+            optimizers = [torch.optim.AdamW(params[i:i + share], lr=1e-3) for i in range(0, count, share)]
+            for optimizer in optimizers:
+                optimizer.step()  # its state, made on the first step
+            steps = [(optimizer, [t for p in optimizer.param_groups[0]["params"]
+                                  for t in (p.data, *optimizer.state[p].values())]) for optimizer in optimizers]
+            undo = [[torch.empty_like(t) for t in tensors] for _, tensors in steps]
             seconds = []
             for _ in range(7):
                 start = time.perf_counter()
-                for kept, tensor in zip(undo, tensors):
-                    kept.copy_(tensor)
-                optimizer.step()
+                for (optimizer, tensors), kept in zip(steps, undo):
+                    for copy, tensor in zip(kept, tensors):
+                        copy.copy_(tensor)
+                    optimizer.step()
                 seconds.append(time.perf_counter() - start)
-            rows.append((count, count * numel))
+            rows.append((calls, count, count * numel))
             times.append(min(seconds))
             spreads.append(statistics.median(seconds) / max(min(seconds), 1e-9))
-    per_tensor, per_param = _split(rows, times)
-    return {"update": per_param, "update_tensor": per_tensor}, max(spreads)
+    per_call, per_tensor, per_param = _solve(rows, times)
+    return {"update": per_param, "update_tensor": per_tensor, "update_call": per_call}, max(spreads)
 
 
-def _split(rows: list[tuple[int, int]], times: list[float]) -> tuple[float, float]:
-    """Seconds per unit of each of two counts (tasks and ops; tensors and parameters) that add up
-    to both rows' times."""
-    (t1, o1), (t2, o2) = rows
-    determinant = t1 * o2 - t2 * o1
-    per_task = (times[0] * o2 - times[1] * o1) / determinant
-    per_op = (t1 * times[1] - t2 * times[0]) / determinant
-    if per_task < 0 or per_op < 0:  # noise: put it all on the tasks
-        return times[0] / t1, 0.0
-    return per_task, per_op
+def _solve(rows: list[tuple[int, ...]], times: list[float]) -> tuple[float, ...]:
+    """Seconds per unit of each count that add up to the rows' times (least squares: as many rows
+    as counts or more); a negative share (noise) is left out and the others solved again without it."""
+    kept = list(range(len(rows[0])))
+    while kept:
+        matrix = torch.tensor([[row[i] for i in kept] for row in rows], dtype=torch.float64)
+        solved = torch.linalg.lstsq(matrix, torch.tensor(times, dtype=torch.float64).unsqueeze(1)).solution.squeeze(1)
+        if min(solved.tolist()) >= 0:
+            shares = dict(zip(kept, solved.tolist()))
+            return tuple(shares.get(i, 0.0) for i in range(len(rows[0])))
+        kept.remove(kept[int(torch.argmin(solved))])
+    return tuple(0.0 for _ in rows[0])
 
 
 def _call(session: Session, calls: Calls, x: torch.Tensor) -> torch.Tensor:

@@ -27,7 +27,8 @@ def test_measure_local_is_this_machine_as_a_host_device(machine) -> None:
     assert spec.flops == {"fp32": QUIET["fp32"], "bf16": QUIET["bf16"]}
     assert spec.memory_bandwidth == spec.host_bandwidth == spec.peer_bandwidth == QUIET["copy"]
     assert spec.memory == 2**40  # default: not limited
-    assert spec.efficiency == 1.0
+    assert spec.efficiency == QUIET["linear"] / QUIET["fp32"]  # the share of peak a training step's matmuls reach
+    assert spec.copy_seconds == QUIET["copy_action"]
     assert spec.inline  # a HostDevice runs each op as it is issued
     assert calibrate.get_spec("host") is spec  # one spec per process
     assert calibrate.measure_local("1GiB").memory == 2**30
@@ -128,7 +129,7 @@ def test_figures_out_of_any_machines_range_are_not_used(machine) -> None:
 
 def test_a_calibration_still_doubtful_after_measuring_again_is_used_with_a_warning(machine) -> None:
     machine.measured = [calibration(QUIET, spread=4.0)]
-    with pytest.warns(UserWarning, match=r"calibration is doubtful \(fp32's trials were 4\.0x apart.*; and 7 more\)"
+    with pytest.warns(UserWarning, match=r"calibration is doubtful \(fp32's trials were 4\.0x apart.*; and 10 more\)"
                                          r".*`--refresh` on a quiet machine"):
         assert calibrate.host_figures() == QUIET
 
@@ -174,3 +175,47 @@ def test_measuring_gives_every_figure_and_leaves_the_callers_random_numbers_and_
     assert min(measured.figures[name] for name in calibrate.RATES) > 0
     assert min(measured.figures.values()) >= 0 and min(measured.spread.values()) >= 1.0
     assert measured.measured_at <= time.time()
+
+
+def test_the_host_optimizers_cost_per_call_is_measured_apart_from_its_cost_per_tensor(monkeypatch) -> None:
+    """Timings faked: a clock that only AdamW's step moves, by 50 us a call, 20 us a tensor and 2 ns
+    a parameter; the measurement finds those three back (a Trainer steps once per pack: what one
+    call costs is paid per pack), and the host spec carries them to the simulator."""
+    clock = [0.0]
+    real_step = torch.optim.AdamW.step
+
+    def step(optimizer, *args, **kwargs):
+        params = optimizer.param_groups[0]["params"]
+        clock[0] += 50e-6 + 20e-6 * len(params) + 2e-9 * sum(p.numel() for p in params)
+        return real_step(optimizer, *args, **kwargs)
+
+    monkeypatch.setattr(torch.optim.AdamW, "step", step)
+    monkeypatch.setattr(calibrate, "time", types.SimpleNamespace(perf_counter=lambda: clock[0], time=time.time))
+    figures, spread = calibrate._update_costs()
+    assert figures["update_call"] == pytest.approx(50e-6)
+    assert figures["update_tensor"] == pytest.approx(20e-6)
+    assert figures["update"] == pytest.approx(2e-9)
+    assert spread == pytest.approx(1.0)
+
+
+def test_a_copys_fixed_cost_is_read_from_the_recorded_copies(monkeypatch) -> None:
+    """Every span of the recorded timeline lasts exactly one second (``TickingStreams``), so the
+    copies' fixed cost the runtime's timing reads from its copy spans is one second; the tasks'
+    and ops' share is what is left once the copies are paid (here: every copy is worth more than
+    the whole iteration, so nothing is)."""
+    from harmony_fx.runtime import devices
+    from tests.helpers import TickingStreams
+
+    monkeypatch.setattr(devices, "HostStreams", TickingStreams)
+    figures, _ = calibrate._runtime_overheads(1e11, 1e10)
+    assert figures["copy_action"] == 1.0
+    assert figures["task"] == figures["op"] == 0.0
+
+
+def test_solve_finds_the_costs_behind_the_rows_and_leaves_out_a_negative_share() -> None:
+    rows = [(52, 566), (10, 436), (4, 426)]
+    times = [52 * 1e-4 + 566 * 5e-6, 10 * 1e-4 + 436 * 5e-6, 4 * 1e-4 + 426 * 5e-6]
+    assert calibrate._solve(rows, times) == pytest.approx((1e-4, 5e-6))
+    # times that only a negative cost per op could fit: the ops' share is left out, the tasks take it all
+    # (the second row has more ops and took less time): least squares without it, 1.5 s a task
+    assert calibrate._solve([(1, 10), (1, 20)], [2.0, 1.0]) == pytest.approx((1.5, 0.0))

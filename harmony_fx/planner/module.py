@@ -64,8 +64,10 @@ class _MeasuredCosts(PackCosts):
         self.tensors = tensors  # per pack: the parameter tensors the host updates
 
     def update_seconds(self, pack: int) -> float:
-        """Its parameters at the host optimizer's throughput, and its fixed cost per tensor."""
-        return super().update_seconds(pack) + self.tensors.get(pack, 0) * self.host.update_tensor_seconds
+        """Its parameters at the host optimizer's throughput, its fixed cost per tensor, and per call
+        (one optimizer step per pack)."""
+        return (super().update_seconds(pack) + self.tensors.get(pack, 0) * self.host.update_tensor_seconds
+                + self.host.update_call_seconds)
 
     def key_bytes(self, key: Key) -> int:
         if key.kind != KeyKind.GRAPH:

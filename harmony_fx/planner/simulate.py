@@ -18,7 +18,8 @@ It runs the same ``Action`` lists the runtime runs, with the runtime's semantics
   issues the next action only once the last one has finished, and nothing while an ``UPDATE``
   runs: the host optimizer shares the cores and Python's interpreter lock with it;
 * copies between host and device run at the device's link speed, and all devices' copies in one
-  direction share the host's link (``HostSpec.link_bandwidth``), fairly, at every instant;
+  direction share the host's link (``HostSpec.link_bandwidth``), fairly, at every instant; each
+  first pays its fixed cost (``DeviceSpec.copy_seconds``: issuing it, its bookkeeping);
 * the ``READ``/``WRITE`` of a pack's state on the NVMe tier (``lowering.tier_io``) go to the
   host's one I/O lane (the drive: the runtime's reader and writer share it), in issue order across
   devices, at the tier's read and write bandwidth
@@ -100,6 +101,7 @@ class _Transfer:
     remaining: float
     size: float
     start: float
+    latency: float = 0.0  # the copy's fixed cost still to pay before its bytes (``DeviceSpec.copy_seconds``)
 
 
 def simulate(programs: Sequence[Sequence[Action]], costs: Costs, spec: DeviceSpec,
@@ -254,7 +256,8 @@ class _Simulator:
                 size = self.costs.key_bytes(action.key)
                 if action.kind != K.SEND:
                     self._count(device, action)
-                self.transfers.append(_Transfer(action, device, lane, float(size), float(size), self.now))
+                self.transfers.append(_Transfer(action, device, lane, float(size), float(size), self.now,
+                                                self.spec.copy_seconds))
                 self.copying[(device, action.stream)] += 1
                 queue.popleft()
                 return True
@@ -370,7 +373,7 @@ class _Simulator:
 
     def _advance(self) -> bool:
         rates = self._rates()
-        transfer_ends = [self.now + t.remaining / r for t, r in zip(self.transfers, rates)]
+        transfer_ends = [self.now + t.latency + t.remaining / r for t, r in zip(self.transfers, rates)]
         candidates = [end for _, end, _ in self.running.values()] + transfer_ends
         if self.updates:
             candidates.append(self.updates[0])
@@ -387,7 +390,9 @@ class _Simulator:
         self.now = then
         finished = []
         for t, rate, end in zip(self.transfers, rates, transfer_ends):
-            t.remaining -= rate * elapsed
+            paid = min(t.latency, elapsed)
+            t.latency -= paid
+            t.remaining -= rate * (elapsed - paid)
             if end <= then:  # by time, not by bytes left: rounding must not keep a copy alive
                 finished.append(t)
         for t in finished:

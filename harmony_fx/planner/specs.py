@@ -4,8 +4,9 @@ Specs are data, and the planner is handed them: it never measures. ``PRESETS`` h
 (vendor peak figures; ``efficiency`` is the fraction of peak FLOP/s a training step's kernels
 reach); ``host_nominal()`` is the fixed HostDevice spec ``compile`` plans with, so plans do not
 change from run to run with the machine's load; ``host_measured(figures)`` is this machine from
-the figures ``harmony_fx.calibrate`` measured (matmul FLOP/s, memcpy bandwidth, the runtime's cost
-per task and per op): what predicted step times and memory timelines of HostDevice runs use.
+the figures ``harmony_fx.calibrate`` measured (matmul FLOP/s, the share of it a Linear's forward
+and backward reach, memcpy bandwidth, the runtime's cost per task, per op and per copy): what
+predicted step times and memory timelines of HostDevice runs use.
 """
 from __future__ import annotations
 
@@ -33,6 +34,9 @@ class DeviceSpec:
     # the streams run each op inline as it is issued (a HostDevice): nothing overlaps
     inline: bool = False
     op_seconds: float = 0.0           # issuing one ATen op of a task (Python, dispatch, autograd)
+    # a copy's fixed cost beyond its bytes (issuing it, its event, its bookkeeping): what a small
+    # model's copies take on a HostDevice, whose untracked copies move no bytes
+    copy_seconds: float = 0.0
 
     def usable(self, budget: int | None = None) -> int:
         """What a program may hold of ``budget`` (default: the whole device): a GPU keeps the
@@ -81,6 +85,8 @@ class HostSpec:
     update_params_per_second: float = 1.0e9  # CPU optimizer throughput (Adam-like, all cores)
     # and its fixed cost per parameter tensor (Python, dispatch): what bounds a small model's update
     update_tensor_seconds: float = 0.0
+    # and per call: a Trainer steps the optimizer once per pack, paying its fixed cost each time
+    update_call_seconds: float = 0.0
     update_workers: int = 1
     optimizer_state_bytes: int = 8    # per parameter: Adam's two fp32 moments (SGD momentum: 4)
     cluster: ClusterSpec = ClusterSpec()  # the other servers, if any
@@ -136,13 +142,15 @@ def host_nominal(memory: int | str | None = None) -> DeviceSpec:
 def host_measured(figures: Mapping[str, float], memory: int | str | None = None, *, tracked: bool = False,
                   recorded: bool = False) -> DeviceSpec:
     """This machine as a HostDevice, from measured ``figures`` (``harmony_fx.calibrate``'s): FLOP/s
-    of ``"fp32"`` and ``"bf16"`` matmuls, ``"copy"`` bandwidth in bytes/s (memory, host and peer
-    links alike: one memory), and the runtime's own seconds per compute task (``"task"``) and per
-    op (``"op"``) beyond its FLOPs and bytes; a run that counts every tensor (``tracked``) pays
-    ``"track_op"`` more per op (a dispatch), one that records its timeline (``recorded``)
-    ``"record_task"`` more per task (a span)."""
+    of ``"fp32"`` and ``"bf16"`` matmuls, and of a Linear's forward and backward (``"linear"``,
+    optional: its share of ``"fp32"`` is the spec's ``efficiency``), ``"copy"`` bandwidth in bytes/s
+    (memory, host and peer links alike: one memory), and the runtime's own seconds per compute task
+    (``"task"``), per op (``"op"``) and per copy (``"copy_action"``, optional) beyond its FLOPs and
+    bytes; a run that counts every tensor (``tracked``) pays ``"track_op"`` more per op (a
+    dispatch), one that records its timeline (``recorded``) ``"record_task"`` more per task (a span)."""
     task = figures["task"] + (figures["record_task"] if recorded else 0.0)
     op = figures["op"] + (figures["track_op"] if tracked else 0.0)
+    efficiency = min(figures.get("linear", figures["fp32"]) / figures["fp32"], 1.0)
     return DeviceSpec("host", parse_size(memory) or 2**40, {"fp32": figures["fp32"], "bf16": figures["bf16"]},
-                      figures["copy"], figures["copy"], figures["copy"], efficiency=1.0,
-                      launch_seconds=task, inline=True, op_seconds=op)
+                      figures["copy"], figures["copy"], figures["copy"], efficiency=efficiency,
+                      launch_seconds=task, inline=True, op_seconds=op, copy_seconds=figures.get("copy_action", 0.0))

@@ -65,3 +65,31 @@ def test_simulation_of_larger_forward_microbatches(mode: str) -> None:
         assert predicted.seconds > 0
     finally:
         trainer.close()
+
+
+def test_each_packs_update_pays_the_optimizers_fixed_cost_per_call() -> None:
+    """``HostSpec.update_call_seconds``: a Trainer steps the optimizer once per pack, so on a
+    HostDevice (everything in turn) the step is that cost longer per UPDATE its programs hold."""
+    import dataclasses
+
+    import torch
+    import torch.nn.functional as F
+    from harmony_fx.planner.specs import HostSpec, host_measured
+    from harmony_fx.program.actions import ActionKind
+    from harmony_fx.testing.models import ResidualMLP
+    from tests.helpers import QUIET
+
+    torch.manual_seed(0)
+    model = ResidualMLP()
+    batch = (torch.randn(16, 64), torch.randint(0, 10, (16,)))
+    trainer = harmony_fx.Trainer(model, F.cross_entropy, torch.optim.AdamW(model.parameters()), batch,
+                                 pack_boundaries=(0, 2, 4, 6), microbatches=2)
+    try:
+        updates = sum(a.kind == ActionKind.UPDATE for f, b in trainer.hm.device_actions for a in f + b)
+        spec, host = host_measured(QUIET), HostSpec(update_params_per_second=1e9, update_tensor_seconds=1e-5)
+        before = simulate_module(trainer.hm, spec, host).seconds
+        after = simulate_module(trainer.hm, spec, dataclasses.replace(host, update_call_seconds=0.01)).seconds
+    finally:
+        trainer.close()
+    assert updates == 4
+    assert after - before == pytest.approx(updates * 0.01)

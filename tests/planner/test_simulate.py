@@ -165,6 +165,23 @@ def test_an_inline_device_overlaps_nothing() -> None:
     assert sim.seconds == pytest.approx(sum(end - start for *_, start, end in sim.spans))
 
 
+def test_every_copy_pays_the_specs_fixed_cost_before_its_bytes() -> None:
+    """``copy_seconds`` (a HostDevice's measured cost of issuing a copy): inline, each of the
+    program's three copies takes that much longer, and so does the iteration; overlapped, the
+    first copy's delays the forward and the hidden one's stays hidden."""
+    copy_seconds = 0.25
+    actions, costs = _two_packs(1.0)
+    copies = sum(a.kind in (K.PREFETCH, K.OFFLOAD) for a in actions)
+    inline = dataclasses.replace(SPEC, inline=True)
+    before = simulate([actions], costs, inline)
+    after = simulate([actions], costs, dataclasses.replace(inline, copy_seconds=copy_seconds))
+    assert copies == 3
+    assert after.seconds == pytest.approx(before.seconds + copies * copy_seconds)
+    assert spans_of(after)["PREFETCH W[p1] h2d"] == pytest.approx((1.25, 1.25 + 0.25 + 1.0))  # right after W[p0]
+    overlapped = simulate([actions], costs, dataclasses.replace(SPEC, copy_seconds=copy_seconds))
+    assert overlapped.seconds == pytest.approx(1.25 + 2 + 2 + 3 + 2 + 3)  # only W[p0]'s first copy is exposed
+
+
 def test_chain_program_of_one_pack_is_its_critical_path() -> None:
     """The lowering's own program (``lower_program`` via ``chain_schedule``) for one pack."""
     profile = ModelProfile("toy", tuple(LayerProfile(f"l{i}", 1, 4, 1.0, 1.0, 1.0) for i in range(3)), 1, 1.0)

@@ -86,6 +86,10 @@ def test_host_measured_is_a_host_device_of_the_figures_it_is_handed() -> None:
     assert (spec.launch_seconds, spec.op_seconds) == (1e-4, 2e-6)
     assert spec.memory == 2**40  # default: not limited
     assert host_measured(figures, "1GiB").memory == 2**30
+    assert spec.copy_seconds == 0.0  # figures without a copy's fixed cost or a Linear's FLOP/s
+    measured = host_measured({**figures, "linear": 1.5e10, "copy_action": 3e-5})
+    assert measured.efficiency == 0.75 and measured.copy_seconds == 3e-5
+    assert measured.compute_seconds(3e10, 0.0) == pytest.approx(2.0 + 1e-4)  # at 0.75 of 2e10 FLOP/s, one task
 
 
 def test_the_planner_does_not_measure_the_host() -> None:
