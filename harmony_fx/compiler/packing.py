@@ -229,9 +229,10 @@ def finish_chosen(context: PackingContext, candidate: Candidate) -> Candidate:
 
 class PackingBounds:
     """A lower bound of a packing's peak from shapes alone: the largest, over its packs, of the
-    pack's weights and its largest input, which its forward and its recompute hold on the device
-    together (distinct storages: the weights' copies and an input's), at every microbatch size.
-    ``bounds(boundaries)`` never passes what ``evaluate`` finds."""
+    pack's weights and the larger of its largest input (its forward and its recompute hold it with
+    the weights: distinct storages, at every microbatch size) and, in training, the gradients of
+    the weights its backward differentiates (complete at the end of its backward, the weights still
+    there). ``bounds(boundaries)`` never passes what ``evaluate`` finds."""
 
     def __init__(self, context: PackingContext) -> None:
         variant = context.variants[context.layout.mb_sizes[0]]
@@ -239,6 +240,7 @@ class PackingBounds:
         nodes = variant.nodes
         defined_in = {name: layer.index for layer in variant.layers for name in layer.nodes}
         self._weights: list[dict[int, int]] = []  # per layer: id of each master it reads -> its bytes
+        self._grads: list[dict[int, int]] = []    # the same, of those its backward gives a gradient
         self._inputs: list[list[tuple[int, int]]] = []  # per layer: (defining layer, bytes) of what it takes in
         sizes = range(len(context.layout.sizes))
         for layer in variant.layers:
@@ -246,6 +248,11 @@ class PackingBounds:
             reads = {read for name in layer.nodes for read in nodes[name].meta[meta.READS]}
             self._weights.append({id(masters[read]): pytrees.value_bytes(masters[read], shapes.itemsize)
                                   for read in reads if read in masters})
+            differentiated = set() if context.signature.forward_only else {
+                read for name in layer.nodes if any(nodes[name].meta.get(meta.REQUIRES_GRAD, ()))
+                for read in nodes[name].meta[meta.READS]
+                if read in masters and masters[read].requires_grad}
+            self._grads.append({id(masters[read]): self._weights[-1][id(masters[read])] for read in differentiated})
             taken = {arg.name for name in layer.nodes for arg in nodes[name].all_input_nodes
                      if arg.name not in names and meta.role_of(arg) not in (meta.Role.PARAM, meta.Role.BUFFER)}
             self._inputs.append([(defined_in.get(name, -1),
@@ -258,11 +265,13 @@ class PackingBounds:
 
     def _pack(self, start: int, end: int) -> int:
         weights: dict[int, int] = {}
+        grads: dict[int, int] = {}
         for layer in range(start, end):
             weights.update(self._weights[layer])
+            grads.update(self._grads[layer])
         largest = max((nbytes for layer in range(start, end) for defined, nbytes in self._inputs[layer]
                        if defined < start), default=0)
-        return sum(weights.values()) + largest
+        return sum(weights.values()) + max(largest, sum(grads.values()))
 
 
 def _evaluate(context: PackingContext, boundaries: Sequence[int], stash_ahead: bool, verify: bool,

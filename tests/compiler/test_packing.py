@@ -212,3 +212,28 @@ def test_the_search_never_refuses_a_budget_the_full_search_accepts(monkeypatch, 
     torch.manual_seed(0)
     model = _Chain(widths, skip, wide_head)
     harmony_fx.compile(model, (torch.randn(8, widths[0]),), devices=["host:0"], microbatches=microbatches)
+
+
+@pytest.mark.parametrize("frozen", [False, True])
+def test_the_bound_holds_the_weights_and_their_gradients_in_training(monkeypatch, frozen):
+    """Wide layers over a small batch: a pack's weights outweigh its input, and its backward ends
+    holding them and their gradients, so in training the bound is twice the weights; with every
+    weight frozen, the weights and the input. Never above the peak the planning run finds."""
+    from harmony_fx.compiler import driver, packing
+
+    seen = {}
+
+    def planned(costs, evaluate, peak_of, budget, policy, margin, **options):
+        context = dataclasses.replace(evaluate.args[0], budget=1)
+        seen["bound"], seen["peak"] = packing.PackingBounds(context)([0]), packing.evaluate(context, [0]).peak
+        return plan_packs(costs, evaluate, peak_of, budget, policy, margin, **options)
+
+    monkeypatch.setattr(driver, "plan_packs", planned)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64))
+    model.requires_grad_(not frozen)
+    x = torch.randn(2, 64, requires_grad=frozen)  # frozen: the input's gradient keeps it a training run
+    harmony_fx.compile(model, (x,), devices=["host:0"], microbatches=1)
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert seen["bound"] == (weights + x.numel() * 4 if frozen else 2 * weights)
+    assert seen["bound"] <= seen["peak"]
