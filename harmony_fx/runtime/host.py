@@ -108,8 +108,10 @@ class GradientBuffers:
 
     Keyed as ``HostGradients`` (``id`` of the master). ``take_all`` hands each key's tensor to one
     copy a step (it leaves the pool: a tied weight's second share, or another device's, lands in a
-    fresh tensor and is summed into the first); ``keep`` puts back the summed gradient the update
-    stepped with, which ``.grad`` holds until the next step writes into it."""
+    fresh tensor, and they are summed in ``HostGradients``' order, into either); ``keep`` puts back
+    the summed gradient the update stepped with, which ``.grad`` holds until the next step writes
+    into it. With one device that is the same tensor every step; with several, whichever share held
+    the sum (one set still, the other shares freed once summed)."""
 
     def __init__(self) -> None:
         self._by_key: dict[int, torch.Tensor] = {}
