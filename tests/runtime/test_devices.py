@@ -327,7 +327,8 @@ def test_weight_gradients_land_in_the_buffers_given_where_they_fit():
     assert copies[0] is fits and torch.equal(fits, grads[0])
     assert copies[1] is not wrong_shape and copies[2] is not grads[2]
     assert all(torch.equal(c, g) for c, g in zip(copies, grads))
-    assert HostDevice(track_memory=True).to_host(grads[0], into=torch.zeros(4, 4, dtype=torch.float64)).dtype == torch.float32
+    wrong_dtype = torch.zeros(4, 4, dtype=torch.float64)
+    assert HostDevice(track_memory=True).to_host(grads[0], into=wrong_dtype).dtype == torch.float32
     handed = HostDevice(track_memory=False).grads_to_host(grads, [torch.zeros(4, 4), None, None])
     assert all(h is g for h, g in zip(handed, grads))
 
