@@ -54,6 +54,7 @@ from harmony_fx.config import CompileOptions
 from harmony_fx.frontend.calls import Calls
 from harmony_fx.models import GPTConfig, TinyGPT
 from harmony_fx.planner.choose import device_spec
+from harmony_fx.planner.profile import profile_graph
 from harmony_fx.planner.specs import DeviceSpec, HostSpec, get_spec as preset, host_measured
 from harmony_fx.runtime.autograd import HarmonyFunction
 from harmony_fx.runtime.session import Session
@@ -72,8 +73,9 @@ RATES = ("fp32", "bf16", "copy", "linear")
 # the runtime's seconds per compute task and per op, untracked, then the extra of counting every
 # tensor (per op: a dispatch) and of recording the timeline (per task: a span); and its fixed
 # seconds per copy (a PREFETCH or OFFLOAD: detaching or cloning, its event, its bookkeeping), read
-# from a recorded timeline's copy spans; from one timing
-RUNTIME = ("task", "op", "track_op", "record_task", "copy_action")
+# from a recorded timeline's copy spans; and what a backward's and a recompute's ops cost in forward
+# ops (from its compute spans); from one timing
+RUNTIME = ("task", "op", "track_op", "record_task", "copy_action", "backward_ops", "recompute_ops")
 # the host optimizer (AdamW, with the copies an all-or-nothing Trainer step keeps to undo it): seconds
 # per parameter, per parameter tensor and per call (a Trainer steps the optimizer once per pack)
 UPDATE = ("update", "update_tensor", "update_call")
@@ -85,6 +87,7 @@ DISAGREEMENT = 2.0   # a stored figure, or a run's time, this many times off wha
 # what a HostDevice's figures can be at all: FLOP/s and bytes/s, seconds per task and per op
 _BOUNDS = {"fp32": (1e7, 1e15), "bf16": (1e7, 1e16), "copy": (1e7, 1e13), "linear": (1e7, 1e15), "task": (0.0, 0.1),
            "op": (0.0, 0.01), "track_op": (0.0, 0.01), "record_task": (0.0, 0.1), "copy_action": (0.0, 0.01),
+           "backward_ops": (0.1, 10.0), "recompute_ops": (0.1, 10.0),
            "update": (0.0, 1e-6), "update_tensor": (0.0, 0.01), "update_call": (0.0, 0.1)}
 
 
@@ -150,9 +153,9 @@ class Calibration:
                  "copy": ("GB/s", 1e-9)}
         lines = []
         for name in FIGURES:
-            unit, scale = units.get(name, ("us", 1e6))
+            unit, scale = units.get(name, ("x", 1.0) if name.endswith("_ops") else ("us", 1e6))
             value = self.figures.get(name, math.nan) * scale
-            lines.append(f"  {name:<12} {value:>10.3f} {unit:<8} spread {self.spread.get(name, math.nan):.2f}x, "
+            lines.append(f"  {name:<13} {value:>10.3f} {unit:<8} spread {self.spread.get(name, math.nan):.2f}x, "
                          f"load {self.load.get(name, math.nan):.2f} per core")
         return "\n".join(lines)
 
@@ -440,9 +443,13 @@ def _runtime_overheads(flops: float, copy_bandwidth: float) -> tuple[dict[str, f
     is small: one task per layer, two packs, and one (few tasks of many ops: without it, tasks and
     ops of the first two are nearly proportional and the split between them is noise). A copy's
     fixed cost (``copy_action``) is the median of the recorded timeline's copy spans (their bytes
-    take microseconds at most here); what is left of the iteration times once FLOPs, bytes and
-    copies are paid is split between tasks and ops (least squares); counting every tensor costs a
-    dispatch per op (``track_op``), recording the timeline a span per task (``record_task``)."""
+    take microseconds at most here); the recorded compute spans weigh a backward's and a
+    recompute's ops against a forward's (``backward_ops``, ``recompute_ops``: some 1.5 and 1.2 here,
+    where the simulator once took 2 and 1); what is left of the iteration times once FLOPs, bytes
+    and copies are paid is split between tasks and ops so weighed (least squares); counting every
+    tensor costs a dispatch per op (``track_op``), recording the timeline a span per task
+    (``record_task``). Tasks are counted as the simulator charges them: once each, whatever the
+    number of layers in the pack."""
     # seeded, without moving the caller's random numbers; compiled and run with grad on, whatever
     # the caller's mode (as a HarmonyModule captures)
     with torch.random.fork_rng(devices=[]), torch.inference_mode(False), torch.enable_grad():
@@ -456,7 +463,9 @@ _MODES = {"": (False, False), "track_": (True, False), "record_": (False, True)}
 def _time_packings(flops: float, copy_bandwidth: float) -> tuple[dict[str, float], float]:
     config = GPTConfig(vocab_size=64, block_size=32, n_layer=2, n_head=4, n_embd=64, dropout=0.0)
     x = torch.randint(0, config.vocab_size, (8, config.block_size))
-    rows, times, spreads, copies, copy_spans = [], {prefix: [] for prefix in _MODES}, [], [], []
+    times, spreads, copy_spans = {prefix: [] for prefix in _MODES}, [], []
+    runs = []  # per packing: its compute tasks as (kind, forward ops, FLOP seconds), and its copies
+    points = []  # per recorded compute span: (kind, forward ops, seconds less its FLOPs)
     for boundaries in (None, (0, 5), (0,)):  # every layer a pack; the embeddings and first block, the rest; one
         model = TinyGPT(config)
         options = CompileOptions(devices=["host:0"], memory_budget=None, microbatches=2, track_memory=False,
@@ -467,44 +476,77 @@ def _time_packings(flops: float, copy_bandwidth: float) -> tuple[dict[str, float
         compiled = compile_program(model, (x,), {}, options)
         session, calls = Session(compiled, StageLog()), Calls(compiled, model)
         (device,) = compiled.devices
-        tasks = [a for f, b in compiled.device_actions for a in f + b if a.kind.name in ("FWD", "RECOMPUTE", "BWD")]
+        size = compiled.layout.mb_sizes[0]
+        layer_flops = [layer.fwd_flops * size for layer in profile_graph("model", compiled.captured.gm, size).layers]
         ops_of = {pack.index: sum(n.op == "call_function" for n in pack.gm.graph.nodes) for pack in compiled.packs}
-        # a backward runs about twice its forward's ops (as the simulator counts them)
-        ops = sum(ops_of[a.pack] * (2 if a.kind.name == "BWD" else 1) for a in tasks)
-        rows.append((len(tasks), ops))
-        copies.append(sum(a.kind.name in ("PREFETCH", "OFFLOAD") for f, b in compiled.device_actions for a in f + b))
+        # as the simulator counts them: a backward does twice its forward's FLOPs
+        seconds_of = {(kind, pack.index): sum(layer_flops[i] for i in pack.layers) * (2 if kind == "BWD" else 1) / flops
+                      for pack in compiled.packs for kind in _COMPUTE_KINDS}
+        tasks = [(a.kind.name, ops_of[a.pack], seconds_of[(a.kind.name, a.pack)])
+                 for f, b in compiled.device_actions for a in f + b if a.kind.name in _COMPUTE_KINDS]
+        runs.append((tasks, sum(a.kind.name in ("PREFETCH", "OFFLOAD") for f, b in compiled.device_actions
+                                for a in f + b)))
         try:
             for prefix, (tracked, recorded) in _MODES.items():
                 device.track_memory, session.recording = tracked, recorded
-                seconds = []
+                seconds, fastest = [], {}
                 for _ in range(7):
                     start = time.perf_counter()
                     _call(session, calls, x).float().mean().backward()
                     seconds.append(time.perf_counter() - start)
+                    for _, stream, label, begun, ended in session.stats.spans if recorded else ():
+                        fastest[(stream, label)] = min(fastest.get((stream, label), math.inf), ended - begun)
                 moved = session.stats.bytes_h2d + session.stats.bytes_d2h
-                work = 8 * sum(p.numel() for p in model.parameters()) * x.numel() / flops + moved / copy_bandwidth
+                work = sum(task[2] for task in tasks) + moved / copy_bandwidth
                 times[prefix].append(max(min(seconds) - work, 0.0))
                 spreads.append(statistics.median(seconds) / max(min(seconds), 1e-9))
-                if recorded:
-                    copy_spans += [end - start for _, stream, _, start, end in session.stats.spans
-                                   if stream in ("h2d", "d2h", "peer")]
+                for (stream, label), span in fastest.items():
+                    if stream in ("h2d", "d2h", "peer"):
+                        copy_spans.append(span)
+                    elif match := re.match(r"(FWD|RECOMPUTE|BWD) p(\d+)@", label):
+                        kind, pack = match.group(1), int(match.group(2))
+                        points.append((kind, ops_of[pack], span - seconds_of[(kind, pack)]))
         finally:
             session.close()
     copy_action = statistics.median(copy_spans) if copy_spans else 0.0
-    task, op = _solve(rows, [max(t - n * copy_action, 0.0) for t, n in zip(times[""], copies)])
+    factors = _op_factors(points)
+    rows = [(len(tasks), sum(ops * factors[kind] for kind, ops, _ in tasks)) for tasks, _ in runs]
+    task, op = _solve(rows, [max(t - n * copy_action, 0.0) for t, (_, n) in zip(times[""], runs)])
     extra = {prefix: max(sum(times[prefix]) - sum(times[""]), 0.0) for prefix in ("track_", "record_")}
     return {"task": task, "op": op, "track_op": extra["track_"] / sum(o for _, o in rows),
-            "record_task": extra["record_"] / sum(t for t, _ in rows), "copy_action": copy_action}, max(spreads)
+            "record_task": extra["record_"] / sum(t for t, _ in rows), "copy_action": copy_action,
+            "backward_ops": factors["BWD"], "recompute_ops": factors["RECOMPUTE"]}, max(spreads)
+
+
+_COMPUTE_KINDS = ("FWD", "RECOMPUTE", "BWD")
+
+
+def _op_factors(points: list[tuple[str, int, float]]) -> dict[str, float]:
+    """What a recompute's and a backward's ops cost, each in forward ops, from the recorded compute
+    spans (kind, forward ops, seconds less FLOPs): one fixed cost per span and one cost per op of
+    each kind, by least squares (a forward that keeps no graph and one that keeps it are both
+    ``FWD``: the recompute always builds it). Without spans of a kind, the simulator's defaults."""
+    columns = {kind: index + 1 for index, kind in enumerate(_COMPUTE_KINDS)}
+    rows = [tuple(1 if c == 0 else ops if c == columns[kind] else 0 for c in range(4)) for kind, ops, _ in points]
+    defaults = {"FWD": 1.0, "RECOMPUTE": DeviceSpec.recompute_ops, "BWD": DeviceSpec.backward_ops}
+    if not rows or not all(any(row[columns[kind]] for row in rows) for kind in _COMPUTE_KINDS):
+        return defaults
+    _, forward, recompute, backward = _solve(rows, [seconds for *_, seconds in points])
+    if forward <= 0:
+        return defaults
+    return {"FWD": 1.0, "RECOMPUTE": recompute / forward, "BWD": backward / forward}
 
 
 def _update_costs() -> tuple[dict[str, float], float]:
     """The host optimizer's seconds per parameter, per tensor and per call (``UPDATE``) and the
     spread of its trials: AdamW steps over many small tensors in one call and in sixteen (a Trainer
     steps the optimizer once per pack, each step's fixed cost paid again), and over a few large
-    ones, each after the copies of the tensors and their state a Trainer keeps to undo the step."""
+    ones, each after the copies of the tensors and their state a Trainer keeps to undo the step.
+    The large ones are too large for the caches (64 MiB with their state and copies), as a step's
+    parameters are once its backward has run: a parameter costs some twice as much as in cache."""
     rows, times, spreads = [], [], []
     with torch.random.fork_rng(devices=[]), torch.inference_mode(False):
-        for calls, count, numel in ((1, 64, 64), (16, 64, 64), (1, 4, 2**16)):
+        for calls, count, numel in ((1, 64, 64), (16, 64, 64), (1, 4, 2**19)):
             params = [torch.nn.Parameter(torch.randn(numel)) for _ in range(count)]
             for param in params:
                 param.grad = torch.randn(numel)

@@ -309,10 +309,10 @@ class TickingStreams(HostStreams):
 
 # ---------------------------------------------------------------------- a calibrated machine, faked
 # a quiet 2-core machine, as measured: fp32 87 GFLOP/s (a Linear's forward and backward 52), copies
-# 19 GB/s, 0.17 ms a task, 20 us a copy
+# 19 GB/s, 0.17 ms a task, 20 us a copy, a backward's ops 1.5 times its forward's
 QUIET = {"fp32": 8.7e10, "bf16": 2.0e10, "copy": 1.9e10, "linear": 5.2e10, "task": 1.7e-4, "op": 2e-6,
-         "track_op": 2.5e-5, "record_task": 1e-5, "copy_action": 2e-5, "update": 2e-9, "update_tensor": 4e-5,
-         "update_call": 3e-5}
+         "track_op": 2.5e-5, "record_task": 1e-5, "copy_action": 2e-5, "backward_ops": 1.5, "recompute_ops": 1.2,
+         "update": 2e-9, "update_tensor": 4e-5, "update_call": 3e-5}
 # the same machine measured while busy (the cache that was once found): every figure 40x off
 POISONED = {**QUIET, "fp32": 2.1e9, "bf16": 5e8, "copy": 6.3e8, "task": 3.2e-3, "op": 8e-5}
 

@@ -129,7 +129,7 @@ def test_figures_out_of_any_machines_range_are_not_used(machine) -> None:
 
 def test_a_calibration_still_doubtful_after_measuring_again_is_used_with_a_warning(machine) -> None:
     machine.measured = [calibration(QUIET, spread=4.0)]
-    with pytest.warns(UserWarning, match=r"calibration is doubtful \(fp32's trials were 4\.0x apart.*; and 10 more\)"
+    with pytest.warns(UserWarning, match=r"calibration is doubtful \(fp32's trials were 4\.0x apart.*; and 12 more\)"
                                          r".*`--refresh` on a quiet machine"):
         assert calibrate.host_figures() == QUIET
 
@@ -219,3 +219,13 @@ def test_solve_finds_the_costs_behind_the_rows_and_leaves_out_a_negative_share()
     # times that only a negative cost per op could fit: the ops' share is left out, the tasks take it all
     # (the second row has more ops and took less time): least squares without it, 1.5 s a task
     assert calibrate._solve([(1, 10), (1, 20)], [2.0, 1.0]) == pytest.approx((1.5, 0.0))
+
+
+def test_a_backwards_and_a_recomputes_ops_are_weighed_from_the_recorded_spans() -> None:
+    """Spans made by 20 us a task and 10 us a forward op, 13 us a recompute's, 15 us a backward's:
+    a recompute's op is 1.3 forward ops, a backward's 1.5; without backward spans, the defaults."""
+    cost = {"FWD": 10e-6, "RECOMPUTE": 13e-6, "BWD": 15e-6}
+    points = [(kind, ops, 20e-6 + ops * cost[kind]) for kind in cost for ops in (1, 5, 32, 71)]
+    assert calibrate._op_factors(points) == pytest.approx({"FWD": 1.0, "RECOMPUTE": 1.3, "BWD": 1.5})
+    forward_only = [point for point in points if point[0] != "BWD"]
+    assert calibrate._op_factors(forward_only) == {"FWD": 1.0, "RECOMPUTE": 1.0, "BWD": 2.0}

@@ -43,7 +43,8 @@ class PackCosts:
         return self._seconds[cache_key]
 
     def _layer_seconds(self, layer, kind: K, size: int) -> float:
-        forward, backward = layer_seconds(layer, size, self.spec, self.profile.precision)
+        forward_ops = self.spec.recompute_ops if kind == K.RECOMPUTE else 1.0
+        forward, backward = layer_seconds(layer, size, self.spec, self.profile.precision, forward_ops)
         return backward if kind == K.BWD else forward
 
     def task_peak(self, action: Action, allocated: int = 0) -> int:
@@ -60,21 +61,22 @@ class PackCosts:
         return self.pack_params(pack) / self.host.update_params_per_second
 
 
-def layer_seconds(layer, size: int, spec: DeviceSpec, precision: str) -> tuple[float, float]:
+def layer_seconds(layer, size: int, spec: DeviceSpec, precision: str, forward_ops: float = 1.0) -> tuple[float, float]:
     """(forward, backward) seconds of one layer on a microbatch of ``size``: measured
     (interpolated) when the profile has them, else the spec's roofline, the backward twice the
-    forward's FLOPs and bytes."""
+    forward's FLOPs and bytes. Issuing the forward's ops costs ``forward_ops`` times their
+    ``op_seconds`` (a recompute: ``spec.recompute_ops``), the backward's ``spec.backward_ops`` times."""
     measured = layer.measured(size)
     if measured is not None:
         return measured
-    issue = layer.num_ops * spec.op_seconds  # a backward issues about twice its forward's ops
+    issue = layer.num_ops * spec.op_seconds
     forward = spec.compute_seconds(layer.fwd_flops * size, layer.saved_bytes * size + layer.param_bytes, precision)
     backward = spec.compute_seconds(2 * layer.fwd_flops * size, 2 * layer.saved_bytes * size + layer.param_bytes,
                                     precision)
     if spec.inline:  # the ops run as they are issued: their issue cost adds up
-        return forward + issue, backward + 2 * issue
+        return forward + forward_ops * issue, backward + spec.backward_ops * issue
     # a GPU runs while the host issues: a task takes the longer of the two
-    return max(forward, issue), max(backward, 2 * issue)
+    return max(forward, forward_ops * issue), max(backward, spec.backward_ops * issue)
 
 
 def chain_key_bytes(profile: ModelProfile, pack_layers: Sequence[Sequence[int]],

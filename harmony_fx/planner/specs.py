@@ -37,6 +37,10 @@ class DeviceSpec:
     # a copy's fixed cost beyond its bytes (issuing it, its event, its bookkeeping): what a small
     # model's copies take on a HostDevice, whose untracked copies move no bytes
     copy_seconds: float = 0.0
+    # what issuing a backward and a recompute (a forward that builds the autograd graph) costs, in
+    # its forward's ops (``op_seconds`` each): autograd runs about two nodes per forward op
+    backward_ops: float = 2.0
+    recompute_ops: float = 1.0
 
     def usable(self, budget: int | None = None) -> int:
         """What a program may hold of ``budget`` (default: the whole device): a GPU keeps the
@@ -146,11 +150,14 @@ def host_measured(figures: Mapping[str, float], memory: int | str | None = None,
     optional: its share of ``"fp32"`` is the spec's ``efficiency``), ``"copy"`` bandwidth in bytes/s
     (memory, host and peer links alike: one memory), and the runtime's own seconds per compute task
     (``"task"``), per op (``"op"``) and per copy (``"copy_action"``, optional) beyond its FLOPs and
-    bytes; a run that counts every tensor (``tracked``) pays ``"track_op"`` more per op (a
-    dispatch), one that records its timeline (``recorded``) ``"record_task"`` more per task (a span)."""
+    bytes, and what a backward and a recompute cost in their forward's ops (``"backward_ops"``,
+    ``"recompute_ops"``, optional); a run that counts every tensor (``tracked``) pays ``"track_op"``
+    more per op (a dispatch), one that records its timeline (``recorded``) ``"record_task"`` more per
+    task (a span)."""
     task = figures["task"] + (figures["record_task"] if recorded else 0.0)
     op = figures["op"] + (figures["track_op"] if tracked else 0.0)
     efficiency = min(figures.get("linear", figures["fp32"]) / figures["fp32"], 1.0)
     return DeviceSpec("host", parse_size(memory) or 2**40, {"fp32": figures["fp32"], "bf16": figures["bf16"]},
                       figures["copy"], figures["copy"], figures["copy"], efficiency=efficiency,
-                      launch_seconds=task, inline=True, op_seconds=op, copy_seconds=figures.get("copy_action", 0.0))
+                      launch_seconds=task, inline=True, op_seconds=op, copy_seconds=figures.get("copy_action", 0.0),
+                      backward_ops=figures.get("backward_ops", 2.0), recompute_ops=figures.get("recompute_ops", 1.0))

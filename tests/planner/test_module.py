@@ -93,3 +93,35 @@ def test_each_packs_update_pays_the_optimizers_fixed_cost_per_call() -> None:
         trainer.close()
     assert updates == 4
     assert after - before == pytest.approx(updates * 0.01)
+
+
+def test_a_task_pays_the_specs_fixed_cost_once_and_its_ops_by_kind() -> None:
+    """On a HostDevice whose arithmetic and copies cost nothing, a task takes the spec's fixed cost
+    once (however many layers its pack holds) plus its forward's ops at ``op_seconds`` each, times
+    ``recompute_ops`` for a recompute and ``backward_ops`` for a backward."""
+    import dataclasses
+
+    import torch
+    import torch.nn.functional as F
+    from harmony_fx.planner.specs import HostSpec, host_measured
+    from harmony_fx.testing.models import ResidualMLP
+    from tests.helpers import QUIET
+
+    torch.manual_seed(0)
+    model = ResidualMLP()
+    batch = (torch.randn(16, 64), torch.randint(0, 10, (16,)))
+    hm = harmony_fx.compile(model, (batch[0],), pack_boundaries=(0, 2, 4, 6), microbatches=2)
+    free = {**QUIET, "fp32": 1e30, "bf16": 1e30, "linear": 1e30, "copy": 1e30, "copy_action": 0.0}
+    spec = dataclasses.replace(host_measured(free), launch_seconds=0.5, op_seconds=0.01, backward_ops=1.5,
+                               recompute_ops=1.25)
+    spans = {label: end - start for _, stream, label, start, end in simulate_module(hm, spec, HostSpec()).spans
+             if stream == "compute"}
+    ops = {pack.index: sum(n.op == "call_function" for n in pack.gm.graph.nodes) for pack in hm.packs}
+    assert max(len(pack.layers) for pack in hm.packs) > 1  # a fixed cost per layer would show
+    kinds = set()
+    for label, seconds in spans.items():
+        kind, pack = label.split()[0], int(label.split()[1][1:].split("@")[0])
+        factor = {"FWD": 1.0, "RECOMPUTE": 1.25, "BWD": 1.5}[kind]
+        assert seconds == pytest.approx(0.5 + factor * ops[pack] * 0.01), label
+        kinds.add(kind)
+    assert kinds == {"FWD", "RECOMPUTE", "BWD"}
