@@ -40,7 +40,8 @@ def test_two_ranks_equal_one_process_bitwise(tmp_path, one_thread, shard_optimiz
     assert [rank["state_bytes"] for rank in ranks] == [expected, expected]
 
 
-@pytest.mark.parametrize("shard_optimizer", [True, pytest.param(False, marks=pytest.mark.slow)])
+@pytest.mark.slow  # 14 s; two ranks against one process stay in the default suite
+@pytest.mark.parametrize("shard_optimizer", [True, False])
 def test_three_ranks_within_1e6_and_send_what_the_formula_says(tmp_path, one_thread, shard_optimizer):
     ranks = launch.run("train", 3, tmp_path, shard_optimizer=shard_optimizer)
     reference = scenarios.one_process(3)
@@ -105,7 +106,7 @@ def test_a_packs_gradients_travel_while_earlier_packs_run_their_backward(tmp_pat
         assert rank["reduces"] == rank["order"] == sorted(rank["order"], reverse=True)
 
 
-@pytest.mark.parametrize("shard_optimizer", [True, False])
+@pytest.mark.parametrize("shard_optimizer", [True, pytest.param(False, marks=pytest.mark.slow)])
 def test_clipping_by_the_global_norm_across_ranks(tmp_path, one_thread, shard_optimizer):
     """``max_grad_norm``: the norm of every rank's summed gradients (small enough to clip every step)."""
     ranks = launch.run("train", 2, tmp_path, shard_optimizer=shard_optimizer, max_grad_norm=0.05)

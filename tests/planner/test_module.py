@@ -18,7 +18,7 @@ SETTINGS = {"single": (["host:0"], "auto", None), "dp": (["host:0", "host:1"], "
             "pp": (["host:0", "host:1"], "pp", 2)}
 
 
-@pytest.mark.parametrize("fraction", [1.0, 0.5, 0.25])
+@pytest.mark.parametrize("fraction", [1.0, 0.5, pytest.param(0.25, marks=pytest.mark.slow)])  # 0.25: -m slow
 @pytest.mark.parametrize("mode", sorted(SETTINGS))
 @pytest.mark.parametrize("name", sorted(ZOO))
 def test_simulation_is_consistent_with_the_planning_run(name: str, mode: str, fraction: float) -> None:
