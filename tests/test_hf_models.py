@@ -212,7 +212,7 @@ def test_padded_batches_through_the_trainer_train_like_eager(name):
         trainer.close()
 
 
-@pytest.mark.parametrize("name", ["gpt2", "llama"])
+@pytest.mark.parametrize("name", ["gpt2", pytest.param("llama", marks=pytest.mark.slow)])  # llama: -m slow
 def test_padded_batches_through_the_backend_train_like_eager(name):
     pytest.importorskip("transformers")
     from harmony_fx.testing.hf_models import padded_batches

@@ -90,6 +90,7 @@ def test_a_step_failing_on_one_rank_is_undone_on_every_rank(tmp_path, one_thread
         assert all(torch.equal(a, b) for a, b in zip(rank["params"], unbroken[0]["params"]))
 
 
+@pytest.mark.slow  # 12 s; even shares across ranks stay in the default suite
 def test_uneven_shares_weigh_by_their_sizes(tmp_path, one_thread):
     """A last, short batch: rank 0 has 4 samples, rank 1 has 2; the step equals one process on the
     6 samples."""
