@@ -253,8 +253,10 @@ class PackingBounds:
                 for read in nodes[name].meta[meta.READS]
                 if read in masters and masters[read].requires_grad}
             self._grads.append({id(masters[read]): self._weights[-1][id(masters[read])] for read in differentiated})
+            # values only: not state, nor a higher-order op's subgraph (``get_attr``, no value)
             taken = {arg.name for name in layer.nodes for arg in nodes[name].all_input_nodes
-                     if arg.name not in names and meta.role_of(arg) not in (meta.Role.PARAM, meta.Role.BUFFER)}
+                     if arg.name not in names and meta.role_of(arg) not in (meta.Role.PARAM, meta.Role.BUFFER)
+                     and meta.VAL in arg.meta}
             self._inputs.append([(defined_in.get(name, -1),
                                   max(shapes.key_bytes(Key(KeyKind.ACT, name, mb), ()) for mb in sizes))
                                  for name in sorted(taken)])

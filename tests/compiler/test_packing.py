@@ -237,3 +237,19 @@ def test_the_bound_holds_the_weights_and_their_gradients_in_training(monkeypatch
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     assert seen["bound"] == (weights + x.numel() * 4 if frozen else 2 * weights)
     assert seen["bound"] <= seen["peak"]
+
+
+def test_a_no_grad_region_is_packed_under_a_budget():
+    """Export makes a ``no_grad`` region a higher-order op whose subgraph is a ``get_attr`` input of
+    the layer: no value, so the bounds leave it out (it raised ``KeyError: 'val'``)."""
+    from tests.analysis.test_sizes import NoGradInside
+
+    torch.manual_seed(0)
+    model, x = NoGradInside(), torch.randn(3, 8)
+    reference = NoGradInside()
+    reference.load_state_dict(model.state_dict())
+    hm = harmony_fx.compile(model, (x,), memory_budget=2000, devices=["host:0"], microbatches=1)
+    hm(x).square().sum().backward()
+    reference(x).square().sum().backward()
+    for param, expected in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(param.grad, expected.grad, rtol=1e-5, atol=1e-6)
