@@ -71,8 +71,9 @@ def test_compiled_packs_refuse_per_tensor_tracking():
         harmony_fx.compile(model, torch.randn(2, 4), compile_packs=True, track_memory=True)
 
 
-@pytest.mark.parametrize("name", [
-    "small_cnn",  # BatchNorm: inductor's fused backward differs from eager's by ~2%, so the match is to torch.compile
+@pytest.mark.parametrize("name", [  # all with -m slow (18-58 s each, inductor's cache cold)
+    # BatchNorm: inductor's fused backward differs from eager's by ~2%, so the match is to torch.compile
+    pytest.param("small_cnn", marks=pytest.mark.slow),
     pytest.param("mlp_chain", marks=pytest.mark.slow),
     pytest.param("residual_mlp", marks=pytest.mark.slow),
     pytest.param("tiny_gpt", marks=pytest.mark.slow),
