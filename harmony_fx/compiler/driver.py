@@ -40,10 +40,8 @@ from harmony_fx.compiler.compiled import Compiled
 from harmony_fx.compiler.host_memory import HostMemoryPlan, OptimizerFacts, plan_host_memory
 from harmony_fx.compiler.layout import Layout, decide_layout
 from harmony_fx.compiler.packing import (
-    BudgetTooSmallError, Candidate, PackingBounds, PackingContext, balanced, evaluate, finish_chosen, fixed,
-    layer_costs, plan_packs,
-    reuse as reuse_packing,
-    update_groups, verify_programs,
+    Candidate, PackingBounds, PackingContext, balanced, evaluate, finish_chosen, fixed, layer_costs, plan_packs,
+    reuse as reuse_packing, update_groups, verify_programs,
 )
 from harmony_fx.compiler.plan import make_plan
 from harmony_fx.compiler.shapes import Shapes
@@ -148,8 +146,8 @@ def _first_that_compiles(log: StageLog, stages, schedules: tuple[Schedule, ...],
             what = _describe_try(schedule, options, num_devices)
             tried.append((what, error))
             following = _describe_try(candidates[index + 1], options, num_devices)
-            log.run("fall back", lambda: None,
-                    decision=lambda _: f"{what} raised {type(error).__name__}; trying {following}")
+            said = f"{what} raised {type(error).__name__}; trying {following}"
+            log.run("fall back", lambda: None, decision=lambda _: said)
     raise AssertionError("unreachable: the options' own settings are the last candidate")
 
 
