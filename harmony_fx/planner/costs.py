@@ -1,10 +1,12 @@
 """Costs of a program's tasks, from a ``ModelProfile`` and a ``DeviceSpec``, for the simulator.
 
 A task on pack ``p`` and a microbatch of ``m`` samples costs its layers' measured seconds at ``m``
-(interpolated) or, without measurements, the spec's roofline over their FLOPs and bytes. The
-backward is twice the forward's FLOPs. A task's peak memory (``task_peak``): its new keys plus the
-largest single layer's values for that microbatch, since layers run one after another; the
-recompute's autograd graph is the ``graph`` key itself.
+(interpolated) or, without measurements, the spec's roofline over their FLOPs and bytes and the
+spec's fixed cost of a task (``launch_seconds``) once. The backward is twice the forward's FLOPs. A task's peak memory (``task_peak``): its new keys plus the
+largest working set of one of its layers for that microbatch (measured: a forward's temporaries, a
+backward's gradients and temporaries), since layers run one after another; the autograd graph a
+forward with autograd leaves is the ``graph`` key: what each layer's forward kept (saved tensors
+and outputs) and what its first layer saved of the pack's input.
 """
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ from harmony_fx.planner.profile import ModelProfile
 from harmony_fx.planner.specs import DeviceSpec, HostSpec
 from harmony_fx.program.actions import Action, ActionKind as K, Key, KeyKind
 
-__all__ = ["PackCosts", "layer_seconds", "chain_key_bytes"]
+__all__ = ["PackCosts", "layer_seconds", "graph_bytes", "chain_key_bytes"]
 
 
 class PackCosts:
@@ -25,34 +27,45 @@ class PackCosts:
                  spec: DeviceSpec, host: HostSpec, key_bytes: Callable[[Key], int]) -> None:
         self.profile, self.sizes, self.spec, self.host = profile, list(sizes), spec, host
         self.pack_layers = [[profile.layers[i] for i in layers] for layers in pack_layers]
+        # per sample, what is live before each pack's first layer
+        self._pack_inputs = [profile.input_bytes if layers[0] == 0 else profile.layers[layers[0] - 1].out_bytes
+                             for layers in pack_layers]
         self._key_bytes = key_bytes
         self._seconds: dict[tuple[K, int, int], float] = {}
 
     def key_bytes(self, key: Key) -> int:
         if key.kind == KeyKind.GRAPH:
             pack = int(key.name[1:])
-            return int(sum(layer.saved_bytes for layer in self.pack_layers[pack]) * self.sizes[key.mb])
+            return int(graph_bytes(self.pack_layers[pack], self._pack_inputs[pack]) * self.sizes[key.mb])
         return self._key_bytes(key)
 
     def compute_seconds(self, action: Action) -> float:
         size = self.sizes[action.mb]
         cache_key = (action.kind, action.pack, size)
         if cache_key not in self._seconds:
-            self._seconds[cache_key] = sum(self._layer_seconds(layer, action.kind, size)
-                                           for layer in self.pack_layers[action.pack])
+            layers = self.pack_layers[action.pack]
+            # measured seconds hold the runtime's own cost; a roofline's task pays the spec's once
+            launch = 0.0 if any(layer.seconds for layer in layers) else self.spec.launch_seconds
+            self._seconds[cache_key] = sum(self._layer_seconds(layer, action.kind, size) for layer in layers) + launch
         return self._seconds[cache_key]
 
     def _layer_seconds(self, layer, kind: K, size: int) -> float:
         forward_ops = self.spec.recompute_ops if kind == K.RECOMPUTE else 1.0
-        forward, backward = layer_seconds(layer, size, self.spec, self.profile.precision, forward_ops)
+        forward, backward = layer_seconds(layer, size, self.spec, self.profile.precision, forward_ops, launch=False)
         return backward if kind == K.BWD else forward
 
     def task_peak(self, action: Action, allocated: int = 0) -> int:
-        """Its new keys, and the largest of its layers' values for this microbatch on top (the
-        recompute's graph is its key: nothing on top)."""
-        if action.kind == K.RECOMPUTE:
-            return allocated
-        return allocated + int(max(layer.saved_bytes for layer in self.pack_layers[action.pack]) * self.sizes[action.mb])
+        """Its new keys, and the largest working set of one of its layers for this microbatch on
+        top: a backward's, or a forward's (with autograd or without)."""
+        layers, size = self.pack_layers[action.pack], self.sizes[action.mb]
+        if action.kind != K.BWD:
+            return allocated + int(max(layer.forward_work_bytes for layer in layers) * size)
+        # ``allocated`` is what its new keys take: where the weight gradients' key is not among them
+        # (a later microbatch's backward), autograd makes each layer's gradients afresh and adds them
+        # into the key's, so they are working memory too
+        accumulating = allocated < sum(self.key_bytes(key) for key in action.writes)
+        return allocated + int(max(layer.backward_work_bytes * size + (layer.param_bytes if accumulating else 0)
+                                   for layer in layers))
 
     def pack_params(self, pack: int) -> int:
         return sum(layer.num_params for layer in self.pack_layers[pack])
@@ -61,18 +74,29 @@ class PackCosts:
         return self.pack_params(pack) / self.host.update_params_per_second
 
 
-def layer_seconds(layer, size: int, spec: DeviceSpec, precision: str, forward_ops: float = 1.0) -> tuple[float, float]:
+def graph_bytes(layers: Sequence, input_bytes: float) -> float:
+    """Per sample, the autograd graph a forward with autograd leaves over ``layers`` (a pack, in
+    order): what each kept of what it made, and of the pack's input (``input_bytes``, what is live
+    before its first layer) what its layers saved, at most all of it."""
+    return sum(layer.saved_bytes for layer in layers) + min(input_bytes, sum(layer.saved_input_bytes for layer in layers))
+
+
+def layer_seconds(layer, size: int, spec: DeviceSpec, precision: str, forward_ops: float = 1.0,
+                  launch: bool = True) -> tuple[float, float]:
     """(forward, backward) seconds of one layer on a microbatch of ``size``: measured
     (interpolated) when the profile has them, else the spec's roofline, the backward twice the
     forward's FLOPs and bytes. Issuing the forward's ops costs ``forward_ops`` times their
-    ``op_seconds`` (a recompute: ``spec.recompute_ops``), the backward's ``spec.backward_ops`` times."""
+    ``op_seconds`` (a recompute: ``spec.recompute_ops``), the backward's ``spec.backward_ops`` times.
+    ``launch``: the roofline includes the spec's fixed cost of a task (``launch=False`` where the
+    caller charges it once per task of several layers)."""
     measured = layer.measured(size)
     if measured is not None:
         return measured
     issue = layer.num_ops * spec.op_seconds
-    forward = spec.compute_seconds(layer.fwd_flops * size, layer.saved_bytes * size + layer.param_bytes, precision)
-    backward = spec.compute_seconds(2 * layer.fwd_flops * size, 2 * layer.saved_bytes * size + layer.param_bytes,
-                                    precision)
+    forward = spec.compute_seconds(layer.fwd_flops * size, layer.made_bytes * size + layer.param_bytes, precision,
+                                   launch)
+    backward = spec.compute_seconds(2 * layer.fwd_flops * size, 2 * layer.made_bytes * size + layer.param_bytes,
+                                    precision, launch)
     if spec.inline:  # the ops run as they are issued: their issue cost adds up
         return forward + forward_ops * issue, backward + spec.backward_ops * issue
     # a GPU runs while the host issues: a task takes the longer of the two

@@ -63,13 +63,6 @@ class _MeasuredCosts(PackCosts):
         self.graph_makers = {key: a for a in actions for key in a.writes if key.kind == KeyKind.GRAPH}
         self.tensors = tensors  # per pack: the parameter tensors the host updates
 
-    def compute_seconds(self, action: Action) -> float:
-        """The pack's layers' seconds, with the spec's fixed cost per task (``launch_seconds``: the
-        runtime's, calibrated per task) paid once, not once per layer as ``layer_seconds`` adds it."""
-        layers = self.pack_layers[action.pack]
-        extra_launches = 0 if any(layer.seconds for layer in layers) else len(layers) - 1
-        return super().compute_seconds(action) - extra_launches * self.spec.launch_seconds
-
     def update_seconds(self, pack: int) -> float:
         """Its parameters at the host optimizer's throughput, its fixed cost per tensor, and per call
         (one optimizer step per pack)."""

@@ -6,14 +6,19 @@ The planner sees a model as a chain of layers (``passes.find_layers``). For each
 * ``fwd_flops``: forward FLOPs per sample (``torch.utils.flop_counter`` on FakeTensors);
 * ``out_bytes``: bytes per sample live across the boundary after it (its output and every skip
   value still needed later): what is stashed when a pack ends there;
-* ``saved_bytes``: bytes per sample of every value it makes: the autograd graph a recompute
-  keeps until the backward, an upper bound of it;
+* ``saved_bytes``: bytes per sample of what a forward with autograd leaves alive of what the layer
+  made: the tensors autograd saved and the layer's outputs (the recompute's graph, measured:
+  ``planner.layer_memory``); ``saved_input_bytes``: of its inputs, those autograd saved;
+* ``made_bytes``: bytes per sample of every value it makes (what the roofline reads and writes);
+* ``forward_work_bytes`` / ``backward_work_bytes``: per sample, the most its forward / backward
+  holds at once above what is resident and what it leaves (temporaries; the backward's incoming
+  and outgoing gradients), measured;
 * ``seconds``: measured forward and backward seconds at a few microbatch sizes (interpolated
   linearly between, and beyond, them); empty when measuring is impossible (a model on the meta
   device, or hardware not at hand) and the cost model uses the device spec's roofline instead.
 
-Everything comes from the captured graph's annotations, so a model on the meta device profiles
-in well under a second. ``repeat_block`` turns a 2-block capture of a transformer into the full
+Everything comes from the captured graph's annotations and a run of each layer on the meta
+device, so a model on the meta device profiles in well under a second. ``repeat_block`` turns a 2-block capture of a transformer into the full
 depth, since every block costs the same.
 """
 from __future__ import annotations
@@ -29,6 +34,7 @@ from torch import fx
 from harmony_fx.analysis.sizes import annotate_sizes
 from harmony_fx.ir import meta
 from harmony_fx.passes.find_layers import Layer, find_layers
+from harmony_fx.planner.layer_memory import measure_layer_memory
 
 __all__ = ["LayerProfile", "ModelProfile", "profile_graph", "repeat_block", "measure_seconds"]
 
@@ -40,10 +46,14 @@ class LayerProfile:
     param_bytes: int
     fwd_flops: float           # per sample
     out_bytes: float           # per sample, live after this layer
-    saved_bytes: float         # per sample, made by this layer
+    saved_bytes: float         # per sample, made by this layer and kept by autograd or read after it
     # microbatch size -> (forward seconds, backward seconds), measured
     seconds: tuple[tuple[int, float, float], ...] = ()
     num_ops: int = 0           # ATen ops in its forward (each costs ``DeviceSpec.op_seconds`` to issue)
+    made_bytes: float = 0.0    # per sample, every value this layer makes
+    saved_input_bytes: float = 0.0     # per sample, of its inputs: those autograd keeps
+    forward_work_bytes: float = 0.0    # per sample, a forward's temporaries at most
+    backward_work_bytes: float = 0.0   # per sample, a backward's working set at most (weight gradients apart)
 
     def measured(self, size: float) -> tuple[float, float] | None:
         """(forward, backward) seconds at ``size`` samples, linear between the measured sizes."""
@@ -111,8 +121,9 @@ def profile_graph(name: str, gm: fx.GraphModule, batch_size: int, compute_itemsi
         for i in range(max(born, 0), min(last_reader.get(node.name, -1), len(layers))):
             live_after[i] += nbytes(node)
 
+    memory = measure_layer_memory(gm, layers, nbytes, compute_itemsize)
     profiles, counted = [], set()
-    for layer in layers:
+    for layer, held in zip(layers, memory):
         layer_nodes = [nodes[n] for n in layer.nodes]
         state = {read for node in layer_nodes for read in node.meta[meta.READS]}
         params = [nodes[s].meta[meta.VAL] for s in sorted(state)]
@@ -124,8 +135,12 @@ def profile_graph(name: str, gm: fx.GraphModule, batch_size: int, compute_itemsi
             param_bytes=sum(t.numel() * itemsize(t) for t in params),
             fwd_flops=sum(n.meta[meta.FLOPS] for n in layer_nodes) / batch_size,
             out_bytes=live_after[layer.index] / batch_size,
-            saved_bytes=sum(nbytes(n) for n in layer_nodes) / batch_size,
+            saved_bytes=held.kept / batch_size,
             num_ops=sum(n.op == "call_function" for n in layer_nodes),
+            made_bytes=sum(nbytes(n) for n in layer_nodes) / batch_size,
+            saved_input_bytes=held.saved_input / batch_size,
+            forward_work_bytes=held.forward_work / batch_size,
+            backward_work_bytes=held.backward_work / batch_size,
         ))
     return ModelProfile(name, tuple(profiles), batch_size, sum(nbytes(n) for n in inputs) / batch_size,
                         precision)

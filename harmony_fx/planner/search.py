@@ -89,14 +89,16 @@ class PackModel:
         self.bandwidth = bandwidth
         self.overhead = 10 * spec.launch_seconds * mbs_per_device
         self.update_rate = host.update_params_per_second
-        seconds = [layer_seconds(layer, size, spec, profile.precision) for layer in layers]
+        seconds = [layer_seconds(layer, size, spec, profile.precision, launch=False) for layer in layers]
+        # a task's fixed cost, once per task whatever its layers (``PackCosts.compute_seconds``)
+        self.launch = 0.0 if any(layer.seconds for layer in layers) else spec.launch_seconds
         self.forward = _prefix([fwd for fwd, _ in seconds])
         self.backward = _prefix([bwd for _, bwd in seconds])
         self.params = _prefix([layer.num_params for layer in layers])
         self._weights = _prefix([layer.param_bytes for layer in layers])
         self._grads = _prefix([4 * layer.num_params for layer in layers])  # summed and copied in fp32
-        self.saved = np.asarray([layer.saved_bytes * size for layer in layers], dtype=np.float64)
-        self._saved = _prefix(self.saved)
+        self._saved = _prefix([layer.saved_bytes * size for layer in layers])
+        self._saved_inputs = _prefix([layer.saved_input_bytes * size for layer in layers])
         inputs = np.asarray([profile.input_bytes] + [layer.out_bytes for layer in layers], dtype=np.float64)
         self.boundary = inputs * size
         # the tier's bytes for a pack: its parameters' share and its input's (its stash), each read
@@ -105,18 +107,24 @@ class PackModel:
         self._tier_per_param = tier.per_param
         self._read, self._write = 1 / host.nvme_read, 1 / host.nvme_write
         self.tiered = bool(tier.per_param or tier.per_input_byte)
-        # range maximum of ``saved`` in O(1): a sparse table, level l holding maxima of 2**l layers
-        levels = [self.saved]
-        while 2 ** len(levels) <= len(layers):
-            prev, width = levels[-1], 2 ** (len(levels) - 1)
-            levels.append(np.maximum(prev[:-width], prev[width:]))
-        self._table = np.full((len(levels), len(layers)), -np.inf)
-        for level, row in enumerate(levels):
-            self._table[level, :len(row)] = row
+        # after the first microbatch, a backward's weight gradients are added into the pack's: each
+        # layer's are working memory then (``PackCosts.task_peak``)
+        accumulating = mbs_per_device > 1
+        self._backward_work = _RangeMax([layer.backward_work_bytes * size + (layer.param_bytes if accumulating else 0)
+                                         for layer in layers])
+        self._forward_work = _RangeMax([layer.forward_work_bytes * size for layer in layers])
 
     def biggest(self, a, b):
-        level = np.log2(np.asarray(b) - np.asarray(a)).astype(int)
-        return np.maximum(self._table[level, a], self._table[level, np.asarray(b) - (1 << level)])
+        """The largest working set of a backward over one of the layers ``[a, b)``."""
+        return self._backward_work(a, b)
+
+    def biggest_forward(self, a, b):
+        """The largest working set of a forward over one of the layers ``[a, b)``."""
+        return self._forward_work(a, b)
+
+    def graph(self, a, b):
+        """The autograd graph of one microbatch over ``[a, b)`` (``costs.graph_bytes``)."""
+        return self._saved[b] - self._saved[a] + np.minimum(self.boundary[a], self._saved_inputs[b] - self._saved_inputs[a])
 
     def weights(self, a, b):
         return self._weights[b] - self._weights[a]
@@ -128,7 +136,7 @@ class PackModel:
         """Bytes a pack holds in its backward: weights and their gradients, one microbatch's graph,
         its input and output values and gradients, and the largest layer's working set."""
         io = 2 * (self.boundary[a] + self.boundary[b])
-        return self.weights(a, b) + self.grads(a, b) + (self._saved[b] - self._saved[a]) + io + self.biggest(a, b)
+        return self.weights(a, b) + self.grads(a, b) + self.graph(a, b) + io + self.biggest(a, b)
 
     def tier_bytes(self, a, b):
         return self._tier_per_param * (self.params[b] - self.params[a]) + self._tier_inputs[a]
@@ -155,7 +163,8 @@ class PackModel:
     def cost(self, a, b):
         # forward, recompute and backward; the last pack keeps its graph and skips the recompute
         runs = np.where(np.asarray(b) == self.num_layers, 1, 2)
-        compute = self.mbs * (runs * (self.forward[b] - self.forward[a]) + (self.backward[b] - self.backward[a]))
+        compute = self.mbs * (runs * (self.forward[b] - self.forward[a] + self.launch)
+                              + (self.backward[b] - self.backward[a] + self.launch))
         moved = 2 * self.weights(a, b) + self.grads(a, b) + 2 * self.mbs * (self.boundary[a] + self.boundary[b])
         # the host updates the pack after its backward, while the packs before it run theirs: what
         # their backward cannot cover is exposed
@@ -165,6 +174,24 @@ class PackModel:
         # the tier reads and writes a pack's state around its update, in the backward: its lane can
         # overlap the pack's recompute and backward, not its forward (``lane``)
         return np.maximum(np.maximum(compute, moved / self.bandwidth), self.lane(a, b)) + tail + self.overhead
+
+
+class _RangeMax:
+    """The maximum of ``values[a:b]`` in O(1), ``a``, ``b`` ints or arrays of them: a sparse table,
+    level l holding the maxima of 2**l values."""
+
+    def __init__(self, values: Sequence[float]) -> None:
+        levels = [np.asarray(values, dtype=np.float64)]
+        while 2 ** len(levels) <= len(values):
+            prev, width = levels[-1], 2 ** (len(levels) - 1)
+            levels.append(np.maximum(prev[:-width], prev[width:]))
+        self._table = np.full((len(levels), len(values)), -np.inf)
+        for level, row in enumerate(levels):
+            self._table[level, :len(row)] = row
+
+    def __call__(self, a, b):
+        level = np.log2(np.asarray(b) - np.asarray(a)).astype(int)
+        return np.maximum(self._table[level, a], self._table[level, np.asarray(b) - (1 << level)])
 
 
 class ForwardModel:
@@ -182,14 +209,14 @@ class ForwardModel:
 
     def need(self, u, v):
         model, a, b = self.model, self.edges[u], self.edges[v]
-        return self.weights(u, v) + model.biggest(a, b) + 2 * (model.boundary[a] + model.boundary[b])
+        return self.weights(u, v) + model.biggest_forward(a, b) + 2 * (model.boundary[a] + model.boundary[b])
 
     def exposed(self, u, v):
         return self.weights(u, v) / self.model.bandwidth
 
     def cost(self, u, v):
         model, a, b = self.model, self.edges[u], self.edges[v]
-        compute = model.mbs * (model.forward[b] - model.forward[a])
+        compute = model.mbs * (model.forward[b] - model.forward[a] + model.launch)
         return np.maximum(compute, self.weights(u, v) / model.bandwidth) + model.overhead
 
 
@@ -307,8 +334,8 @@ def lower_bound(profile: ModelProfile, batch_size: int, devices: int, spec: Devi
       where the optimizer is sharded over servers);
     * tier: ``tier_bytes`` read and written back on the tier's one lane."""
     compute = 0.0
-    for index, layer in enumerate(profile.layers):
-        forward, backward = layer_seconds(layer, batch_size, spec, profile.precision)
+    for index, layer in enumerate(profile.layers):  # without a task's fixed cost: a bound on any packing
+        forward, backward = layer_seconds(layer, batch_size, spec, profile.precision, launch=False)
         compute += forward + backward + (forward if index in recomputed else 0.0)
     compute /= devices
     moved = 2 * profile.param_bytes + 4 * profile.num_params  # weights in twice, fp32 gradients out

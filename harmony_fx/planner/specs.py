@@ -48,10 +48,11 @@ class DeviceSpec:
         total = budget or self.memory
         return total if self.inline else total - cuda_reserve(total)
 
-    def compute_seconds(self, flops: float, touched_bytes: float, precision: str = "fp32") -> float:
-        """A roofline: the slower of arithmetic and memory traffic, plus the launch cost."""
+    def compute_seconds(self, flops: float, touched_bytes: float, precision: str = "fp32", launch: bool = True) -> float:
+        """A roofline: the slower of arithmetic and memory traffic, plus the launch cost (a task's,
+        where ``launch``)."""
         peak = self.flops.get(precision, self.flops["fp32"]) * self.efficiency
-        return max(flops / peak, touched_bytes / self.memory_bandwidth) + self.launch_seconds
+        return max(flops / peak, touched_bytes / self.memory_bandwidth) + (self.launch_seconds if launch else 0.0)
 
 
 @dataclasses.dataclass(frozen=True)

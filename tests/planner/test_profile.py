@@ -69,7 +69,11 @@ def test_per_sample_activation_and_flop_figures() -> None:
     profile = _mlp_profile(8)
     block = profile.layers[0]
     assert block.fwd_flops == 2 * WIDTH * WIDTH          # one linear: a multiply and an add per weight
-    assert block.saved_bytes == 2 * WIDTH * 4            # the linear's output and the ReLU's
+    assert block.made_bytes == 2 * WIDTH * 4             # the linear's output and the ReLU's
+    # autograd keeps the ReLU's output (the block's output too), not the linear's; and the
+    # linear's input, which the block before made
+    assert block.saved_bytes == WIDTH * 4
+    assert block.saved_input_bytes == WIDTH * 4
     # live after a block: its output, and the target the loss reads at the very end
     assert block.out_bytes == WIDTH * 4 + 8
     assert profile.input_bytes == WIDTH * 4 + 8          # x and y
@@ -94,7 +98,9 @@ def test_figures_are_per_sample_whatever_the_batch() -> None:
     # the loss is one scalar per batch, not per sample: its share per sample halves
     loss_small, loss_large = small.layers[-1], large.layers[-1]
     assert loss_small.out_bytes * 8 == loss_large.out_bytes * 16 == 4
-    assert loss_small.saved_bytes * 8 == loss_large.saved_bytes * 16
+    # what autograd keeps of it: the log-softmax per sample (8 more samples, 8 more rows), the
+    # loss and nll_loss's total weight once
+    assert loss_large.saved_bytes * 16 - loss_small.saved_bytes * 8 == 8 * CLASSES * 4
 
 
 def test_compute_itemsize_sizes_floating_activations_and_weights() -> None:

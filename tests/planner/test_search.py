@@ -104,10 +104,10 @@ def test_best_boundaries_misses_packings_whose_last_pack_ends_in_a_small_loss() 
     it also returns None while feasible packings exist, and elsewhere packings up to 2% costlier
     than the optimum."""
     layers = (
-        LayerProfile("embed", 10, 20, 10.0, 4.0, 4.0),
-        LayerProfile("block", 10, 20, 10.0, 4.0, 4.0),
-        LayerProfile("logits", 10, 20, 10.0, 100.0, 100.0),   # a large output...
-        LayerProfile("loss", 0, 0, 1.0, 1.0, 1.0),            # ...that the loss reduces to a scalar
+        LayerProfile("embed", 10, 20, 10.0, 4.0, 4.0, backward_work_bytes=4.0),
+        LayerProfile("block", 10, 20, 10.0, 4.0, 4.0, backward_work_bytes=4.0),
+        LayerProfile("logits", 10, 20, 10.0, 100.0, 100.0, backward_work_bytes=100.0),   # a large output...
+        LayerProfile("loss", 0, 0, 1.0, 1.0, 1.0, backward_work_bytes=1.0),  # ...that the loss reduces to a scalar
     )
     profile = ModelProfile("head", layers, 1, 4.0)
     model = PackModel(profile, 1, 1, TOY, 1, TOY_HOST)
