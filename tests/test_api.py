@@ -378,9 +378,10 @@ def test_explain_says_why_a_plan_leaves_more_than_half_of_its_budget_unused(give
     assert "budget:" not in tight.explain()  # a plan that uses its budget needs no excuse
 
 
-def test_explain_names_the_planners_estimate_when_it_is_what_left_the_budget_unused():
-    """The demo's GPT under a quarter of eager's memory: the planner's estimate of its schedule
-    (from the layers' profile) is near the budget, the exact count of the planning run under half."""
+def test_explain_says_nothing_of_the_budget_where_the_plan_uses_most_of_it():
+    """The demo's GPT under a quarter of eager's memory. Until the planner measured what autograd
+    keeps per layer, its estimate of its schedule was about twice the planning run's exact count,
+    which left half the budget unused (and explain said why); now the plan uses most of it."""
     from harmony_fx.analysis.memory import eager_training_bytes
     from harmony_fx.models import GPTConfig, TinyGPT
 
@@ -390,8 +391,5 @@ def test_explain_names_the_planners_estimate_when_it_is_what_left_the_budget_unu
     idx = torch.randint(0, 64, (8, 32))
     need = eager_training_bytes(model, (idx,), lambda out: out.float().mean())
     hm = harmony_fx.compile(model, (idx,), memory_budget=need // 4)
-    (line,) = [line for line in hm.explain().splitlines() if line.startswith("budget:")]
-    estimate = re.search(r"the planner chose it on its estimate of ([\d.]+) (KiB|MiB) \((\d+)% of", line)
-    assert estimate, line
-    estimated = float(estimate.group(1)) * {"KiB": 2**10, "MiB": 2**20}[estimate.group(2)]
-    assert 2 * max(hm.plan.predicted_peak.values()) <= hm.budget < 2 * estimated
+    assert 2 * max(hm.plan.predicted_peak.values()) > hm.budget
+    assert not [line for line in hm.explain().splitlines() if line.startswith("budget:")]
