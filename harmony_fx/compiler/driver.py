@@ -10,7 +10,8 @@
 6. ``plan packs``: the fewest packs that fit (``compiler.packing.plan_packs``: bounds first, then a
    monotone search), each candidate evaluated apart (split, lower, FakeTensor peak replaying the
    tasks met before: ``compiler.packing.evaluate``), changing nothing it is given; the chosen one
-   verified.
+   verified. Where the planner's packs do not fit after all, the packs are searched again for its
+   microbatches (policy "balanced at the planner's microbatches"): they are captured already.
 7. ``fall back``: if a stage from 3 on raises for the planner's schedule (its packing does not
    fit after all, a microbatch size captures another graph, ...), stages 3-9 again with its next
    schedule, and last with the options' own settings; if those fail too, their error says what
@@ -40,8 +41,8 @@ from harmony_fx.compiler.compiled import Compiled
 from harmony_fx.compiler.host_memory import HostMemoryPlan, OptimizerFacts, plan_host_memory
 from harmony_fx.compiler.layout import Layout, decide_layout
 from harmony_fx.compiler.packing import (
-    Candidate, PackingBounds, PackingContext, balanced, evaluate, finish_chosen, fixed, layer_costs, plan_packs,
-    reuse as reuse_packing, update_groups, verify_programs,
+    BudgetTooSmallError, Candidate, PackingBounds, PackingContext, balanced, evaluate, finish_chosen, fixed,
+    layer_costs, plan_packs, reuse as reuse_packing, update_groups, verify_programs,
 )
 from harmony_fx.compiler.plan import make_plan
 from harmony_fx.compiler.shapes import Shapes
@@ -210,10 +211,22 @@ def _from_layout(log: StageLog, example: _Example, devices: list, options: Compi
                             decision=lambda c: "the larger call's packing, every value no larger: its peak bounds this "
                             "one's" if c is not None else "a value is larger here: the packing is checked in full")
     if candidate is None:
-        candidate = log.run(
-            "plan packs", _plan_packs, log, context, primary, devices[0], policy, name_smallest=schedule is None,
-            decision=lambda c: f"{policy_name}: {len(c.packs)} pack(s), peak "
-                               + ", ".join(f"{d.name} {format_size(p)}" for d, p in zip(devices, c.peaks)))
+        def plan_packs_by(policy, policy_name: str) -> Candidate:
+            return log.run("plan packs", _plan_packs, log, context, primary, devices[0], policy,
+                           name_smallest=schedule is None,
+                           decision=lambda c: f"{policy_name}: {len(c.packs)} pack(s), peak "
+                           + ", ".join(f"{d.name} {format_size(p)}" for d, p in zip(devices, c.peaks)))
+
+        try:
+            candidate = plan_packs_by(policy, policy_name)
+        except BudgetTooSmallError:
+            if schedule is None:
+                raise
+            # The planner's packs come from its cost model, which the exact count may refuse; its
+            # microbatches are captured already and likely still the faster choice: search packs
+            # for them before falling back to another schedule (and capturing again)
+            policy_name = "balanced at the planner's microbatches"
+            candidate = plan_packs_by(balanced, policy_name)
     if layout.forward_parts:
         _refuse_stashed_batch_indices(candidate, analysis)
     log.run("annotate packs", _annotate, variants, candidate.boundaries, options.verify,

@@ -17,6 +17,7 @@ packing fits learns that it does not without running the rest of it (``complete=
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Mapping, Sequence
 
 import torch
@@ -27,10 +28,10 @@ from harmony_fx.compiler.shapes import Shapes, fake_like
 from harmony_fx.ir.pack import Pack
 from harmony_fx.lowering.tasks import ProgramSignature, grad_inputs
 from harmony_fx.program.actions import Action, Key, KeyKind
-from harmony_fx.program.codegen import generate_program
-from harmony_fx.runtime.devices import DeviceOutOfMemoryError, HostDevice
+from harmony_fx.program.codegen import run_actions
+from harmony_fx.runtime.devices import DeviceOutOfMemoryError
 from harmony_fx.runtime.host import HostState
-from harmony_fx.runtime.probe import Probe
+from harmony_fx.runtime.probe import FakeHostDevice, Probe
 
 __all__ = ["DeviceEstimate", "estimate_device"]
 
@@ -53,8 +54,8 @@ def estimate_device(forward: Sequence[Action], backward: Sequence[Action], micro
     met before; ``cap``: stop where the device would hold more (see the module docstring)."""
     forward, backward = list(forward), list(backward)
     packs = packs_by_size[shapes.mb_sizes[0]]
-    device = HostDevice("fake", cap)
-    programs = [generate_program(actions, [""] * len(actions), "Fake") for actions in (forward, backward)]
+    device = FakeHostDevice("fake", cap)
+    programs = [functools.partial(run_actions, actions) for actions in (forward, backward)]
     with FakeTensorMode(allow_non_fake_inputs=True), torch.random.fork_rng(devices=[]):
         fake_masters = {name: fake_like(t, target) for name, t in shapes.masters.items()}
         arguments = ([packs_by_size[size] for size in shapes.mb_sizes], device, HostState.of(packs, fake_masters),

@@ -41,7 +41,7 @@ from torch.utils import _pytree as pytree
 from harmony_fx.ir.tracking import storage_key
 from harmony_fx.program.actions import Key, KeyKind
 from harmony_fx.runtime.inductor import structure_key
-from harmony_fx.runtime.probe import Probe
+from harmony_fx.runtime.probe import Probe, empty_fake
 
 __all__ = ["TaskRecords", "ReplayingProbe"]
 
@@ -261,10 +261,10 @@ class ReplayingProbe(Probe):
     def _storages(self, record: _Record) -> list[torch.Tensor]:
         """Fresh storages of the record's sizes on the device, counted as the real ones were: each
         the tensor the values on it view (as their ``_base``), or raw bytes a graph keeps."""
-        with self.device.compute_scope():
-            return [torch.empty(spec[1], dtype=torch.uint8, device=self.target) if spec[0] == "raw" else
-                    torch.empty_strided(spec[1], spec[2], dtype=spec[3], device=self.target)
-                    for spec in record.storages]
+        register = self.device.tracker.register
+        return [register(empty_fake((spec[1],), (1,), torch.uint8, self.target) if spec[0] == "raw" else
+                         empty_fake(spec[1], spec[2], spec[3], self.target))
+                for spec in record.storages]
 
     def _sources(self, read: list, dropped: Sequence[Key]) -> dict[int, tuple[int, torch.dtype]]:
         """What a task may leave views of: the leaves it reads, then those it drops, by storage:

@@ -25,7 +25,7 @@ from harmony_fx.ir import meta
 from harmony_fx.program.ops import OP_OF_KIND
 from harmony_fx.program.actions import Action, ActionKind
 
-__all__ = ["generate_program", "HarmonyCodeGen"]
+__all__ = ["generate_program", "run_actions", "HarmonyCodeGen"]
 
 
 
@@ -61,29 +61,14 @@ def generate_program(actions: Sequence[Action], steps: Sequence[str], name: str,
     rt = graph.placeholder("rt")
     events: dict[int, fx.Node] = {}
     for action, step in zip(actions, steps):
-        op = OP_OF_KIND[action.kind]
-        if action.kind == ActionKind.WAIT:
-            if action.event not in events:  # recorded by another device's program
-                assert action.peer is not None, f"{action!r} waits for an event of an earlier program"
-                remote = graph.call_method("remote", (rt, action.event))
-                remote.name = f"e{action.event}"
-                remote.meta[meta.STEP] = step
-                events[action.event] = remote
-            args = (rt, events[action.event], action.stream.value)
-        elif action.kind == ActionKind.FREE:
-            args = (rt, str(action.key))
-        elif action.kind == ActionKind.UPDATE:
-            args = (rt, action.pack, *(events[event] for event in action.after))
-        elif action.kind in (ActionKind.PREFETCH, ActionKind.OFFLOAD):
-            args = (rt, str(action.key), action.stream.value)
-        elif action.kind in (ActionKind.READ, ActionKind.WRITE):
-            args = (rt, str(action.key))
-        elif action.kind in (ActionKind.SEND, ActionKind.RECV):
-            args = (rt, str(action.key), action.peer)
-        elif action.kind == ActionKind.SPLIT:
-            args = (rt, str(action.key), *(key.mb for key in action.writes))
-        else:
-            args = (rt, action.pack, action.mb)
+        if action.kind == ActionKind.WAIT and action.event not in events:  # recorded by another device's program
+            assert action.peer is not None, f"{action!r} waits for an event of an earlier program"
+            remote = graph.call_method("remote", (rt, action.event))
+            remote.name = f"e{action.event}"
+            remote.meta[meta.STEP] = step
+            events[action.event] = remote
+        op, args = _call_of(action, events)
+        args = (rt, *args)
         node = graph.call_method(op, args)
         if action.event is not None and action.kind != ActionKind.WAIT:
             node.name = f"e{action.event}"
@@ -97,3 +82,37 @@ def generate_program(actions: Sequence[Action], steps: Sequence[str], name: str,
     graph.output(None)
     graph.lint()
     return fx.GraphModule(torch.nn.Module(), graph, class_name=name)
+
+
+def run_actions(actions: Sequence[Action], rt) -> None:
+    """What ``generate_program(actions, ...)(rt)`` does, without making the program: for a run that
+    only needs the calls (the planning run of each candidate packing, whose code nobody reads)."""
+    events: dict[int, object] = {}
+    for action in actions:
+        if action.kind == ActionKind.WAIT and action.event not in events:
+            events[action.event] = rt.remote(action.event)
+        op, args = _call_of(action, events)
+        result = getattr(rt, op)(*args)
+        if action.event is not None and action.kind != ActionKind.WAIT:
+            events[action.event] = result
+
+
+def _call_of(action: Action, events) -> tuple[str, tuple]:
+    """The runtime op an action calls and its arguments after the runtime (``events``: each event
+    recorded so far, by number: a program's node, or a running program's value)."""
+    op = OP_OF_KIND[action.kind]
+    if action.kind == ActionKind.WAIT:
+        return op, (events[action.event], action.stream.value)
+    if action.kind == ActionKind.FREE:
+        return op, (str(action.key),)
+    if action.kind == ActionKind.UPDATE:
+        return op, (action.pack, *(events[event] for event in action.after))
+    if action.kind in (ActionKind.PREFETCH, ActionKind.OFFLOAD):
+        return op, (str(action.key), action.stream.value)
+    if action.kind in (ActionKind.READ, ActionKind.WRITE):
+        return op, (str(action.key),)
+    if action.kind in (ActionKind.SEND, ActionKind.RECV):
+        return op, (str(action.key), action.peer)
+    if action.kind == ActionKind.SPLIT:
+        return op, (str(action.key), *(key.mb for key in action.writes))
+    return op, (action.pack, action.mb)

@@ -13,19 +13,20 @@ from __future__ import annotations
 from typing import Callable, Sequence
 
 import torch
-from torch import fx
+from torch._subclasses.fake_tensor import FakeTensor
+from torch.utils._mode_utils import no_dispatch
 
 from harmony_fx.ir import values as pytrees
 from harmony_fx.ir.pack import Pack
 from harmony_fx.program.actions import Key
 from harmony_fx.program.ops import OP_OF_KIND
-from harmony_fx.runtime.devices import Device
+from harmony_fx.runtime.devices import Device, HostDevice
 from harmony_fx.runtime.executor import Runtime
 from harmony_fx.runtime.host import Event, HostState
 from harmony_fx.runtime.links import StandaloneLinks
 from harmony_fx.runtime.stats import Stats
 
-__all__ = ["Probe"]
+__all__ = ["Probe", "FakeHostDevice", "empty_fake"]
 
 
 class Probe(Runtime):
@@ -52,9 +53,10 @@ class Probe(Runtime):
         """The device's peak so far (the per-task resets included)."""
         return max(self.device.peak_bytes(), self._tasks_peak)
 
-    def run_programs(self, programs: Sequence[fx.GraphModule]) -> None:
-        """Run ``programs`` in order, noting ``peak`` after every action (a FakeTensor run on
-        HostStreams: each op's work is done when it returns)."""
+    def run_programs(self, programs: Sequence[Callable[[object], None]]) -> None:
+        """Run ``programs`` in order (generated programs, or anything that calls the runtime's ops
+        as one would: ``program.codegen.run_actions``), noting ``peak`` after every action (a
+        FakeTensor run on HostStreams: each op's work is done when it returns)."""
         traced = _PeakTrace(self)
         for program in programs:
             program(traced)
@@ -107,3 +109,41 @@ class _PeakTrace:
             return result
 
         return traced
+
+
+def empty_fake(shape: Sequence[int], stride: Sequence[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A new FakeTensor of this layout in the active ``FakeTensorMode``, built from a meta tensor
+    directly: what ``torch.empty_strided`` under the mode makes, without the mode's dispatch (its
+    cache key alone costs more than the tensor: 30 µs against 100, and 200 for a ``clone``). A
+    planning run makes thousands of values that nothing reads: copies, replayed results."""
+    mode = torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE)
+    if mode is None:
+        return torch.empty_strided(shape, stride, dtype=dtype, device=device)
+    with no_dispatch():
+        elem = torch.empty_strided(shape, stride, dtype=dtype, device="meta")
+    return FakeTensor(mode, elem, torch.device(device))
+
+
+def _fresh_copy(value: torch.Tensor) -> torch.Tensor:
+    """What ``value.detach().clone()`` gives, for a planning run: a new storage of the same layout
+    (a dense value keeps its strides; another is cloned as it is)."""
+    if isinstance(value, FakeTensor) and value.is_contiguous():
+        return empty_fake(value.shape, value.stride(), value.dtype, value.device)
+    return value.detach().clone()
+
+
+class FakeHostDevice(HostDevice):
+    """The planning run's device: a HostDevice counting every tensor, whose copies are made as new
+    FakeTensors directly (``empty_fake``) rather than through the mode's ``clone``: the same
+    storages and bytes, a fraction of the time."""
+
+    def __init__(self, name: str, budget: int | None) -> None:
+        super().__init__(name, budget, track_memory=True)
+
+    def to_device(self, source: torch.Tensor, slot: object = None, read_only: bool = False) -> torch.Tensor:
+        return self.tracker.register(_fresh_copy(source))
+
+    def to_host(self, value: torch.Tensor, last_use: bool = False, into: torch.Tensor | None = None) -> torch.Tensor:
+        if self.landing_fits(into, value):
+            return super().to_host(value, last_use, into)
+        return _fresh_copy(value)

@@ -208,3 +208,28 @@ def test_a_compile_past_two_seconds_says_on_stderr_which_stage_and_candidate(mon
     assert any(re.fullmatch(r"harmony_fx compile, \d+\.\d s: plan packs: started", line) for line in lines), lines
     candidates = [line for line in lines if re.search(r"plan packs: candidate \d+: \d+ of at most \d+ packs", line)]
     assert candidates and not any("codegen" in line for line in lines)
+
+
+def test_a_planner_packing_that_does_not_fit_is_searched_again_at_its_microbatches(monkeypatch):
+    """The planner's packing comes from its cost model; where the exact count refuses it, its
+    microbatches (captured already) are kept and the packs searched for them, rather than falling
+    back to another schedule and capturing again."""
+    from harmony_fx.compiler import driver
+    from harmony_fx.planner.chain import Schedule
+
+    def one_pack_on_four_microbatches(gm, model, batch, devices, *args):
+        return (Schedule(boundaries=(0,), microbatches=4, parallel="single", devices=1),)
+
+    monkeypatch.setattr(driver, "choose_schedules", one_pack_on_four_microbatches)
+    torch.manual_seed(0)
+    model = MLPChain(width=32, depth=6)
+    reference = copy.deepcopy(model)
+    hm = harmony_fx.compile(model, memory_budget="24KiB")  # one pack of the whole model needs more
+    x, y = torch.randn(16, 32), torch.randint(0, 10, (16,))
+    F.cross_entropy(hm(x), y).backward()
+    F.cross_entropy(reference(x), y).backward()
+    assert_grads_equal(model, reference)
+    names = [stage.name for stage in hm.passes]
+    assert names.count("plan packs") == 2 and "fall back" not in names and names.count("capture microbatches") == 1
+    assert hm.num_microbatches == 4 and len(hm.packs) > 1
+    assert hm.plan.policy == "balanced at the planner's microbatches"

@@ -111,3 +111,37 @@ def test_generate_program_from_hand_written_actions():
                         ("free", "W[p0]")]
     assert code.count("# FWD p0") == 1 and "# after" in code
 
+
+
+class _Recorder:
+    """A runtime that notes each op called and its arguments; an op's result is its call's number."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple] = []
+
+    def __getattr__(self, op: str):
+        def call(*args):
+            self.calls.append((op, args))
+            return ("result of call", len(self.calls) - 1)
+
+        return call
+
+
+def test_run_actions_makes_the_calls_the_generated_program_makes():
+    """The planning run calls the runtime's ops from the actions directly; the program users print
+    must be the same calls: a pipeline's Trainer on two devices (waits on the other device's
+    events, UPDATEs after their copies, SPLITs of larger forward microbatches)."""
+    from harmony_fx.program.codegen import run_actions
+    from tests.helpers import four_pack_trainer
+
+    trainer = four_pack_trainer(devices=["host:0", "host:1"], parallel="pp")
+    actions = [program for device in trainer.hm.device_actions for program in device]
+    kinds = {action.kind for program in actions for action in program}
+    assert {ActionKind.UPDATE, ActionKind.WAIT, ActionKind.FREE, ActionKind.OFFLOAD} <= kinds
+    assert any(a.kind == ActionKind.WAIT and a.peer is not None for program in actions for a in program)
+    for program in actions:
+        generated, interpreted = _Recorder(), _Recorder()
+        generate_program(program, [""] * len(program), "P")(generated)
+        run_actions(program, interpreted)
+        assert interpreted.calls == generated.calls
+        assert len(generated.calls) >= len(program)

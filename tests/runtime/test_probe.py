@@ -92,3 +92,25 @@ def test_the_peak_of_an_early_task_is_kept_across_the_later_tasks_resets():
     at_peak = probe.peak_after_action.index(probe.peak)
     assert str(actions[at_peak]) == "FWD p0@0 -> e3"
     assert probe.peak_after_action[at_peak:] == [probe.peak] * (len(actions) - at_peak)
+
+
+def test_the_planning_device_copies_as_clone_does_in_a_fraction_of_the_dispatches():
+    """A FakeHostDevice's copies (made directly, not through the mode's ``clone``) have clone's
+    layout and a storage of their own, counted once, as a HostDevice counts its clones."""
+    from torch._subclasses import FakeTensorMode
+
+    from harmony_fx.runtime.probe import FakeHostDevice
+
+    fake, real = FakeHostDevice("fake", None), HostDevice("real", None)
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        dense = torch.empty(6, 4)
+        for source in (dense, dense.t(), dense[:, :3], torch.empty(5, dtype=torch.int64)):
+            made, cloned = fake.to_device(source), real.to_device(source)
+            assert (made.shape, made.stride(), made.dtype, made.device) == (
+                cloned.shape, cloned.stride(), cloned.dtype, cloned.device)
+            assert made.untyped_storage().nbytes() == cloned.untyped_storage().nbytes()
+            assert made.untyped_storage()._cdata != source.untyped_storage()._cdata
+            back = fake.to_host(made)
+            assert back.untyped_storage()._cdata != made.untyped_storage()._cdata
+            assert (back.shape, back.stride()) == (made.shape, made.stride())
+            assert fake.live_bytes() == real.live_bytes()
