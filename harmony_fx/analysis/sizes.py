@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import fx
 from torch.utils._pytree import tree_flatten, tree_map
-from torch.utils.flop_counter import FlopCounterMode
+from torch.utils.flop_counter import FlopCounterMode, flop_registry
 
 from harmony_fx.ir import meta
 from harmony_fx.ir.values import value_bytes
@@ -50,6 +50,8 @@ def _subgraphs(node: fx.Node, gm: fx.GraphModule) -> list[fx.GraphModule]:
 
 
 def _op_flops(node: fx.Node) -> int:
+    if not _may_count(node.target):
+        return 0
     args, kwargs = tree_map(_val_or_const, (node.args, node.kwargs))
     fake_mode = _fake_mode_of(node)
     if fake_mode is None:
@@ -61,6 +63,15 @@ def _op_flops(node: fx.Node) -> int:
     except Exception:  # noqa: BLE001 - an ATen op the fake mode cannot run (data-dependent output):
         return 0         # no FLOPs we can count, and no global state an ATen op could have changed
     return counter.get_total_flops()
+
+
+def _may_count(op: torch._ops.OpOverload) -> bool:
+    """Whether ``FlopCounterMode`` can count anything for ``op``: it counts the ops of its registry
+    (matmuls, convolutions, attention), also where a composite op (``linear``, ``matmul``)
+    decomposes into them. Others (views, elementwise ops, norms' kernels) count none, so they are
+    not run: most of a graph's ops, each a FakeTensor dispatch."""
+    return (op.overloadpacket in flop_registry
+            or torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), "CompositeImplicitAutograd"))
 
 
 def _val_or_const(arg: object) -> object:
