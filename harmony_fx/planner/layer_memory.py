@@ -63,7 +63,10 @@ def measure_layer_memory(gm: fx.GraphModule, layers: list[Layer], made_bytes: Ca
         layer_nodes = [nodes[name] for name in layer.nodes]
         outputs = {node.name for node in layer_nodes if read_after.get(node.name, -1) > layer.index}
         try:
-            result.append(_measure(gm, layer_nodes, outputs, dtype))
+            # a higher-order op (a no_grad region) sets grad mode around its subgraph and does not
+            # put it back if the subgraph raises: the context restores it whatever happens
+            with torch.set_grad_enabled(torch.is_grad_enabled()):
+                result.append(_measure(gm, layer_nodes, outputs, dtype))
         except Exception:  # noqa: BLE001 - no meta kernel, data-dependent: the static bound instead
             made = sum(made_bytes(node) for node in layer_nodes)
             result.append(LayerMemory(made, 0, made, made))
