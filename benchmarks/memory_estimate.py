@@ -14,6 +14,7 @@ Only public names are used, so the same script measures another checkout of the 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 
 import torch
@@ -88,9 +89,11 @@ def estimate_and_exact(hm) -> tuple[int, int, str]:
     dtype = hm.options.compute_dtype
     profile = profile_graph("model", hm.captured.gm, size, None if dtype is None else dtype.itemsize,
                             hm.options.precision)
-    schedule = hm.compiled.schedule
-    if schedule is None:  # the compiler's own packing: the same boundaries and microbatches
-        schedule = Schedule(tuple(pack.layers[0] for pack in hm.packs), hm.plan.microbatches, "single", 1)
+    # the packs it runs: the planner's may have been refused by the exact count and replaced by the
+    # compiler's own (at the same microbatches), or the compiler chose without the planner
+    boundaries = tuple(pack.layers[0] for pack in hm.packs)
+    schedule = hm.compiled.schedule or Schedule(boundaries, hm.plan.microbatches, "single", 1)
+    schedule = dataclasses.replace(schedule, boundaries=boundaries, fuse_last=hm.compiled.trainer)
     batch = sum(s for s in hm.compiled.layout.sizes[:schedule.microbatches] if s) or size
     spec = device_spec(hm.devices[0], hm.budget)
     programs, costs = chain_schedule(profile, schedule, batch, spec, HostSpec())

@@ -41,6 +41,10 @@ class Schedule:
     # the forward's larger microbatches: how many (``None``: the backward's)
     forward_microbatches: int | None = None
     handoff: str = "peer"  # a pipeline's: device to device, or through the host
+    # the loss is in the graph (a Trainer): the last pack runs forward and backward per microbatch.
+    # False for ``compile`` without a Trainer: every microbatch's forward of the last pack runs
+    # first and keeps its graph until the caller's backward
+    fuse_last: bool = True
     # why the schedule leaves more than half of the budget unused, where it does (``choose``)
     budget_note: str = dataclasses.field(default="", compare=False, repr=False)
 
@@ -78,7 +82,9 @@ def chain_packs(profile: ModelProfile, boundaries: Sequence[int]) -> list[Pack]:
 def chain_schedule(profile: ModelProfile, schedule: Schedule, batch_size: int, spec: DeviceSpec,
                    host: HostSpec) -> tuple[list[list[Action]], PackCosts]:
     """Every device's program (forward and backward, concatenated) and the costs of its tasks, for
-    a Trainer-style iteration: loss in the last pack, the host updating each pack's parameters."""
+    an iteration with the host updating each pack's parameters: a Trainer's (loss in the last pack,
+    run fused) or, where ``schedule.fuse_last`` is False, a compiled module's called then
+    backpropagated (the last pack's graphs of every microbatch kept for the backward)."""
     num_layers, count = len(profile.layers), schedule.microbatches
     packs = chain_packs(profile, schedule.boundaries)
     sizes = microbatch_sizes(batch_size, count)
@@ -87,7 +93,7 @@ def chain_schedule(profile: ModelProfile, schedule: Schedule, batch_size: int, s
     signature = ProgramSignature(
         model_inputs=("x0",), model_outputs=(f"x{num_layers}",), inputs_requiring_grad=frozenset(),
         differentiable=frozenset(f"x{i}" for i in range(1, num_layers + 1)),
-        microbatches=tuple(range(count)), fuse_last=True,
+        microbatches=tuple(range(count)), fuse_last=schedule.fuse_last,
         update_packs=frozenset(pack.index for pack in packs if pack.params), forward_groups=schedule.forward_groups,
         handoff=schedule.handoff)
     if schedule.parallel == "pp":

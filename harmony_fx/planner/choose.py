@@ -37,7 +37,9 @@ def choose_schedules(gm: fx.GraphModule, model: nn.Module, batch_size: int, devi
     turn, then its defaults. ``separable``: the graph treats the samples apart
     (``analysis.batch_dims``); if not, the batch is never cut (one microbatch, several devices in a
     pipeline). ``trainer``: the loss is in the graph, so the forward may run larger microbatches
-    than the backward (where the samples are apart and nothing random is drawn).
+    than the backward (where the samples are apart and nothing random is drawn) and the last pack
+    runs forward and backward per microbatch; without it, the last pack's graphs of every
+    microbatch wait for the caller's backward, and the schedules are simulated so.
 
     After the fastest schedule come simpler ones, for when it cannot be captured or packed after
     all: the planner sees one graph, and export may capture another at a microbatch size (a
@@ -58,7 +60,7 @@ def choose_schedules(gm: fx.GraphModule, model: nn.Module, batch_size: int, devi
     spec = device_spec(devices[0], budget)
     settings = dict(batch_size=batch_size, devices=len(devices), budget=budget, parallel=parallel, simulate_top=3,
                     all_devices=True, forward_apart=trainer and separable and not changes_results,
-                    handoff=options.handoff)
+                    handoff=options.handoff, fuse_last=trainer)
     try:
         choice = search(profile, spec, HostSpec(), microbatches=microbatches, **settings)
     except PlanningError:

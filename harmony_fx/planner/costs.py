@@ -113,9 +113,9 @@ def chain_key_bytes(profile: ModelProfile, pack_layers: Sequence[Sequence[int]],
     def key_bytes(key: Key) -> int:
         if key.kind in (KeyKind.ACT, KeyKind.GRAD):
             i = int(key.name[1:])
-            if i == len(layers):
-                return 4  # the loss
             per_sample = profile.input_bytes if i == 0 else layers[i - 1].out_bytes
+            if i == len(layers):  # the model's outputs: a Trainer's loss (4 bytes), or what a module returns
+                return max(4, int(per_sample * sizes[key.mb]))
             return int(per_sample * sizes[key.mb])
         if key.kind == KeyKind.WEIGHTS:
             return sum(layers[i].param_bytes for i in pack_layers[int(key.name[1:])])

@@ -76,13 +76,16 @@ def _prefix(values: Sequence[float]) -> np.ndarray:
 class PackModel:
     """Need and cost of packs ``[a, b)`` for one setting, from prefix sums: every method takes
     ints or numpy arrays of them (broadcast), so the dynamic program works a row at a time.
-    ``tier``: each pack's share of the NVMe tier (``planner.host_memory.tier_share``)."""
+    ``tier``: each pack's share of the NVMe tier (``planner.host_memory.tier_share``);
+    ``fuse_last``: as ``Schedule.fuse_last`` (False: the last pack holds every microbatch's graph)."""
 
     def __init__(self, profile: ModelProfile, size: int, mbs_per_device: int, spec: DeviceSpec,
-                 devices_sharing_link: int, host: HostSpec, tier: TierShare = TierShare()) -> None:
+                 devices_sharing_link: int, host: HostSpec, tier: TierShare = TierShare(),
+                 fuse_last: bool = True) -> None:
         layers = profile.layers
         self.num_layers = len(layers)
         self.mbs = mbs_per_device
+        self.fuse_last = fuse_last
         bandwidth = spec.host_bandwidth
         if host.link_bandwidth is not None:
             bandwidth = min(bandwidth, host.link_bandwidth / devices_sharing_link)
@@ -133,10 +136,12 @@ class PackModel:
         return self._grads[b] - self._grads[a]
 
     def need(self, a, b):
-        """Bytes a pack holds in its backward: weights and their gradients, one microbatch's graph,
-        its input and output values and gradients, and the largest layer's working set."""
+        """Bytes a pack holds in its backward: weights and their gradients, one microbatch's graph
+        (the last pack unfused: every microbatch's, kept from the forward), its input and output
+        values and gradients, and the largest layer's working set."""
         io = 2 * (self.boundary[a] + self.boundary[b])
-        return self.weights(a, b) + self.grads(a, b) + self.graph(a, b) + io + self.biggest(a, b)
+        graphs = 1 if self.fuse_last else np.where(np.asarray(b) == self.num_layers, self.mbs, 1)
+        return self.weights(a, b) + self.grads(a, b) + graphs * self.graph(a, b) + io + self.biggest(a, b)
 
     def tier_bytes(self, a, b):
         return self._tier_per_param * (self.params[b] - self.params[a]) + self._tier_inputs[a]
@@ -375,11 +380,14 @@ def _powers_of_two(limit: int) -> list[int]:
 def search(profile: ModelProfile, spec: DeviceSpec, host: HostSpec, *, batch_size: int, devices: int = 1,
            budget: int | None = None, parallel: str | None = None, microbatches: int | None = None,
            simulate_top: int = 6, all_devices: bool = False, forward_apart: bool = True,
-           handoff: str | None = None, progress: Callable[[str], None] | None = None) -> PlanChoice:
+           handoff: str | None = None, fuse_last: bool = True,
+           progress: Callable[[str], None] | None = None) -> PlanChoice:
     """The fastest simulated schedule; ``all_devices``: use every device (else also fewer);
     ``forward_apart``: the forward may run larger microbatches than the backward (the samples
     are apart and no pack draws random numbers); ``handoff``: a pipeline's, fixed (``None``: the
-    simulator chooses between device to device and through the host)."""
+    simulator chooses between device to device and through the host); ``fuse_last``: the loss is
+    in the graph (a Trainer; False: ``compile``'s module, whose last pack keeps every
+    microbatch's graph for the caller's backward: ``Schedule.fuse_last``)."""
     given, budget = budget or spec.memory, spec.usable(budget)
     num_layers = len(profile.layers)
     # the least any packing needs: no stash, and with a tier, one layer per pack (the smallest
@@ -404,7 +412,7 @@ def search(profile: ModelProfile, spec: DeviceSpec, host: HostSpec, *, batch_siz
         stagers = used if mode == "pp" else 1
         if stagers not in shares:
             shares[stagers] = tier_share(profile, batch_size, host, stagers)
-        model = PackModel(profile, size, per_device, spec, used, host, shares[stagers])
+        model = PackModel(profile, size, per_device, spec, used, host, shares[stagers], fuse_last)
         smallest_need = min(smallest_need, min(model.need(i, i + 1) + model.weights(i, i + 1) for i in range(num_layers)))
         boundaries = best_boundaries(num_layers, model, budget)
         if boundaries is None:
@@ -424,7 +432,7 @@ def search(profile: ModelProfile, spec: DeviceSpec, host: HostSpec, *, batch_siz
     ranked.sort(key=lambda r: r[0])
     simulated = []
     for index, (_, count, mode, used, boundaries, model) in enumerate(ranked[:simulate_top]):
-        schedule = Schedule(tuple(boundaries), count, mode, used, handoff=handoff or "peer")
+        schedule = Schedule(tuple(boundaries), count, mode, used, handoff=handoff or "peer", fuse_last=fuse_last)
         if progress:
             progress(f"simulating {schedule.describe()} ({index + 1}/{min(simulate_top, len(ranked))})")
         simulated.append((_simulate(profile, schedule, batch_size, spec, host), schedule, model))
@@ -454,7 +462,8 @@ def search(profile: ModelProfile, spec: DeviceSpec, host: HostSpec, *, batch_siz
     for forward_count in _forward_counts(base, forward_apart):
         forward_model = model if forward_count is None else PackModel(
             profile, -(-batch_size // forward_count),
-            forward_count if base.parallel == "pp" else -(-forward_count // base.devices), spec, base.devices, host)
+            forward_count if base.parallel == "pp" else -(-forward_count // base.devices), spec, base.devices, host,
+            fuse_last=fuse_last)
         grouped = forward_groups(forward_model, list(base.boundaries), budget)
         fits, fastest = False, float("inf")
         # the grouping the dynamic program prefers, and the backward's own packs (its cost model
