@@ -59,13 +59,29 @@ class PackCosts:
         top: a backward's, or a forward's (with autograd or without)."""
         layers, size = self.pack_layers[action.pack], self.sizes[action.mb]
         if action.kind != K.BWD:
-            return allocated + int(max(layer.forward_work_bytes for layer in layers) * size)
+            work = allocated + int(max(layer.forward_work_bytes for layer in layers) * size)
+            if not any(key.kind == KeyKind.GRAPH for key in action.writes):
+                return work
+            # the graph key counts what autograd saved of the pack's input, which the task's input
+            # key holds until the task ends: not twice
+            held = sum(self.key_bytes(key) for key in (*action.reads, *action.consumes) if key.kind == KeyKind.ACT)
+            saved = min(self._pack_inputs[action.pack], sum(layer.saved_input_bytes for layer in layers)) * size
+            return work - int(min(saved, held))
         # ``allocated`` is what its new keys take: where the weight gradients' key is not among them
         # (a later microbatch's backward), autograd makes each layer's gradients afresh and adds them
         # into the key's, so they are working memory too
         accumulating = allocated < sum(self.key_bytes(key) for key in action.writes)
-        return allocated + int(max(layer.backward_work_bytes * size + (layer.param_bytes if accumulating else 0)
-                                   for layer in layers))
+        # a layer's measured working set holds its incoming and outgoing gradients: at the pack's
+        # edges those are keys, resident (the output's gradient) or among the new ones (the input's)
+        grads_in = sum(self.key_bytes(key) for key in action.consumes if key.kind == KeyKind.GRAD)
+        grads_out = min(allocated, sum(self.key_bytes(key) for key in action.writes if key.kind == KeyKind.GRAD))
+        last = len(layers) - 1
+
+        def work(index: int, layer) -> float:
+            edges = (min(layer.grad_in_bytes * size, grads_in) if index == last else 0) \
+                + (min(layer.grad_out_bytes * size, grads_out) if index == 0 else 0)
+            return max(layer.backward_work_bytes * size - edges, 0) + (layer.param_bytes if accumulating else 0)
+        return allocated + int(max(work(index, layer) for index, layer in enumerate(layers)))
 
     def pack_params(self, pack: int) -> int:
         return sum(layer.num_params for layer in self.pack_layers[pack])

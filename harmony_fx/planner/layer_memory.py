@@ -9,7 +9,9 @@ The planner's memory model (``planner.costs``) needs, per layer and per sample:
   leaves (its temporaries);
 * ``backward_work``: the most its backward holds at once above what was resident when it began,
   less its weights' gradients (the weight-gradient key of the pack counts those): the incoming
-  gradient, the gradients it makes for its inputs and its temporaries.
+  gradient, the gradients it makes for its inputs and its temporaries;
+* ``grad_in`` / ``grad_out``: of those, the incoming gradients' bytes and the bytes of the
+  gradients it makes for its inputs (a pack's task holds them as keys at its edges already).
 
 Each is counted by ``ir.tracking.AllocationTracker`` (each storage once, from birth to death, as the
 device's account counts it) over the layer's ATen ops, run node by node on meta tensors: no memory,
@@ -43,6 +45,8 @@ class LayerMemory:
     saved_input: int
     forward_work: int
     backward_work: int
+    grad_in: int = 0
+    grad_out: int = 0
 
 
 def measure_layer_memory(gm: fx.GraphModule, layers: list[Layer], made_bytes: Callable[[fx.Node], int],
@@ -98,17 +102,23 @@ def _measure(gm: fx.GraphModule, layer_nodes: list[fx.Node], outputs: set[str], 
     # the backward: from the outputs that require grad, into every input that does
     results = [t for name in outputs for t in tensors(env[name]) if t.requires_grad]
     wanted = [t for value in inputs.values() for t in tensors(value) if t.requires_grad]
-    backward_work = 0
+    backward_work = grad_in = grad_out = 0
     if results and wanted:
         before = tracker.live
         tracker.reset_peak()
         with tracker.mode():
-            grads = torch.autograd.grad(results, wanted, [torch.ones_like(t) for t in results], allow_unused=True)
+            incoming = [torch.ones_like(t) for t in results]
+            grad_in = sum(g.untyped_storage().nbytes() for g in incoming)
+            grads = torch.autograd.grad(results, wanted, incoming, allow_unused=True)
+            del incoming
             weight_grads = {storage_key(g): g.untyped_storage().nbytes() for g, t in zip(grads, wanted)
                             if g is not None and any(t is p for p in params)}
+        grad_out = sum({storage_key(g): g.untyped_storage().nbytes() for g in grads
+                        if g is not None and storage_key(g) not in weight_grads}.values())
         backward_work = max(tracker.peak - before - sum(weight_grads.values()), 0)
         del grads
-    return LayerMemory(kept, sum(saved_inputs.values()), max(forward_free, forward_grad), backward_work)
+    return LayerMemory(kept, sum(saved_inputs.values()), max(forward_free, forward_grad), backward_work, grad_in,
+                       grad_out)
 
 
 def _inputs(external: list[fx.Node], dtype) -> dict[str, object]:

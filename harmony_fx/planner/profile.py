@@ -54,6 +54,8 @@ class LayerProfile:
     saved_input_bytes: float = 0.0     # per sample, of its inputs: those autograd keeps
     forward_work_bytes: float = 0.0    # per sample, a forward's temporaries at most
     backward_work_bytes: float = 0.0   # per sample, a backward's working set at most (weight gradients apart)
+    grad_in_bytes: float = 0.0         # per sample, of that working set: the gradients of its outputs
+    grad_out_bytes: float = 0.0        # per sample, of that working set: the gradients of its inputs
 
     def measured(self, size: float) -> tuple[float, float] | None:
         """(forward, backward) seconds at ``size`` samples, linear between the measured sizes."""
@@ -141,6 +143,8 @@ def profile_graph(name: str, gm: fx.GraphModule, batch_size: int, compute_itemsi
             saved_input_bytes=held.saved_input / batch_size,
             forward_work_bytes=held.forward_work / batch_size,
             backward_work_bytes=held.backward_work / batch_size,
+            grad_in_bytes=held.grad_in / batch_size,
+            grad_out_bytes=held.grad_out / batch_size,
         ))
     return ModelProfile(name, tuple(profiles), batch_size, sum(nbytes(n) for n in inputs) / batch_size,
                         precision)
