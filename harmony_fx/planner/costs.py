@@ -32,12 +32,21 @@ class PackCosts:
                              for layers in pack_layers]
         self._key_bytes = key_bytes
         self._seconds: dict[tuple[K, int, int], float] = {}
+        self._work: dict[tuple, int] = {}  # a task's working set above its new keys (``task_peak``)
+        self._bytes: dict[Key, int] = {}
 
     def key_bytes(self, key: Key) -> int:
-        if key.kind == KeyKind.GRAPH:
-            pack = int(key.name[1:])
-            return int(graph_bytes(self.pack_layers[pack], self._pack_inputs[pack]) * self.sizes[key.mb])
-        return self._key_bytes(key)
+        # the simulator and ``task_peak`` ask for the same keys again and again (a pack's weight
+        # gradients sum over its layers): each is worked out once
+        nbytes = self._bytes.get(key)
+        if nbytes is None:
+            if key.kind == KeyKind.GRAPH:
+                pack = int(key.name[1:])
+                nbytes = int(graph_bytes(self.pack_layers[pack], self._pack_inputs[pack]) * self.sizes[key.mb])
+            else:
+                nbytes = self._key_bytes(key)
+            self._bytes[key] = nbytes
+        return nbytes
 
     def compute_seconds(self, action: Action) -> float:
         size = self.sizes[action.mb]
@@ -57,31 +66,48 @@ class PackCosts:
     def task_peak(self, action: Action, allocated: int = 0) -> int:
         """Its new keys, and the largest working set of one of its layers for this microbatch on
         top: a backward's, or a forward's (with autograd or without)."""
-        layers, size = self.pack_layers[action.pack], self.sizes[action.mb]
+        size = self.sizes[action.mb]
         if action.kind != K.BWD:
-            work = allocated + int(max(layer.forward_work_bytes for layer in layers) * size)
-            if not any(key.kind == KeyKind.GRAPH for key in action.writes):
-                return work
             # the graph key counts what autograd saved of the pack's input, which the task's input
             # key holds until the task ends: not twice
-            held = sum(self.key_bytes(key) for key in (*action.reads, *action.consumes) if key.kind == KeyKind.ACT)
-            saved = min(self._pack_inputs[action.pack], sum(layer.saved_input_bytes for layer in layers)) * size
+            graph = any(key.kind == KeyKind.GRAPH for key in action.writes)
+            held = sum(self.key_bytes(key) for key in (*action.reads, *action.consumes)
+                       if key.kind == KeyKind.ACT) if graph else 0
+            cache_key = (action.kind, action.pack, size, graph, held)
+        else:
+            # ``allocated`` is what its new keys take: where the weight gradients' key is not among
+            # them (a later microbatch's backward), autograd makes each layer's gradients afresh and
+            # adds them into the key's, so they are working memory too. A layer's measured working
+            # set holds its incoming and outgoing gradients: at the pack's edges those are keys,
+            # resident (the output's gradient) or among the new ones (the input's)
+            written = grads_out = 0
+            for key in action.writes:
+                nbytes = self.key_bytes(key)
+                written += nbytes
+                grads_out += nbytes if key.kind == KeyKind.GRAD else 0
+            grads_in = sum(self.key_bytes(key) for key in action.consumes if key.kind == KeyKind.GRAD)
+            cache_key = (action.kind, action.pack, size, allocated < written, grads_in, min(allocated, grads_out))
+        if cache_key not in self._work:  # a simulation asks for the same task on every microbatch
+            self._work[cache_key] = self._work_bytes(*cache_key)
+        return allocated + self._work[cache_key]
+
+    def _work_bytes(self, kind: K, pack: int, size: int, *edges) -> int:
+        layers = self.pack_layers[pack]
+        if kind != K.BWD:
+            graph, held = edges
+            work = int(max(layer.forward_work_bytes for layer in layers) * size)
+            if not graph:
+                return work
+            saved = min(self._pack_inputs[pack], sum(layer.saved_input_bytes for layer in layers)) * size
             return work - int(min(saved, held))
-        # ``allocated`` is what its new keys take: where the weight gradients' key is not among them
-        # (a later microbatch's backward), autograd makes each layer's gradients afresh and adds them
-        # into the key's, so they are working memory too
-        accumulating = allocated < sum(self.key_bytes(key) for key in action.writes)
-        # a layer's measured working set holds its incoming and outgoing gradients: at the pack's
-        # edges those are keys, resident (the output's gradient) or among the new ones (the input's)
-        grads_in = sum(self.key_bytes(key) for key in action.consumes if key.kind == KeyKind.GRAD)
-        grads_out = min(allocated, sum(self.key_bytes(key) for key in action.writes if key.kind == KeyKind.GRAD))
+        accumulating, grads_in, grads_out = edges
         last = len(layers) - 1
 
         def work(index: int, layer) -> float:
-            edges = (min(layer.grad_in_bytes * size, grads_in) if index == last else 0) \
+            at_edges = (min(layer.grad_in_bytes * size, grads_in) if index == last else 0) \
                 + (min(layer.grad_out_bytes * size, grads_out) if index == 0 else 0)
-            return max(layer.backward_work_bytes * size - edges, 0) + (layer.param_bytes if accumulating else 0)
-        return allocated + int(max(work(index, layer) for index, layer in enumerate(layers)))
+            return max(layer.backward_work_bytes * size - at_edges, 0) + (layer.param_bytes if accumulating else 0)
+        return int(max(work(index, layer) for index, layer in enumerate(layers)))
 
     def pack_params(self, pack: int) -> int:
         return sum(layer.num_params for layer in self.pack_layers[pack])
