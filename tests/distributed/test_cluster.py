@@ -32,6 +32,7 @@ def test_shard_optimizer_without_processes_is_refused():
                            (torch.randn(2, 4), torch.randn(2, 4)), shard_optimizer=True)
 
 
+@pytest.mark.slow  # two processes to show a refusal: the default suite keeps test_tier's
 def test_ranks_that_cut_the_model_differently_are_refused(tmp_path):
     for rank in launch.run("different_packs", 2, tmp_path):
         assert rank["error"].startswith("Trainer: rank(s) 1 differ from rank 0 in how the model is cut into packs")

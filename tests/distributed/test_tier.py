@@ -39,7 +39,8 @@ def test_two_ranks_each_with_a_tier_equal_one_process_bitwise(tmp_path, referenc
         assert manifest["step"] == scenarios.STEPS - 1 and manifest["packs"]
 
 
-@pytest.mark.parametrize("failing_file", [1, 3], ids=["first", "last"])
+@pytest.mark.parametrize("failing_file", [pytest.param(1, id="first"),
+                                         pytest.param(3, id="last", marks=pytest.mark.slow)])
 def test_a_write_failing_on_one_rank_undoes_the_step_on_every_rank(tmp_path, reference, failing_file):
     """The first pack's file fails while the step updates the others; the last one's after every
     update: the ranks agree on a step only once each has its files on its drive."""
