@@ -6,7 +6,8 @@ Cases:
 
 * ``gpt2-59``: a tiny GPT-2 with 59 blocks (``transformers``, random weights, 114 layers, one
   HostDevice), planned at its smallest budget (named by the refusal of a budget of one byte) and
-  refused at 0.7% below it, with and without the planner choosing the microbatches;
+  refused at 0.7% below it, with and without the planner choosing the microbatches (which may
+  fit that budget with more microbatches: then it says so and times the accepted compile);
 * ``gpt-774m``: a GPT-2-large-shaped ``TinyGPT`` (36 layers, 774M parameters, no dropout), batch
   4 x 1024 tokens under 4 GiB;
 * ``plan-175b-tier`` and ``plan-175b-4tb``: ``harmony-fx plan gpt3-175b --devices 8 --device-spec
@@ -34,7 +35,9 @@ def _captures(hm) -> float:
     return sum(stage.seconds for stage in hm.passes if stage.name in CAPTURES)
 
 
-def _timed_refusal(compile_call) -> tuple[float, int]:
+def _timed_refusal(compile_call) -> tuple[float, int | None]:
+    """Seconds to refuse, and the smallest budget named (``None``: accepted after all, which a
+    planner choosing more microbatches than the options' one may find below that budget)."""
     import harmony_fx
 
     started = time.perf_counter()
@@ -42,7 +45,7 @@ def _timed_refusal(compile_call) -> tuple[float, int]:
         compile_call()
     except harmony_fx.BudgetTooSmallError as error:
         return time.perf_counter() - started, error.smallest_budget
-    raise AssertionError("the budget was not refused")
+    return time.perf_counter() - started, None
 
 
 def gpt2_59() -> dict:
@@ -61,13 +64,14 @@ def gpt2_59() -> dict:
         hm = call(smallest)
         planned = time.perf_counter() - started
         captures = _captures(hm)
-        below, _ = _timed_refusal(lambda: call(int(smallest * 0.993)))
+        below, refused = _timed_refusal(lambda: call(int(smallest * 0.993)))
         figures[name] = {
             "smallest budget": smallest, "packs": len(hm.packs),
             "refused 1 byte s": round(one_byte, 2),
             "planned at the smallest s": round(planned, 2), "captures s": round(captures, 2),
             "planning at the smallest s": round(planned - captures, 2),
-            "refused 0.7% below s": round(below, 2), "refusal's planning s": round(below - captures, 2),
+            ("refused 0.7% below s" if refused else "0.7% below accepted s"): round(below, 2),
+            "refusal's planning s" if refused else "planning below s": round(below - captures, 2),
         }
     return figures
 
