@@ -80,7 +80,6 @@ def estimate_and_exact(hm) -> tuple[int, int, str]:
     """The planner's simulated peak of the schedule ``hm`` runs, and the plan's exact one."""
     from harmony_fx.planner.chain import Schedule, chain_schedule
     from harmony_fx.planner.choose import device_spec
-    from harmony_fx.planner.module import simulate_module  # noqa: F401 - the same profile as it
     from harmony_fx.planner.profile import profile_graph
     from harmony_fx.planner.simulate import simulate
     from harmony_fx.planner.specs import HostSpec

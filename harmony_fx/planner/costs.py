@@ -2,11 +2,12 @@
 
 A task on pack ``p`` and a microbatch of ``m`` samples costs its layers' measured seconds at ``m``
 (interpolated) or, without measurements, the spec's roofline over their FLOPs and bytes and the
-spec's fixed cost of a task (``launch_seconds``) once. The backward is twice the forward's FLOPs. A task's peak memory (``task_peak``): its new keys plus the
-largest working set of one of its layers for that microbatch (measured: a forward's temporaries, a
-backward's gradients and temporaries), since layers run one after another; the autograd graph a
-forward with autograd leaves is the ``graph`` key: what each layer's forward kept (saved tensors
-and outputs) and what its first layer saved of the pack's input.
+spec's fixed cost of a task (``launch_seconds``) once. The backward is twice the forward's FLOPs.
+A task's peak memory (``task_peak``): its new keys plus the largest working set of one of its
+layers for that microbatch (measured: a forward's temporaries, a backward's gradients and
+temporaries), since layers run one after another; the autograd graph a forward with autograd
+leaves is the ``graph`` key: what each layer's forward kept (saved tensors and outputs) and what
+its first layer saved of the pack's input.
 """
 from __future__ import annotations
 
