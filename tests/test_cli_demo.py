@@ -4,16 +4,26 @@ from __future__ import annotations
 
 import json
 
+import torch
+
 from harmony_fx.cli import main
+
+
+def _flushes_denormals() -> bool:  # counted here, not with the demo's own check
+    return torch.tensor([1e-40], dtype=torch.float32).mul(1.0).item() == 0.0
 
 
 def test_demo_trains_and_writes_its_pictures(tmp_path, capsys) -> None:
     out = tmp_path / "demo"
+    flushing = _flushes_denormals()
     assert main(["demo", "--quick", "--steps", "3", "--devices", "2", "--parallel", "pp", "--microbatches", "2",
                  "--out", str(out)]) == 0
+    assert _flushes_denormals() == flushing  # the CPU's mode put back as it was
     printed = capsys.readouterr().out
     assert "summary" in printed and "losses match eager" in printed
     assert "1 intra-op thread(s) for harmony and eager alike" in printed
+    if torch.set_flush_denormal(flushing):  # the CPU can flush them: the demo did, and says so
+        assert "denormals flushed to zero for both" in printed
     assert "on the last step (every tensor counted; the plan predicted" in printed and "under a budget of" in printed
     assert "tokens/s" in printed and "the time" in printed
     # the second-to-last step's time, part by part: they add up to it
