@@ -23,7 +23,7 @@ from torch._guards import detect_fake_mode
 from harmony_fx.ir import meta
 from harmony_fx.ir.values import leaves, map_tensors
 
-__all__ = ["annotate_requires_grad", "requires_grad_of", "any_requires_grad"]
+__all__ = ["annotate_requires_grad", "requires_grad_of", "any_requires_grad", "run_node"]
 
 
 def annotate_requires_grad(gm: fx.GraphModule, placeholder_requires_grad: Mapping[str, bool]) -> fx.GraphModule:
@@ -42,17 +42,21 @@ def annotate_requires_grad(gm: fx.GraphModule, placeholder_requires_grad: Mappin
             if node.op in ("placeholder", "output"):
                 continue
             args, kwargs = fx.node.map_arg((node.args, node.kwargs), env.__getitem__)
-            if node.op == "get_attr":
-                result = getattr(gm, node.target)
-            elif node.op == "call_module":
-                result = gm.get_submodule(node.target)(*args, **kwargs)
-            elif node.op == "call_method":
-                result = getattr(args[0], node.target)(*args[1:], **kwargs)
-            else:
-                result = node.target(*args, **kwargs)
-            env[node] = result
+            result = env[node] = run_node(gm, node, args, kwargs)
             _record(node, result)
     return gm
+
+
+def run_node(gm: fx.GraphModule, node: fx.Node, args: tuple, kwargs: dict) -> object:
+    """What ``node`` of ``gm`` computes from ``args`` and ``kwargs`` (its own, with values in place
+    of the nodes it reads), as fx's interpreter would, without the interpreter."""
+    if node.op == "get_attr":
+        return getattr(gm, node.target)
+    if node.op == "call_module":
+        return gm.get_submodule(node.target)(*args, **kwargs)
+    if node.op == "call_method":
+        return getattr(args[0], node.target)(*args[1:], **kwargs)
+    return node.target(*args, **kwargs)
 
 
 def requires_grad_of(node: fx.Node) -> tuple[bool, ...]:

@@ -22,17 +22,18 @@ every value it makes, for each figure.
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 from torch import fx
 
+from harmony_fx.analysis.requires_grad import run_node
 from harmony_fx.ir import meta
 from harmony_fx.ir.tracking import AllocationTracker, storage_key
 from harmony_fx.ir.values import leaves, map_tensors, tensors
 from harmony_fx.passes.find_layers import Layer
 
-__all__ = ["LayerMemory", "measure_layer_memory"]
+__all__ = ["LayerMemory", "last_readers", "measure_layer_memory"]
 
 _COMPUTE_DTYPES = {2: torch.bfloat16, 4: torch.float32}
 
@@ -49,18 +50,25 @@ class LayerMemory:
     grad_out: int = 0
 
 
-def measure_layer_memory(gm: fx.GraphModule, layers: list[Layer], made_bytes: Callable[[fx.Node], int],
-                         compute_itemsize: int | None = None) -> list[LayerMemory]:
-    """One ``LayerMemory`` per layer of ``gm`` (``passes.find_layers``); ``made_bytes(node)``: a
-    value's bytes, for the static bound of a layer that cannot run on meta."""
-    nodes = {node.name: node for node in gm.graph.nodes}
+def last_readers(gm: fx.GraphModule, layers: Sequence[Layer]) -> dict[str, int]:
+    """Each value's last layer reading it (``len(layers)``: the graph's output)."""
     layer_of = {name: layer.index for layer in layers for name in layer.nodes}
-    read_after = {}  # node name -> the last layer reading it (len(layers): the graph's output)
+    last: dict[str, int] = {}
     for node in gm.graph.nodes:
         where = len(layers) if node.op == "output" else layer_of.get(node.name)
+        if where is None:
+            continue
         for arg in node.all_input_nodes:
-            if where is not None:
-                read_after[arg.name] = max(read_after.get(arg.name, -1), where)
+            last[arg.name] = max(last.get(arg.name, -1), where)
+    return last
+
+
+def measure_layer_memory(gm: fx.GraphModule, layers: Sequence[Layer], read_after: dict[str, int],
+                         made_bytes: Callable[[fx.Node], int], compute_itemsize: int | None = None) -> list[LayerMemory]:
+    """One ``LayerMemory`` per layer of ``gm`` (``passes.find_layers``); ``read_after``: each
+    value's last reader (``last_readers``); ``made_bytes(node)``: a value's bytes, for the static
+    bound of a layer that cannot run on meta."""
+    nodes = {node.name: node for node in gm.graph.nodes}
     dtype = _COMPUTE_DTYPES.get(compute_itemsize) if compute_itemsize else None
     result = []
     for layer in layers:
@@ -164,14 +172,7 @@ def _forward(gm: fx.GraphModule, layer_nodes: list[fx.Node], outputs: set[str], 
             args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: env[n.name])
             if isinstance(kwargs.get("device"), (str, torch.device)):  # a factory's tensor on meta too
                 kwargs = {**kwargs, "device": torch.device("meta")}
-            if node.op == "get_attr":
-                env[node.name] = getattr(gm, node.target)
-            elif node.op == "call_module":
-                env[node.name] = gm.get_submodule(node.target)(*args, **kwargs)
-            elif node.op == "call_method":
-                env[node.name] = getattr(args[0], node.target)(*args[1:], **kwargs)
-            else:
-                env[node.name] = node.target(*args, **kwargs)
+            env[node.name] = run_node(gm, node, args, kwargs)
             del args, kwargs
             for arg in node.all_input_nodes:
                 if last_read.get(arg.name) == position and arg.name not in outputs:

@@ -18,8 +18,8 @@ The planner sees a model as a chain of layers (``passes.find_layers``). For each
   device, or hardware not at hand) and the cost model uses the device spec's roofline instead.
 
 Everything comes from the captured graph's annotations and a run of each layer on the meta
-device, so a model on the meta device profiles in well under a second. ``repeat_block`` turns a 2-block capture of a transformer into the full
-depth, since every block costs the same.
+device, so a model on the meta device profiles in well under a second. ``repeat_block`` turns a
+2-block capture of a transformer into the full depth, since every block costs the same.
 """
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ from torch import fx
 from harmony_fx.analysis.sizes import annotate_sizes
 from harmony_fx.ir import meta
 from harmony_fx.passes.find_layers import Layer, find_layers
-from harmony_fx.planner.layer_memory import measure_layer_memory
+from harmony_fx.planner.layer_memory import last_readers, measure_layer_memory
 
 __all__ = ["LayerProfile", "ModelProfile", "profile_graph", "repeat_block", "measure_seconds"]
 
@@ -100,14 +100,7 @@ def profile_graph(name: str, gm: fx.GraphModule, batch_size: int, compute_itemsi
     layers = find_layers(gm)
     nodes = {node.name: node for node in gm.graph.nodes}
     layer_of = {name: layer.index for layer in layers for name in layer.nodes}
-    # last layer reading each value (len(layers) for the graph's outputs)
-    last_reader: dict[str, int] = {}
-    for node in gm.graph.nodes:
-        where = len(layers) if node.op == "output" else layer_of.get(node.name)
-        if where is None:
-            continue
-        for arg in node.all_input_nodes:
-            last_reader[arg.name] = max(last_reader.get(arg.name, -1), where)
+    last_reader = last_readers(gm, layers)
     inputs = [n for n in gm.graph.find_nodes(op="placeholder") if meta.role_of(n) == meta.Role.INPUT]
 
     def nbytes(node: fx.Node) -> int:  # activations are stored in the compute dtype, too
@@ -123,7 +116,7 @@ def profile_graph(name: str, gm: fx.GraphModule, batch_size: int, compute_itemsi
         for i in range(max(born, 0), min(last_reader.get(node.name, -1), len(layers))):
             live_after[i] += nbytes(node)
 
-    memory = measure_layer_memory(gm, layers, nbytes, compute_itemsize)
+    memory = measure_layer_memory(gm, layers, last_reader, nbytes, compute_itemsize)
     profiles, counted = [], set()
     for layer, held in zip(layers, memory):
         layer_nodes = [nodes[n] for n in layer.nodes]

@@ -25,7 +25,8 @@ class NoGradInside(nn.Module):
 
 def test_a_layer_that_fails_with_grad_mode_off_is_bounded_and_grad_mode_restored(monkeypatch):
     variant = capture_variant(NoGradInside(), None, (torch.randn(3, 8),), {}, torch.device("cpu"))
-    measured = layer_memory.measure_layer_memory(variant.captured.gm, list(variant.layers), lambda node: 7)
+    gm, layers = variant.captured.gm, list(variant.layers)
+    measured = layer_memory.measure_layer_memory(gm, layers, layer_memory.last_readers(gm, layers), lambda node: 7)
 
     def fails_like_the_higher_order_op(*args):
         torch.set_grad_enabled(False)
@@ -33,7 +34,7 @@ def test_a_layer_that_fails_with_grad_mode_off_is_bounded_and_grad_mode_restored
 
     monkeypatch.setattr(layer_memory, "_measure", fails_like_the_higher_order_op)
     assert torch.is_grad_enabled()
-    bounded = layer_memory.measure_layer_memory(variant.captured.gm, list(variant.layers), lambda node: 7)
+    bounded = layer_memory.measure_layer_memory(gm, layers, layer_memory.last_readers(gm, layers), lambda node: 7)
     assert torch.is_grad_enabled()
     assert len(bounded) == len(measured) and all(m.kept == 7 * len(layer.nodes)
                                                  for m, layer in zip(bounded, variant.layers))
