@@ -14,16 +14,19 @@ this module sits above the compiler and the runtime and below the front door (``
 A calibration taken while the machine is busy is wrong for every later prediction (a 40x slower
 machine model was once cached this way), so it is measured, kept and checked with that in mind:
 
-* ``measure_host()`` (a few seconds) takes each figure as the best of several short trials (the
-  machine's speed, not its load at one instant) and keeps, with each, its spread (the median
+* ``measure_host()`` (a few seconds) takes each figure from the fastest of several short trials
+  (the machine's speed, not its load at one instant): the median of their fastest third, so that
+  one lucky trial (a turbo burst, a copy that stayed in cache) cannot set it; and keeps, with each, its spread (the median
   trial over the best: 1.0 when nothing disturbed them) and the load average per core it saw.
 * ``host_calibration()`` reads the cache file (``~/.cache/harmony_fx/host_spec.json``, or under
   ``HARMONY_FX_CACHE``; one entry per torch version, CPU, core count and thread count) and uses an
   entry only if it is plausible (``Calibration.problems``: sane values, a small spread, a quiet
   machine, newer than the torch build) and agrees within 2x with a quick re-measure of matmul and
-  copy speed (some 20 ms). Otherwise it measures again and keeps, figure by figure, the faster of
-  the two (a busy moment makes a figure slower, never faster); a figure still implausible then is
-  used with a warning, never silently.
+  copy speed (some 50 ms). Otherwise it measures again and, figure by figure, takes the new
+  measurement unless it is doubtful or more than 2x slower than the stored one (a busy moment
+  makes a figure slower, never faster); a figure still implausible then is used with a warning,
+  never silently. Keeping the fastest ever seen instead would only ratchet: every outlier would
+  stay, and predictions would drift low.
 * ``check_prediction(measured, predicted)``: a run more than 2x off its prediction measures again,
   once per process (``plot_memory`` and ``harmony-fx demo`` call it).
 
@@ -66,7 +69,9 @@ __all__ = ["Calibration", "measure_host", "checked", "host_calibration", "host_f
 # v3: each figure with its spread and load; the runtime's cost in each mode (tracked, recorded).
 # v4: a Linear's FLOP/s, the fixed cost of a copy and of an optimizer step call (the runtime's cost
 # per task no longer includes the copies': a v3 entry's would count them twice)
-CACHE_VERSION = "v4"
+# v5: a figure is the median of its fastest trials, a copy is timed past the caches (a v4 entry's
+# copy figure was often the cache's speed)
+CACHE_VERSION = "v5"
 
 # higher is faster; "linear": a Linear layer's forward and backward, the FLOP/s training reaches
 RATES = ("fp32", "bf16", "copy", "linear")
@@ -120,16 +125,19 @@ class Calibration:
         return found
 
     def merged(self, other: "Calibration") -> "Calibration":
-        """Figure by figure, the better of ``self`` and ``other`` (its spread and load with it): a
-        plausible figure over a doubtful one, else the faster (a busy moment slows a measurement
-        down, it never speeds one up). The runtime's figures are taken together (they are solved
-        together), by their cost per task."""
+        """Figure by figure, ``other`` (the newer measurement) with its spread and load, except where
+        ``self``'s is plausible and ``other``'s doubtful or invalid, or ``other``'s is more than
+        ``DISAGREEMENT`` times slower (a busy moment that the spread and load did not show: it slows
+        a measurement down, it never speeds one up). The runtime's figures are taken together (they
+        are solved together), by their cost per task."""
         figures, spread, load = dict(self.figures), dict(self.spread), dict(self.load)
-        groups = [((name,), lambda c, name=name: -c.figures[name]) for name in RATES]
+        groups = [((name,), lambda c, name=name: 1.0 / c.figures[name]) for name in RATES]
         groups.append((RUNTIME, lambda c: c.figures["task"]))
         groups.append((UPDATE, lambda c: c.figures["update_tensor"]))
         for names, cost in groups:
-            if _rank(other, names, cost) < _rank(self, names, cost):
+            mine, theirs = _rank(self, names), _rank(other, names)
+            slower = theirs == mine == 0 and cost(other) > DISAGREEMENT * cost(self)
+            if theirs <= mine and not slower:
                 for name in names:
                     figures[name], spread[name], load[name] = other.figures[name], other.spread[name], other.load[name]
         return Calibration(figures, spread, load, max(self.measured_at, other.measured_at))
@@ -160,13 +168,12 @@ class Calibration:
         return "\n".join(lines)
 
 
-def _rank(calibration: Calibration, names: tuple[str, ...], cost) -> tuple[int, float]:
-    """Lower is better: valid before invalid, plausible before doubtful, then cheaper."""
+def _rank(calibration: Calibration, names: tuple[str, ...]) -> int:
+    """Lower is better: 0 plausible, 1 doubtful (a large spread, a busy machine), 2 invalid."""
     if not all(_valid(calibration, name) for name in names):
-        return (2, 0.0)
-    doubtful = any(calibration.spread.get(name, math.inf) > SPREAD_LIMIT
-                   or calibration.load.get(name, math.inf) > LOAD_LIMIT for name in names)
-    return (int(doubtful), cost(calibration))
+        return 2
+    return int(any(calibration.spread.get(name, math.inf) > SPREAD_LIMIT
+                   or calibration.load.get(name, math.inf) > LOAD_LIMIT for name in names))
 
 
 def _valid(calibration: Calibration, name: str) -> bool:
@@ -350,11 +357,11 @@ def spec_for(device, budget: int | None = None, *, tracked: bool = False, record
 
 # ---------------------------------------------------------------------------------------- measuring
 def measure_host() -> Calibration:
-    """Every figure of ``FIGURES`` measured now (a few seconds), each the best of several trials."""
+    """Every figure of ``FIGURES`` measured now (a few seconds), each from its fastest trials (``_rate``)."""
     trials = {name: _matmul_trials(dtype) for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16))}
     trials["copy"] = _copy_trials()
     trials["linear"] = _linear_trials()
-    figures = {name: _best_rate(times) for name, times in trials.items()}
+    figures = {name: _rate(times) for name, times in trials.items()}
     spread = {name: _spread(times) for name, times in trials.items()}
     load = {name: _load() for name in trials}
     runtime, runtime_spread = _runtime_overheads(figures["linear"], figures["copy"])
@@ -369,9 +376,9 @@ def measure_host() -> Calibration:
 
 
 def quick_probe() -> dict[str, float]:
-    """Matmul FLOP/s (fp32) and copy bytes/s in some 20 ms, each the best of its trials: enough to
+    """Matmul FLOP/s (fp32) and copy bytes/s in some 50 ms, each from its fastest trials: enough to
     tell a stored figure taken while the machine was busy (it is many times slower)."""
-    return {"fp32": _best_rate(_matmul_trials(torch.float32, trials=8)), "copy": _best_rate(_copy_trials(trials=4))}
+    return {"fp32": _rate(_matmul_trials(torch.float32, trials=8)), "copy": _rate(_copy_trials(trials=4))}
 
 
 def _matmul_trials(dtype: torch.dtype, size: int = 256, reps: int = 4, trials: int = 20) -> list[tuple[float, float]]:
@@ -388,7 +395,10 @@ def _matmul_trials(dtype: torch.dtype, size: int = 256, reps: int = 4, trials: i
     return times
 
 
-def _copy_trials(megabytes: int = 16, trials: int = 8) -> list[tuple[float, float]]:
+def _copy_trials(megabytes: int = 128, trials: int = 6) -> list[tuple[float, float]]:
+    """(bytes, seconds) of each trial, copying more than any CPU's caches hold: a pack's weights
+    and stash are megabytes to gigabytes, and a 16 MiB copy here ran at 44 GB/s from the cache
+    against 15 GB/s from memory, and swung between the two."""
     src = torch.empty(megabytes * 2**20, dtype=torch.uint8)
     dst = torch.empty_like(src)
     dst.copy_(src)
@@ -420,8 +430,11 @@ def _linear_trials(rows: int = 128, width: int = 512, reps: int = 2, trials: int
     return times
 
 
-def _best_rate(trials: list[tuple[float, float]]) -> float:
-    return max(work / max(seconds, 1e-9) for work, seconds in trials)
+def _rate(trials: list[tuple[float, float]]) -> float:
+    """Work per second of the fastest trials: the median of the fastest third (its best trial
+    alone would be an outlier as often as the machine's speed)."""
+    rates = sorted((work / max(seconds, 1e-9) for work, seconds in trials), reverse=True)
+    return statistics.median(rates[:max(1, len(rates) // 3)])
 
 
 def _spread(trials: list[tuple[float, float]]) -> float:

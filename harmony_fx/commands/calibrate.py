@@ -38,8 +38,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"measured again ({'; '.join(reasons)}) and stored:" if reasons
               else "stored, plausible, and a quick re-measure agrees:")
     measured = datetime.datetime.fromtimestamp(calibration.measured_at).strftime("%Y-%m-%d %H:%M:%S")
-    print(f"  measured {measured}; each figure the best of its trials, with its spread (median trial over the "
-          f"best) and the load average per core then")
+    print(f"  measured {measured}; each figure from its fastest trials, with its spread (median trial over the "
+          f"fastest) and the load average per core then")
     print(calibration.describe())
     problems = calibration.problems(calibrate.torch_built_at())
     if problems:
