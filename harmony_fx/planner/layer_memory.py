@@ -17,7 +17,8 @@ Each is counted by ``ir.tracking.AllocationTracker`` (each storage once, from bi
 device's account counts it) over the layer's ATen ops, run node by node on meta tensors: no memory,
 no FLOPs, so a 175B-parameter preset profiles as fast as a small model. A layer whose ops cannot
 run on meta (a data-dependent op, an op without a meta kernel) gets the static bound instead:
-every value it makes, for each figure.
+every value it makes, for each figure. Attention runs the kernel the target device would pick
+(``analysis.attention``): on meta it would always take the math path and keep the attention weights.
 """
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ from typing import Callable, Sequence
 import torch
 from torch import fx
 
+from harmony_fx.analysis.attention import SDPA, run_attention
 from harmony_fx.analysis.requires_grad import run_node
 from harmony_fx.ir import meta
 from harmony_fx.ir.tracking import AllocationTracker, storage_key
@@ -64,10 +66,12 @@ def last_readers(gm: fx.GraphModule, layers: Sequence[Layer]) -> dict[str, int]:
 
 
 def measure_layer_memory(gm: fx.GraphModule, layers: Sequence[Layer], read_after: dict[str, int],
-                         made_bytes: Callable[[fx.Node], int], compute_itemsize: int | None = None) -> list[LayerMemory]:
+                         made_bytes: Callable[[fx.Node], int], compute_itemsize: int | None = None,
+                         device_type: str | None = None) -> list[LayerMemory]:
     """One ``LayerMemory`` per layer of ``gm`` (``passes.find_layers``); ``read_after``: each
     value's last reader (``last_readers``); ``made_bytes(node)``: a value's bytes, for the static
-    bound of a layer that cannot run on meta."""
+    bound of a layer that cannot run on meta; ``device_type``: the device the layers will run on
+    (``"cuda"``, ``"cpu"``; ``None``: ops as meta runs them)."""
     nodes = {node.name: node for node in gm.graph.nodes}
     dtype = _COMPUTE_DTYPES.get(compute_itemsize) if compute_itemsize else None
     result = []
@@ -78,19 +82,20 @@ def measure_layer_memory(gm: fx.GraphModule, layers: Sequence[Layer], read_after
             # a higher-order op (a no_grad region) sets grad mode around its subgraph and does not
             # put it back if the subgraph raises: the context restores it whatever happens
             with torch.set_grad_enabled(torch.is_grad_enabled()):
-                result.append(_measure(gm, layer_nodes, outputs, dtype))
+                result.append(_measure(gm, layer_nodes, outputs, dtype, device_type))
         except Exception:  # noqa: BLE001 - no meta kernel, data-dependent: the static bound instead
             made = sum(made_bytes(node) for node in layer_nodes)
             result.append(LayerMemory(made, 0, made, made))
     return result
 
 
-def _measure(gm: fx.GraphModule, layer_nodes: list[fx.Node], outputs: set[str], dtype) -> LayerMemory:
+def _measure(gm: fx.GraphModule, layer_nodes: list[fx.Node], outputs: set[str], dtype,
+             device_type: str | None) -> LayerMemory:
     inner = {node.name for node in layer_nodes}
     external = list(dict.fromkeys(arg for node in layer_nodes for arg in node.all_input_nodes
                                   if arg.name not in inner))
     with torch.no_grad():
-        _, _, _, forward_free = _forward(gm, layer_nodes, outputs, _inputs(external, dtype))
+        _, _, _, forward_free = _forward(gm, layer_nodes, outputs, _inputs(external, dtype), device_type)
     inputs = _inputs(external, dtype)
     saved_inputs: dict[int, int] = {}
     input_storages = {storage_key(t): t.untyped_storage().nbytes()
@@ -105,7 +110,7 @@ def _measure(gm: fx.GraphModule, layer_nodes: list[fx.Node], outputs: set[str], 
         return tensor
 
     with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        tracker, env, resident, forward_grad = _forward(gm, layer_nodes, outputs, inputs)
+        tracker, env, resident, forward_grad = _forward(gm, layer_nodes, outputs, inputs, device_type)
     kept = tracker.live - resident
     # the backward: from the outputs that require grad, into every input that does
     results = [t for name in outputs for t in tensors(env[name]) if t.requires_grad]
@@ -153,7 +158,8 @@ def _fresh_leaves(value, flags, dtype):
     return map_tensors(fresh, value)
 
 
-def _forward(gm: fx.GraphModule, layer_nodes: list[fx.Node], outputs: set[str], inputs: dict[str, object]):
+def _forward(gm: fx.GraphModule, layer_nodes: list[fx.Node], outputs: set[str], inputs: dict[str, object],
+             device_type: str | None):
     """Run the layer's nodes in order, each value dropped after its last read in the layer unless
     it is an output; return the tracker (the inputs counted first, then what the layer made), the
     values, the inputs' bytes and the most held above what is alive at the end."""
@@ -172,7 +178,8 @@ def _forward(gm: fx.GraphModule, layer_nodes: list[fx.Node], outputs: set[str], 
             args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: env[n.name])
             if isinstance(kwargs.get("device"), (str, torch.device)):  # a factory's tensor on meta too
                 kwargs = {**kwargs, "device": torch.device("meta")}
-            env[node.name] = run_node(gm, node, args, kwargs)
+            fused = run_attention(args, kwargs, device_type) if node.target is SDPA else None
+            env[node.name] = run_node(gm, node, args, kwargs) if fused is None else fused
             del args, kwargs
             for arg in node.all_input_nodes:
                 if last_read.get(arg.name) == position and arg.name not in outputs:

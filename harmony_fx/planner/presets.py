@@ -119,7 +119,7 @@ def preset_profile(name: str, precision: str = "bf16") -> tuple[ModelProfile, in
         tokens = torch.zeros(1, config.seq, dtype=torch.long)
     captured = capture(model, (tokens, tokens))
     itemsize = 2 if precision == "bf16" else 4
-    profile = profile_graph(name, captured.gm, 1, itemsize, precision)
+    profile = profile_graph(name, captured.gm, 1, itemsize, precision, "cuda")
     return repeat_block(profile, "blocks.", config.n_layer), config.batch_size
 
 
@@ -141,7 +141,7 @@ def load_profile(spec: str, precision: str = "fp32", measure: bool = False) -> t
     batch = example_inputs[0].shape[0] if example_inputs and isinstance(example_inputs[0], torch.Tensor) else 1
     captured = capture(model, example_inputs)
     itemsize = 2 if precision == "bf16" else None
-    profile = profile_graph(function, captured.gm, batch, itemsize, precision)
+    profile = profile_graph(function, captured.gm, batch, itemsize, precision, "cuda")
     if measure:
         profile = measured_profile(profile, model, example_inputs)
     return profile, batch

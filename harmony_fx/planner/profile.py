@@ -93,8 +93,9 @@ class ModelProfile:
 
 
 def profile_graph(name: str, gm: fx.GraphModule, batch_size: int, compute_itemsize: int | None = None,
-                  precision: str = "fp32") -> ModelProfile:
-    """The layer chain of a captured graph (placeholders tagged with their ``Role``)."""
+                  precision: str = "fp32", device_type: str | None = None) -> ModelProfile:
+    """The layer chain of a captured graph (placeholders tagged with their ``Role``), its memory
+    as a ``device_type`` device (``"cuda"``, ``"cpu"``) would hold it (``planner.layer_memory``)."""
     if meta.NBYTES not in next(iter(gm.graph.nodes)).meta:
         annotate_sizes(gm)
     layers = find_layers(gm)
@@ -116,7 +117,7 @@ def profile_graph(name: str, gm: fx.GraphModule, batch_size: int, compute_itemsi
         for i in range(max(born, 0), min(last_reader.get(node.name, -1), len(layers))):
             live_after[i] += nbytes(node)
 
-    memory = measure_layer_memory(gm, layers, last_reader, nbytes, compute_itemsize)
+    memory = measure_layer_memory(gm, layers, last_reader, nbytes, compute_itemsize, device_type)
     profiles, counted = [], set()
     for layer, held in zip(layers, memory):
         layer_nodes = [nodes[n] for n in layer.nodes]
