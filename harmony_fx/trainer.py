@@ -132,8 +132,9 @@ class Trainer:
         # which faults in fresh pages for every parameter and optimizer state every step
         self._undo_store: dict[int, tuple] = {}
         # the host tensors each step's weight gradients land in, the last step's .grad. Across
-        # processes .grad is the all-reduced buffer instead, which a landed gradient is copied into
-        self._grad_buffers = GradientBuffers() if self.cluster is None else None
+        # processes, replicated: views of each pack's flat buffer, all-reduced in place
+        # (distributed.updates); sharded, nothing lends them, and the gradients land in new tensors
+        self._grad_buffers = GradientBuffers()
         self._last_hm = self.hm  # the module that ran the last step (one per batch size)
         self._stats: StepStats | None = None  # the last step's, once its iteration ran
         self.step_count = 0
@@ -155,7 +156,8 @@ class Trainer:
                 [(pack, [names[id(p)] for p in params]) for pack, params in sorted(self._groups.items())],
                 "how the model is cut into packs; give every rank the same batch size, memory_budget and options "
                 "(or the same pack_boundaries)")
-            self._cross = CrossProcessUpdates(self.cluster, optimizer, self._groups)
+            self._cross = CrossProcessUpdates(self.cluster, optimizer, self._groups, self._grad_buffers,
+                                              pin_memory=any(d.torch_device.type == "cuda" for d in self.hm.devices))
         self._updater = Updater(optimizer, max_grad_norm, self._tier, self._cross, self._grad_buffers)
         self._state = TrainingState(model, optimizer, self._tier, self._cross, self.cluster)
 

@@ -1,7 +1,14 @@
 """A pack's update across processes: its gradients summed over the ranks, then the update.
 
 Replicated (``shard_optimizer=False``): one all-reduce of the pack's gradients, then every rank
-steps the pack's parameters, as one process would.
+steps the pack's parameters, as one process would. Each pack has one fp32 buffer for its gradients,
+made once: every parameter's view of it is where its gradient lands (lent through
+``runtime.host.GradientBuffers``, as the last step's ``.grad`` is in one process), the buffer is
+all-reduced in place, and the view is the parameter's ``.grad``: one set of host gradients, not the
+landed ones, a concatenated copy and the last step's ``.grad``. A gradient that landed elsewhere (a
+tied weight's or another device's share that held the sum, a device that hands its gradients over,
+a parameter whose gradients are not fp32) is copied into its view first; a bf16 parameter's
+``.grad`` is then a bf16 copy of its view, made each step, as before.
 
 Sharded (``shard_optimizer=True``): each rank keeps an fp32 master chunk of every parameter
 (``shards``) and the optimizer holds those chunks instead of the parameters (swapped into its
@@ -24,21 +31,29 @@ from torch import nn
 
 from harmony_fx.distributed.cluster import Cluster
 from harmony_fx.distributed.shards import PackBuffers
-from harmony_fx.runtime.host import grad_dtype
+from harmony_fx.runtime.host import GradientBuffers, grad_dtype
 
 __all__ = ["CrossProcessUpdates", "TurnOrder"]
 
 
 class CrossProcessUpdates:
-    def __init__(self, cluster: Cluster, optimizer: torch.optim.Optimizer, groups: dict[int, list[nn.Parameter]]) -> None:
+    def __init__(self, cluster: Cluster, optimizer: torch.optim.Optimizer, groups: dict[int, list[nn.Parameter]],
+                 grad_buffers: GradientBuffers | None = None, pin_memory: bool = False) -> None:
         self.cluster = cluster
         self.optimizer = optimizer
         self.order = sorted((pack for pack, params in groups.items() if params), reverse=True)
         self.buffers = {pack: PackBuffers(groups[pack], cluster.rank, cluster.world) for pack in self.order}
         self.shards: dict[int, nn.Parameter] = {}  # id(parameter) -> this rank's master chunk
         self.chunks = {id(p): chunk for buffers in self.buffers.values() for p, chunk in zip(buffers.params, buffers.chunks)}
+        # replicated: per pack, its gradients' fp32 buffer and each parameter's view of it (the module docstring)
+        self.grad_buffers = grad_buffers
+        self.flats: dict[int, torch.Tensor] = {}
+        self.grad_views: dict[int, list[torch.Tensor]] = {}
         if cluster.shard_optimizer:
             self._shard_optimizer()
+        else:
+            for pack in self.order:
+                self._make_flat(pack, pin_memory)
         self._gathers: list[tuple[PackBuffers, torch.Tensor, object]] = []
         self.bytes: dict[str, int] = {}
 
@@ -58,6 +73,27 @@ class CrossProcessUpdates:
                     state[shard] = {key: self._chunk(param, value) for key, value in state.pop(param).items()}
                 swapped.append(shard)
             group["params"][:] = swapped  # in place: schedulers and the user's references see it
+
+    def _make_flat(self, pack: int, pin_memory: bool) -> None:
+        """``pack``'s gradient buffer, pinned where a GPU's copies land in it (a pageable buffer makes
+        them synchronous: ``CudaDevice.landing_fits`` refuses it)."""
+        params = self.buffers[pack].params
+        flat = torch.zeros(sum(p.numel() for p in params), dtype=torch.float32, pin_memory=pin_memory)
+        views, offset = [], 0
+        for param in params:
+            views.append(flat[offset:offset + param.numel()].view_as(param))
+            offset += param.numel()
+        self.flats[pack], self.grad_views[pack] = flat, views
+        self._lend(pack)
+
+    def _lend(self, pack: int) -> None:
+        """The next step's gradients of ``pack`` land in their views (``GradientBuffers.take_all``
+        hands each out once a step): those of parameters whose gradients are fp32, the views' dtype."""
+        if self.grad_buffers is None:
+            return
+        for param, view in zip(self.buffers[pack].params, self.grad_views[pack]):
+            if grad_dtype(param) == view.dtype:
+                self.grad_buffers.keep(id(param), view)
 
     def _chunk(self, param: nn.Parameter, value):
         """This rank's chunk of a parameter-shaped state tensor (other state, like Adam's step, stays)."""
@@ -93,15 +129,19 @@ class CrossProcessUpdates:
             for param, grad in zip(buffers.params, buffers.split_shard(mine)):
                 self.shards[id(param)].grad = grad
         else:
-            flats = [torch.zeros(p.numel()) if g is None else g.detach().reshape(-1).float()
-                     for p, g in zip(buffers.params, grads)]
-            send = torch.cat(flats)
-            cluster.all_reduce(send, f"the all-reduce of {what}")
-            self._count("all_reduce", send)
-            offset = 0
-            for param in buffers.params:
-                param.grad = send[offset:offset + param.numel()].view_as(param).to(grad_dtype(param))
-                offset += param.numel()
+            flat, views = self.flats[pack], self.grad_views[pack]
+            with torch.no_grad():
+                for view, grad in zip(views, grads):
+                    if grad is None:
+                        view.zero_()
+                    elif not _same_tensor(grad, view):  # it landed elsewhere (the module docstring)
+                        view.copy_(grad)
+            cluster.all_reduce(flat, f"the all-reduce of {what}")
+            self._count("all_reduce", flat)
+            for param, view in zip(buffers.params, views):
+                dtype = grad_dtype(param)
+                param.grad = view if dtype == view.dtype else view.to(dtype)
+            self._lend(pack)
 
     def gather(self, pack: int) -> None:
         """Sharded: send ``pack``'s updated chunks to every rank (issued; written at ``commit``)."""
@@ -157,6 +197,11 @@ class CrossProcessUpdates:
         full = tensor.numel() * tensor.element_size()
         factor = 1 if collective == "all_gather" else 2
         self.bytes[collective] = self.bytes.get(collective, 0) + factor * full * (world - 1) // world
+
+
+def _same_tensor(grad: torch.Tensor, view: torch.Tensor) -> bool:
+    """Whether ``grad`` is ``view``'s memory (the gradient landed in its buffer)."""
+    return grad.dtype == view.dtype and grad.shape == view.shape and grad.data_ptr() == view.data_ptr()
 
 
 class TurnOrder:

@@ -383,3 +383,67 @@ def tier_resumed(rank: int, world: int, out: pathlib.Path) -> dict:
     again = [resumed.step(local(batch, rank)).clone() for batch in batches[2:]]
     return {"later": later, "again": again, "first": full_state(first), "resumed": full_state(resumed),
             "params": [[p.detach().clone() for p in t.model.parameters()] for t in (first, resumed)]}
+
+
+# ---------------------------------------------------------------------- host gradient memory
+class GradientWatch:
+    """What a replicated trainer's gradients live in, seen from outside: at each all-reduce, the
+    tensor it is handed and the bytes of the distinct storages then alive among this step's landed
+    gradients (weakly held, so the watch keeps none alive), every ``.grad`` and that tensor; after
+    each step, where each ``.grad`` is."""
+
+    def __init__(self, trainer) -> None:
+        import weakref
+
+        cross = trainer._cross
+        self.params = list(trainer.model.parameters())
+        self.packs = {pack: [self._index(p) for p in params] for pack, params in trainer._groups.items() if params}
+        self.handed: list[tuple[int, int]] = []        # (data_ptr, numel) per all-reduce
+        self.alive_bytes: list[int] = []               # per all-reduce
+        self.landed_in_grad: list[bool] = []           # per landed gradient: the memory of its .grad after the reduce
+        self._landed: list = []
+        reduce, all_reduce = cross.reduce, cross.cluster.all_reduce
+
+        def watched_reduce(pack, grads):
+            self._landed += [weakref.ref(g) for g in grads if g is not None]
+            reduce(pack, grads)
+            self.landed_in_grad += [g.data_ptr() == p.grad.data_ptr() for p, g in zip(cross.buffers[pack].params, grads)
+                                    if g is not None]
+
+        def watched_all_reduce(tensor, what):
+            alive = [t for t in (ref() for ref in self._landed) if t is not None]
+            alive += [p.grad for p in self.params if p.grad is not None] + [tensor]
+            self.alive_bytes.append(sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                                         for t in alive}.values()))
+            self.handed.append((tensor.data_ptr(), tensor.numel()))
+            return all_reduce(tensor, what)
+
+        cross.reduce, cross.cluster.all_reduce = watched_reduce, watched_all_reduce
+
+    def _index(self, param) -> int:
+        return next(i for i, p in enumerate(self.params) if p is param)
+
+    def step_ended(self) -> None:
+        self._landed.clear()
+
+    def one_set_bytes(self) -> int:
+        """One fp32 set of every trainable parameter's gradient, counted here."""
+        return sum(4 * p.numel() for p in self.params if p.requires_grad)
+
+
+def grad_memory(rank: int, world: int, out: pathlib.Path, steps: int = 3, track_memory: bool = True) -> dict:
+    """Replicated training, its gradients watched (``GradientWatch``); ``track_memory``: the
+    HostDevice copies its gradients to the host, as a GPU does (else it hands them over)."""
+    model, batches = model_and_batches(world, steps)
+    trainer = harmony_fx.Trainer(model, loss_fn, optimizer_of(model), local(batches[0], rank), devices=["host:0"],
+                                 microbatches=MICROBATCHES, pack_boundaries=PACKS, shard_optimizer=False,
+                                 track_memory=track_memory)
+    watch = GradientWatch(trainer)
+    grads = []
+    for batch in batches:
+        trainer.step(local(batch, rank))
+        watch.step_ended()
+        grads.append([p.grad.data_ptr() for p in watch.params])
+    return {"handed": watch.handed, "alive_bytes": watch.alive_bytes, "landed_in_grad": watch.landed_in_grad,
+            "one_set_bytes": watch.one_set_bytes(), "grads": grads, "packs": watch.packs,
+            "numels": [p.numel() for p in watch.params]}

@@ -115,3 +115,95 @@ def test_clipping_by_the_global_norm_across_ranks(tmp_path, one_thread, shard_op
     for rank in ranks:
         torch.testing.assert_close(rank["losses"], reference["losses"], rtol=1e-6, atol=1e-6)
         torch.testing.assert_close(rank["params"], reference["params"], rtol=1e-5, atol=1e-6)
+
+
+@pytest.fixture
+def one_rank_group():
+    """A gloo group of this process alone (the Trainer takes it as ``process_group``: the replicated
+    path, collectives and all, in a test of a few seconds)."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield dist.group.WORLD
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("devices", [["host:0"], ["host:0", "host:1"]], ids=["one device", "two devices"])
+def test_replicated_gradients_land_in_one_buffer_per_pack_that_is_all_reduced_in_place(one_rank_group, devices):
+    """HostDevices that copy gradients to the host, as a GPU does (the tests' track_memory). Each
+    ``.grad`` is a view of its pack's buffer, the same memory every step, which the all-reduce is
+    handed; with one device the gradients land in those views, so one set of gradient memory is
+    alive at every all-reduce. Two devices: each gradient is the sum of two shares (and the tied
+    head's of two packs), one of which landed elsewhere. Gradients and weights equal the same
+    training without processes, bit for bit."""
+    import harmony_fx
+
+    def trainer_of(**across):
+        model, batches = scenarios.model_and_batches(1, steps=3)
+        trainer = harmony_fx.Trainer(model, scenarios.loss_fn, scenarios.optimizer_of(model), batches[0],
+                                     devices=devices, parallel="dp" if len(devices) > 1 else "auto",
+                                     microbatches=scenarios.MICROBATCHES * len(devices),
+                                     pack_boundaries=scenarios.PACKS, **across)
+        return trainer, batches
+
+    trainer, batches = trainer_of(process_group=one_rank_group, shard_optimizer=False)
+    watch = scenarios.GradientWatch(trainer)
+    reference, _ = trainer_of()
+    first_grads = None
+    for step, batch in enumerate(batches):
+        assert torch.equal(trainer.step(batch), reference.step(batch))
+        watch.step_ended()
+        for param, theirs in zip(watch.params, reference.model.parameters()):
+            assert torch.equal(param.grad, theirs.grad) and torch.equal(param, theirs)
+        if first_grads is None:
+            first_grads = [p.grad for p in watch.params]  # held: a new buffer could not reuse their memory
+        assert [p.grad.data_ptr() for p in watch.params] == [g.data_ptr() for g in first_grads], f"step {step}"
+    # per step, one all-reduce per pack with parameters, handed all its gradients, the same memory every step
+    per_step = len(watch.packs)
+    assert len(watch.handed) == 3 * per_step
+    assert watch.handed[:per_step] == watch.handed[per_step:2 * per_step] == watch.handed[2 * per_step:]
+    assert sorted(numel for _, numel in watch.handed[:per_step]) == sorted(
+        sum(watch.params[i].numel() for i in indices) for indices in watch.packs.values())
+    for pointer, numel in watch.handed[:per_step]:  # each .grad inside the buffer handed to the all-reduce
+        inside = [pointer <= p.grad.data_ptr() < pointer + 4 * numel for p in watch.params]
+        assert sum(p.numel() for p, yes in zip(watch.params, inside) if yes) == numel
+    if len(devices) == 1:
+        assert watch.landed_in_grad and all(watch.landed_in_grad)  # no copy between landing and the all-reduce
+        # from the second step on, when every .grad is set (the first step's packs have none before their turn)
+        assert set(watch.alive_bytes[per_step:]) == {watch.one_set_bytes()}
+
+
+class _HalfBf16(torch.nn.Module):
+    """An fp32 layer, then a bf16 one: the second's gradients are bf16, which an fp32 buffer cannot
+    take as they land."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = torch.nn.Linear(8, 16)
+        self.second = torch.nn.Linear(16, 4).to(torch.bfloat16)
+
+    def forward(self, x):
+        return self.second(torch.relu(self.first(x)).bfloat16()).float()
+
+
+def test_bf16_parameters_are_summed_in_fp32_and_get_a_bf16_grad(one_rank_group):
+    import harmony_fx
+
+    batch = (torch.randn(4, 8), torch.randn(4, 4))
+    runs = []
+    for across in ({}, {"process_group": one_rank_group, "shard_optimizer": False}):
+        torch.manual_seed(0)
+        model = _HalfBf16()
+        trainer = harmony_fx.Trainer(model, torch.nn.functional.mse_loss, torch.optim.SGD(model.parameters(), lr=0.1),
+                                     batch, devices=["host:0"], pack_boundaries=(0, 2), **across)
+        losses = [trainer.step(batch) for _ in range(2)]
+        runs.append((losses, list(model.parameters()), trainer))
+    (losses, params, _), (cross_losses, cross_params, trainer) = runs
+    assert all(torch.equal(a, b) for a, b in zip(losses, cross_losses))
+    assert [p.grad.dtype for p in cross_params] == [torch.float32] * 2 + [torch.bfloat16] * 2
+    for mine, theirs in zip(cross_params, params):
+        assert torch.equal(mine.grad, theirs.grad) and torch.equal(mine, theirs)
+    flats = [flat.data_ptr() for flat in trainer._cross.flats.values()]
+    assert [p.grad.untyped_storage().data_ptr() in flats for p in cross_params] == [True, True, False, False]
