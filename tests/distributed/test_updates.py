@@ -175,6 +175,18 @@ def test_replicated_gradients_land_in_one_buffer_per_pack_that_is_all_reduced_in
         assert set(watch.alive_bytes[per_step:]) == {watch.one_set_bytes()}
 
 
+
+@pytest.mark.slow  # two processes (~15 s); the one-rank test above keeps the property in the default suite
+def test_two_ranks_keep_one_set_of_host_gradients(tmp_path):
+    """2 gloo ranks, replicated, a HostDevice copying its gradients as a GPU does: each lands in
+    its ``.grad``, the same memory every step, and one set of gradient memory is alive at every
+    all-reduce from the second step on."""
+    for rank in launch.run("grad_memory", 2, tmp_path):
+        per_step = len(rank["packs"])
+        assert rank["grads"][0] == rank["grads"][1] == rank["grads"][2]
+        assert rank["landed_in_grad"] and all(rank["landed_in_grad"])
+        assert set(rank["alive_bytes"][per_step:]) == {rank["one_set_bytes"]}
+
 class _HalfBf16(torch.nn.Module):
     """An fp32 layer, then a bf16 one: the second's gradients are bf16, which an fp32 buffer cannot
     take as they land."""
