@@ -1,5 +1,6 @@
 """Training across processes (gloo on 127.0.0.1): N ranks with one HostDevice each train like one
-process with N HostDevices data-parallel on the same global batch."""
+process with N HostDevices data-parallel on the same global batch. Where gradients live is checked
+on a gloo group of one process too (``one_rank_group``): the replicated path, in seconds."""
 from __future__ import annotations
 
 import math
