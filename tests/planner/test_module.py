@@ -106,7 +106,6 @@ def test_a_task_pays_the_specs_fixed_cost_once_and_its_ops_by_kind() -> None:
     import dataclasses
 
     import torch
-    import torch.nn.functional as F
     from harmony_fx.planner.specs import HostSpec, host_measured
     from harmony_fx.testing.models import ResidualMLP
     from tests.helpers import QUIET
