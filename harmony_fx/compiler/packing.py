@@ -6,11 +6,13 @@ A packing policy maps ``(layer_costs, num_packs)`` to pack boundaries: the plann
 candidates are the policy's packings for 1, 2, ... packs; ``plan_packs`` keeps the fewest packs
 whose program fits the budget, without running every candidate:
 
-1. **Bounds first.** A packing needs at least, for its largest pack, the pack's weights and its
-   largest input (both on the device during its forward: ``PackingBounds``); a candidate whose
-   bound passes the budget is never run, and where every candidate's does, the budget is refused
-   with one run: the most packs', whose peak is the smallest budget named (asked for, the search
-   tries that packing second, and it fits).
+1. **Bounds first.** A packing needs at least, for each pack, the pack's weights and its largest
+   input (both on the device during its forward) and, in training, what its backward holds: what
+   its recompute left for it (measured layer by layer: ``compiler.held``), the gradients of its
+   outputs, and what its last layer's backward adds (``PackingBounds``); a candidate whose bound
+   passes the budget is never run, and where every candidate's does, the budget is refused with
+   one run: the most packs', whose peak is the smallest budget named (asked for, the search tries
+   that packing second, and it fits).
 2. **A monotone search over the rest.** A packing's peak mostly falls as its packs get more: the
    fewest packs are tried, then the most (the least memory), then bisection between the two for
    the fewest that fit: a handful of runs, where trying every count ran a hundred for a deep
@@ -36,6 +38,7 @@ import torch
 from torch import nn
 
 from harmony_fx.compiler.estimate import DeviceEstimate, estimate_device
+from harmony_fx.compiler.held import LayerHeld, measure_held
 from harmony_fx.compiler.layout import Layout
 from harmony_fx.compiler.replay import TaskRecords
 from harmony_fx.compiler.shapes import Shapes
@@ -47,8 +50,10 @@ from harmony_fx.lowering.pipeline import lower_pipeline
 from harmony_fx.lowering.single import lower_program
 from harmony_fx.lowering.tasks import ProgramSignature
 from harmony_fx.passes.split_packs import split_packs
+from harmony_fx.planner.layer_memory import last_readers
 from harmony_fx.program.actions import Action, ActionKind, Key, KeyKind
 from harmony_fx.program.verify import verify_devices, verify_program
+from harmony_fx.runtime import ambient
 
 __all__ = ["balanced", "fixed", "plan_packs", "PackingPolicy", "BudgetTooSmallError", "Candidate", "PackingContext",
            "PackingBounds", "evaluate", "finish_chosen", "layer_costs", "lower_devices", "update_groups", "verify_programs"]
@@ -174,6 +179,8 @@ class PackingContext:
     # what the candidates' planning runs recorded, for the next ones to replay (``compiler.replay``)
     records: TaskRecords = dataclasses.field(default_factory=TaskRecords, compare=False)
     packs: dict = dataclasses.field(default_factory=dict, compare=False)  # size -> the packs built, by layers
+    # per layer, what a recompute leaves for its pack's backward (``compiler.held``): measured once
+    held: list = dataclasses.field(default_factory=list, compare=False)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -232,16 +239,26 @@ class PackingBounds:
     pack's weights and the larger of its largest input (its forward and its recompute hold it with
     the weights: distinct storages, at every microbatch size) and, in training, the gradients of
     the weights its backward differentiates (complete at the end of its backward, the weights still
-    there). ``bounds(boundaries)`` never passes what ``evaluate`` finds."""
+    there). In training, also what the device holds in the pack's backward of the first
+    microbatch: the weights, its largest input and the gradients of its differentiable outputs
+    (each in a storage of its own: every later reader's backward made it, or the caller) with,
+    as it begins, what its recompute left for it (its outputs and what autograd saved), or, while
+    its last layer's backward runs, what of that it keeps and the most that backward adds
+    (``compiler.held``, measured layer by layer on the first microbatch's graph the first time a
+    bound is asked for, once per compile). Not under autocast, whose casts the captured graph does
+    not show. ``bounds(boundaries)`` never passes what ``evaluate`` finds."""
 
     def __init__(self, context: PackingContext) -> None:
         variant = context.variants[context.layout.mb_sizes[0]]
+        self._context = context
         shapes, masters = context.shapes, variant.masters
         nodes = variant.nodes
+        self._read_after = last_readers(variant.captured.gm, variant.layers)
         defined_in = {name: layer.index for layer in variant.layers for name in layer.nodes}
         self._weights: list[dict[int, int]] = []  # per layer: id of each master it reads -> its bytes
         self._grads: list[dict[int, int]] = []    # the same, of those its backward gives a gradient
         self._inputs: list[list[tuple[int, int]]] = []  # per layer: (defining layer, bytes) of what it takes in
+        self._first_inputs: list[list[tuple[int, int]]] = []
         sizes = range(len(context.layout.sizes))
         for layer in variant.layers:
             names = set(layer.nodes)
@@ -260,6 +277,14 @@ class PackingBounds:
             self._inputs.append([(defined_in.get(name, -1),
                                   max(shapes.key_bytes(Key(KeyKind.ACT, name, mb), ()) for mb in sizes))
                                  for name in sorted(taken)])
+            self._first_inputs.append([(defined_in.get(name, -1), shapes.key_bytes(Key(KeyKind.ACT, name, 0), ()))
+                                       for name in sorted(taken)])  # on the first microbatch
+        self._at_backward = not context.signature.forward_only and not ambient.Autocast.current().enabled
+        # per layer: (its last reader, bytes of its gradient on the first microbatch) of each
+        # differentiable value it makes: a pack ending before that reader holds the gradient
+        self._output_grads = [[(self._read_after.get(name, -1), shapes.key_bytes(Key(KeyKind.GRAD, name, 0), ()))
+                               for name in layer.nodes if name in context.signature.differentiable]
+                              for layer in variant.layers] if self._at_backward else []
 
     def __call__(self, boundaries: Sequence[int]) -> int:
         ends = [*boundaries[1:], len(self._weights)]
@@ -273,7 +298,29 @@ class PackingBounds:
             grads.update(self._grads[layer])
         largest = max((nbytes for layer in range(start, end) for defined, nbytes in self._inputs[layer]
                        if defined < start), default=0)
-        return sum(weights.values()) + max(largest, sum(grads.values()))
+        bound = sum(weights.values()) + max(largest, sum(grads.values()))
+        if self._at_backward:
+            held = self._held()
+            # the gradients of its outputs, and its largest input (the graph keeps its inputs)
+            handed = sum(weights.values()) + sum(nbytes for layer in range(start, end)
+                                                 for reader, nbytes in self._output_grads[layer] if reader >= end)
+            handed += max((nbytes for layer in range(start, end) for defined, nbytes in self._first_inputs[layer]
+                           if defined < start), default=0)
+            begins = sum(held[layer].begins.held_until(end) for layer in range(start, end))
+            during = sum(held[layer].during.held_until(end) for layer in range(start, end)) + held[end - 1].backward
+            bound = max(bound, handed + max(begins, during))
+        return bound
+
+    def _held(self) -> list[LayerHeld]:
+        context = self._context
+        if not context.held:
+            variant = context.variants[context.layout.mb_sizes[0]]
+            if len({target.type for target in context.targets}) == 1:
+                context.held.extend(measure_held(variant.captured.gm, variant.layers, self._read_after,
+                                                 context.targets[0], context.shapes.compute_dtype))
+            else:  # the devices' kernels may keep different tensors: nothing is counted
+                context.held.extend(LayerHeld() for _ in variant.layers)
+        return context.held
 
 
 def _evaluate(context: PackingContext, boundaries: Sequence[int], stash_ahead: bool, verify: bool,

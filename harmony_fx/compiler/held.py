@@ -1,0 +1,251 @@
+"""What a pack's recompute provably leaves on the device for its backward, measured per layer.
+
+``PackingBounds`` (``compiler.packing``) bounds a packing's peak from below by what the device holds
+when a pack's backward begins. That moment the pack's recompute has left its graph: the values the
+pack returns (its outputs, kept with the graph) and every tensor autograd saved in a node reachable
+from them. Which nodes those are depends on where the pack ends, so each storage a layer makes gets
+one number, its *reach*: a pack ``[start, end)`` holding the layer holds the storage at that moment
+when ``reach >= end``:
+
+* a value's own storage: the last layer reading the value (``planner.layer_memory.last_readers``;
+  read after ``end``, it is a pack output);
+* a storage an autograd node saved: the largest reach of the layer's values whose autograd graph
+  reaches that node, where a value's reach is the furthest its autograd graph is provably kept: the
+  last layer reading it, or the reach of a value whose own autograd graph reaches it (measured: the
+  reader's graph reaches the node that made the value, or the leaf standing for it in the reader's
+  layer). A chain of such values that leaves the pack passes a pack output, which holds the chain.
+
+Each layer runs alone, as ``planner.layer_memory`` runs it, but on FakeTensors of the device the
+packs run on, under the planning run's ``AllocationTracker``: a composite op takes the path the
+device's kernels take (dropout's mask, attention's weights are the device's), and each storage counts
+the bytes the planning run counts. What is not measured counts nothing, so the figures never pass what
+the planning run holds: a layer whose ops do not run on FakeTensors, a tensor a custom autograd
+``Function`` keeps on its context, an input of the layer saved by it (another layer made it).
+"""
+from __future__ import annotations
+
+import bisect
+import dataclasses
+from typing import Iterable, Mapping, Sequence
+
+import torch
+from torch import fx
+from torch._subclasses import FakeTensorMode
+
+from harmony_fx.analysis.requires_grad import requires_grad_of, run_node
+from harmony_fx.ir import meta
+from harmony_fx.ir.tracking import AllocationTracker, storage_key
+from harmony_fx.ir.values import map_tensors, tensors
+from harmony_fx.passes.find_layers import Layer
+from harmony_fx.runtime.probe import empty_fake
+
+__all__ = ["ByReach", "LayerHeld", "measure_held"]
+
+
+@dataclasses.dataclass(frozen=True)
+class ByReach:
+    """Storages by reach (see the module docstring): ``reaches`` from the largest down, and
+    ``cumulative[i]``: the bytes of those with reach ``reaches[i]`` or more."""
+
+    reaches: tuple[int, ...] = ()
+    cumulative: tuple[int, ...] = ()
+
+    def held_until(self, end: int) -> int:
+        """Bytes a pack holding this layer and ending before layer ``end`` holds."""
+        count = bisect.bisect_right([-reach for reach in self.reaches], -end)
+        return self.cumulative[count - 1] if count else 0
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerHeld:
+    """A layer's storages that a pack's backward begins with (``begins``), those of them it keeps
+    while it runs (``during``: the outputs it differentiates, whose gradients it was handed, and what
+    autograd saved; the other outputs are let go first), and ``backward``: the most the layer's
+    backward adds to what was there, its incoming gradients apart (the weights' and the inputs'
+    gradients, its temporaries), which a pack that ends with the layer adds before any node of an
+    earlier layer runs (autograd runs a node after every node made after it that it waits for, and
+    the earlier layers' nodes were made first). ``backward`` is 0 where it is not provable: the
+    layer did not run, or an output is not contiguous (its gradient's strides, which its backward's
+    copies depend on, are then not known)."""
+
+    begins: ByReach = ByReach()
+    during: ByReach = ByReach()
+    backward: int = 0
+
+
+@dataclasses.dataclass
+class _Measured:
+    """One layer's run: per value, whether it has an autograd node, the storages it is and those its
+    autograd graph saved (indices into ``nbytes``); ``edges``: (value, reader) where the reader's
+    graph reaches the value's."""
+
+    has_node: dict[str, bool]
+    values: dict[str, set[int]]
+    differentiated: dict[str, set[int]]  # of ``values``, the storages of tensors that require grad
+    saved: dict[str, set[int]]
+    nbytes: list[int]
+    edges: list[tuple[str, str]]
+    backward: int = 0
+
+
+def measure_held(gm: fx.GraphModule, layers: Sequence[Layer], read_after: Mapping[str, int], device: torch.device,
+                 compute_dtype: torch.dtype | None) -> list[LayerHeld]:
+    """One ``LayerHeld`` per layer of ``gm``; ``read_after``: each value's last reading layer
+    (``len(layers)``: the graph's output); ``device``: where the packs run; ``compute_dtype``: the
+    dtype floating values compute in (``None``: their own)."""
+    nodes = {node.name: node for node in gm.graph.nodes}
+    measured: list[_Measured | None] = []
+    with FakeTensorMode(allow_non_fake_inputs=True), torch.random.fork_rng(devices=[]):
+        for layer in layers:
+            try:
+                # a higher-order op (a no_grad region) sets grad mode around its subgraph and does
+                # not put it back if the subgraph raises: the context restores it whatever happens
+                with torch.enable_grad():
+                    measured.append(_measure(gm, [nodes[name] for name in layer.nodes], device, compute_dtype,
+                                             {name for name in layer.nodes if read_after.get(name, -1) > layer.index}))
+            except Exception:  # noqa: BLE001 - not runnable on FakeTensors: the layer counts nothing
+                measured.append(None)
+    has_node: dict[str, bool] = {}
+    readers: dict[str, list[str]] = {}  # value -> the values whose autograd graph reaches its own
+    for layer in measured:
+        if layer is not None:
+            has_node.update(layer.has_node)
+            for value, reader in layer.edges:
+                readers.setdefault(value, []).append(reader)
+    reach: dict[str, int] = {}
+    for node in reversed(gm.graph.nodes):  # readers first
+        if has_node.get(node.name):
+            reach[node.name] = max([read_after.get(node.name, -1), *(reach.get(r, -1) for r in readers.get(node.name, ()))])
+    return [LayerHeld() if layer is None else LayerHeld(_by_reach(layer, layer.values, reach, read_after),
+                                                        _by_reach(layer, layer.differentiated, reach, read_after),
+                                                        layer.backward)
+            for layer in measured]
+
+
+def _by_reach(layer: _Measured, values: Mapping[str, set[int]], reach: Mapping[str, int],
+              read_after: Mapping[str, int]) -> ByReach:
+    """``values``' storages (an output's, while the pack holds it) and what autograd saved."""
+    storage_reach = [-1] * len(layer.nbytes)
+    for name, storages in values.items():
+        for index in storages:
+            storage_reach[index] = max(storage_reach[index], read_after.get(name, -1))
+    for name, storages in layer.saved.items():
+        for index in storages:
+            storage_reach[index] = max(storage_reach[index], reach.get(name, -1))
+    pairs = sorted(((r, b) for r, b in zip(storage_reach, layer.nbytes) if r >= 0), reverse=True)
+    cumulative, total = [], 0
+    for _, nbytes in pairs:
+        total += nbytes
+        cumulative.append(total)
+    return ByReach(tuple(r for r, _ in pairs), tuple(cumulative))
+
+
+def _measure(gm: fx.GraphModule, layer_nodes: list[fx.Node], device: torch.device, compute_dtype: torch.dtype | None,
+             outputs: set[str]) -> _Measured:
+    """The layer's run (``outputs``: its values read after it), then its backward from its outputs
+    into its inputs, as the backward of a pack ending with it runs it."""
+    inner = {node.name for node in layer_nodes}
+    external = list(dict.fromkeys(arg for node in layer_nodes for arg in node.all_input_nodes if arg.name not in inner))
+    env: dict[str, object] = {node.name: _fresh(node, device, compute_dtype) for node in external}
+    input_storages = {storage_key(t) for value in env.values() for t in tensors(value)}
+    taken = {id(t): name for name, value in env.items() for t in tensors(value)}  # the layer's inputs, by tensor
+    made_nodes: dict[str, list] = {}  # value -> the autograd nodes its tensors were made by
+    tracker = AllocationTracker()  # what the planning run counts, and its bytes
+    with tracker.mode():
+        for node in layer_nodes:
+            args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: env[n.name])
+            value = env[node.name] = run_node(gm, node, args, kwargs)
+            del args, kwargs
+            made_nodes[node.name] = [t.grad_fn for t in tensors(value) if t.grad_fn is not None]
+        del value
+    # every value and autograd node stays referenced until here: storage keys are not reused
+    made = {key: nbytes for key, nbytes in tracker.storages_since(0).items() if key not in input_storages}
+    index_of = {key: index for index, key in enumerate(made)}
+    saved_by: dict[int, set[int]] = {}  # id(autograd node) -> the made storages it saved
+    attributes: dict[type, tuple[str, ...]] = {}
+    result = _Measured({}, {}, {}, {}, list(made.values()), [])
+    for node in layer_nodes:
+        name = node.name
+        # an op that returns its input itself (``to`` its own dtype, ``contiguous`` of a contiguous
+        # tensor) keeps, held, the input's autograd node: the input's own, where a layer before made it
+        returned = {taken[id(t)] for t in tensors(env[name]) if id(t) in taken}
+        result.edges.extend((value, name) for value in returned)
+        result.has_node[name] = bool(made_nodes[name] or returned)
+        result.values[name] = {index_of[k] for k in map(storage_key, tensors(env[name])) if k in index_of}
+        result.differentiated[name] = {index_of[k] for k in (storage_key(t) for t in tensors(env[name]) if t.requires_grad)
+                                       if k in index_of}
+        reached = _reachable(made_nodes[name])
+        saved: set[int] = set()
+        for function in reached.values():
+            if id(function) not in saved_by:
+                saved_by[id(function)] = {index_of[k] for k in map(storage_key, _saved_tensors(function, attributes))
+                                          if k in index_of}
+            saved |= saved_by[id(function)]
+        result.saved[name] = saved
+        leaves = {id(f.variable) for f in reached.values() if isinstance(getattr(f, "variable", None), torch.Tensor)}
+        for arg in dict.fromkeys(node.all_input_nodes):
+            if arg.name in inner:
+                hit = any(id(f) in reached for f in made_nodes[arg.name])
+            else:
+                hit = any(id(t) in leaves for t in tensors(env[arg.name]))
+            if hit:
+                result.edges.append((arg.name, name))
+    # the backward holds its inputs, the outputs it differentiates and what autograd saved; it
+    # lets the rest go first, so every other value goes here too
+    inputs = [env[node.name] for node in external]
+    roots = [t for name in outputs for t in tensors(env[name]) if t.requires_grad]
+    wanted = [t for value in inputs for t in tensors(value) if t.requires_grad]
+    env.clear()
+    if roots and wanted and all(t.is_contiguous() for t in roots):
+        before = tracker.live
+        tracker.reset_peak()
+        with tracker.mode():
+            incoming = [torch.ones_like(t) for t in roots]  # a pack's backward is handed these: not added
+            handed = sum(t.untyped_storage().nbytes() for t in incoming)
+            grads = torch.autograd.grad(roots, wanted, incoming, allow_unused=True)
+        result.backward = max(tracker.peak - before - handed, 0)
+        del incoming, grads
+    return result
+
+
+def _fresh(node: fx.Node, device: torch.device, compute_dtype: torch.dtype | None) -> object:
+    """A layer input as the planning run holds it: a FakeTensor on ``device`` (floating ones in the
+    compute dtype), a leaf requiring grad as its flags say."""
+    value = node.meta[meta.VAL] if node.op != "get_attr" else getattr(node.graph.owning_module, node.target)
+    flags = iter(requires_grad_of(node))
+
+    def fresh(t: torch.Tensor) -> torch.Tensor:
+        wants = next(flags, False)
+        floating = t.is_floating_point()
+        dtype = compute_dtype if floating and compute_dtype is not None else t.dtype
+        return empty_fake(t.shape, t.stride(), dtype, device).requires_grad_(bool(wants) and floating)
+
+    return map_tensors(fresh, value)
+
+
+def _reachable(roots: Iterable) -> dict[int, object]:
+    """The autograd nodes reachable from ``roots`` (themselves included), by id."""
+    seen: dict[int, object] = {}
+    stack = list(roots)
+    while stack:
+        function = stack.pop()
+        if id(function) in seen:
+            continue
+        seen[id(function)] = function
+        stack.extend(following for following, _ in function.next_functions if following is not None)
+    return seen
+
+
+def _saved_tensors(function, attributes: dict[type, tuple[str, ...]]) -> list[torch.Tensor]:
+    """The tensors an autograd node saved for its backward (its ``_saved_*`` attributes)."""
+    kind = type(function)
+    if kind not in attributes:
+        attributes[kind] = tuple(name for name in dir(function) if name.startswith("_saved_"))
+    found: list[torch.Tensor] = []
+    for name in attributes[kind]:
+        try:
+            value = getattr(function, name)
+        except Exception:  # noqa: BLE001 - not readable: counted as not saved
+            continue
+        found.extend(tensors(value) if isinstance(value, (torch.Tensor, list, tuple)) else ())
+    return found
