@@ -165,6 +165,10 @@ class _Simulator:
         self.io_free_at = io_busy  # the lane finishes the last iteration's writes first
         self.updated_at: dict[int, float] = {}  # pack -> when its update ends
         self.held_until = 0.0  # inline devices: an update holds the host's cores and interpreter until then
+        # ``run``'s controllers and queues that may move on, and those asleep by what they wait for
+        self.awake: set[tuple[int, Stream | None]] = set()
+        self.asleep: collections.defaultdict = collections.defaultdict(set)
+        self.blocked_on: tuple = ()  # why the last ``_issue`` or ``_start`` stopped
 
     # -------------------------------------------------------------- memory
     def _hold(self, device: int, key: Key) -> None:
@@ -215,10 +219,12 @@ class _Simulator:
                 self.io_queue.append((device, action))
             elif action.stream == Stream.HOST:
                 if action.kind == K.WAIT:
-                    if self._waited_event(device, action) not in self.done_events:
+                    waited = self._waited_event(device, action)
+                    if waited not in self.done_events:
+                        self.blocked_on = ("event", waited)
                         return progressed
                 elif action.kind == K.SPLIT:  # views: done as it is issued
-                    self.done_events[(device, action.event)] = self.now
+                    self._record(device, action)
                 else:  # UPDATE: handed to the CPU workers once every device has sent its gradients
                     self.arrived[action.pack] += 1
                     self.update_after[action.pack].update((device, e) for e in action.after)
@@ -226,24 +232,36 @@ class _Simulator:
                         self.update_queue.append((device, action))
             else:
                 self.queues[(device, action.stream)].append(action)
+                self._wake(("queued", device, action.stream))
             self.issued[device] += 1
             progressed = True
+        self.blocked_on = ("finished", device)  # nothing wakes it
         return progressed
 
     def _start(self, device: int, stream: Stream) -> bool:
         queue, progressed = self.queues[(device, stream)], False
-        while queue and (device, stream) not in self.running and not self._transferring(device, stream):
+        while True:
+            if not queue:
+                self.blocked_on = ("queued", device, stream)
+                return progressed
+            if (device, stream) in self.running or self.copying[(device, stream)] > 0:
+                self.blocked_on = ("free", device, stream)
+                return progressed
             action = queue[0]
             if action.kind == K.WAIT:
-                if self._waited_event(device, action) not in self.done_events:
+                waited = self._waited_event(device, action)
+                if waited not in self.done_events:
+                    self.blocked_on = ("event", waited)
                     return progressed
             elif action.kind == K.FREE:
                 pass  # its memory went back at issue
             elif action.kind in (K.PREFETCH, K.RECV) and self.computes_done[device] < self.fences[id(action)]:
+                self.blocked_on = ("fence", device)
                 return progressed  # its destination is allocated after the compute issued before it
             elif action.kind == K.RECV:
                 sent = self.sent.get((action.peer, action.key))
                 if sent is None:
+                    self.blocked_on = ("sent", action.peer, action.key)
                     return progressed
                 self._count(device, action)
                 self._record(device, action)
@@ -263,15 +281,17 @@ class _Simulator:
                 return True
             queue.popleft()
             progressed = True
-        return progressed
+
+    def _wake(self, blocker: tuple) -> None:
+        """What slept on ``blocker`` is looked at again (``run``)."""
+        sleeping = self.asleep.pop(blocker, None)
+        if sleeping:
+            self.awake |= sleeping
 
     def _busy(self, device: int) -> bool:
         return (self.held_until > self.now or any(d == device for d, _ in self.running)
                 or any(t.device == device for t in self.transfers)
                 or any(queue for (d, _), queue in self.queues.items() if d == device))
-
-    def _transferring(self, device: int, stream: Stream) -> bool:
-        return self.copying[(device, stream)] > 0
 
     def _start_updates(self) -> bool:
         progressed = False
@@ -352,6 +372,7 @@ class _Simulator:
     def _record(self, device: int, action: Action) -> None:
         if action.event is not None:
             self.done_events[(device, action.event)] = self.now
+            self._wake(("event", (device, action.event)))
 
     @staticmethod
     def _waited_event(device: int, action: Action) -> tuple[int, int]:
@@ -401,10 +422,12 @@ class _Simulator:
             self._finish(t.device, t.action.stream, t.action, t.start)
             if t.action.kind == K.SEND:
                 self.sent[(t.device, t.action.key)] = self.now
+                self._wake(("sent", t.device, t.action.key))
         for where, (start, end, action) in list(self.running.items()):
             if end <= self.now:
                 del self.running[where]
                 self.computes_done[where[0]] += 1
+                self._wake(("fence", where[0]))
                 self._finish(where[0], where[1], action, start)
         while self.updates and self.updates[0] <= self.now:
             heapq.heappop(self.updates)
@@ -415,6 +438,7 @@ class _Simulator:
         return True
 
     def _finish(self, device: int, stream: Stream, action: Action, start: float) -> None:
+        self._wake(("free", device, stream))
         self._record(device, action)
         self.spans.append((device, stream.value, action, start, self.now))
         self.busy[(device, stream.value)] += self.now - start
@@ -423,19 +447,27 @@ class _Simulator:
             self.core_end = max(self.core_end, self.now)
 
     def run(self) -> Simulation:
-        devices = range(len(self.programs))
-        # each device's stream queues, looked up once: a search simulates hundreds of thousands of
-        # steps, and most queues are empty at most of them
-        lanes = [[(stream, self.queues[(d, stream)]) for stream in _DEVICE_STREAMS] for d in devices]
+        # Each controller (a device's issue, ``None``) and each stream queue is looked at in one
+        # fixed order, as long as it moves on; one that cannot sleeps until what it waits for
+        # happens (``blocked_on``: an event recorded, its stream free, a fence passed, a peer's send
+        # landed, an action queued): a search simulates hundreds of thousands of steps, and at most
+        # of them nearly every queue waits. Inline devices' controllers never sleep (a queue that
+        # empties frees them).
+        order = [(d, stream) for d in range(len(self.programs)) for stream in (None, *_DEVICE_STREAMS)]
+        self.awake = set(order)
         while True:
             progressed = True
             while progressed:
                 progressed = False
-                for d in devices:
-                    progressed |= self._issue(d)
-                    for stream, queue in lanes[d]:
-                        if queue:
-                            progressed |= self._start(d, stream)
+                for item in order:
+                    if item not in self.awake:
+                        continue
+                    d, stream = item
+                    if self._issue(d) if stream is None else self._start(d, stream):
+                        progressed = True
+                    elif stream is not None or not self.spec.inline:
+                        self.awake.discard(item)
+                        self.asleep[self.blocked_on].add(item)
                 progressed |= self._start_updates()
                 progressed |= self._start_io()
             if not self._advance():
