@@ -35,7 +35,7 @@ from torch._subclasses import FakeTensorMode
 from harmony_fx.analysis.requires_grad import requires_grad_of, run_node
 from harmony_fx.ir import meta
 from harmony_fx.ir.tracking import AllocationTracker, storage_key
-from harmony_fx.ir.values import map_tensors, tensors
+from harmony_fx.ir.values import leaves, map_tensors, tensors
 from harmony_fx.passes.find_layers import Layer
 from harmony_fx.runtime.probe import empty_fake
 
@@ -95,16 +95,29 @@ def measure_held(gm: fx.GraphModule, layers: Sequence[Layer], read_after: Mappin
     dtype floating values compute in (``None``: their own)."""
     nodes = {node.name: node for node in gm.graph.nodes}
     measured: list[_Measured | None] = []
+    # a layer that repeats one measured before (a transformer's blocks) is that one, renamed
+    seen: dict[tuple, tuple[_Measured | None, list[str]]] = {}
     with FakeTensorMode(allow_non_fake_inputs=True), torch.random.fork_rng(devices=[]):
         for layer in layers:
+            layer_nodes = [nodes[name] for name in layer.nodes]
+            inner = set(layer.nodes)
+            external = list(dict.fromkeys(arg for node in layer_nodes for arg in node.all_input_nodes
+                                          if arg.name not in inner))
+            outputs = {name for name in layer.nodes if read_after.get(name, -1) > layer.index}
+            names = [node.name for node in layer_nodes + external]
+            signature = _signature(layer_nodes, external, outputs)
+            if signature in seen:
+                earlier, earlier_names = seen[signature]
+                measured.append(earlier and _renamed(earlier, dict(zip(earlier_names, names))))
+                continue
             try:
                 # a higher-order op (a no_grad region) sets grad mode around its subgraph and does
                 # not put it back if the subgraph raises: the context restores it whatever happens
                 with torch.enable_grad():
-                    measured.append(_measure(gm, [nodes[name] for name in layer.nodes], device, compute_dtype,
-                                             {name for name in layer.nodes if read_after.get(name, -1) > layer.index}))
+                    measured.append(_measure(gm, layer_nodes, external, device, compute_dtype, outputs))
             except Exception:  # noqa: BLE001 - not runnable on FakeTensors: the layer counts nothing
                 measured.append(None)
+            seen[signature] = measured[-1], names
     has_node: dict[str, bool] = {}
     readers: dict[str, list[str]] = {}  # value -> the values whose autograd graph reaches its own
     for layer in measured:
@@ -140,12 +153,34 @@ def _by_reach(layer: _Measured, values: Mapping[str, set[int]], reach: Mapping[s
     return ByReach(tuple(r for r, _ in pairs), tuple(cumulative))
 
 
-def _measure(gm: fx.GraphModule, layer_nodes: list[fx.Node], device: torch.device, compute_dtype: torch.dtype | None,
-             outputs: set[str]) -> _Measured:
-    """The layer's run (``outputs``: its values read after it), then its backward from its outputs
-    into its inputs, as the backward of a pack ending with it runs it."""
+def _signature(layer_nodes: list[fx.Node], external: list[fx.Node], outputs: set[str]) -> tuple:
+    """What a layer's measurement depends on: its ops and how they read each other, its inputs'
+    layouts and flags, which values it hands on. Two layers alike in these measure alike."""
+    position = {node: index for index, node in enumerate(external + layer_nodes)}
+    ops = tuple((node.op, node.target, repr(fx.node.map_arg((node.args, node.kwargs), position.__getitem__)),
+                 node.name in outputs) for node in layer_nodes)
+    inputs = tuple((node.op, node.target if node.op == "get_attr" else None, requires_grad_of(node),
+                    tuple((tuple(t.shape), t.stride(), t.dtype) if isinstance(t, torch.Tensor) else repr(t)
+                          for t in leaves(node.meta.get(meta.VAL))))
+                   for node in external)
+    return ops, inputs
+
+
+def _renamed(layer: _Measured, names: Mapping[str, str]) -> _Measured:
+    return dataclasses.replace(
+        layer, has_node={names[k]: v for k, v in layer.has_node.items()},
+        values={names[k]: v for k, v in layer.values.items()},
+        differentiated={names[k]: v for k, v in layer.differentiated.items()},
+        saved={names[k]: v for k, v in layer.saved.items()},
+        edges=[(names[value], names[reader]) for value, reader in layer.edges])
+
+
+def _measure(gm: fx.GraphModule, layer_nodes: list[fx.Node], external: list[fx.Node], device: torch.device,
+             compute_dtype: torch.dtype | None, outputs: set[str]) -> _Measured:
+    """The layer's run (``external``: the values it reads from outside it; ``outputs``: its values
+    read after it), then its backward from its outputs into its inputs, as the backward of a pack
+    ending with it runs it."""
     inner = {node.name for node in layer_nodes}
-    external = list(dict.fromkeys(arg for node in layer_nodes for arg in node.all_input_nodes if arg.name not in inner))
     env: dict[str, object] = {node.name: _fresh(node, device, compute_dtype) for node in external}
     input_storages = {storage_key(t) for value in env.values() for t in tensors(value)}
     taken = {id(t): name for name, value in env.items() for t in tensors(value)}  # the layer's inputs, by tensor

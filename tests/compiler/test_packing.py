@@ -374,7 +374,8 @@ def _compile_hf(name: str, microbatches: int):
 
 
 @pytest.mark.parametrize("compile_call", [
-    _compile_cnn, _compile_scaled_by, _compile_gpt_two_microbatches, _compile_gpt_forward_only, _compile_attention,
+    _compile_cnn, _compile_scaled_by, _compile_gpt_two_microbatches, _compile_attention,
+    pytest.param(_compile_gpt_forward_only, marks=pytest.mark.slow),  # the bound it had before: no backward
     pytest.param(_compile_gpt_bf16, marks=pytest.mark.slow), pytest.param(_compile_gpt_autocast, marks=pytest.mark.slow),
     pytest.param(_compile_half_frozen, marks=pytest.mark.slow),
     pytest.param(functools.partial(_compile_hf, "gpt2", 1), marks=pytest.mark.slow, id="hf-gpt2"),
@@ -384,8 +385,8 @@ def test_the_bound_never_passes_the_peak_of_any_candidate(monkeypatch, compile_c
     """What a pack's backward begins with (its recompute's outputs and what autograd saved, the
     gradients of its outputs) is measured layer by layer; the bound built on it must stay below
     the peak the planning run finds for every packing: BatchNorm, an input that requires no grad,
-    two microbatches with dropout and a tied head, forward only, attention that picks its kernel
-    by device; (slow) bf16, autocast, frozen layers, Hugging Face GPT-2 and BERT."""
+    two microbatches with dropout and a tied head, attention that picks its kernel by device;
+    (slow) forward only, bf16, autocast, frozen layers, Hugging Face GPT-2 and BERT."""
     seen = _bounds_and_peaks(monkeypatch, compile_call)
     over = [(len(boundaries), bound, peak) for boundaries, bound, peak in seen if bound > peak]
     assert not over, over
@@ -395,14 +396,15 @@ def test_the_bound_sees_what_autograd_saves(monkeypatch):
     """Where activations outweigh the weights, a transformer's peak is a pack's backward beginning
     with what its recompute left (the attention's scores and softmax, every activation a later op
     reads) and what the backward of its last layer adds: the bound counts both, so it is close to
-    the peak for every packing (0.84 to 1.0 of it measured, the peak itself from 5 packs on; 0.11 to
-    0.14 when it counted only weights and inputs)."""
+    the peak for every packing. Two blocks: the second's layers are measured as the first's."""
     from harmony_fx.models import GPTConfig, TinyGPT
 
     def compile_gpt():
         torch.manual_seed(0)
-        model = TinyGPT(GPTConfig(n_layer=1, n_embd=32, dropout=0.0))
+        model = TinyGPT(GPTConfig(n_layer=2, n_embd=32, dropout=0.0))
         harmony_fx.compile(model, (torch.randint(0, 96, (8, 32)),), devices=["host:0"], microbatches=1)
 
     seen = _bounds_and_peaks(monkeypatch, compile_gpt)
-    assert all(bound >= 0.75 * peak for _, bound, peak in seen), [(len(b), bound / peak) for b, bound, peak in seen]
+    ratios = [(len(boundaries), bound / peak) for boundaries, bound, peak in seen]
+    # measured 0.88 to 0.96; 0.10 to 0.14 when the bound counted only weights and inputs
+    assert all(0.8 <= ratio <= 1 for _, ratio in ratios), ratios
