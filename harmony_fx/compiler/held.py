@@ -1,26 +1,32 @@
 """What a pack's recompute provably leaves on the device for its backward, measured per layer.
 
 ``PackingBounds`` (``compiler.packing``) bounds a packing's peak from below by what the device holds
-when a pack's backward begins. That moment the pack's recompute has left its graph: the values the
-pack returns (its outputs, kept with the graph) and every tensor autograd saved in a node reachable
-from them. Which nodes those are depends on where the pack ends, so each storage a layer makes gets
-one number, its *reach*: a pack ``[start, end)`` holding the layer holds the storage at that moment
-when ``reach >= end``:
+in a pack's backward. As it begins, the pack's recompute has left its graph: the values the pack
+returns (its outputs, kept with the graph) and every tensor autograd saved in a node reachable from
+them. Which nodes those are depends on where the pack ends, so each storage a layer makes gets one
+number, its *reach*: a pack ``[start, end)`` holding the layer holds the storage then when
+``reach >= end``:
 
 * a value's own storage: the last layer reading the value (``planner.layer_memory.last_readers``;
   read after ``end``, it is a pack output);
 * a storage an autograd node saved: the largest reach of the layer's values whose autograd graph
-  reaches that node, where a value's reach is the furthest its autograd graph is provably kept: the
-  last layer reading it, or the reach of a value whose own autograd graph reaches it (measured: the
-  reader's graph reaches the node that made the value, or the leaf standing for it in the reader's
-  layer). A chain of such values that leaves the pack passes a pack output, which holds the chain.
+  reaches that node, where a value's reach, for a value with an autograd node (or that is a layer
+  input itself), is the furthest its graph is provably kept: the last layer reading it, or the
+  reach of a value whose own graph reaches it (measured: the reader's graph reaches the node that
+  made the value, or the leaf standing for it in the reader's layer). A chain of such values that
+  leaves the pack passes a pack output, which holds the chain.
+
+While the backward runs, the outputs it does not differentiate are let go, and its last layer's
+autograd nodes all run before any of an earlier layer (``LayerHeld``): that layer's backward, run
+alone from its outputs into its inputs, says the most it adds.
 
 Each layer runs alone, as ``planner.layer_memory`` runs it, but on FakeTensors of the device the
 packs run on, under the planning run's ``AllocationTracker``: a composite op takes the path the
 device's kernels take (dropout's mask, attention's weights are the device's), and each storage counts
-the bytes the planning run counts. What is not measured counts nothing, so the figures never pass what
-the planning run holds: a layer whose ops do not run on FakeTensors, a tensor a custom autograd
-``Function`` keeps on its context, an input of the layer saved by it (another layer made it).
+the bytes the planning run counts. A layer alike to one measured before (a transformer's blocks) is
+not run again. What is not measured counts nothing, so the figures never pass what the planning run
+holds: a layer whose ops do not run on FakeTensors, a tensor a custom autograd ``Function`` keeps on
+its context, an input of the layer saved by it (another layer made it).
 """
 from __future__ import annotations
 
