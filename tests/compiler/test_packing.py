@@ -365,6 +365,18 @@ def _compile_half_frozen():
     harmony_fx.compile(model, (torch.randn(8, 16),), devices=["host:0"], microbatches=1)
 
 
+def _compile_trainer_pipeline():  # the last pack's forward, loss and backward fused; two devices in a pipeline
+    from harmony_fx.models import GPTConfig, TinyGPT
+
+    torch.manual_seed(0)
+    model = TinyGPT(GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_embd=32, dropout=0.0))
+    x = torch.randint(0, 64, (8, 16))
+    trainer = harmony_fx.Trainer(model, lambda out, target: F.cross_entropy(out.flatten(0, 1), target.flatten()),
+                                 torch.optim.SGD(model.parameters(), lr=0.1), ((x,), torch.roll(x, 1, dims=1)),
+                                 devices=["host:0", "host:1"], microbatches=4, parallel="pp")
+    trainer.close()
+
+
 def _compile_hf(name: str, microbatches: int):
     from harmony_fx.testing.hf_models import build_hf_model, hf_batch
 
@@ -377,7 +389,7 @@ def _compile_hf(name: str, microbatches: int):
     _compile_cnn, _compile_scaled_by, _compile_gpt_two_microbatches, _compile_attention,
     pytest.param(_compile_gpt_forward_only, marks=pytest.mark.slow),  # the bound it had before: no backward
     pytest.param(_compile_gpt_bf16, marks=pytest.mark.slow), pytest.param(_compile_gpt_autocast, marks=pytest.mark.slow),
-    pytest.param(_compile_half_frozen, marks=pytest.mark.slow),
+    pytest.param(_compile_half_frozen, marks=pytest.mark.slow), pytest.param(_compile_trainer_pipeline, marks=pytest.mark.slow),
     pytest.param(functools.partial(_compile_hf, "gpt2", 1), marks=pytest.mark.slow, id="hf-gpt2"),
     pytest.param(functools.partial(_compile_hf, "bert", 2), marks=pytest.mark.slow, id="hf-bert-2-microbatches"),
 ], ids=lambda call: getattr(call, "__name__", "").removeprefix("_compile_"))
@@ -386,7 +398,8 @@ def test_the_bound_never_passes_the_peak_of_any_candidate(monkeypatch, compile_c
     gradients of its outputs) is measured layer by layer; the bound built on it must stay below
     the peak the planning run finds for every packing: BatchNorm, an input that requires no grad,
     two microbatches with dropout and a tied head, attention that picks its kernel by device;
-    (slow) forward only, bf16, autocast, frozen layers, Hugging Face GPT-2 and BERT."""
+    (slow) forward only, bf16, autocast, frozen layers, a Trainer's pipeline over two devices,
+    Hugging Face GPT-2 and BERT."""
     seen = _bounds_and_peaks(monkeypatch, compile_call)
     over = [(len(boundaries), bound, peak) for boundaries, bound, peak in seen if bound > peak]
     assert not over, over
