@@ -102,7 +102,7 @@ def measure_held(gm: fx.GraphModule, layers: Sequence[Layer], read_after: Mappin
     nodes = {node.name: node for node in gm.graph.nodes}
     measured: list[_Measured | None] = []
     # a layer that repeats one measured before (a transformer's blocks) is that one, renamed
-    seen: dict[tuple, tuple[_Measured | None, list[str]]] = {}
+    seen: dict[tuple, tuple[_Measured, list[str]]] = {}
     with FakeTensorMode(allow_non_fake_inputs=True), torch.random.fork_rng(devices=[]):
         for layer in layers:
             layer_nodes = [nodes[name] for name in layer.nodes]
@@ -111,19 +111,21 @@ def measure_held(gm: fx.GraphModule, layers: Sequence[Layer], read_after: Mappin
                                           if arg.name not in inner))
             outputs = {name for name in layer.nodes if read_after.get(name, -1) > layer.index}
             names = [node.name for node in layer_nodes + external]
-            signature = _signature(layer_nodes, external, outputs)
-            if signature in seen:
-                earlier, earlier_names = seen[signature]
-                measured.append(earlier and _renamed(earlier, dict(zip(earlier_names, names))))
-                continue
+            result: _Measured | None = None
             try:
-                # a higher-order op (a no_grad region) sets grad mode around its subgraph and does
-                # not put it back if the subgraph raises: the context restores it whatever happens
-                with torch.enable_grad():
-                    measured.append(_measure(gm, layer_nodes, external, device, compute_dtype, outputs))
+                signature = _signature(layer_nodes, external, outputs)
+                if signature in seen:
+                    earlier, earlier_names = seen[signature]
+                    result = _renamed(earlier, dict(zip(earlier_names, names)))
+                else:
+                    # a higher-order op (a no_grad region) sets grad mode around its subgraph and
+                    # does not put it back if the subgraph raises: the context restores it
+                    with torch.enable_grad():
+                        result = _measure(gm, layer_nodes, external, device, compute_dtype, outputs)
+                    seen[signature] = result, names
             except Exception:  # noqa: BLE001 - not runnable on FakeTensors: the layer counts nothing
-                measured.append(None)
-            seen[signature] = measured[-1], names
+                result = None
+            measured.append(result)
     has_node: dict[str, bool] = {}
     readers: dict[str, list[str]] = {}  # value -> the values whose autograd graph reaches its own
     for layer in measured:
