@@ -8,6 +8,7 @@ else. Every model is cut into several packs (``pack_boundaries``) so each value 
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -154,6 +155,33 @@ def test_a_tuple_crossing_a_pack_is_moved_and_counted_per_tensor():
     assert _pytree_inputs(hm), "the pooling's (values, indices) should cross into the second pack"
     assert_grads_equal(model, reference, RTOL, ATOL, inputs=inputs, ref_inputs=ref_inputs)
     assert hm.stats.as_dict()["bytes_by_kind"] == hm.plan.predicted_bytes
+
+
+class _Contrastive(nn.Module):
+    """CLIP's loss: each sample's text scored against every sample's image, so a sample's loss
+    depends on the whole batch and a microbatch's is another loss."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.text, self.image = nn.Linear(8, 8), nn.Linear(12, 8)
+
+    def forward(self, text, image):
+        logits = self.text(text) @ self.image(image).t()
+        labels = torch.arange(text.shape[0])
+        return (F.cross_entropy(logits, labels) + F.cross_entropy(logits.t(), labels)) / 2
+
+
+def test_a_contrastive_loss_keeps_its_batch_whole_and_a_batch_cut_by_hand_warns():
+    torch.manual_seed(0)
+    text, image = torch.randn(6, 8), torch.randn(6, 12)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        hm, model, reference, *_ = _step_both(_Contrastive(), (text, image), lambda loss: loss)
+    assert hm.num_microbatches == 1 and not [w for w in caught if "harmony_fx" in str(w.message)]
+    assert_grads_equal(model, reference, RTOL, ATOL)
+    with pytest.warns(UserWarning, match=r"microbatches=2 cuts the batch.*batched along different dims"):
+        hm = harmony_fx.compile(_Contrastive(), (text, image), microbatches=2)
+    assert "batch: cut into 2 microbatches as microbatches= asks" in hm.explain()
 
 
 def test_a_scalar_input_is_shared_by_every_microbatch():

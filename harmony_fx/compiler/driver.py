@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import warnings
 from typing import Any
 
 import torch
@@ -188,6 +189,8 @@ def _from_layout(log: StageLog, example: _Example, devices: list, options: Compi
     primary = variants[layout.mb_sizes[0]]
     if analysis is None:
         analysis = log.run("analyze batch", _analyze_largest, example, variants, layout, decision=_describe_batch)
+    if schedule is None:
+        _warn_if_cut_changes_results(layout, analysis)
     if options.precision == "bf16":
         log.run("check precision", _refuse_fixed_float_casts, primary.captured.gm, decision=lambda _: "no fp32 casts")
     example_flat = primary.captured.flatten_inputs(*microbatch.split_call(
@@ -245,7 +248,7 @@ def _from_layout(log: StageLog, example: _Example, devices: list, options: Compi
     device_programs = log.run("codegen", _codegen, candidate, layout,
                               decision=lambda programs: f"{2 * len(programs)} program(s), "
                               f"{sum(len(f) + len(b) for f, b in candidate.device_actions)} actions")
-    batch_note = _batch_note(analysis)
+    batch_note = _batch_note(analysis, layout.num_microbatches)
     plan = log.run("plan", make_plan, candidate, shapes, primary.nodes, devices, layout, devices[0].budget,
                    policy_name, batch_note, memory, options.nvme_path, decision=lambda p: f"{format_size(p.bytes_h2d)} in, "
                    f"{format_size(p.bytes_d2h)} out per iteration")
@@ -447,7 +450,22 @@ def _describe_signature(signature: Any) -> str:
             f"{len(signature.differentiable)} differentiable values")
 
 
-def _batch_note(analysis: BatchAnalysis) -> str:
+def _batch_note(analysis: BatchAnalysis, num_microbatches: int) -> str:
     if analysis.separable:
         return "every op treats the samples apart, so microbatches compute what the whole batch does"
+    if num_microbatches > 1:
+        return (f"cut into {num_microbatches} microbatches as microbatches= asks, although microbatches may "
+                f"change the result: {analysis.reason}")
     return f"kept whole (microbatches would change the result): {analysis.reason}"
+
+
+def _warn_if_cut_changes_results(layout: Layout, analysis: BatchAnalysis) -> None:
+    """Microbatches the user gave are theirs (BatchNorm per microbatch, as in Harmony), but a batch
+    cut where the graph mixes samples (a contrastive loss over every pair of samples, a softmax over
+    the batch) computes another loss than eager without any error: say so once, at compile."""
+    if layout.num_microbatches > 1 and not analysis.separable:
+        warnings.warn(
+            f"harmony_fx: microbatches={layout.num_microbatches} cuts the batch, but harmony_fx cannot show "
+            f"that microbatches compute what the whole batch does: {analysis.reason}. The results (loss and "
+            "gradients) may differ from eager's; microbatches=1, or None (the planner keeps such a batch "
+            "whole), computes eager's.", UserWarning, stacklevel=2)
