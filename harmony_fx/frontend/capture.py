@@ -23,6 +23,7 @@ import contextlib
 import dataclasses
 import inspect
 import re
+import pathlib
 import warnings
 from typing import Any, Callable
 
@@ -110,7 +111,7 @@ def _capture(model: nn.Module, args: tuple, kwargs: dict) -> Captured:
         try:
             captured = _capture_with_symbolic_trace(model, args, kwargs)
         except Exception as trace_error:  # noqa: BLE001
-            raise CaptureError(_capture_failure_message(model, export_error, trace_error)) from export_error
+            raise CaptureError(_capture_failure_message(model, export_error, trace_error, kwargs)) from export_error
     return captured
 
 
@@ -173,9 +174,12 @@ def _scalar_reductions(gm: fx.GraphModule) -> dict[str, ScalarReduction]:
 _CACHE_IN_OUTPUT = re.compile(r"Found <class '([\w.]*Cache)'> in output")
 _UNKNOWN_OUTPUT = re.compile(r"Found <class '([\w.]+)'> in output")
 _DATA_DEPENDENT = ("data-dependent", "data dependent", "GuardOnDataDependentSymNode")
+# export names the user frame it stopped in: "Caused by: (path/model.py:1062 in forward)"
+_CAUSED_BY = re.compile(r"Caused by: \(([^()\n]+?:\d+ in \w+)\)")
 
 
-def _capture_failure_message(model: nn.Module, export_error: Exception, trace_error: Exception) -> str:
+def _capture_failure_message(model: nn.Module, export_error: Exception, trace_error: Exception,
+                             kwargs: dict) -> str:
     def first_line(err: Exception) -> str:
         text = str(err).strip().splitlines()
         return f"{type(err).__name__}: {text[0] if text else ''}"
@@ -184,8 +188,22 @@ def _capture_failure_message(model: nn.Module, export_error: Exception, trace_er
         f"harmony_fx could not capture {type(model).__name__} as a graph.\n"
         f"  torch.export (non-strict) failed with   {first_line(export_error)}\n"
         f"  torch.fx.symbolic_trace failed with     {first_line(trace_error)}\n"
-        f"What to try: {_advice(export_error)}"
+        f"What to try: {_advice(export_error)}{_where_and_labels(export_error, kwargs)}"
     )
+
+
+def _where_and_labels(export_error: Exception, kwargs: dict) -> str:
+    """The model's line export stopped at, where it says; and, for a call with ``labels`` (a
+    Hugging Face head, whose loss code is often what export cannot trace: DeBERTa's checks
+    ``if label_index.size(0) > 0``), how to keep the loss out of the graph."""
+    # a frame inside torch (export's own __torch_function__) says nothing about the model
+    torch_dir = pathlib.Path(torch.__file__).parent
+    where = [w for w in _CAUSED_BY.findall(str(export_error)) if not (torch_dir / w.split(":")[0]).exists()]
+    text = f" The model's code at {where[0]}." if where else ""
+    if "labels" in kwargs:
+        text += (" If that is the loss computed from labels, call the model without labels and compute the loss "
+                 "from its logits outside (harmony_fx.Trainer's loss_fn(output, target)).")
+    return text
 
 
 def _advice(export_error: Exception) -> str:

@@ -1,8 +1,11 @@
 """capture: model → GraphModule with meta["val"] everywhere, parameters mapped to the model's own."""
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 import harmony_fx
@@ -106,6 +109,42 @@ def test_data_dependent_control_flow_is_refused_with_advice():
     assert "DataDependent" in message
     assert "torch.where" in message and "torch.cond" in message  # what to do instead
     assert isinstance(info.value, ValueError) and harmony_fx.CaptureError is CaptureError
+
+
+class LabelledLoss(nn.Module):
+    """DeBERTa's classification head: the loss branches on how many labels are not ignored."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 3)
+
+    def forward(self, x, labels=None):
+        logits = self.linear(x)
+        if labels is None:
+            return {"logits": logits}
+        labelled = (labels >= 0).nonzero()
+        if labelled.size(0) > 0:  # export cannot decide this at capture
+            return {"logits": logits, "loss": F.cross_entropy(logits, labels)}
+        return {"logits": logits, "loss": logits.sum() * 0}
+
+
+def test_a_loss_export_cannot_trace_names_its_line_and_the_way_around_it():
+    model, x, labels = LabelledLoss(), torch.randn(6, 4), torch.tensor([0, 2, 1, -100, 1, 0])
+    with pytest.raises(harmony_fx.CaptureError, match=r"test_capture.py:\d+ in forward.*call the model without labels"):
+        harmony_fx.compile(model, (x,), {"labels": labels})
+    # the way around it the message gives: the loss outside the model, in the Trainer's loss_fn
+    reference = copy.deepcopy(model)
+    trainer = harmony_fx.Trainer(model, lambda out, target: F.cross_entropy(out["logits"], target),
+                                 torch.optim.SGD(model.parameters(), lr=0.1), (x, labels), microbatches=2)
+    try:
+        loss = trainer.step((x, labels))
+    finally:
+        trainer.close()
+    ref_loss = F.cross_entropy(reference(x)["logits"], labels)
+    ref_loss.backward()
+    torch.testing.assert_close(loss, ref_loss.detach())
+    for param, ref in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(param.detach(), (ref - 0.1 * ref.grad).detach())
 
 
 def test_capture_rejects_a_non_module():
