@@ -194,6 +194,9 @@ def _measure(gm: fx.GraphModule, layer_nodes: list[fx.Node], external: list[fx.N
     taken = {id(t): name for name, value in env.items() for t in tensors(value)}  # the layer's inputs, by tensor
     made_nodes: dict[str, list] = {}  # value -> the autograd nodes its tensors were made by
     tracker = AllocationTracker()  # what the planning run counts, and its bytes
+    for value in env.values():  # on the device already: their views (a weight's ``t()``) add nothing
+        for tensor in tensors(value):
+            tracker.register(tensor)
     with tracker.mode():
         for node in layer_nodes:
             args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: env[n.name])

@@ -310,6 +310,18 @@ class _Attention(nn.Module):
         return self.head(x + attended).square().mean()
 
 
+class _MatMul(nn.Module):
+    """``x @ w`` as Hugging Face GPT-2's ``Conv1D`` computes it: the backward reads ``w.t()``, a view
+    of a weight already on the device (no new bytes; the bound once counted it as new)."""
+
+    def __init__(self, width: int = 64) -> None:
+        super().__init__()
+        self.w1, self.w2 = nn.Parameter(torch.randn(width, width)), nn.Parameter(torch.randn(width, width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(x @ self.w1) @ self.w2
+
+
 def _tiny_gpt(**config):
     from harmony_fx.models import GPTConfig, TinyGPT
 
@@ -322,6 +334,11 @@ def _compile_cnn():
 
     torch.manual_seed(0)
     harmony_fx.compile(SmallCNN(channels=4, depth=2), (torch.randn(4, 3, 8, 8),), devices=["host:0"], microbatches=1)
+
+
+def _compile_matmul():
+    torch.manual_seed(0)
+    harmony_fx.compile(_MatMul(), (torch.randn(2, 64),), devices=["host:0"], microbatches=1)
 
 
 def _compile_scaled_by():
@@ -388,7 +405,7 @@ def _compile_hf(name: str, microbatches: int):
 
 
 @pytest.mark.parametrize("compile_call", [
-    _compile_cnn, _compile_scaled_by, _compile_gpt_two_microbatches, _compile_attention,
+    _compile_cnn, _compile_scaled_by, _compile_matmul, _compile_gpt_two_microbatches, _compile_attention,
     pytest.param(_compile_gpt_forward_only, marks=pytest.mark.slow),  # the bound it had before: no backward
     pytest.param(_compile_gpt_bf16, marks=pytest.mark.slow), pytest.param(_compile_gpt_autocast, marks=pytest.mark.slow),
     pytest.param(_compile_half_frozen, marks=pytest.mark.slow), pytest.param(_compile_trainer_pipeline, marks=pytest.mark.slow),
@@ -399,7 +416,8 @@ def test_the_bound_never_passes_the_peak_of_any_candidate(monkeypatch, compile_c
     """What a pack's backward begins with (its recompute's outputs and what autograd saved, the
     gradients of its outputs) is measured layer by layer; the bound built on it must stay below
     the peak the planning run finds for every packing: BatchNorm, an input that requires no grad,
-    two microbatches with dropout and a tied head, attention that picks its kernel by device;
+    a weight read untransposed (its backward takes a view of it), two microbatches with dropout
+    and a tied head, attention that picks its kernel by device;
     (slow) forward only, bf16, autocast, frozen layers, a Trainer's pipeline over two devices,
     Hugging Face GPT-2 and BERT."""
     seen = _bounds_and_peaks(monkeypatch, compile_call)
