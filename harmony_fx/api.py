@@ -236,7 +236,7 @@ class HarmonyModule:
         """Memory over the last iteration per device, measured and predicted (its programs simulated
         on its device's spec, ``calibrate.spec_for``, in the mode it ran: recorded, and on a
         HostDevice counting every tensor or not), as a PNG. On a HostDevice, a measured iteration
-        more than 2x off its prediction has this machine measured again
+        more than 1.25x off its prediction has this machine measured again
         (``calibrate.check_prediction``) before it is drawn."""
         last = self._last
         pictures.check_recorded(last.stats)  # before the simulation (and a first call's calibration)

@@ -160,15 +160,26 @@ def test_an_unreadable_cache_is_measured_again_and_a_read_only_one_is_left_alone
     assert machine.calls == 2
 
 
-def test_a_run_more_than_twice_off_its_prediction_measures_again_once(machine) -> None:
+def test_a_run_more_than_a_quarter_off_its_prediction_measures_again_once(machine) -> None:
     machine.measured = [calibration(POISONED), calibration(QUIET)]
     assert calibrate.host_figures() == POISONED  # nothing stored: measured (while busy)
-    assert not calibrate.check_prediction(0.15, 0.25)  # within 2x: nothing to check
+    assert not calibrate.check_prediction(0.15, 0.18)  # within 25%: nothing to check
     assert machine.calls == 1
     assert calibrate.check_prediction(0.15, 6.0)  # 40x off: measured again, and the figures changed
     assert machine.calls == 2 and calibrate.host_figures() == QUIET and machine.stored().figures == QUIET
     assert calibrate.measure_local().launch_seconds == QUIET["task"]
     assert not calibrate.check_prediction(0.15, 6.0) and machine.calls == 2  # once per process
+
+
+def test_runtime_figures_taken_in_a_busy_moment_the_checks_missed_are_replaced_by_the_next_run(machine) -> None:
+    """The runtime's cost per task and per op, 1.5x high (the demo's plot once said 190.9 ms
+    predicted against 133.1 measured): no quick probe re-measures them, but the run disagrees by more
+    than 25%, so they are measured again, and the quiet measurement replaces them."""
+    busy = {**QUIET, "task": 1.5 * QUIET["task"], "op": 1.5 * QUIET["op"], "track_op": 1.5 * QUIET["track_op"]}
+    machine.measured = [calibration(busy), calibration(QUIET)]
+    assert calibrate.host_figures() == busy
+    assert calibrate.check_prediction(0.1331, 0.1909)
+    assert calibrate.host_figures() == QUIET and machine.stored().figures == QUIET
 
 
 def test_recalibrate_replaces_the_entry_or_merges_with_it(machine) -> None:
