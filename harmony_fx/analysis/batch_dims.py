@@ -15,6 +15,10 @@ this analysis proves it safe; an option the user sets is theirs.
 3. Shared values are followed too: along which dims each is constant (``zeros``, an ``expand``ed
    size-1 dim, what is computed from those), and which are ``arange(B)``, each sample's own index
    (``mask[arange(B)[:, None], positions]`` picks each sample's row: it stays separable).
+   An in-place op writes into the buffer its first argument views (``shifted[:, 1:] = ids[:, :-1]``
+   into ``shifted = ids.new_zeros(...)``, a fresh constant: ``ids`` gives it only a dtype): the
+   buffer and every view of it hold what was written from then on, the batch dim mapped back
+   through the views, which may neither cut nor merge it.
 4. An op acting along the batch dim, an op this module has no rule for, and a shared value that
    varies along the batch dim meeting a batched one (a ``[B, H]`` parameter added to ``[B, H]``
    activations) all make the graph *not separable*; the first such node is the reason given.
@@ -114,11 +118,15 @@ def _propagate(gm: fx.GraphModule, env_inputs: Mapping[str, _Dims], batch_size: 
             env[node] = [None]
             continue
         inputs = [arg for arg in node.all_input_nodes]
+        if _name(node) in _FRESH:  # ``x.new_zeros(size)``: x gives only its dtype and device, no values
+            inputs = [arg for arg in inputs if arg is not node.args[0]]
         if all(all(d is None for d in env[arg]) for arg in inputs):
             # nothing batched comes in: the result is shared; follow what it is constant along
             env[node] = [None] * max(len(leaves(node.meta.get(meta.VAL))), 1)
             if isinstance(node.meta.get(meta.VAL), torch.Tensor) and isinstance(node.target, torch._ops.OpOverload):
                 _follow_shared(node, c)
+                if _written(node) is not None:
+                    _write_shared(node, c)
             continue
         if any(_REDUCED in env[arg] for arg in inputs):
             value = node.meta.get(meta.VAL)
@@ -137,6 +145,8 @@ def _propagate(gm: fx.GraphModule, env_inputs: Mapping[str, _Dims], batch_size: 
             raise _mixed(node, "turns batched values into a Python number")
         try:
             env[node] = _rule(node, c)
+            if _written(node) is not None:
+                _write(node, c)
         except _Mixed:
             raise
         except Exception as error:  # noqa: BLE001 - an op we cannot read is one we cannot prove safe
@@ -218,9 +228,17 @@ def _follow_shared(node: fx.Node, c: _Context) -> None:
         constant |= {i + offset for i, (was, now) in enumerate(zip(_shape(source), _shape(node)[offset:]))
                      if was == 1 and now != 1}
         iota = None if source not in c.iota else c.iota[source] + offset
+    elif name in ("slice", "narrow"):
+        constant = set(c.constant.get(source, ()))
+        along = _norm(_argument(node, "dim", 0), rank)
+        iota = None if c.iota.get(source, along) == along else c.iota[source]
+    elif name == "select":
+        along = _norm(node.args[1], rank + 1)
+        constant = {d - (d > along) for d in c.constant.get(source, ()) if d != along}
+        iota = None if c.iota.get(source, along) == along else c.iota[source] - (c.iota[source] > along)
     elif name == "embedding":
         constant = set(c.constant.get(node.args[1], ()))
-    elif torch.Tag.pointwise in node.target.tags:
+    elif torch.Tag.pointwise in node.target.tags or name in _ENTRYWISE:
         constant = {d for d in range(rank) if all(
             d - (rank - len(_shape(arg))) < 0 or _shape(arg)[d - (rank - len(_shape(arg)))] == 1
             or d - (rank - len(_shape(arg))) in c.constant.get(arg, ()) for arg in args)}
@@ -228,6 +246,146 @@ def _follow_shared(node: fx.Node, c: _Context) -> None:
         c.constant[node] = frozenset(constant)
     if iota is not None:
         c.iota[node] = iota
+
+
+# entry by entry, each result entry from the same entry of every argument, and not random (unlike
+# dropout), yet without the pointwise tag on every overload (``where.ScalarOther``)
+_ENTRYWISE = {"where", "masked_fill", "masked_fill_", "copy", "copy_", "__and__", "__or__", "__xor__", "__invert__"}
+
+# ``x.new_zeros(size)`` and the like: a fresh buffer, ``x`` only its dtype and device
+_FRESH = {"new_zeros", "new_ones", "new_full", "new_empty", "new_empty_strided"}
+
+
+def _written(node: fx.Node) -> fx.Node | None:
+    """The tensor an in-place op (``copy_``, ``fill_``, ``masked_fill_``, ...) writes into: its first argument."""
+    if not isinstance(node.target, torch._ops.OpOverload) or not node.args or not isinstance(node.args[0], fx.Node):
+        return None
+    arguments = node.target._schema.arguments
+    info = arguments[0].alias_info if arguments else None
+    return node.args[0] if info is not None and info.is_write else None
+
+
+def _viewed(node: fx.Node) -> fx.Node | None:
+    """The tensor whose storage ``node`` shares (a view's or an in-place op's first argument), or None."""
+    if not isinstance(node.target, torch._ops.OpOverload) or not node.args or not isinstance(node.args[0], fx.Node):
+        return None
+    returns = node.target._schema.returns
+    return node.args[0] if returns and returns[0].alias_info is not None else None
+
+
+def _write(node: fx.Node, c: _Context) -> None:
+    """An in-place op at ``node`` wrote its result into its first argument X, and so into the buffer X
+    is a view of (``shifted[:, 1:] = ids[:, :-1]`` writes into ``shifted``): later readers of that
+    buffer and of every view of it read the batch. Its batch dim is X's mapped back through the views,
+    which may not cut or merge it; a buffer shared by every sample must be constant along it (the
+    entries not written stay), and a parameter, buffer or input outlives the step."""
+    (dim,) = c.env[node]
+    chain = _view_chain(node.args[0])
+    base = chain[-1]
+    if dim is not None:
+        for view in chain[:-1]:
+            dim = _parent_dim(view, dim, c)
+            if dim is None:
+                raise _mixed(node, f"writes the batch into {view.name}, a view of {base.name} that holds only some "
+                                   "of its entries along the batch dim (or merges the batch with another dim)")
+    (was,) = c.env[base]
+    if dim is None or was == dim:
+        return
+    if was is not None:
+        raise _mixed(node, f"writes values batched along dim {dim} of {base.name}, which is batched along dim {was}")
+    if base.op != "call_function":
+        raise _mixed(node, f"writes the batch into {base.name}, a parameter, buffer or input every sample shares")
+    if c.varies_along(base, dim):
+        raise _mixed(node, f"writes the batch into {base.name}, which is shared by every sample but varies along the "
+                           "batch dim")
+    c.env[base] = [dim]
+    _follow_views(base, c)
+
+
+def _write_shared(node: fx.Node, c: _Context) -> None:
+    """A shared value written in place: the buffer it lands in stays constant only along the dims the
+    write covers whole with values constant along them, and is no longer an ``arange``."""
+    chain = _view_chain(node.args[0])
+    base = chain[-1]
+    constant = set(c.constant.get(node, ()))
+    for view in chain[:-1]:
+        if _name(view) not in ("slice", "narrow", "select", "alias", "detach", "transpose", "t", "permute",
+                               "unsqueeze") and _written(view) is None:
+            constant = set()  # a view not followed back here: nothing is known to stay constant
+        constant = {p for p in (_parent_dim(view, d, c) for d in constant) if p is not None}
+    constant &= c.constant.get(base, frozenset())
+    c.constant.pop(base, None)
+    c.iota.pop(base, None)
+    if constant:
+        c.constant[base] = frozenset(constant)
+    _follow_views(base, c)
+
+
+def _view_chain(node: fx.Node) -> list[fx.Node]:
+    """``node``, the tensor it views, ..., the buffer they all view."""
+    chain = [node]
+    while (source := _viewed(chain[-1])) is not None:
+        chain.append(source)
+    if chain[-1].target is operator.getitem and isinstance(chain[-1].args[0], fx.Node) \
+            and _viewed(chain[-1].args[0]) is not None:
+        raise _mixed(chain[0], "is a piece of a split tensor written in place; this analysis cannot follow the "
+                               "write back to the whole")
+    return chain
+
+
+def _follow_views(base: fx.Node, c: _Context) -> None:
+    """The views of ``base`` seen so far (and in-place ops' results, which are their argument) see its
+    new values: run their rules again, parents first."""
+    queue = [base]
+    while queue:
+        parent = queue.pop(0)
+        for view in parent.users:
+            if view not in c.env or view.args[0] is not parent or _viewed(view) is None:
+                continue
+            c.constant.pop(view, None)
+            c.iota.pop(view, None)
+            if _written(view) is not None:  # the buffer it wrote into, as it is now
+                c.env[view] = list(c.env[parent])
+                if parent in c.constant:
+                    c.constant[view] = c.constant[parent]
+                if parent in c.iota:
+                    c.iota[view] = c.iota[parent]
+            elif c.env[parent] == [None]:
+                _follow_shared(view, c)
+            else:
+                c.env[view] = _rule(view, c)
+            queue.append(view)
+
+
+def _parent_dim(view: fx.Node, dim: int, c: _Context) -> int | None:
+    """The dim of the tensor ``view`` views that is ``view``'s ``dim``; None where the view holds only
+    some of the entries along it."""
+    parent = view.args[0]
+    name, in_shape, out_shape = _name(view), _shape(parent), _shape(view)
+    if _written(view) is not None or (in_shape == out_shape and name in _SAME_VALUES | _VIEWS | {"expand"}):
+        return dim
+    if name in ("slice", "narrow"):
+        along = _norm(_argument(view, "dim", 0), len(in_shape))
+        return None if along == dim and in_shape[dim] != out_shape[dim] else dim
+    if name == "select":
+        return dim + (dim >= _norm(view.args[1], len(in_shape)))
+    if name in ("transpose", "t", "swapaxes"):
+        first, second = (0, 1) if name == "t" else (_norm(view.args[1], len(in_shape)),
+                                                      _norm(view.args[2], len(in_shape)))
+        return second if dim == first else first if dim == second else dim
+    if name == "permute":
+        return [_norm(d, len(in_shape)) for d in view.args[1]][dim]
+    if name == "unsqueeze":
+        inserted = _norm(view.args[1], len(out_shape))
+        return None if dim == inserted else dim - (dim > inserted)
+    if name in _VIEWS:  # as ``_reshape`` maps it forward: the dim starting at the same offset
+        before = math.prod(out_shape[:dim])
+        return next((index for index, size in enumerate(in_shape)
+                     if math.prod(in_shape[:index]) == before and size % c.batch_size == 0), None)
+    raise _mixed(view, "is a view written into in place that this analysis cannot follow back to its buffer")
+
+
+_VIEWS = {"view", "_unsafe_view", "reshape", "flatten", "unflatten", "squeeze", "view_as", "_reshape_alias"}
 
 
 def _arange_from_zero(node: fx.Node) -> bool:

@@ -3,6 +3,7 @@ planner keeps a batch whole otherwise; outputs batched along another dim are joi
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -52,6 +53,111 @@ def test_hugging_face_models_are_separable(name):
     analysis = analyze_batch_dims(captured.gm, {name: 0 for name in captured.inputs}, 4)
     assert analysis.separable, analysis.reason
     assert set(analysis.output_dims.values()) == {None, 0}  # the loss, and the logits along dim 0
+
+
+def _tiny_bart():
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.BartConfig(
+        vocab_size=128, d_model=64, encoder_layers=1, decoder_layers=1, encoder_attention_heads=4,
+        decoder_attention_heads=4, encoder_ffn_dim=128, decoder_ffn_dim=128, max_position_embeddings=64, dropout=0.0,
+        attention_dropout=0.0, activation_dropout=0.0, use_cache=False, pad_token_id=1, bos_token_id=0,
+        eos_token_id=2, decoder_start_token_id=2)
+    return transformers.BartForConditionalGeneration(config).train()
+
+
+@pytest.mark.parametrize("name", ["t5", "bart"])
+def test_encoder_decoders_shifting_their_labels_in_place_are_separable(name):
+    """T5 and BART make the decoder's inputs by writing the labels, in place, into views of a
+    fresh ``labels.new_zeros(...)``: the buffer holds each sample's own labels."""
+    pytest.importorskip("transformers")
+    from harmony_fx.testing.hf_models import build_hf_model, hf_batch
+
+    batch = hf_batch("t5", batch=4, seq=16)  # BART takes the same source and (shorter) target
+    captured = capture(_tiny_bart() if name == "bart" else build_hf_model("t5", num_layers=1), (), batch)
+    analysis = analyze_batch_dims(captured.gm, {name: 0 for name in captured.inputs}, 4)
+    assert analysis.separable, analysis.reason
+    assert set(analysis.output_dims.values()) == {None, 0}
+
+
+class _ShiftRight(nn.Module):
+    """What T5's ``_shift_right`` and BART's ``shift_tokens_right`` do, then a loss per token."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed, self.head = nn.Embedding(16, 8), nn.Linear(8, 16)
+
+    def forward(self, ids, labels):
+        shifted = labels.new_zeros(labels.shape)
+        shifted[..., 1:] = labels[..., :-1].clone()
+        shifted[..., 0] = 2
+        shifted.masked_fill_(shifted == -100, 0)
+        logits = self.head(self.embed(ids) + self.embed(shifted))
+        return F.cross_entropy(logits.flatten(0, 1), labels.flatten())
+
+
+def test_labels_shifted_in_place_into_a_fresh_buffer_are_cut_as_eager():
+    torch.manual_seed(0)
+    ids, labels = torch.randint(0, 16, (6, 5)), torch.randint(0, 16, (6, 5))
+    labels[:3, 3:] = -100  # the first microbatch holds fewer labelled tokens
+    model = _ShiftRight()
+    reference = copy.deepcopy(model)
+    analysis = _analysis(model, ids, labels)
+    assert analysis.separable, analysis.reason
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        hm = harmony_fx.compile(model, (ids, labels), microbatches=2)
+    assert hm.num_microbatches == 2 and not [w for w in caught if "harmony_fx" in str(w.message)]
+    loss, want = hm(ids, labels), reference(ids, labels)
+    torch.testing.assert_close(loss, want)
+    loss.backward()
+    want.backward()
+    for param, ref in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(param.grad, ref.grad, rtol=1e-5, atol=1e-6)
+
+
+def _into_a_buffer_of_twice_the_batch(h, m):
+    buffer = h.new_zeros(2 * h.shape[0], h.shape[1])
+    buffer[:h.shape[0]] = h  # microbatches would leave their zeros between the samples
+    return buffer
+
+
+def _across_samples(h, m):
+    buffer = h.new_zeros(h.shape)
+    buffer[:3] = h[3:]
+    return buffer
+
+
+def _into_a_shared_buffer_varying_along_the_batch(h, m):
+    buffer = torch.arange(6.0)[:, None].repeat(1, 4)
+    buffer[:, 1:] = h[:, 1:]  # column 0 is each row's index in the whole batch
+    return buffer
+
+
+def _into_a_buffer_made_varying_in_place(h, m):
+    buffer = torch.zeros(6, 4)
+    buffer[0] = 1.0  # a shared write: the first row of the whole batch, not of each microbatch
+    return h + buffer
+
+
+def _reduced_over_the_batch_it_was_written(h, m):
+    buffer = h.new_zeros(h.shape)
+    buffer[:, 1:] = h[:, 1:]  # the buffer now holds the batch: its mean over dim 0 mixes samples
+    return h + buffer.mean(0)
+
+
+@pytest.mark.parametrize("fn,why", [
+    (_reduced_over_the_batch_it_was_written, "reduces along the batch dim"),
+    (_into_a_buffer_of_twice_the_batch, "holds only some of its entries along the batch dim"),
+    (_across_samples, "picks some samples"),
+    (_into_a_shared_buffer_varying_along_the_batch, "varies along the batch dim"),
+    (_into_a_buffer_made_varying_in_place, "varies along the batch dim"),
+])
+def test_writes_in_place_that_mix_samples_are_found(fn, why):
+    analysis = _analysis(_Fn(fn), torch.randn(6, 4))
+    assert not analysis.separable
+    assert why in analysis.reason
 
 
 @pytest.mark.parametrize("fn,why", [
