@@ -324,13 +324,16 @@ def _write_shared(node: fx.Node, c: _Context) -> None:
 def _view_chain(node: fx.Node) -> list[fx.Node]:
     """``node``, the tensor it views, ..., the buffer they all view."""
     chain = [node]
-    while (source := _viewed(chain[-1])) is not None:
+    while (source := _viewed(chain[-1]) or _piece_of(chain[-1])) is not None:
         chain.append(source)
-    if chain[-1].target is operator.getitem and isinstance(chain[-1].args[0], fx.Node) \
-            and _viewed(chain[-1].args[0]) is not None:
-        raise _mixed(chain[0], "is a piece of a split tensor written in place; this analysis cannot follow the "
-                               "write back to the whole")
     return chain
+
+
+def _piece_of(node: fx.Node) -> fx.Node | None:
+    """The views ``split`` and ``unbind`` make, whose piece ``node`` is; None for any other node."""
+    if node.target is operator.getitem and isinstance(node.args[0], fx.Node) and _viewed(node.args[0]) is not None:
+        return node.args[0]
+    return None
 
 
 def _follow_views(base: fx.Node, c: _Context) -> None:
@@ -340,7 +343,7 @@ def _follow_views(base: fx.Node, c: _Context) -> None:
     while queue:
         parent = queue.pop(0)
         for view in parent.users:
-            if view not in c.env or view.args[0] is not parent or _viewed(view) is None:
+            if view not in c.env or view.args[0] is not parent or (_viewed(view) or _piece_of(view)) is None:
                 continue
             c.constant.pop(view, None)
             c.iota.pop(view, None)
@@ -350,16 +353,19 @@ def _follow_views(base: fx.Node, c: _Context) -> None:
                     c.constant[view] = c.constant[parent]
                 if parent in c.iota:
                     c.iota[view] = c.iota[parent]
-            elif c.env[parent] == [None]:
-                _follow_shared(view, c)
-            else:
+            elif any(d is not None for d in c.env[parent]):
                 c.env[view] = _rule(view, c)
+            elif isinstance(_val(view), torch.Tensor) and _piece_of(view) is None:
+                _follow_shared(view, c)  # (a split's pieces: nothing known to stay constant)
             queue.append(view)
 
 
 def _parent_dim(view: fx.Node, dim: int, c: _Context) -> int | None:
     """The dim of the tensor ``view`` views that is ``view``'s ``dim``; None where the view holds only
     some of the entries along it."""
+    if not isinstance(view.target, torch._ops.OpOverload) or not isinstance(_val(view), torch.Tensor):
+        raise _mixed(view, "is a piece of a split tensor written in place; this analysis cannot follow the write "
+                           "back to the whole")
     parent = view.args[0]
     name, in_shape, out_shape = _name(view), _shape(parent), _shape(view)
     if _written(view) is not None or (in_shape == out_shape and name in _SAME_VALUES | _VIEWS | {"expand"}):
