@@ -47,7 +47,13 @@ __all__ = ["PlanChoice", "search", "best_boundaries", "baselines", "lower_bound"
 
 
 class PlanningError(ValueError):
-    """No schedule fits the device or host memory."""
+    """No schedule fits the device or host memory. ``closest``: where schedules were simulated and
+    none fit the device, those simulated, the lowest peak first (the estimate of a peak is meant to
+    stay above the exact count, so a caller that counts exactly may still find one fits)."""
+
+    def __init__(self, message: str, closest: Sequence[tuple[Schedule, int]] = ()) -> None:
+        super().__init__(message)
+        self.closest = tuple(closest)  # (schedule, its simulated peak)
 
 
 @dataclasses.dataclass
@@ -438,11 +444,13 @@ def search(profile: ModelProfile, spec: DeviceSpec, host: HostSpec, *, batch_siz
         simulated.append((_simulate(profile, schedule, batch_size, spec, host), schedule, model))
     fitting = [entry for entry in simulated if max(entry[0].peak_bytes) <= budget]
     if not fitting:
-        simulation, schedule, _ = min(simulated, key=lambda entry: max(entry[0].peak_bytes))
+        closest = sorted(((schedule, max(simulation.peak_bytes)) for simulation, schedule, _ in simulated),
+                         key=lambda entry: entry[1])
+        schedule, peak = closest[0]
         raise PlanningError(
             f"search: every simulated schedule of {profile.name} exceeds the device budget of {format_size(budget)}; "
-            f"the closest, {schedule.describe()}, peaks at {format_size(max(simulation.peak_bytes))}. "
-            "Use a device with more memory, or a smaller batch or sequence.")
+            f"the closest, {schedule.describe()}, peaks at {format_size(peak)}. "
+            "Use a device with more memory, or a smaller batch or sequence.", closest)
     simulation, schedule, model = min(fitting, key=lambda entry: entry[0].seconds)
     # the baselines, for the chosen settings: keep whichever is fastest (and say which)
     results = {"dynamic programming": (simulation, schedule)}

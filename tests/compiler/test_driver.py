@@ -240,3 +240,27 @@ def test_a_planner_packing_that_does_not_fit_is_searched_again_at_its_microbatch
     assert names.count("plan packs") == 2 and "fall back" not in names and names.count("capture microbatches") == 1
     assert hm.num_microbatches == 4 and len(hm.packs) > 1
     assert hm.plan.policy == "balanced at the planner's microbatches"
+
+
+def test_when_the_planners_estimate_fits_nothing_its_closest_schedules_get_the_exact_count(monkeypatch):
+    """The planner's estimate of a peak is meant to stay above the exact count, so where it finds
+    every schedule over the budget (a T5 at a quarter of eager's memory: the closest estimated at
+    2.18 MiB of 2.14), the closest still compiles if the planning run's count accepts it, rather than
+    falling back to the options' own single microbatch and refusing the budget."""
+    from harmony_fx.planner import choose
+    from harmony_fx.planner.chain import Schedule
+    from harmony_fx.planner.search import PlanningError
+
+    closest = Schedule(boundaries=(0, 2, 4), microbatches=4, parallel="single", devices=1)
+
+    def estimated_over_the_budget(*args, **kwargs):
+        raise PlanningError("search: every simulated schedule exceeds the device budget", [(closest, 10**9)])
+
+    monkeypatch.setattr(choose, "search", estimated_over_the_budget)
+    model, hm, x, y = _readme_example()
+    reference = copy.deepcopy(model)
+    F.cross_entropy(hm(x), y).backward()
+    F.cross_entropy(reference(x), y).backward()
+    assert_grads_equal(model, reference)
+    assert hm.num_microbatches == 4 and "fall back" not in [stage.name for stage in hm.passes]
+    assert hm.schedule.budget_note.startswith("the planner's estimate of every schedule it simulated passed")
