@@ -100,7 +100,7 @@ def _capture(model: nn.Module, args: tuple, kwargs: dict) -> Captured:
     try:
         try:
             captured = _capture_with_export(model, args, kwargs)
-        except Exception as error:  # noqa: BLE001
+        except Exception:  # noqa: BLE001
             # a plain dataclass in the output: teach pytree to take it apart, then export again. Found by
             # its type in one FakeTensor run, not by export's message, whose wording changes between
             # torch versions (2.11 raises "unhashable type" where 2.13 says "Found <class> in output")
