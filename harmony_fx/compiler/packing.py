@@ -277,9 +277,18 @@ class PackingBounds:
             self._inputs.append([(defined_in.get(name, -1),
                                   max(shapes.key_bytes(Key(KeyKind.ACT, name, mb), ()) for mb in sizes))
                                  for name in sorted(taken)])
-            self._first_inputs.append([(defined_in.get(name, -1), shapes.key_bytes(Key(KeyKind.ACT, name, 0), ()))
-                                       for name in sorted(taken)])  # on the first microbatch
-        self._at_backward = not context.signature.forward_only and not ambient.Autocast.current().enabled
+            self._first_inputs.append({name: (defined_in.get(name, -1), shapes.key_bytes(Key(KeyKind.ACT, name, 0), ()))
+                                       for name in sorted(taken)})  # on the first microbatch
+        signature = context.signature
+        self._at_backward = not signature.forward_only and not ambient.Autocast.current().enabled
+        # One device's program (``lowering.single``) with grouping: a pack before the last fetches
+        # each of its stashed inputs into a copy of its own for its recompute, whose graph keeps them
+        # all through the backward; and the backward of pack p fetches W[p-1] before its first task.
+        # A pipeline's packs run on several devices, and the last pack's inputs may share storage
+        # (views of one output kept from the forward): there the largest input only.
+        self._one_program = context.layout.parallel != "pp" and signature.grouping
+        # ... but for a last pack fused into the forward (its backward runs there, W[p-1] unasked for)
+        self._last_fused_in_forward = signature.fuse_last and not signature.last_in_backward
         # per layer: (its last reader, bytes of its gradient on the first microbatch) of each
         # differentiable value it makes: a pack ending before that reader holds the gradient
         self._output_grads = [[(self._read_after.get(name, -1), shapes.key_bytes(Key(KeyKind.GRAD, name, 0), ()))
@@ -288,9 +297,10 @@ class PackingBounds:
 
     def __call__(self, boundaries: Sequence[int]) -> int:
         ends = [*boundaries[1:], len(self._weights)]
-        return max(self._pack(start, end) for start, end in zip(boundaries, ends))
+        return max(self._pack(start, end, previous) for start, end, previous in zip(boundaries, ends, [None, *boundaries]))
 
-    def _pack(self, start: int, end: int) -> int:
+    def _pack(self, start: int, end: int, previous: int | None = None) -> int:
+        """``previous``: the first layer of the pack before (``None``: this is the first)."""
         weights: dict[int, int] = {}
         grads: dict[int, int] = {}
         for layer in range(start, end):
@@ -301,11 +311,17 @@ class PackingBounds:
         bound = sum(weights.values()) + max(largest, sum(grads.values()))
         if self._at_backward:
             held = self._held()
-            # the gradients of its outputs, and its largest input (the graph keeps its inputs)
+            # the gradients of its outputs, and its inputs (the graph keeps them)
             handed = sum(weights.values()) + sum(nbytes for layer in range(start, end)
                                                  for reader, nbytes in self._output_grads[layer] if reader >= end)
-            handed += max((nbytes for layer in range(start, end) for defined, nbytes in self._first_inputs[layer]
-                           if defined < start), default=0)
+            inputs = {name: nbytes for layer in range(start, end)
+                      for name, (defined, nbytes) in self._first_inputs[layer].items() if defined < start}
+            last = end == len(self._weights)
+            handed += sum(inputs.values()) if self._one_program and not last else max(inputs.values(), default=0)
+            if previous is not None and self._one_program and not (last and self._last_fused_in_forward):
+                # W[p-1], less the weights both packs read
+                fetched = {key: nbytes for layer in range(previous, start) for key, nbytes in self._weights[layer].items()}
+                handed += sum(nbytes for key, nbytes in fetched.items() if key not in weights)
             begins = sum(held[layer].begins.held_until(end) for layer in range(start, end))
             during = sum(held[layer].during.held_until(end) for layer in range(start, end)) + held[end - 1].backward
             bound = max(bound, handed + max(begins, during))
