@@ -8,8 +8,9 @@ whose program fits the budget, without running every candidate:
 
 1. **Bounds first.** A packing needs at least, for each pack, the pack's weights and its largest
    input (both on the device during its forward) and, in training, what its backward holds: what
-   its recompute left for it (measured layer by layer: ``compiler.held``), the gradients of its
-   outputs, and what its last layer's backward adds (``PackingBounds``); a candidate whose bound
+   its recompute left for it (measured layer by layer: ``compiler.held``), its inputs, the gradients
+   of its outputs, the previous pack's weights (fetched ahead) and what its last layer's backward
+   adds (``PackingBounds``); a candidate whose bound
    passes the budget is never run, and where every candidate's does, the budget is refused with
    one run: the most packs', whose peak is the smallest budget named (asked for, the search tries
    that packing second, and it fits).
@@ -240,8 +241,10 @@ class PackingBounds:
     the weights: distinct storages, at every microbatch size) and, in training, the gradients of
     the weights its backward differentiates (complete at the end of its backward, the weights still
     there). In training, also what the device holds in the pack's backward of the first
-    microbatch: the weights, its largest input and the gradients of its differentiable outputs
-    (each in a storage of its own: every later reader's backward made it, or the caller) with,
+    microbatch: the weights, its inputs (one program: each fetched into a copy of its own, else the
+    largest), the previous pack's weights where one program fetches them ahead, and the gradients
+    of its differentiable outputs (each in a storage of its own: every later reader's backward made
+    it, or the caller) with,
     as it begins, what its recompute left for it (its outputs and what autograd saved), or, while
     its last layer's backward runs, what of that it keeps and the most that backward adds
     (``compiler.held``, measured layer by layer on the first microbatch's graph the first time a
