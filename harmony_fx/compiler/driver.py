@@ -52,6 +52,7 @@ from harmony_fx.compiler.stages import StageLog, progress_to_stderr
 from harmony_fx.compiler.variants import Variant, capture_variant, check_same_layers
 from harmony_fx.config import CompileOptions, format_size
 from harmony_fx.frontend import microbatch
+from harmony_fx.frontend.capture import capture
 from harmony_fx.lowering.tier_io import insert_tier_io
 from harmony_fx.passes.split_packs import annotate_packs
 from harmony_fx.planner.chain import Schedule
@@ -192,7 +193,8 @@ def _from_layout(log: StageLog, example: _Example, devices: list, options: Compi
     if schedule is None:
         _warn_if_cut_changes_results(layout, analysis)
     if options.precision == "bf16":
-        log.run("check precision", _refuse_fixed_float_casts, primary.captured.gm, decision=lambda _: "no fp32 casts")
+        log.run("check precision", _refuse_fixed_float_casts, primary.captured.gm, example,
+                decision=lambda _: "no fp32 casts")
     example_flat = primary.captured.flatten_inputs(*microbatch.split_call(
         example.call, example.dims, [s for s in layout.mb_sizes if s] or [0])[0])
     signature = log.run("signature", program_signature, primary.captured, [x.requires_grad for x in example_flat],
@@ -407,14 +409,18 @@ def _steps(actions: list[Action], packs) -> list[str]:
     return labels
 
 
-def _refuse_fixed_float_casts(gm: fx.GraphModule) -> None:
+def _refuse_fixed_float_casts(gm: fx.GraphModule, example: _Example) -> None:
     """bf16 runs the captured graph on bf16 tensors; a cast to fp32 inside it (``x.float()``) would
-    meet bf16 weights. Say where, instead of failing deep inside the first run."""
+    meet bf16 weights. Say where, instead of failing deep inside the first run: the model's line,
+    from a capture of the example with stack traces (its node of the same name)."""
     casts = {torch.ops.aten._to_copy.default, torch.ops.aten.to.dtype, torch.ops.aten.to.dtype_layout,
              torch.ops.aten._assert_tensor_metadata.default}
     for node in gm.graph.nodes:
         if node.target in casts and node.kwargs.get("dtype") in (torch.float32, torch.float64):
-            where = (node.meta.get("stack_trace") or "").strip().splitlines()[-1:] or [node.format_node()]
+            traced = {n.name: n for n in capture(example.model, example.args, example.kwargs, stack_traces=True).gm.graph.nodes}
+            same = traced.get(node.name)
+            trace = same.meta.get("stack_trace") if same is not None and same.target == node.target else None
+            where = (trace or "").strip().splitlines()[-1:] or [node.format_node()]
             raise ValueError(
                 f"precision='bf16': the model casts to {node.kwargs['dtype']} at {where[0].strip()!r} "
                 f"(node {node.name}); remove the cast (harmony_fx computes in bf16 and keeps fp32 masters "

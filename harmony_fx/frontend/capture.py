@@ -66,15 +66,19 @@ class Captured:
     reductions: dict[str, ScalarReduction] = dataclasses.field(default_factory=dict)
 
 
-def capture(model: nn.Module, args: tuple, kwargs: dict | None = None) -> Captured:
-    """Capture ``model(*args, **kwargs)``; see the module docstring."""
+def capture(model: nn.Module, args: tuple, kwargs: dict | None = None, stack_traces: bool = False) -> Captured:
+    """Capture ``model(*args, **kwargs)``; see the module docstring. ``stack_traces``: each node's
+    ``meta["stack_trace"]``, the model's line that made it (a fifth of export's time on a
+    transformer: taken only where an error names the line)."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"harmony_fx.compile expects an nn.Module, got {type(model).__name__}")
     if not isinstance(args, tuple):
         args = (args,)
     kwargs = dict(kwargs or {})
     with _grads_set_aside(model):
-        captured = _capture(model, args, kwargs)
+        captured = _capture(model, args, kwargs, stack_traces)
+        if not stack_traces and _input_mutation(captured.gm) is not None:  # to name the line it is on
+            captured = _capture(model, args, kwargs, stack_traces=True)
     _refuse_input_mutation(captured.gm)
     captured.reductions = _scalar_reductions(captured.gm)
     return captured
@@ -96,17 +100,17 @@ def _grads_set_aside(model: nn.Module):
             param.grad = grad
 
 
-def _capture(model: nn.Module, args: tuple, kwargs: dict) -> Captured:
+def _capture(model: nn.Module, args: tuple, kwargs: dict, stack_traces: bool) -> Captured:
     try:
         try:
-            captured = _capture_with_export(model, args, kwargs)
+            captured = _capture_with_export(model, args, kwargs, stack_traces)
         except Exception:  # noqa: BLE001
             # a plain dataclass in the output: teach pytree to take it apart, then export again. Found by
             # its type in one FakeTensor run, not by export's message, whose wording changes between
             # torch versions (2.11 raises "unhashable type" where 2.13 says "Found <class> in output")
             if not _register_output_dataclasses(model, args, kwargs):
                 raise
-            captured = _capture_with_export(model, args, kwargs)
+            captured = _capture_with_export(model, args, kwargs, stack_traces)
     except Exception as export_error:  # noqa: BLE001 - every failure falls back to tracing
         try:
             captured = _capture_with_symbolic_trace(model, args, kwargs)
@@ -147,20 +151,29 @@ def _register_output_dataclasses(model: nn.Module, args: tuple, kwargs: dict) ->
     return bool(found)
 
 
-def _refuse_input_mutation(gm: fx.GraphModule) -> None:
-    """A model that writes into its input (``x.add_(1)``) is refused: harmony_fx runs each pack on
-    device copies of its inputs, so the write would never reach the caller's tensor, and a
-    recompute would apply it a second time to the stashed copy."""
+def _input_mutation(gm: fx.GraphModule) -> tuple[fx.Node, fx.Node] | None:
+    """The first node writing into an input, and that input's placeholder."""
     for node in gm.graph.nodes:
         for written in written_arguments(node):
             base = alias_base(written)
             if base.op == "placeholder" and meta.role_of(base) == meta.Role.INPUT:
-                where = (node.meta.get("stack_trace") or "").strip().splitlines()[-1:] or [node.format_node()]
-                raise ValueError(
-                    f"the model modifies its input {base.name!r} in place at {where[0].strip()!r} (node {node.name}); "
-                    "harmony_fx runs the model on copies of its inputs, so the change would not reach your tensor. "
-                    f"Compute a new tensor instead (e.g. {base.name} = {base.name} + 1 rather than "
-                    f"{base.name}.add_(1)), or clone the input first.")
+                return node, base
+    return None
+
+
+def _refuse_input_mutation(gm: fx.GraphModule) -> None:
+    """A model that writes into its input (``x.add_(1)``) is refused: harmony_fx runs each pack on
+    device copies of its inputs, so the write would never reach the caller's tensor, and a
+    recompute would apply it a second time to the stashed copy."""
+    found = _input_mutation(gm)
+    if found is not None:
+        node, base = found
+        where = (node.meta.get("stack_trace") or "").strip().splitlines()[-1:] or [node.format_node()]
+        raise ValueError(
+            f"the model modifies its input {base.name!r} in place at {where[0].strip()!r} (node {node.name}); "
+            "harmony_fx runs the model on copies of its inputs, so the change would not reach your tensor. "
+            f"Compute a new tensor instead (e.g. {base.name} = {base.name} + 1 rather than "
+            f"{base.name}.add_(1)), or clone the input first.")
 
 
 def _scalar_reductions(gm: fx.GraphModule) -> dict[str, ScalarReduction]:
@@ -231,10 +244,26 @@ def _advice(export_error: Exception) -> str:
 # --------------------------------------------------------------------------- torch.export path
 
 
-def _capture_with_export(model: nn.Module, args: tuple, kwargs: dict) -> Captured:
+@contextlib.contextmanager
+def _stack_traces(wanted: bool):
+    """Export records each node's stack trace unless torch's flag says not to (torch 2.13's flag;
+    before it, export always records them). The flag is put back as it was."""
+    config = torch.fx.config
+    if not hasattr(config, "do_not_emit_stack_traces"):
+        yield
+        return
+    before = config.do_not_emit_stack_traces
+    config.do_not_emit_stack_traces = not wanted
+    try:
+        yield
+    finally:
+        config.do_not_emit_stack_traces = before
+
+
+def _capture_with_export(model: nn.Module, args: tuple, kwargs: dict, stack_traces: bool) -> Captured:
     from torch.export.graph_signature import InputKind, OutputKind
 
-    with warnings.catch_warnings(), decomposition_fixes():
+    with warnings.catch_warnings(), decomposition_fixes(), _stack_traces(stack_traces):
         # nn.RNN/LSTM/GRU re-assign their own _flat_weights on every call: torch's advice to register
         # them as buffers is about torch's code, not the user's
         warnings.filterwarnings("ignore", message=r"The tensor attributes (\S+\._flat_weights\[\d+\](, )?)+ were")
