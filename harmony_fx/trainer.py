@@ -331,13 +331,18 @@ class Trainer:
     def close(self) -> None:
         """Wait for the last step's state to reach the NVMe tier (``flush``), put the fp32 masters
         the tier held back into the model's parameters (which held their bf16 copies), and stop the
-        device's stream threads (each step's update worker stops with the step)."""
+        device's stream threads (each step's update worker stops with the step) and, across
+        processes, the group the Trainer made for its updates' collectives."""
         try:
             self.flush()
             if self._tier is not None:
                 self._tier.masters_to_host()
         finally:
-            self.hm.close()
+            try:
+                self.hm.close()
+            finally:
+                if self.cluster is not None:
+                    self.cluster.close()
 
 
 class NonFiniteLossError(FloatingPointError, ValueError):

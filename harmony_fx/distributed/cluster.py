@@ -50,6 +50,17 @@ class Cluster:
         self._post("failed", -1)
         self.barrier()
 
+    def close(self) -> None:
+        """Destroy the update thread's group, made here (the caller's group stays the caller's):
+        its worker threads stop now, not whenever the interpreter's exit gets to the group. Done
+        already where the caller destroyed every group (``destroy_process_group()``)."""
+        group, self.worker_group = self.worker_group, None
+        if group is not None and dist.is_initialized():
+            try:
+                dist.destroy_process_group(group)
+            except ValueError:  # "Invalid process group": destroyed already
+                pass
+
     def mesh(self):
         """The processes as a one-dimensional DeviceMesh (checkpoints store shards as DTensors)."""
         if getattr(self, "_mesh", None) is None:

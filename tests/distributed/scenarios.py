@@ -87,6 +87,39 @@ def train(rank: int, world: int, out: pathlib.Path, shard_optimizer: bool = True
             "tier_bytes": trainer.plan.tier_bytes}
 
 
+def closed(rank: int, world: int, out: pathlib.Path) -> dict:
+    """A step, then ``close``: the group the Trainer made for its updates is destroyed there, and
+    closing again, or after the caller destroyed every group, is harmless."""
+    import torch.distributed as dist
+
+    model, batches = model_and_batches(world, 1)
+    trainer = harmony_fx.Trainer(model, loss_fn, optimizer_of(model), local(batches[0], rank), devices=["host:0"],
+                                 microbatches=MICROBATCHES, pack_boundaries=PACKS)
+    trainer.step(local(batches[0], rank))
+    group = trainer.cluster.worker_group
+    registered_before = _registered(group)
+    trainer.close()
+    registered_after = _registered(group)
+    trainer.close()
+    together = torch.ones(1)
+    dist.all_reduce(together)  # the caller's group still works
+    dist.destroy_process_group()
+    trainer.close()
+    # the launcher destroys the group it made once this returns
+    dist.init_process_group("gloo", init_method=f"file://{out / 'again'}", rank=rank, world_size=world)
+    return {"before": registered_before, "after": registered_after, "world_kept": together.item() == world}
+
+
+def _registered(group) -> bool:
+    import torch.distributed as dist
+
+    try:
+        dist.get_rank(group)
+    except (ValueError, RuntimeError):
+        return False
+    return True
+
+
 def one_process(world: int, steps: int = STEPS, max_grad_norm: float | None = None) -> dict:
     """The same global batches in one process, ``world`` HostDevices data-parallel."""
     model, batches = model_and_batches(world, steps)

@@ -36,3 +36,10 @@ def test_shard_optimizer_without_processes_is_refused():
 def test_ranks_that_cut_the_model_differently_are_refused(tmp_path):
     for rank in launch.run("different_packs", 2, tmp_path):
         assert rank["error"].startswith("Trainer: rank(s) 1 differ from rank 0 in how the model is cut into packs")
+
+
+def test_close_destroys_the_group_the_trainer_made(tmp_path):
+    """Its worker threads stop at ``close``, not whenever the interpreter's exit gets to them; the
+    caller's own group stays, and closing twice, or after ``destroy_process_group()``, is fine."""
+    for rank in launch.run("closed", 2, tmp_path):
+        assert rank == {"before": True, "after": False, "world_kept": True}
