@@ -10,10 +10,9 @@ whose program fits the budget, without running every candidate:
    input (both on the device during its forward) and, in training, what its backward holds: what
    its recompute left for it (measured layer by layer: ``compiler.held``), its inputs, the gradients
    of its outputs, the previous pack's weights (fetched ahead) and what its last layer's backward
-   adds (``PackingBounds``); a candidate whose bound
-   passes the budget is never run, and where every candidate's does, the budget is refused with
-   one run: the most packs', whose peak is the smallest budget named (asked for, the search tries
-   that packing second, and it fits).
+   adds (``PackingBounds``); a candidate whose bound passes the budget is never run, and where
+   every candidate's does, the budget is refused with one run: the most packs', whose peak is the
+   smallest budget named (asked for, the search tries that packing second, and it fits).
 2. **A monotone search over the rest.** A packing's peak mostly falls as its packs get more: the
    fewest packs are tried, then the most (the least memory), then bisection between the two for
    the fewest that fit: a handful of runs, where trying every count ran a hundred for a deep
