@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import operator
 from typing import Iterable, Mapping, Sequence
 
 import torch
@@ -58,7 +59,7 @@ class ByReach:
 
     def held_until(self, end: int) -> int:
         """Bytes a pack holding this layer and ending before layer ``end`` holds."""
-        count = bisect.bisect_right([-reach for reach in self.reaches], -end)
+        count = bisect.bisect_right(self.reaches, -end, key=operator.neg)  # reaches fall: their negations rise
         return self.cumulative[count - 1] if count else 0
 
 
