@@ -236,6 +236,9 @@ def one_rank_fails(rank: int, world: int, out: pathlib.Path, failing_step: int =
             except (RuntimeError, StepFailedElsewhere) as error:
                 errors.append(f"{type(error).__name__}: {error}")
                 after = [p.detach().clone() for p in model.parameters()]
+    if rank == 1:
+        Runtime.bwd = backward
+    trainer.close()  # as a script ends: the Trainer's group stops its threads here, not at the exit
     return {"losses": losses, "errors": errors, "undone": all(torch.equal(a, b) for a, b in zip(before, after)),
             "params": [p.detach().clone() for p in model.parameters()]}
 
