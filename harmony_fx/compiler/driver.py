@@ -291,10 +291,13 @@ def _plan_packs(log: StageLog, context: PackingContext, primary: Variant, device
     each run cut short where it passes the budget), the chosen packing as it will run.
     ``name_smallest``: a refusal names the smallest budget (the options' own settings: a planner's
     schedule falls back instead)."""
-    _, candidate = plan_packs(layer_costs(primary), functools.partial(evaluate, context), lambda c: c.peak,
+    costs = layer_costs(primary)
+    # one packing to try (the planner's, or the caller's boundaries): fetching ahead is tried first
+    single = len({tuple(policy(costs, n)) for n in (1, len(costs))}) == 1
+    _, candidate = plan_packs(costs, functools.partial(evaluate, context, ahead_first=single), lambda c: c.peak,
                               device.budget, policy, device.margin, bound=PackingBounds(context), cut_short=True,
                               name_smallest=name_smallest, progress=log.report)
-    return finish_chosen(context, candidate)
+    return finish_chosen(context, candidate, ahead_tried=single)
 
 
 def _refuse_stashed_batch_indices(candidate: Candidate, analysis: BatchAnalysis) -> None:

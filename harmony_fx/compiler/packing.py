@@ -211,23 +211,34 @@ class Candidate:
         return all(estimate.complete for estimate in self.estimates)
 
 
-def evaluate(context: PackingContext, boundaries: Sequence[int], limit: int | None = None) -> Candidate:
+def evaluate(context: PackingContext, boundaries: Sequence[int], limit: int | None = None,
+             ahead_first: bool = False) -> Candidate:
     """The packing at ``boundaries`` as the search sees it: under a budget, its backward fetching
     each stash just in time, the least these packs need (fetching ahead never needs less, so the
     search asks only whether this fits, one FakeTensor run a candidate); without one, one task
     ahead. ``limit``: stop each device's run where it would hold more (its peak is then only known
-    to pass it: ``Candidate.complete``). Its programs are verified once chosen (``finish_chosen``),
-    or where running them fails: a ``ProgramError`` then says what the lowering got wrong."""
+    to pass it: ``Candidate.complete``). ``ahead_first``: under a budget, first the run fetching
+    ahead, kept where it fits (then the just-in-time one fits too, and ``finish_chosen`` has nothing
+    to run again): for the one packing a search of a single candidate tries. Its programs are
+    verified once chosen (``finish_chosen``), or where running them fails: a ``ProgramError`` then
+    says what the lowering got wrong."""
+    if ahead_first and context.budget is not None and limit is not None:  # (without a limit: the least it needs)
+        ahead = _evaluate(context, boundaries, stash_ahead=True, verify=False, cap=limit)
+        if ahead.complete and ahead.peak <= limit:
+            return ahead
     return _evaluate(context, boundaries, stash_ahead=context.budget is None, verify=False, cap=limit)
 
 
-def finish_chosen(context: PackingContext, candidate: Candidate) -> Candidate:
+def finish_chosen(context: PackingContext, candidate: Candidate, ahead_tried: bool = False) -> Candidate:
     """The chosen packing as it will run: its backward fetching each stash one task ahead where
-    that fits the budget too (else just in time: one microbatch's stash less on the device), its
-    programs verified."""
-    if not candidate.signature.stash_ahead:
-        ahead = _evaluate(context, candidate.boundaries, stash_ahead=True, verify=False)
-        if ahead.peak + context.margin <= context.budget:
+    that fits the budget too (else just in time: one microbatch's stash less on the device; the
+    run fetching ahead is cut short at the budget), its programs verified. ``ahead_tried``: the
+    search ran it first (``evaluate(ahead_first=True)``), so a just-in-time candidate is one where
+    it did not fit."""
+    if not candidate.signature.stash_ahead and not ahead_tried:
+        ahead = _evaluate(context, candidate.boundaries, stash_ahead=True, verify=False,
+                          cap=context.budget - context.margin)
+        if ahead.complete and ahead.peak + context.margin <= context.budget:
             candidate = ahead
     if context.verify:
         verify_programs(candidate.device_actions, candidate.signature, context.layout)

@@ -504,3 +504,31 @@ def test_the_bound_is_the_peak_where_a_pack_is_a_layer(monkeypatch, model_and_in
         harmony_fx.compile(*model_and_inputs(), devices=["host:0"], microbatches=1, memory_budget=peak - 1)
     assert refused.value.smallest_budget == peak
     assert runs == [list(most)]  # only the run that names the smallest budget
+
+
+def test_one_packing_is_run_fetching_ahead_first(monkeypatch):
+    """Given its packs (the planner's, or ``pack_boundaries``), the search has one packing to try:
+    it runs it fetching each stash one task ahead first, kept where that fits (one FakeTensor run,
+    not a just-in-time run and then the ahead one); where only just in time fits, that one is
+    chosen; and the smallest budget named is still the just-in-time peak."""
+    from harmony_fx.compiler import packing
+
+    torch.manual_seed(0)
+    model, x = MLPChain(width=32, depth=4), torch.randn(8, 32)
+    options = dict(devices=["host:0"], microbatches=2, pack_boundaries=[0, 2, 4])
+    runs = []
+    lowered = packing._evaluate
+    monkeypatch.setattr(packing, "_evaluate", lambda context, boundaries, stash_ahead, **kw:
+                        runs.append(stash_ahead) or lowered(context, boundaries, stash_ahead, **kw))
+    with pytest.raises(BudgetTooSmallError) as refused:
+        harmony_fx.compile(model, (x,), memory_budget=1, **options)
+    just_in_time = refused.value.smallest_budget
+    ahead = harmony_fx.compile(model, (x,), memory_budget=10 * just_in_time, **options).compiled.candidate
+    assert ahead.signature.stash_ahead and ahead.peak > just_in_time  # what fetching ahead costs here
+
+    runs.clear()
+    hm = harmony_fx.compile(model, (x,), memory_budget=ahead.peak, **options)
+    assert runs == [True] and hm.compiled.candidate.signature.stash_ahead
+    runs.clear()
+    hm = harmony_fx.compile(model, (x,), memory_budget=just_in_time, **options)
+    assert runs == [True, False] and not hm.compiled.candidate.signature.stash_ahead
