@@ -42,8 +42,8 @@ from torch._subclasses import FakeTensorMode
 from harmony_fx.analysis.requires_grad import requires_grad_of, run_node
 from harmony_fx.ir import meta
 from harmony_fx.ir.tracking import AllocationTracker, storage_key
-from harmony_fx.ir.values import leaves, map_tensors, tensors
-from harmony_fx.passes.find_layers import Layer
+from harmony_fx.ir.values import map_tensors, tensors
+from harmony_fx.passes.find_layers import Layer, layer_inputs, layer_signature
 from harmony_fx.runtime.probe import empty_fake
 
 __all__ = ["ByReach", "LayerHeld", "measure_held"]
@@ -107,14 +107,12 @@ def measure_held(gm: fx.GraphModule, layers: Sequence[Layer], read_after: Mappin
     with FakeTensorMode(allow_non_fake_inputs=True), torch.random.fork_rng(devices=[]):
         for layer in layers:
             layer_nodes = [nodes[name] for name in layer.nodes]
-            inner = set(layer.nodes)
-            external = list(dict.fromkeys(arg for node in layer_nodes for arg in node.all_input_nodes
-                                          if arg.name not in inner))
+            external = layer_inputs(layer_nodes)
             outputs = {name for name in layer.nodes if read_after.get(name, -1) > layer.index}
             names = [node.name for node in layer_nodes + external]
             result: _Measured | None = None
             try:
-                signature = _signature(layer_nodes, external, outputs)
+                signature = layer_signature(layer_nodes, external, outputs)
                 if signature in seen:
                     earlier, earlier_names = seen[signature]
                     result = _renamed(earlier, dict(zip(earlier_names, names)))
@@ -160,19 +158,6 @@ def _by_reach(layer: _Measured, values: Mapping[str, set[int]], reach: Mapping[s
         total += nbytes
         cumulative.append(total)
     return ByReach(tuple(r for r, _ in pairs), tuple(cumulative))
-
-
-def _signature(layer_nodes: list[fx.Node], external: list[fx.Node], outputs: set[str]) -> tuple:
-    """What a layer's measurement depends on: its ops and how they read each other, its inputs'
-    layouts and flags, which values it hands on. Two layers alike in these measure alike."""
-    position = {node: index for index, node in enumerate(external + layer_nodes)}
-    ops = tuple((node.op, node.target, repr(fx.node.map_arg((node.args, node.kwargs), position.__getitem__)),
-                 node.name in outputs) for node in layer_nodes)
-    inputs = tuple((node.op, node.target if node.op == "get_attr" else None, requires_grad_of(node),
-                    tuple((tuple(t.shape), t.stride(), t.dtype) if isinstance(t, torch.Tensor) else repr(t)
-                          for t in leaves(node.meta.get(meta.VAL))))
-                   for node in external)
-    return ops, inputs
 
 
 def _renamed(layer: _Measured, names: Mapping[str, str]) -> _Measured:

@@ -21,12 +21,15 @@ from __future__ import annotations
 import dataclasses
 import re
 
+import torch
 from torch import fx
 
 from harmony_fx.analysis.aliasing import alias_base, written_arguments
+from harmony_fx.analysis.requires_grad import requires_grad_of
 from harmony_fx.ir import meta
+from harmony_fx.ir.values import leaves
 
-__all__ = ["Layer", "find_layers"]
+__all__ = ["Layer", "find_layers", "layer_inputs", "layer_signature"]
 
 _INDEXED_PATH = re.compile(r"(?:^|\.)\d+$")
 
@@ -102,3 +105,23 @@ def _normalise(path: str) -> str:
     """``L['self'].h[3]`` (Dynamo spelling) and ``h.3`` (export spelling) → ``h.3``."""
     path = re.sub(r"^L\['self'\]\.?", "", path)
     return re.sub(r"\[(\d+)\]", r".\1", path).lstrip(".")
+
+
+def layer_inputs(layer_nodes: list[fx.Node]) -> list[fx.Node]:
+    """The nodes a layer reads from outside it, in the order it first reads them."""
+    inner = {node.name for node in layer_nodes}
+    return list(dict.fromkeys(arg for node in layer_nodes for arg in node.all_input_nodes if arg.name not in inner))
+
+
+def layer_signature(layer_nodes: list[fx.Node], external: list[fx.Node], outputs: set[str]) -> tuple:
+    """What a measurement of a layer run alone depends on: its ops and how they read each other,
+    which of its values it hands on (``outputs``), and its inputs' (``external``) roles, flags and
+    layouts. Two layers alike in these measure alike (a transformer's blocks): measured once."""
+    position = {node: index for index, node in enumerate(external + layer_nodes)}
+    ops = tuple((node.op, node.target, repr(fx.node.map_arg((node.args, node.kwargs), position.__getitem__)),
+                 node.name in outputs) for node in layer_nodes)
+    inputs = tuple((node.op, node.target if node.op == "get_attr" else None, meta.role_of(node), requires_grad_of(node),
+                    tuple((tuple(t.shape), t.stride(), t.dtype) if isinstance(t, torch.Tensor) else repr(t)
+                          for t in leaves(node.meta.get(meta.VAL))))
+                   for node in external)
+    return ops, inputs

@@ -15,9 +15,10 @@ The planner's memory model (``planner.costs``) needs, per layer and per sample:
 
 Each is counted by ``ir.tracking.AllocationTracker`` (each storage once, from birth to death, as the
 device's account counts it) over the layer's ATen ops, run node by node on meta tensors: no memory,
-no FLOPs, so a 175B-parameter preset profiles as fast as a small model. A layer whose ops cannot
-run on meta (a data-dependent op, an op without a meta kernel) gets the static bound instead:
-every value it makes, for each figure. Attention runs the kernel the target device would pick
+no FLOPs, so a 175B-parameter preset profiles as fast as a small model; a layer alike to one
+measured before (``passes.find_layers.layer_signature``: a transformer's blocks) is not run again.
+A layer whose ops cannot run on meta (a data-dependent op, an op without a meta kernel) gets the
+static bound instead: every value it makes, for each figure. Attention runs the kernel the target device would pick
 (``analysis.attention``): on meta it would always take the math path and keep the attention weights.
 """
 from __future__ import annotations
@@ -33,7 +34,7 @@ from harmony_fx.analysis.requires_grad import run_node
 from harmony_fx.ir import meta
 from harmony_fx.ir.tracking import AllocationTracker, storage_key
 from harmony_fx.ir.values import leaves, map_tensors, tensors
-from harmony_fx.passes.find_layers import Layer
+from harmony_fx.passes.find_layers import Layer, layer_inputs, layer_signature
 
 __all__ = ["LayerMemory", "last_readers", "measure_layer_memory"]
 
@@ -75,25 +76,27 @@ def measure_layer_memory(gm: fx.GraphModule, layers: Sequence[Layer], read_after
     nodes = {node.name: node for node in gm.graph.nodes}
     dtype = _COMPUTE_DTYPES.get(compute_itemsize) if compute_itemsize else None
     result = []
+    seen: dict[tuple, LayerMemory] = {}  # a layer alike to one measured before (a transformer's blocks)
     for layer in layers:
         layer_nodes = [nodes[name] for name in layer.nodes]
+        external = layer_inputs(layer_nodes)
         outputs = {node.name for node in layer_nodes if read_after.get(node.name, -1) > layer.index}
-        try:
-            # a higher-order op (a no_grad region) sets grad mode around its subgraph and does not
-            # put it back if the subgraph raises: the context restores it whatever happens
-            with torch.set_grad_enabled(torch.is_grad_enabled()):
-                result.append(_measure(gm, layer_nodes, outputs, dtype, device_type))
-        except Exception:  # noqa: BLE001 - no meta kernel, data-dependent: the static bound instead
-            made = sum(made_bytes(node) for node in layer_nodes)
-            result.append(LayerMemory(made, 0, made, made))
+        signature = layer_signature(layer_nodes, external, outputs)
+        if signature not in seen:
+            try:
+                # a higher-order op (a no_grad region) sets grad mode around its subgraph and does not
+                # put it back if the subgraph raises: the context restores it whatever happens
+                with torch.set_grad_enabled(torch.is_grad_enabled()):
+                    seen[signature] = _measure(gm, layer_nodes, external, outputs, dtype, device_type)
+            except Exception:  # noqa: BLE001 - no meta kernel, data-dependent: the static bound instead
+                made = sum(made_bytes(node) for node in layer_nodes)
+                seen[signature] = LayerMemory(made, 0, made, made)
+        result.append(seen[signature])
     return result
 
 
-def _measure(gm: fx.GraphModule, layer_nodes: list[fx.Node], outputs: set[str], dtype,
+def _measure(gm: fx.GraphModule, layer_nodes: list[fx.Node], external: list[fx.Node], outputs: set[str], dtype,
              device_type: str | None) -> LayerMemory:
-    inner = {node.name for node in layer_nodes}
-    external = list(dict.fromkeys(arg for node in layer_nodes for arg in node.all_input_nodes
-                                  if arg.name not in inner))
     with torch.no_grad():
         _, _, _, forward_free = _forward(gm, layer_nodes, outputs, _inputs(external, dtype), device_type)
     inputs = _inputs(external, dtype)
