@@ -420,7 +420,8 @@ def _refuse_fixed_float_casts(gm: fx.GraphModule, example: _Example) -> None:
              torch.ops.aten._assert_tensor_metadata.default}
     for node in gm.graph.nodes:
         if node.target in casts and node.kwargs.get("dtype") in (torch.float32, torch.float64):
-            traced = {n.name: n for n in capture(example.model, example.args, example.kwargs, stack_traces=True).gm.graph.nodes}
+            traced = {n.name: n for n in
+                      capture(example.model, example.args, example.kwargs, stack_traces=True).gm.graph.nodes}
             same = traced.get(node.name)
             trace = same.meta.get("stack_trace") if same is not None and same.target == node.target else None
             where = (trace or "").strip().splitlines()[-1:] or [node.format_node()]
