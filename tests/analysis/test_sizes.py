@@ -35,3 +35,19 @@ def test_a_higher_order_op_is_counted_from_its_subgraph_not_called():
     assert sum(n.meta[meta.FLOPS] for n in wraps) == 2 * 3 * 8 * 16
     total = sum(n.meta[meta.FLOPS] for n in captured.gm.graph.nodes)
     assert total == 2 * 3 * 8 * 16 + 2 * 3 * 16 * 4
+
+
+def test_an_op_called_alike_again_is_counted_once_with_the_same_flops(monkeypatch):
+    """A repeated call (same op, same shapes and constants) takes the FLOPs counted first; a call
+    with another shape is counted again. Three Linear layers of 8 -> 8, then one of 8 -> 4."""
+    from harmony_fx.analysis import sizes
+
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 4))
+    captured = capture(model, (torch.randn(3, 8),))
+    counts = []
+    count = sizes._op_flops
+    monkeypatch.setattr(sizes, "_op_flops", lambda node: counts.append(node.name) or count(node))
+    annotate_sizes(captured.gm)
+    flops = [n.meta[meta.FLOPS] for n in captured.gm.graph.nodes if n.meta[meta.FLOPS]]
+    assert flops == [2 * 3 * 8 * 8] * 3 + [2 * 3 * 8 * 4]
+    assert len(counts) == 2  # the first 8 -> 8 call and the 8 -> 4 one
