@@ -11,7 +11,7 @@ import operator
 import torch
 from torch import fx
 
-__all__ = ["written_arguments", "alias_base"]
+__all__ = ["written_arguments", "aliased", "alias_chain", "alias_base"]
 
 
 def written_arguments(node: fx.Node) -> list[fx.Node]:
@@ -30,19 +30,28 @@ def written_arguments(node: fx.Node) -> list[fx.Node]:
     return written
 
 
+def aliased(node: fx.Node) -> fx.Node | None:
+    """The node whose memory ``node`` shares directly: a view's or an in-place op's first argument,
+    the list an item of ``split``'s views comes from; None for any other node."""
+    if node.op != "call_function" or not node.args or not isinstance(node.args[0], fx.Node):
+        return None
+    if node.target is operator.getitem:  # an item of a list of views
+        return node.args[0] if aliased(node.args[0]) is not None else None
+    if not isinstance(node.target, torch._ops.OpOverload):
+        return None
+    returns = node.target._schema.returns
+    return node.args[0] if returns and returns[0].alias_info is not None else None
+
+
+def alias_chain(node: fx.Node) -> list[fx.Node]:
+    """``node``, the node whose memory it shares, ..., the node that owns that memory."""
+    chain = [node]
+    while (source := aliased(chain[-1])) is not None:
+        chain.append(source)
+    return chain
+
+
 def alias_base(node: fx.Node) -> fx.Node:
     """The node whose memory ``node`` shares, through views (``select``, ``view``, an item of
     ``split``'s list, ...) and the results of in-place ops."""
-    while node.op == "call_function" and node.args and isinstance(node.args[0], fx.Node):
-        target = node.target
-        if target is operator.getitem:  # an item of a list of views
-            target = node.args[0].target
-        if not isinstance(target, torch._ops.OpOverload):
-            break
-        returns = target._schema.returns
-        if not returns or returns[0].alias_info is None:
-            break
-        node = node.args[0] if node.target is not operator.getitem else node.args[0].args[0]
-        if not isinstance(node, fx.Node):
-            break
-    return node
+    return alias_chain(node)[-1]

@@ -40,6 +40,7 @@ from typing import Any, Mapping, Sequence
 import torch
 from torch import fx
 
+from harmony_fx.analysis.aliasing import alias_chain, aliased
 from harmony_fx.analysis.reductions import ScalarReduction, scalar_reduction
 from harmony_fx.ir import meta
 from harmony_fx.ir.values import leaves
@@ -265,14 +266,6 @@ def _written(node: fx.Node) -> fx.Node | None:
     return node.args[0] if info is not None and info.is_write else None
 
 
-def _viewed(node: fx.Node) -> fx.Node | None:
-    """The tensor whose storage ``node`` shares (a view's or an in-place op's first argument), or None."""
-    if not isinstance(node.target, torch._ops.OpOverload) or not node.args or not isinstance(node.args[0], fx.Node):
-        return None
-    returns = node.target._schema.returns
-    return node.args[0] if returns and returns[0].alias_info is not None else None
-
-
 def _write(node: fx.Node, c: _Context) -> None:
     """An in-place op at ``node`` wrote its result into its first argument X, and so into the buffer X
     is a view of (``shifted[:, 1:] = ids[:, :-1]`` writes into ``shifted``): later readers of that
@@ -280,7 +273,7 @@ def _write(node: fx.Node, c: _Context) -> None:
     which may not cut or merge it; a buffer shared by every sample must be constant along it (the
     entries not written stay), and a parameter, buffer or input outlives the step."""
     (dim,) = c.env[node]
-    chain = _view_chain(node.args[0])
+    chain = alias_chain(node.args[0])
     base = chain[-1]
     if dim is not None:
         for view in chain[:-1]:
@@ -305,7 +298,7 @@ def _write(node: fx.Node, c: _Context) -> None:
 def _write_shared(node: fx.Node, c: _Context) -> None:
     """A shared value written in place: the buffer it lands in stays constant only along the dims the
     write covers whole with values constant along them, and is no longer an ``arange``."""
-    chain = _view_chain(node.args[0])
+    chain = alias_chain(node.args[0])
     base = chain[-1]
     constant = set(c.constant.get(node, ()))
     for view in chain[:-1]:
@@ -321,21 +314,6 @@ def _write_shared(node: fx.Node, c: _Context) -> None:
     _follow_views(base, c)
 
 
-def _view_chain(node: fx.Node) -> list[fx.Node]:
-    """``node``, the tensor it views, ..., the buffer they all view."""
-    chain = [node]
-    while (source := _viewed(chain[-1]) or _piece_of(chain[-1])) is not None:
-        chain.append(source)
-    return chain
-
-
-def _piece_of(node: fx.Node) -> fx.Node | None:
-    """The views ``split`` and ``unbind`` make, whose piece ``node`` is; None for any other node."""
-    if node.target is operator.getitem and isinstance(node.args[0], fx.Node) and _viewed(node.args[0]) is not None:
-        return node.args[0]
-    return None
-
-
 def _follow_views(base: fx.Node, c: _Context) -> None:
     """The views of ``base`` seen so far (and in-place ops' results, which are their argument) see its
     new values: run their rules again, parents first."""
@@ -343,7 +321,7 @@ def _follow_views(base: fx.Node, c: _Context) -> None:
     while queue:
         parent = queue.pop(0)
         for view in parent.users:
-            if view not in c.env or view.args[0] is not parent or (_viewed(view) or _piece_of(view)) is None:
+            if view not in c.env or view.args[0] is not parent or aliased(view) is None:
                 continue
             c.constant.pop(view, None)
             c.iota.pop(view, None)
@@ -355,7 +333,7 @@ def _follow_views(base: fx.Node, c: _Context) -> None:
                     c.iota[view] = c.iota[parent]
             elif any(d is not None for d in c.env[parent]):
                 c.env[view] = _rule(view, c)
-            elif isinstance(_val(view), torch.Tensor) and _piece_of(view) is None:
+            elif isinstance(_val(view), torch.Tensor) and view.target is not operator.getitem:
                 _follow_shared(view, c)  # (a split's pieces: nothing known to stay constant)
             queue.append(view)
 
