@@ -10,7 +10,7 @@ whose program fits the budget, without running every candidate:
    input (both on the device during its forward) and, in training, what its backward holds: what
    its recompute left for it (measured layer by layer: ``compiler.held``), its inputs, the gradients
    of its outputs, the previous pack's weights (fetched ahead) and what its last layer's backward
-   adds (``PackingBounds``); a candidate whose bound passes the budget is never run, and where
+   adds, and what earlier microbatches leave beside a later one's backward (``PackingBounds``); a candidate whose bound passes the budget is never run, and where
    every candidate's does, the budget is refused with one run: the most packs', whose peak is the
    smallest budget named (asked for, the search tries that packing second, and it fits).
 2. **A monotone search over the rest.** A packing's peak mostly falls as its packs get more: the
@@ -258,8 +258,11 @@ class PackingBounds:
     as it begins, what its recompute left for it (its outputs and what autograd saved), or, while
     its last layer's backward runs, what of that it keeps and the most that backward adds
     (``compiler.held``, measured layer by layer on the first microbatch's graph the first time a
-    bound is asked for, once per compile). Not under autocast, whose casts the captured graph does
-    not show. ``bounds(boundaries)`` never passes what ``evaluate`` finds."""
+    bound is asked for, once per compile). With more microbatches of the first's size: a last pack
+    not fused with the loss holds each one's forward graph (its largest input and what it left) as
+    its first backward begins; in one program, a pack's second backward begins beside the first's
+    weight gradients and the gradients the first gave its inputs. Not under autocast, whose casts
+    the captured graph does not show. ``bounds(boundaries)`` never passes what ``evaluate`` finds."""
 
     def __init__(self, context: PackingContext) -> None:
         variant = context.variants[context.layout.mb_sizes[0]]
@@ -272,6 +275,7 @@ class PackingBounds:
         self._grads: list[dict[int, int]] = []    # the same, of those its backward gives a gradient
         self._inputs: list[list[tuple[int, int]]] = []  # per layer: (defining layer, bytes) of what it takes in
         self._first_inputs: list[list[tuple[int, int]]] = []
+        self._input_grads: list[dict[str, tuple[int, int]]] = []  # per layer: of its inputs a layer made
         sizes = range(len(context.layout.sizes))
         for layer in variant.layers:
             names = set(layer.nodes)
@@ -292,6 +296,9 @@ class PackingBounds:
                                  for name in sorted(taken)])
             self._first_inputs.append({name: (defined_in.get(name, -1), shapes.key_bytes(Key(KeyKind.ACT, name, 0), ()))
                                        for name in sorted(taken)})  # on the first microbatch
+            self._input_grads.append({name: (defined_in[name], shapes.key_bytes(Key(KeyKind.GRAD, name, 0), ()))
+                                      for name in sorted(taken)
+                                      if name in defined_in and name in context.signature.differentiable})
         signature = context.signature
         self._at_backward = not signature.forward_only and not ambient.Autocast.current().enabled
         # One device's program (``lowering.single``) with grouping: a pack before the last fetches
@@ -302,6 +309,18 @@ class PackingBounds:
         self._one_program = context.layout.parallel != "pp" and signature.grouping
         # ... but for a last pack fused into the forward (its backward runs there, W[p-1] unasked for)
         self._last_fused_in_forward = signature.fuse_last and not signature.last_in_backward
+        # In one program, while a pack's second microbatch runs its backward, the first's weight
+        # gradients stay on the device (later microbatches add into them), and so do the gradients
+        # it gave its inputs, until the pack before runs its backward: counted where the second
+        # microbatch is of the first's size (the inputs and the recompute's leftovers measured on it)
+        first_device, sizes = context.layout.device_microbatches[0], context.layout.mb_sizes
+        # the first device's microbatches after the first of the first's size: what is measured on
+        # the first holds for them
+        self._alike = sum(1 for mb in first_device[1:] if sizes[mb] == sizes[first_device[0]])
+        self._second_microbatch = self._one_program and self._alike > 0
+        # A last pack not fused with the loss runs its forward with grad on every microbatch and
+        # keeps each graph (its inputs and what its forward left) until its backward
+        self._keeps_last_graphs = context.layout.parallel != "pp" and not signature.fuse_last
         # per layer: (its last reader, bytes of its gradient on the first microbatch) of each
         # differentiable value it makes: a pack ending before that reader holds the gradient
         self._output_grads = [[(self._read_after.get(name, -1), shapes.key_bytes(Key(KeyKind.GRAD, name, 0), ()))
@@ -330,14 +349,25 @@ class PackingBounds:
             inputs = {name: nbytes for layer in range(start, end)
                       for name, (defined, nbytes) in self._first_inputs[layer].items() if defined < start}
             last = end == len(self._weights)
-            handed += sum(inputs.values()) if self._one_program and not last else max(inputs.values(), default=0)
+            largest_input = max(inputs.values(), default=0)
+            handed += sum(inputs.values()) if self._one_program and not last else largest_input
             if previous is not None and self._one_program and not (last and self._last_fused_in_forward):
                 # W[p-1], less the weights both packs read
                 fetched = {key: nbytes for layer in range(previous, start) for key, nbytes in self._weights[layer].items()}
                 handed += sum(nbytes for key, nbytes in fetched.items() if key not in weights)
             begins = sum(held[layer].begins.held_until(end) for layer in range(start, end))
             during = sum(held[layer].during.held_until(end) for layer in range(start, end)) + held[end - 1].backward
-            bound = max(bound, handed + max(begins, during))
+            graph = largest_input + begins if last and self._keeps_last_graphs else 0  # another microbatch's
+            bound = max(bound, handed + self._alike * graph + max(begins, during))
+            if self._second_microbatch:
+                # as its backward begins (the measure of ``during`` has the last layer's new weight
+                # gradients in it, which the second microbatch adds in place and lets go). Each
+                # input's gradient is a storage of its own (the runtime copies one autograd hands
+                # to two inputs, as an ``add``'s backward does)
+                input_grads = sum({name: nbytes for layer in range(start, end)
+                                   for name, (defined, nbytes) in self._input_grads[layer].items()
+                                   if defined < start}.values())
+                bound = max(bound, handed + (self._alike - 1) * graph + sum(grads.values()) + input_grads + begins)
         return bound
 
     def _held(self) -> list[LayerHeld]:

@@ -507,6 +507,33 @@ def test_the_bound_is_the_peak_where_a_pack_is_a_layer(monkeypatch, model_and_in
     assert runs == [list(most)]  # only the run that names the smallest budget
 
 
+@pytest.mark.parametrize("model_and_inputs,least", [(_tiny_gpt_four_blocks, 0.88), (_conditioned, 0.74)],
+                         ids=["gpt", "two-inputs"])
+def test_the_bound_counts_what_earlier_microbatches_leave(monkeypatch, model_and_inputs, least):
+    """With two microbatches, a pack's second backward runs beside the first's weight gradients
+    (the second adds into them) and the gradients the first gave the pack's inputs (the pack before
+    takes them later), and a last pack not fused with the loss keeps every microbatch's graph from
+    its forward: counted, the bound at the most packs is at least ``least`` of the peak (0.78 and
+    0.63 without), and never above it; a budget below it is refused with the one run that names
+    the smallest."""
+    from harmony_fx.compiler import driver
+
+    seen = _bounds_and_peaks(monkeypatch, lambda: harmony_fx.compile(*model_and_inputs(), devices=["host:0"],
+                                                                     microbatches=2))
+    assert all(bound <= peak for _, bound, peak in seen), seen
+    most, bound, peak = seen[-1]
+    assert least * peak <= bound, (len(most), bound, peak)
+
+    monkeypatch.setattr(driver, "plan_packs", plan_packs)
+    runs = []
+    evaluate = driver.evaluate
+    monkeypatch.setattr(driver, "evaluate", lambda *args, **kwargs: runs.append(args[1]) or evaluate(*args, **kwargs))
+    with pytest.raises(BudgetTooSmallError) as refused:
+        harmony_fx.compile(*model_and_inputs(), devices=["host:0"], microbatches=2, memory_budget=bound - 1)
+    assert refused.value.smallest_budget == peak
+    assert runs == [list(most)]
+
+
 def test_one_packing_is_run_fetching_ahead_first(monkeypatch):
     """Given its packs (the planner's, or ``pack_boundaries``), the search has one packing to try:
     it runs it fetching each stash one task ahead first, kept where that fits (one FakeTensor run,
