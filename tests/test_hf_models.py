@@ -21,9 +21,10 @@ RTOL = 1e-4
 ATOL = 1e-6
 
 
-# architectures the project was not written for: GPT-NeoX (parallel residual) and ViT (images, a
-# class per image) in the default suite; Qwen2 (grouped-query attention) and T5 (encoder-decoder),
-# whose compiles alone take 10-15 s, with -m slow
+# architectures the project was not written for: GPT-NeoX (parallel residual), ViT (images, a
+# class per image), Mixtral (experts chosen per token) and Gemma 2 (sliding-window attention,
+# soft-capped logits) in the default suite; Qwen2 (grouped-query attention) and T5
+# (encoder-decoder), whose compiles alone take 10-15 s, with -m slow
 _SLOW_OTHERS = ("qwen2", "t5")
 
 

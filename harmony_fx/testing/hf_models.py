@@ -12,7 +12,9 @@ attention, 4 query heads over 2 key/value heads), GPT-NeoX (parallel residual, p
 T5 (``T5ForConditionalGeneration``: encoder-decoder, relative position bias; its batch has
 ``labels`` half as long as ``input_ids``, the decoder's inputs made from them) and ViT
 (``ViTForImageClassification``: ``pixel_values`` of 48x48 images in 4x4 patches, one class label
-per image, the first few ignored).
+per image, the first few ignored), Mixtral (a mixture of experts: 4 experts, each token routed to
+the top 2 of them, so which weights a token meets depends on its values) and Gemma 2 (attention
+over a sliding window on every other layer, soft-capped logits, a norm after each sublayer too).
 
 ``transformers`` is imported when a model is built: it is a test extra, not a dependency.
 """
@@ -24,7 +26,7 @@ from torch import nn
 __all__ = ["HF_MODELS", "NUM_LAYERS", "OTHER_HF_MODELS", "build_hf_model", "hf_batch", "padded_batches"]
 
 HF_MODELS = ("gpt2", "bert", "llama")
-OTHER_HF_MODELS = ("qwen2", "gpt_neox", "t5", "vit")
+OTHER_HF_MODELS = ("qwen2", "gpt_neox", "t5", "vit", "mixtral", "gemma2")
 # 2 blocks over 64 positions: activations, not weights, dominate eager's peak, so a quarter of it
 # fits (with 4 microbatches) although one block holds ~40% of the weights.
 NUM_LAYERS = 2
@@ -74,6 +76,20 @@ def build_hf_model(name: str, seed: int = 0, num_layers: int = NUM_LAYERS) -> nn
             num_heads=HEADS, dropout_rate=0.0, use_cache=False, decoder_start_token_id=0, pad_token_id=0,
             eos_token_id=1)
         model = transformers.T5ForConditionalGeneration(config)
+    elif name == "mixtral":
+        config = transformers.MixtralConfig(
+            vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=HIDDEN // 2, num_hidden_layers=num_layers,
+            num_attention_heads=HEADS, num_key_value_heads=HEADS // 2, num_local_experts=4, num_experts_per_tok=2,
+            max_position_embeddings=POSITIONS, attention_dropout=0.0, use_cache=False, bos_token_id=0,
+            eos_token_id=0, pad_token_id=None)
+        model = transformers.MixtralForCausalLM(config)
+    elif name == "gemma2":
+        config = transformers.Gemma2Config(
+            vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=2 * HIDDEN, num_hidden_layers=num_layers,
+            num_attention_heads=HEADS, num_key_value_heads=HEADS // 2, head_dim=HIDDEN // HEADS,
+            max_position_embeddings=POSITIONS, sliding_window=16, attention_dropout=0.0, use_cache=False,
+            bos_token_id=0, eos_token_id=0, pad_token_id=None)
+        model = transformers.Gemma2ForCausalLM(config)
     elif name == "vit":
         config = transformers.ViTConfig(
             image_size=IMAGE, patch_size=PATCH, hidden_size=HIDDEN, num_hidden_layers=num_layers,
