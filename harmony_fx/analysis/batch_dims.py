@@ -138,7 +138,7 @@ def _propagate(gm: fx.GraphModule, env_inputs: Mapping[str, _Dims], batch_size: 
             if value is None or _name(node) in _SIZE_QUERIES:  # an assertion on the loss, not a use of it
                 env[node] = [None] * max(len(leaves(value)), 1)
                 continue
-            raise _Mixed(f"{node.format_node()} computes with a loss reduced over the whole batch")
+            raise _Mixed(f"{meta.describe(node)} computes with a loss reduced over the whole batch")
         if not any(isinstance(leaf, torch.Tensor) for leaf in leaves(node.meta.get(meta.VAL))):
             if _name(node) in _SIZE_QUERIES:  # a size, not the samples' values
                 env[node] = [None]
@@ -151,7 +151,7 @@ def _propagate(gm: fx.GraphModule, env_inputs: Mapping[str, _Dims], batch_size: 
         except _Mixed:
             raise
         except Exception as error:  # noqa: BLE001 - an op we cannot read is one we cannot prove safe
-            raise _Mixed(f"{node.format_node()}: cannot tell how it treats the batch ({error})") from error
+            raise _Mixed(f"{meta.describe(node)}: cannot tell how it treats the batch ({error})") from error
     return env, c
 
 
@@ -176,7 +176,7 @@ def _norm(dim: int, rank: int) -> int:
 
 
 def _mixed(node: fx.Node, why: str) -> _Mixed:
-    return _Mixed(f"{node.format_node()} {why}")
+    return _Mixed(f"{meta.describe(node)} {why}")
 
 
 @dataclasses.dataclass

@@ -190,7 +190,7 @@ def _reduction(gm: fx.GraphModule, node: fx.Node, divisor: float | None, origin:
     if reduction == _MEAN_REDUCTION:  # mse_loss, l1_loss, binary_cross_entropy, ...: every element
         return _mean_over_elements(node.args[0])
     return ScalarReduction(None, why=(
-        f"the model's output {origin.name!r} is one number per microbatch, made by {node.format_node()}, and "
+        f"the model's output {origin.name!r} is one number per microbatch, made by {meta.describe(node)}, and "
         "harmony_fx only knows how to put means and sums of the batch (cross_entropy, mse_loss, mean, sum, ...) "
         "and their linear combinations back together; return per-sample values (reduction='none'), or use "
         "microbatches=1."))
@@ -205,7 +205,7 @@ def _mean_over_labels(gm: fx.GraphModule, loss: fx.Node) -> ScalarReduction:
     """A cross entropy's mean is over the targets that are not ``ignore_index``."""
     if _argument(loss, "weight") is not None:
         return ScalarReduction(None, why=(
-            f"{loss.format_node()} weights its classes, so a microbatch's share of the batch's mean depends on "
+            f"{meta.describe(loss)} weights its classes, so a microbatch's share of the batch's mean depends on "
             "which classes it holds; use reduction='sum' (and divide by the batch's total weight yourself) or "
             "microbatches=1."))
     ignore_index = _argument(loss, "ignore_index")

@@ -53,6 +53,7 @@ from harmony_fx.compiler.variants import Variant, capture_variant, check_same_la
 from harmony_fx.config import CompileOptions, format_size
 from harmony_fx.frontend import microbatch
 from harmony_fx.frontend.capture import capture
+from harmony_fx.ir import meta
 from harmony_fx.lowering.tier_io import insert_tier_io
 from harmony_fx.passes.split_packs import annotate_packs
 from harmony_fx.planner.chain import Schedule
@@ -424,7 +425,7 @@ def _refuse_fixed_float_casts(gm: fx.GraphModule, example: _Example) -> None:
                       capture(example.model, example.args, example.kwargs, stack_traces=True).gm.graph.nodes}
             same = traced.get(node.name)
             trace = same.meta.get("stack_trace") if same is not None and same.target == node.target else None
-            where = (trace or "").strip().splitlines()[-1:] or [node.format_node()]
+            where = (trace or "").strip().splitlines()[-1:] or [meta.describe(node)]
             raise ValueError(
                 f"precision='bf16': the model casts to {node.kwargs['dtype']} at {where[0].strip()!r} "
                 f"(node {node.name}); remove the cast (harmony_fx computes in bf16 and keeps fp32 masters "

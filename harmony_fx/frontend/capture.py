@@ -168,7 +168,7 @@ def _refuse_input_mutation(gm: fx.GraphModule) -> None:
     found = _input_mutation(gm)
     if found is not None:
         node, base = found
-        where = (node.meta.get("stack_trace") or "").strip().splitlines()[-1:] or [node.format_node()]
+        where = (node.meta.get("stack_trace") or "").strip().splitlines()[-1:] or [meta.describe(node)]
         raise ValueError(
             f"the model modifies its input {base.name!r} in place at {where[0].strip()!r} (node {node.name}); "
             "harmony_fx runs the model on copies of its inputs, so the change would not reach your tensor. "

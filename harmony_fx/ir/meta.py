@@ -8,6 +8,8 @@ the nodes of the generated program.
 key                        written by                      value
 =========================  ==============================  ===========================================
 ``val``                    capture (PyTorch's own key)     FakeTensor (or a Python scalar) of the value
+``nn_module_stack``        capture (PyTorch's own key)     the modules the node ran in, outermost first:
+                                                           path -> (dotted path, module type)
 ``harmony_role``           capture                         :class:`Role` of a placeholder
 ``harmony_target``         capture                         for params/buffers: their dotted name
 ``harmony_nbytes``         analysis.sizes                  bytes of the value (0 for non-tensors)
@@ -30,15 +32,18 @@ key                        written by                      value
 from __future__ import annotations
 
 import enum
+import re
 
+import torch
 from torch import fx
 
 __all__ = [
-    "VAL", "ROLE", "TARGET", "NBYTES", "FLOPS", "READS", "REQUIRES_GRAD", "LAST_USE", "LIVE_PACKS", "LAYER", "LAYER_NAME", "PACK",
-    "ACTION", "STEP", "FROM_PASS", "Role", "role_of", "nbytes_of",
+    "VAL", "MODULE_STACK", "ROLE", "TARGET", "NBYTES", "FLOPS", "READS", "REQUIRES_GRAD", "LAST_USE", "LIVE_PACKS", "LAYER", "LAYER_NAME", "PACK",
+    "ACTION", "STEP", "FROM_PASS", "Role", "role_of", "nbytes_of", "describe", "module_path",
 ]
 
 VAL = "val"
+MODULE_STACK = "nn_module_stack"
 ROLE = "harmony_role"
 TARGET = "harmony_target"
 NBYTES = "harmony_nbytes"
@@ -69,3 +74,28 @@ def role_of(node: fx.Node) -> Role | None:
 
 def nbytes_of(node: fx.Node) -> int:
     return node.meta.get(NBYTES, 0)
+
+
+def describe(node: fx.Node) -> str:
+    """``node`` as a message names it to a person: its name (as ``hm.code`` and the graphs print
+    it), its op and the module it ran in, e.g. ``batch_norm (aten.batch_norm in module
+    resnet.embedder.normalization, a BatchNorm2d)``; not fx's own node syntax."""
+    if node.op not in ("call_function", "call_method", "call_module"):
+        return node.name
+    target = node.target
+    op = str(target).removesuffix(".default") if isinstance(target, torch._ops.OpOverload) else (
+        getattr(target, "__name__", None) or str(target))
+    stack = list((node.meta.get(MODULE_STACK) or {}).values())
+    if not stack:
+        return f"{node.name} ({op})"
+    path, kind = stack[-1]
+    kind = (kind if isinstance(kind, str) else getattr(kind, "__qualname__", str(kind))).rsplit(".", 1)[-1]
+    path = module_path(path)
+    return f"{node.name} ({op} in module {path or '(the model)'}, a {kind})"
+
+
+def module_path(path: str) -> str:
+    """A module's path as ``nn_module_stack`` spells it, in export's spelling: ``L['self'].h[3]``
+    (Dynamo's) and ``h.3`` (export's) are both ``h.3``."""
+    path = re.sub(r"^L\['self'\]\.?", "", path)
+    return re.sub(r"\[(\d+)\]", r".\1", path).lstrip(".")

@@ -93,18 +93,12 @@ def _merge_in_place_writes(gm: fx.GraphModule, layers: list[Layer]) -> list[Laye
 
 
 def _block_path(node: fx.Node) -> str | None:
-    stack = node.meta.get("nn_module_stack") or {}
+    stack = node.meta.get(meta.MODULE_STACK) or {}
     for path, _type in stack.values():
-        path = _normalise(path)
+        path = meta.module_path(path)
         if _INDEXED_PATH.search(path):
             return path
     return None
-
-
-def _normalise(path: str) -> str:
-    """``L['self'].h[3]`` (Dynamo spelling) and ``h.3`` (export spelling) → ``h.3``."""
-    path = re.sub(r"^L\['self'\]\.?", "", path)
-    return re.sub(r"\[(\d+)\]", r".\1", path).lstrip(".")
 
 
 def layer_inputs(layer_nodes: list[fx.Node]) -> list[fx.Node]:
