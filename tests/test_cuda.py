@@ -130,6 +130,14 @@ def test_cuda_inputs_are_copied_without_pinning():
     _assert_grads(model, reference)
 
 
+def test_a_model_moved_to_the_gpu_is_refused_saying_to_keep_it_on_the_cpu():
+    from harmony_fx.models import MLPChain
+
+    model = MLPChain(width=16, depth=2).cuda()
+    with pytest.raises(ValueError, match=r"is on cuda:0: harmony_fx keeps the model's weights in host memory.*model\.cpu\(\)"):
+        harmony_fx.compile(model, torch.randn(4, 16), devices=["cuda:0"], compile_packs=False)
+
+
 def test_delays_on_the_copy_streams_leave_results_bitwise_unchanged():
     """Every copy waits for what it needs: slowing the copy streams changes no bit."""
     grads = []

@@ -81,6 +81,14 @@ def test_unknown_device_string_is_refused():
             harmony_fx.compile(_mlp(), (torch.randn(4, 16),), devices=devices)
 
 
+def test_a_model_whose_weights_are_not_in_host_memory_is_refused_saying_what_to_do():
+    model = _mlp().to("meta")  # a GPU's tensors are refused alike (tests/test_cuda.py)
+    with pytest.raises(ValueError, match=r"parameter 'blocks\.0\.0\.weight' is on the meta device.*on the CPU"):
+        harmony_fx.compile(model, (torch.randn(4, 16),), devices=["host:0"])
+    with pytest.raises(ValueError, match=r"meta device"):
+        harmony_fx.Trainer(model, F.cross_entropy, torch.optim.SGD(model.parameters(), lr=0.1), _batch())
+
+
 def test_optimizer_over_parameters_that_are_not_the_models_is_refused():
     model, other = _mlp(0), _mlp(1)
     with pytest.raises(ValueError, match=r"not the model's.*model\.parameters\(\)"):

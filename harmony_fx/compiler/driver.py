@@ -98,6 +98,7 @@ def compile_program(model: nn.Module, args: tuple, kwargs: dict, options: Compil
         raise ValueError("nvme_path= and host_memory= are options of harmony_fx.Trainer: the tier holds the "
                          "optimizer's state, which only the Trainer steps (harmony_fx.compile leaves the "
                          "optimizer to you)")
+    _refuse_state_off_host(model)
     log = StageLog(progress=progress_to_stderr, announced=_SLOW_STAGES)
     devices = log.run("resolve devices", resolve_devices, options.devices, options.memory_budget,
                       options.tracks_memory, options.chaos, decision=_describe_devices)
@@ -263,6 +264,26 @@ def _from_layout(log: StageLog, example: _Example, devices: list, options: Compi
 
 
 # ----------------------------------------------------------------------------------- the stages
+
+
+def _refuse_state_off_host(model: nn.Module) -> None:
+    """The masters are the model's own tensors, in host memory: a model moved to a GPU (the first
+    thing a GPU user tries) would have its weights copied from the GPU to the host and back every
+    iteration, and its gradients land on the host beside parameters that live on the GPU."""
+    for kind, (name, tensor) in [("parameter", item) for item in model.named_parameters()] + [
+            ("buffer", item) for item in model.named_buffers()]:
+        if tensor.device.type == "meta":
+            raise ValueError(
+                f"the model's {kind} {name!r} is on the meta device, which holds no values: make the model on "
+                "the CPU (or model.to_empty(device='cpu') and load its weights) before compiling it; "
+                "`harmony-fx plan` plans a model built on the meta device without its values.")
+        if tensor.device.type != "cpu":
+            raise ValueError(
+                f"the model's {kind} {name!r} is on {tensor.device}: harmony_fx keeps the model's weights in host "
+                "memory and copies each pack's weights to the devices that compute, once per iteration. Keep the "
+                f"model on the CPU (model.cpu(), and build the optimizer over its parameters there) and name the "
+                f"GPUs in devices= (e.g. devices=['{tensor.device}']).")
+
 
 
 def _batch_or_none(example: _Example) -> int | None:
