@@ -30,6 +30,12 @@ class HarmonyFunction(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, *grad_outputs):
         session, calls, iteration = ctx.session, ctx.calls, ctx.iteration
+        if iteration is None:
+            # the backward programs used up what the forward left (the stash, the kept graphs)
+            raise RuntimeError(
+                "harmony_fx: backward through the same call of a compiled model a second time "
+                "(retain_graph=True): harmony_fx runs a call's backward once, freeing what its forward "
+                "stashed. Sum the losses and call backward once, or call the model again.")
         ctx.iteration = None
         calls.put_output_grads(iteration, grad_outputs)
         session.finish(iteration)
