@@ -5,6 +5,13 @@
 2. The graph runs once on its FakeTensors with autograd on (node by node, here: ``fx.Interpreter``
    would start a progress-bar thread), so autograd itself decides for every node, as eager would: a ``detach``, a ``no_grad`` region, an integer result, an argument an op
    is not differentiable for (``soft_margin_loss``'s target) all come out as they do in eager.
+   An ATen op called again with arguments that require grad alike (as they do at that point:
+   an in-place write can make a value require grad) and results of the same dtypes (a
+   transformer's blocks) gets the flags its first call got without running; a node that must run
+   and reads its result gets a fresh tensor of its value and flags. Not where an op writes into
+   the result or a view of it: those run, so the write reaches every view as in eager (a fresh
+   tensor is a leaf, which autograd would not let an in-place op write). On a 59-block GPT-2,
+   2,500 nodes, this pass took 0.33 s running every node and takes 0.09 s.
 3. ``REQUIRES_GRAD`` on each node: a tuple with one bool per leaf of its value (see
    ``ir.values.leaves``); ``False`` for non-tensor leaves.
 
@@ -14,24 +21,44 @@ then builds the graph eager built, and never asks for a gradient eager cannot gi
 from __future__ import annotations
 
 import contextlib
+import operator
 from typing import Mapping
 
 import torch
 from torch import fx
 from torch._guards import detect_fake_mode
 
+from harmony_fx.analysis.aliasing import alias_base, written_arguments
 from harmony_fx.ir import meta
 from harmony_fx.ir.values import leaves, map_tensors
 
 __all__ = ["annotate_requires_grad", "requires_grad_of", "any_requires_grad", "run_node"]
 
 
-def annotate_requires_grad(gm: fx.GraphModule, placeholder_requires_grad: Mapping[str, bool]) -> fx.GraphModule:
+def annotate_requires_grad(gm: fx.GraphModule, placeholder_requires_grad: Mapping[str, bool],
+                           reuse: bool = True) -> fx.GraphModule:
     """``placeholder_requires_grad``: placeholder name -> whether its tensor requires grad (absent:
-    it does not)."""
+    it does not); ``reuse``: an ATen call alike to one run before takes its flags (step 2 of the
+    module docstring; ``False`` runs every node, the measure its tests compare it with)."""
     placeholders = gm.graph.find_nodes(op="placeholder")
     values = [node.meta.get(meta.VAL) for node in placeholders]
     fake_mode = detect_fake_mode([v for v in values if isinstance(v, torch.Tensor)])
+    written = _written_values(gm) if reuse else None
+    seen: dict[tuple, tuple[bool, ...]] = {}  # an ATen call, alike: the flags it gave
+
+    def value_of(node: fx.Node) -> object:
+        """The node's value: the one its run made, else a fresh one of its value and flags."""
+        if node not in env:
+            flags = iter(requires_grad_of(node))
+            env[node] = map_tensors(lambda t: _fresh(t, next(flags)), node.meta[meta.VAL])
+        return env[node]
+
+    def flags_of(node: fx.Node) -> tuple[bool, ...]:
+        """As it is now: an in-place write makes a value that did not require grad require it."""
+        if node in env:
+            return tuple(isinstance(leaf, torch.Tensor) and leaf.requires_grad for leaf in leaves(env[node]))
+        return requires_grad_of(node)
+
     with fake_mode or contextlib.nullcontext(), torch.enable_grad():
         # fresh fakes: the graph's own values must not take part in (or keep) an autograd graph
         env = {node: map_tensors(lambda t: _fresh(t, placeholder_requires_grad.get(node.name, False)), value)
@@ -41,10 +68,49 @@ def annotate_requires_grad(gm: fx.GraphModule, placeholder_requires_grad: Mappin
         for node in gm.graph.nodes:
             if node.op in ("placeholder", "output"):
                 continue
-            args, kwargs = fx.node.map_arg((node.args, node.kwargs), env.__getitem__)
+            key = _call_key(node, flags_of) if written is not None and alias_base(node) not in written else None
+            if key is not None and key in seen:
+                node.meta[meta.REQUIRES_GRAD] = seen[key]
+                continue
+            args, kwargs = fx.node.map_arg((node.args, node.kwargs), value_of)
             result = env[node] = run_node(gm, node, args, kwargs)
+            del args, kwargs
             _record(node, result)
+            if key is not None:
+                seen[key] = node.meta[meta.REQUIRES_GRAD]
     return gm
+
+
+def _written_values(gm: fx.GraphModule) -> set[fx.Node]:
+    """The nodes whose value an op writes into, through views; and for an item of a tuple (a
+    ``topk``'s values), the node that made the tuple: these run, so the writes land as in eager."""
+    found = set()
+    for node in gm.graph.nodes:
+        for argument in written_arguments(node):
+            base = alias_base(argument)
+            found.add(base)
+            while base.op == "call_function" and base.target is operator.getitem:
+                base = base.args[0]
+                found.add(base)
+    return found
+
+
+def _call_key(node: fx.Node, flags_of) -> tuple | None:
+    """What decides which results of ``node``'s call require grad, for an ATen op: the op, which
+    of its tensor arguments require grad (``flags_of`` each: the arguments need not be made), and
+    its results' dtypes; ``None`` for any other node. A view's results require grad as autograd
+    decides for that op (``detach`` is a view whose result does not), so the op is in the key."""
+    target = node.target
+    if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
+        return None
+    value = node.meta.get(meta.VAL)
+    if value is None or not all(isinstance(leaf, torch.Tensor) for leaf in leaves(value)):
+        return None
+    arguments = tuple(flags_of(arg) if isinstance(arg, fx.Node) else
+                      tuple(flags_of(a) if isinstance(a, fx.Node) else None for a in arg)
+                      if isinstance(arg, (list, tuple)) else arg is None
+                      for arg in (*node.args, *node.kwargs.values()))
+    return target, tuple(node.kwargs), arguments, tuple(leaf.dtype for leaf in leaves(value))
 
 
 def run_node(gm: fx.GraphModule, node: fx.Node, args: tuple, kwargs: dict) -> object:

@@ -56,3 +56,63 @@ def test_a_frozen_layer_on_an_input_without_grad_requires_none():
     frozen_linears = [name for name in flags if name.startswith("linear")]
     assert frozen_linears  # the frozen layer reads target only: it shares the op name, so check the input side
     assert _flags(x_requires_grad=True)["x"] == (True,)
+
+
+class _WritesIntoAValue(nn.Module):
+    """A value made without grad, then written with one that requires grad: it requires grad from
+    then on, as in eager, though a call alike before the write (``kept * 2``) did not."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+
+    def forward(self, x):
+        hidden = self.linear(x)
+        written, kept = torch.zeros_like(x), torch.zeros_like(x)
+        before = kept * 2
+        written[:, :2] = hidden[:, :2]
+        return (written * 2).sum() + before.sum()
+
+
+def _all_flags(model: nn.Module, args: tuple, kwargs: dict | None = None) -> list[list[tuple[str, tuple[bool, ...]]]]:
+    """Every node's (op, flags) with calls alike reusing the first's, and with every node run."""
+    results = []
+    for reuse in (True, False):
+        captured = capture(model, args, kwargs)
+        flags = {name: x.requires_grad for name, x in zip(captured.inputs, captured.flatten_inputs(args, kwargs or {}))}
+        flags.update({name: p.requires_grad for name, p in captured.params.items()})
+        annotate_requires_grad(captured.gm, flags, reuse=reuse)
+        results.append([(str(node.target), requires_grad_of(node)) for node in captured.gm.graph.nodes])
+    return results
+
+
+def test_a_write_makes_a_value_require_grad_whatever_an_alike_call_gave_before():
+    torch.manual_seed(0)
+    reused, ran = _all_flags(_WritesIntoAValue(), (torch.randn(3, 4),))
+    assert "aten.copy_.default" in dict(ran)  # the write is in the graph
+    assert [flags for op, flags in ran if op == "aten.mul.Tensor"] == [(False,), (True,)]  # before, after it
+    assert reused == ran
+
+
+def test_calls_alike_take_the_flags_every_node_run_gives():
+    """Reusing the flags of calls alike changes no node's flags: the zoo, the mixed model above
+    (an LSTM's tuple, no_grad, detach, a frozen layer, an integer result) and Hugging Face's
+    GPT-2, BERT, Llama, T5 (which writes the shifted labels in place), Mixtral and Gemma 2."""
+    from harmony_fx.testing.models import zoo
+
+    cases = []
+    for name, entry in zoo(batch=4).items():
+        model, inputs, _ = entry.build(0)
+        cases.append((name, model, inputs, {}))
+    torch.manual_seed(0)
+    cases.append(("mixed", _Mixed(), (torch.randn(2, 3, 4, requires_grad=True), torch.randn(2, 3, 4).sign()), {}))
+    try:
+        from harmony_fx.testing.hf_models import build_hf_model, hf_batch
+
+        for name in ("gpt2", "bert", "llama", "t5", "mixtral", "gemma2"):
+            cases.append((name, build_hf_model(name), (), hf_batch(name, batch=2, seq=16)))
+    except ImportError:  # transformers is a test extra
+        pass
+    for name, model, args, kwargs in cases:
+        reused, ran = _all_flags(model, args, kwargs)
+        assert reused == ran, name
