@@ -1,6 +1,8 @@
 """Shared pytest setup. Markers ``cuda`` and ``slow`` are registered in pyproject.toml."""
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 
@@ -45,6 +47,7 @@ def _global_state() -> dict[str, object]:
         "threads": torch.get_num_threads(),
         "dispatch modes": len(_get_current_dispatch_mode_stack()),
         "torch function modes": torch._C._len_torch_function_stack(),
+        "garbage collector": (gc.isenabled(), gc.get_freeze_count() > 0, gc.get_threshold()),
     }
 
 

@@ -39,6 +39,7 @@ from torch import fx, nn
 from harmony_fx.analysis.batch_dims import BatchAnalysis, analyze_batch_dims
 from harmony_fx.analysis.liveness import annotate_liveness
 from harmony_fx.compiler.compiled import Compiled
+from harmony_fx.compiler.heap import collections_skip_the_heap
 from harmony_fx.compiler.host_memory import HostMemoryPlan, OptimizerFacts, plan_host_memory
 from harmony_fx.compiler.layout import Layout, decide_layout
 from harmony_fx.compiler.packing import (
@@ -94,6 +95,14 @@ def compile_program(model: nn.Module, args: tuple, kwargs: dict, options: Compil
     ``no_grad``, with no backward after them; ``reuse``: the compile of a larger call of the same
     model and state, whose packing this one takes (``options`` then fix its decisions:
     ``Compiled.decisions``) without a FakeTensor run where its peak provably bounds this one's."""
+    with collections_skip_the_heap():
+        return _compile_program(model, args, kwargs, options, trainer=trainer, updates=updates, optimizer=optimizer,
+                                forward_only=forward_only, reuse=reuse)
+
+
+def _compile_program(model: nn.Module, args: tuple, kwargs: dict, options: CompileOptions, *, trainer: bool,
+                     updates: bool, optimizer: OptimizerFacts | None, forward_only: bool,
+                     reuse: Compiled | None) -> Compiled:
     if (options.nvme_path is not None or options.host_memory is not None) and optimizer is None:
         raise ValueError("nvme_path= and host_memory= are options of harmony_fx.Trainer: the tier holds the "
                          "optimizer's state, which only the Trainer steps (harmony_fx.compile leaves the "
