@@ -10,9 +10,10 @@ whose program fits the budget, without running every candidate:
    input (both on the device during its forward) and, in training, what its backward holds: what
    its recompute left for it (measured layer by layer: ``compiler.held``), its inputs, the gradients
    of its outputs, the previous pack's weights (fetched ahead) and what its last layer's backward
-   adds, and what earlier microbatches leave beside a later one's backward (``PackingBounds``); a candidate whose bound passes the budget is never run, and where
-   every candidate's does, the budget is refused with one run: the most packs', whose peak is the
-   smallest budget named (asked for, the search tries that packing second, and it fits).
+   adds, and what earlier microbatches leave beside a later one's backward (``PackingBounds``); a
+   candidate whose bound passes the budget is never run, and where every candidate's does, the
+   budget is refused with one run: the most packs', whose peak is the smallest budget named (asked
+   for, the search tries that packing second, and it fits).
 2. **A monotone search over the rest.** A packing's peak mostly falls as its packs get more: the
    fewest packs are tried, then the most (the least memory), then bisection between the two for
    the fewest that fit: a handful of runs, where trying every count ran a hundred for a deep
@@ -349,15 +350,18 @@ class PackingBounds:
             inputs = {name: nbytes for layer in range(start, end)
                       for name, (defined, nbytes) in self._first_inputs[layer].items() if defined < start}
             last = end == len(self._weights)
-            largest_input = max(inputs.values(), default=0)
-            handed += sum(inputs.values()) if self._one_program and not last else largest_input
+            handed += sum(inputs.values()) if self._one_program and not last else max(inputs.values(), default=0)
             if previous is not None and self._one_program and not (last and self._last_fused_in_forward):
                 # W[p-1], less the weights both packs read
                 fetched = {key: nbytes for layer in range(previous, start) for key, nbytes in self._weights[layer].items()}
                 handed += sum(nbytes for key, nbytes in fetched.items() if key not in weights)
             begins = sum(held[layer].begins.held_until(end) for layer in range(start, end))
             during = sum(held[layer].during.held_until(end) for layer in range(start, end)) + held[end - 1].backward
-            graph = largest_input + begins if last and self._keeps_last_graphs else 0  # another microbatch's
+            # another microbatch's graph: its largest input a layer made (a model input unsplit
+            # along the batch might be one tensor for all) and what its forward left
+            made = max((nbytes for layer in range(start, end)
+                        for defined, nbytes in self._first_inputs[layer].values() if 0 <= defined < start), default=0)
+            graph = made + begins if last and self._keeps_last_graphs else 0
             bound = max(bound, handed + self._alike * graph + max(begins, during))
             if self._second_microbatch:
                 # as its backward begins (the measure of ``during`` has the last layer's new weight
