@@ -54,6 +54,7 @@ from harmony_fx.compiler.variants import Variant, capture_variant, check_same_la
 from harmony_fx.config import CompileOptions, format_size
 from harmony_fx.frontend import microbatch
 from harmony_fx.frontend.capture import capture
+from harmony_fx.frontend.refusals import model_line
 from harmony_fx.ir import meta
 from harmony_fx.lowering.tier_io import insert_tier_io
 from harmony_fx.passes.split_packs import annotate_packs
@@ -454,10 +455,9 @@ def _refuse_fixed_float_casts(gm: fx.GraphModule, example: _Example) -> None:
             traced = {n.name: n for n in
                       capture(example.model, example.args, example.kwargs, stack_traces=True).gm.graph.nodes}
             same = traced.get(node.name)
-            trace = same.meta.get("stack_trace") if same is not None and same.target == node.target else None
-            where = (trace or "").strip().splitlines()[-1:] or [meta.describe(node)]
+            line = model_line(same) if same is not None and same.target == node.target else None
             raise ValueError(
-                f"precision='bf16': the model casts to {node.kwargs['dtype']} at {where[0].strip()!r} "
+                f"precision='bf16': the model casts to {node.kwargs['dtype']} at {line or meta.describe(node)!r} "
                 f"(node {node.name}); remove the cast (harmony_fx computes in bf16 and keeps fp32 masters "
                 "itself) or use precision='fp32'.")
 

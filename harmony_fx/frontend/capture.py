@@ -10,7 +10,7 @@
 
 When both fail, one ``ValueError`` shows both reasons and what to try; for constructs it recognises
 (a Hugging Face key/value cache in the output, control flow on tensor values) it names the construct
-and the option that avoids it (``use_cache=False``, ``torch.where``/``torch.cond``).
+and the option that avoids it (``use_cache=False``, ``torch.where``).
 
 Keyword inputs and structured outputs (dicts, dataclasses such as Hugging Face's ``ModelOutput``)
 go through ``torch.utils._pytree``: ``flatten_inputs`` and ``unflatten_outputs`` convert between them
@@ -32,10 +32,10 @@ from torch import fx, nn
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 from torch.utils import _pytree as pytree
 
-from harmony_fx.analysis.aliasing import alias_base, written_arguments
 from harmony_fx.analysis.reductions import ScalarReduction, scalar_reduction
 from harmony_fx.ir import meta
 from harmony_fx.frontend.decomposition_fixes import decomposition_fixes
+from harmony_fx.frontend.refusals import first_refused, refuse
 
 __all__ = ["Captured", "capture", "CaptureError"]
 
@@ -77,9 +77,9 @@ def capture(model: nn.Module, args: tuple, kwargs: dict | None = None, stack_tra
     kwargs = dict(kwargs or {})
     with _grads_set_aside(model):
         captured = _capture(model, args, kwargs, stack_traces)
-        if not stack_traces and _input_mutation(captured.gm) is not None:  # to name the line it is on
+        if not stack_traces and first_refused(captured.gm) is not None:  # to name the line it is on
             captured = _capture(model, args, kwargs, stack_traces=True)
-    _refuse_input_mutation(captured.gm)
+    refuse(captured.gm)
     captured.reductions = _scalar_reductions(captured.gm)
     return captured
 
@@ -151,31 +151,6 @@ def _register_output_dataclasses(model: nn.Module, args: tuple, kwargs: dict) ->
     return bool(found)
 
 
-def _input_mutation(gm: fx.GraphModule) -> tuple[fx.Node, fx.Node] | None:
-    """The first node writing into an input, and that input's placeholder."""
-    for node in gm.graph.nodes:
-        for written in written_arguments(node):
-            base = alias_base(written)
-            if base.op == "placeholder" and meta.role_of(base) == meta.Role.INPUT:
-                return node, base
-    return None
-
-
-def _refuse_input_mutation(gm: fx.GraphModule) -> None:
-    """A model that writes into its input (``x.add_(1)``) is refused: harmony_fx runs each pack on
-    device copies of its inputs, so the write would never reach the caller's tensor, and a
-    recompute would apply it a second time to the stashed copy."""
-    found = _input_mutation(gm)
-    if found is not None:
-        node, base = found
-        where = (node.meta.get("stack_trace") or "").strip().splitlines()[-1:] or [meta.describe(node)]
-        raise ValueError(
-            f"the model modifies its input {base.name!r} in place at {where[0].strip()!r} (node {node.name}); "
-            "harmony_fx runs the model on copies of its inputs, so the change would not reach your tensor. "
-            f"Compute a new tensor instead (e.g. {base.name} = {base.name} + 1 rather than "
-            f"{base.name}.add_(1)), or clone the input first.")
-
-
 def _scalar_reductions(gm: fx.GraphModule) -> dict[str, ScalarReduction]:
     # read now, before any pass rewrites the graph: the label counting copies part of it to run on the host
     outputs = gm.graph.find_nodes(op="output")[0].args[0]
@@ -231,11 +206,11 @@ def _advice(export_error: Exception) -> str:
                 "tensors, tuples, lists, dicts or dataclasses, or register the type with "
                 "torch.utils._pytree.register_pytree_node.")
     if any(marker in text for marker in _DATA_DEPENDENT):
-        return ("Python control flow depends on a tensor's values (if x.sum() > 0: ...); express it with "
-                "torch.where or torch.cond, or move it out of forward.")
+        return ("Python control flow depends on a tensor's values (if x.sum() > 0: ...); compute both branches "
+                "and pick with torch.where, or move the choice out of forward.")
     return (
         "remove Python control flow that depends on tensor values (if x.sum() > 0: ...) or express it with "
-        "torch.where / torch.cond; turn off caches and other stateful options (e.g. use_cache=False for Hugging "
+        "torch.where; turn off caches and other stateful options (e.g. use_cache=False for Hugging "
         "Face models); pass every tensor the forward needs as an input instead of creating it from data inside "
         "forward."
     )

@@ -78,8 +78,8 @@ def nbytes_of(node: fx.Node) -> int:
 
 def describe(node: fx.Node) -> str:
     """``node`` as a message names it to a person: its name (as ``hm.code`` and the graphs print
-    it), its op and the module it ran in, e.g. ``batch_norm (aten.batch_norm in module
-    resnet.embedder.normalization, a BatchNorm2d)``; not fx's own node syntax."""
+    it), its op and the module it ran in, e.g. ``batch_norm: aten.batch_norm in module
+    resnet.embedder.normalization (a BatchNorm2d)``; not fx's own node syntax."""
     if node.op not in ("call_function", "call_method", "call_module"):
         return node.name
     target = node.target
@@ -87,11 +87,11 @@ def describe(node: fx.Node) -> str:
         getattr(target, "__name__", None) or str(target))
     stack = list((node.meta.get(MODULE_STACK) or {}).values())
     if not stack:
-        return f"{node.name} ({op})"
+        return f"{node.name}: {op}"
     path, kind = stack[-1]
     kind = (kind if isinstance(kind, str) else getattr(kind, "__qualname__", str(kind))).rsplit(".", 1)[-1]
     path = module_path(path)
-    return f"{node.name} ({op} in module {path or '(the model)'}, a {kind})"
+    return f"{node.name}: {op} in module {path} (a {kind})" if path else f"{node.name}: {op} in the model's forward ({kind})"
 
 
 def module_path(path: str) -> str:

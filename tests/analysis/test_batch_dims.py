@@ -39,7 +39,7 @@ def test_zoo(name, separable):
     analysis = _analysis(model, *inputs)
     assert analysis.separable is separable, analysis.reason
     if not separable:  # named as a person reads it: the op and its module, not fx's node syntax
-        assert analysis.reason.startswith("batch_norm (aten.batch_norm in module features.0.1, a BatchNorm2d) ")
+        assert analysis.reason.startswith("batch_norm: aten.batch_norm in module features.0.1 (a BatchNorm2d) ")
         assert "BatchNorm in training" in analysis.reason and "%" not in analysis.reason
 
 

@@ -1,0 +1,92 @@
+"""What a captured graph may hold that harmony_fx cannot run as eager would, each refused at
+compile with what to do instead (not a failure deep in planning, or a wrong result):
+
+* **a write into a model input** (``x.add_(1)``): each pack runs on device copies of its inputs,
+  so the write would never reach the caller's tensor, and a recompute would apply it twice;
+* **a size that depends on the values** (``logits[labels != -100]``, ``nonzero``,
+  ``masked_select``): packs, stash and budget are planned from sizes known before the run;
+* **control flow on values as an operator** (``torch.cond``, ``while_loop``): planning runs each
+  pack on FakeTensors, which cannot choose the branch;
+* **sparse gradients** (``nn.Embedding(sparse=True)``): the runtime moves dense gradients between
+  the host and the devices.
+
+``first_refused(gm)`` finds the first such node; ``refuse(gm)`` raises its ``ValueError``, naming
+the model's line where the graph has stack traces (``capture`` takes them again to say it).
+"""
+from __future__ import annotations
+
+import os
+from typing import Callable
+
+import torch
+from torch import fx
+from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+
+from harmony_fx.analysis.aliasing import alias_base, written_arguments
+from harmony_fx.ir import meta
+from harmony_fx.ir.values import leaves
+
+__all__ = ["first_refused", "refuse", "model_line"]
+
+_CONTROL_FLOW = {"cond", "while_loop"}
+
+
+def first_refused(gm: fx.GraphModule) -> tuple[fx.Node, Callable[[str], str]] | None:
+    """The first node of a construct above, and the message for it given where it is."""
+    for node in gm.graph.nodes:
+        for written in written_arguments(node):
+            base = alias_base(written)
+            if base.op == "placeholder" and meta.role_of(base) == meta.Role.INPUT:
+                return node, lambda where, name=base.name: (
+                    f"the model modifies its input {name!r} in place at {where}; harmony_fx runs the model on "
+                    "copies of its inputs, so the change would not reach your tensor. Compute a new tensor "
+                    f"instead (e.g. {name} = {name} + 1 rather than {name}.add_(1)), or clone the input first.")
+        if node.op != "call_function":
+            continue
+        if getattr(node.target, "__name__", None) in _CONTROL_FLOW and not isinstance(node.target, torch._ops.OpOverload):
+            return node, lambda where, op=node.target.__name__: (
+                f"the model runs torch.{op} at {where}: harmony_fx plans each pack by running it on FakeTensors, "
+                f"which cannot tell which way a {op} goes. Compute both branches and pick with torch.where, or "
+                "leave the choice to Python outside the model.")
+        if not isinstance(node.target, torch._ops.OpOverload):
+            continue
+        if any(free_unbacked_symbols(leaf) for leaf in leaves(node.meta.get(meta.VAL))
+               if isinstance(leaf, (torch.Tensor, torch.SymInt))):
+            return node, lambda where: (
+                f"the model makes a tensor whose size depends on its values at {where}: boolean indexing "
+                "(x[mask]), nonzero, masked_select, unique, ... harmony_fx plans packs, stash and budget from "
+                "sizes known before the run. Keep the size fixed: mask instead of selecting (for a loss, "
+                "F.cross_entropy(logits, labels, ignore_index=-100) rather than on logits[labels != -100]; "
+                "elsewhere torch.where(mask, x, 0) or x * mask).")
+        if _sparse_gradient(node):
+            return node, lambda where: (
+                f"the model asks for sparse gradients at {where} (sparse=True): harmony_fx moves dense "
+                "gradients between the host and the devices. Use sparse=False (and a dense optimizer).")
+    return None
+
+
+def refuse(gm: fx.GraphModule) -> None:
+    """Raise the ``ValueError`` of ``first_refused(gm)``, if any."""
+    found = first_refused(gm)
+    if found is not None:
+        node, message = found
+        line = model_line(node)
+        raise ValueError(message(f"{line!r} (node {meta.describe(node)})" if line else f"node {meta.describe(node)}"))
+
+
+def model_line(node: fx.Node) -> str | None:
+    """The model's line that made ``node``: the innermost frame of its stack trace outside torch
+    and fx's generated code (a ``torch.cond``'s innermost frames are Dynamo's), ``None`` without
+    a trace."""
+    lines = (node.meta.get("stack_trace") or "").strip().splitlines()
+    frames = [(lines[i], lines[i + 1].strip()) for i in range(len(lines) - 1) if lines[i].lstrip().startswith("File ")]
+    outside = [code for frame, code in frames if f"{os.sep}torch{os.sep}" not in frame and "<eval_with_key>" not in frame]
+    return (outside or [code for _, code in frames] or [None])[-1]
+
+
+def _sparse_gradient(node: fx.Node) -> bool:
+    for index, argument in enumerate(node.target._schema.arguments):
+        if argument.name == "sparse":
+            value = node.args[index] if index < len(node.args) else node.kwargs.get("sparse", argument.default_value)
+            return value is True
+    return False
