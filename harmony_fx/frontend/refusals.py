@@ -3,8 +3,9 @@ compile with what to do instead (not a failure deep in planning, or a wrong resu
 
 * **a write into a model input** (``x.add_(1)``): each pack runs on device copies of its inputs,
   so the write would never reach the caller's tensor, and a recompute would apply it twice;
-* **a size that depends on the values** (``logits[labels != -100]``, ``nonzero``,
-  ``masked_select``): packs, stash and budget are planned from sizes known before the run;
+* **a size that depends on the values with no largest value** (``repeat_interleave`` by a tensor
+  of repeats): packs, stash and budget are planned for the largest sizes (``passes.bound_sizes``
+  gives ``x[mask]``, ``nonzero``, ``masked_select`` theirs);
 * **control flow on values as an operator** (``torch.cond``, ``while_loop``): planning runs each
   pack on FakeTensors, which cannot choose the branch;
 * **sparse gradients** (``nn.Embedding(sparse=True)``): the runtime moves dense gradients between
@@ -53,11 +54,10 @@ def first_refused(gm: fx.GraphModule) -> tuple[fx.Node, Callable[[str], str]] | 
         if any(free_unbacked_symbols(leaf) for leaf in leaves(node.meta.get(meta.VAL))
                if isinstance(leaf, (torch.Tensor, torch.SymInt))):
             return node, lambda where: (
-                f"the model makes a tensor whose size depends on its values at {where}: boolean indexing "
-                "(x[mask]), nonzero, masked_select, unique, ... harmony_fx plans packs, stash and budget from "
-                "sizes known before the run. Keep the size fixed: mask instead of selecting (for a loss, "
-                "F.cross_entropy(logits, labels, ignore_index=-100) rather than on logits[labels != -100]; "
-                "elsewhere torch.where(mask, x, 0) or x * mask).")
+                f"the model makes a tensor whose size depends on its values, with no largest size torch.export "
+                f"knows, at {where}: harmony_fx plans packs, stash and budget for the largest sizes. Keep the size "
+                "fixed or bounded: mask instead of selecting (torch.where(mask, x, 0) or x * mask), or select "
+                "with a boolean mask (x[mask]), whose largest size is the mask's.")
         if _sparse_gradient(node):
             return node, lambda where: (
                 f"the model asks for sparse gradients at {where} (sparse=True): harmony_fx moves dense "

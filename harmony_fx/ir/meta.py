@@ -12,6 +12,8 @@ key                        written by                      value
                                                            path -> (dotted path, module type)
 ``harmony_role``           capture                         :class:`Role` of a placeholder
 ``harmony_target``         capture                         for params/buffers: their dotted name
+``harmony_bounded``        passes.bound_sizes              True where ``val`` is the largest a size that
+                                                           depends on the values can be (``x[mask]``)
 ``harmony_nbytes``         analysis.sizes                  bytes of the value (0 for non-tensors)
 ``harmony_flops``          analysis.sizes                  forward FLOPs of the op (flop_counter)
 ``harmony_reads``          analysis.sizes                  names of the param/buffer placeholders the
@@ -38,7 +40,7 @@ import torch
 from torch import fx
 
 __all__ = [
-    "VAL", "MODULE_STACK", "ROLE", "TARGET", "NBYTES", "FLOPS", "READS", "REQUIRES_GRAD", "LAST_USE", "LIVE_PACKS", "LAYER", "LAYER_NAME", "PACK",
+    "VAL", "MODULE_STACK", "ROLE", "TARGET", "BOUNDED", "NBYTES", "FLOPS", "READS", "REQUIRES_GRAD", "LAST_USE", "LIVE_PACKS", "LAYER", "LAYER_NAME", "PACK",
     "ACTION", "STEP", "FROM_PASS", "Role", "role_of", "nbytes_of", "describe", "module_path",
 ]
 
@@ -46,6 +48,7 @@ VAL = "val"
 MODULE_STACK = "nn_module_stack"
 ROLE = "harmony_role"
 TARGET = "harmony_target"
+BOUNDED = "harmony_bounded"
 NBYTES = "harmony_nbytes"
 FLOPS = "harmony_flops"
 READS = "harmony_reads"

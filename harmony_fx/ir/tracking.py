@@ -17,8 +17,8 @@ import weakref
 from typing import Callable
 
 import torch
+from torch._subclasses.fake_tensor import DynamicOutputShapeException, FakeTensor, unset_fake_temporarily
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
 from torch.utils._pytree import tree_flatten, tree_map
 
 __all__ = ["AllocationTracker", "storage_key", "tensor_bytes"]
@@ -96,7 +96,10 @@ class _TrackingMode(TorchDispatchMode):
         self.tracker = tracker
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
+        try:
+            out = func(*args, **(kwargs or {}))
+        except DynamicOutputShapeException:
+            out = _at_most(func, args, kwargs or {})
         inputs = {storage_key(t) for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
         out = tree_map(lambda leaf: _compact(leaf, inputs) if isinstance(leaf, torch.Tensor) else leaf, out)
         if func in _META_SHARES:
@@ -167,3 +170,27 @@ def _extent(tensor: torch.Tensor) -> int:
         return 0
     last = tensor.storage_offset() + sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride()))
     return (last + 1) * tensor.element_size()
+
+
+def _at_most(func, args, kwargs):
+    """On FakeTensors, an op whose result's size depends on the values (``x[mask]``, ``nonzero``)
+    made as large as it can be: the planning run sizes it as ``passes.bound_sizes`` sized the
+    captured graph. Any other such op raises as before."""
+    aten = torch.ops.aten
+    if func is aten.nonzero.default:
+        (x,) = args
+        return x.new_empty((x.numel(), x.dim()), dtype=torch.long)
+    if func is aten.masked_select.default:
+        x, mask = args
+        return x.new_empty((torch.broadcast_shapes(x.shape, mask.shape).numel(),))
+    if func is aten.index.Tensor:
+        x, indices = args
+        # each boolean mask of k dims selects at most all of its elements: k index tensors that long
+        spread = []
+        for index in indices:
+            if index is not None and index.dtype in (torch.bool, torch.uint8):
+                spread += [index.new_zeros((index.numel(),), dtype=torch.long)] * index.dim()
+            else:
+                spread.append(index)
+        return func(x, spread)
+    raise DynamicOutputShapeException(func)

@@ -6,21 +6,21 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 import harmony_fx
 
 
-class _SelectedLoss(nn.Module):
+class _Repeated(nn.Module):
+    """Rows repeated as often as a tensor says: no largest size (``passes.bound_sizes`` plans a
+    boolean mask's selection at its largest)."""
+
     def __init__(self) -> None:
         super().__init__()
         self.linear = nn.Linear(8, 5)
 
-    def forward(self, x, labels):
-        logits = self.linear(x)
-        kept = labels != -100
-        return F.cross_entropy(logits[kept], labels[kept])
+    def forward(self, x, repeats):
+        return self.linear(torch.repeat_interleave(x, repeats, dim=0)).sum()
 
 
 class _Branches(nn.Module):
@@ -43,15 +43,9 @@ class _SparseEmbedding(nn.Module):
         return self.linear(self.embedding(ids))
 
 
-def _labels() -> torch.Tensor:
-    labels = torch.randint(0, 5, (16,))
-    labels[::3] = -100
-    return labels
-
-
 @pytest.mark.parametrize("model,inputs,says,line", [
-    (_SelectedLoss, lambda: (torch.randn(16, 8), _labels()), r"size depends on its values.*ignore_index=-100",
-     "F.cross_entropy(logits[kept], labels[kept])"),
+    (_Repeated, lambda: (torch.randn(4, 8), torch.tensor([1, 3, 0, 2])), r"size depends on its values, with no "
+     r"largest.*torch\.where", "torch.repeat_interleave(x, repeats, dim=0)"),
     (_Branches, lambda: (torch.randn(4, 8),), r"runs torch\.cond.*torch\.where", "return torch.cond("),
     (_SparseEmbedding, lambda: (torch.randint(0, 20, (4, 5)),), r"sparse gradients.*sparse=False",
      "self.linear(self.embedding(ids))"),
@@ -61,16 +55,3 @@ def test_a_construct_harmony_cannot_run_is_refused_naming_the_line(model, inputs
     with pytest.raises(ValueError, match=says) as refused:
         harmony_fx.compile(model(), inputs(), devices=["host:0"], microbatches=1)
     assert line in str(refused.value)
-
-
-def test_the_same_loss_with_ignore_index_trains_like_eager():
-    """What the refusal of the selected loss says to do."""
-    import copy
-
-    torch.manual_seed(0)
-    model, x, labels = _SelectedLoss(), torch.randn(16, 8), _labels()
-    reference = copy.deepcopy(model)
-    hm = harmony_fx.compile(model.linear, (x,), devices=["host:0"], microbatches=2)
-    F.cross_entropy(hm(x), labels, ignore_index=-100).backward()
-    reference(x, labels).backward()
-    torch.testing.assert_close(model.linear.weight.grad, reference.linear.weight.grad)

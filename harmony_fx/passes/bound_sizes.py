@@ -1,0 +1,71 @@
+"""Give every size that depends on the values its largest value.
+
+``x[mask]``, ``nonzero``, ``masked_select``, ``unique``: export records the size of such a result
+as a symbol it knows only the range of (``u0`` in [0, 16] rows for a mask over 16). Packs, stash
+and budget are planned from sizes, so each value carrying such a symbol gets, in ``meta["val"]``,
+the tensor its largest size makes: every symbol at the top of its range. A plan for the largest
+fits whatever the data selects (the runtime runs the real sizes, never more). A symbol without a
+finite top (``repeat_interleave`` by a tensor of repeats) is left as it is: ``frontend.refusals``
+then refuses the model. ``meta[BOUNDED]`` marks the nodes whose value is such a bound.
+"""
+from __future__ import annotations
+
+import sympy
+import torch
+from torch import fx
+from torch._guards import detect_fake_mode
+from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+
+from harmony_fx.ir import meta
+from harmony_fx.ir.values import leaves
+
+__all__ = ["bound_sizes", "PASS_NAME"]
+
+PASS_NAME = "bound_sizes"
+
+
+def bound_sizes(gm: fx.GraphModule) -> fx.GraphModule:
+    values = [node.meta.get(meta.VAL) for node in gm.graph.nodes]
+    if not any(_symbols(value) for value in values):
+        return gm
+    fake_mode = detect_fake_mode([leaf for value in values for leaf in leaves(value) if isinstance(leaf, torch.Tensor)])
+    shape_env = getattr(fake_mode, "shape_env", None)
+    if shape_env is None:
+        return gm
+    tops: dict[sympy.Symbol, int] = {}
+    for value in values:
+        for symbol in _symbols(value):
+            top = shape_env.bound_sympy(symbol).upper
+            if symbol not in tops and isinstance(top, sympy.Integer):  # not torch's int_oo, a sympy.Number
+                tops[symbol] = int(top)
+    with fake_mode:
+        for node in gm.graph.nodes:
+            value = node.meta.get(meta.VAL)
+            symbols = _symbols(value)
+            if symbols and symbols <= tops.keys():
+                node.meta[meta.VAL] = _at_top(value, tops)
+                node.meta[meta.BOUNDED] = True
+    return gm
+
+
+def _symbols(value) -> set:
+    return {symbol for leaf in leaves(value) if isinstance(leaf, (torch.Tensor, torch.SymInt, torch.SymBool))
+            for symbol in free_unbacked_symbols(leaf)}
+
+
+def _at_top(value, tops: dict):
+    def number(x):
+        if isinstance(x, (torch.SymInt, torch.SymBool)):
+            result = x.node.expr.xreplace(tops)
+            return bool(result) if isinstance(x, torch.SymBool) else int(result)
+        return x
+
+    def tensor(t: torch.Tensor) -> torch.Tensor:
+        return torch.empty_strided([number(s) for s in t.shape], [number(s) for s in t.stride()], dtype=t.dtype,
+                                   device=t.device)
+
+    if isinstance(value, torch.Tensor):
+        return tensor(value)
+    if isinstance(value, (tuple, list)):
+        return type(value)(_at_top(item, tops) for item in value)
+    return number(value)
