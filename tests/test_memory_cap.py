@@ -112,4 +112,4 @@ def test_the_witness_sees_what_the_runtime_would_miss():
     device.track_memory = False  # copies no longer registered, compute no longer watched
     with DeviceMemoryWitness() as witness:
         hm(x).sum().backward()
-    assert witness.peak_of(device) > 0 == hm.stats.peak_bytes[device.name]
+    assert witness.peak_of(device) > 0 and device.name not in hm.stats.peak_bytes  # nothing counted: no peak

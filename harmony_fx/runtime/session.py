@@ -173,8 +173,9 @@ class Session:
                          f"structure(s) for {len(self.compiled.packs)} packs")
             self._seconds_logged = compiler.compile_seconds
         for device in self.devices:
-            self.stats.peak_bytes[device.name] = device.peak_bytes()
-            self.stats.memory_peaks[device.name] = device.memory_peaks()
+            if device.counts_memory:  # an untracked HostDevice counts nothing: no peak, rather than 0
+                self.stats.peak_bytes[device.name] = device.peak_bytes()
+                self.stats.memory_peaks[device.name] = device.memory_peaks()
             self.stats.pinned_bytes[device.name] = device.pinned_bytes()
 
     def close(self) -> None:

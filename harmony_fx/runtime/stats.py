@@ -30,8 +30,9 @@ class Stats:
     # whether spans and memory samples are recorded (``compile(timeline=True)``,
     # ``record_timeline()``): off, a task costs no bookkeeping at all
     recording: bool = False
+    # per device that counts its memory (a GPU; a HostDevice with track_memory=True), the most it held
     peak_bytes: dict[str, int] = dataclasses.field(default_factory=dict)
-    # per device, the peaks its allocator keeps apart (a GPU: allocated, requested, reserved)
+    # per such device, the peaks its allocator keeps apart (a GPU: allocated, requested, reserved)
     memory_peaks: dict[str, dict[str, int]] = dataclasses.field(default_factory=dict)
     pinned_bytes: dict[str, int] = dataclasses.field(default_factory=dict)  # host memory pinned for copies
     budget: dict[str, int | None] = dataclasses.field(default_factory=dict)

@@ -47,4 +47,4 @@ def test_a_real_step_adds_up_to_its_time() -> None:
         trainer.close()
     assert parts["compute"] > 0 and parts["recompute"] > 0 and parts["copies exposed"] >= 0
     assert sum(parts.values()) == pytest.approx(step_seconds)
-    assert stats.peak_bytes["host:0"] == 0  # spans alone: the memory was not counted
+    assert "host:0" not in stats.peak_bytes  # spans alone: the memory was not counted, so no peak is reported
