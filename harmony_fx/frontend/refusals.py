@@ -3,9 +3,10 @@ compile with what to do instead (not a failure deep in planning, or a wrong resu
 
 * **a write into a model input** (``x.add_(1)``): each pack runs on device copies of its inputs,
   so the write would never reach the caller's tensor, and a recompute would apply it twice;
-* **a size that depends on the values with no largest value** (``repeat_interleave`` by a tensor
-  of repeats): packs, stash and budget are planned for the largest sizes (``passes.bound_sizes``
-  gives ``x[mask]``, ``nonzero``, ``masked_select`` theirs);
+* **a size that depends on the values with no largest value harmony_fx plans for**
+  (``repeat_interleave`` by a tensor of repeats, ``bincount``): packs, stash and budget are
+  planned for the largest sizes (``passes.bound_sizes`` gives ``x[mask]``, ``nonzero``,
+  ``masked_select``, ``unique`` theirs, and ``ir.tracking.SIZED_AT_MOST`` makes them that large);
 * **control flow on values as an operator** (``torch.cond``, ``while_loop``): planning runs each
   pack on FakeTensors, which cannot choose the branch;
 * **sparse gradients** (``nn.Embedding(sparse=True)``): the runtime moves dense gradients between
@@ -25,6 +26,7 @@ from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
 from harmony_fx.analysis.aliasing import alias_base, written_arguments
 from harmony_fx.ir import meta
+from harmony_fx.ir.tracking import SIZED_AT_MOST
 from harmony_fx.ir.values import leaves
 
 __all__ = ["first_refused", "refuse", "model_line"]
@@ -51,13 +53,14 @@ def first_refused(gm: fx.GraphModule) -> tuple[fx.Node, Callable[[str], str]] | 
                 "leave the choice to Python outside the model.")
         if not isinstance(node.target, torch._ops.OpOverload):
             continue
-        if any(free_unbacked_symbols(leaf) for leaf in leaves(node.meta.get(meta.VAL))
-               if isinstance(leaf, (torch.Tensor, torch.SymInt))):
+        unsized = torch.Tag.dynamic_output_shape in node.target.tags and node.target not in SIZED_AT_MOST
+        if unsized or any(free_unbacked_symbols(leaf) for leaf in leaves(node.meta.get(meta.VAL))
+                          if isinstance(leaf, (torch.Tensor, torch.SymInt))):
             return node, lambda where: (
-                f"the model makes a tensor whose size depends on its values, with no largest size torch.export "
-                f"knows, at {where}: harmony_fx plans packs, stash and budget for the largest sizes. Keep the size "
-                "fixed or bounded: mask instead of selecting (torch.where(mask, x, 0) or x * mask), or select "
-                "with a boolean mask (x[mask]), whose largest size is the mask's.")
+                f"the model makes a tensor whose size depends on its values, with no largest size harmony_fx can "
+                f"plan for, at {where}: harmony_fx plans packs, stash and budget for the largest sizes. Keep the "
+                "size fixed or bounded: mask instead of selecting (torch.where(mask, x, 0) or x * mask), or select "
+                "with a boolean mask (x[mask]), nonzero, masked_select or unique, whose largest sizes it knows.")
         if _sparse_gradient(node):
             return node, lambda where: (
                 f"the model asks for sparse gradients at {where} (sparse=True): harmony_fx moves dense "

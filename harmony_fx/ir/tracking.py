@@ -21,7 +21,7 @@ from torch._subclasses.fake_tensor import DynamicOutputShapeException, FakeTenso
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
-__all__ = ["AllocationTracker", "storage_key", "tensor_bytes"]
+__all__ = ["AllocationTracker", "storage_key", "tensor_bytes", "SIZED_AT_MOST"]
 
 
 def storage_key(tensor: torch.Tensor) -> int:
@@ -172,6 +172,11 @@ def _extent(tensor: torch.Tensor) -> int:
     return (last + 1) * tensor.element_size()
 
 
+# the ops whose result's size depends on the values that a planning run makes as large as it can be
+SIZED_AT_MOST = frozenset({torch.ops.aten.nonzero.default, torch.ops.aten.masked_select.default,
+                           torch.ops.aten.index.Tensor, torch.ops.aten._unique2.default})
+
+
 def _at_most(func, args, kwargs):
     """On FakeTensors, an op whose result's size depends on the values (``x[mask]``, ``nonzero``)
     made as large as it can be: the planning run sizes it as ``passes.bound_sizes`` sized the
@@ -183,6 +188,11 @@ def _at_most(func, args, kwargs):
     if func is aten.masked_select.default:
         x, mask = args
         return x.new_empty((torch.broadcast_shapes(x.shape, mask.shape).numel(),))
+    if func is aten._unique2.default:  # torch.unique: values, inverse indices, counts
+        x, *flags = args
+        inverse, counts = (list(flags) + [kwargs.get("return_inverse", False), kwargs.get("return_counts", False)])[1:3]
+        return (x.new_empty((x.numel(),)), x.new_empty(x.shape if inverse else (0,), dtype=torch.long),
+                x.new_empty((x.numel(),) if counts else (0,), dtype=torch.long))
     if func is aten.index.Tensor:
         x, indices = args
         # each boolean mask of k dims selects at most all of its elements: k index tensors that long

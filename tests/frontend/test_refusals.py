@@ -23,6 +23,17 @@ class _Repeated(nn.Module):
         return self.linear(torch.repeat_interleave(x, repeats, dim=0)).sum()
 
 
+class _Counted(nn.Module):
+    """``bincount``: as many bins as the largest value says (no largest size planned for)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+
+    def forward(self, x, ids):
+        return self.linear(x).sum() * torch.bincount(ids).sum()
+
+
 class _Branches(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -46,10 +57,11 @@ class _SparseEmbedding(nn.Module):
 @pytest.mark.parametrize("model,inputs,says,line", [
     (_Repeated, lambda: (torch.randn(4, 8), torch.tensor([1, 3, 0, 2])), r"size depends on its values, with no "
      r"largest.*torch\.where", "torch.repeat_interleave(x, repeats, dim=0)"),
+    (_Counted, lambda: (torch.randn(4, 8), torch.tensor([0, 3, 3])), r"size depends on its values", "torch.bincount(ids)"),
     (_Branches, lambda: (torch.randn(4, 8),), r"runs torch\.cond.*torch\.where", "return torch.cond("),
     (_SparseEmbedding, lambda: (torch.randint(0, 20, (4, 5)),), r"sparse gradients.*sparse=False",
      "self.linear(self.embedding(ids))"),
-], ids=["data-dependent size", "torch.cond", "sparse gradients"])
+], ids=["unbounded size", "bincount", "torch.cond", "sparse gradients"])
 def test_a_construct_harmony_cannot_run_is_refused_naming_the_line(model, inputs, says, line):
     torch.manual_seed(0)
     with pytest.raises(ValueError, match=says) as refused:

@@ -1,5 +1,5 @@
-"""``bound_sizes``: a size that depends on the values (``x[mask]``, ``nonzero``, ``masked_select``)
-is planned at its largest; the model then trains as eager does, at the smallest budget the
+"""``bound_sizes``: a size that depends on the values (``x[mask]``, ``nonzero``, ``masked_select``,
+``unique``) is planned at its largest; the model then trains as eager does, at the smallest budget the
 refusal names, the device never holding more than it."""
 from __future__ import annotations
 
@@ -52,6 +52,19 @@ class _NonzeroAndMaskedSelect(nn.Module):
         return self.second(h.index_select(0, rows)).square().sum() + torch.masked_select(h, h > 0.5).sum()
 
 
+class _Unique(nn.Module):
+    """Distinct values and how often each occurs, fed on through a layer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.second, self.third = nn.Linear(8, 64), nn.Linear(1, 64), nn.Linear(64, 64)
+
+    def forward(self, x):
+        h = self.first(x)
+        values, counts = torch.unique((h > 0).sum(-1), return_counts=True)
+        return self.third(self.second((values * counts).unsqueeze(-1).float())).square().sum() + h.sum()
+
+
 def _inputs():
     torch.manual_seed(0)
     x, labels = torch.randn(16, 8), torch.randint(0, 5, (16,))
@@ -67,9 +80,10 @@ def test_a_selected_value_is_planned_at_its_largest():
     assert {(16, 5), (16,)} <= shapes  # every one of the 16 rows, the largest the mask can select
 
 
-@pytest.mark.parametrize("microbatches", [1, 2])
-@pytest.mark.parametrize("model", [_SelectedLoss, _SelectedRows, _NonzeroAndMaskedSelect],
-                         ids=["selected-loss", "selected-rows", "nonzero-masked-select"])
+# None: the planner's choice, the whole batch (cut, these would mix samples: ``x[mask]`` along the batch)
+@pytest.mark.parametrize("microbatches", [1, None])
+@pytest.mark.parametrize("model", [_SelectedLoss, _SelectedRows, _NonzeroAndMaskedSelect, _Unique],
+                         ids=["selected-loss", "selected-rows", "nonzero-masked-select", "unique"])
 def test_values_of_data_dependent_size_train_like_eager_within_the_budget(model, microbatches, memory_witness):
     x, labels = _inputs()
     inputs = (x, labels) if model is _SelectedLoss else (x,)
@@ -77,6 +91,8 @@ def test_values_of_data_dependent_size_train_like_eager_within_the_budget(model,
     module = model()
     reference = copy.deepcopy(module)
     options = dict(devices=["host:0"], microbatches=microbatches)
+    if model is _Unique:  # its fewest packs fit its smallest budget: cut it, so the values cross packs
+        options["pack_boundaries"] = (0, 7, 14)
     with pytest.raises(harmony_fx.BudgetTooSmallError) as refused:
         harmony_fx.compile(module, inputs, memory_budget=1, **options)
     budget = refused.value.smallest_budget
