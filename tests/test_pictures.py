@@ -52,9 +52,9 @@ def test_recording_counts_an_untracked_host_devices_memory_for_the_recorded_call
     assert stats.peak_bytes["host:0"] > 0 and 0 < max(live for _, live in stats.memory[0]) <= stats.peak_bytes["host:0"]
     hm.record_timeline(memory=False)
     stats = step()
-    assert stats.spans and stats.peak_bytes["host:0"] == 0 and not stats.memory
+    assert stats.spans and "host:0" not in stats.peak_bytes and not stats.memory
     hm.record_timeline(False)
-    assert step().peak_bytes["host:0"] == 0 and not hm.device.track_memory
+    assert "host:0" not in step().peak_bytes and not hm.device.track_memory
 
 
 @pytest.mark.parametrize("memory", [True, False])

@@ -53,7 +53,10 @@ def first_refused(gm: fx.GraphModule) -> tuple[fx.Node, Callable[[str], str]] | 
                 "leave the choice to Python outside the model.")
         if not isinstance(node.target, torch._ops.OpOverload):
             continue
-        unsized = torch.Tag.dynamic_output_shape in node.target.tags and node.target not in SIZED_AT_MOST
+        # an op the planning run cannot make as large as its bounded size (one_hot with its
+        # num_classes, tagged too, makes a fixed size: not bounded, not refused)
+        unsized = (node.meta.get(meta.BOUNDED) and torch.Tag.dynamic_output_shape in node.target.tags
+                   and node.target not in SIZED_AT_MOST)
         if unsized or any(free_unbacked_symbols(leaf) for leaf in leaves(node.meta.get(meta.VAL))
                           if isinstance(leaf, (torch.Tensor, torch.SymInt))):
             return node, lambda where: (
