@@ -490,21 +490,28 @@ def test_the_bound_is_the_peak_where_a_pack_is_a_layer(monkeypatch, model_and_in
     the pack's first backward task. Counted, the bound is that peak, so a budget a byte below the
     smallest is refused without running a candidate. Without the previous pack's weights the GPT's
     bound was 0.76 of its peak; without the inputs' sum, the chain's 0.91."""
-    from harmony_fx.compiler import driver
-
     seen = _bounds_and_peaks(monkeypatch, lambda: harmony_fx.compile(*model_and_inputs(), devices=["host:0"],
                                                                      microbatches=1))
     most, bound, peak = seen[-1]
     assert bound == peak, (len(most), bound, peak)
+
+    _assert_refused_with_one_run(monkeypatch, model_and_inputs, 1, peak - 1, peak, most)
+
+
+def _assert_refused_with_one_run(monkeypatch, model_and_inputs, microbatches: int, budget: int, smallest: int,
+                                 most: tuple[int, ...]) -> None:
+    """``budget`` is refused naming ``smallest``, with only the run of the most packs (``most``),
+    the one that names it: the bounds ruled every other packing out."""
+    from harmony_fx.compiler import driver
 
     monkeypatch.setattr(driver, "plan_packs", plan_packs)
     runs = []
     evaluate = driver.evaluate
     monkeypatch.setattr(driver, "evaluate", lambda *args, **kwargs: runs.append(args[1]) or evaluate(*args, **kwargs))
     with pytest.raises(BudgetTooSmallError) as refused:
-        harmony_fx.compile(*model_and_inputs(), devices=["host:0"], microbatches=1, memory_budget=peak - 1)
-    assert refused.value.smallest_budget == peak
-    assert runs == [list(most)]  # only the run that names the smallest budget
+        harmony_fx.compile(*model_and_inputs(), devices=["host:0"], microbatches=microbatches, memory_budget=budget)
+    assert refused.value.smallest_budget == smallest
+    assert runs == [list(most)]
 
 
 @pytest.mark.parametrize("model_and_inputs,least", [(_tiny_gpt_four_blocks, 0.88), (_conditioned, 0.74)],
@@ -516,22 +523,13 @@ def test_the_bound_counts_what_earlier_microbatches_leave(monkeypatch, model_and
     its forward: counted, the bound at the most packs is at least ``least`` of the peak (0.78 and
     0.63 without), and never above it; a budget below it is refused with the one run that names
     the smallest."""
-    from harmony_fx.compiler import driver
-
     seen = _bounds_and_peaks(monkeypatch, lambda: harmony_fx.compile(*model_and_inputs(), devices=["host:0"],
                                                                      microbatches=2))
     assert all(bound <= peak for _, bound, peak in seen), seen
     most, bound, peak = seen[-1]
     assert least * peak <= bound, (len(most), bound, peak)
 
-    monkeypatch.setattr(driver, "plan_packs", plan_packs)
-    runs = []
-    evaluate = driver.evaluate
-    monkeypatch.setattr(driver, "evaluate", lambda *args, **kwargs: runs.append(args[1]) or evaluate(*args, **kwargs))
-    with pytest.raises(BudgetTooSmallError) as refused:
-        harmony_fx.compile(*model_and_inputs(), devices=["host:0"], microbatches=2, memory_budget=bound - 1)
-    assert refused.value.smallest_budget == peak
-    assert runs == [list(most)]
+    _assert_refused_with_one_run(monkeypatch, model_and_inputs, 2, bound - 1, peak, most)
 
 
 def test_one_packing_is_run_fetching_ahead_first(monkeypatch):
