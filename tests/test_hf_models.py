@@ -31,11 +31,17 @@ _SLOW_OTHERS = ("qwen2", "t5")
 @pytest.mark.parametrize("name", HF_MODELS + tuple(
     pytest.param(name, marks=pytest.mark.slow) if name in _SLOW_OTHERS else name for name in OTHER_HF_MODELS))
 def test_three_sgd_steps_match_eager_at_a_quarter_of_the_memory(name, memory_witness):
-    pytest.importorskip("transformers")
+    transformers = pytest.importorskip("transformers")
     model = build_hf_model(name)
     reference = copy.deepcopy(model)
     batch = hf_batch(name)
     budget = eager_training_bytes(model, (), lambda out: out.loss, batch) // 4
+    if name == "mixtral" and _version(transformers.__version__) < (5, 24):
+        # 5.17's experts run a custom op whose backward reads the routing counts (.tolist()), which
+        # planning on FakeTensors cannot: refused saying so (5.24 and later train)
+        with pytest.raises(ValueError, match=r"reads a tensor's values.*register_fake"):
+            harmony_fx.compile(model, (), batch, memory_budget=budget, microbatches=4)
+        return
     hm = harmony_fx.compile(model, (), batch, memory_budget=budget, microbatches=4)
     assert len(hm.packs) > 1
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -55,6 +61,10 @@ def test_three_sgd_steps_match_eager_at_a_quarter_of_the_memory(name, memory_wit
         optimizer.zero_grad()
         ref_optimizer.step()
         ref_optimizer.zero_grad()
+
+
+def _version(text: str) -> tuple[int, ...]:
+    return tuple(int(part) for part in text.split(".")[:2] if part.isdigit())
 
 
 def test_key_value_cache_output_names_use_cache():

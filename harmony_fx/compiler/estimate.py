@@ -22,6 +22,7 @@ from typing import Mapping, Sequence
 
 import torch
 from torch._subclasses import FakeTensorMode
+from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
 
 from harmony_fx.compiler.replay import ReplayingProbe, TaskRecords
 from harmony_fx.compiler.shapes import Shapes, fake_like
@@ -78,6 +79,13 @@ def estimate_device(forward: Sequence[Action], backward: Sequence[Action], micro
             if cap is None:
                 raise
             return DeviceEstimate(cap + 1, {}, None, complete=False)
+        except (DataDependentOutputException, DynamicOutputShapeException) as error:
+            raise ValueError(
+                f"planning runs every pack on FakeTensors (shapes, no values), and {device.context or 'a task'} "
+                f"reads a tensor's values ({type(error).__name__}: {error}): most often a custom op whose backward "
+                "calls .tolist() or .item() (transformers 5.17's grouped matmul for a mixture of experts, "
+                "as in Mixtral). Give that code a fake implementation (torch.library.register_fake) or keep "
+                "its sizes fixed.") from error
     if isinstance(probe, ReplayingProbe) and probe.replay_failed:
         return estimate_device(forward, backward, microbatches, packs_by_size, shapes, signature, target, cap=cap)
     peak = probe.peak
