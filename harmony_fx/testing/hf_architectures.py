@@ -1,0 +1,107 @@
+"""More Hugging Face architectures, tiny and with random weights: the breadth check of models
+nobody here wrote (``tests/test_hf_architectures.py``), beside ``hf_models``' deeper tests.
+
+``ARCHITECTURES`` maps a name to (config class, model class, config arguments, kind of batch):
+causal LMs (Mistral, Gemma, Gemma 2, Phi, Phi-3, BLOOM's ALiBi, OPT, GPT-Neo's local attention,
+GPT-J, Falcon, Mixtral's experts, Qwen3), masked LMs (DistilBERT, RoBERTa, ALBERT's one shared
+layer, ELECTRA, DeBERTa-v2's relative attention), BART (encoder-decoder), image classifiers
+(ResNet with BatchNorm, ConvNeXt, Swin's shifted windows) and CLIP's vision tower. Dropout is 0
+everywhere, so a step computes what eager's does. ``transformers`` is imported when a model is
+built: it is a test extra.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+__all__ = ["ARCHITECTURES", "build_architecture", "architecture_batch", "architecture_loss"]
+
+_V, _H, _L, _NH, _I, _P = 96, 32, 3, 4, 64, 64
+_NO_DROPOUT = dict(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+_DECODER = dict(vocab_size=_V, hidden_size=_H, intermediate_size=_I, num_hidden_layers=_L, num_attention_heads=_NH,
+                max_position_embeddings=_P, use_cache=False)
+
+ARCHITECTURES: dict[str, tuple[str, str, dict, str]] = {
+    "bart": ("BartConfig", "BartForConditionalGeneration", dict(
+        vocab_size=_V, d_model=_H, encoder_layers=2, decoder_layers=2, encoder_attention_heads=_NH,
+        decoder_attention_heads=_NH, encoder_ffn_dim=_I, decoder_ffn_dim=_I, max_position_embeddings=_P, dropout=0.0,
+        attention_dropout=0.0, activation_dropout=0.0, encoder_layerdrop=0.0, decoder_layerdrop=0.0,
+        use_cache=False), "seq2seq"),
+    "mistral": ("MistralConfig", "MistralForCausalLM", dict(_DECODER, num_key_value_heads=2, sliding_window=8), "lm"),
+    "gemma": ("GemmaConfig", "GemmaForCausalLM", dict(_DECODER, num_key_value_heads=2, head_dim=8), "lm"),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", dict(_DECODER, num_key_value_heads=2, head_dim=8,
+                                                         sliding_window=8), "lm"),
+    "phi": ("PhiConfig", "PhiForCausalLM", dict(_DECODER, resid_pdrop=0.0, embd_pdrop=0.0, attention_dropout=0.0),
+            "lm"),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(_DECODER, pad_token_id=0, bos_token_id=1, eos_token_id=2), "lm"),
+    "bloom": ("BloomConfig", "BloomForCausalLM", dict(vocab_size=_V, hidden_size=_H, n_layer=_L, n_head=_NH,
+                                                       use_cache=False, hidden_dropout=0.0, attention_dropout=0.0), "lm"),
+    "opt": ("OPTConfig", "OPTForCausalLM", dict(
+        vocab_size=_V, hidden_size=_H, ffn_dim=_I, num_hidden_layers=_L, num_attention_heads=_NH,
+        max_position_embeddings=_P, use_cache=False, dropout=0.0, attention_dropout=0.0, word_embed_proj_dim=_H), "lm"),
+    "gpt_neo": ("GPTNeoConfig", "GPTNeoForCausalLM", dict(
+        vocab_size=_V, hidden_size=_H, num_layers=2, num_heads=_NH, attention_types=[[["global", "local"], 1]],
+        max_position_embeddings=_P, window_size=8, use_cache=False, resid_dropout=0.0, embed_dropout=0.0,
+        attention_dropout=0.0, bos_token_id=0, eos_token_id=0), "lm"),
+    "gptj": ("GPTJConfig", "GPTJForCausalLM", dict(
+        vocab_size=_V, n_embd=_H, n_layer=_L, n_head=_NH, rotary_dim=4, n_positions=_P, use_cache=False,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0), "lm"),
+    "falcon": ("FalconConfig", "FalconForCausalLM", dict(
+        vocab_size=_V, hidden_size=_H, num_hidden_layers=_L, num_attention_heads=_NH, use_cache=False,
+        hidden_dropout=0.0, attention_dropout=0.0), "lm"),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(
+        _DECODER, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, router_aux_loss_coef=0.0), "lm"),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(_DECODER, num_key_value_heads=2, head_dim=8), "lm"),
+    "distilbert": ("DistilBertConfig", "DistilBertForMaskedLM", dict(
+        vocab_size=_V, dim=_H, n_layers=_L, n_heads=_NH, hidden_dim=_I, max_position_embeddings=_P, dropout=0.0,
+        attention_dropout=0.0), "mlm"),
+    "roberta": ("RobertaConfig", "RobertaForMaskedLM", dict(
+        vocab_size=_V, hidden_size=_H, num_hidden_layers=_L, num_attention_heads=_NH, intermediate_size=_I,
+        max_position_embeddings=_P + 2, **_NO_DROPOUT), "mlm"),
+    "albert": ("AlbertConfig", "AlbertForMaskedLM", dict(
+        vocab_size=_V, embedding_size=16, hidden_size=_H, num_hidden_layers=_L, num_attention_heads=_NH,
+        intermediate_size=_I, max_position_embeddings=_P, **_NO_DROPOUT), "mlm"),
+    "electra": ("ElectraConfig", "ElectraForMaskedLM", dict(
+        vocab_size=_V, embedding_size=16, hidden_size=_H, num_hidden_layers=_L, num_attention_heads=_NH,
+        intermediate_size=_I, max_position_embeddings=_P, **_NO_DROPOUT), "mlm"),
+    "deberta_v2": ("DebertaV2Config", "DebertaV2ForMaskedLM", dict(
+        vocab_size=_V, hidden_size=_H, num_hidden_layers=_L, num_attention_heads=_NH, intermediate_size=_I,
+        max_position_embeddings=_P, **_NO_DROPOUT), "mlm"),
+    "resnet": ("ResNetConfig", "ResNetForImageClassification", dict(
+        num_channels=3, embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1], num_labels=5), "image"),
+    "convnext": ("ConvNextConfig", "ConvNextForImageClassification", dict(
+        num_channels=3, hidden_sizes=[8, 16], depths=[1, 1], num_stages=2, num_labels=5, drop_path_rate=0.0), "image"),
+    "swin": ("SwinConfig", "SwinForImageClassification", dict(
+        image_size=32, patch_size=4, num_channels=3, embed_dim=8, depths=[1, 1], num_heads=[2, 2], window_size=4,
+        num_labels=5, drop_path_rate=0.0, **_NO_DROPOUT), "image"),
+    "clip_vision": ("CLIPVisionConfig", "CLIPVisionModelWithProjection", dict(
+        hidden_size=_H, intermediate_size=_I, num_hidden_layers=_L, num_attention_heads=_NH, image_size=32,
+        patch_size=8, projection_dim=16), "vision"),
+}
+
+
+def build_architecture(name: str, seed: int = 0) -> nn.Module:
+    """A fresh, seeded model of ``name`` in training mode."""
+    import transformers
+
+    config_class, model_class, arguments, _ = ARCHITECTURES[name]
+    torch.manual_seed(seed)
+    return getattr(transformers, model_class)(getattr(transformers, config_class)(**arguments)).train()
+
+
+def architecture_batch(name: str, seed: int = 1, batch: int = 4, seq: int = 16) -> dict[str, torch.Tensor]:
+    """Keyword inputs for ``name``'s kind: token ids with labels (the ids again for a language model,
+    another sequence for BART), or 32x32 images (with a class each for a classifier)."""
+    generator = torch.Generator().manual_seed(seed)
+    kind = ARCHITECTURES[name][3]
+    if kind in ("image", "vision"):
+        images = {"pixel_values": torch.randn(batch, 3, 32, 32, generator=generator)}
+        return {**images, "labels": torch.randint(0, 5, (batch,), generator=generator)} if kind == "image" else images
+    ids = torch.randint(3, _V, (batch, seq), generator=generator)
+    labels = torch.randint(3, _V, (batch, seq), generator=generator) if kind == "seq2seq" else ids.clone()
+    return {"input_ids": ids, "labels": labels}
+
+
+def architecture_loss(name: str, output) -> torch.Tensor:
+    """The model's own loss; for CLIP's vision tower (no labels) the square of its image embeddings."""
+    return output.image_embeds.square().mean() if ARCHITECTURES[name][3] == "vision" else output.loss
