@@ -295,7 +295,6 @@ def _refuse_state_off_host(model: nn.Module) -> None:
                 f"GPUs in devices= (e.g. devices=['{tensor.device}']).")
 
 
-
 def _batch_or_none(example: _Example) -> int | None:
     try:
         return example.batch_size()
