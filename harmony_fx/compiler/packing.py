@@ -357,11 +357,12 @@ class PackingBounds:
                 handed += sum(nbytes for key, nbytes in fetched.items() if key not in weights)
             begins = sum(held[layer].begins.held_until(end) for layer in range(start, end))
             during = sum(held[layer].during.held_until(end) for layer in range(start, end)) + held[end - 1].backward
-            # another microbatch's graph: its largest input a layer made (a model input unsplit
-            # along the batch might be one tensor for all) and what its forward left
-            made = max((nbytes for layer in range(start, end)
-                        for defined, nbytes in self._first_inputs[layer].values() if 0 <= defined < start), default=0)
-            graph = made + begins if last and self._keeps_last_graphs else 0
+            graph = 0  # another microbatch's graph, which a last pack not fused with the loss keeps:
+            if last and self._keeps_last_graphs:  # its largest input a layer made (a model input unsplit
+                # along the batch might be one tensor for all) and what its forward left
+                graph = begins + max((nbytes for layer in range(start, end)
+                                      for defined, nbytes in self._first_inputs[layer].values()
+                                      if 0 <= defined < start), default=0)
             bound = max(bound, handed + self._alike * graph + max(begins, during))
             if self._second_microbatch:
                 # as its backward begins (the measure of ``during`` has the last layer's new weight

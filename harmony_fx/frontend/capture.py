@@ -35,7 +35,7 @@ from torch.utils import _pytree as pytree
 from harmony_fx.analysis.reductions import ScalarReduction, scalar_reduction
 from harmony_fx.ir import meta
 from harmony_fx.frontend.decomposition_fixes import decomposition_fixes
-from harmony_fx.frontend.refusals import first_refused, refuse
+from harmony_fx.frontend.refusals import first_refused, refusal
 from harmony_fx.passes.bound_sizes import bound_sizes
 
 __all__ = ["Captured", "capture", "CaptureError"]
@@ -79,10 +79,13 @@ def capture(model: nn.Module, args: tuple, kwargs: dict | None = None, stack_tra
     with _grads_set_aside(model):
         captured = _capture(model, args, kwargs, stack_traces)
         bound_sizes(captured.gm)
-        if not stack_traces and first_refused(captured.gm) is not None:  # to name the line it is on
+        found = first_refused(captured.gm)
+        if found is not None and not stack_traces:  # to name the line it is on
             captured = _capture(model, args, kwargs, stack_traces=True)
             bound_sizes(captured.gm)
-    refuse(captured.gm)
+            found = first_refused(captured.gm)
+    if found is not None:
+        raise refusal(found)
     captured.reductions = _scalar_reductions(captured.gm)
     return captured
 

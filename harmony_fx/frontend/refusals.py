@@ -12,8 +12,8 @@ compile with what to do instead (not a failure deep in planning, or a wrong resu
 * **sparse gradients** (``nn.Embedding(sparse=True)``): the runtime moves dense gradients between
   the host and the devices.
 
-``first_refused(gm)`` finds the first such node; ``refuse(gm)`` raises its ``ValueError``, naming
-the model's line where the graph has stack traces (``capture`` takes them again to say it).
+``first_refused(gm)`` finds the first such node; ``refusal(found)`` is its ``ValueError``, naming the
+model's line where the graph has stack traces (``capture`` takes them again to say it).
 """
 from __future__ import annotations
 
@@ -22,14 +22,13 @@ from typing import Callable
 
 import torch
 from torch import fx
-from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
 from harmony_fx.analysis.aliasing import alias_base, written_arguments
 from harmony_fx.ir import meta
 from harmony_fx.ir.tracking import SIZED_AT_MOST
-from harmony_fx.ir.values import leaves
+from harmony_fx.passes.bound_sizes import unbacked_symbols
 
-__all__ = ["first_refused", "refuse", "model_line"]
+__all__ = ["first_refused", "refusal", "model_line"]
 
 _CONTROL_FLOW = {"cond", "while_loop"}
 
@@ -57,8 +56,7 @@ def first_refused(gm: fx.GraphModule) -> tuple[fx.Node, Callable[[str], str]] | 
         # num_classes, tagged too, makes a fixed size: not bounded, not refused)
         unsized = (node.meta.get(meta.BOUNDED) and torch.Tag.dynamic_output_shape in node.target.tags
                    and node.target not in SIZED_AT_MOST)
-        if unsized or any(free_unbacked_symbols(leaf) for leaf in leaves(node.meta.get(meta.VAL))
-                          if isinstance(leaf, (torch.Tensor, torch.SymInt))):
+        if unsized or unbacked_symbols(node.meta.get(meta.VAL)):
             return node, lambda where: (
                 f"the model makes a tensor whose size depends on its values, with no largest size harmony_fx can "
                 f"plan for, at {where}: harmony_fx plans packs, stash and budget for the largest sizes. Keep the "
@@ -71,13 +69,11 @@ def first_refused(gm: fx.GraphModule) -> tuple[fx.Node, Callable[[str], str]] | 
     return None
 
 
-def refuse(gm: fx.GraphModule) -> None:
-    """Raise the ``ValueError`` of ``first_refused(gm)``, if any."""
-    found = first_refused(gm)
-    if found is not None:
-        node, message = found
-        line = model_line(node)
-        raise ValueError(message(f"{line!r} (node {meta.describe(node)})" if line else f"node {meta.describe(node)}"))
+def refusal(found: tuple[fx.Node, Callable[[str], str]]) -> ValueError:
+    """The error for what ``first_refused`` found."""
+    node, message = found
+    line = model_line(node)
+    return ValueError(message(f"{line!r} (node {meta.describe(node)})" if line else f"node {meta.describe(node)}"))
 
 
 def model_line(node: fx.Node) -> str | None:

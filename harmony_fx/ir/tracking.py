@@ -189,8 +189,9 @@ def _at_most(func, args, kwargs):
         x, mask = args
         return x.new_empty((torch.broadcast_shapes(x.shape, mask.shape).numel(),))
     if func is aten._unique2.default:  # torch.unique: values, inverse indices, counts
-        x, *flags = args
-        inverse, counts = (list(flags) + [kwargs.get("return_inverse", False), kwargs.get("return_counts", False)])[1:3]
+        x = args[0]
+        given = {**dict(zip(("sorted", "return_inverse", "return_counts"), args[1:])), **kwargs}
+        inverse, counts = given.get("return_inverse", False), given.get("return_counts", False)
         return (x.new_empty((x.numel(),)), x.new_empty(x.shape if inverse else (0,), dtype=torch.long),
                 x.new_empty((x.numel(),) if counts else (0,), dtype=torch.long))
     if func is aten.index.Tensor:

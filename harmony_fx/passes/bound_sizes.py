@@ -19,36 +19,35 @@ from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 from harmony_fx.ir import meta
 from harmony_fx.ir.values import leaves
 
-__all__ = ["bound_sizes", "PASS_NAME"]
+__all__ = ["bound_sizes", "unbacked_symbols", "PASS_NAME"]
 
 PASS_NAME = "bound_sizes"
 
 
 def bound_sizes(gm: fx.GraphModule) -> fx.GraphModule:
-    values = [node.meta.get(meta.VAL) for node in gm.graph.nodes]
-    if not any(_symbols(value) for value in values):
+    symbols = {node: unbacked_symbols(node.meta.get(meta.VAL)) for node in gm.graph.nodes}
+    if not any(symbols.values()):
         return gm
-    fake_mode = detect_fake_mode([leaf for value in values for leaf in leaves(value) if isinstance(leaf, torch.Tensor)])
+    fake_mode = detect_fake_mode([leaf for node in gm.graph.nodes for leaf in leaves(node.meta.get(meta.VAL))
+                                  if isinstance(leaf, torch.Tensor)])
     shape_env = getattr(fake_mode, "shape_env", None)
     if shape_env is None:
         return gm
     tops: dict[sympy.Symbol, int] = {}
-    for value in values:
-        for symbol in _symbols(value):
-            top = shape_env.bound_sympy(symbol).upper
-            if symbol not in tops and isinstance(top, sympy.Integer):  # not torch's int_oo, a sympy.Number
-                tops[symbol] = int(top)
+    for symbol in set().union(*symbols.values()):
+        top = shape_env.bound_sympy(symbol).upper
+        if isinstance(top, sympy.Integer):  # not torch's int_oo, a sympy.Number
+            tops[symbol] = int(top)
     with fake_mode:
-        for node in gm.graph.nodes:
-            value = node.meta.get(meta.VAL)
-            symbols = _symbols(value)
-            if symbols and symbols <= tops.keys():
-                node.meta[meta.VAL] = _at_top(value, tops)
+        for node, found in symbols.items():
+            if found and found <= tops.keys():
+                node.meta[meta.VAL] = _at_top(node.meta[meta.VAL], tops)
                 node.meta[meta.BOUNDED] = True
     return gm
 
 
-def _symbols(value) -> set:
+def unbacked_symbols(value) -> set:
+    """The symbols of sizes that depend on the values in ``value`` (a node's ``meta["val"]``)."""
     return {symbol for leaf in leaves(value) if isinstance(leaf, (torch.Tensor, torch.SymInt, torch.SymBool))
             for symbol in free_unbacked_symbols(leaf)}
 
