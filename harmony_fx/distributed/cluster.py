@@ -1,10 +1,18 @@
 """The processes a Trainer trains across (``torch.distributed``), one per server.
 
-The default process group (or ``process_group=``) carries the step's two small exchanges on the
-calling thread: the loss's normaliser (the global batch's count) and the step's agreement (every
-rank's loss share and whether its step failed). A second group, made here and used only by the
-thread that runs the host updates, carries each pack's gradients and weights: collectives of one
-group are issued by one thread at a time, in the same pack order on every rank.
+The Trainer sends through two gloo groups it makes over the ranks of the default group (or of
+``process_group=``), whatever that group's backend: the *control* group carries the calling thread's
+exchanges (the loss's normaliser, the step's agreement: every rank's loss share and whether its step
+failed, the check that the ranks planned alike, checkpoints); the *worker* group, used only by the
+thread that runs the host updates, carries each pack's gradients and weights. Collectives of one
+group are issued by one thread at a time, in the same order on every rank.
+
+The groups are the Trainer's own so that it can end them: ``close`` (also run at the interpreter's
+exit, before it finalizes) destroys them, which joins gloo's worker threads. A gloo thread lets go of
+a finished collective's tensors just after the caller has been told it finished; where it is the
+last holder of a tensor that Python had, letting go takes the GIL, and if the interpreter is
+finalizing by then, taking the GIL ends the thread inside C++ and the process aborts ("terminate
+called without an active exception"). Joined before the exit, no thread is left to do that.
 
 A collective that fails (a peer died, or hung past the group's timeout) leaves its group unusable:
 ``PeerError`` names the ranks that did not report the failure themselves within a few seconds, which
@@ -12,8 +20,10 @@ are the dead or hung ones, so the process can exit and ``torchrun`` restart it f
 """
 from __future__ import annotations
 
+import atexit
 import datetime
 import time
+import weakref
 from typing import Sequence
 
 import torch
@@ -36,47 +46,55 @@ class Cluster:
         if not dist.is_available() or not dist.is_initialized():
             raise ValueError("Trainer(process_group=...) needs torch.distributed initialised: call "
                              "torch.distributed.init_process_group() first (torchrun sets the environment for it)")
-        self.group = process_group or dist.group.WORLD
-        self.rank = dist.get_rank(self.group)
-        self.world = dist.get_world_size(self.group)
+        group = process_group or dist.group.WORLD  # not kept: the caller's, to destroy when they will
+        self.rank = dist.get_rank(group)
+        self.world = dist.get_world_size(group)
         self.shard_optimizer = self.world > 1 if shard_optimizer is None else bool(shard_optimizer)
         if isinstance(timeout, (int, float)):
             timeout = datetime.timedelta(seconds=timeout)
         self.timeout = timeout
-        # the update thread's own group: its collectives never interleave with this thread's
-        self.worker_group = dist.new_group(dist.get_process_group_ranks(self.group), timeout=timeout, backend="gloo")
+        ranks = dist.get_process_group_ranks(group)
+        self.control_group = dist.new_group(ranks, timeout=timeout, backend="gloo")
+        self.worker_group = dist.new_group(ranks, timeout=timeout, backend="gloo")
+        self._mesh = None
         self._store = _default_store()
         self._post("begun", -1)
         self._post("failed", -1)
         self.barrier()
+        # a weak reference: the hook neither keeps a Trainer alive nor runs for one already closed
+        self._close_at_exit = _close_at_exit(weakref.ref(self))
+        atexit.register(self._close_at_exit)
 
     def close(self) -> None:
-        """Destroy the update thread's group, made here (the caller's group stays the caller's):
-        its worker threads stop now, not whenever the interpreter's exit gets to the group. Done
-        already where the caller destroyed every group (``destroy_process_group()``)."""
-        group, self.worker_group = self.worker_group, None
-        if group is not None and dist.is_initialized():
-            try:
-                dist.destroy_process_group(group)
-            except ValueError:  # "Invalid process group": destroyed already
-                pass
+        """Destroy the two groups made here, so that their gloo threads are joined now, not at the
+        interpreter's exit (the module docstring). Done already where the caller destroyed every
+        group (``destroy_process_group()``)."""
+        groups = [group for group in (self.control_group, self.worker_group) if group is not None]
+        self.control_group = self.worker_group = self._mesh = None
+        atexit.unregister(self._close_at_exit)
+        for group in groups:
+            if dist.is_initialized():
+                try:
+                    dist.destroy_process_group(group)
+                except ValueError:  # "Invalid process group": destroyed already
+                    pass
 
     def mesh(self):
         """The processes as a one-dimensional DeviceMesh (checkpoints store shards as DTensors)."""
         if getattr(self, "_mesh", None) is None:
             from torch.distributed.device_mesh import DeviceMesh
 
-            self._mesh = DeviceMesh.from_group(self.group, "cpu")
+            self._mesh = DeviceMesh.from_group(self.control_group, "cpu")
         return self._mesh
 
     # ------------------------------------------------------------------ this thread's exchanges
     def barrier(self) -> None:
-        self._collective(lambda: dist.barrier(group=self.group), "a barrier")
+        self._collective(lambda: dist.barrier(group=self.control_group), "a barrier")
 
     def total(self, value: float) -> float:
         """``value`` summed over the ranks (the global batch's loss normaliser)."""
         tensor = torch.tensor([value], dtype=torch.float64)
-        self._collective(lambda: dist.all_reduce(tensor, group=self.group), "the loss normaliser's all-reduce")
+        self._collective(lambda: dist.all_reduce(tensor, group=self.control_group), "the loss normaliser's all-reduce")
         return float(tensor.item())
 
     def agree(self, shares: Sequence[float], failed: bool) -> tuple[list[float], list[int]]:
@@ -84,13 +102,13 @@ class Cluster:
         failed: all the shares in rank order, and the ranks whose step failed."""
         # ranks may hold different numbers of microbatches (uneven batches): pad to the largest
         longest = torch.tensor([len(shares)], dtype=torch.int64)
-        self._collective(lambda: dist.all_reduce(longest, dist.ReduceOp.MAX, group=self.group), "the step's agreement")
+        self._collective(lambda: dist.all_reduce(longest, dist.ReduceOp.MAX, group=self.control_group), "the step's agreement")
         width = 2 + int(longest.item())
         mine = torch.zeros(width, dtype=torch.float64)  # float32 values stay exact in float64
         mine[0], mine[1] = float(failed), len(shares)
         mine[2:2 + len(shares)] = torch.tensor(list(shares), dtype=torch.float64)
         every = torch.empty(self.world * width, dtype=torch.float64)
-        self._collective(lambda: _all_gather()(every, mine, group=self.group), "the step's agreement")
+        self._collective(lambda: _all_gather()(every, mine, group=self.control_group), "the step's agreement")
         every = every.view(self.world, width)
         in_order = [share for row in every.tolist() for share in row[2:2 + int(row[1])]]
         return in_order, [rank for rank, flag in enumerate(every[:, 0].tolist()) if flag]
@@ -98,7 +116,7 @@ class Cluster:
     def same_everywhere(self, value: object, what: str) -> None:
         """Refuse to train if ``value`` differs between ranks (``what`` says what to make equal)."""
         values: list[object] = [None] * self.world
-        self._collective(lambda: dist.all_gather_object(values, value, group=self.group), "a check of the plans")
+        self._collective(lambda: dist.all_gather_object(values, value, group=self.control_group), "a check of the plans")
         differing = [rank for rank, other in enumerate(values) if other != values[0]]
         if differing:
             raise ValueError(f"Trainer: rank(s) {', '.join(map(str, differing))} differ from rank 0 in {what}")
@@ -161,6 +179,14 @@ class Cluster:
         if self._store is None:
             return -1
         return int(self._store.get(f"harmony_fx/{what}/{rank}").decode())
+
+
+def _close_at_exit(cluster: weakref.ref):
+    def close() -> None:
+        alive = cluster()
+        if alive is not None:
+            alive.close()
+    return close
 
 
 def _all_gather():

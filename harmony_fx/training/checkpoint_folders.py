@@ -62,7 +62,7 @@ def save(training: TrainingState, step_count: int, root: str | os.PathLike) -> p
             dcp.save(state, checkpoint_id=folder, no_dist=True)
     else:
         cluster.barrier()  # the folder exists before anyone writes into it
-        dcp.save(state, checkpoint_id=folder, process_group=cluster.group)
+        dcp.save(state, checkpoint_id=folder, process_group=cluster.control_group)
         cluster.barrier()  # every rank's part is written before the pointer moves
     if cluster is None or cluster.rank == 0:
         _point(root, folder.name)
@@ -115,7 +115,7 @@ def load(training: TrainingState, path: str | os.PathLike) -> int:
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
             dcp.load(state, checkpoint_id=folder, no_dist=True)
     else:
-        dcp.load(state, checkpoint_id=folder, process_group=cluster.group)
+        dcp.load(state, checkpoint_id=folder, process_group=cluster.control_group)
     if _unpack(state["harmony_fx"]) != _HEADER:
         raise ValueError(f"{folder} is not a {_HEADER['format']} checkpoint of version {_HEADER['version']}")
     optimizer = training.optimizer

@@ -88,18 +88,25 @@ def train(rank: int, world: int, out: pathlib.Path, shard_optimizer: bool = True
 
 
 def closed(rank: int, world: int, out: pathlib.Path) -> dict:
-    """A step, then ``close``: the group the Trainer made for its updates is destroyed there, and
-    closing again, or after the caller destroyed every group, is harmless."""
+    """Steps and a checkpoint, then ``close``: the two groups the Trainer made are destroyed there,
+    their gloo threads joined, and closing again, or after the caller destroyed every group, is
+    harmless."""
     import torch.distributed as dist
 
+    dist.barrier()  # the caller's group starts its gloo threads at its first collective
+    callers = gloo_threads()
     model, batches = model_and_batches(world, 1)
     trainer = harmony_fx.Trainer(model, loss_fn, optimizer_of(model), local(batches[0], rank), devices=["host:0"],
                                  microbatches=MICROBATCHES, pack_boundaries=PACKS)
     trainer.step(local(batches[0], rank))
-    group = trainer.cluster.worker_group
-    registered_before = _registered(group)
+    trainer.save(out / "checkpoint")  # sharded: its DTensors hold a mesh over the Trainer's group
+    groups = trainer.cluster.control_group, trainer.cluster.worker_group
+    registered_before = [_registered(group) for group in groups]
+    open_threads = gloo_threads()
     trainer.close()
-    registered_after = _registered(group)
+    registered_after = [_registered(group) for group in groups]
+    del groups
+    closed_threads = gloo_threads()
     trainer.close()
     together = torch.ones(1)
     dist.all_reduce(together)  # the caller's group still works
@@ -107,7 +114,38 @@ def closed(rank: int, world: int, out: pathlib.Path) -> dict:
     trainer.close()
     # the launcher destroys the group it made once this returns
     dist.init_process_group("gloo", init_method=f"file://{out / 'again'}", rank=rank, world_size=world)
-    return {"before": registered_before, "after": registered_after, "world_kept": together.item() == world}
+    return {"before": registered_before, "after": registered_after, "world_kept": together.item() == world,
+            "threads": (callers, open_threads, closed_threads)}
+
+
+_KEPT_TO_THE_EXIT = []
+
+
+def left_open(rank: int, world: int, out: pathlib.Path) -> dict:
+    """A Trainer alive until the interpreter exits, never closed (a script's global), the caller's
+    group destroyed as a script ends (the launcher): the hook the Trainer registered joins its groups'
+    threads before the interpreter finalizes; a hook registered before the Trainer's runs after it
+    and counts the gloo threads left."""
+    import atexit
+
+    import torch.distributed as dist
+
+    dist.barrier()  # the caller's group starts its gloo threads at its first collective
+    callers = gloo_threads()
+    atexit.register(lambda: torch.save(gloo_threads(), out / f"exit{rank}.pt"))
+    model, batches = model_and_batches(world, 2)
+    trainer = harmony_fx.Trainer(model, loss_fn, optimizer_of(model), local(batches[0], rank), devices=["host:0"],
+                                 microbatches=MICROBATCHES, pack_boundaries=PACKS)
+    for batch in batches:
+        trainer.step(local(batch, rank))
+    _KEPT_TO_THE_EXIT.append(trainer)
+    return {"callers": callers, "open": gloo_threads()}
+
+
+def gloo_threads() -> int:
+    """gloo's worker threads alive in this process, counted by the name torch gives them."""
+    tasks = pathlib.Path("/proc/self/task")
+    return sum((task / "comm").read_text().strip() == "pt_gloo_runloop" for task in tasks.iterdir())
 
 
 def _registered(group) -> bool:

@@ -1,7 +1,10 @@
 """A peer that hangs: the others raise within the group's timeout, naming it, instead of waiting."""
 from __future__ import annotations
 
+import os
+
 import pytest
+import torch
 
 from tests.distributed import launch
 
@@ -38,8 +41,22 @@ def test_ranks_that_cut_the_model_differently_are_refused(tmp_path):
         assert rank["error"].startswith("Trainer: rank(s) 1 differ from rank 0 in how the model is cut into packs")
 
 
-def test_close_destroys_the_group_the_trainer_made(tmp_path):
-    """Its worker threads stop at ``close``, not whenever the interpreter's exit gets to them; the
-    caller's own group stays, and closing twice, or after ``destroy_process_group()``, is fine."""
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads by their names in /proc")
+def test_close_destroys_the_groups_the_trainer_made(tmp_path):
+    """Their gloo threads are joined at ``close``, not whenever the interpreter's exit gets to them
+    (a checkpoint's mesh keeps none alive); the caller's own group stays, and closing twice, or after
+    ``destroy_process_group()``, is fine."""
     for rank in launch.run("closed", 2, tmp_path):
-        assert rank == {"before": True, "after": False, "world_kept": True}
+        callers, open_threads, closed_threads = rank.pop("threads")
+        assert rank == {"before": [True, True], "after": [False, False], "world_kept": True}
+        assert open_threads > callers > 0 and closed_threads == callers
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads by their names in /proc")
+def test_a_trainer_left_open_has_its_groups_ended_before_the_interpreter_finalizes(tmp_path):
+    """A gloo thread still alive when the interpreter finalizes can abort the process as it lets go
+    of a tensor (``harmony_fx.distributed.cluster``): the Trainer's own exit hook joins its groups'
+    threads first, and it holds no reference to the caller's group, which is gone once destroyed."""
+    for rank, result in enumerate(launch.run("left_open", 2, tmp_path)):
+        assert result["open"] > result["callers"] > 0
+        assert torch.load(tmp_path / f"exit{rank}.pt") == 0
