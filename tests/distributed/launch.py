@@ -50,6 +50,9 @@ def run(scenario: str, world: int, out: pathlib.Path, dying: dict[int, int] | No
 
 def _main(scenario: str, rank: int, world: int, port: int, out: str) -> None:
     import datetime
+    import faulthandler
+
+    faulthandler.enable()  # a crash in C++ still prints each thread's Python stack into the failure
 
     import torch.distributed as dist
 
