@@ -113,8 +113,9 @@ def _terms(gm: fx.GraphModule, node: fx.Node, divisor: float | None, origin: fx.
     """The reductions ``node`` adds up (each a ``ScalarReduction``, ``combine=None`` where the graph
     does not say), and ``_SHARED`` for each term that does not depend on the batch. ``divisor``:
     what the terms were divided by on the way from ``node`` to the output."""
-    if not _reads_inputs(node):
-        return [_SHARED]
+    inputs, made = _sources(node)
+    if not inputs:
+        return [_unknown_size(origin, made[0], "adds")] if made else [_SHARED]
     while node.op == "call_function":
         target = node.target
         if target in _PASS_THROUGH:
@@ -125,7 +126,12 @@ def _terms(gm: fx.GraphModule, node: fx.Node, divisor: float | None, origin: fx.
             if factor == 0:
                 return []  # nothing of it reaches the output
             divisor = _scaled(divisor, factor if target is aten.div.Tensor else 1 / factor)
-        elif target is aten.div.Tensor and isinstance(node.args[1], fx.Node) and _same_in_every_microbatch(node.args[1]):
+        elif target is aten.div.Tensor and isinstance(node.args[1], fx.Node):
+            inputs, made = _sources(node.args[1])
+            if made and not inputs:
+                return [_unknown_size(origin, made[0], "divides by")]
+            if made or any(_sized(placeholder) for placeholder in inputs):
+                break
             # divided by a number every microbatch has whole (a 0-dim input such as transformers'
             # num_items_in_batch, the whole batch's labelled tokens): each microbatch's value is its
             # share of the batch's, weighed as the dividend is
@@ -148,10 +154,12 @@ def _scaled(divisor: float | None, factor: float) -> float:
     return abs(factor) if divisor is None else divisor * abs(factor)
 
 
-def _inputs_under(node: fx.Node) -> list[fx.Node]:
-    """The model's input placeholders ``node`` is computed from."""
+def _sources(node: fx.Node) -> tuple[list[fx.Node], list[fx.Node]]:
+    """What ``node`` is computed from that may differ between microbatches: the model's input
+    placeholders, and tensors of a size made inside the model from no tensor (``torch.rand(x.shape[0],
+    ...)``: a size the capture baked in, which may be the microbatch's)."""
     seen: set[fx.Node] = set()
-    stack, inputs = [node], []
+    stack, inputs, made = [node], [], []
     while stack:
         current = stack.pop()
         if current in seen:
@@ -159,20 +167,22 @@ def _inputs_under(node: fx.Node) -> list[fx.Node]:
         seen.add(current)
         if current.op == "placeholder" and meta.role_of(current) == meta.Role.INPUT:
             inputs.append(current)
+        elif current.op == "call_function" and not current.all_input_nodes and _sized(current):
+            made.append(current)
         stack.extend(current.all_input_nodes)
-    return inputs
+    return inputs, made
 
 
-def _reads_inputs(node: fx.Node) -> bool:
-    """Whether ``node`` is computed from the model's inputs (else from parameters and constants)."""
-    return bool(_inputs_under(node))
+def _sized(node: fx.Node) -> bool:
+    value = node.meta.get(meta.VAL)
+    return isinstance(value, torch.Tensor) and value.dim() > 0
 
 
-def _same_in_every_microbatch(node: fx.Node) -> bool:
-    """Whether ``node`` is computed only from parameters, constants and inputs every microbatch gets
-    whole (0-dim tensors, which have no batch dim to cut)."""
-    return all(isinstance(value := placeholder.meta.get(meta.VAL), torch.Tensor) and value.dim() == 0
-               for placeholder in _inputs_under(node))
+def _unknown_size(origin: fx.Node, made: fx.Node, how: str) -> ScalarReduction:
+    return ScalarReduction(None, why=(
+        f"the model's output {origin.name!r} {how} a number computed from {meta.describe(made)}, a tensor made "
+        "inside the model whose size the capture fixed and which may be the microbatch's, so it may differ "
+        "between microbatches and the whole batch; compute it outside the model, or use microbatches=1."))
 
 
 def _reduction(gm: fx.GraphModule, node: fx.Node, divisor: float | None, origin: fx.Node) -> ScalarReduction:

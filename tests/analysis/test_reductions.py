@@ -61,6 +61,30 @@ def test_what_cannot_be_put_back_together_says_why(loss, why) -> None:
     assert reduction.combine is None and why in reduction.why
 
 
+def _masked_mean(out, target):
+    """A mean over a random half of the elements, as ViTMAE's loss: the mask is made inside the
+    model at the size of the batch the capture saw."""
+    mask = (torch.rand(out.shape[0], 3) > 0.5).float()
+    return ((out - target).pow(2) * mask).sum() / mask.sum()
+
+
+@pytest.mark.parametrize("loss, why", [
+    (_masked_mean, "divides by a number computed from"),
+    (lambda out, target: (out - target).pow(2).mean() + 0.1 * torch.rand(out.shape[0]).sum(), "adds a number"),
+])
+def test_a_tensor_made_inside_the_model_at_the_batchs_size_is_not_taken_for_a_constant(loss, why) -> None:
+    """Made from no input, it still has the size of the batch the capture saw: dividing by it (or
+    adding it) is not a number every microbatch shares."""
+    reduction, _ = _reduction(loss, torch.randn(6, 3))
+    assert reduction.combine is None and why in reduction.why and "rand" in reduction.why
+
+
+def test_a_number_made_without_any_size_stays_a_constant() -> None:
+    reduction, _ = _reduction(lambda out, target: (out - target).pow(2).mean() / torch.tensor(2.0)
+                              + torch.ones(()) * 0.5, torch.randn(6, 3))
+    assert reduction.combine == Combine.LINEAR and reduction.shared
+
+
 def test_a_linear_combination_of_means_keeps_its_terms() -> None:
     reduction, _ = _reduction(lambda out, target: (out - target).pow(2).mean() + 0.5 * out.abs().mean(),
                               torch.randn(6, 3))
