@@ -1,4 +1,4 @@
-"""Breadth: 22 Hugging Face architectures nobody here wrote (``testing.hf_architectures``), each
+"""Breadth: 33 Hugging Face architectures nobody here wrote (``testing.hf_architectures``), each
 compiled at the smallest budget its refusal names and stepped once beside eager: the same loss and
 every gradient. With ``-m slow`` (about a minute); ``test_hf_models`` goes deeper on a few."""
 from __future__ import annotations
@@ -20,8 +20,8 @@ def test_an_architecture_trains_like_eager_at_its_smallest_budget(name, memory_w
     model = build_architecture(name)
     reference = copy.deepcopy(model)
     batch = architecture_batch(name)
-    # ResNet's BatchNorm computes per microbatch (as in every microbatching system): one microbatch
-    options = dict(devices=["host:0"], microbatches=1 if name == "resnet" else 2)
+    # BatchNorm computes per microbatch (as in every microbatching system): one microbatch
+    options = dict(devices=["host:0"], microbatches=1 if name in ("resnet", "mobilevit") else 2)
     with pytest.raises(harmony_fx.BudgetTooSmallError) as refused:
         harmony_fx.compile(model, (), batch, memory_budget=1, **options)
     budget = refused.value.smallest_budget
@@ -39,3 +39,32 @@ def test_an_architecture_trains_like_eager_at_its_smallest_budget(name, memory_w
         if param.grad is not None:
             torch.testing.assert_close(param.grad, eager.grad, rtol=1e-4, atol=1e-6, msg=param_name)
     assert memory_witness.peak_of(hm.device) == hm.stats.peak_bytes[hm.device.name] <= budget
+
+
+def test_a_loss_over_a_mask_made_inside_the_model_keeps_the_batch_whole():
+    """ViTMAE's loss is a mean over the patches a random mask hides, divided by the mask's sum: a
+    mask made inside the model at the batch's size. The planner keeps the batch whole (the same loss
+    and gradients as eager); a cut forced by hand says why instead of adding the microbatches' means."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.ViTMAEConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+                                       image_size=32, patch_size=8, decoder_hidden_size=32, decoder_num_hidden_layers=1,
+                                       decoder_num_attention_heads=4, decoder_intermediate_size=64, mask_ratio=0.5,
+                                       hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    torch.manual_seed(0)
+    model = transformers.ViTMAEForPreTraining(config).train()
+    reference = copy.deepcopy(model)
+    batch = {"pixel_values": torch.randn(4, 3, 32, 32, generator=torch.Generator().manual_seed(1))}
+    hm = harmony_fx.compile(model, (), batch, devices=["host:0"])
+    torch.manual_seed(5)
+    loss = hm(**batch).loss
+    loss.backward()
+    torch.manual_seed(5)
+    expected = reference(**batch).loss
+    expected.backward()
+    torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-6)
+    for (param_name, param), eager in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(param.grad, eager.grad, rtol=1e-4, atol=1e-6, msg=param_name)
+    with pytest.warns(UserWarning, match="cannot show that microbatches compute what the whole batch does"):
+        cut = harmony_fx.compile(copy.deepcopy(reference), (), batch, devices=["host:0"], microbatches=2)
+    with pytest.raises(ValueError, match=r"divides by a number computed from rand"):
+        cut(**batch)

@@ -3,9 +3,12 @@ nobody here wrote (``tests/test_hf_architectures.py``), beside ``hf_models``' de
 
 ``ARCHITECTURES`` maps a name to (config class, model class, config arguments, kind of batch):
 causal LMs (Mistral, Gemma, Gemma 2, Phi, Phi-3, BLOOM's ALiBi, OPT, GPT-Neo's local attention,
-GPT-J, Falcon, Mixtral's experts, Qwen3), masked LMs (DistilBERT, RoBERTa, ALBERT's one shared
-layer, ELECTRA, DeBERTa-v2's relative attention), BART (encoder-decoder), image classifiers
-(ResNet with BatchNorm, ConvNeXt, Swin's shifted windows) and CLIP's vision tower. Dropout is 0
+GPT-J, Falcon, Mixtral's experts, Qwen3, GPT-BigCode's one key-value head, Cohere, Qwen2-MoE's
+shared experts, DeepSeek-V3's latent attention and grouped routing, Mamba's selective scan,
+XLNet's relative attention), masked LMs (DistilBERT, RoBERTa, ALBERT's one shared layer, ELECTRA,
+DeBERTa-v2's relative attention, Funnel's pooling), encoder-decoders (BART, Whisper on log-mel
+features), image classifiers (ResNet with BatchNorm, ConvNeXt, Swin's shifted windows, BEiT's
+relative position bias, MobileViT's convolutions with BatchNorm) and CLIP's vision tower. Dropout is 0
 everywhere, so a step computes what eager's does. ``transformers`` is imported when a model is
 built: it is a test extra.
 """
@@ -74,6 +77,37 @@ ARCHITECTURES: dict[str, tuple[str, str, dict, str]] = {
     "swin": ("SwinConfig", "SwinForImageClassification", dict(
         image_size=32, patch_size=4, num_channels=3, embed_dim=8, depths=[1, 1], num_heads=[2, 2], window_size=4,
         num_labels=5, drop_path_rate=0.0, **_NO_DROPOUT), "image"),
+    "gpt_bigcode": ("GPTBigCodeConfig", "GPTBigCodeForCausalLM", dict(
+        vocab_size=_V, n_embd=_H, n_layer=_L, n_head=_NH, n_positions=_P, multi_query=True, use_cache=False,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0), "lm"),
+    "cohere": ("CohereConfig", "CohereForCausalLM", dict(_DECODER, num_key_value_heads=2, pad_token_id=0, bos_token_id=1,
+                                                         eos_token_id=2), "lm"),
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM", dict(
+        _DECODER, num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+        shared_expert_intermediate_size=16, router_aux_loss_coef=0.0), "lm"),
+    "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM", dict(
+        _DECODER, num_key_value_heads=4, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+        n_shared_experts=1, n_group=2, topk_group=1, first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=16,
+        qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8, head_dim=4), "lm"),
+    "mamba": ("MambaConfig", "MambaForCausalLM", dict(vocab_size=_V, hidden_size=_H, state_size=4, num_hidden_layers=2,
+                                                      use_cache=False, expand=2, conv_kernel=4), "lm"),
+    "xlnet": ("XLNetConfig", "XLNetLMHeadModel", dict(vocab_size=_V, d_model=_H, n_layer=_L, n_head=_NH, d_inner=_I,
+                                                      dropout=0.0, use_mems_train=False, mem_len=None), "lm"),
+    "funnel": ("FunnelConfig", "FunnelForMaskedLM", dict(
+        vocab_size=_V, d_model=_H, n_head=_NH, d_head=8, d_inner=_I, block_sizes=[1, 1], hidden_dropout=0.0,
+        attention_dropout=0.0, activation_dropout=0.0), "mlm"),
+    "whisper": ("WhisperConfig", "WhisperForConditionalGeneration", dict(
+        vocab_size=_V, num_mel_bins=8, d_model=_H, encoder_layers=2, decoder_layers=2, encoder_attention_heads=_NH,
+        decoder_attention_heads=_NH, encoder_ffn_dim=_I, decoder_ffn_dim=_I, max_source_positions=16,
+        max_target_positions=_P, dropout=0.0, attention_dropout=0.0, activation_dropout=0.0, use_cache=False,
+        pad_token_id=0, decoder_start_token_id=1, bos_token_id=1, eos_token_id=2), "speech"),
+    "beit": ("BeitConfig", "BeitForImageClassification", dict(
+        hidden_size=_H, num_hidden_layers=2, num_attention_heads=_NH, intermediate_size=_I, image_size=32, patch_size=8,
+        num_labels=5, use_relative_position_bias=True, drop_path_rate=0.0, **_NO_DROPOUT), "image"),
+    "mobilevit": ("MobileViTConfig", "MobileViTForImageClassification", dict(
+        image_size=32, patch_size=2, hidden_sizes=[16, 16, 16], neck_hidden_sizes=[8, 8, 16, 16, 16, 32, 32],
+        num_attention_heads=2, num_labels=5, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+        classifier_dropout_prob=0.0), "image"),
     "clip_vision": ("CLIPVisionConfig", "CLIPVisionModelWithProjection", dict(
         hidden_size=_H, intermediate_size=_I, num_hidden_layers=_L, num_attention_heads=_NH, image_size=32,
         patch_size=8, projection_dim=16), "vision"),
@@ -94,6 +128,9 @@ def architecture_batch(name: str, seed: int = 1, batch: int = 4, seq: int = 16) 
     another sequence for BART), or 32x32 images (with a class each for a classifier)."""
     generator = torch.Generator().manual_seed(seed)
     kind = ARCHITECTURES[name][3]
+    if kind == "speech":  # log-mel features of 32 frames, and 8 tokens of transcript each
+        return {"input_features": torch.randn(batch, 8, 32, generator=generator),
+                "labels": torch.randint(3, _V, (batch, 8), generator=generator)}
     if kind in ("image", "vision"):
         images = {"pixel_values": torch.randn(batch, 3, 32, 32, generator=generator)}
         return {**images, "labels": torch.randint(0, 5, (batch,), generator=generator)} if kind == "image" else images
