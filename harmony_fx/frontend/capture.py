@@ -170,6 +170,8 @@ _UNKNOWN_OUTPUT = re.compile(r"Found <class '([\w.]+)'> in output")
 _DATA_DEPENDENT = ("data-dependent", "data dependent", "GuardOnDataDependentSymNode")
 # export names the user frame it stopped in: "Caused by: (path/model.py:1062 in forward)"
 _CAUSED_BY = re.compile(r"Caused by: \(([^()\n]+?:\d+ in \w+)\)")
+# a data-dependent guard names the user's frame it came from, with its code
+_RAISED_BY = re.compile(r'The following call raised this error:\n\s*File "([^"\n]+)", line (\d+), in (\w+)\n\s*(\S[^\n]*)')
 
 
 def _capture_failure_message(model: nn.Module, export_error: Exception, trace_error: Exception,
@@ -192,7 +194,10 @@ def _where_and_labels(export_error: Exception, kwargs: dict) -> str:
     ``if label_index.size(0) > 0``), how to keep the loss out of the graph."""
     # a frame inside torch (export's own __torch_function__) says nothing about the model
     torch_dir = pathlib.Path(torch.__file__).parent
-    where = [w for w in _CAUSED_BY.findall(str(export_error)) if not (torch_dir / w.split(":")[0]).exists()]
+    message = str(export_error)
+    where = [f"{path}:{line} in {function}: {code.strip()}" for path, line, function, code in _RAISED_BY.findall(message)
+             if not pathlib.Path(path).is_relative_to(torch_dir)]
+    where += [w for w in _CAUSED_BY.findall(message) if not (torch_dir / w.split(":")[0]).exists()]
     text = f" The model's code at {where[0]}." if where else ""
     if "labels" in kwargs:
         text += (" If that is the loss computed from labels, call the model without labels and compute the loss "

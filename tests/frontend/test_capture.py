@@ -108,6 +108,7 @@ def test_data_dependent_control_flow_is_refused_with_advice():
     assert "symbolic_trace" in message
     assert "DataDependent" in message
     assert "torch.where" in message and "torch.cond" not in message  # what to do instead (harmony refuses cond)
+    assert "test_capture.py:" in message and "in forward: if x.sum() > 0:" in message  # the model's line
     assert isinstance(info.value, ValueError) and harmony_fx.CaptureError is CaptureError
 
 
