@@ -332,7 +332,7 @@ class Trainer:
         """Wait for the last step's state to reach the NVMe tier (``flush``), put the fp32 masters
         the tier held back into the model's parameters (which held their bf16 copies), and stop the
         device's stream threads (each step's update worker stops with the step) and, across
-        processes, the group the Trainer made for its updates' collectives."""
+        processes, the two gloo groups the Trainer made (their threads joined)."""
         try:
             self.flush()
             if self._tier is not None:

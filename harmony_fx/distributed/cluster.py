@@ -7,12 +7,13 @@ failed, the check that the ranks planned alike, checkpoints); the *worker* group
 thread that runs the host updates, carries each pack's gradients and weights. Collectives of one
 group are issued by one thread at a time, in the same order on every rank.
 
-The groups are the Trainer's own so that it can end them: ``close`` (also run at the interpreter's
-exit, before it finalizes) destroys them, which joins gloo's worker threads. A gloo thread lets go of
-a finished collective's tensors just after the caller has been told it finished; where it is the
-last holder of a tensor that Python had, letting go takes the GIL, and if the interpreter is
-finalizing by then, taking the GIL ends the thread inside C++ and the process aborts ("terminate
-called without an active exception"). Joined before the exit, no thread is left to do that.
+The groups are the Trainer's own so that it can end them: ``close``, or the Cluster's finalizer
+when it is collected or the interpreter exits (before it finalizes), destroys them, which joins
+gloo's worker threads. A gloo thread lets go of a finished collective's tensors just after the
+caller has been told it finished; where it is the last holder of a tensor that Python had, letting
+go takes the GIL, and if the interpreter is finalizing by then, taking the GIL ends the thread
+inside C++ and the process aborts ("terminate called without an active exception"). Joined before
+the exit, no thread is left to do that.
 
 A collective that fails (a peer died, or hung past the group's timeout) leaves its group unusable:
 ``PeerError`` names the ranks that did not report the failure themselves within a few seconds, which
@@ -20,7 +21,6 @@ are the dead or hung ones, so the process can exit and ``torchrun`` restart it f
 """
 from __future__ import annotations
 
-import atexit
 import datetime
 import time
 import weakref
@@ -54,38 +54,38 @@ class Cluster:
             timeout = datetime.timedelta(seconds=timeout)
         self.timeout = timeout
         ranks = dist.get_process_group_ranks(group)
-        self.control_group = dist.new_group(ranks, timeout=timeout, backend="gloo")
-        self.worker_group = dist.new_group(ranks, timeout=timeout, backend="gloo")
-        self._mesh = None
+        # the groups (and the checkpoints' mesh over one of them) live only here, so that ending
+        # them lets go of the last references
+        self._owned = {"control": dist.new_group(ranks, timeout=timeout, backend="gloo"),
+                       "worker": dist.new_group(ranks, timeout=timeout, backend="gloo")}
         self._store = _default_store()
         self._post("begun", -1)
         self._post("failed", -1)
         self.barrier()
-        # a weak reference: the hook neither keeps a Trainer alive nor runs for one already closed
-        self._close_at_exit = _close_at_exit(weakref.ref(self))
-        atexit.register(self._close_at_exit)
+        # at close, when the Cluster is collected, or at the interpreter's exit, whichever comes first
+        # (weakref.finalize runs what is left at exit, before the interpreter finalizes)
+        self._end = weakref.finalize(self, _end, self._owned)
 
     def close(self) -> None:
-        """Destroy the two groups made here, so that their gloo threads are joined now, not at the
-        interpreter's exit (the module docstring). Done already where the caller destroyed every
-        group (``destroy_process_group()``)."""
-        groups = [group for group in (self.control_group, self.worker_group) if group is not None]
-        self.control_group = self.worker_group = self._mesh = None
-        atexit.unregister(self._close_at_exit)
-        for group in groups:
-            if dist.is_initialized():
-                try:
-                    dist.destroy_process_group(group)
-                except ValueError:  # "Invalid process group": destroyed already
-                    pass
+        """End the groups now (``_end``)."""
+        self._end()
+
+    @property
+    def control_group(self) -> dist.ProcessGroup | None:
+        return self._owned.get("control")
+
+    @property
+    def worker_group(self) -> dist.ProcessGroup | None:
+        return self._owned.get("worker")
 
     def mesh(self):
-        """The processes as a one-dimensional DeviceMesh (checkpoints store shards as DTensors)."""
-        if getattr(self, "_mesh", None) is None:
+        """The processes as a one-dimensional DeviceMesh over the control group (checkpoints store
+        shards as DTensors)."""
+        if "mesh" not in self._owned:
             from torch.distributed.device_mesh import DeviceMesh
 
-            self._mesh = DeviceMesh.from_group(self.control_group, "cpu")
-        return self._mesh
+            self._owned["mesh"] = DeviceMesh.from_group(self.control_group, "cpu")
+        return self._owned["mesh"]
 
     # ------------------------------------------------------------------ this thread's exchanges
     def barrier(self) -> None:
@@ -181,12 +181,19 @@ class Cluster:
         return int(self._store.get(f"harmony_fx/{what}/{rank}").decode())
 
 
-def _close_at_exit(cluster: weakref.ref):
-    def close() -> None:
-        alive = cluster()
-        if alive is not None:
-            alive.close()
-    return close
+def _end(owned: dict) -> None:
+    """Destroy the two groups a Cluster made, and let go of them and of the mesh over them: torch
+    destroys each group here, with the GIL let go, joining its gloo threads (the module docstring).
+    Harmless twice, or after the caller destroyed every group (``destroy_process_group()``)."""
+    owned.pop("mesh", None)
+    for name in ("control", "worker"):
+        group = owned.pop(name, None)
+        if group is not None and dist.is_initialized():
+            try:
+                dist.destroy_process_group(group)
+            except ValueError:  # "Invalid process group": destroyed already
+                pass
+        del group
 
 
 def _all_gather():

@@ -1,6 +1,7 @@
 """What each rank runs (``launch.py``), and the one-process runs they are compared with."""
 from __future__ import annotations
 
+import copy
 import pathlib
 
 import torch
@@ -93,9 +94,18 @@ def closed(rank: int, world: int, out: pathlib.Path) -> dict:
     harmless."""
     import torch.distributed as dist
 
+    import gc
+
     dist.barrier()  # the caller's group starts its gloo threads at its first collective
     callers = gloo_threads()
     model, batches = model_and_batches(world, 1)
+    copied = copy.deepcopy(model)
+    dropped = harmony_fx.Trainer(copied, loss_fn, optimizer_of(copied), local(batches[0], rank), devices=["host:0"],
+                                 microbatches=MICROBATCHES, pack_boundaries=PACKS)
+    dropped.step(local(batches[0], rank))
+    del dropped, copied
+    gc.collect()
+    collected_threads = gloo_threads()  # a Trainer collected unclosed ends its groups too
     trainer = harmony_fx.Trainer(model, loss_fn, optimizer_of(model), local(batches[0], rank), devices=["host:0"],
                                  microbatches=MICROBATCHES, pack_boundaries=PACKS)
     trainer.step(local(batches[0], rank))
@@ -115,7 +125,11 @@ def closed(rank: int, world: int, out: pathlib.Path) -> dict:
     # the launcher destroys the group it made once this returns
     dist.init_process_group("gloo", init_method=f"file://{out / 'again'}", rank=rank, world_size=world)
     return {"before": registered_before, "after": registered_after, "world_kept": together.item() == world,
-            "threads": (callers, open_threads, closed_threads)}
+            "threads": (callers, collected_threads, open_threads, closed_threads)}
+
+
+class _Witness:
+    """An object alive until the interpreter exits, whose finalizer counts what is left then."""
 
 
 _KEPT_TO_THE_EXIT = []
@@ -123,22 +137,23 @@ _KEPT_TO_THE_EXIT = []
 
 def left_open(rank: int, world: int, out: pathlib.Path) -> dict:
     """A Trainer alive until the interpreter exits, never closed (a script's global), the caller's
-    group destroyed as a script ends (the launcher): the hook the Trainer registered joins its groups'
-    threads before the interpreter finalizes; a hook registered before the Trainer's runs after it
-    and counts the gloo threads left."""
-    import atexit
+    group destroyed as a script ends (the launcher): the Trainer's finalizer joins its groups'
+    threads at the exit, before the interpreter finalizes; a finalizer made before the Trainer's runs
+    after it and counts the gloo threads left."""
+    import weakref
 
     import torch.distributed as dist
 
     dist.barrier()  # the caller's group starts its gloo threads at its first collective
     callers = gloo_threads()
-    atexit.register(lambda: torch.save(gloo_threads(), out / f"exit{rank}.pt"))
+    witness = _Witness()  # at the exit, finalizers run newest first: this one after the Trainer's
+    weakref.finalize(witness, lambda: torch.save(gloo_threads(), out / f"exit{rank}.pt"))
     model, batches = model_and_batches(world, 2)
     trainer = harmony_fx.Trainer(model, loss_fn, optimizer_of(model), local(batches[0], rank), devices=["host:0"],
                                  microbatches=MICROBATCHES, pack_boundaries=PACKS)
     for batch in batches:
         trainer.step(local(batch, rank))
-    _KEPT_TO_THE_EXIT.append(trainer)
+    _KEPT_TO_THE_EXIT.extend([trainer, witness])
     return {"callers": callers, "open": gloo_threads()}
 
 

@@ -43,13 +43,13 @@ def test_ranks_that_cut_the_model_differently_are_refused(tmp_path):
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads by their names in /proc")
 def test_close_destroys_the_groups_the_trainer_made(tmp_path):
-    """Their gloo threads are joined at ``close``, not whenever the interpreter's exit gets to them
-    (a checkpoint's mesh keeps none alive); the caller's own group stays, and closing twice, or after
-    ``destroy_process_group()``, is fine."""
+    """Their gloo threads are joined at ``close``, or when an unclosed Trainer is collected, not
+    whenever the interpreter's exit gets to them (a checkpoint's mesh keeps none alive); the caller's
+    own group stays, and closing twice, or after ``destroy_process_group()``, is fine."""
     for rank in launch.run("closed", 2, tmp_path):
-        callers, open_threads, closed_threads = rank.pop("threads")
+        callers, collected_threads, open_threads, closed_threads = rank.pop("threads")
         assert rank == {"before": [True, True], "after": [False, False], "world_kept": True}
-        assert open_threads > callers > 0 and closed_threads == callers
+        assert open_threads > callers > 0 and closed_threads == callers == collected_threads
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads by their names in /proc")
