@@ -76,6 +76,9 @@ _LABELLED_LOSSES = {aten.cross_entropy_loss.default, aten.nll_loss_nd.default, a
                     aten.nll_loss2d.default, aten.nll_loss_forward.default}
 _MEAN_REDUCTION, _SUM_REDUCTION = 1, 2  # at::Reduction
 _SHARED = object()  # a term of a sum that does not depend on the batch
+# ops that make a tensor of a size given as numbers, which the capture fixed (perhaps the batch's)
+_SIZED_FROM_NUMBERS = {aten.expand.default, aten.repeat.default, aten.new_empty.default, aten.new_zeros.default,
+                       aten.new_ones.default, aten.new_full.default}
 
 
 def scalar_reduction(gm: fx.GraphModule, node: fx.Node) -> ScalarReduction:
@@ -156,8 +159,9 @@ def _scaled(divisor: float | None, factor: float) -> float:
 
 def _sources(node: fx.Node) -> tuple[list[fx.Node], list[fx.Node]]:
     """What ``node`` is computed from that may differ between microbatches: the model's input
-    placeholders, and tensors of a size made inside the model from no tensor (``torch.rand(x.shape[0],
-    ...)``: a size the capture baked in, which may be the microbatch's)."""
+    placeholders, and tensors made inside the model at a size given as numbers, from no tensor
+    (``torch.rand(x.shape[0], ...)``) or larger than their tensor (``cls_token.expand(x.shape[0], ...)``):
+    a size the capture baked in, which may be the microbatch's."""
     seen: set[fx.Node] = set()
     stack, inputs, made = [node], [], []
     while stack:
@@ -167,7 +171,8 @@ def _sources(node: fx.Node) -> tuple[list[fx.Node], list[fx.Node]]:
         seen.add(current)
         if current.op == "placeholder" and meta.role_of(current) == meta.Role.INPUT:
             inputs.append(current)
-        elif current.op == "call_function" and not current.all_input_nodes and _sized(current):
+        elif current.op == "call_function" and _sized(current) and (
+                not current.all_input_nodes or (current.target in _SIZED_FROM_NUMBERS and _grows(current))):
             made.append(current)
         stack.extend(current.all_input_nodes)
     return inputs, made
@@ -176,6 +181,11 @@ def _sources(node: fx.Node) -> tuple[list[fx.Node], list[fx.Node]]:
 def _sized(node: fx.Node) -> bool:
     value = node.meta.get(meta.VAL)
     return isinstance(value, torch.Tensor) and value.dim() > 0
+
+
+def _grows(node: fx.Node) -> bool:
+    source = node.args[0].meta.get(meta.VAL)
+    return isinstance(source, torch.Tensor) and node.meta[meta.VAL].numel() > source.numel()
 
 
 def _unknown_size(origin: fx.Node, made: fx.Node, how: str) -> ScalarReduction:

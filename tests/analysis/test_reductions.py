@@ -61,6 +61,9 @@ def test_what_cannot_be_put_back_together_says_why(loss, why) -> None:
     assert reduction.combine is None and why in reduction.why
 
 
+_ROW = torch.ones(1, 3)  # a constant the loss expands to the batch's size
+
+
 def _masked_mean(out, target):
     """A mean over a random half of the elements, as ViTMAE's loss: the mask is made inside the
     model at the size of the batch the capture saw."""
@@ -69,14 +72,15 @@ def _masked_mean(out, target):
 
 
 @pytest.mark.parametrize("loss, why", [
-    (_masked_mean, "divides by a number computed from"),
-    (lambda out, target: (out - target).pow(2).mean() + 0.1 * torch.rand(out.shape[0]).sum(), "adds a number"),
+    (_masked_mean, "divides by a number computed from rand"),
+    (lambda out, target: (out - target).pow(2).mean() + 0.1 * torch.rand(out.shape[0]).sum(), "rand"),
+    (lambda out, target: (out - target).pow(2).mean() + _ROW.expand(out.shape[0], 3).sum(), "expand"),
 ])
 def test_a_tensor_made_inside_the_model_at_the_batchs_size_is_not_taken_for_a_constant(loss, why) -> None:
-    """Made from no input, it still has the size of the batch the capture saw: dividing by it (or
-    adding it) is not a number every microbatch shares."""
+    """Made from no input (or from a constant, expanded), it still has the size of the batch the
+    capture saw: dividing by it (or adding it) is not a number every microbatch shares."""
     reduction, _ = _reduction(loss, torch.randn(6, 3))
-    assert reduction.combine is None and why in reduction.why and "rand" in reduction.why
+    assert reduction.combine is None and "a tensor made inside the model" in reduction.why and why in reduction.why
 
 
 def test_a_number_made_without_any_size_stays_a_constant() -> None:
