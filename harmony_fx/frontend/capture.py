@@ -77,13 +77,9 @@ def capture(model: nn.Module, args: tuple, kwargs: dict | None = None, stack_tra
         args = (args,)
     kwargs = dict(kwargs or {})
     with _grads_set_aside(model):
-        captured = _capture(model, args, kwargs, stack_traces)
-        bound_sizes(captured.gm)
-        found = first_refused(captured.gm)
-        if found is not None and not stack_traces:  # to name the line it is on
-            captured = _capture(model, args, kwargs, stack_traces=True)
-            bound_sizes(captured.gm)
-            found = first_refused(captured.gm)
+        captured, found = _bounded_capture(model, args, kwargs, stack_traces)
+        if found is not None and not stack_traces:  # again with traces, to name the line it is on
+            captured, found = _bounded_capture(model, args, kwargs, stack_traces=True)
     if found is not None:
         raise refusal(found)
     captured.reductions = _scalar_reductions(captured.gm)
@@ -155,6 +151,14 @@ def _register_output_dataclasses(model: nn.Module, args: tuple, kwargs: dict) ->
     for cls in found:
         torch.export.register_dataclass(cls)
     return bool(found)
+
+
+def _bounded_capture(model: nn.Module, args: tuple, kwargs: dict, stack_traces: bool):
+    """The capture with its sizes bounded (``passes.bound_sizes``), and the first construct
+    ``frontend.refusals`` refuses in it (``None``: none)."""
+    captured = _capture(model, args, kwargs, stack_traces)
+    bound_sizes(captured.gm)
+    return captured, first_refused(captured.gm)
 
 
 def _scalar_reductions(gm: fx.GraphModule) -> dict[str, ScalarReduction]:

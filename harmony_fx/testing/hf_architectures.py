@@ -125,7 +125,8 @@ def build_architecture(name: str, seed: int = 0) -> nn.Module:
 
 def architecture_batch(name: str, seed: int = 1, batch: int = 4, seq: int = 16) -> dict[str, torch.Tensor]:
     """Keyword inputs for ``name``'s kind: token ids with labels (the ids again for a language model,
-    another sequence for BART), or 32x32 images (with a class each for a classifier)."""
+    another sequence for BART), log-mel features with a transcript (Whisper), or 32x32 images (with a
+    class each for a classifier)."""
     generator = torch.Generator().manual_seed(seed)
     kind = ARCHITECTURES[name][3]
     if kind == "speech":  # log-mel features of 32 frames, and 8 tokens of transcript each
