@@ -20,7 +20,8 @@ state with the call's activations. The backend
 A call that compiles raises what the compile raised. Dynamo calls the same compiled frame again on
 the next call, so a ``BudgetTooSmallError`` (no packing of this graph fits the budget at these
 shapes) is remembered and raised again without planning anew: it cannot change for the same graph,
-shapes and options.
+shapes and options. So is the refusal of ``precision="bf16"`` for a graph in which Dynamo baked a
+computation in fp32 (``_dtypes_dynamo_baked``).
 
 Microbatches run the graph at a smaller batch, so its batch dim must be symbolic: with Dynamo's
 default static shapes the batch size is baked into the graph (``x.view(8, -1)``), and the backend
@@ -44,10 +45,13 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import fx, nn
 from torch.fx import traceback as fx_traceback
+from torch.utils import _pytree as pytree
 
 from harmony_fx.api import HarmonyModule, compile as harmony_compile
 from harmony_fx.compiler.packing import BudgetTooSmallError
 from harmony_fx.config import check_option_names, option_names, with_environment
+from harmony_fx.frontend.refusals import model_line
+from harmony_fx.ir import meta
 
 __all__ = ["harmony"]
 
@@ -185,7 +189,7 @@ class _Compiled:
     def __init__(self, gm: fx.GraphModule, inputs: Sequence[_Input], options: dict) -> None:
         self.gm, self.inputs, self.options = gm, list(inputs), options
         self.modules: dict[tuple, tuple[_DynamoGraph, HarmonyModule]] = {}
-        self.refusals: dict[tuple, BudgetTooSmallError] = {}  # activation shapes -> the compile's refusal
+        self.refusals: dict[tuple, Exception] = {}  # activation shapes -> the compile's refusal
 
     @property
     def harmony_modules(self) -> list[HarmonyModule]:
@@ -201,15 +205,24 @@ class _Compiled:
                 raise refusal.with_traceback(None)
             module = _DynamoGraph(self.gm, self.inputs, args)
             try:
-                self.modules[key] = module, harmony_compile(module, tuple(activations), **self.options)
+                hm = harmony_compile(module, tuple(activations), **self.options)
             except BudgetTooSmallError as error:
-                error.add_note("harmony_fx: remembered for this graph at these shapes and options: later calls raise "
-                               "it again without planning")
-                self.refusals[key] = error
-                raise
+                raise self._remembered(key, error)
+            baked = _dtypes_dynamo_baked(hm)
+            if baked is not None:
+                raise self._remembered(key, baked)
+            self.modules[key] = module, hm
         module, hm = self.modules[key]
         self._check_state(module, args)
         return hm(*activations)
+
+    def _remembered(self, key: tuple, error: Exception) -> Exception:
+        """``error``, kept to be raised again at the next call with ``key``: it cannot change for the
+        same graph, shapes and options."""
+        error.add_note("harmony_fx: remembered for this graph at these shapes and options: later calls raise "
+                       "it again without planning")
+        self.refusals[key] = error
+        return error
 
     def _check_state(self, module: _DynamoGraph, args: Sequence[Any]) -> None:
         """The harmony program was planned around the model's tensor objects and the numbers of the
@@ -221,6 +234,30 @@ class _Compiled:
             if item.kind == _Kind.CONSTANT and not _same(args[index], module.constants[index]):
                 raise ValueError(f"the graph input {item.name!r} is {args[index]!r} but was {module.constants[index]!r} "
                                  "when harmony compiled the graph; call torch._dynamo.reset() and compile again.")
+
+
+def _dtypes_dynamo_baked(hm: HarmonyModule) -> ValueError | None:
+    """Under ``precision="bf16"`` harmony captures a model as it runs on bf16 tensors, so the casts
+    that follow a tensor's dtype follow bf16 (``frontend.compute_dtype``). Dynamo's graph has them
+    baked already: it turns ``x.to(query.dtype)`` into a cast to the fp32 it saw, and an fp32
+    value would then meet bf16 weights. The error that says where, instead of a failure inside the
+    first run (``None``: the graph computes in bf16 throughout)."""
+    dtype = hm.options.compute_dtype
+    if dtype is None:
+        return None
+    for node in hm.captured.gm.graph.nodes:
+        wide = [leaf.dtype for leaf in pytree.tree_leaves(node.meta.get("val"))
+                if isinstance(leaf, torch.Tensor) and leaf.is_floating_point() and leaf.dtype.itemsize > dtype.itemsize]
+        if node.op == "call_function" and wide:
+            line = model_line(node)
+            return ValueError(
+                f"precision={hm.options.precision!r} through torch.compile: Dynamo's graph computes "
+                f"{meta.describe(node)} in {wide[0]}" + (f" (the model's `{line}`)" if line else "") + ". Dynamo "
+                "bakes in the dtypes it saw (x.to(query.dtype) becomes a cast to float32), and that value would "
+                "meet bf16 weights. Compile the model with harmony_fx.compile(model, ..., precision='bf16'), "
+                "which captures it as it runs in bf16, or keep precision='fp32' and train under "
+                "torch.autocast(device_type, dtype=torch.bfloat16).")
+    return None
 
 
 def _same(a: Any, b: Any) -> bool:

@@ -187,3 +187,45 @@ def test_a_refused_budget_is_remembered_for_the_same_graph_and_shapes(monkeypatc
     with pytest.raises(BudgetTooSmallError):
         compiled(torch.randn(4, 16))  # another shape: Dynamo's graph is new or dynamic, planned again
     assert len(compiles) == 2
+
+
+class _CastsToDouble(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.second = nn.Linear(8, 8), nn.Linear(8, 4)
+
+    def forward(self, x):
+        h = torch.relu(self.first(x)).double()
+        return self.second(h.to(x.dtype))
+
+
+def test_bf16_trains_a_graph_dynamo_left_in_the_input_dtype_like_the_model_in_bf16():
+    torch.manual_seed(0)
+    model = MLPChain(width=16, depth=4)
+    reference = copy.deepcopy(model).to(torch.bfloat16)
+    compiled = torch.compile(model, backend="harmony", options={"precision": "bf16", "devices": ["host:0"]})
+    x = torch.randn(8, 16)
+    out, expected = compiled(x), reference(x.to(torch.bfloat16))
+    assert out.dtype == torch.float32 and torch.equal(out, expected.float())
+    out.sum().backward()
+    expected.float().sum().backward()
+    for param, ref in zip(model.parameters(), reference.parameters()):
+        assert torch.equal(param.grad, ref.grad.float())
+
+
+def test_bf16_refuses_a_graph_in_which_dynamo_baked_a_wider_float_naming_the_line(monkeypatch):
+    """Dynamo bakes ``h.to(x.dtype)`` as a cast to the fp32 it saw: under bf16 that value would meet
+    bf16 weights. Refused naming the model's line and what to do, once: remembered after."""
+    import harmony_fx.backend as backend
+
+    compiles = []
+    harmony_compile = backend.harmony_compile
+    monkeypatch.setattr(backend, "harmony_compile", lambda *a, **k: compiles.append(1) or harmony_compile(*a, **k))
+    compiled = torch.compile(_CastsToDouble(), backend="harmony", options={"precision": "bf16", "devices": ["host:0"]})
+    for _ in range(2):
+        with pytest.raises(ValueError) as info:
+            compiled(torch.randn(4, 8))
+        message = str(info.value)
+        assert "torch.float64" in message and "`h = torch.relu(self.first(x)).double()`" in message, message
+        assert "harmony_fx.compile(model, ..., precision='bf16')" in message
+    assert compiles == [1]

@@ -545,20 +545,3 @@ def test_an_error_on_one_of_several_devices_leaves_the_step_undone(parallel, mon
         assert trainer.step_count == 2
     finally:
         trainer.close()
-
-
-class CastsToDouble(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.first, self.second = nn.Linear(8, 8), nn.Linear(8, 4)
-
-    def forward(self, x):
-        h = torch.relu(self.first(x)).double()
-        return self.second(h.to(x.dtype))
-
-
-def test_a_cast_to_a_wider_float_under_bf16_is_refused_naming_the_models_line():
-    with pytest.raises(ValueError) as info:
-        harmony_fx.compile(CastsToDouble(), (torch.randn(4, 8),), precision="bf16")
-    message = str(info.value)
-    assert "at 'h = torch.relu(self.first(x)).double()'" in message, message  # the model's line

@@ -53,9 +53,6 @@ from harmony_fx.compiler.stages import StageLog, progress_to_stderr
 from harmony_fx.compiler.variants import Variant, capture_variant, check_same_layers
 from harmony_fx.config import CompileOptions, format_size
 from harmony_fx.frontend import microbatch
-from harmony_fx.frontend.capture import capture
-from harmony_fx.frontend.refusals import model_line
-from harmony_fx.ir import meta
 from harmony_fx.lowering.tier_io import insert_tier_io
 from harmony_fx.passes.split_packs import annotate_packs
 from harmony_fx.planner.chain import Schedule
@@ -123,7 +120,7 @@ def _compile_program(model: nn.Module, args: tuple, kwargs: dict, options: Compi
         batch = _batch_or_none(example)
         if batch is not None and batch >= 1:
             whole = log.run("capture whole batch", capture_variant, model, None, args, kwargs,
-                            devices[0].torch_device, decision=_describe_variant)
+                            devices[0].torch_device, options.compute_dtype, decision=_describe_variant)
             analysis = log.run("analyze batch", _analyze_batch, whole, batch, flat_dims, decision=_describe_batch)
             schedules = log.run("choose schedule", choose_schedules, whole.captured.gm, model, batch, devices,
                                 devices[0].budget, options, analysis.separable, trainer, decision=_describe_schedules)
@@ -197,16 +194,13 @@ def _from_layout(log: StageLog, example: _Example, devices: list, options: Compi
     layout = log.run("lay out", decide_layout, schedule, options, len(devices), example.batch_size,
                      decision=Layout.describe)
     variants = log.run("capture microbatches", _capture_microbatches, example, layout, whole,
-                       devices[0].torch_device, decision=lambda v: "the whole batch's graph" if None in v
+                       devices[0].torch_device, options.compute_dtype, decision=lambda v: "the whole batch's graph" if None in v
                        else f"{len(v)} graph(s), at microbatch sizes " + ", ".join(map(str, v)))
     primary = variants[layout.mb_sizes[0]]
     if analysis is None:
         analysis = log.run("analyze batch", _analyze_largest, example, variants, layout, decision=_describe_batch)
     if schedule is None:
         _warn_if_cut_changes_results(layout, analysis)
-    if options.precision == "bf16":
-        log.run("check precision", _refuse_fixed_float_casts, primary.captured.gm, example,
-                decision=lambda _: "no fp32 casts")
     example_flat = primary.captured.flatten_inputs(*microbatch.split_call(
         example.call, example.dims, [s for s in layout.mb_sizes if s] or [0])[0])
     signature = log.run("signature", program_signature, primary.captured, [x.requires_grad for x in example_flat],
@@ -302,7 +296,8 @@ def _batch_or_none(example: _Example) -> int | None:
         return None  # no batch to cut
 
 
-def _capture_microbatches(example: _Example, layout: Layout, whole: Variant | None, target) -> dict:
+def _capture_microbatches(example: _Example, layout: Layout, whole: Variant | None, target,
+                          dtype: torch.dtype | None) -> dict:
     """A graph per distinct microbatch size: the backward's, and the forward's where larger."""
     variants: dict[int | None, Variant] = {}
     backward_sizes, forward_sizes = layout.mb_sizes, layout.sizes[layout.num_microbatches:]
@@ -311,7 +306,7 @@ def _capture_microbatches(example: _Example, layout: Layout, whole: Variant | No
         for size, (mb_args, mb_kwargs) in zip(sizes, calls):
             if size not in variants:
                 variants[size] = whole if size is None and whole is not None else capture_variant(
-                    example.model, size, mb_args, mb_kwargs, target)
+                    example.model, size, mb_args, mb_kwargs, target, dtype)
     check_same_layers(variants, backward_sizes, forward_sizes)
     return variants
 
@@ -441,24 +436,6 @@ def _steps(actions: list[Action], packs) -> list[str]:
             upcoming = f"UPDATE on the host: parameters last used by p{action.pack}"
         labels[index] = upcoming or "end of the iteration"
     return labels
-
-
-def _refuse_fixed_float_casts(gm: fx.GraphModule, example: _Example) -> None:
-    """bf16 runs the captured graph on bf16 tensors; a cast to fp32 inside it (``x.float()``) would
-    meet bf16 weights. Say where, instead of failing deep inside the first run: the model's line,
-    from a capture of the example with stack traces (its node of the same name)."""
-    casts = {torch.ops.aten._to_copy.default, torch.ops.aten.to.dtype, torch.ops.aten.to.dtype_layout,
-             torch.ops.aten._assert_tensor_metadata.default}
-    for node in gm.graph.nodes:
-        if node.target in casts and node.kwargs.get("dtype") in (torch.float32, torch.float64):
-            traced = {n.name: n for n in
-                      capture(example.model, example.args, example.kwargs, stack_traces=True).gm.graph.nodes}
-            same = traced.get(node.name)
-            line = model_line(same) if same is not None and same.target == node.target else None
-            raise ValueError(
-                f"precision='bf16': the model casts to {node.kwargs['dtype']} at {line or meta.describe(node)!r} "
-                f"(node {node.name}); remove the cast (harmony_fx computes in bf16 and keeps fp32 masters "
-                "itself) or use precision='fp32'.")
 
 
 # ----------------------------------------------------------------------------------- decisions

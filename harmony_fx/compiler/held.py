@@ -95,11 +95,10 @@ class _Measured:
     backward: int = 0
 
 
-def measure_held(gm: fx.GraphModule, layers: Sequence[Layer], read_after: Mapping[str, int], device: torch.device,
-                 compute_dtype: torch.dtype | None) -> list[LayerHeld]:
+def measure_held(gm: fx.GraphModule, layers: Sequence[Layer], read_after: Mapping[str, int],
+                 device: torch.device) -> list[LayerHeld]:
     """One ``LayerHeld`` per layer of ``gm``; ``read_after``: each value's last reading layer
-    (``len(layers)``: the graph's output); ``device``: where the packs run; ``compute_dtype``: the
-    dtype floating values compute in (``None``: their own)."""
+    (``len(layers)``: the graph's output); ``device``: where the packs run."""
     nodes = {node.name: node for node in gm.graph.nodes}
     measured: list[_Measured | None] = []
     # a layer that repeats one measured before (a transformer's blocks) is that one, renamed
@@ -120,7 +119,7 @@ def measure_held(gm: fx.GraphModule, layers: Sequence[Layer], read_after: Mappin
                     # a higher-order op (a no_grad region) sets grad mode around its subgraph and
                     # does not put it back if the subgraph raises: the context restores it
                     with torch.enable_grad():
-                        result = _measure(gm, layer_nodes, external, device, compute_dtype, outputs)
+                        result = _measure(gm, layer_nodes, external, device, outputs)
                     seen[signature] = result, names
             except Exception:  # noqa: BLE001 - not runnable on FakeTensors: the layer counts nothing
                 result = None
@@ -170,12 +169,12 @@ def _renamed(layer: _Measured, names: Mapping[str, str]) -> _Measured:
 
 
 def _measure(gm: fx.GraphModule, layer_nodes: list[fx.Node], external: list[fx.Node], device: torch.device,
-             compute_dtype: torch.dtype | None, outputs: set[str]) -> _Measured:
+             outputs: set[str]) -> _Measured:
     """The layer's run (``external``: the values it reads from outside it; ``outputs``: its values
     read after it), then its backward from its outputs into its inputs, as the backward of a pack
     ending with it runs it."""
     inner = {node.name for node in layer_nodes}
-    env: dict[str, object] = {node.name: _fresh(node, device, compute_dtype) for node in external}
+    env: dict[str, object] = {node.name: _fresh(node, device) for node in external}
     input_storages = {storage_key(t) for value in env.values() for t in tensors(value)}
     taken = {id(t): name for name, value in env.items() for t in tensors(value)}  # the layer's inputs, by tensor
     made_nodes: dict[str, list] = {}  # value -> the autograd nodes its tensors were made by
@@ -243,17 +242,15 @@ def _measure(gm: fx.GraphModule, layer_nodes: list[fx.Node], external: list[fx.N
     return result
 
 
-def _fresh(node: fx.Node, device: torch.device, compute_dtype: torch.dtype | None) -> object:
-    """A layer input as the planning run holds it: a FakeTensor on ``device`` (floating ones in the
-    compute dtype), a leaf requiring grad as its flags say."""
+def _fresh(node: fx.Node, device: torch.device) -> object:
+    """A layer input as the planning run holds it: a FakeTensor on ``device`` in the graph's dtype,
+    a leaf requiring grad as its flags say."""
     value = node.meta[meta.VAL] if node.op != "get_attr" else getattr(node.graph.owning_module, node.target)
     flags = iter(requires_grad_of(node))
 
     def fresh(t: torch.Tensor) -> torch.Tensor:
         wants = next(flags, False)
-        floating = t.is_floating_point()
-        dtype = compute_dtype if floating and compute_dtype is not None else t.dtype
-        return empty_fake(t.shape, t.stride(), dtype, device).requires_grad_(bool(wants) and floating)
+        return empty_fake(t.shape, t.stride(), t.dtype, device).requires_grad_(bool(wants) and t.is_floating_point())
 
     return map_tensors(fresh, value)
 

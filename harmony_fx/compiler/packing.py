@@ -381,7 +381,7 @@ class PackingBounds:
             variant = context.variants[context.layout.mb_sizes[0]]
             if len({target.type for target in context.targets}) == 1:
                 context.held.extend(measure_held(variant.captured.gm, variant.layers, self._read_after,
-                                                 context.targets[0], context.shapes.compute_dtype))
+                                                 context.targets[0]))
             else:  # the devices' kernels may keep different tensors: nothing is counted
                 context.held.extend(LayerHeld() for _ in variant.layers)
         return context.held

@@ -79,8 +79,8 @@ class Shapes:
 
     def key_bytes(self, key: Key, packs: Sequence[Pack]) -> int:
         """Bytes a copy of ``key`` moves (``packs``: the packing whose weights ``W[p]`` names)."""
-        if key.kind in (KeyKind.ACT, KeyKind.GRAD):
-            return pytrees.value_bytes(self.value_of(key), self.itemsize)
+        if key.kind in (KeyKind.ACT, KeyKind.GRAD):  # in the dtype the graph has for it
+            return pytrees.value_bytes(self.value_of(key))
         pack = packs[int(key.name[1:])]
         if key.kind == KeyKind.WEIGHTS:
             names = pack.params + pack.buffers
@@ -95,6 +95,7 @@ class Shapes:
         return sum(pytrees.value_bytes(self.masters[name], self.itemsize) for name in names)
 
     def itemsize(self, tensor: torch.Tensor) -> int:
+        """Bytes an element of the master ``tensor`` takes on a device (its copy's dtype)."""
         dtype = self.compute_dtype
         return dtype.itemsize if dtype is not None and tensor.is_floating_point() else tensor.element_size()
 

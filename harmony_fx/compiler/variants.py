@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Sequence
 
+import torch
 from torch import fx, nn
 
 from harmony_fx.analysis.requires_grad import annotate_requires_grad
@@ -38,10 +39,12 @@ class Variant:
         return {**self.captured.params, **self.captured.buffers}
 
 
-def capture_variant(model: nn.Module, size: int | None, args: tuple, kwargs: dict, target) -> Variant:
+def capture_variant(model: nn.Module, size: int | None, args: tuple, kwargs: dict, target,
+                    dtype: torch.dtype | None = None) -> Variant:
     """Capture ``model(*args, **kwargs)`` (a microbatch of ``size`` samples) for the device
-    ``target`` (a ``torch.device``): sizes, requires-grad flags and layers annotated."""
-    captured = capture(model, args, kwargs)
+    ``target`` (a ``torch.device``), computing in ``dtype`` (``None``: the model's own): sizes,
+    requires-grad flags and layers annotated."""
+    captured = capture(model, args, kwargs, dtype=dtype)
     retarget_device(captured.gm, target)
     annotate_sizes(captured.gm)
     flags = {name: x.requires_grad for name, x in zip(captured.inputs, captured.flatten_inputs(args, kwargs))}

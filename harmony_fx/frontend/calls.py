@@ -30,10 +30,21 @@ class Calls:
         self.mb_sizes = compiled.layout.mb_sizes
         self.inputs = compiled.captured.inputs
         self.outputs = compiled.signature.model_outputs
-        # read at every call: the dtype of each input and output as captured, and the output node's args
-        self._dtypes = {name: getattr(compiled.nodes[name].meta[meta.VAL], "dtype", None)
-                        for name in (*self.inputs, *self.outputs)}
+        # read at every call: the dtype of each input and output in the graph, the caller's dtype of
+        # each (they differ under a compute dtype: ``frontend.compute_dtype``), and the output node's args
+        self._graph_dtypes = {name: getattr(compiled.nodes[name].meta[meta.VAL], "dtype", None)
+                              for name in (*self.inputs, *self.outputs)}
+        self._dtypes = {**{name: self._caller_dtype(self._graph_dtypes[name]) for name in self.outputs},
+                        **{name: spec[1] for name, spec in zip(self.inputs, compiled.input_specs)}}
         self._output_args = compiled.captured.gm.graph.find_nodes(op="output")[0].args[0]
+
+    def _caller_dtype(self, dtype: torch.dtype | None) -> torch.dtype | None:
+        """An output computed in the compute dtype comes back in the masters' (their widest
+        floating dtype): under ``precision="bf16"`` the caller's model is the fp32 one."""
+        if dtype is None or dtype != self.compiled.options.compute_dtype:
+            return dtype
+        floating = [t.dtype for t in self.compiled.captured.params.values() if t.is_floating_point()]
+        return max(floating, key=lambda d: d.itemsize, default=dtype)
 
     # ------------------------------------------------------------------ calls in
     @property
@@ -79,12 +90,12 @@ class Calls:
             flat = variant.captured.flatten_inputs(mb_args, mb_kwargs)
             for given, name in zip(flat, self.inputs):
                 expected = variant.nodes[name].meta[meta.VAL]
-                if given.shape != expected.shape or given.dtype != expected.dtype:
+                if given.shape != expected.shape or given.dtype != self._dtypes[name]:
                     raise ValueError(
                         f"input {name!r} has shape {tuple(given.shape)} and dtype {given.dtype} in a microbatch, but "
-                        f"the model was compiled for {tuple(expected.shape)} and {expected.dtype}; compile again "
+                        f"the model was compiled for {tuple(expected.shape)} and {self._dtypes[name]}; compile again "
                         "for the new shape.")
-            per_mb.append(flat)
+            per_mb.append([self._in_graph_dtype(name, x) for name, x in zip(self.inputs, flat)])
         if [x.requires_grad for x in per_mb[0]] != [spec[2] for spec in compiled.input_specs]:
             raise ValueError("which inputs require grad differs from the example inputs; compile with inputs "
                              "that require grad exactly where the calls do.")
@@ -131,7 +142,11 @@ class Calls:
                 dim = self.compiled.output_dims.get(name, 0)
                 chunks = torch.split(grad, sizes, dim) if len(sizes) > 1 else (grad,)
             for mb, chunk in enumerate(chunks):
-                iteration.host_values[Key(KeyKind.GRAD, name, mb)] = chunk
+                iteration.host_values[Key(KeyKind.GRAD, name, mb)] = self._in_graph_dtype(name, chunk)
+
+    def _in_graph_dtype(self, name: str, value: torch.Tensor) -> torch.Tensor:
+        dtype = self._graph_dtypes[name]
+        return value if dtype is None or value.dtype == dtype else value.to(dtype)
 
     def input_grads(self, iteration) -> list[torch.Tensor | None]:
         """The gradient of each flat input on the whole batch (``None`` where it has none)."""

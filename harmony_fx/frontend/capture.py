@@ -34,6 +34,7 @@ from torch.utils import _pytree as pytree
 
 from harmony_fx.analysis.reductions import ScalarReduction, scalar_reduction
 from harmony_fx.ir import meta
+from harmony_fx.frontend.compute_dtype import in_compute_dtype
 from harmony_fx.frontend.decomposition_fixes import decomposition_fixes
 from harmony_fx.frontend.refusals import first_refused, refusal
 from harmony_fx.passes.bound_sizes import bound_sizes
@@ -67,19 +68,22 @@ class Captured:
     reductions: dict[str, ScalarReduction] = dataclasses.field(default_factory=dict)
 
 
-def capture(model: nn.Module, args: tuple, kwargs: dict | None = None, stack_traces: bool = False) -> Captured:
+def capture(model: nn.Module, args: tuple, kwargs: dict | None = None, stack_traces: bool = False,
+            dtype: torch.dtype | None = None) -> Captured:
     """Capture ``model(*args, **kwargs)``; see the module docstring. ``stack_traces``: each node's
     ``meta["stack_trace"]``, the model's line that made it (a fifth of export's time on a
-    transformer: taken only where an error names the line)."""
+    transformer: taken only where an error names the line). ``dtype``: the graph the model makes
+    with its floating parameters, buffers and inputs in that dtype (``frontend.compute_dtype``);
+    the placeholders still map to the model's own tensors."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"harmony_fx.compile expects an nn.Module, got {type(model).__name__}")
     if not isinstance(args, tuple):
         args = (args,)
     kwargs = dict(kwargs or {})
     with _grads_set_aside(model):
-        captured, found = _bounded_capture(model, args, kwargs, stack_traces)
+        captured, found = _bounded_capture(model, args, kwargs, stack_traces, dtype)
         if found is not None and not stack_traces:  # again with traces, to name the line it is on
-            captured, found = _bounded_capture(model, args, kwargs, stack_traces=True)
+            captured, found = _bounded_capture(model, args, kwargs, True, dtype)
     if found is not None:
         raise refusal(found)
     captured.reductions = _scalar_reductions(captured.gm)
@@ -102,20 +106,20 @@ def _grads_set_aside(model: nn.Module):
             param.grad = grad
 
 
-def _capture(model: nn.Module, args: tuple, kwargs: dict, stack_traces: bool) -> Captured:
+def _capture(model: nn.Module, args: tuple, kwargs: dict, stack_traces: bool, dtype: torch.dtype | None) -> Captured:
     try:
         try:
-            captured = _capture_with_export(model, args, kwargs, stack_traces)
+            captured = _capture_with_export(model, args, kwargs, stack_traces, dtype)
         except Exception:  # noqa: BLE001
             # a plain dataclass in the output: teach pytree to take it apart, then export again. Found by
             # its type in one FakeTensor run, not by export's message, whose wording changes between
             # torch versions (2.11 raises "unhashable type" where 2.13 says "Found <class> in output")
             if not _register_output_dataclasses(model, args, kwargs):
                 raise
-            captured = _capture_with_export(model, args, kwargs, stack_traces)
+            captured = _capture_with_export(model, args, kwargs, stack_traces, dtype)
     except Exception as export_error:  # noqa: BLE001 - every failure falls back to tracing
         try:
-            captured = _capture_with_symbolic_trace(model, args, kwargs)
+            captured = _capture_with_symbolic_trace(model, args, kwargs, dtype)
         except Exception as trace_error:  # noqa: BLE001
             raise CaptureError(_capture_failure_message(model, export_error, trace_error, kwargs)) from export_error
     return captured
@@ -153,10 +157,10 @@ def _register_output_dataclasses(model: nn.Module, args: tuple, kwargs: dict) ->
     return bool(found)
 
 
-def _bounded_capture(model: nn.Module, args: tuple, kwargs: dict, stack_traces: bool):
+def _bounded_capture(model: nn.Module, args: tuple, kwargs: dict, stack_traces: bool, dtype: torch.dtype | None):
     """The capture with its sizes bounded (``passes.bound_sizes``), and the first construct
     ``frontend.refusals`` refuses in it (``None``: none)."""
-    captured = _capture(model, args, kwargs, stack_traces)
+    captured = _capture(model, args, kwargs, stack_traces, dtype)
     bound_sizes(captured.gm)
     return captured, first_refused(captured.gm)
 
@@ -250,14 +254,19 @@ def _stack_traces(wanted: bool):
         config.do_not_emit_stack_traces = before
 
 
-def _capture_with_export(model: nn.Module, args: tuple, kwargs: dict, stack_traces: bool) -> Captured:
+def _capture_with_export(model: nn.Module, args: tuple, kwargs: dict, stack_traces: bool,
+                         dtype: torch.dtype | None) -> Captured:
     from torch.export.graph_signature import InputKind, OutputKind
 
+    traced = None if dtype is None else in_compute_dtype(model, args, kwargs, dtype)
     with warnings.catch_warnings(), decomposition_fixes(), _stack_traces(stack_traces):
         # nn.RNN/LSTM/GRU re-assign their own _flat_weights on every call: torch's advice to register
         # them as buffers is about torch's code, not the user's
         warnings.filterwarnings("ignore", message=r"The tensor attributes (\S+\._flat_weights\[\d+\](, )?)+ were")
-        exported = torch.export.export(model, args, kwargs, strict=False)
+        if traced is None:
+            exported = torch.export.export(model, args, kwargs, strict=False)
+        else:
+            exported = torch.export.export(traced.module, traced.args, traced.kwargs, strict=False)
     signature = exported.graph_signature
     unsupported = [spec for spec in signature.output_specs if spec.kind != OutputKind.USER_OUTPUT]
     if unsupported:
@@ -276,7 +285,8 @@ def _capture_with_export(model: nn.Module, args: tuple, kwargs: dict, stack_trac
             buffers[node.name] = named_buffers[spec.target]
             node.meta[meta.ROLE], node.meta[meta.TARGET] = meta.Role.BUFFER, spec.target
         elif spec.kind == InputKind.CONSTANT_TENSOR:
-            buffers[node.name] = exported.constants[spec.target]
+            constant = exported.constants[spec.target]
+            buffers[node.name] = constant if traced is None else traced.original(constant)
             node.meta[meta.ROLE], node.meta[meta.TARGET] = meta.Role.BUFFER, spec.target
         elif spec.kind == InputKind.USER_INPUT:
             # a non-tensor input (a float, a flag) is baked into the graph; its placeholder is unused
@@ -331,7 +341,7 @@ class _EnterEveryModuleTracer(fx.Tracer):
         return False
 
 
-def _capture_with_symbolic_trace(model: nn.Module, args: tuple, kwargs: dict) -> Captured:
+def _capture_with_symbolic_trace(model: nn.Module, args: tuple, kwargs: dict, dtype: torch.dtype | None) -> Captured:
     signature = inspect.signature(model.forward)
     bound = signature.bind(*args, **kwargs)
     bound.apply_defaults()
@@ -375,7 +385,10 @@ def _capture_with_symbolic_trace(model: nn.Module, args: tuple, kwargs: dict) ->
     example = {**{n: bound.arguments[_arg_name(n, tensor_arg_names)] for n in inputs},
                **params, **buffers}
     fake_mode = torch._subclasses.FakeTensorMode(allow_non_fake_inputs=True)
-    FakeTensorProp(gm, fake_mode).propagate(*[example[name] for name in placeholder_order])
+    values = [example[name] for name in placeholder_order]
+    if dtype is not None:  # the values the devices compute with (see frontend.compute_dtype)
+        values = [_fake_in(fake_mode, value, dtype) for value in values]
+    FakeTensorProp(gm, fake_mode).propagate(*values)
     out_structure: dict[str, Any] = {}
 
     def flatten_inputs(call_args: tuple, call_kwargs: dict) -> list[Any]:
@@ -396,6 +409,14 @@ def _capture_with_symbolic_trace(model: nn.Module, args: tuple, kwargs: dict) ->
         return pytree.tree_unflatten(flat, out_structure["spec"])
 
     return Captured(gm, params, buffers, inputs, flatten_inputs, unflatten_outputs, "torch.fx.symbolic_trace")
+
+
+def _fake_in(mode, value: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    fake = mode.from_tensor(value)
+    if not fake.is_floating_point() or fake.dtype == dtype:
+        return fake
+    with mode:
+        return fake.detach().to(dtype).requires_grad_(value.requires_grad)
 
 
 def _arg_name(placeholder_name: str, arg_names: list[str]) -> str:

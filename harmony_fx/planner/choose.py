@@ -46,9 +46,8 @@ def choose_schedules(gm: fx.GraphModule, model: nn.Module, batch_size: int, devi
     ``contiguous`` that is a no-op on a size-1 dim disappears), so every microbatch size more is
     a risk: the same schedule without its larger forward microbatches and packs (which the
     search simulated too), then with microbatches of one size."""
-    dtype = options.compute_dtype
-    profile = profile_graph("model", gm, batch_size, None if dtype is None else dtype.itemsize, options.precision,
-                            devices[0].torch_device.type)
+    # captured in the compute dtype: the graph's bytes are the devices' (no itemsize to apply)
+    profile = profile_graph("model", gm, batch_size, None, options.precision, devices[0].torch_device.type)
     microbatches = options.microbatches
     parallel = None if options.parallel == "auto" or len(devices) == 1 else options.parallel
     changes_results = _split_changes_results(gm, model)

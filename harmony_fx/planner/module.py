@@ -22,7 +22,8 @@ def simulate_module(hm, spec: DeviceSpec, host: HostSpec = HostSpec()) -> Simula
     prediction of what it measures (``harmony_fx.calibrate.spec_for(hm.device, hm.budget)``: its
     GPU's preset, or this machine measured for a HostDevice)."""
     size = hm.mb_sizes[0] or _batch_of(hm)
-    profile = profile_graph("model", hm.captured.gm, size, _itemsize(hm), hm.options.precision, _device_type(hm))
+    # captured in the compute dtype: the graph's bytes are the devices' (no itemsize to apply)
+    profile = profile_graph("model", hm.captured.gm, size, None, hm.options.precision, _device_type(hm))
     sizes = [s or size for s in hm.compiled.layout.sizes]  # the larger forward microbatches too
     programs = [forward + backward for forward, backward in hm.device_actions]
     measured = {key: value for memory in hm.task_memory for key, value in memory.items()}
@@ -38,18 +39,13 @@ def eager_seconds(hm, spec: DeviceSpec) -> float:
     device (reading and writing each parameter, its gradient and two moments: 28 bytes, at memory
     bandwidth): the figure a simulated harmony step on a GPU preset is set beside."""
     batch = _batch_of(hm)
-    profile = profile_graph("model", hm.captured.gm, batch, _itemsize(hm), hm.options.precision, _device_type(hm))
+    profile = profile_graph("model", hm.captured.gm, batch, None, hm.options.precision, _device_type(hm))
     compute = sum(sum(layer_seconds(layer, batch, spec, profile.precision)) for layer in profile.layers)
     return compute + 28 * profile.num_params / spec.memory_bandwidth
 
 
 def _device_type(hm) -> str:
     return hm.device.torch_device.type
-
-
-def _itemsize(hm) -> int | None:
-    dtype = hm.options.compute_dtype
-    return None if dtype is None else dtype.itemsize
 
 
 def _batch_of(hm) -> int:

@@ -138,7 +138,7 @@ class Runtime:
                                                      len(pack.params))
             else:
                 with _DeviceContext(device, " while copying {} to the device", key_text):
-                    value = pytrees.map_tensors(lambda t: device.to_device(self._compute_dtype(t)), self.host_values[key])
+                    value = pytrees.map_tensors(device.to_device, self.host_values[key])
             self.record.count(Stream.H2D, key, value)
             self.device_values[key] = value
 
@@ -416,13 +416,6 @@ class Runtime:
         existing = self.device_values.get(key)
         self.device_values[key] = (pytrees.map_tensors(_own, grad) if existing is None
                                    else pytrees.add_grads(existing, grad, inplace=True))
-
-    def _compute_dtype(self, value: object) -> object:
-        """Floating tensors travel and compute in ``compute_dtype`` (bf16 halves the bytes);
-        masters, optimizer state and what the caller gets back stay in their own dtype."""
-        if self.compute_dtype is not None and isinstance(value, torch.Tensor) and value.is_floating_point():
-            return value.to(self.compute_dtype)
-        return value
 
     def _write_buffers(self, pairs) -> None:
         with self._host_lock:  # several devices may write the same master

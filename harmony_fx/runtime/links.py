@@ -157,7 +157,7 @@ _DROPPED = _Dropped()
 
 class StandaloneLinks(Links):
     """The links of one device run alone (see the module docstring). ``make(key)``: the value a
-    peer would send for ``key``, as it would travel (in the compute dtype)."""
+    peer would send for ``key``, as it would travel (in the dtype the graph has for it)."""
 
     def __init__(self, make: Callable[[Key], object]) -> None:
         super().__init__()

@@ -16,7 +16,6 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._mode_utils import no_dispatch
 
-from harmony_fx.ir import values as pytrees
 from harmony_fx.ir.pack import Pack
 from harmony_fx.program.actions import Key
 from harmony_fx.program.ops import OP_OF_KIND
@@ -31,7 +30,7 @@ __all__ = ["Probe", "FakeHostDevice", "empty_fake"]
 
 class Probe(Runtime):
     """One device's programs run alone (see the module docstring); ``make(key)``: the value of
-    ``key`` as the host holds it (the masters' dtype), made when first read."""
+    ``key`` as the host holds it (the dtype the graph has for it), made when first read."""
 
     def __init__(self, packs_for_mb: Sequence[Sequence[Pack]], device: Device, host: HostState,
                  grad_inputs: Sequence[tuple[str, ...]], make: Callable[[Key], object], *,
@@ -41,8 +40,7 @@ class Probe(Runtime):
         super().__init__(packs_for_mb, device, host, grad_inputs, Stats(), compute_dtype=compute_dtype,
                          split_dims=split_dims, keeps_last_graph=keeps_last_graph)
         self.host_values = _MadeOnDemand(make)
-        # what a peer would send travels in the compute dtype, as a live sender's device holds it
-        self.links = StandaloneLinks(lambda key: pytrees.map_tensors(self._compute_dtype, make(key)))
+        self.links = StandaloneLinks(make)
         # (kind, pack, microbatch) -> (net bytes, peak bytes above the start) of each compute task
         self.task_memory: dict[tuple[str, int, int], tuple[int, int]] = {}
         self.peak_after_action: list[int] = []  # ``peak`` after each action, in program order

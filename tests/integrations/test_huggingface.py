@@ -215,6 +215,23 @@ def test_bf16_is_autocast_as_in_transformers_trainer(tmp_path):
     assert next(iter(trainer.model.parameters())).dtype == torch.float32
 
 
+def test_harmonys_own_bf16_trains_llama_from_fp32_masters(tmp_path):
+    """``harmony_options={"precision": "bf16"}`` on Llama (fp32 casts in its norms, rotary
+    embeddings and attention): the first step's loss is the model's in bfloat16, and the updates
+    land in fp32 masters (values bf16 cannot hold)."""
+    arguments = {"max_steps": 4, "eval_strategy": "no", "save_strategy": "no"}
+    trainer, steps, _ = _train(HarmonyTrainer, build_hf_model("llama"), tmp_path / "harmony", arguments=arguments,
+                               harmony_options={"precision": "bf16", "memory_budget": "1MiB"})
+    _, in_bf16, _ = _train(transformers.Trainer, build_hf_model("llama").to(torch.bfloat16), tmp_path / "bf16",
+                           arguments=arguments)
+    losses, bf16_losses = [loss for loss, _, _ in steps.values()], [loss for loss, _, _ in in_bf16.values()]
+    assert losses[0] == pytest.approx(bf16_losses[0], rel=1e-3)
+    assert len(trainer.harmony.plan.packs) > 1
+    params = list(trainer.model.parameters())
+    assert all(param.dtype == torch.float32 for param in params)
+    assert all((param.detach() != param.detach().bfloat16().float()).any() for param in params)
+
+
 def test_bf16_and_harmonys_own_precision_together_are_refused(tmp_path):
     with pytest.raises(ValueError, match="two kinds of mixed precision"):
         HarmonyTrainer(model=build_hf_model("llama"), args=_arguments(tmp_path, bf16=True),
