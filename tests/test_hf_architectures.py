@@ -1,12 +1,14 @@
 """Breadth: 33 Hugging Face architectures nobody here wrote (``testing.hf_architectures``), each
 compiled at the smallest budget its refusal names and stepped once beside eager: the same loss and
-every gradient. With ``-m slow`` (about a minute); ``test_hf_models`` goes deeper on a few."""
+every gradient; and again under ``precision="bf16"`` beside the model converted to bf16. With
+``-m slow`` (about two minutes); ``test_hf_models`` goes deeper on a few."""
 from __future__ import annotations
 
 import copy
 
 import pytest
 import torch
+from torch.utils import _pytree as pytree
 
 import harmony_fx
 from harmony_fx.testing.hf_architectures import ARCHITECTURES, architecture_batch, architecture_loss, build_architecture
@@ -39,6 +41,41 @@ def test_an_architecture_trains_like_eager_at_its_smallest_budget(name, memory_w
         if param.grad is not None:
             torch.testing.assert_close(param.grad, eager.grad, rtol=1e-4, atol=1e-6, msg=param_name)
     assert memory_witness.peak_of(hm.device) == hm.stats.peak_bytes[hm.device.name] <= budget
+
+
+@pytest.mark.parametrize("name", sorted(ARCHITECTURES))
+def test_an_architecture_under_bf16_computes_what_it_computes_in_bf16(name):
+    """precision="bf16" at the smallest budget, one microbatch, beside the model converted to bf16:
+    the same loss, and every gradient as close to fp32 eager's as the bf16 model's own is (the
+    packs sum a value's gradient parts in another order than eager, so the two round apart; a key
+    bias's gradient, zero but for rounding, is all rounding)."""
+    pytest.importorskip("transformers")
+    model = build_architecture(name)
+    in_bf16, in_fp32 = copy.deepcopy(model).to(torch.bfloat16), copy.deepcopy(model)
+    batch = architecture_batch(name)
+    options = dict(devices=["host:0"], microbatches=1, precision="bf16")
+    with pytest.raises(harmony_fx.BudgetTooSmallError) as refused:
+        harmony_fx.compile(model, (), batch, memory_budget=1, **options)
+    hm = harmony_fx.compile(model, (), batch, memory_budget=refused.value.smallest_budget, **options)
+    assert len(hm.packs) > 1
+    torch.manual_seed(5)
+    loss = architecture_loss(name, hm(**batch))
+    loss.backward()
+    torch.manual_seed(5)
+    bf16_batch = {key: value.to(torch.bfloat16) if value.is_floating_point() else value for key, value in batch.items()}
+    # harmony gives floating outputs back in the masters' fp32: a loss computed outside from them is too
+    outputs = pytree.tree_map_only(torch.Tensor, lambda t: t.float() if t.is_floating_point() else t,
+                                   in_bf16(**bf16_batch))
+    expected = architecture_loss(name, outputs)
+    expected.backward()
+    torch.manual_seed(5)
+    architecture_loss(name, in_fp32(**batch)).backward()
+    torch.testing.assert_close(loss, expected.float(), rtol=1e-3, atol=0)
+    for (param_name, param), bf16, fp32 in zip(model.named_parameters(), in_bf16.parameters(), in_fp32.parameters()):
+        assert (param.grad is None) == (bf16.grad is None), param_name
+        if param.grad is not None:
+            ours, eagers = ((grad - fp32.grad).abs().max().item() for grad in (param.grad, bf16.grad.float()))
+            assert ours <= 2 * eagers + 0.02 * fp32.grad.abs().max().item(), (param_name, ours, eagers)
 
 
 def test_a_loss_over_a_mask_made_inside_the_model_keeps_the_batch_whole():

@@ -280,3 +280,33 @@ def test_bf16_hugging_face_models_equal_the_model_in_bf16(arch):
             torch.testing.assert_close(loss, ref_loss.float(), rtol=1e-3, atol=0)
             for grad, ref in zip(grads, ref_grads):
                 assert F.cosine_similarity(grad.flatten(), ref.flatten(), dim=0) > 0.999
+
+
+class MakesAConstant(nn.Module):
+    """A floating tensor the forward makes from numbers (DeBERTa's attention scale): export lifts it
+    as a constant in its own fp32, which bf16 leaves as it is, as the model in bf16 does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.second = nn.Linear(8, 8), nn.Linear(8, 4)
+
+    def forward(self, x):
+        scale = torch.tensor([0.5, 1.0, 1.5, 2.0, 2.5, 3.0, 3.5, 4.0])
+        return self.second((self.first(x) * scale).to(x.dtype))
+
+
+def test_bf16_stages_a_constant_the_model_makes_in_its_own_dtype():
+    torch.manual_seed(0)
+    model = MakesAConstant()
+    reference = _in_bf16(model)
+    x = torch.randn(16, 8)
+    hm = harmony_fx.compile(model, x, precision="bf16", pack_boundaries=(0, 1), microbatches=1)
+    out = hm(x)
+    expected = reference(x.to(torch.bfloat16))
+    assert torch.equal(out, expected.float())
+    out.sum().backward()
+    expected.float().sum().backward()
+    for param, ref in zip(model.parameters(), reference.parameters()):
+        assert torch.equal(param.grad, ref.grad.float())
+    # the constant's copy moves its 4-byte elements, the weights' 2: as the plan counted
+    assert hm.stats.as_dict()["bytes_by_kind"] == hm.plan.predicted_bytes

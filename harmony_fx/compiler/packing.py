@@ -45,7 +45,6 @@ from harmony_fx.compiler.replay import TaskRecords
 from harmony_fx.compiler.shapes import Shapes
 from harmony_fx.compiler.variants import Variant
 from harmony_fx.ir import meta
-from harmony_fx.ir import values as pytrees
 from harmony_fx.ir.pack import Pack
 from harmony_fx.lowering.pipeline import lower_pipeline
 from harmony_fx.lowering.single import lower_program
@@ -281,8 +280,7 @@ class PackingBounds:
         for layer in variant.layers:
             names = set(layer.nodes)
             reads = {read for name in layer.nodes for read in nodes[name].meta[meta.READS]}
-            self._weights.append({id(masters[read]): pytrees.value_bytes(masters[read], shapes.itemsize)
-                                  for read in reads if read in masters})
+            self._weights.append({id(masters[read]): shapes.staged_bytes(read) for read in reads if read in masters})
             differentiated = set() if context.signature.forward_only else {
                 read for name in layer.nodes if any(nodes[name].meta.get(meta.REQUIRES_GRAD, ()))
                 for read in nodes[name].meta[meta.READS]

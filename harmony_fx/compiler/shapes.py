@@ -2,7 +2,7 @@
 
 The FakeTensor value of an activation on a microbatch (its variant's ``meta["val"]``), the value of
 its gradient (the same structure, ``None`` at the leaves without one), and the bytes a copy of any
-key moves, in the compute dtype (weight gradients in the masters' dtype). The planning run, the
+key moves, in the dtype the graph has for it (weight gradients in the masters' dtype). The planning run, the
 plan's byte counts and the simulator all read keys through this one table.
 """
 from __future__ import annotations
@@ -92,12 +92,15 @@ class Shapes:
             return sum(pytrees.value_bytes(self.masters[name]) for name in names)
         else:
             raise AssertionError(f"{key} is never copied")
-        return sum(pytrees.value_bytes(self.masters[name], self.itemsize) for name in names)
+        return sum(self.staged_bytes(name) for name in names)
 
-    def itemsize(self, tensor: torch.Tensor) -> int:
-        """Bytes an element of the master ``tensor`` takes on a device (its copy's dtype)."""
-        dtype = self.compute_dtype
-        return dtype.itemsize if dtype is not None and tensor.is_floating_point() else tensor.element_size()
+    def staged_bytes(self, name: str) -> int:
+        """Bytes of the master of the placeholder ``name`` as the devices hold it: in the dtype the
+        graph has for it (a bf16 copy of an fp32 weight; a constant the model makes keeps its own)."""
+        master = self.masters[name]
+        if self.compute_dtype is None:
+            return pytrees.value_bytes(master)
+        return master.numel() * self.variants[self.mb_sizes[0]].nodes[name].meta[meta.VAL].dtype.itemsize
 
 
 def fake_like(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:

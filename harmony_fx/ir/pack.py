@@ -17,6 +17,8 @@ import functools
 
 from torch import fx
 
+from harmony_fx.ir import meta
+
 __all__ = ["Pack"]
 
 
@@ -50,6 +52,14 @@ class Pack:
     def written_slots(self) -> frozenset[int]:
         """Slots of ``params + buffers`` the pack writes in place (its mutated buffers)."""
         return frozenset(len(self.params) + i for i, name in enumerate(self.buffers) if name in self.mutated_buffers)
+
+    @functools.cached_property
+    def slot_dtypes(self) -> tuple:
+        """The dtype each of ``params + buffers`` has in the pack's graph: what its device copy is
+        staged in (under bf16 a weight's copy, while a constant the model makes keeps its own)."""
+        placeholders = {node.name: node for node in self.gm.graph.find_nodes(op="placeholder")}
+        by_slot = {slot: placeholders[name].meta[meta.VAL].dtype for name, slot in zip(self.state_inputs, self.state_slot)}
+        return tuple(by_slot[slot] for slot in range(len(self.params) + len(self.buffers)))
 
     def describe_layers(self) -> str:
         names = self.layer_names

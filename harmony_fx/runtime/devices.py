@@ -67,12 +67,15 @@ class Device:
         """The host tensor a copy of the weight ``master`` reads, in the compute ``dtype``."""
         raise NotImplementedError
 
-    def weights_to_device(self, pack_index: int, masters: Sequence[torch.Tensor], dtype: torch.dtype | None,
-                          written: frozenset[int], params: int) -> list[torch.Tensor]:
-        """A pack's weights on the device: each master staged in ``dtype`` and copied, read-only
-        but for the slots in ``written`` (BatchNorm statistics, which the device updates); the copy
-        of each of the first ``params`` (the parameters) records gradients where its master does."""
-        return [self.to_device(self.stage((pack_index, slot), master, dtype), (pack_index, slot),
+    def weights_to_device(self, pack_index: int, masters: Sequence[torch.Tensor],
+                          dtypes: Sequence[torch.dtype] | None, written: frozenset[int],
+                          params: int) -> list[torch.Tensor]:
+        """A pack's weights on the device: each master staged in its dtype of ``dtypes`` (``None``:
+        its own) and copied, read-only but for the slots in ``written`` (BatchNorm statistics, which
+        the device updates); the copy of each of the first ``params`` (the parameters) records
+        gradients where its master does."""
+        return [self.to_device(self.stage((pack_index, slot), master, None if dtypes is None else dtypes[slot]),
+                               (pack_index, slot),
                                read_only=slot not in written).requires_grad_(slot < params and master.requires_grad)
                 for slot, master in enumerate(masters)]
 
@@ -200,12 +203,13 @@ class HostDevice(Device):
         return into.copy_(value.detach()) if self.landing_fits(into, value) else value.detach().clone()
 
     # one check for a pack's tensors, not one per tensor: these run for every weight every step
-    def weights_to_device(self, pack_index: int, masters: Sequence[torch.Tensor], dtype: torch.dtype | None,
-                          written: frozenset[int], params: int) -> list[torch.Tensor]:
-        if dtype is None and not written and self.shares_host_memory:
+    def weights_to_device(self, pack_index: int, masters: Sequence[torch.Tensor],
+                          dtypes: Sequence[torch.dtype] | None, written: frozenset[int],
+                          params: int) -> list[torch.Tensor]:
+        if dtypes is None and not written and self.shares_host_memory:
             return ([master.detach().requires_grad_(master.requires_grad) for master in masters[:params]]
                     + [master.detach() for master in masters[params:]])
-        return super().weights_to_device(pack_index, masters, dtype, written, params)
+        return super().weights_to_device(pack_index, masters, dtypes, written, params)
 
     def grads_to_host(self, grads: Sequence[torch.Tensor],
                       into: Sequence[torch.Tensor | None] | None = None) -> list[torch.Tensor]:

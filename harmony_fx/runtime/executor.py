@@ -134,7 +134,8 @@ class Runtime:
                 masters = self.host.masters[pack.index]
                 with _DeviceContext(device, " while copying the weights of {} ({}) to the device", pack.name,
                                     pack.describe_layers):
-                    value = device.weights_to_device(pack.index, masters, self.compute_dtype, pack.written_slots,
+                    dtypes = None if self.compute_dtype is None else pack.slot_dtypes
+                    value = device.weights_to_device(pack.index, masters, dtypes, pack.written_slots,
                                                      len(pack.params))
             else:
                 with _DeviceContext(device, " while copying {} to the device", key_text):
