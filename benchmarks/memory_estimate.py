@@ -85,9 +85,8 @@ def estimate_and_exact(hm) -> tuple[int, int, str]:
     from harmony_fx.planner.specs import HostSpec
 
     size = hm.mb_sizes[0] or 1
-    dtype = hm.options.compute_dtype
-    profile = profile_graph("model", hm.captured.gm, size, None if dtype is None else dtype.itemsize,
-                            hm.options.precision)
+    # captured in the compute dtype: the graph's bytes are the devices' (no itemsize to apply)
+    profile = profile_graph("model", hm.captured.gm, size, None, hm.options.precision)
     # the packs it runs: the planner's may have been refused by the exact count and replaced by the
     # compiler's own (at the same microbatches), or the compiler chose without the planner
     boundaries = tuple(pack.layers[0] for pack in hm.packs)

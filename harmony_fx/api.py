@@ -278,7 +278,7 @@ class HarmonyModule:
     host_state = property(lambda self: self.session.host_state)
 
     def key_bytes(self, key: Key) -> int:
-        """Bytes of a key as the plan counts them (from shapes and the compute dtype alone)."""
+        """Bytes of a key as the plan counts them (from shapes and the graph's dtypes alone)."""
         return self.compiled.key_bytes(key)
 
     def update_groups(self) -> dict[int, list[nn.Parameter]]:

@@ -120,7 +120,7 @@ class Compiled:
                 for phase, program in programs.items()}
 
     def key_bytes(self, key: Key) -> int:
-        """Bytes of a key as the plan counts them (from shapes and the compute dtype alone; a pack's
+        """Bytes of a key as the plan counts them (from shapes and the graph's dtypes alone; a pack's
         optimizer state on the tier, from the host memory plan)."""
         if key.kind == KeyKind.STATE:
             return self.host_memory.pack_state_bytes[int(key.name[1:])] if self.host_memory is not None else 0

@@ -95,7 +95,10 @@ class ModelProfile:
 def profile_graph(name: str, gm: fx.GraphModule, batch_size: int, compute_itemsize: int | None = None,
                   precision: str = "fp32", device_type: str | None = None) -> ModelProfile:
     """The layer chain of a captured graph (placeholders tagged with their ``Role``), its memory
-    as a ``device_type`` device (``"cuda"``, ``"cpu"``) would hold it (``planner.layer_memory``)."""
+    as a ``device_type`` device (``"cuda"``, ``"cpu"``) would hold it (``planner.layer_memory``).
+    ``compute_itemsize``: the bytes of a floating element where the graph was captured wider than
+    the devices compute (the ``plan`` command's fp32 presets); a compile's graph is captured in the
+    compute dtype already (``frontend.compute_dtype``) and passes ``None``."""
     if meta.NBYTES not in next(iter(gm.graph.nodes)).meta:
         annotate_sizes(gm)
     layers = find_layers(gm)

@@ -298,7 +298,7 @@ class CudaDevice(Device):
 
     def stage(self, slot: object, master: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
         """The host tensor a weight copy reads: the master itself when it is pinned and of the
-        compute dtype, else its reused pinned buffer, refreshed in one pass (cast included)."""
+        dtype it is staged in, else its reused pinned buffer, refreshed in one pass (cast included)."""
         dtype = dtype if dtype is not None and master.is_floating_point() else master.dtype
         if master.is_pinned() and master.dtype == dtype:
             return master
