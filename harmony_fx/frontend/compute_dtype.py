@@ -75,8 +75,8 @@ def in_compute_dtype(model: nn.Module, args: tuple, kwargs: dict, dtype: torch.d
         return clones[id(module)]
 
     root = clone(model)
-    # a plain tensor attribute, which export lifts as a constant (nn.LSTM's list of its parameters,
-    # _flat_weights, export sets itself as it puts its fakes in place)
+    # a plain tensor attribute, which export lifts as a constant (a list of parameters, nn.LSTM's
+    # _flat_weights, needs nothing: export's own reparametrization sets it)
     for module in clones.values():
         for name, value in list(vars(module).items()):
             if isinstance(value, torch.Tensor):
