@@ -96,8 +96,6 @@ def closed(rank: int, world: int, out: pathlib.Path) -> dict:
 
     import gc
 
-    dist.barrier()  # the caller's group starts its gloo threads at its first collective
-    callers = gloo_threads()
     model, batches = model_and_batches(world, 1)
     copied = copy.deepcopy(model)
     dropped = harmony_fx.Trainer(copied, loss_fn, optimizer_of(copied), local(batches[0], rank), devices=["host:0"],
@@ -120,6 +118,9 @@ def closed(rank: int, world: int, out: pathlib.Path) -> dict:
     trainer.close()
     together = torch.ones(1)
     dist.all_reduce(together)  # the caller's group still works
+    # its own threads, counted now that they have long run: each names itself when it first runs, so
+    # right after the group's first collective one of its two may not have yet (seen once on a loaded CI)
+    callers = gloo_threads()
     dist.destroy_process_group()
     trainer.close()
     # the launcher destroys the group it made once this returns
