@@ -193,7 +193,6 @@ def _end(owned: dict) -> None:
                 dist.destroy_process_group(group)
             except ValueError:  # "Invalid process group": destroyed already
                 pass
-        del group
 
 
 def _all_gather():

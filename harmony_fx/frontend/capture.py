@@ -34,7 +34,7 @@ from torch.utils import _pytree as pytree
 
 from harmony_fx.analysis.reductions import ScalarReduction, scalar_reduction
 from harmony_fx.ir import meta
-from harmony_fx.frontend.compute_dtype import in_compute_dtype
+from harmony_fx.frontend.compute_dtype import fake_in, in_compute_dtype
 from harmony_fx.frontend.decomposition_fixes import decomposition_fixes
 from harmony_fx.frontend.refusals import first_refused, refusal
 from harmony_fx.passes.bound_sizes import bound_sizes
@@ -263,10 +263,8 @@ def _capture_with_export(model: nn.Module, args: tuple, kwargs: dict, stack_trac
         # nn.RNN/LSTM/GRU re-assign their own _flat_weights on every call: torch's advice to register
         # them as buffers is about torch's code, not the user's
         warnings.filterwarnings("ignore", message=r"The tensor attributes (\S+\._flat_weights\[\d+\](, )?)+ were")
-        if traced is None:
-            exported = torch.export.export(model, args, kwargs, strict=False)
-        else:
-            exported = torch.export.export(traced.module, traced.args, traced.kwargs, strict=False)
+        module, call = (model, (args, kwargs)) if traced is None else (traced.module, (traced.args, traced.kwargs))
+        exported = torch.export.export(module, *call, strict=False)
     signature = exported.graph_signature
     unsupported = [spec for spec in signature.output_specs if spec.kind != OutputKind.USER_OUTPUT]
     if unsupported:
@@ -387,7 +385,7 @@ def _capture_with_symbolic_trace(model: nn.Module, args: tuple, kwargs: dict, dt
     fake_mode = torch._subclasses.FakeTensorMode(allow_non_fake_inputs=True)
     values = [example[name] for name in placeholder_order]
     if dtype is not None:  # the values the devices compute with (see frontend.compute_dtype)
-        values = [_fake_in(fake_mode, value, dtype) for value in values]
+        values = [fake_in(fake_mode, value, dtype) for value in values]
     FakeTensorProp(gm, fake_mode).propagate(*values)
     out_structure: dict[str, Any] = {}
 
@@ -409,14 +407,6 @@ def _capture_with_symbolic_trace(model: nn.Module, args: tuple, kwargs: dict, dt
         return pytree.tree_unflatten(flat, out_structure["spec"])
 
     return Captured(gm, params, buffers, inputs, flatten_inputs, unflatten_outputs, "torch.fx.symbolic_trace")
-
-
-def _fake_in(mode, value: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    fake = mode.from_tensor(value)
-    if not fake.is_floating_point() or fake.dtype == dtype:
-        return fake
-    with mode:
-        return fake.detach().to(dtype).requires_grad_(value.requires_grad)
 
 
 def _arg_name(placeholder_name: str, arg_names: list[str]) -> str:

@@ -25,7 +25,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 from torch.utils import _pytree as pytree
 
-__all__ = ["Retyped", "in_compute_dtype"]
+__all__ = ["Retyped", "fake_in", "in_compute_dtype"]
 
 
 @dataclasses.dataclass
@@ -50,14 +50,9 @@ def in_compute_dtype(model: nn.Module, args: tuple, kwargs: dict, dtype: torch.d
 
     def twin(tensor: torch.Tensor, parameter: bool = False) -> torch.Tensor:
         if id(tensor) not in made:
-            fake = mode.from_tensor(tensor.detach(), static_shapes=True)
-            if fake.is_floating_point() and fake.dtype != dtype:
-                with mode:
-                    fake = fake.to(dtype)
+            fake = fake_in(mode, tensor, dtype)
             if parameter:
                 fake = nn.Parameter(fake, requires_grad=tensor.requires_grad)
-            elif tensor.requires_grad:
-                fake.requires_grad_(True)
             made[id(tensor)] = fake
             originals[id(fake)] = tensor
         return made[id(tensor)]
@@ -83,3 +78,13 @@ def in_compute_dtype(model: nn.Module, args: tuple, kwargs: dict, dtype: torch.d
                 object.__setattr__(module, name, twin(value))
     fake_args, fake_kwargs = pytree.tree_map_only(torch.Tensor, twin, (args, kwargs))
     return Retyped(root, fake_args, fake_kwargs, originals)
+
+
+def fake_in(mode: FakeTensorMode, tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``tensor`` as a FakeTensor of ``mode``, in ``dtype`` if it is floating (else in its own), a
+    leaf that requires grad where ``tensor`` does."""
+    fake = mode.from_tensor(tensor.detach(), static_shapes=True)
+    if fake.is_floating_point() and fake.dtype != dtype:
+        with mode:
+            fake = fake.to(dtype)
+    return fake.requires_grad_(tensor.requires_grad)
