@@ -134,8 +134,10 @@ class Calls:
         for name, grad in zip(self.outputs, grad_outputs):
             if name not in differentiable:
                 continue
-            if grad is None:
-                grad = torch.zeros_like(self.output_like(name))
+            if grad is None:  # the caller's loss does not reach it: nothing flows back from it
+                for mb in range(len(self.mb_sizes)):
+                    iteration.host_values[Key(KeyKind.GRAD, name, mb)] = None
+                continue
             if name in iteration.scalar_weights:
                 chunks = [grad * weight for weight in iteration.scalar_weights[name]]
             else:

@@ -17,6 +17,9 @@ class HarmonyFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, session, calls, per_mb, *inputs_and_params):
+        # an output the caller's loss does not reach gets ``None``, not zeros: what it alone feeds
+        # (a pooler the loss ignores) keeps ``.grad`` None, as in eager, and the optimizer skips it
+        ctx.set_materialize_grads(False)
         iteration = session.start(per_mb)
         ctx.session, ctx.calls, ctx.iteration = session, calls, iteration
         ctx.params = inputs_and_params[len(calls.inputs):]  # the trainable parameters, as the caller found them

@@ -202,7 +202,10 @@ class Runtime:
             value = self.links.receive(key, peer, self.index, self.device)
             self.record.count(Stream.PEER, key, value)
             existing = self.device_values.get(key)
-            self.device_values[key] = value if existing is None else pytrees.add_grads(existing, value, inplace=True)
+            if existing is None:
+                self.device_values[key] = value
+            elif value is not None:
+                self.device_values[key] = pytrees.add_grads(existing, value, inplace=True)
 
         return self._submit(Stream.PEER, work, None, "RECV {} <- d{}", key_text, peer)
 
@@ -368,9 +371,10 @@ class Runtime:
                         leaf_grads.append(None)
                         continue
                     grad = next(grads)
-                    if grad is None:
-                        grad = torch.zeros_like(leaf)
-                    elif storage_key(grad) in stored:
+                    if grad is None:  # no root reaches it: eager's autograd has no gradient there either
+                        leaf_grads.append(None)
+                        continue
+                    if storage_key(grad) in stored:
                         # autograd hands one tensor to several inputs (e.g. both sides of an add);
                         # each key must own its gradient, since each is added to in place later
                         grad = grad.clone()
@@ -415,8 +419,10 @@ class Runtime:
 
     def _accumulate(self, key: Key, grad: object) -> None:
         existing = self.device_values.get(key)
-        self.device_values[key] = (pytrees.map_tensors(_own, grad) if existing is None
-                                   else pytrees.add_grads(existing, grad, inplace=True))
+        if existing is None:
+            self.device_values[key] = pytrees.map_tensors(_own, grad)
+        elif grad is not None:
+            self.device_values[key] = pytrees.add_grads(existing, grad, inplace=True)
 
     def _write_buffers(self, pairs) -> None:
         with self._host_lock:  # several devices may write the same master
@@ -426,7 +432,10 @@ class Runtime:
     def _add_host_value(self, key: Key, value: torch.Tensor) -> None:
         with self._host_lock:
             existing = self.host_values.get(key)
-            self.host_values[key] = value if existing is None else pytrees.add_grads(existing, value, inplace=False)
+            if existing is None:
+                self.host_values[key] = value
+            elif value is not None:
+                self.host_values[key] = pytrees.add_grads(existing, value, inplace=False)
 
 
 _STREAMS = {stream.value: stream for stream in Stream}  # what ``Stream(name)`` finds, without Enum's lookup

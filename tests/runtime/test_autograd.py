@@ -39,3 +39,46 @@ def test_a_second_backward_through_one_call_says_what_to_do():
         loss.backward()
     reference(x).square().mean().backward()
     assert_grads_equal(model, reference)  # the first backward's gradients, once
+
+
+class _TwoHeadsAndADeadEnd(torch.nn.Module):
+    """A trunk, two heads returned, and a branch computed but returned nowhere (a pooler the
+    model's loss ignores, as in Hugging Face's FNet and BigBird masked LMs)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.trunk = torch.nn.ModuleList(torch.nn.Linear(16, 16) for _ in range(3))
+        self.dead_end = torch.nn.Linear(16, 16)
+        self.head_a, self.head_b = torch.nn.Linear(16, 4), torch.nn.Linear(16, 4)
+
+    def forward(self, x):
+        for layer in self.trunk:
+            x = torch.relu(layer(x))
+        torch.tanh(self.dead_end(x))
+        return self.head_a(x), self.head_b(x)
+
+
+@pytest.mark.parametrize("parallel", [None, "pp"])
+def test_what_the_loss_does_not_reach_keeps_no_gradient_as_in_eager(parallel):
+    """The loss uses one head: the other head and the dead end get ``.grad`` None, as in eager (not
+    zeros, which AdamW's weight decay and momentum would still move), whatever packs they fall in;
+    the rest, the input's included, eager's gradients; and one AdamW step moves exactly what eager's
+    moves."""
+    torch.manual_seed(0)
+    model = _TwoHeadsAndADeadEnd()
+    reference = copy.deepcopy(model)
+    x = torch.randn(8, 16, requires_grad=True)
+    x_ref = x.detach().clone().requires_grad_()
+    options = dict(devices=["host:0", "host:1"], parallel="pp") if parallel else dict(devices=["host:0"])
+    hm = harmony_fx.compile(model, (x,), microbatches=2, pack_boundaries=[0, 2, 4, 6, 8], **options)
+    assert len(hm.packs) >= 4
+    hm(x)[0].square().mean().backward()
+    reference(x_ref)[0].square().mean().backward()
+    for silent in ("head_b.weight", "head_b.bias", "dead_end.weight", "dead_end.bias"):
+        assert model.get_parameter(silent).grad is None, silent
+    assert_grads_equal(model, reference, inputs=[x], ref_inputs=[x_ref])
+    optimizer, ref_optimizer = (torch.optim.AdamW(m.parameters(), lr=0.1, weight_decay=0.5) for m in (model, reference))
+    optimizer.step()
+    ref_optimizer.step()
+    for (name, param), ref in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(param, ref, msg=name)
