@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 from typing import Any, Callable, Sequence
 
 import torch
@@ -51,7 +52,7 @@ from harmony_fx.api import HarmonyModule, compile as harmony_compile
 from harmony_fx.compiler.packing import BudgetTooSmallError
 from harmony_fx.config import check_option_names, option_names, with_environment
 from harmony_fx.frontend.refusals import model_line
-from harmony_fx.ir import meta
+from harmony_fx.ir import autograd_functions, meta
 
 __all__ = ["harmony"]
 
@@ -179,7 +180,21 @@ class _DynamoGraph(nn.Module):
         # run node by node with each node's meta current, so the captured graph's nodes inherit
         # Dynamo's nn_module_stack ("L['self'].h[0]"), from which find_layers cuts the layers
         with fx_traceback.preserve_node_meta():
-            return fx.Interpreter(self.graph_module).run(*args)
+            return _Interpreter(self.graph_module).run(*args)
+
+
+class _Interpreter(fx.Interpreter):
+    """Runs Dynamo's graph; while harmony captures it, each autograd Function Dynamo kept whole
+    (``autograd_function_apply``, its forward and backward as subgraphs) is recorded as one node
+    that applies it (``ir.autograd_functions``): export would trace its forward alone, under
+    no_grad, and no gradient would reach what comes before it."""
+
+    def call_function(self, target, args, kwargs):
+        if target is torch.ops.higher_order.autograd_function_apply and autograd_functions.recording():
+            forward, backward, *tensors = args
+            return autograd_functions.record("autograd_function_apply", functools.partial(
+                target, forward, backward, **kwargs), tuple(tensors), {})
+        return super().call_function(target, args, kwargs)
 
 
 class _Compiled:

@@ -48,6 +48,7 @@ def _global_state() -> dict[str, object]:
         "dispatch modes": len(_get_current_dispatch_mode_stack()),
         "torch function modes": torch._C._len_torch_function_stack(),
         "garbage collector": (gc.isenabled(), gc.get_freeze_count() > 0, gc.get_threshold()),
+        "autograd.Function.apply": torch.autograd.Function.__dict__["apply"],  # capture records Functions
     }
 
 
@@ -65,6 +66,7 @@ def _no_global_state_leaks():
         torch.set_default_dtype(before["default dtype"])
         torch.set_num_threads(before["threads"])
         torch.use_deterministic_algorithms(before["deterministic algorithms"])
+        torch.autograd.Function.apply = before["autograd.Function.apply"]
         pytest.fail(f"the test left global state changed (before, after): {changed}", pytrace=False)
 
 

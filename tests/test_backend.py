@@ -229,3 +229,35 @@ def test_bf16_refuses_a_graph_in_which_dynamo_baked_a_wider_float_naming_the_lin
         assert "torch.float64" in message and "`h = torch.relu(self.first(x)).double()`" in message, message
         assert "harmony_fx.compile(model, ..., precision='bf16')" in message
     assert compiles == [1]
+
+
+class _ReversesGradients(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x * 1.0
+
+    @staticmethod
+    def backward(ctx, grad):
+        return -3 * grad
+
+
+def test_an_autograd_function_dynamo_kept_whole_keeps_its_own_backward():
+    """Dynamo hands over a model's autograd Function as ``autograd_function_apply`` (its forward
+    and backward as subgraphs); export alone traced the forward under no_grad, and nothing before
+    it got a gradient. Its own backward now runs: every gradient eager's."""
+    torch.manual_seed(0)
+    first, second = nn.Linear(8, 8), nn.Linear(8, 4)
+    model = nn.Sequential(first, nn.Tanh(), _ApplyingFunction(), second)
+    reference = copy.deepcopy(model)
+    x = torch.randn(8, 8)
+    compiled = torch.compile(model, backend="harmony", options={"memory_budget": "1MiB"})
+    compiled(x).square().mean().backward()
+    reference(x).square().mean().backward()
+    for (name, param), ref in zip(model.named_parameters(), reference.parameters()):
+        assert param.grad is not None, name
+        torch.testing.assert_close(param.grad, ref.grad, rtol=RTOL, atol=ATOL, msg=name)
+
+
+class _ApplyingFunction(nn.Module):
+    def forward(self, x):
+        return _ReversesGradients.apply(x)

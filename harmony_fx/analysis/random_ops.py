@@ -5,7 +5,8 @@ An ATen op draws from a generator exactly when its schema carries ``torch.Tag.no
 (``native_dropout``, SDPA with dropout, ``bernoulli``, ``exponential_`` in ``gumbel_softmax``,
 ``rrelu_with_noise``, ...). A node that calls something else (``torch.fx.symbolic_trace`` records
 ``torch.nn.functional.dropout``, a method such as ``bernoulli_``) is recognised by name. A higher-order
-op (a ``no_grad`` or autocast region) draws if its subgraph does. A dropout whose probability is 0,
+op (a ``no_grad`` or autocast region) draws if its subgraph does, and a model's own autograd
+Function (``ir.autograd_functions``) if its forward did when export ran it. A dropout whose probability is 0,
 or that is not training, draws nothing.
 """
 from __future__ import annotations
@@ -14,6 +15,8 @@ import inspect
 
 import torch
 from torch import fx
+
+from harmony_fx.ir import autograd_functions
 
 __all__ = ["draws_random"]
 
@@ -31,6 +34,8 @@ def draws_random(node: fx.Node) -> bool:
     if node.op not in ("call_function", "call_method"):
         return False
     target = node.target
+    if target is autograd_functions.AUTOGRAD_FUNCTION:  # a model's own Function: as its forward ran
+        return autograd_functions.draws_random(node.args[0])
     if isinstance(target, torch._ops.OpOverload):
         return torch.Tag.nondeterministic_seeded in target.tags and not _switched_off(node)
     if isinstance(target, torch._ops.HigherOrderOperator):

@@ -34,6 +34,7 @@ from torch.utils import _pytree as pytree
 
 from harmony_fx.analysis.reductions import ScalarReduction, scalar_reduction
 from harmony_fx.ir import meta
+from harmony_fx.ir.autograd_functions import custom_backwards
 from harmony_fx.frontend.compute_dtype import fake_in, in_compute_dtype
 from harmony_fx.frontend.decomposition_fixes import decomposition_fixes
 from harmony_fx.frontend.refusals import first_refused, refusal
@@ -259,7 +260,7 @@ def _capture_with_export(model: nn.Module, args: tuple, kwargs: dict, stack_trac
     from torch.export.graph_signature import InputKind, OutputKind
 
     traced = None if dtype is None else in_compute_dtype(model, args, kwargs, dtype)
-    with warnings.catch_warnings(), decomposition_fixes(), _stack_traces(stack_traces):
+    with warnings.catch_warnings(), decomposition_fixes(), _stack_traces(stack_traces), custom_backwards():
         # nn.RNN/LSTM/GRU re-assign their own _flat_weights on every call: torch's advice to register
         # them as buffers is about torch's code, not the user's
         warnings.filterwarnings("ignore", message=r"The tensor attributes (\S+\._flat_weights\[\d+\](, )?)+ were")

@@ -1,0 +1,138 @@
+"""A model's own ``torch.autograd.Function``s keep their own backward.
+
+``torch.export`` traces through ``MyFunction.apply``: the graph holds the ops of its ``forward`` and
+autograd then differentiates those, silently dropping the ``backward`` the model wrote (a
+straight-through estimator, a gradient reversal layer, PhiMoE's sparse mixer, a fused kernel's
+hand-written gradient). Under ``custom_backwards()`` (capture only) each such call is recorded as
+one node instead::
+
+    function_apply = torch.ops.harmony_fx.autograd_function.default('GradReverse#0', [linear])
+    getitem = function_apply[0]
+
+whose kernel calls ``GradReverse.apply`` itself. The op is ``CompositeImplicitAutograd``: export
+keeps it whole (as it keeps ``aten.linear``), and running it, in a pack's forward or recompute,
+calls the Function as eager does, so autograd records the Function's own backward. On FakeTensors
+(the planner's shapes and peaks) the Function's forward runs on fakes, as export ran it.
+
+Only Functions defined outside torch are recorded so: torch's own (reentrant checkpointing, the
+collectives' Functions) trace as before. While recording, the forward's ops are watched once on
+fakes: a forward that draws random numbers makes the node count as drawing them
+(``analysis.random_ops``), so a recompute replays the same numbers.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import itertools
+import threading
+from typing import Any, Callable
+
+import torch
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
+
+__all__ = ["custom_backwards", "recording", "record", "AUTOGRAD_FUNCTION", "draws_random"]
+
+_LIBRARY = torch.library.Library("harmony_fx", "FRAGMENT")
+_LIBRARY.define("autograd_function(str key, Tensor[] tensors) -> Tensor[]")
+
+
+@dataclasses.dataclass
+class _Call:
+    """One recorded call: ``run(*args, **kwargs)`` applies the Function, given its arguments with
+    each tensor left out (a ``None`` in ``leaves`` at a tensor's place); what it returned, tensors
+    left out likewise, is filled in when it first runs."""
+
+    run: Callable[..., Any]
+    leaves: list[Any]
+    tensor_at: list[bool]
+    spec: pytree.TreeSpec
+    out_leaves: list[Any] | None = None
+    out_tensor_at: list[bool] | None = None
+    out_spec: pytree.TreeSpec | None = None
+    random: bool = False
+
+
+# key (in the graph) -> the call it names; process-wide, as the graphs that name them may be
+_CALLS: dict[str, _Call] = {}
+_numbers = itertools.count()
+_recording = threading.local()
+_original_apply = torch.autograd.Function.apply.__func__
+
+
+def _kernel(key: str, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    call = _CALLS[key]
+    given = iter(tensors)
+    leaves = [next(given) if is_tensor else leaf for leaf, is_tensor in zip(call.leaves, call.tensor_at)]
+    args, kwargs = pytree.tree_unflatten(leaves, call.spec)
+    if call.out_spec is None:  # the first run, while export traces it on fakes
+        with _RandomWatch() as watch:
+            result = call.run(*args, **kwargs)
+        call.random = watch.drew
+        out_leaves, call.out_spec = pytree.tree_flatten(result)
+        call.out_leaves = [None if isinstance(leaf, torch.Tensor) else leaf for leaf in out_leaves]
+        call.out_tensor_at = [isinstance(leaf, torch.Tensor) for leaf in out_leaves]
+    else:
+        result = call.run(*args, **kwargs)
+    return [leaf for leaf in pytree.tree_leaves(result) if isinstance(leaf, torch.Tensor)]
+
+
+_LIBRARY.impl("autograd_function", _kernel, "CompositeImplicitAutograd")
+AUTOGRAD_FUNCTION = torch.ops.harmony_fx.autograd_function.default
+
+
+def recording() -> bool:
+    """Whether this thread is within ``custom_backwards()``."""
+    return getattr(_recording, "on", False)
+
+
+def record(name: str, run: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+    """``run(*args, **kwargs)`` (which applies an autograd Function), recorded as one
+    ``AUTOGRAD_FUNCTION`` node named after ``name``; returns what ``run`` returns."""
+    leaves, spec = pytree.tree_flatten((args, kwargs))
+    tensor_at = [isinstance(leaf, torch.Tensor) for leaf in leaves]
+    key = f"{name}#{next(_numbers)}"
+    _CALLS[key] = _Call(run, [None if t else leaf for leaf, t in zip(leaves, tensor_at)], tensor_at, spec)
+    tensors = AUTOGRAD_FUNCTION(key, [leaf for leaf, t in zip(leaves, tensor_at) if t])
+    call, given = _CALLS[key], iter(tensors)
+    out = [next(given) if is_tensor else leaf for leaf, is_tensor in zip(call.out_leaves, call.out_tensor_at)]
+    return pytree.tree_unflatten(out, call.out_spec)
+
+
+def _recorded_apply(cls, *args, **kwargs):
+    if not recording() or cls.__module__.split(".")[0] == "torch":
+        return _original_apply(cls, *args, **kwargs)
+    return record(cls.__qualname__, functools.partial(_original_apply, cls), args, kwargs)
+
+
+@contextlib.contextmanager
+def custom_backwards():
+    """Within it (on this thread), each ``apply`` of a Function defined outside torch is recorded
+    as one ``AUTOGRAD_FUNCTION`` node; ``torch.autograd.Function.apply`` is restored after."""
+    before = torch.autograd.Function.__dict__["apply"]
+    torch.autograd.Function.apply = classmethod(_recorded_apply)
+    _recording.on = True
+    try:
+        yield
+    finally:
+        _recording.on = False
+        torch.autograd.Function.apply = before
+
+
+def draws_random(key: str) -> bool:
+    """Whether the recorded Function's forward drew random numbers when export ran it."""
+    return _CALLS[key].random
+
+
+class _RandomWatch(TorchDispatchMode):
+    """Notes whether any op run under it draws random numbers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.drew = False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if torch.Tag.nondeterministic_seeded in func.tags:
+            self.drew = True
+        return func(*args, **(kwargs or {}))

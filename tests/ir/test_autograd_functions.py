@@ -1,0 +1,131 @@
+"""A model's own autograd Functions keep their own backward (``ir.autograd_functions``): each is one
+node of the captured graph, applied as eager applies it."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import harmony_fx
+from harmony_fx.frontend.capture import capture
+from harmony_fx.ir import autograd_functions
+from harmony_fx.ir.autograd_functions import AUTOGRAD_FUNCTION
+from tests.helpers import assert_grads_equal
+
+
+class GradientReversal(torch.autograd.Function):
+    """Domain-adversarial training's layer: the identity forward, the gradient negated and scaled."""
+
+    @staticmethod
+    def forward(ctx, x, scale):
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return -ctx.scale * grad, None
+
+
+class StraightThroughRound(torch.autograd.Function):
+    """Quantization-aware training's estimator: rounds forward, passes the gradient where |x| < 2;
+    returns a tuple with a tensor that needs no gradient, and its input unchanged."""
+
+    @staticmethod
+    def forward(ctx, x, levels):
+        ctx.save_for_backward(x)
+        return torch.round(x * levels) / levels, x.detach().abs().amax(-1, keepdim=True), x
+
+    @staticmethod
+    def backward(ctx, grad, grad_of_max, grad_of_x):
+        (x,) = ctx.saved_tensors
+        return grad * (x.abs() < 2).to(grad.dtype) + 3 * grad_of_x, None
+
+
+class RandomMask(torch.autograd.Function):
+    """Draws its own random numbers in forward, saved for its backward (a sampled router's)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        mask = (torch.rand_like(x) > 0.5).to(x.dtype)
+        ctx.save_for_backward(mask)
+        return x * mask
+
+    @staticmethod
+    def backward(ctx, grad):
+        (mask,) = ctx.saved_tensors
+        return grad * mask * 2
+
+
+class WithFunctions(nn.Module):
+    def __init__(self, random: bool = False) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(8, 8) for _ in range(4))
+        self.random = random
+
+    def forward(self, x):
+        x = GradientReversal.apply(torch.tanh(self.layers[0](x)), 0.5)
+        x, largest, same = StraightThroughRound.apply(self.layers[1](x), 4.0)
+        x = torch.tanh(self.layers[2](x)) * largest + same
+        if self.random:
+            x = RandomMask.apply(x)
+        return self.layers[3](x).square().mean()
+
+
+def test_each_function_is_one_node_that_applies_it():
+    torch.manual_seed(0)
+    captured = capture(WithFunctions(), (torch.randn(4, 8),))
+    calls = [node for node in captured.gm.graph.nodes if node.target is AUTOGRAD_FUNCTION]
+    assert [node.args[0].split("#")[0] for node in calls] == ["GradientReversal", "StraightThroughRound"]
+    ops = {node.target for node in captured.gm.graph.nodes if node.op == "call_function"}
+    assert torch.ops.aten.round.default not in ops  # the forward's ops stay inside the node
+    assert "harmony_fx.autograd_function.default('GradientReversal#" in captured.gm.code
+
+
+@pytest.mark.parametrize("microbatches", [1, 2])
+def test_the_functions_own_backward_gives_eager_gradients(microbatches):
+    """Several packs, each Function in its own, recomputed in the backward: the gradients are the
+    ones the Functions' backwards give (export alone differentiates their forwards: another
+    gradient for every layer before them)."""
+    torch.manual_seed(0)
+    model = WithFunctions()
+    reference = copy.deepcopy(model)
+    x = torch.randn(8, 8)
+    hm = harmony_fx.compile(model, (x,), devices=["host:0"], microbatches=microbatches,
+                            pack_boundaries=[0, 2, 4, 6, 8])
+    assert len(hm.packs) >= 4
+    torch.testing.assert_close(hm(x), reference(x))
+    hm(x).backward()
+    reference(x).backward()
+    assert_grads_equal(model, reference)
+
+
+def test_a_function_that_draws_random_numbers_is_replayed_in_the_recompute():
+    torch.manual_seed(0)
+    model = WithFunctions(random=True)
+    reference = copy.deepcopy(model)
+    x = torch.randn(8, 8)
+    hm = harmony_fx.compile(model, (x,), devices=["host:0"], microbatches=1, pack_boundaries=[0, 2, 4, 6, 8])
+    assert any(pack.random for pack in hm.packs)
+    torch.manual_seed(3)
+    hm(x).backward()
+    torch.manual_seed(3)
+    reference(x).backward()
+    assert_grads_equal(model, reference)
+
+
+def test_apply_is_torchs_own_outside_a_capture_and_after_a_failed_one():
+    class Fails(nn.Module):
+        def forward(self, x):
+            GradientReversal.apply(x, 1.0)
+            raise RuntimeError("the model's own error")
+
+    original = torch.autograd.Function.__dict__["apply"]
+    with pytest.raises(ValueError, match="the model's own error"):
+        capture(Fails(), (torch.randn(2, 2),))
+    assert torch.autograd.Function.__dict__["apply"] is original
+    assert not autograd_functions.recording()
+    x = torch.randn(3, requires_grad=True)
+    GradientReversal.apply(x, 2.0).sum().backward()
+    torch.testing.assert_close(x.grad, torch.full((3,), -2.0))
