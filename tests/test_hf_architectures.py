@@ -1,4 +1,4 @@
-"""Breadth: 33 Hugging Face architectures nobody here wrote (``testing.hf_architectures``), each
+"""Breadth: 41 Hugging Face architectures nobody here wrote (``testing.hf_architectures``), each
 compiled at the smallest budget its refusal names and stepped once beside eager: the same loss and
 every gradient; and again under ``precision="bf16"`` beside the model converted to bf16. With
 ``-m slow`` (about two minutes); ``test_hf_models`` goes deeper on a few."""
@@ -23,7 +23,8 @@ def test_an_architecture_trains_like_eager_at_its_smallest_budget(name, memory_w
     reference = copy.deepcopy(model)
     batch = architecture_batch(name)
     # BatchNorm computes per microbatch (as in every microbatching system): one microbatch
-    options = dict(devices=["host:0"], microbatches=1 if name in ("resnet", "mobilevit") else 2)
+    # (and PhiMoE's router draws random numbers, which 2 microbatches draw otherwise than eager)
+    options = dict(devices=["host:0"], microbatches=1 if name in ("resnet", "mobilevit", "phimoe") else 2)
     with pytest.raises(harmony_fx.BudgetTooSmallError) as refused:
         harmony_fx.compile(model, (), batch, memory_budget=1, **options)
     budget = refused.value.smallest_budget
@@ -50,6 +51,8 @@ def test_an_architecture_under_bf16_computes_what_it_computes_in_bf16(name):
     packs sum a value's gradient parts in another order than eager, so the two round apart; a key
     bias's gradient, zero but for rounding, is all rounding)."""
     pytest.importorskip("transformers")
+    if name == "fnet":
+        pytest.skip("FNet's FFT has no bf16 kernel on the CPU: the model itself cannot run in bf16 here")
     model = build_architecture(name)
     in_bf16, in_fp32 = copy.deepcopy(model).to(torch.bfloat16), copy.deepcopy(model)
     batch = architecture_batch(name)

@@ -16,7 +16,6 @@ cast alike, which is the reference the tests compare against.
 """
 from __future__ import annotations
 
-import copy
 import dataclasses
 
 import torch
@@ -61,7 +60,9 @@ def in_compute_dtype(model: nn.Module, args: tuple, kwargs: dict, dtype: torch.d
 
     def clone(module: nn.Module) -> nn.Module:
         if id(module) not in clones:
-            copied = clones[id(module)] = copy.copy(module)
+            # copy.copy's way, less __getstate__: a parametrized module's (weight_norm) refuses
+            copied = clones[id(module)] = object.__new__(type(module))
+            copied.__dict__.update(module.__dict__)
             # a tied weight is one object in the model, and one in the twin
             copied._parameters = {name: None if p is None else twin(p, parameter=True)
                                   for name, p in module._parameters.items()}

@@ -5,10 +5,13 @@ nobody here wrote (``tests/test_hf_architectures.py``), beside ``hf_models``' de
 causal LMs (Mistral, Gemma, Gemma 2, Phi, Phi-3, BLOOM's ALiBi, OPT, GPT-Neo's local attention,
 GPT-J, Falcon, Mixtral's experts, Qwen3, GPT-BigCode's one key-value head, Cohere, Qwen2-MoE's
 shared experts, DeepSeek-V3's latent attention and grouped routing, Mamba's selective scan,
-XLNet's relative attention), masked LMs (DistilBERT, RoBERTa, ALBERT's one shared layer, ELECTRA,
-DeBERTa-v2's relative attention, Funnel's pooling), encoder-decoders (BART, Whisper on log-mel
-features), image classifiers (ResNet with BatchNorm, ConvNeXt, Swin's shifted windows, BEiT's
-relative position bias, MobileViT's convolutions with BatchNorm) and CLIP's vision tower. Dropout is 0
+XLNet's relative attention, PhiMoE's sparse mixer (an autograd Function with its own backward,
+drawing random numbers), Gemma 3, Jamba's attention and Mamba layers, Mamba-2), masked LMs
+(DistilBERT, RoBERTa, ALBERT's one shared layer, ELECTRA, DeBERTa-v2's relative attention, Funnel's
+pooling, BigBird and FNet's Fourier mixing, both with a pooler the loss does not use),
+encoder-decoders (BART, UMT5, Whisper on log-mel features), image classifiers (ResNet with
+BatchNorm, ConvNeXt, Swin's shifted windows, BEiT's relative position bias, MobileViT's convolutions
+with BatchNorm, DINOv2), Wav2Vec2 on raw audio (weight-normed convolutions) and CLIP's vision tower. Dropout is 0
 everywhere, so a step computes what eager's does. ``transformers`` is imported when a model is
 built: it is a test extra.
 """
@@ -108,6 +111,34 @@ ARCHITECTURES: dict[str, tuple[str, str, dict, str]] = {
         image_size=32, patch_size=2, hidden_sizes=[16, 16, 16], neck_hidden_sizes=[8, 8, 16, 16, 16, 32, 32],
         num_attention_heads=2, num_labels=5, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
         classifier_dropout_prob=0.0), "image"),
+    "phimoe": ("PhimoeConfig", "PhimoeForCausalLM", dict(
+        _DECODER, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, router_aux_loss_coef=0.0), "lm"),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(_DECODER, num_key_value_heads=2, head_dim=8,
+                                                             sliding_window=8), "lm"),
+    "jamba": ("JambaConfig", "JambaForCausalLM", dict(
+        _DECODER, num_hidden_layers=2, num_key_value_heads=2, num_experts=2, num_experts_per_tok=1, attn_layer_period=2,
+        attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1, mamba_d_state=4, mamba_d_conv=4,
+        mamba_expand=2, mamba_dt_rank=4, use_mamba_kernels=False, router_aux_loss_coef=0.0), "lm"),
+    "mamba2": ("Mamba2Config", "Mamba2ForCausalLM", dict(
+        vocab_size=_V, hidden_size=_H, state_size=4, num_hidden_layers=2, use_cache=False, expand=2, conv_kernel=4,
+        num_heads=8, head_dim=8, n_groups=1, chunk_size=8), "lm"),
+    "big_bird": ("BigBirdConfig", "BigBirdForMaskedLM", dict(
+        vocab_size=_V, hidden_size=_H, num_hidden_layers=2, num_attention_heads=_NH, intermediate_size=_I,
+        max_position_embeddings=_P, attention_type="original_full", **_NO_DROPOUT), "mlm"),
+    "fnet": ("FNetConfig", "FNetForMaskedLM", dict(
+        vocab_size=_V, hidden_size=_H, num_hidden_layers=2, intermediate_size=_I, max_position_embeddings=_P,
+        hidden_dropout_prob=0.0), "mlm"),
+    "umt5": ("UMT5Config", "UMT5ForConditionalGeneration", dict(
+        vocab_size=_V, d_model=_H, d_kv=8, d_ff=_I, num_layers=2, num_heads=_NH, dropout_rate=0.0, use_cache=False,
+        decoder_start_token_id=0, pad_token_id=0), "seq2seq"),
+    "dinov2": ("Dinov2Config", "Dinov2ForImageClassification", dict(
+        hidden_size=_H, num_hidden_layers=2, num_attention_heads=_NH, mlp_ratio=2, image_size=32, patch_size=8,
+        num_labels=5, drop_path_rate=0.0, **_NO_DROPOUT), "image"),
+    "wav2vec2": ("Wav2Vec2Config", "Wav2Vec2ForSequenceClassification", dict(
+        hidden_size=_H, num_hidden_layers=2, num_attention_heads=_NH, intermediate_size=_I, conv_dim=(8, 8),
+        conv_stride=(5, 2), conv_kernel=(10, 3), num_conv_pos_embeddings=4, num_conv_pos_embedding_groups=2,
+        num_labels=5, hidden_dropout=0.0, activation_dropout=0.0, attention_dropout=0.0, feat_proj_dropout=0.0,
+        layerdrop=0.0, mask_time_prob=0.0, classifier_proj_size=8), "audio"),
     "clip_vision": ("CLIPVisionConfig", "CLIPVisionModelWithProjection", dict(
         hidden_size=_H, intermediate_size=_I, num_hidden_layers=_L, num_attention_heads=_NH, image_size=32,
         patch_size=8, projection_dim=16), "vision"),
@@ -125,10 +156,13 @@ def build_architecture(name: str, seed: int = 0) -> nn.Module:
 
 def architecture_batch(name: str, seed: int = 1, batch: int = 4, seq: int = 16) -> dict[str, torch.Tensor]:
     """Keyword inputs for ``name``'s kind: token ids with labels (the ids again for a language model,
-    another sequence for BART), log-mel features with a transcript (Whisper), or 32x32 images (with a
-    class each for a classifier)."""
+    another sequence for BART), log-mel features with a transcript (Whisper), a waveform with a
+    class (Wav2Vec2), or 32x32 images (with a class each for a classifier)."""
     generator = torch.Generator().manual_seed(seed)
     kind = ARCHITECTURES[name][3]
+    if kind == "audio":  # 400 samples of raw waveform, and a class each
+        return {"input_values": torch.randn(batch, 400, generator=generator),
+                "labels": torch.randint(0, 5, (batch,), generator=generator)}
     if kind == "speech":  # log-mel features of 32 frames, and 8 tokens of transcript each
         return {"input_features": torch.randn(batch, 8, 32, generator=generator),
                 "labels": torch.randint(3, _V, (batch, 8), generator=generator)}

@@ -2,6 +2,8 @@
 bf16 tensors, with every placeholder still mapped to the model's own fp32 tensor."""
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from torch import nn
@@ -141,3 +143,20 @@ def test_without_a_compute_dtype_the_graph_keeps_the_models_dtypes(dtype):
     model, inputs = _example()
     captured = capture(model, inputs, dtype=dtype)
     assert not any(getattr(node.meta.get(meta.VAL), "dtype", None) == BF16 for node in captured.gm.graph.nodes)
+
+
+def test_a_parametrized_module_is_twinned_and_computes_as_in_bf16():
+    """weight_norm's parametrization (Wav2Vec2's positional convolution) refuses copy.copy; the
+    twin copies it all the same, and its placeholders are the model's ``original0``/``original1``."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.utils.parametrizations.weight_norm(nn.Linear(8, 8)), nn.Tanh())
+    x = torch.randn(4, 8)
+    captured = capture(model, (x,), dtype=BF16)
+    params = {meta_target for meta_target in (node.meta.get(meta.TARGET) for node in
+                                              captured.gm.graph.find_nodes(op="placeholder")) if meta_target}
+    assert {"0.parametrizations.weight.original0", "0.parametrizations.weight.original1"} <= params
+    expected = copy.deepcopy(model).to(BF16)(x.to(BF16))
+    names = [node.name for node in captured.gm.graph.find_nodes(op="placeholder")]
+    values = {**{n: p.to(BF16) for n, p in captured.params.items()}, **{n: b for n, b in captured.buffers.items()}}
+    result = captured.gm(*[values[n] if n in values else x.to(BF16) for n in names])
+    torch.testing.assert_close(result[0], expected, rtol=0, atol=0)
