@@ -6,8 +6,8 @@ straight-through estimator, a gradient reversal layer, PhiMoE's sparse mixer, a 
 hand-written gradient). Under ``custom_backwards()`` (capture only) each such call is recorded as
 one node instead::
 
-    function_apply = torch.ops.harmony_fx.autograd_function.default('GradReverse#0', [linear])
-    getitem = function_apply[0]
+    autograd_function = torch.ops.harmony_fx.autograd_function.default('GradReverse#0', [linear])
+    getitem = autograd_function[0]
 
 whose kernel calls ``GradReverse.apply`` itself. The op is ``CompositeImplicitAutograd``: export
 keeps it whole (as it keeps ``aten.linear``), and running it, in a pack's forward or recompute,
