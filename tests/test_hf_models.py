@@ -51,7 +51,9 @@ def test_three_sgd_steps_match_eager_at_a_quarter_of_the_memory(name, memory_wit
         expected = reference(**batch)
         assert type(out) is type(expected) and list(out.keys()) == list(expected.keys())
         torch.testing.assert_close(out.loss, expected.loss, rtol=RTOL, atol=ATOL)
-        torch.testing.assert_close(out.logits, expected.logits, rtol=RTOL, atol=ATOL)
+        # after SGD steps the two sum in other orders: a logit near zero differs by rounding at the
+        # scale of the largest (T5: 1.1e-6 at a logit of 6e-4 where the largest is ~6), so the floor is relative to it
+        torch.testing.assert_close(out.logits, expected.logits, rtol=RTOL, atol=_floor(expected.logits))
         out.loss.backward()
         expected.loss.backward()
         assert all(p.grad is not None for p in model.parameters()), f"step {step}: a parameter has no gradient"
@@ -61,6 +63,11 @@ def test_three_sgd_steps_match_eager_at_a_quarter_of_the_memory(name, memory_wit
         optimizer.zero_grad()
         ref_optimizer.step()
         ref_optimizer.zero_grad()
+
+
+def _floor(expected: torch.Tensor) -> float:
+    """An absolute tolerance at fp32's rounding of a sum at ``expected``'s scale (never below ATOL)."""
+    return max(ATOL, 1e-5 * expected.abs().max().item())
 
 
 def _version(text: str) -> tuple[int, ...]:
