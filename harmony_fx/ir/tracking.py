@@ -100,7 +100,15 @@ class _TrackingMode(TorchDispatchMode):
             out = func(*args, **(kwargs or {}))
         except DynamicOutputShapeException:
             out = _at_most(func, args, kwargs or {})
-        inputs = {storage_key(t) for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
+        inputs = _InputStorages(args, kwargs)
+        if func not in _META_SHARES and func not in _META_UNDERSIZES:
+            # nearly every ATen op returns a tensor, or a tuple or list of tensors and Nones; this runs
+            # for every op of every planning run, where torch's generic pytree would cost more than the rest
+            register = self.tracker.register
+            if isinstance(out, torch.Tensor):
+                return register(_compact(out, inputs))
+            if type(out) in (tuple, list) and all(leaf is None or isinstance(leaf, torch.Tensor) for leaf in out):
+                return type(out)(None if leaf is None else register(_compact(leaf, inputs)) for leaf in out)
         out = tree_map(lambda leaf: _compact(leaf, inputs) if isinstance(leaf, torch.Tensor) else leaf, out)
         if func in _META_SHARES:
             out = _apart(out)
@@ -110,6 +118,21 @@ class _TrackingMode(TorchDispatchMode):
             if isinstance(leaf, torch.Tensor):
                 self.tracker.register(leaf, nbytes)
         return out
+
+
+class _InputStorages:
+    """The storages of an op's tensor arguments, found only when asked (``in``): ``_compact`` asks
+    only of a result whose storage is larger than the result itself, which few are."""
+
+    __slots__ = ("_args", "_keys")
+
+    def __init__(self, args, kwargs) -> None:
+        self._args, self._keys = (args, kwargs), None
+
+    def __contains__(self, key: int) -> bool:
+        if self._keys is None:
+            self._keys = {storage_key(t) for t in tree_flatten(self._args)[0] if isinstance(t, torch.Tensor)}
+        return key in self._keys
 
 
 # Ops whose meta kernels (what a FakeTensor run calls) cannot size a result the real kernel makes:
@@ -154,12 +177,12 @@ def _real_sizes(func, args, kwargs) -> list[int | None]:
             for leaf in tree_flatten(real)[0]]
 
 
-def _compact(tensor: torch.Tensor, input_storages: set[int]) -> torch.Tensor:
+def _compact(tensor: torch.Tensor, input_storages) -> torch.Tensor:
     """``tensor``, or a copy of it in a storage of its own size where a kernel handed back a view
     into a larger buffer of its own (CPU ``mse_loss`` returns its scalar in the storage of the
     elementwise losses): the buffer would otherwise stay alive as long as the result, unseen by a
     plan made from shapes. Results that alias an input are left as they are."""
-    if storage_key(tensor) in input_storages or tensor.untyped_storage().nbytes() <= _extent(tensor):
+    if tensor.untyped_storage().nbytes() <= _extent(tensor) or storage_key(tensor) in input_storages:
         return tensor
     return tensor.clone()
 
