@@ -27,7 +27,6 @@ from typing import Callable
 
 import torch
 from torch import fx
-from torch._inductor.compile_fx import compile_fx
 
 from harmony_fx.ir import meta
 from harmony_fx.ir.pack import Pack
@@ -62,6 +61,9 @@ class PackCompiler:
             with self._lock:  # one compile at a time; another thread's call may be compiling this one
                 function = self._compiled.get(key)
                 if function is None:
+                    # imported here: inductor takes seconds to import, and most processes never compile a pack
+                    from torch._inductor.compile_fx import compile_fx
+
                     started = time.perf_counter()
                     with torch._inductor.config.patch(fallback_random=True):
                         function = compile_fx(_private_copy(pack.gm), list(inputs))
