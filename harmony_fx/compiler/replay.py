@@ -23,8 +23,10 @@ A task's signature is everything its memory depends on: its kind and pack graph
 pack's state slots and gradient flags, the layout of every value it reads (shape, strides, offset,
 dtype, ``requires_grad``, storage size, and which share a storage), for a backward the recompute
 that made its graph and which gradients already exist (added to in place, not made), and that
-nothing else holds a storage it drops. The last pack (it keeps its forward's graph) and packs that
-draw random numbers always run.
+nothing else holds a storage it drops. The last pack (it keeps its forward's graph) always runs.
+A pack that draws random numbers replays like any other: a random op's results have sizes its
+inputs decide (a dropout mask is its input's size, whatever it draws), and on FakeTensors nothing
+is drawn; the RNG states the runtime saves for its recompute are host tensors, not the device's.
 
 ``TaskRecords`` holds the records of one compile: a candidate packing evaluated after another
 replays the packs they share.
@@ -103,7 +105,7 @@ class ReplayingProbe(Probe):
     # ------------------------------------------------------------------ the three kinds of task
     def _forward(self, pack_index: int, mb: int) -> None:
         pack = self.packs_for_mb[mb][pack_index]
-        if pack.random or pack_index == self.last:
+        if pack_index == self.last:
             return self._task(None, [], lambda: Probe._forward(self, pack_index, mb), None, [])
         values = self.device_values
         read = [values[Key(KeyKind.ACT, name, mb)] for name in pack.act_inputs] + [self._weights(pack)]
@@ -117,10 +119,8 @@ class ReplayingProbe(Probe):
         values = self.device_values
         consumed = [Key(KeyKind.ACT, name, mb) for name in pack.act_inputs]
         read = [values[key] for key in consumed] + [self._weights(pack)]
-        signature = None
-        if not pack.random:
-            signature = ("RECOMPUTE", self.records.structure(pack.gm), pack.state_slot, pack.input_requires_grad,
-                         _layout(read))
+        signature = ("RECOMPUTE", self.records.structure(pack.gm), pack.state_slot, pack.input_requires_grad,
+                     _layout(read))
         self._graph_signatures[graph_key] = signature
 
         def replay(record: _Record, storages: list[torch.Tensor], outputs: dict) -> None:
