@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import harmony_fx.config
-from tests import helpers
+from tests import helpers, tiers
 
 # The zoo's tensors are tiny: intra-op threads only add OpenMP synchronisation, which on a busy
 # 2-core machine costs whole seconds per step. Harmony and its eager reference both run here, in
@@ -17,6 +17,20 @@ torch.set_num_threads(1)
 # The tests compare measured peaks with the plans and an independent witness: HostDevices account
 # every tensor here (outside the tests that is off by default, as it costs a dispatch per op).
 harmony_fx.config.TRACK_MEMORY_BY_DEFAULT = True
+
+
+@pytest.hookimpl(tryfirst=True)  # before ``-m`` deselects by the marks given here
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Each test's suite as ``tests/tiers.py`` says; an entry there that names no test of a file
+    collected whole is an error (a renamed test would silently come back to the default suite)."""
+    for item in items:
+        tier = tiers.tier_of(item.nodeid)
+        if tier is not None:
+            item.add_marker(tier)
+    if not config.option.keyword and all("::" not in arg for arg in config.args):
+        stale = tiers.unmatched([item.nodeid for item in items])
+        if stale:
+            raise pytest.UsageError("tests/tiers.py names tests that do not exist: " + ", ".join(stale))
 
 
 @pytest.fixture(autouse=True)

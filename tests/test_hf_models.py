@@ -24,7 +24,7 @@ ATOL = 1e-6
 # architectures the project was not written for: GPT-NeoX (parallel residual), ViT (images, a
 # class per image), Mixtral (experts chosen per token) and Gemma 2 (sliding-window attention,
 # soft-capped logits) in the default suite; Qwen2 (grouped-query attention) and T5
-# (encoder-decoder), whose compiles alone take 10-15 s, with -m slow
+# (encoder-decoder), whose compiles alone take 10-15 s, out of the default suite (tests/tiers.py)
 _SLOW_OTHERS = ("qwen2", "t5")
 
 
@@ -141,7 +141,7 @@ def test_a_loss_that_cannot_be_put_back_together_says_what_to_do(model, match):
     assert harmony_fx.compile(model, (x, labels), microbatches=1)(x, labels)["loss"].dim() == 0
 
 
-# GPT-2 in the default suite; Llama and BERT (11-12 s each) with -m slow, to keep it under 8 minutes
+# GPT-2 in the default suite; Llama and BERT (11-12 s each) out of it (tests/tiers.py), to keep it under 8 minutes
 @pytest.mark.parametrize("name", [name if name == "gpt2" else pytest.param(name, marks=pytest.mark.slow)
                                   for name in HF_MODELS])
 def test_larger_forward_microbatches_train_like_one_size(name, memory_witness):
@@ -237,7 +237,7 @@ def test_padded_batches_through_the_trainer_train_like_eager(name):
         trainer.close()
 
 
-@pytest.mark.parametrize("name", ["gpt2", pytest.param("llama", marks=pytest.mark.slow)])  # llama: -m slow
+@pytest.mark.parametrize("name", ["gpt2", pytest.param("llama", marks=pytest.mark.slow)])  # llama: tests/tiers.py
 def test_padded_batches_through_the_backend_train_like_eager(name):
     pytest.importorskip("transformers")
     from harmony_fx.testing.hf_models import padded_batches

@@ -89,7 +89,7 @@ def test_adamw_steps_equal_one_microbatch_size(name, devices):
         torch.testing.assert_close(param, expected, rtol=1e-5, atol=1e-4)
 
 
-# one device in the default suite; data-parallel and pipeline (9-10 s each) with -m slow
+# one device in the default suite; data-parallel and pipeline (9-20 s each): tests/tiers.py
 @pytest.mark.parametrize("devices", [d if d == "one" else pytest.param(d, marks=pytest.mark.slow) for d in DEVICES])
 def test_measured_peaks_and_bytes_equal_the_plan(devices, memory_witness):
     model, batch = _model("tiny_gpt"), _batch("tiny_gpt")

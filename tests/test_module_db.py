@@ -140,7 +140,7 @@ def _module_names() -> list[str]:
         return []
 
 
-# the quick slice less its slowest module (18 s), walked with -m slow: the default suite under 8 minutes
+# the quick slice less its slowest module (18 s) and those tests/tiers.py moves: the default suite under 8 minutes
 _SLOW_FIRST = {"nn.TransformerDecoderLayer"}
 
 

@@ -81,7 +81,7 @@ def _train_pp(name: str, num_devices: int, microbatches: int = 4, steps: int = 3
     return _train(name, num_devices, chaos, steps, parallel="pp", microbatches=microbatches)
 
 
-# a second and third chaos seed, and the small GPT on three devices (12-14 s each), with -m slow: the
+# a second and third chaos seed, and the small GPT on three devices (12-14 s each), out of the default suite: the
 # default suite under 8 minutes on 2 cores
 _DP_CASES = [pytest.param(chaos, name, num_devices, id=f"{chaos_id}-{name}-{num_devices}",
                           marks=[pytest.mark.slow] if chaos in (1, 2) or (name, num_devices) == ("tiny_gpt", 3) else [])

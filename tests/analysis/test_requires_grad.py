@@ -1,6 +1,7 @@
 """annotate_requires_grad: every value requires grad exactly where eager's does, leaf by leaf."""
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -94,25 +95,25 @@ def test_a_write_makes_a_value_require_grad_whatever_an_alike_call_gave_before()
     assert reused == ran
 
 
-def test_calls_alike_take_the_flags_every_node_run_gives():
+def _cases(kind: str) -> list:
+    if kind == "zoo":
+        from harmony_fx.testing.models import zoo
+
+        cases = [(name, *entry.build(0)[:2], {}) for name, entry in zoo(batch=4).items()]
+        torch.manual_seed(0)
+        return cases + [("mixed", _Mixed(), (torch.randn(2, 3, 4, requires_grad=True), torch.randn(2, 3, 4).sign()), {})]
+    pytest.importorskip("transformers")
+    from harmony_fx.testing.hf_models import build_hf_model, hf_batch
+
+    return [(name, build_hf_model(name), (), hf_batch(name, batch=2, seq=16))
+            for name in ("gpt2", "bert", "llama", "t5", "mixtral", "gemma2")]
+
+
+@pytest.mark.parametrize("kind", ["zoo", "hugging face"])
+def test_calls_alike_take_the_flags_every_node_run_gives(kind):
     """Reusing the flags of calls alike changes no node's flags: the zoo, the mixed model above
     (an LSTM's tuple, no_grad, detach, a frozen layer, an integer result) and Hugging Face's
     GPT-2, BERT, Llama, T5 (which writes the shifted labels in place), Mixtral and Gemma 2."""
-    from harmony_fx.testing.models import zoo
-
-    cases = []
-    for name, entry in zoo(batch=4).items():
-        model, inputs, _ = entry.build(0)
-        cases.append((name, model, inputs, {}))
-    torch.manual_seed(0)
-    cases.append(("mixed", _Mixed(), (torch.randn(2, 3, 4, requires_grad=True), torch.randn(2, 3, 4).sign()), {}))
-    try:
-        from harmony_fx.testing.hf_models import build_hf_model, hf_batch
-
-        for name in ("gpt2", "bert", "llama", "t5", "mixtral", "gemma2"):
-            cases.append((name, build_hf_model(name), (), hf_batch(name, batch=2, seq=16)))
-    except ImportError:  # transformers is a test extra
-        pass
-    for name, model, args, kwargs in cases:
+    for name, model, args, kwargs in _cases(kind):
         reused, ran = _all_flags(model, args, kwargs)
         assert reused == ran, name

@@ -9,7 +9,7 @@ import torch
 from tests.distributed import launch
 
 
-@pytest.mark.slow  # keeps the default suite under 8 minutes on 2 cores; run with -m slow
+@pytest.mark.slow  # keeps the default suite under 8 minutes on 2 cores (which run has it: tests/tiers.py)
 def test_a_hung_rank_is_named_after_the_timeout(tmp_path):
     timeout = 4
     processes = launch.start("hanging", 2, tmp_path, timeout=30, hang_in_step=1)

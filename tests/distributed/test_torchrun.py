@@ -17,7 +17,7 @@ def _demo(out, *extra) -> str:
     return result.stdout
 
 
-@pytest.mark.slow  # keeps the default suite under 8 minutes on 2 cores; run with -m slow
+@pytest.mark.slow  # keeps the default suite under 8 minutes on 2 cores (which run has it: tests/tiers.py)
 def test_a_restarted_run_ends_as_an_unbroken_one(tmp_path):
     unbroken = _demo(tmp_path / "unbroken")
     restarted = _demo(tmp_path / "restarted", "--fail-once", "2")

@@ -77,7 +77,7 @@ def test_three_ranks_within_1e6_and_send_what_the_formula_says(tmp_path, one_thr
         assert max(state_per_rank) <= 2 * _shards(numels, world)
 
 
-@pytest.mark.slow  # keeps the default suite under 8 minutes on 2 cores; run with -m slow
+@pytest.mark.slow  # keeps the default suite under 8 minutes on 2 cores (which run has it: tests/tiers.py)
 def test_a_step_failing_on_one_rank_is_undone_on_every_rank(tmp_path, one_thread):
     """Rank 1's backward fails in step 2: rank 1 raises its error, rank 0 ``StepFailedElsewhere``,
     both put the step back and retry it; the run ends as one that never failed."""

@@ -18,7 +18,7 @@ SETTINGS = {"single": (["host:0"], "auto", None), "dp": (["host:0", "host:1"], "
             "pp": (["host:0", "host:1"], "pp", 2)}
 
 
-# the tighter budgets with -m slow (the small GPT's take 10-12 s each): the default suite under 8 minutes
+# the tighter budgets out of the default suite (the small GPT's take 10-12 s each; tests/tiers.py): the default suite under 8 minutes
 _CASES = [pytest.param(name, mode, fraction, id=f"{name}-{mode}-{fraction}",
                        marks=[pytest.mark.slow] if fraction == 0.25 or (name == "tiny_gpt" and fraction < 1) else [])
           for name in sorted(ZOO) for mode in sorted(SETTINGS) for fraction in (1.0, 0.5, 0.25)]

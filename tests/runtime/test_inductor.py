@@ -16,7 +16,7 @@ def _loss(logits, target):
     return torch.nn.functional.cross_entropy(logits.flatten(0, 1), target.flatten())
 
 
-@pytest.mark.slow  # keeps the default suite under 8 minutes on 2 cores; run with -m slow
+@pytest.mark.slow  # keeps the default suite under 8 minutes on 2 cores (which run has it: tests/tiers.py)
 def test_compiled_packs_train_like_eager_with_dropout_and_compile_identical_blocks_once():
     torch.manual_seed(0)
     model = TinyGPT(GPTConfig(vocab_size=64, block_size=16, n_layer=4, n_head=2, n_embd=32, dropout=0.2))
@@ -71,7 +71,7 @@ def test_compiled_packs_refuse_per_tensor_tracking():
         harmony_fx.compile(model, torch.randn(2, 4), compile_packs=True, track_memory=True)
 
 
-@pytest.mark.parametrize("name", [  # all with -m slow (18-58 s each, inductor's cache cold)
+@pytest.mark.parametrize("name", [  # out of the default suite (18-120 s each, inductor's cache cold): tests/tiers.py
     # BatchNorm: inductor's fused backward differs from eager's by ~2%, so the match is to torch.compile
     pytest.param("small_cnn", marks=pytest.mark.slow),
     pytest.param("mlp_chain", marks=pytest.mark.slow),
@@ -101,7 +101,7 @@ def test_compiled_packs_equal_torch_compile_of_the_whole_model(name):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-5 * float(q.grad.abs().max()), msg=pname)
 
 
-@pytest.mark.slow  # keeps the default suite under 8 minutes on 2 cores; run with -m slow
+@pytest.mark.slow  # keeps the default suite under 8 minutes on 2 cores (which run has it: tests/tiers.py)
 @pytest.mark.parametrize("parallel", ["dp", "pp"])
 def test_compiled_packs_on_two_devices_whose_threads_share_them(parallel):
     """Two devices' controller threads call the same compiled functions (dp) or hand values to each

@@ -216,7 +216,7 @@ def runs(tmp_path_factory):
     return base, unbroken[0], broken[0]
 
 
-@pytest.mark.slow  # keeps the default suite under 8 minutes on 2 cores; run with -m slow
+@pytest.mark.slow  # keeps the default suite under 8 minutes on 2 cores (which run has it: tests/tiers.py)
 def test_a_killed_rank_is_named_by_the_other_within_the_timeout(runs):
     base, _, survivor = runs
     assert survivor["step_count"] == 3  # the failed step was undone
@@ -237,7 +237,7 @@ def test_resuming_at_two_ranks_gives_the_unbroken_losses_bitwise(runs, tmp_path)
         assert all(torch.equal(rank["losses"][step], unbroken["losses"][step]) for step in (3, 4))
 
 
-@pytest.mark.slow  # keeps the default suite under 8 minutes on 2 cores; run with -m slow
+@pytest.mark.slow  # keeps the default suite under 8 minutes on 2 cores (which run has it: tests/tiers.py)
 def test_resuming_at_three_ranks_and_in_one_process_within_1e6(runs, tmp_path):
     base, unbroken, _ = runs
     folder = tmp_path / "ck3"

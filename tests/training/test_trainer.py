@@ -436,7 +436,7 @@ def _previous_token_loss(logits, target):
     return F.cross_entropy(logits[:, 1:].reshape(-1, logits.shape[-1]), target[:, 1:].reshape(-1))
 
 
-@pytest.mark.slow  # keeps the default suite under 8 minutes on 2 cores; run with -m slow
+@pytest.mark.slow  # keeps the default suite under 8 minutes on 2 cores (which run has it: tests/tiers.py)
 def test_small_gpt_learns_to_copy_the_previous_token_under_a_quarter_budget(memory_witness):
     config = GPTConfig(vocab_size=64, block_size=16, n_layer=4, n_embd=32, dropout=0.0)
     torch.manual_seed(0)
