@@ -50,7 +50,8 @@ from harmony_fx.compiler.plan import make_plan
 from harmony_fx.compiler.shapes import Shapes
 from harmony_fx.compiler.signature import program_signature
 from harmony_fx.compiler.stages import StageLog, progress_to_stderr
-from harmony_fx.compiler.variants import Variant, capture_variant, check_same_layers
+from harmony_fx.compiler.capture_cache import cached_capture
+from harmony_fx.compiler.variants import Variant, check_same_layers
 from harmony_fx.config import CompileOptions, format_size
 from harmony_fx.frontend import microbatch
 from harmony_fx.lowering.tier_io import insert_tier_io
@@ -119,7 +120,7 @@ def _compile_program(model: nn.Module, args: tuple, kwargs: dict, options: Compi
             options.microbatches is None or (options.parallel == "auto" and len(devices) > 1)):
         batch = _batch_or_none(example)
         if batch is not None and batch >= 1:
-            whole = log.run("capture whole batch", capture_variant, model, None, args, kwargs,
+            whole = log.run("capture whole batch", cached_capture, model, None, args, kwargs,
                             devices[0].torch_device, options.compute_dtype, decision=_describe_variant)
             analysis = log.run("analyze batch", _analyze_batch, whole, batch, flat_dims, decision=_describe_batch)
             schedules = log.run("choose schedule", choose_schedules, whole.captured.gm, model, batch, devices,
@@ -194,8 +195,7 @@ def _from_layout(log: StageLog, example: _Example, devices: list, options: Compi
     layout = log.run("lay out", decide_layout, schedule, options, len(devices), example.batch_size,
                      decision=Layout.describe)
     variants = log.run("capture microbatches", _capture_microbatches, example, layout, whole,
-                       devices[0].torch_device, options.compute_dtype, decision=lambda v: "the whole batch's graph" if None in v
-                       else f"{len(v)} graph(s), at microbatch sizes " + ", ".join(map(str, v)))
+                       devices[0].torch_device, options.compute_dtype, decision=_describe_microbatches)
     primary = variants[layout.mb_sizes[0]]
     if analysis is None:
         analysis = log.run("analyze batch", _analyze_largest, example, variants, layout, decision=_describe_batch)
@@ -305,7 +305,7 @@ def _capture_microbatches(example: _Example, layout: Layout, whole: Variant | No
         calls = microbatch.split_call(example.call, example.dims, [s for s in sizes if s] or [0])
         for size, (mb_args, mb_kwargs) in zip(sizes, calls):
             if size not in variants:
-                variants[size] = whole if size is None and whole is not None else capture_variant(
+                variants[size] = whole if size is None and whole is not None else cached_capture(
                     example.model, size, mb_args, mb_kwargs, target, dtype)
     check_same_layers(variants, backward_sizes, forward_sizes)
     return variants
@@ -455,7 +455,16 @@ def _describe_schedules(schedules: tuple[Schedule, ...]) -> str:
 
 def _describe_variant(variant: Variant) -> str:
     captured = variant.captured
-    return f"{captured.method}: {len(variant.layers)} layers, {len(captured.params)} parameter tensors"
+    kept = ", kept from an earlier compile of the model in this state" if variant.reused else ""
+    return f"{captured.method}: {len(variant.layers)} layers, {len(captured.params)} parameter tensors{kept}"
+
+
+def _describe_microbatches(variants: dict) -> str:
+    kept = sum(variant.reused for variant in variants.values())
+    kept_note = f" ({kept} kept from an earlier compile of the model in this state)" if kept else ""
+    if None in variants:
+        return "the whole batch's graph" + kept_note
+    return f"{len(variants)} graph(s), at microbatch sizes " + ", ".join(map(str, variants)) + kept_note
 
 
 def _describe_batch(analysis: BatchAnalysis) -> str:

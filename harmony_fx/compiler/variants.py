@@ -32,6 +32,7 @@ class Variant:
     captured: Captured
     layers: tuple[Layer, ...]
     nodes: dict[str, fx.Node]
+    reused: bool = False  # a copy of an earlier compile's capture (``compiler.capture_cache``)
 
     @property
     def masters(self) -> dict[str, object]:

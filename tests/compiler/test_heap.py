@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import harmony_fx
-from harmony_fx.compiler import driver
+from harmony_fx.compiler import capture_cache
 from harmony_fx.models import MLPChain
 
 
@@ -19,8 +19,8 @@ def _compile(**options):
 
 def test_a_compile_freezes_the_heap_while_it_runs_and_gives_it_back(monkeypatch):
     seen = []
-    capture = driver.capture_variant
-    monkeypatch.setattr(driver, "capture_variant", lambda *args, **kwargs: seen.append(gc.get_freeze_count())
+    capture = capture_cache.capture_variant
+    monkeypatch.setattr(capture_cache, "capture_variant", lambda *args, **kwargs: seen.append(gc.get_freeze_count())
                         or capture(*args, **kwargs))
     _compile(microbatches=1)
     assert seen and all(count > 0 for count in seen)
