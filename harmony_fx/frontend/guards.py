@@ -140,9 +140,10 @@ def attribute_facts(model: nn.Module) -> tuple:
     ``forward``, its forward hooks and every plain attribute (numbers, strings, flags, tensors
     held as attributes with their version counter, functions by identity, plain objects by their
     own attributes); and torch's global forward hooks and default dtype."""
-    memo: dict[int, object] = {}
-    facts: list = [torch.get_default_dtype(), _fact(dict(torch.nn.modules.module._global_forward_hooks), 1, memo),
-                   _fact(dict(torch.nn.modules.module._global_forward_pre_hooks), 1, memo)]
+    memo: dict[tuple[int, int], object] = {}
+    hooks = torch.nn.modules.module
+    facts: list = [torch.get_default_dtype(), _fact(hooks._global_forward_hooks, 1, memo),
+                   _fact(hooks._global_forward_pre_hooks, 1, memo)]
     stack = [model]
     while stack:
         module = stack.pop()
@@ -153,11 +154,14 @@ def attribute_facts(model: nn.Module) -> tuple:
     return tuple(facts)
 
 
-def _fact(value: object, depth: int, memo: dict[int, object]) -> object:
+def _fact(value: object, depth: int, memo: dict[tuple[int, int], object]) -> object:
     if isinstance(value, _VALUES):
         return (type(value), value)
     if isinstance(value, torch.Tensor):
-        return ("tensor", id(value), value.dtype, value.shape, value._version)
+        # a parameter is a placeholder, its values never baked in (an LSTM's _flat_weights list them:
+        # each optimizer step would change the key); inference tensors keep no version
+        version = None if isinstance(value, nn.Parameter) or value.is_inference() else value._version
+        return ("tensor", id(value), value.dtype, value.shape, version)
     # functions are held, not their ids: a lambda replaced by another may be given the freed one's id
     if isinstance(value, (types.FunctionType, types.BuiltinFunctionType, type)):
         return ("function", value)
@@ -165,17 +169,22 @@ def _fact(value: object, depth: int, memo: dict[int, object]) -> object:
         return ("method", value.__func__, id(value.__self__))
     if isinstance(value, nn.Module):  # held as a plain attribute, not a submodule: its identity
         return ("module", id(value))
-    if id(value) in memo:  # a config every module holds is read once
-        return memo[id(value)]
+    if (id(value), depth) in memo:  # a config every module holds is read once
+        return memo[id(value), depth]
     fact: object = ("identity", type(value), id(value))
+    try:
+        attributes = vars(value)
+    except Exception:  # noqa: BLE001 - no __dict__ (slots, a C type), or one that cannot be read: its identity
+        attributes = None
     if depth < _DEPTH:
-        if isinstance(value, (tuple, list, set, frozenset)) and len(value) <= _ITEMS:
-            items = sorted(value, key=repr) if isinstance(value, (set, frozenset)) else value
-            fact = (type(value), tuple(_fact(item, depth + 1, memo) for item in items))
+        if isinstance(value, (set, frozenset)) and len(value) <= _ITEMS:
+            fact = (type(value), frozenset(_fact(item, depth + 1, memo) for item in value))
+        elif isinstance(value, (tuple, list)) and len(value) <= _ITEMS:
+            fact = (type(value), tuple(_fact(item, depth + 1, memo) for item in value))
         elif isinstance(value, dict) and len(value) <= _ITEMS:
             fact = (type(value), tuple((_fact(k, depth + 1, memo), _fact(v, depth + 1, memo)) for k, v in value.items()))
-        elif hasattr(value, "__dict__") and len(vars(value)) <= _ITEMS:
+        elif isinstance(attributes, dict) and len(attributes) <= _ITEMS:
             fact = (type(value), id(value), tuple((name, _fact(item, depth + 1, memo))
-                                                  for name, item in vars(value).items()))
-    memo[id(value)] = fact
+                                                  for name, item in attributes.items()))
+    memo[id(value), depth] = fact
     return fact

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import harmony_fx
-from harmony_fx.frontend.guards import CallKey
+from harmony_fx.frontend.guards import CallKey, attribute_facts
 from harmony_fx.program.actions import ActionKind, KeyKind
 from tests.helpers import RTOL, ATOL, assert_buffers_equal, assert_grads_equal
 
@@ -329,3 +329,49 @@ def test_forward_only_on_two_devices_equals_eager(parallel):
         torch.testing.assert_close(hm(x), reference(x), rtol=RTOL, atol=ATOL)
     assert all(backward == [] for _, backward in hm.device_actions)
     hm.close()
+
+
+# ---------------------------------------------------------------------- attribute facts (compiler.capture_cache's key)
+
+
+class _Config:
+    def __init__(self) -> None:
+        self.rope = {"type": "linear", "factor": 2.0}
+
+
+class _Held(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lstm = nn.LSTM(4, 4)
+        self.config = _Config()
+        self.act = lambda x: x
+
+    def forward(self, x):
+        return self.act(self.lstm(x)[0]) * self.config.rope["factor"]
+
+
+@pytest.mark.parametrize("change", [
+    lambda m: m.config.rope.update(factor=3.0),                              # in a dict in a held object
+    lambda m: setattr(m, "act", lambda x: 2 * x),                            # a function replaced
+    lambda m: m.lstm.register_forward_pre_hook(lambda module, args: None),   # a hook added
+    lambda m: setattr(m.lstm, "dropout", 0.5),                               # a submodule's number
+])
+def test_attribute_facts_see_what_the_forward_reads_beyond_the_call_key(change):
+    model = _Held()
+    before = attribute_facts(model)
+    assert attribute_facts(model) == before
+    change(model)
+    assert attribute_facts(model) != before
+
+
+def test_attribute_facts_stay_through_a_training_step():
+    """An LSTM lists its parameters in a plain attribute: their values are no part of the graph."""
+    model = _Held()
+    before = attribute_facts(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model(torch.randn(3, 2, 4)).sum().backward()
+    optimizer.step()
+    assert attribute_facts(model) == before
+    with torch.inference_mode():
+        model.constant = torch.ones(2)  # an inference tensor keeps no version counter
+    hash(attribute_facts(model))
