@@ -23,6 +23,7 @@ import collections
 import copy
 import dataclasses
 import weakref
+
 import torch
 from torch import fx, nn
 

@@ -35,6 +35,9 @@ from torch.utils import _pytree as pytree
 from harmony_fx.analysis.reductions import ScalarReduction, scalar_reduction
 from harmony_fx.ir import meta
 from harmony_fx.ir.autograd_functions import custom_backwards
+from harmony_fx.frontend.backward_hooks import (
+    hooks_registered_in_forward, refuse_module_backward_hooks, refuse_tensor_hooks,
+)
 from harmony_fx.frontend.compute_dtype import fake_in, in_compute_dtype
 from harmony_fx.frontend.decomposition_fixes import decomposition_fixes
 from harmony_fx.frontend.refusals import first_refused, refusal
@@ -81,10 +84,12 @@ def capture(model: nn.Module, args: tuple, kwargs: dict | None = None, stack_tra
     if not isinstance(args, tuple):
         args = (args,)
     kwargs = dict(kwargs or {})
-    with _grads_set_aside(model):
+    refuse_module_backward_hooks(model)
+    with _grads_set_aside(model), hooks_registered_in_forward() as hooks:
         captured, found = _bounded_capture(model, args, kwargs, stack_traces, dtype)
         if found is not None and not stack_traces:  # again with traces, to name the line it is on
             captured, found = _bounded_capture(model, args, kwargs, True, dtype)
+    refuse_tensor_hooks(hooks)
     if found is not None:
         raise refusal(found)
     captured.reductions = _scalar_reductions(captured.gm)

@@ -30,18 +30,28 @@ class HarmonyFunction(torch.autograd.Function):
         return outputs
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
     def backward(ctx, *grad_outputs):
-        session, calls, iteration = ctx.session, ctx.calls, ctx.iteration
-        if iteration is None:
-            # the backward programs used up what the forward left (the stash, the kept graphs)
+        if torch.is_grad_enabled():  # autograd runs a backward with grad mode on only for create_graph=True
             raise RuntimeError(
-                "harmony_fx: backward through the same call of a compiled model a second time "
-                "(retain_graph=True): harmony_fx runs a call's backward once, freeing what its forward "
-                "stashed. Sum the losses and call backward once, or call the model again.")
-        ctx.iteration = None
-        calls.put_output_grads(iteration, grad_outputs)
-        session.finish(iteration)
-        input_grads = calls.input_grads(iteration)
-        param_grads = iteration.host_grads.get_all([id(param) for param in ctx.params])
-        return (None, None, None, *input_grads, *param_grads)
+                "harmony_fx: a gradient of a gradient (create_graph=True: a gradient penalty, double backward) "
+                "through a compiled model: harmony_fx computes first-order gradients pack by pack, on the "
+                "devices, and hands autograd their values, with no graph of how they were made. Compute such a "
+                "term with the eager model, or with torch.func on it.")
+        return _first_order_backward(ctx, *grad_outputs)
+
+
+@torch.autograd.function.once_differentiable
+def _first_order_backward(ctx, *grad_outputs):
+    session, calls, iteration = ctx.session, ctx.calls, ctx.iteration
+    if iteration is None:
+        # the backward programs used up what the forward left (the stash, the kept graphs)
+        raise RuntimeError(
+            "harmony_fx: backward through the same call of a compiled model a second time "
+            "(retain_graph=True): harmony_fx runs a call's backward once, freeing what its forward "
+            "stashed. Sum the losses and call backward once, or call the model again.")
+    ctx.iteration = None
+    calls.put_output_grads(iteration, grad_outputs)
+    session.finish(iteration)
+    input_grads = calls.input_grads(iteration)
+    param_grads = iteration.host_grads.get_all([id(param) for param in ctx.params])
+    return (None, None, None, *input_grads, *param_grads)

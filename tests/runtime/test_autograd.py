@@ -41,6 +41,20 @@ def test_a_second_backward_through_one_call_says_what_to_do():
     assert_grads_equal(model, reference)  # the first backward's gradients, once
 
 
+def test_a_gradient_of_a_gradient_says_what_to_do_and_loses_nothing():
+    """``create_graph=True`` (a gradient penalty) is refused in words (it failed later with torch's
+    "element 0 of tensors does not require grad"); the next call trains like eager."""
+    model, x, hm = _compiled()
+    reference = copy.deepcopy(model)
+    x = x.clone().requires_grad_()
+    with pytest.raises(RuntimeError, match=r"create_graph=True.*eager model"):
+        torch.autograd.grad(hm(x).square().sum(), x, create_graph=True)
+    assert all(param.grad is None for param in model.parameters())
+    hm(x).square().mean().backward()
+    reference(x).square().mean().backward()
+    assert_grads_equal(model, reference)
+
+
 class _TwoHeadsAndADeadEnd(torch.nn.Module):
     """A trunk, two heads returned, and a branch computed but returned nowhere (a pooler the
     model's loss ignores, as in Hugging Face's FNet and BigBird masked LMs)."""
