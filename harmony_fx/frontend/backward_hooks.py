@@ -80,8 +80,10 @@ def refuse_tensor_hooks(lines: list[str]) -> None:
 
 
 def _model_line() -> str:
-    """The innermost frame outside torch and harmony_fx: the model's code that registered the hook."""
+    """The innermost frame outside torch, harmony_fx and generated code: the model's code that
+    registered the hook. A graph from ``torch.compile`` has none: it registers the hook through
+    ``torch.ops.higher_order.register_hook``."""
     for frame in reversed(traceback.extract_stack()[:-2]):
-        if not frame.filename.startswith((_TORCH, _PACKAGE)):
+        if not frame.filename.startswith((_TORCH, _PACKAGE, "<")):
             return f"{frame.filename}:{frame.lineno} in {frame.name}: {(frame.line or '').strip()}"
-    return "an unknown line"
+    return "a line of the graph torch.compile traced (torch.ops.higher_order.register_hook)"

@@ -83,3 +83,33 @@ def test_hooks_on_parameters_inputs_and_outputs_run_as_in_eager():
     assert sorted(seen) == sorted(f"{where} {what}" for where in ("harmony", "eager")
                                   for what in ("weight", "bias", "input", "output"))
     assert_grads_equal(model, reference, inputs=[x], ref_inputs=[x_ref])
+
+
+def test_through_torch_compile_a_hook_is_never_silently_dropped():
+    """Dynamo keeps a hook registered in forward as ``torch.ops.higher_order.register_hook`` (torch
+    2.13), which export traced through on fakes: the gradient was silently eager's without the hook.
+    Either refused, or eager's gradients (where Dynamo leaves the hook outside the graph)."""
+    torch.manual_seed(0)
+    model = _ClipsInForward()
+    reference = copy.deepcopy(model)
+    x = torch.randn(4, 8)
+    compiled = torch.compile(model, backend="harmony", options={"devices": ["host:0"]})
+    try:
+        compiled(x).sum().backward()
+    except ValueError as error:
+        assert "registers a hook on a tensor it makes" in str(error)
+        return
+    reference(x).sum().backward()
+    assert_grads_equal(model, reference)
+
+
+def test_through_torch_compile_a_module_backward_hook_runs_as_in_eager():
+    """Dynamo calls a module's backward hooks around its graph, not in it."""
+    model = _model()
+    reference = copy.deepcopy(model)
+    for m in (model, reference):
+        m[2].register_full_backward_hook(lambda module, grad_input, grad_output: (grad_input[0] * 3,))
+    x = torch.randn(4, 8)
+    torch.compile(model, backend="harmony", options={"devices": ["host:0"]})(x).sum().backward()
+    reference(x).sum().backward()
+    assert_grads_equal(model, reference)
