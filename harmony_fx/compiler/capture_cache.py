@@ -6,9 +6,9 @@ microbatches, the planner trying a schedule at a size another compile captured. 
 graphs on the code it compiled, guarded, harmony_fx keeps each capture on the model (weakly: it goes
 with the model), under a key of everything the graph bakes in: the microbatch size and target
 device, the compute dtype, ``CallKey`` (grad, inference and autocast modes, each module's training
-flag, each parameter's and buffer's identity, dtype, shape and ``requires_grad``, the inputs'
-structure, shapes and dtypes, every non-tensor input) and ``attribute_facts`` (each module's class
-and forward hooks, its plain attributes and the objects it holds, such as a Hugging Face config).
+flag, each parameter's and buffer's identity, dtype, shape and ``requires_grad``, the modules'
+hooks, the inputs' structure, shapes and dtypes, every non-tensor input) and ``attribute_facts``
+(each module's class, its plain attributes and the objects it holds, such as a Hugging Face config).
 
 What no key sees: the code of a function the forward calls, changed in place (a module-level
 function patched). ``harmony_fx.reset()`` forgets every capture kept.

@@ -8,7 +8,10 @@ A graph captured from ``model(*args, **kwargs)`` holds, besides the batch size:
 - each parameter's and buffer's identity, dtype and shape, and each parameter's ``requires_grad``
   (freezing a layer, a parameter replaced by assignment, ``load_state_dict(assign=True)``);
 - the inputs' structure, each tensor's shape, dtype, device and ``requires_grad``, and the value
-  of every other input (a flag such as ``use_cache=False`` is baked in as a constant).
+  of every other input (a flag such as ``use_cache=False`` is baked in as a constant);
+- each module's forward and backward hooks and torch's global ones (a hook added after compiling,
+  to read a layer's output, or PEFT's hook that makes the embeddings' output require grad, runs
+  in the forward the graph was captured from; a backward hook is refused at capture).
 
 ``CallKey.of(model, args, kwargs)`` reads all of it; ``HarmonyModule`` keeps one compiled program
 per key, so a change captures and plans again once, and switching back finds the earlier program.
@@ -16,13 +19,17 @@ Reading the key walks the module tree (no ``named_modules`` bookkeeping): about 
 of a hundred parameters, measured in ``benchmarks/test_guards.py``.
 
 What cannot be seen from here: a Python attribute the forward reads that is neither a module, a
-parameter nor a buffer (``model.scale = 2.0`` after compiling), and in-place changes to a tensor a
-module holds as a plain attribute. Those are baked in at capture, as in ``torch.export``.
+parameter nor a buffer (``model.scale = 2.0`` after compiling): it is baked in at capture, as in
+``torch.export``. (A tensor held as a plain attribute is not: export lifts it to a placeholder, read
+at every call, so an in-place change to it is seen.) Reading every attribute on every call would
+cost milliseconds, and walk whatever a module holds (a Lightning module's trainer, whose counters
+move every step).
 
 ``attribute_facts(model)`` reads those too, once per compile rather than per call (about 10 ms for
-a 59-block GPT-2): every submodule's class, its forward hooks and its plain attributes, following
-plain objects it holds (a Hugging Face config) a few levels deep. ``compiler.capture_cache`` keys a
-capture on it, so that a compile of the same model in the same state takes the graph captured before.
+a 59-block GPT-2): every submodule's class and its plain attributes, following plain objects it
+holds (a Hugging Face config) a few levels deep. ``compiler.capture_cache`` keys a capture on it
+with ``CallKey``, so that a compile of the same model in the same state takes the graph captured
+before, and a compile after such a change captures again.
 """
 from __future__ import annotations
 
@@ -71,7 +78,7 @@ class CallKey:
         if self.module_state != other.module_state:
             training = {m.training for m in model.modules()}
             changes.append("train mode" if training == {True} else "eval mode" if training == {False}
-                           else "the modules' training flags, parameters or buffers")
+                           else "the modules' training flags, parameters, buffers or hooks")
         if self.inputs != other.inputs:
             changes.append("the inputs' shapes, dtypes or structure")
         return changes
@@ -88,11 +95,16 @@ def _mode(key: CallKey) -> str:
 
 
 def module_state(model: nn.Module) -> tuple:
-    facts: list = []
+    hooks = torch.nn.modules.module
+    facts: list = [_hook_ids(hooks._global_forward_hooks, hooks._global_forward_pre_hooks,
+                             hooks._global_backward_hooks, hooks._global_backward_pre_hooks)]
     stack = [model]
     while stack:
         module = stack.pop()
         facts.append(module.training)
+        if module._forward_hooks or module._forward_pre_hooks or module._backward_hooks or module._backward_pre_hooks:
+            facts.append(_hook_ids(module._forward_hooks, module._forward_pre_hooks, module._backward_hooks,
+                                   module._backward_pre_hooks))
         for param in module._parameters.values():
             if param is not None:
                 try:
@@ -107,6 +119,11 @@ def module_state(model: nn.Module) -> tuple:
                     facts.append((id(buffer), "uninitialized"))
         stack.extend(module._modules.values())
     return tuple(facts)
+
+
+def _hook_ids(*hook_dicts: dict) -> tuple:
+    """The hooks registered, by their handles' ids (a hook added or removed changes them)."""
+    return tuple(tuple(hooks) for hooks in hook_dicts)
 
 
 def input_facts(args: tuple, kwargs: dict) -> tuple:
@@ -124,26 +141,21 @@ def input_facts(args: tuple, kwargs: dict) -> tuple:
     return tuple(facts)
 
 
-# nn.Module's own bookkeeping: the tree, parameters and buffers are ``module_state``'s; what does
-# not change the forward (state-dict and backward hooks) is left out
-_MODULE_INTERNALS = frozenset(vars(nn.Module())) - {"_forward_hooks", "_forward_hooks_with_kwargs",
-                                                       "_forward_hooks_always_called", "_forward_pre_hooks",
-                                                       "_forward_pre_hooks_with_kwargs"}
+# nn.Module's own bookkeeping: the tree, parameters, buffers and hooks are ``module_state``'s
+_MODULE_INTERNALS = frozenset(vars(nn.Module()))
 _VALUES = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device, torch.layout,
            torch.memory_format, torch.Size, enum.Enum)
 _DEPTH = 4          # how far into plain objects (module -> config -> its dicts -> their items)
-_ITEMS = 256        # a longer list or dict is known by its identity and length
+_ITEMS = 256        # a longer list or dict is known by its identity only
 
 
 def attribute_facts(model: nn.Module) -> tuple:
     """What a capture bakes in beyond ``CallKey``: per module, depth first, its class, the class's
-    ``forward``, its forward hooks and every plain attribute (numbers, strings, flags, tensors
-    held as attributes with their version counter, functions by identity, plain objects by their
-    own attributes); and torch's global forward hooks and default dtype."""
+    ``forward`` and every plain attribute (numbers, strings, flags; tensors held as attributes by
+    identity, dtype and shape; functions by identity; plain objects by their own attributes); and
+    torch's default dtype."""
     memo: dict[tuple[int, int], object] = {}
-    hooks = torch.nn.modules.module
-    facts: list = [torch.get_default_dtype(), _fact(hooks._global_forward_hooks, 1, memo),
-                   _fact(hooks._global_forward_pre_hooks, 1, memo)]
+    facts: list = [torch.get_default_dtype()]
     stack = [model]
     while stack:
         module = stack.pop()
@@ -158,10 +170,9 @@ def _fact(value: object, depth: int, memo: dict[tuple[int, int], object]) -> obj
     if isinstance(value, _VALUES):
         return (type(value), value)
     if isinstance(value, torch.Tensor):
-        # a parameter is a placeholder, its values never baked in (an LSTM's _flat_weights list them:
-        # each optimizer step would change the key); inference tensors keep no version
-        version = None if isinstance(value, nn.Parameter) or value.is_inference() else value._version
-        return ("tensor", id(value), value.dtype, value.shape, version)
+        # export lifts a tensor attribute to a placeholder, its values read at every call: only which
+        # tensor it is, and its dtype and shape, are in the graph
+        return ("tensor", id(value), value.dtype, value.shape)
     # functions are held, not their ids: a lambda replaced by another may be given the freed one's id
     if isinstance(value, (types.FunctionType, types.BuiltinFunctionType, type)):
         return ("function", value)

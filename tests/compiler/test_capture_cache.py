@@ -109,8 +109,8 @@ def _change_setting(model: nn.Module) -> None:
     model.settings.activation = "tanh"
 
 
-def _change_tensor_attribute(model: nn.Module) -> None:
-    model.offset.add_(1.0)
+def _replace_tensor_attribute(model: nn.Module) -> None:
+    model.offset = torch.ones(16)
 
 
 def _add_hook(model: nn.Module) -> None:
@@ -125,7 +125,7 @@ def _eval(model: nn.Module) -> None:
     model.eval()
 
 
-@pytest.mark.parametrize("change", [_change_scale, _change_setting, _change_tensor_attribute, _add_hook,
+@pytest.mark.parametrize("change", [_change_scale, _change_setting, _replace_tensor_attribute, _add_hook,
                                     _replace_parameter, _eval])
 def test_what_the_graph_bakes_in_changed_captures_again(captures, change):
     model, (x, target) = _Scaled(), _batch()
@@ -133,6 +133,17 @@ def test_what_the_graph_bakes_in_changed_captures_again(captures, change):
     change(model)
     hm = _compile(model, x)
     assert captures == [None, None]
+    _assert_like_eager(model, hm, x, target)
+
+
+def test_a_tensor_attribute_changed_in_place_is_read_by_the_capture_kept(captures):
+    """Export lifts a tensor attribute to a placeholder, read at every call: the capture is kept,
+    and the values are the new ones."""
+    model, (x, target) = _Scaled(), _batch()
+    _compile(model, x)
+    model.offset.add_(1.0)
+    hm = _compile(model, x)
+    assert captures == [None]
     _assert_like_eager(model, hm, x, target)
 
 

@@ -353,7 +353,6 @@ class _Held(nn.Module):
 @pytest.mark.parametrize("change", [
     lambda m: m.config.rope.update(factor=3.0),                              # in a dict in a held object
     lambda m: setattr(m, "act", lambda x: 2 * x),                            # a function replaced
-    lambda m: m.lstm.register_forward_pre_hook(lambda module, args: None),   # a hook added
     lambda m: setattr(m.lstm, "dropout", 0.5),                               # a submodule's number
 ])
 def test_attribute_facts_see_what_the_forward_reads_beyond_the_call_key(change):
@@ -365,7 +364,8 @@ def test_attribute_facts_see_what_the_forward_reads_beyond_the_call_key(change):
 
 
 def test_attribute_facts_stay_through_a_training_step():
-    """An LSTM lists its parameters in a plain attribute: their values are no part of the graph."""
+    """An LSTM lists its parameters in a plain attribute: their values are no part of the graph
+    (each step's in-place update must not change the facts)."""
     model = _Held()
     before = attribute_facts(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -375,3 +375,28 @@ def test_attribute_facts_stay_through_a_training_step():
     with torch.inference_mode():
         model.constant = torch.ones(2)  # an inference tensor keeps no version counter
     hash(attribute_facts(model))
+
+
+def test_a_forward_hook_added_after_compiling_runs_and_removed_stops():
+    """A hook added after the first call (to read or change a layer's output) is part of the
+    forward the next call captures; removed, the first program runs again."""
+    model, reference, hm = _pair()
+    model.eval(), reference.eval()
+    x, _ = _batch()
+    with torch.no_grad():
+        hm(x)
+        handles = [m[0].register_forward_hook(lambda module, args, output: output * 0.5) for m in (model, reference)]
+        torch.testing.assert_close(hm(x), reference(x), rtol=RTOL, atol=ATOL)
+        for handle in handles:
+            handle.remove()
+        torch.testing.assert_close(hm(x), reference(x), rtol=RTOL, atol=ATOL)
+    assert len(hm.variants) == 2
+
+
+def test_a_backward_hook_added_after_compiling_is_refused_at_the_next_call():
+    model, _, hm = _pair()
+    x, target = _batch()
+    F.cross_entropy(hm(x), target).backward()
+    model[4].register_full_backward_hook(lambda *args: None)
+    with pytest.raises(ValueError, match="has a backward hook"):
+        hm(x)
