@@ -324,7 +324,7 @@ class HarmonyModule:
             finally:
                 iteration.release()
             self.session.finish_stats()
-        return self.calls.structure(list(outputs))
+        return self.calls.structure(list(outputs), args, kwargs)
 
     def for_batch(self, args: tuple, kwargs: dict, **roles: Any) -> "HarmonyModule":
         """The module that runs a call on ``(args, kwargs)``: this one when the call's ``CallKey``

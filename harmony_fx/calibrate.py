@@ -617,4 +617,4 @@ def _call(session: Session, calls: Calls, x: torch.Tensor) -> torch.Tensor:
     compiled = session.compiled
     outputs = HarmonyFunction.apply(session, calls, calls.split((x,), {}), *compiled.captured.flatten_inputs((x,), {}),
                                     *compiled.trainable_params())
-    return calls.structure(list(outputs))
+    return calls.structure(list(outputs), (x,), {})

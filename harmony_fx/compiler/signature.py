@@ -23,11 +23,12 @@ def program_signature(captured: Captured, requires_grad: Sequence[bool], num_mic
     differentiable = [n.name for n in nodes
                       if any_requires_grad(n) and meta.role_of(n) not in (meta.Role.PARAM, meta.Role.BUFFER)]
     output_args = captured.gm.graph.find_nodes(op="output")[0].args[0]
-    for arg in output_args:
-        if isinstance(arg, fx.Node) and arg.op == "placeholder":
-            raise ValueError(f"the model returns its input or state {arg.name!r} unchanged; harmony_fx needs every "
-                             "output to be computed by the model (return a copy, e.g. x.clone()).")
-    outputs = [arg.name for arg in output_args if isinstance(arg, fx.Node)]
+    # an input, parameter or buffer returned unchanged is handed back as the caller's own tensor,
+    # as eager returns it (``frontend.calls``): only what the model computes is the program's output
+    outputs = [arg.name for arg in output_args if isinstance(arg, fx.Node) and arg.op != "placeholder"]
+    if not outputs:
+        raise ValueError("the model computes nothing it returns (every output is an input, parameter or buffer "
+                         "unchanged): there is nothing for harmony_fx to run; call the model eagerly.")
     inputs_requiring_grad = [name for name, flag in zip(captured.inputs, requires_grad) if flag]
     if forward_only:
         differentiable, inputs_requiring_grad = [], []

@@ -52,6 +52,9 @@ def capture_variant(model: nn.Module, size: int | None, args: tuple, kwargs: dic
     flags.update({name: param.requires_grad for name, param in captured.params.items()})
     annotate_requires_grad(captured.gm, flags)
     layers = tuple(find_layers(captured.gm))
+    if not layers:
+        raise ValueError(f"{type(model).__name__} computes nothing (its captured graph has no op): there is "
+                         "nothing for harmony_fx to run; call the model eagerly.")
     return Variant(size, captured, layers, {node.name: node for node in captured.gm.graph.nodes})
 
 

@@ -120,11 +120,16 @@ class Calls:
                                             self.compiled.output_dims.get(name, 0)))
         return tuple(outputs)
 
-    def structure(self, tensors: Sequence[torch.Tensor]) -> Any:
-        """The model's output structure (tuple, dict, ``ModelOutput``) around the merged outputs."""
-        by_name = dict(zip(self.outputs, tensors))
+    def structure(self, tensors: Sequence[torch.Tensor], args: tuple, kwargs: dict) -> Any:
+        """The model's output structure (tuple, dict, ``ModelOutput``) around the merged outputs of
+        the call ``(args, kwargs)``; an input, parameter or buffer the model returns unchanged is the
+        caller's own tensor, as in eager (its gradient goes straight to it)."""
+        captured = self.compiled.captured
+        by_name = {**captured.params, **captured.buffers, **dict(zip(self.outputs, tensors))}
+        if any(isinstance(arg, fx.Node) and arg.name in self.inputs for arg in self._output_args):
+            by_name.update(zip(self.inputs, captured.flatten_inputs(args, kwargs)))
         flat = [by_name[arg.name] if isinstance(arg, fx.Node) else arg for arg in self._output_args]
-        return self.compiled.captured.unflatten_outputs(flat)
+        return captured.unflatten_outputs(flat)
 
     def put_output_grads(self, iteration, grad_outputs: Sequence[torch.Tensor | None]) -> None:
         """The caller's gradients of the outputs, cut into the microbatches' (a loss's: scaled by

@@ -1,0 +1,71 @@
+"""``frontend.calls``: what a call gets back. An input, parameter or buffer the model returns
+unchanged is the caller's own tensor, as in eager (it was refused: "return a copy"), and its
+gradient reaches the caller as eager's does."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import harmony_fx
+from tests.helpers import assert_grads_equal
+
+
+class _ReturnsWhatItGot(nn.Module):
+    """Returns its input, a parameter and a buffer unchanged beside what it computes (a
+    temperature returned for logging, the input kept for a residual loss)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.second = nn.Linear(8, 8), nn.Linear(8, 2)
+        self.temperature = nn.Parameter(torch.tensor(2.0))
+        self.register_buffer("scale", torch.tensor(0.5))
+
+    def forward(self, x: torch.Tensor) -> dict:
+        hidden = torch.tanh(self.first(x))
+        return {"input": x, "temperature": self.temperature, "scale": self.scale,
+                "logits": self.second(hidden) / self.temperature, "hidden": hidden}
+
+
+@pytest.mark.parametrize("microbatches", [1, 2])
+def test_what_the_model_returns_unchanged_is_the_callers_own_tensor(microbatches):
+    torch.manual_seed(0)
+    model = _ReturnsWhatItGot()
+    reference = copy.deepcopy(model)
+    x = torch.randn(4, 8, requires_grad=True)
+    x_ref = x.detach().clone().requires_grad_()
+    hm = harmony_fx.compile(model, (x.detach(),), devices=["host:0"], microbatches=microbatches,
+                            pack_boundaries=(0, 2))
+    out, ref = hm(x), reference(x_ref)
+    assert out["input"] is x and out["temperature"] is model.temperature and out["scale"] is model.scale
+
+    def loss(o):
+        return o["logits"].square().sum() + (o["input"] * o["hidden"]).sum() + 3 * o["temperature"] * o["scale"]
+
+    loss(out).backward()
+    loss(ref).backward()
+    assert_grads_equal(model, reference, inputs=[x], ref_inputs=[x_ref])
+
+
+class _Identity(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.unused = nn.Linear(2, 2)
+
+    def forward(self, x):
+        return x
+
+
+class _ComputesAndDropsIt(_Identity):
+    def forward(self, x):
+        self.unused(x)
+        return x
+
+
+@pytest.mark.parametrize("model", [_Identity, _ComputesAndDropsIt])
+def test_a_model_that_computes_nothing_it_returns_says_so(model):
+    """Said in words (the planner failed with "min() arg is an empty sequence")."""
+    with pytest.raises(ValueError, match="computes nothing"):
+        harmony_fx.compile(model(), (torch.randn(4, 2),), devices=["host:0"])
