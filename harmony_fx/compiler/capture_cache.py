@@ -13,6 +13,10 @@ hooks, the inputs' structure, shapes and dtypes, every non-tensor input) and ``a
 What no key sees: the code of a function the forward calls, changed in place (a module-level
 function patched). ``harmony_fx.reset()`` forgets every capture kept.
 
+A capture is kept without the model's parameters and buffers, which a hit finds again by name
+(the key holds their identities): kept with them, it would keep alive every parameter the model
+replaced since (``load_state_dict(assign=True)``: a copy of the weights each time).
+
 A capture handed out is a copy (``copy.deepcopy`` of an fx graph copies the nodes and each node's
 meta dict, not the values in it, FakeTensors included): later passes annotate the graph of their
 compile (packs, liveness) and two compiles' annotations must not meet.
@@ -29,6 +33,7 @@ from torch import fx, nn
 
 from harmony_fx.compiler.variants import Variant, capture_variant
 from harmony_fx.frontend.guards import CallKey, attribute_facts
+from harmony_fx.ir import meta
 
 __all__ = ["cached_capture", "reset"]
 
@@ -45,10 +50,11 @@ def cached_capture(model: nn.Module, size: int | None, args: tuple, kwargs: dict
     kept = _captures.setdefault(model, collections.OrderedDict())
     if key in kept:
         kept.move_to_end(key)
-        return dataclasses.replace(_copy(kept[key]), reused=True)
+        return dataclasses.replace(_with_masters(_copy(kept[key]), model), reused=True)
     variant = capture_variant(model, size, args, kwargs, target, dtype)
     # read again: capturing runs the forward, which materializes a lazy module's parameters
-    kept[(size, target, dtype, CallKey.of(model, args, kwargs), attribute_facts(model))] = _copy(variant)
+    kept[(size, target, dtype, CallKey.of(model, args, kwargs), attribute_facts(model))] = _without_masters(
+        _copy(variant), model)
     while len(kept) > _KEPT_PER_MODEL:
         kept.popitem(last=False)
     return variant
@@ -57,6 +63,33 @@ def cached_capture(model: nn.Module, size: int | None, args: tuple, kwargs: dict
 def reset() -> None:
     """Forget every capture kept: the next compile of each model captures it again."""
     _captures.clear()
+
+
+def _without_masters(variant: Variant, model: nn.Module) -> Variant:
+    """The variant to keep: without the model's own parameters and buffers, found again by name
+    on a hit (the key holds their identities), so that a capture kept never keeps a parameter
+    alive that the model let go (``load_state_dict(assign=True)``: a copy of the weights each)."""
+    held = dict(model.named_buffers(remove_duplicate=False))
+    constants = {name: tensor for name, tensor in variant.captured.buffers.items()
+                 if variant.nodes[name].meta[meta.TARGET] not in held}  # export's own, or tensor attributes
+    return dataclasses.replace(variant, captured=dataclasses.replace(variant.captured, params={}, buffers=constants))
+
+
+def _with_masters(variant: Variant, model: nn.Module) -> Variant:
+    """The kept variant with the model's parameters and buffers, in placeholder order, as captured."""
+    params = dict(model.named_parameters(remove_duplicate=False))
+    buffers = dict(model.named_buffers(remove_duplicate=False))
+    captured = variant.captured
+    found_params, found_buffers = {}, {}
+    for node in captured.gm.graph.find_nodes(op="placeholder"):
+        if meta.role_of(node) == meta.Role.PARAM:
+            found_params[node.name] = params[node.meta[meta.TARGET]]
+        elif meta.role_of(node) == meta.Role.BUFFER:
+            found_buffers[node.name] = captured.buffers.get(node.name, None)
+            if found_buffers[node.name] is None:
+                found_buffers[node.name] = buffers[node.meta[meta.TARGET]]
+    return dataclasses.replace(variant, captured=dataclasses.replace(captured, params=found_params,
+                                                                     buffers=found_buffers))
 
 
 def _copy(variant: Variant) -> Variant:

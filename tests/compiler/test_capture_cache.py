@@ -171,3 +171,27 @@ def test_the_captures_kept_go_with_the_model():
     del model, hm
     gc.collect()
     assert alive() is None
+
+
+def test_a_capture_kept_never_keeps_a_replaced_parameter_alive():
+    """``load_state_dict(assign=True)`` replaces every parameter: the capture kept must not hold
+    the old ones (a copy of the weights each time), and a compile after it captures again."""
+    model, (x, target) = _Scaled(), _batch()
+    _compile(model, x)
+    old = weakref.ref(model.first.weight)
+    model.load_state_dict({name: value.clone() for name, value in model.state_dict().items()}, assign=True)
+    gc.collect()
+    assert old() is None
+    _assert_like_eager(model, _compile(model, x), x, target)
+
+
+def test_a_capture_kept_runs_on_the_models_own_masters(captures):
+    """The reused capture's parameters and buffers are the model's own objects, tied ones one object."""
+    model, (x, target) = _Scaled(), _batch()
+    model.register_buffer("unused", torch.zeros(1))
+    first = _compile(model, x).compiled.variants[None].captured
+    second = _compile(model, x).compiled.variants[None].captured
+    assert captures == [None]
+    assert list(second.params) == list(first.params) and list(second.buffers) == list(first.buffers)
+    assert all(second.params[name] is first.params[name] for name in first.params)
+    assert all(second.buffers[name] is first.buffers[name] for name in first.buffers)
