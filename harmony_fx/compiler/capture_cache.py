@@ -84,10 +84,9 @@ def _with_masters(variant: Variant, model: nn.Module) -> Variant:
     for node in captured.gm.graph.find_nodes(op="placeholder"):
         if meta.role_of(node) == meta.Role.PARAM:
             found_params[node.name] = params[node.meta[meta.TARGET]]
-        elif meta.role_of(node) == meta.Role.BUFFER:
-            found_buffers[node.name] = captured.buffers.get(node.name, None)
-            if found_buffers[node.name] is None:
-                found_buffers[node.name] = buffers[node.meta[meta.TARGET]]
+        elif meta.role_of(node) == meta.Role.BUFFER:  # a constant was kept; the model's own are found again
+            kept = captured.buffers.get(node.name)
+            found_buffers[node.name] = buffers[node.meta[meta.TARGET]] if kept is None else kept
     return dataclasses.replace(variant, captured=dataclasses.replace(captured, params=found_params,
                                                                      buffers=found_buffers))
 

@@ -45,10 +45,6 @@ def _refuse_module(which: str) -> None:
         f"would call, so the gradients would differ from eager's without a word. Remove the hook. {_WHAT_WORKS}")
 
 
-_recording = threading.local()
-_original_register_hook = torch.Tensor.register_hook
-
-
 @contextlib.contextmanager
 def hooks_registered_in_forward():
     """Within it, on this thread, every ``Tensor.register_hook`` call is noted (the model's line
@@ -60,7 +56,7 @@ def hooks_registered_in_forward():
     def noted(tensor: torch.Tensor, hook):
         if threading.get_ident() == owner:
             lines.append(_model_line())
-        return _original_register_hook(tensor, hook)
+        return before(tensor, hook)
 
     torch.Tensor.register_hook = noted
     try:

@@ -37,6 +37,9 @@ class Calls:
         self._dtypes = {**{name: self._caller_dtype(self._graph_dtypes[name]) for name in self.outputs},
                         **{name: spec[1] for name, spec in zip(self.inputs, compiled.input_specs)}}
         self._output_args = compiled.captured.gm.graph.find_nodes(op="output")[0].args[0]
+        # what the model returns unchanged (an input, a parameter, a buffer): handed back as it is
+        self._returned_unchanged = {arg.name for arg in self._output_args
+                                    if isinstance(arg, fx.Node) and arg.op == "placeholder"}
 
     def _caller_dtype(self, dtype: torch.dtype | None) -> torch.dtype | None:
         """An output computed in the compute dtype comes back in the masters' (their widest
@@ -125,9 +128,10 @@ class Calls:
         the call ``(args, kwargs)``; an input, parameter or buffer the model returns unchanged is the
         caller's own tensor, as in eager (its gradient goes straight to it)."""
         captured = self.compiled.captured
-        by_name = {**captured.params, **captured.buffers, **dict(zip(self.outputs, tensors))}
-        if any(isinstance(arg, fx.Node) and arg.name in self.inputs for arg in self._output_args):
-            by_name.update(zip(self.inputs, captured.flatten_inputs(args, kwargs)))
+        by_name = dict(zip(self.outputs, tensors))
+        if self._returned_unchanged:
+            state = {**captured.params, **captured.buffers, **dict(zip(self.inputs, captured.flatten_inputs(args, kwargs)))}
+            by_name.update((name, state[name]) for name in self._returned_unchanged)
         flat = [by_name[arg.name] if isinstance(arg, fx.Node) else arg for arg in self._output_args]
         return captured.unflatten_outputs(flat)
 
