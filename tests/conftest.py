@@ -63,6 +63,7 @@ def _global_state() -> dict[str, object]:
         "torch function modes": torch._C._len_torch_function_stack(),
         "garbage collector": (gc.isenabled(), gc.get_freeze_count() > 0, gc.get_threshold()),
         "autograd.Function.apply": torch.autograd.Function.__dict__["apply"],  # capture records Functions
+        "Tensor.register_hook": torch.Tensor.__dict__["register_hook"],  # capture notes hooks in forward
     }
 
 
@@ -81,6 +82,7 @@ def _no_global_state_leaks():
         torch.set_num_threads(before["threads"])
         torch.use_deterministic_algorithms(before["deterministic algorithms"])
         torch.autograd.Function.apply = before["autograd.Function.apply"]
+        torch.Tensor.register_hook = before["Tensor.register_hook"]
         pytest.fail(f"the test left global state changed (before, after): {changed}", pytrace=False)
 
 
