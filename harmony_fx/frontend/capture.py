@@ -85,6 +85,7 @@ def capture(model: nn.Module, args: tuple, kwargs: dict | None = None, stack_tra
         args = (args,)
     kwargs = dict(kwargs or {})
     refuse_module_backward_hooks(model)
+    _refuse_script_modules(model)
     with _grads_set_aside(model), hooks_registered_in_forward() as hooks:
         captured, found = _bounded_capture(model, args, kwargs, stack_traces, dtype)
         if found is not None and not stack_traces:  # again with traces, to name the line it is on
@@ -94,6 +95,18 @@ def capture(model: nn.Module, args: tuple, kwargs: dict | None = None, stack_tra
         raise refusal(found)
     captured.reductions = _scalar_reductions(captured.gm)
     return captured
+
+
+def _refuse_script_modules(model: nn.Module) -> None:
+    """A TorchScript module (``torch.jit.script``/``trace``) has no Python forward left to trace:
+    export and symbolic tracing both fail on it, each with a message about something else."""
+    for name, module in model.named_modules():
+        if isinstance(module, torch.jit.ScriptModule):
+            raise CaptureError(
+                f"the module {name or type(model).__name__!r} is TorchScript ({type(module).__name__}, from "
+                "torch.jit.script or torch.jit.trace): harmony_fx captures the model's Python code, which a "
+                "ScriptModule no longer has. Build the model without scripting its modules (a scripted function "
+                "called in forward is fine).")
 
 
 @contextlib.contextmanager

@@ -14,8 +14,12 @@ keeps it whole (as it keeps ``aten.linear``), and running it, in a pack's forwar
 calls the Function as eager does, so autograd records the Function's own backward. On FakeTensors
 (the planner's shapes and peaks) the Function's forward runs on fakes, as export ran it.
 
-Only Functions defined outside torch are recorded so: torch's own (reentrant checkpointing, the
-collectives' Functions) trace as before. While recording, the forward's ops are watched once on
+Only Functions defined outside torch are recorded so: torch's own (the collectives' Functions)
+trace as before, but for reentrant activation checkpointing (``checkpoint(fn, x,
+use_reentrant=True)``, ``CheckpointFunction``), whose function is called plainly: its forward
+runs ``fn`` under ``no_grad``, which export would keep, leaving every output without a gradient;
+harmony_fx's packs recompute on their own. (Where no input requires grad, ``fn`` runs under
+``no_grad`` after all: eager's reentrant checkpoint then gives nothing inside it a gradient.) While recording, the forward's ops are watched once on
 fakes: a forward that draws random numbers makes the node count as drawing them
 (``analysis.random_ops``), so a recompute replays the same numbers.
 """
@@ -29,6 +33,7 @@ import threading
 from typing import Any, Callable
 
 import torch
+import torch.utils.checkpoint
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -101,6 +106,12 @@ def record(name: str, run: Callable[..., Any], args: tuple, kwargs: dict) -> Any
 
 
 def _recorded_apply(cls, *args, **kwargs):
+    if recording() and cls is torch.utils.checkpoint.CheckpointFunction:
+        run_function, _preserve_rng_state, *inputs = args
+        if any(isinstance(x, torch.Tensor) and x.requires_grad for x in inputs):
+            return run_function(*inputs)
+        with torch.no_grad():  # as eager: no input wants a gradient, so nothing inside gets one
+            return run_function(*inputs)
     if not recording() or cls.__module__.split(".")[0] == "torch":
         return _original_apply(cls, *args, **kwargs)
     return record(cls.__qualname__, functools.partial(_original_apply, cls), args, kwargs)

@@ -2,7 +2,9 @@
 
 1. Each pack is the contiguous range of layers between two boundaries.
 2. For each pack, collect its inputs (values defined outside and used inside: activations and
-   model inputs, then parameters and buffers), and its outputs (values used after the pack).
+   model inputs, then parameters and buffers), and its outputs (values used after the pack). A
+   higher-order op's subgraph (``get_attr``: a ``no_grad`` region's) is no value: a pack reading
+   one that another pack's layer holds copies the ``get_attr``.
 3. Copy the pack's nodes into a fresh graph whose placeholders are those inputs and whose output
    is the tuple of those outputs; lint it.
 
@@ -72,15 +74,21 @@ def _build_pack(gm, layers, pack_index, start, stop, nodes, masters) -> Pack:
     members = [nodes[name] for layer in layers[start:stop] for name in layer.nodes]
     member_set = set(members)
     act_inputs, state_inputs = [], []
+    subgraphs: dict[fx.Node, None] = {}  # a higher-order op's subgraph made in another pack: copied here
     for node in members:
         for arg in node.all_input_nodes:
             if arg in member_set:
+                continue
+            if arg.op == "get_attr":
+                subgraphs[arg] = None
                 continue
             role = meta.role_of(arg)
             target = state_inputs if role in (meta.Role.PARAM, meta.Role.BUFFER) else act_inputs
             if arg.name not in target:
                 target.append(arg.name)
-    outputs = [node.name for node in members if any(user not in member_set for user in node.users)]
+    # a subgraph is no value: a pack that reads one made elsewhere copies its get_attr (above)
+    outputs = [node.name for node in members
+               if node.op != "get_attr" and any(user not in member_set for user in node.users)]
 
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
@@ -88,6 +96,8 @@ def _build_pack(gm, layers, pack_index, start, stop, nodes, masters) -> Pack:
         placeholder = graph.placeholder(name)
         placeholder.meta.update(nodes[name].meta)
         env[nodes[name]] = placeholder
+    for node in subgraphs:
+        env[node] = graph.node_copy(node)
     for node in members:
         env[node] = graph.node_copy(node, lambda arg: env[arg])
     graph.output(tuple(env[nodes[name]] for name in outputs))

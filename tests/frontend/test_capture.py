@@ -201,3 +201,10 @@ def test_a_bf16_weight_with_fp32_gradients_captures_and_keeps_its_gradient():
     captured = capture(model, (torch.randn(3, 4, dtype=torch.bfloat16),))
     assert captured.method == "torch.export"
     assert all(p.grad is g for p, g in zip(model.parameters(), grads))
+
+
+def test_a_torchscript_module_is_refused_naming_it():
+    """Export and symbolic tracing both failed on it, with messages about other things."""
+    model = nn.Sequential(torch.jit.script(nn.Linear(8, 16)), nn.ReLU(), nn.Linear(16, 4))
+    with pytest.raises(harmony_fx.CaptureError, match=r"the module '0' is TorchScript \(RecursiveScriptModule"):
+        harmony_fx.compile(model, (torch.randn(4, 8),), devices=["host:0"])

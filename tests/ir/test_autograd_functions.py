@@ -129,3 +129,41 @@ def test_apply_is_torchs_own_outside_a_capture_and_after_a_failed_one():
     x = torch.randn(3, requires_grad=True)
     GradientReversal.apply(x, 2.0).sum().backward()
     torch.testing.assert_close(x.grad, torch.full((3,), -2.0))
+
+
+class _CheckpointedMiddle(nn.Module):
+    """The middle layer under torch's reentrant activation checkpoint (older training code's default),
+    with dropout inside it, on a hidden state (``first=True``: requires grad) or on the input."""
+
+    def __init__(self, first: bool) -> None:
+        super().__init__()
+        self.first = nn.Linear(8, 16) if first else None
+        self.middle, self.last = nn.Linear(16 if first else 8, 16), nn.Linear(16, 4)
+
+    def forward(self, x):
+        hidden = torch.tanh(self.first(x)) if self.first is not None else x
+        hidden = torch.utils.checkpoint.checkpoint(
+            lambda h: nn.functional.dropout(torch.relu(self.middle(h)), 0.2, self.training), hidden,
+            use_reentrant=True)
+        return self.last(hidden)
+
+
+@pytest.mark.parametrize("first", [True, False], ids=["on a hidden state", "on the input"])
+def test_reentrant_checkpointing_trains_like_eager(first):
+    """Its function is called plainly at capture: traced through, it ran under no_grad and the model's
+    outputs had no gradient ('element 0 of tensors does not require grad'). On the input, which
+    wants no gradient, eager's reentrant checkpoint gives the checkpointed layer none: so here."""
+    torch.manual_seed(0)
+    model = _CheckpointedMiddle(first)
+    reference = copy.deepcopy(model)
+    x = torch.randn(6, 8)
+    hm = harmony_fx.compile(model, (x,), devices=["host:0"], microbatches=1, pack_boundaries=(0, 1, 2))
+    torch.manual_seed(1)
+    loss = hm(x).square().mean()
+    loss.backward()
+    torch.manual_seed(1)
+    ref_loss = reference(x).square().mean()
+    ref_loss.backward()
+    torch.testing.assert_close(loss, ref_loss)
+    assert_grads_equal(model, reference)
+    assert (model.middle.weight.grad is None) == (not first)

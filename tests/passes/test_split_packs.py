@@ -6,10 +6,11 @@ import copy
 import pytest
 import torch
 
+import harmony_fx
 from harmony_fx.ir import meta
 from harmony_fx.compiler.packing import balanced
 from harmony_fx.passes.split_packs import annotate_packs, split_packs
-from tests.helpers import ZOO, prepared
+from tests.helpers import ZOO, assert_grads_equal, prepared
 
 
 def _split(name: str, num_packs: int):
@@ -149,3 +150,35 @@ def test_a_cache_builds_each_layer_range_once_under_any_index():
                (built.layers, built.act_inputs, built.outputs, built.params)
         assert cached.gm.code == built.gm.code
     assert set(cache) == {(0, 2), (2, 4), (4, len(prep.layers)), (0, 1), (1, 2)}
+
+
+class _TargetWithoutGrad(torch.nn.Module):
+    """A target computed under ``no_grad`` inside the forward: export makes it a higher-order op
+    whose subgraph is a ``get_attr`` node, a layer of its own."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.teacher, self.student, self.head = (torch.nn.Linear(8, 8) for _ in range(3))
+
+    def forward(self, x):
+        with torch.no_grad():
+            target = torch.tanh(self.teacher(x))
+        hidden = torch.relu(self.student(x))
+        return self.head(hidden) + (hidden - target).square().mean()
+
+
+def test_a_pack_cut_between_a_subgraph_and_its_op_copies_the_subgraph():
+    """Every layer its own pack, so the ``get_attr`` of the ``no_grad`` region is in the pack before
+    its op's: it was taken for a value crossing packs, which has none (a KeyError on 'val' at plan)."""
+    torch.manual_seed(0)
+    model = _TargetWithoutGrad()
+    reference = copy.deepcopy(model)
+    x = torch.randn(4, 8)
+    layers = len(harmony_fx.compile(model, (x,), devices=["host:0"], microbatches=1).layers)
+    hm = harmony_fx.compile(model, (x,), devices=["host:0"], microbatches=1, pack_boundaries=tuple(range(layers)))
+    subgraph = next(node for node in hm.captured.gm.graph.nodes if node.op == "get_attr")
+    assert subgraph.meta[meta.LAYER] < min(user.meta[meta.LAYER] for user in subgraph.users)  # the cut tested
+    assert all(subgraph.name not in pack.act_inputs + pack.outputs for pack in hm.packs)
+    hm(x).square().mean().backward()
+    reference(x).square().mean().backward()
+    assert_grads_equal(model, reference)
