@@ -29,6 +29,7 @@ from typing import Any, Callable
 
 import torch
 from torch import fx, nn
+from torch.fx._lazy_graph_module import _use_lazy_graph_module
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 from torch.utils import _pytree as pytree
 
@@ -278,7 +279,10 @@ def _capture_with_export(model: nn.Module, args: tuple, kwargs: dict, stack_trac
     from torch.export.graph_signature import InputKind, OutputKind
 
     traced = None if dtype is None else in_compute_dtype(model, args, kwargs, dtype)
-    with warnings.catch_warnings(), decomposition_fixes(), _stack_traces(stack_traces), custom_backwards():
+    # export recompiles its graph's Python code after each of its passes (7 times, 0.1 s each for a
+    # 59-block GPT-2), and nothing here runs that code: generated once, when first asked for
+    with warnings.catch_warnings(), decomposition_fixes(), _stack_traces(stack_traces), custom_backwards(), \
+            _use_lazy_graph_module(True):
         # nn.RNN/LSTM/GRU re-assign their own _flat_weights on every call: torch's advice to register
         # them as buffers is about torch's code, not the user's
         warnings.filterwarnings("ignore", message=r"The tensor attributes (\S+\._flat_weights\[\d+\](, )?)+ were")
