@@ -32,6 +32,7 @@ from torch import fx, nn
 from torch.fx._lazy_graph_module import _use_lazy_graph_module
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from harmony_fx.analysis.reductions import ScalarReduction, scalar_reduction
 from harmony_fx.ir import meta
@@ -41,6 +42,7 @@ from harmony_fx.frontend.backward_hooks import (
 )
 from harmony_fx.frontend.compute_dtype import fake_in, in_compute_dtype
 from harmony_fx.frontend.decomposition_fixes import decomposition_fixes
+from harmony_fx.frontend.random_branches import certain_random_branches
 from harmony_fx.frontend.refusals import first_refused, refusal
 from harmony_fx.passes.bound_sizes import bound_sizes
 
@@ -128,21 +130,47 @@ def _grads_set_aside(model: nn.Module):
 
 def _capture(model: nn.Module, args: tuple, kwargs: dict, stack_traces: bool, dtype: torch.dtype | None) -> Captured:
     try:
-        try:
-            captured = _capture_with_export(model, args, kwargs, stack_traces, dtype)
-        except Exception:  # noqa: BLE001
-            # a plain dataclass in the output: teach pytree to take it apart, then export again. Found by
-            # its type in one FakeTensor run, not by export's message, whose wording changes between
-            # torch versions (2.11 raises "unhashable type" where 2.13 says "Found <class> in output")
-            if not _register_output_dataclasses(model, args, kwargs):
-                raise
-            captured = _capture_with_export(model, args, kwargs, stack_traces, dtype)
+        captured = _export_trying_again(model, args, kwargs, stack_traces, dtype)
     except Exception as export_error:  # noqa: BLE001 - every failure falls back to tracing
         try:
             captured = _capture_with_symbolic_trace(model, args, kwargs, dtype)
         except Exception as trace_error:  # noqa: BLE001
             raise CaptureError(_capture_failure_message(model, export_error, trace_error, kwargs)) from export_error
     return captured
+
+
+def _export_trying_again(model: nn.Module, args: tuple, kwargs: dict, stack_traces: bool,
+                         dtype: torch.dtype | None) -> Captured:
+    """``_capture_with_export``, again where what failed can be helped: a data-dependent guard (a
+    branch on a random draw whose outcome is certain: ``random_branches``), a plain dataclass in
+    the output (taught to pytree, found by its type in one FakeTensor run, not by export's message,
+    whose wording changes between torch versions: 2.11 raises "unhashable type" where 2.13 says
+    "Found <class> in output"). Each help is tried once; the first try costs other models nothing."""
+    certain_draws = registered = False
+    guarded: Exception | None = None
+    while True:
+        try:
+            return _capture_with_export(model, args, kwargs, stack_traces, dtype, certain_draws)
+        except Exception as error:  # noqa: BLE001 - raised again unless a help is left to try
+            if not certain_draws and _guards_on_data(error):
+                certain_draws, guarded = True, error
+            elif not registered and _register_output_dataclasses(model, args, kwargs):
+                registered = True
+            elif guarded is not None and _guards_on_data(error):
+                raise guarded  # it names the model's line; the second try's names random_branches'
+            else:
+                raise
+
+
+def _guards_on_data(error: BaseException | None) -> bool:
+    """Whether export failed on ``bool()`` of a value it does not know, by the error's type."""
+    from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
+
+    while error is not None:
+        if isinstance(error, GuardOnDataDependentSymNode):
+            return True
+        error = error.__cause__ or error.__context__
+    return False
 
 
 def _register_output_dataclasses(model: nn.Module, args: tuple, kwargs: dict) -> bool:
@@ -275,7 +303,7 @@ def _stack_traces(wanted: bool):
 
 
 def _capture_with_export(model: nn.Module, args: tuple, kwargs: dict, stack_traces: bool,
-                         dtype: torch.dtype | None) -> Captured:
+                         dtype: torch.dtype | None, certain_draws: bool = False) -> Captured:
     from torch.export.graph_signature import InputKind, OutputKind
 
     traced = None if dtype is None else in_compute_dtype(model, args, kwargs, dtype)
@@ -287,7 +315,8 @@ def _capture_with_export(model: nn.Module, args: tuple, kwargs: dict, stack_trac
         # them as buffers is about torch's code, not the user's
         warnings.filterwarnings("ignore", message=r"The tensor attributes (\S+\._flat_weights\[\d+\](, )?)+ were")
         module, call = (model, (args, kwargs)) if traced is None else (traced.module, (traced.args, traced.kwargs))
-        exported = torch.export.export(module, *call, strict=False)
+        with certain_random_branches(module) if certain_draws else contextlib.nullcontext():
+            exported = torch.export.export(module, *call, strict=False)
     signature = exported.graph_signature
     unsupported = [spec for spec in signature.output_specs if spec.kind != OutputKind.USER_OUTPUT]
     if unsupported:
@@ -362,6 +391,18 @@ class _EnterEveryModuleTracer(fx.Tracer):
         return False
 
 
+class _NoDrawsAtTrace(TorchDispatchMode):
+    """Symbolic tracing runs what reads no input (``torch.rand([])``) on real tensors, once: a random
+    draw there would be one number baked into the graph, and a branch on it the branch of one call.
+    Refused instead (a TypeError the capture reports as this tracer's)."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if torch.Tag.nondeterministic_seeded in func.tags:
+            raise TypeError(f"the model draws random numbers ({func}) from none of its inputs, which symbolic "
+                            "tracing would draw once and bake into the graph")
+        return func(*args, **(kwargs or {}))
+
+
 def _capture_with_symbolic_trace(model: nn.Module, args: tuple, kwargs: dict, dtype: torch.dtype | None) -> Captured:
     signature = inspect.signature(model.forward)
     bound = signature.bind(*args, **kwargs)
@@ -369,7 +410,8 @@ def _capture_with_symbolic_trace(model: nn.Module, args: tuple, kwargs: dict, dt
     concrete = {
         name: value for name, value in bound.arguments.items() if not isinstance(value, torch.Tensor)
     }
-    graph = _EnterEveryModuleTracer().trace(model, concrete_args=concrete or None)
+    with _NoDrawsAtTrace():
+        graph = _EnterEveryModuleTracer().trace(model, concrete_args=concrete or None)
     gm = fx.GraphModule(model, graph)
     named_params = dict(model.named_parameters(remove_duplicate=False))
     named_buffers = dict(model.named_buffers(remove_duplicate=False))

@@ -1,0 +1,96 @@
+"""Branches on a uniform random draw whose outcome is certain, taken as eager takes them at capture.
+
+Layer drop as some transformers versions write it draws a number in training even when its
+probability is zero, and branches on it::
+
+    if self.training and torch.rand([]) < self.layerdrop:  # layerdrop = 0.0: never true
+        continue
+
+``torch.export`` cannot trace ``bool()`` of a value it does not know (a data-dependent guard), so
+such a model would not capture at all. A draw of ``torch.rand``/``torch.rand_like`` lies in [0, 1]:
+compared with a number outside that range its outcome is the same every call, and ``bool()`` (or
+``.item()``) of that comparison is answered here with it. The draw and the comparison stay in the
+graph, so the program consumes the random numbers eager consumes (a dropout after it gets eager's
+mask). A comparison whose outcome really is random (a layer drop of 0.3) is left to export, which
+refuses it as before.
+
+``certain_random_branches(module)`` runs the module's forward under the mode that answers them;
+it must run inside export's own tracing, above export's function modes, hence the forward itself
+and not a mode around the ``export`` call. The capture uses it only on a second try, after a
+data-dependent guard: other models pay nothing.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+from typing import Callable, Iterator
+
+import torch
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+__all__ = ["certain_random_branches"]
+
+_DRAWS = (torch.rand, torch.rand_like)  # uniform on [0, 1)
+# a comparison's outcome for every draw in [0, 1], from the number it is compared with (None: random)
+_OUTCOMES: dict[str, Callable[[float], bool | None]] = {
+    "lt": lambda c: False if c <= 0 else True if c > 1 else None,
+    "le": lambda c: False if c < 0 else True if c >= 1 else None,
+    "gt": lambda c: True if c < 0 else False if c >= 1 else None,
+    "ge": lambda c: True if c <= 0 else False if c > 1 else None,
+}
+_OUTCOMES.update({f"__{name}__": outcome for name, outcome in list(_OUTCOMES.items())})
+
+
+class _CertainDraws(TorchFunctionMode):
+    """Remembers the tensors ``torch.rand`` gave and the comparisons of them whose outcome is certain
+    (by ``id``, holding the tensor: a tensor's ``==`` is not identity), and answers ``bool()`` or
+    ``.item()`` of those with the outcome."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.draws: dict[int, torch.Tensor] = {}
+        self.certain: dict[int, tuple[torch.Tensor, bool]] = {}
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", None)
+        if name in ("__bool__", "item") and args:
+            held, outcome = self.certain.get(id(args[0]), (None, None))
+            if held is args[0]:
+                return outcome
+        out = func(*args, **(kwargs or {}))
+        if any(func is draw for draw in _DRAWS):
+            self.draws[id(out)] = out
+        elif name in _OUTCOMES and len(args) == 2 and self._is_draw(args[0]) and _is_number(args[1]):
+            outcome = _OUTCOMES[name](args[1])
+            if outcome is not None:
+                self.certain[id(out)] = (out, outcome)
+        return out
+
+    def _is_draw(self, value: object) -> bool:
+        return isinstance(value, torch.Tensor) and self.draws.get(id(value)) is value
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+@contextlib.contextmanager
+def certain_random_branches(module: nn.Module) -> Iterator[None]:
+    """``module``'s forward runs under ``_CertainDraws`` while this lasts; its own forward after."""
+    own = module.__dict__.get("forward")  # an instance attribute of the user's, kept as it was
+    forward = module.forward
+
+    @functools.wraps(forward)
+    def answered(*args, **kwargs):
+        with _CertainDraws():
+            return forward(*args, **kwargs)
+
+    module.forward = answered
+    try:
+        yield
+    finally:
+        if own is None:
+            del module.forward
+        else:
+            module.forward = own

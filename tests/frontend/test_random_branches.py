@@ -1,0 +1,93 @@
+"""Branches on a random draw whose outcome is certain (layer drop at probability 0, as transformers
+5.17's BART, OPT, Whisper and others draw it), captured as eager takes them."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import harmony_fx
+from harmony_fx.frontend.capture import CaptureError, capture
+from tests.helpers import assert_grads_equal
+
+
+class _LayerDrop(nn.Module):
+    """Blocks skipped in training when a draw falls below ``layerdrop``, each followed by dropout:
+    the draw moves the random numbers every later dropout uses."""
+
+    def __init__(self, layerdrop: float, blocks: int = 3) -> None:
+        super().__init__()
+        self.layerdrop = layerdrop
+        self.blocks = nn.ModuleList(nn.Linear(8, 8) for _ in range(blocks))
+
+    def forward(self, x):
+        for block in self.blocks:
+            if self.training:
+                dropout_probability = torch.rand([])
+                if dropout_probability < self.layerdrop:
+                    continue
+            x = F.dropout(torch.tanh(block(x)), 0.3, self.training)
+        return x
+
+
+def test_layer_drop_at_zero_trains_like_eager_with_eager_random_numbers():
+    torch.manual_seed(0)
+    model = _LayerDrop(0.0)
+    reference = copy.deepcopy(model)
+    x = torch.randn(4, 8)
+    hm = harmony_fx.compile(model, (x,), pack_boundaries=(0, 1, 2), microbatches=1)
+    assert len(hm.packs) == 3
+    for seed in (1, 2):  # the dropout masks after each draw are eager's: the draws are in the program
+        torch.manual_seed(seed)
+        loss = hm(x).pow(2).sum()
+        loss.backward()
+        torch.manual_seed(seed)
+        ref_loss = reference(x).pow(2).sum()
+        ref_loss.backward()
+        torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=1e-6)
+        assert_grads_equal(model, reference, rtol=1e-6, atol=1e-6)
+    assert "forward" not in model.__dict__  # the capture's wrapper is gone
+
+
+@pytest.mark.parametrize("compare, expected", [
+    (lambda draw: draw < 0.0, False), (lambda draw: draw <= -0.5, False), (lambda draw: draw < 1.5, True),
+    (lambda draw: draw >= 0, True), (lambda draw: draw > 1, False), (lambda draw: 2 > draw, True),
+    (lambda draw: torch.lt(draw, 0.0), False), (lambda draw: (draw.ge(-1)).item(), True),
+])
+def test_each_certain_comparison_takes_eager_branch(compare, expected):
+    class Branch(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.linear(x) * (2.0 if compare(torch.rand_like(x[0, 0])) else 3.0)
+
+    model = Branch()
+    x = torch.randn(2, 4)
+    captured = capture(model, (x,))
+    assert any(node.target is torch.ops.aten.rand_like.default for node in captured.gm.graph.nodes)
+    torch.testing.assert_close(captured.gm(*captured.params.values(), *captured.buffers.values(), x)[0],
+                               model.linear(x) * (2.0 if expected else 3.0))
+
+
+def test_a_draw_whose_outcome_is_random_is_still_refused():
+    model = _LayerDrop(0.3)
+    with pytest.raises(CaptureError, match="data-dependent") as refused:
+        capture(model, (torch.randn(4, 8),))
+    # the model's line, not the capture's; and symbolic tracing, which would draw once at capture and
+    # bake that draw's branch into the graph (it did), refuses too
+    assert "if dropout_probability < self.layerdrop" in str(refused.value)
+    assert "draw once and bake" in str(refused.value)
+    assert "forward" not in model.__dict__
+
+
+def test_a_users_own_forward_attribute_is_kept():
+    model = _LayerDrop(0.0)
+    own = model.forward
+    model.forward = own  # an instance attribute, as a wrapper a user set would be
+    capture(model, (torch.randn(4, 8),))
+    assert model.__dict__["forward"] is own
