@@ -24,6 +24,8 @@ import dataclasses
 import inspect
 import re
 import pathlib
+import random
+import sys
 import warnings
 from typing import Any, Callable
 
@@ -89,7 +91,7 @@ def capture(model: nn.Module, args: tuple, kwargs: dict | None = None, stack_tra
     kwargs = dict(kwargs or {})
     refuse_module_backward_hooks(model)
     _refuse_script_modules(model)
-    with _grads_set_aside(model), hooks_registered_in_forward() as hooks:
+    with _grads_set_aside(model), _python_draws_noted(model), hooks_registered_in_forward() as hooks:
         captured, found = _bounded_capture(model, args, kwargs, stack_traces, dtype)
         if found is not None and not stack_traces:  # again with traces, to name the line it is on
             captured, found = _bounded_capture(model, args, kwargs, True, dtype)
@@ -110,6 +112,37 @@ def _refuse_script_modules(model: nn.Module) -> None:
                 "torch.jit.script or torch.jit.trace): harmony_fx captures the model's Python code, which a "
                 "ScriptModule no longer has. Build the model without scripting its modules (a scripted function "
                 "called in forward is fine).")
+
+
+@contextlib.contextmanager
+def _python_draws_noted(model: nn.Module):
+    """A forward that draws from Python's ``random`` or numpy's global generator (``if
+    random.random() < self.layerdrop``) runs once at capture: the graph keeps that call's numbers and
+    the branches they chose, every step alike. Said in a warning (at probability 0 the branch is the
+    same anyway); the generators are put back as they were, as capturing must leave them."""
+    numpy = sys.modules.get("numpy")  # a model drawing from numpy has imported it
+    python_state = random.getstate()
+    numpy_state = numpy.random.get_state() if numpy is not None else None
+    try:
+        yield
+    finally:
+        drew = [name for name, changed in (
+            ("random", random.getstate() != python_state),
+            ("numpy.random", numpy_state is not None and not _same_numpy_state(numpy.random.get_state(), numpy_state)),
+        ) if changed]
+        random.setstate(python_state)
+        if numpy_state is not None:
+            numpy.random.set_state(numpy_state)
+    if drew:
+        warnings.warn(
+            f"{type(model).__name__} draws from {' and '.join(drew)} in forward: the captured graph keeps the numbers "
+            "of the one call that captured it, and every step takes the branches they chose (the same layers "
+            "dropped, the same choice made). Draw with torch (torch.rand), whose draws the graph makes every "
+            "call, or set the probability that uses them to 0.", stacklevel=4)
+
+
+def _same_numpy_state(state: tuple, other: tuple) -> bool:
+    return all(bool((a == b).all()) if hasattr(a, "all") else a == b for a, b in zip(state, other))
 
 
 @contextlib.contextmanager

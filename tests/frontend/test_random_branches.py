@@ -91,3 +91,39 @@ def test_a_users_own_forward_attribute_is_kept():
     model.forward = own  # an instance attribute, as a wrapper a user set would be
     capture(model, (torch.randn(4, 8),))
     assert model.__dict__["forward"] is own
+
+
+class _PythonLayerDrop(nn.Module):
+    def __init__(self, draw) -> None:
+        super().__init__()
+        self.draw = draw
+        self.blocks = nn.ModuleList(nn.Linear(8, 8) for _ in range(2))
+
+    def forward(self, x):
+        for block in self.blocks:
+            if self.draw() < 0.5:  # a branch the graph would freeze at its capture's draw
+                continue
+            x = block(x)
+        return x
+
+
+@pytest.mark.parametrize("draw", ["random", "numpy"])
+def test_a_python_draw_in_forward_is_said_and_its_generator_put_back(draw):
+    import random
+
+    import numpy
+
+    model = _PythonLayerDrop(random.random if draw == "random" else numpy.random.uniform)
+    random.seed(3)
+    numpy.random.seed(3)
+    expected = (random.random(), numpy.random.uniform())
+    random.seed(3)
+    numpy.random.seed(3)
+    with pytest.warns(UserWarning, match=f"draws from {'random' if draw == 'random' else 'numpy.random'} in forward"):
+        capture(model, (torch.randn(4, 8),))
+    assert (random.random(), numpy.random.uniform()) == expected  # as if nothing had drawn
+
+
+def test_a_model_drawing_only_with_torch_is_not_warned_about(recwarn):
+    capture(_LayerDrop(0.0), (torch.randn(4, 8),))
+    assert not [w for w in recwarn if "draws from" in str(w.message)]
