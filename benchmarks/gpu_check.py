@@ -2,7 +2,7 @@
 
     PYTHONPATH=. python benchmarks/gpu_check.py --phase env --out gpu_check.json
     PYTHONPATH=. python benchmarks/gpu_check.py --phase tests --out gpu_check.json
-    ...                                          --phase probes | gpt-eager | gpt-harmony | gpt-fsdp | table
+    ...                                          --phase probes | gpt-eager | gpt-harmony | gpt-resident | gpt-fsdp | table
     PYTHONPATH=. python benchmarks/gpu_check.py --quick --out gpu_check.json   # every phase, small GPT
 
 Each phase adds its entry to the JSON at ``--out`` (read first, so phases run as separate commands
@@ -14,10 +14,13 @@ add up) and writes it as soon as it ends; a phase that times out keeps what it p
   replayed on CUDA against eager on the same (one) microbatch, the implicit syncs of a Trainer step
   (``torch.cuda.set_sync_debug_mode``), predicted vs allocated / requested / reserved peaks over
   two iterations. Packs run as graphs (compiled packs, the GPU default, would spend minutes here).
-- ``gpt-eager``, ``gpt-harmony``, ``gpt-fsdp``: a GPT of about 1B parameters (width 2048, 20 layers,
+- ``gpt-eager``, ``gpt-harmony``, ``gpt-resident``, ``gpt-fsdp``: a GPT of about 1B parameters (width 2048, 20 layers,
   sequence 1024; ``--quick``: 4 layers of 512, sequence 256), one CPU state dict for every run,
   1 warm-up + 3 timed steps by (i) eager, uncapped, fused AdamW on the GPU; (ii) the harmony
-  Trainer under ``set_per_process_memory_fraction`` of an 8 GiB cap; (iii) FSDP2 ``fully_shard``
+  Trainer under ``set_per_process_memory_fraction`` of an 8 GiB cap; (iii) the model fits, so a
+  GPU user keeps it there: ``harmony_fx.compile`` of the model on the GPU (weights resident, the
+  planner's packs and microbatches) with a fused AdamW on the GPU, uncapped as eager is: what harmony's
+  packs and recomputation cost where nothing needs swapping; (iv) FSDP2 ``fully_shard``
   per block with ``CPUOffloadPolicy(pin_memory=True)`` and activation checkpointing per block,
   world size 1, under the same cap; the same global batch. Each run is a subprocess of its own (the
   memory cap is per process).
@@ -235,6 +238,14 @@ def run_gpt(kind: str, state_path: str, quick: bool) -> dict:
     if kind == "eager":
         model = model.cuda()
         step = _plain_step(model, torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True), idx, target)
+    elif kind == "resident":
+        model = model.cuda()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+        started = time.perf_counter()
+        hm = harmony_fx.compile(model, idx.cuda(), devices=["cuda:0"], compile_packs=False)
+        result["compile_seconds"] = time.perf_counter() - started
+        result["packs"], result["microbatches"] = len(hm.packs), hm.plan.microbatches
+        step = _plain_step(hm, optimizer, idx, target)
     elif kind == "harmony":
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
         started = time.perf_counter()
@@ -267,6 +278,10 @@ def run_gpt(kind: str, state_path: str, quick: bool) -> dict:
                   allocated_peak=stats.get("allocated_bytes.all.peak"), requested_peak=stats.get("requested_bytes.all.peak"),
                   reserved_peak=stats.get("reserved_bytes.all.peak"),
                   pinned_bytes=int(torch.cuda.host_memory_stats().get("allocated_bytes.current", 0)))
+    if kind == "resident":
+        result.update(bytes_moved=hm.stats.as_dict()["bytes_by_kind"], bytes_planned=hm.plan.predicted_bytes,
+                      bytes_equal_plan=hm.stats.as_dict()["bytes_by_kind"] == hm.plan.predicted_bytes,
+                      predicted_peak=hm.plan.predicted_peak["cuda:0"], budget=hm.plan.budget)
     if kind == "harmony":
         from harmony_fx.planner.choose import device_spec
         from harmony_fx.planner.module import simulate_module
@@ -286,7 +301,7 @@ STATE_PATH = "/tmp/harmony_gpu_check_gpt.pt"
 
 
 def gpt(kind: str, quick: bool, timeout: float) -> dict:
-    """One GPT run (``kind``) in a subprocess; the initial state is saved once for all three."""
+    """One GPT run (``kind``) in a subprocess; the initial state is saved once for all of them."""
     if not os.path.exists(STATE_PATH + (".quick" if quick else "")):
         torch.manual_seed(0)
         torch.save(TinyGPT(QUICK if quick else BIG).state_dict(), STATE_PATH + (".quick" if quick else ""))
@@ -323,11 +338,12 @@ def plan_only(quick: bool) -> dict:
 
 def table(out: dict) -> str:
     gpt_runs = out.get("gpt", {})
-    rows = [("figure", "eager", "harmony", "fsdp2 offload")]
+    kinds = ("eager", "harmony", "resident", "fsdp")
+    rows = [("figure", "eager", "harmony", "harmony resident", "fsdp2 offload")]
 
     def row(name, fmt, key):
         values = []
-        for kind in ("eager", "harmony", "fsdp"):
+        for kind in kinds:
             value = gpt_runs.get(kind, {}).get(key)
             values.append("-" if value is None else fmt(value))
         rows.append((name, *values))
@@ -347,16 +363,20 @@ def table(out: dict) -> str:
     row("update s exposed", lambda v: f"{v:.3f}", "exposed_update_seconds")
     row("undo copy s (in update)", lambda v: f"{v:.3f}", "undo_seconds")
     row("bytes = plan", str, "bytes_equal_plan")
-    widths = [max(len(r[i]) for r in rows) for i in range(4)]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = [" | ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows]
     lines.insert(1, "-+-".join("-" * w for w in widths))
     harmony, fsdp = gpt_runs.get("harmony", {}), gpt_runs.get("fsdp", {})
     if harmony.get("tokens_per_second") and fsdp.get("tokens_per_second"):
         lines.append(f"harmony / fsdp2 offload tokens/s: {harmony['tokens_per_second'] / fsdp['tokens_per_second']:.2f}x")
+    eager, resident = gpt_runs.get("eager", {}), gpt_runs.get("resident", {})
+    if eager.get("tokens_per_second") and resident.get("tokens_per_second"):
+        lines.append(f"harmony resident / eager tokens/s (the model fits): "
+                     f"{resident['tokens_per_second'] / eager['tokens_per_second']:.2f}x")
     return "\n".join(lines)
 
 
-PHASES = ("env", "tests", "probes", "gpt-eager", "gpt-harmony", "gpt-fsdp", "table")
+PHASES = ("env", "tests", "probes", "gpt-eager", "gpt-harmony", "gpt-resident", "gpt-fsdp", "table")
 
 
 def main() -> None:
@@ -365,7 +385,7 @@ def main() -> None:
     parser.add_argument("--phase", choices=[*PHASES, "all"], default="all")
     parser.add_argument("--quick", action="store_true", help="a small GPT instead of the 1B one (every phase in minutes)")
     parser.add_argument("--timeout", type=float, default=220, help="seconds for a subprocess phase (tests, each GPT run)")
-    parser.add_argument("--run", choices=["eager", "harmony", "fsdp"], help=argparse.SUPPRESS)
+    parser.add_argument("--run", choices=["eager", "harmony", "resident", "fsdp"], help=argparse.SUPPRESS)
     parser.add_argument("--state", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.run:

@@ -106,6 +106,13 @@ class CompileOptions:
     ``host_memory`` (``Trainer``): host memory a step may hold (``"64GiB"``); with ``nvme_path`` the
     plan moves the fewest packs' state to the tier that fit it, without, a step that would not fit
     is refused before it runs.
+    ``resident_weights``: the model's weights stay on the one device that computes, for a model that
+    fits there: no weight comes in or goes out, gradients are left on the device in ``param.grad``,
+    and the optimizer is the caller's, where they put it (a fused AdamW on the GPU); the packs,
+    recomputation and microbatches are as ever. ``None``: as the model is placed (on the CPU: the
+    weights live in host memory; on the one GPU named in ``devices``: resident); ``True`` on a
+    HostDevice: the model, on the CPU, counts as already on that stand-in device.
+    ``harmony_fx.compile`` only: the ``Trainer`` steps its optimizer on the host.
     """
 
     devices: object = None
@@ -126,6 +133,7 @@ class CompileOptions:
     timeline: bool = False
     nvme_path: object = None
     host_memory: int | str | None = None
+    resident_weights: bool | None = None
     # set from ``microbatches={"forward": Mf, ...}``: the forward's count (``None``: the backward's)
     forward_microbatches: int | None = None
 

@@ -130,12 +130,42 @@ def test_cuda_inputs_are_copied_without_pinning():
     _assert_grads(model, reference)
 
 
-def test_a_model_moved_to_the_gpu_is_refused_saying_to_keep_it_on_the_cpu():
+def test_a_model_moved_to_the_gpu_trains_with_its_weights_resident_and_a_fused_adamw():
+    """What a GPU user writes for a model that fits: no weight crosses the bus, the results come back
+    on the GPU, and the fused AdamW there steps the weights as it steps eager's."""
+    from harmony_fx.models import MLPChain
+
+    torch.manual_seed(0)
+    model = MLPChain(width=64, depth=8).cuda()
+    reference = copy.deepcopy(model)
+    x = torch.randn(16, 64, device="cuda")
+    hm = harmony_fx.compile(model, x, devices=["cuda:0"], compile_packs=False, microbatches=2,
+                            pack_boundaries=(0, 3, 6))
+    assert hm.compiled.resident_weights
+    optimizer = torch.optim.AdamW(model.parameters(), fused=True)
+    ref_optimizer = torch.optim.AdamW(reference.parameters(), fused=True)
+    for _ in range(2):
+        optimizer.zero_grad()
+        ref_optimizer.zero_grad()
+        out = hm(x)
+        assert out.device == x.device
+        out.square().mean().backward()
+        reference(x).square().mean().backward()
+        _assert_grads(model, reference)
+        optimizer.step()
+        ref_optimizer.step()
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=name)
+    assert not {kind for _, kind in hm.stats.moved[0]} & {"weights", "wgrad"}
+
+
+def test_a_model_on_the_gpu_is_refused_where_its_weights_cannot_stay():
     from harmony_fx.models import MLPChain
 
     model = MLPChain(width=16, depth=2).cuda()
     with pytest.raises(ValueError, match=r"is on cuda:0: harmony_fx keeps the model's weights in host memory.*model\.cpu\(\)"):
-        harmony_fx.compile(model, torch.randn(4, 16), devices=["cuda:0"], compile_packs=False)
+        harmony_fx.compile(model, torch.randn(4, 16), devices=["cuda:0"], compile_packs=False,
+                           resident_weights=False)
 
 
 def test_delays_on_the_copy_streams_leave_results_bitwise_unchanged():

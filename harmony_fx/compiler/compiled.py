@@ -51,6 +51,7 @@ class Compiled:
     plan: Plan
     passes: StageLog
     host_memory: HostMemoryPlan | None = None  # host memory and the NVMe tier (Trainer(host_memory=, nvme_path=))
+    resident_weights: bool = False  # the masters stay on the one device (``CompileOptions.resident_weights``)
 
     def decisions(self) -> CompileOptions:
         """The options with this compile's decisions fixed (packs, microbatch counts, parallelism,

@@ -61,7 +61,7 @@ from harmony_fx.planner.choose import choose_schedules
 from harmony_fx.program.actions import Action, ActionKind, KeyKind
 from harmony_fx.program.codegen import generate_program
 from harmony_fx.program.verify import check_peak, verify_packs
-from harmony_fx.runtime.devices import resolve_devices
+from harmony_fx.runtime.devices import CudaDevice, HostDevice, resolve_devices
 
 __all__ = ["compile_program"]
 
@@ -106,10 +106,13 @@ def _compile_program(model: nn.Module, args: tuple, kwargs: dict, options: Compi
         raise ValueError("nvme_path= and host_memory= are options of harmony_fx.Trainer: the tier holds the "
                          "optimizer's state, which only the Trainer steps (harmony_fx.compile leaves the "
                          "optimizer to you)")
-    _refuse_state_off_host(model)
     log = StageLog(progress=progress_to_stderr, announced=_SLOW_STAGES)
     devices = log.run("resolve devices", resolve_devices, options.devices, options.memory_budget,
                       options.tracks_memory, options.chaos, decision=_describe_devices)
+    resident = _weights_resident(model, devices, options)
+    if resident:
+        _refuse_resident_in_trainer(trainer or updates or optimizer is not None)
+        _reserve_resident_gradients(model, devices[0], options)
     dims = microbatch.argument_dims(model, args, kwargs, options.batch_dims)
     flat_dims = tuple(d for x, d in zip(microbatch.pytree.tree_leaves((args, kwargs)), microbatch.pytree.tree_leaves(dims))
                       if isinstance(x, torch.Tensor))
@@ -126,7 +129,7 @@ def _compile_program(model: nn.Module, args: tuple, kwargs: dict, options: Compi
             schedules = log.run("choose schedule", choose_schedules, whole.captured.gm, model, batch, devices,
                                 devices[0].budget, options, analysis.separable, trainer, decision=_describe_schedules)
     stages = functools.partial(_from_layout, log, example, devices, options, trainer, updates, optimizer, whole,
-                               analysis, forward_only=forward_only, reuse=reuse)
+                               analysis, forward_only=forward_only, reuse=reuse, resident=resident)
     return _first_that_compiles(log, stages, schedules, options, len(devices))
 
 
@@ -190,7 +193,8 @@ def _say_what_was_tried(error: Exception, tried: list[tuple[str, Exception]]) ->
 
 def _from_layout(log: StageLog, example: _Example, devices: list, options: CompileOptions, trainer: bool,
                  updates: bool, optimizer: OptimizerFacts | None, whole: Variant | None, analysis: BatchAnalysis | None,
-                 schedule: Schedule | None, forward_only: bool = False, reuse: Compiled | None = None) -> Compiled:
+                 schedule: Schedule | None, forward_only: bool = False, reuse: Compiled | None = None,
+                 resident: bool = False) -> Compiled:
     """Stages 3-9 of the module docstring, for ``schedule`` (``None``: the options' own)."""
     layout = log.run("lay out", decide_layout, schedule, options, len(devices), example.batch_size,
                      decision=Layout.describe)
@@ -258,35 +262,87 @@ def _from_layout(log: StageLog, example: _Example, devices: list, options: Compi
                               f"{sum(len(f) + len(b) for f, b in candidate.device_actions)} actions")
     batch_note = _batch_note(analysis, layout.num_microbatches)
     plan = log.run("plan", make_plan, candidate, shapes, primary.nodes, devices, layout, devices[0].budget,
-                   policy_name, batch_note, memory, options.nvme_path, decision=lambda p: f"{format_size(p.bytes_h2d)} in, "
+                   policy_name, batch_note, memory, options.nvme_path, resident, decision=lambda p: f"{format_size(p.bytes_h2d)} in, "
                    f"{format_size(p.bytes_d2h)} out per iteration")
     input_specs = tuple((x.shape, x.dtype, x.requires_grad) for x in example_flat)
     return Compiled(options=options, devices=tuple(devices), trainer=trainer, updates=updates, schedule=schedule,
                     layout=layout, variants=variants, batch_analysis=analysis, flat_dims=example.flat_dims,
                     input_specs=input_specs, signature=candidate.signature, shapes=shapes, candidate=candidate,
-                    device_programs=tuple(device_programs), plan=plan, passes=log, host_memory=memory)
+                    device_programs=tuple(device_programs), plan=plan, passes=log, host_memory=memory,
+                    resident_weights=resident)
 
 
 # ----------------------------------------------------------------------------------- the stages
 
 
-def _refuse_state_off_host(model: nn.Module) -> None:
-    """The masters are the model's own tensors, in host memory: a model moved to a GPU (the first
-    thing a GPU user tries) would have its weights copied from the GPU to the host and back every
+def _weights_resident(model: nn.Module, devices: list, options: CompileOptions) -> bool:
+    """Where the masters (the model's own tensors) live: in host memory (``False``), each pack's
+    weights copied to the devices once per iteration, or resident on the one device that computes
+    (``True``: ``CompileOptions.resident_weights``). A model on a GPU is resident only where that is
+    the one GPU named: anywhere else its weights would go from the GPU to the host and back every
     iteration, and its gradients land on the host beside parameters that live on the GPU."""
-    for kind, (name, tensor) in [("parameter", item) for item in model.named_parameters()] + [
-            ("buffer", item) for item in model.named_buffers()]:
+    state = [("parameter", *item) for item in model.named_parameters()] + [
+        ("buffer", *item) for item in model.named_buffers()]
+    for kind, name, tensor in state:
         if tensor.device.type == "meta":
             raise ValueError(
                 f"the model's {kind} {name!r} is on the meta device, which holds no values: make the model on "
                 "the CPU (or model.to_empty(device='cpu') and load its weights) before compiling it; "
                 "`harmony-fx plan` plans a model built on the meta device without its values.")
-        if tensor.device.type != "cpu":
+    off_host = next(((kind, name, tensor) for kind, name, tensor in state if tensor.device.type != "cpu"), None)
+    wanted = options.resident_weights
+    if wanted is False or (wanted is None and (off_host is None or len(devices) != 1)):
+        if off_host is not None:
+            kind, name, tensor = off_host
             raise ValueError(
                 f"the model's {kind} {name!r} is on {tensor.device}: harmony_fx keeps the model's weights in host "
                 "memory and copies each pack's weights to the devices that compute, once per iteration. Keep the "
-                f"model on the CPU (model.cpu(), and build the optimizer over its parameters there) and name the "
-                f"GPUs in devices= (e.g. devices=['{tensor.device}']).")
+                "model on the CPU (model.cpu(), and build the optimizer over its parameters there) and name the "
+                f"GPUs in devices= (e.g. devices=['{tensor.device}']); or, for a model that fits on one GPU, leave "
+                f"it there and compile for that GPU alone (devices=['{tensor.device}'], resident_weights=True).")
+        return False
+    device = devices[0]
+    if len(devices) != 1:
+        raise ValueError(f"resident_weights=True keeps the weights on the one device that computes, but devices= "
+                         f"names {len(devices)} ({', '.join(d.name for d in devices)}): name one, or keep the model "
+                         "on the CPU (resident_weights=False) to train on several.")
+    if options.precision != "fp32":
+        raise ValueError(f"the model is on {device.name}, where resident weights compute in their own dtype: "
+                         f"precision={options.precision!r} would keep a second, bf16 copy of them there. Use "
+                         "torch.autocast around the call instead, or keep the model on the CPU.")
+    home = torch.device("cpu") if isinstance(device, HostDevice) else device.torch_device
+    for kind, name, tensor in state:
+        if tensor.device != home:
+            where = "the CPU (a HostDevice stands in for a GPU the model was moved to)" if home.type == "cpu" else home
+            raise ValueError(f"resident_weights: the model's {kind} {name!r} is on {tensor.device}, but the weights "
+                             f"stay where {device.name} computes with them: move the model to {where} "
+                             f"(model.to({str(home)!r})) before compiling.")
+    return True
+
+
+def _refuse_resident_in_trainer(in_trainer: bool) -> None:
+    if in_trainer:
+        raise ValueError(
+            "harmony_fx.Trainer steps the optimizer on the host, pack by pack, while the devices go on: it "
+            "keeps the model's weights in host memory. For a model that fits on one GPU, keep it there and use "
+            "harmony_fx.compile(model, devices=['cuda:0']) with your optimizer on the GPU (loss.backward(); "
+            "optimizer.step()); or keep the model on the CPU (model.cpu()) for the Trainer.")
+
+
+def _reserve_resident_gradients(model: nn.Module, device, options: CompileOptions) -> None:
+    """Resident weights' gradients stay on the device, every one of them by the backward's end,
+    beside what the plan counts: they are kept below the budget with the device's margin. On a GPU
+    whose budget is what is free now, so is room for an Adam-like optimizer's two states, which
+    the caller's optimizer makes there on its first step."""
+    trainable = {id(p): p.numel() * p.element_size() for p in model.parameters() if p.requires_grad}
+    grads = sum(trainable.values())
+    optimizer = 2 * grads if options.memory_budget is None and isinstance(device, CudaDevice) else 0
+    before = f"{device.margin_note}; and " if device.margin else ""
+    device.margin += grads + optimizer
+    device.margin_note = (f"{before}{format_size(grads)} for the resident weights' gradients"
+                          + (f", {format_size(optimizer)} for an Adam-like optimizer's state beside them (the "
+                             "budget being what was free when compiling: give memory_budget= to say otherwise)"
+                             if optimizer else ""))
 
 
 def _batch_or_none(example: _Example) -> int | None:

@@ -61,6 +61,9 @@ class Plan:
     tier_bytes: int = 0
     host_detail: str = ""
     tier_master_packs: tuple[int, ...] = ()  # of tier_packs, those whose fp32 masters are there too
+    # the masters stay on the one device (``CompileOptions.resident_weights``): the program's weight
+    # prefetches and weight-gradient offloads hand tensors over there, and move no bytes
+    resident_weights: bool = False
 
     @property
     def bytes_h2d(self) -> int:
@@ -91,6 +94,8 @@ class Plan:
             f"predicted peak {peaks} (budget {budget}, margin {format_size(self.margin)} kept below it"
             + (f": {self.margin_note})" if self.margin_note else ")"),
             *([f"batch: {self.batch}"] if self.batch else []),
+            *([f"weights resident on {self.devices[0]}: none copied in, their gradients left there "
+               "(param.grad) for your optimizer"] if self.resident_weights else []),
             f"predicted bytes per iteration: host->device {format_size(self.bytes_h2d)}, "
             f"device->host {format_size(self.bytes_d2h)}; host memory pinned on a GPU {format_size(self.pinned_bytes)}",
             *([self.tier_line()] if self.host_bytes else []),
@@ -122,16 +127,18 @@ class Plan:
 
 
 def make_plan(candidate, shapes, nodes: Mapping[str, fx.Node], devices: Sequence, layout, budget: int | None,
-              policy: str, batch: str, host_memory=None, nvme_path=None) -> Plan:
+              policy: str, batch: str, host_memory=None, nvme_path=None, resident: bool = False) -> Plan:
     """The plan of the chosen ``candidate`` (a ``compiler.packing.Candidate``): per pack its layers,
     parameters, weight bytes and stash; per device its predicted peak; the bytes moved by
     direction and kind (``shapes``: the key sizes; ``nodes``: the primary graph's, annotated with
     the chosen packs); ``host_memory``: the host memory plan (``compiler.host_memory.HostMemoryPlan``), if one
-    was asked for."""
+    was asked for; ``resident``: the weights stay on the device (their copies are hand-overs)."""
     packs = candidate.packs_by_size[layout.mb_sizes[0]]
     key_bytes = lambda key: shapes.key_bytes(key, packs)  # noqa: E731
     every_action = [a for forward, backward in candidate.device_actions for a in forward + backward]
     moved = bytes_moved(every_action, key_bytes)
+    if resident:
+        moved = {(direction, kind): n for (direction, kind), n in moved.items() if kind not in ("weights", "wgrad")}
     stash = {pack.index: 0 for pack in packs}
     for action in every_action:
         if action.kind == ActionKind.OFFLOAD and action.key.kind == KeyKind.ACT and action.key.name in nodes:
@@ -145,7 +152,7 @@ def make_plan(candidate, shapes, nodes: Mapping[str, fx.Node], devices: Sequence
                  recompute=pack.index < len(packs) - 1)
         for pack in packs)
     first = devices[0]
-    pinned = sum(plan.weight_bytes for plan in pack_plans) + sum(
+    pinned = (0 if resident else sum(plan.weight_bytes for plan in pack_plans)) + sum(
         n for (direction, _), n in moved.items() if direction == "d2h")
     # the forward's own microbatches and packs: what its programs run (a group of packs is one)
     forward = [a for actions, _ in candidate.device_actions for a in actions if a.kind == ActionKind.FWD]
@@ -161,4 +168,5 @@ def make_plan(candidate, shapes, nodes: Mapping[str, fx.Node], devices: Sequence
                 layout.handoff if layout.parallel == "pp" else "",
                 *(() if host_memory is None else (
                     host_memory.needs.total, host_memory.host_memory, str(nvme_path or ""), host_memory.tier_packs,
-                    host_memory.tier_bytes, host_memory.needs.describe(), host_memory.tier_master_packs)))
+                    host_memory.tier_bytes, host_memory.needs.describe(), host_memory.tier_master_packs)),
+                resident_weights=resident)

@@ -110,6 +110,7 @@ class Calls:
         (a scalar's weights are kept in ``iteration.scalar_weights`` for its gradient)."""
         values = iteration.host_values
         num = len(self.mb_sizes)
+        home = self._home
         outputs = []
         for name in self.outputs:
             chunks = [values[Key(KeyKind.ACT, name, mb)] for mb in range(num)]
@@ -117,11 +118,17 @@ class Calls:
             if len(chunks) > 1 and chunks[0].dim() == 0:  # a loss: weighted as eager reduces the whole batch
                 per_mb = [[values[Key(KeyKind.ACT, n, mb)] for n in self.inputs] for mb in range(num)]
                 iteration.scalar_weights[name] = self.scalar_weights(name, per_mb)
-                outputs.append(microbatch.merge_scalars(chunks, iteration.scalar_weights[name]).to(dtype))
+                outputs.append(microbatch.merge_scalars(chunks, iteration.scalar_weights[name]).to(home, dtype))
                 continue
-            outputs.append(microbatch.merge([chunk.to(dtype) for chunk in chunks],
+            outputs.append(microbatch.merge([chunk.to(home, dtype) for chunk in chunks],
                                             self.compiled.output_dims.get(name, 0)))
         return tuple(outputs)
+
+    @property
+    def _home(self) -> torch.device | None:
+        """Where results go: beside resident weights, on their device (the caller's loss and targets
+        are there); else in host memory, where the program leaves them."""
+        return self.compiled.devices[0].torch_device if self.compiled.resident_weights else None
 
     def structure(self, tensors: Sequence[torch.Tensor], args: tuple, kwargs: dict) -> Any:
         """The model's output structure (tuple, dict, ``ModelOutput``) around the merged outputs of
@@ -165,7 +172,7 @@ class Calls:
         for name, dim in zip(self.inputs, self.compiled.flat_dims):
             dtype = self._dtypes[name]
             chunks = [iteration.host_values.get(Key(KeyKind.GRAD, name, mb)) for mb in range(len(self.mb_sizes))]
-            grads.append(microbatch.merge([c if c is None else c.to(dtype) for c in chunks], dim))
+            grads.append(microbatch.merge([c if c is None else c.to(self._home, dtype) for c in chunks], dim))
         return grads
 
     def scalar_weights(self, name: str, per_mb: Sequence[Sequence[torch.Tensor]],

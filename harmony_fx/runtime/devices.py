@@ -79,6 +79,15 @@ class Device:
                                read_only=slot not in written).requires_grad_(slot < params and master.requires_grad)
                 for slot, master in enumerate(masters)]
 
+    def resident_weights(self, masters: Sequence[torch.Tensor], written: frozenset[int],
+                         params: int) -> list[torch.Tensor]:
+        """A pack's weights where the masters already live on this device (resident weights): each
+        master itself, recording gradients where it does, but a copy of each slot in ``written`` (a
+        BatchNorm statistic), which the forward updates and the recompute must not update again."""
+        return [self.to_device(master) if slot in written
+                else master.detach().requires_grad_(slot < params and master.requires_grad)
+                for slot, master in enumerate(masters)]
+
     def grads_to_host(self, grads: Sequence[torch.Tensor],
                       into: Sequence[torch.Tensor | None] | None = None) -> list[torch.Tensor]:
         """Host copies of weight gradients the device frees next (``to_host(last_use=True)`` each),
@@ -201,6 +210,15 @@ class HostDevice(Device):
         if last_use and self.shares_host_memory:
             return value.detach()
         return into.copy_(value.detach()) if self.landing_fits(into, value) else value.detach().clone()
+
+    def resident_weights(self, masters: Sequence[torch.Tensor], written: frozenset[int],
+                         params: int) -> list[torch.Tensor]:
+        if self.track_memory:
+            # there before the program, as a GPU's baseline: a view of one (a weight's ``t()``) would
+            # otherwise count its storage as the program's, for as long as the model lives
+            for master in masters:
+                self.tracker.register(master, nbytes=0)
+        return super().resident_weights(masters, written, params)
 
     # one check for a pack's tensors, not one per tensor: these run for every weight every step
     def weights_to_device(self, pack_index: int, masters: Sequence[torch.Tensor],

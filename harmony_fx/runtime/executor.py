@@ -132,6 +132,9 @@ class Runtime:
             if key.kind == KeyKind.WEIGHTS:
                 pack = self.packs[int(key.name[1:])]
                 masters = self.host.masters[pack.index]
+                if self.host.resident:  # on the device already: nothing crosses the bus
+                    self.device_values[key] = device.resident_weights(masters, pack.written_slots, len(pack.params))
+                    return
                 with _DeviceContext(device, " while copying the weights of {} ({}) to the device", pack.name,
                                     pack.describe_layers):
                     dtypes = None if self.compute_dtype is None else pack.slot_dtypes
@@ -166,6 +169,9 @@ class Runtime:
                 if any(g is None for g in grads):  # weights frozen, or unused by this backward
                     keys = [k for k, g in zip(keys, grads) if g is not None]
                     grads = [g for g in grads if g is not None]
+                if self.host.resident:  # left on the device, beside the parameters they belong to
+                    event.on_host.append(lambda: self.host_grads.add_all(keys, grads, self.index))
+                    return
                 # the program frees dW right after this copy, and nothing adds to it any more
                 into = self.grad_buffers.take_all(keys) if self.grad_buffers is not None else None
                 copies = device.grads_to_host(grads, into)

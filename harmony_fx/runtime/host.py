@@ -29,6 +29,9 @@ class HostState:
     """Host-side tensors of one compiled model: per pack, its masters (params then buffers)."""
 
     masters: list[list[torch.Tensor]]
+    # the masters stay on the device that computes (``CompileOptions.resident_weights``): a weight
+    # copy hands the master over, and a weight gradient stays where it was made
+    resident: bool = False
     # per pack, the key of each master's gradient in ``HostGradients`` (its ``id``)
     grad_keys: list[list[int]] = dataclasses.field(init=False)
     # bytes of a pack's weights or weight gradients as copied (``stats.DeviceRecorder.count``): the
@@ -39,9 +42,9 @@ class HostState:
         self.grad_keys = [[id(master) for master in masters] for masters in self.masters]
 
     @classmethod
-    def of(cls, packs: Sequence[Pack], masters: Mapping[str, torch.Tensor]) -> "HostState":
+    def of(cls, packs: Sequence[Pack], masters: Mapping[str, torch.Tensor], resident: bool = False) -> "HostState":
         """Each pack's masters in the order its weight copies use: parameters, then buffers."""
-        return cls([[masters[name] for name in pack.params + pack.buffers] for pack in packs])
+        return cls([[masters[name] for name in pack.params + pack.buffers] for pack in packs], resident)
 
 
 def grad_dtype(master: torch.Tensor) -> torch.dtype:

@@ -87,7 +87,7 @@ class Session:
         self.compiled = compiled
         self.log = log
         self.devices = compiled.devices
-        self.host_state = HostState.of(compiled.packs, compiled.masters)
+        self.host_state = HostState.of(compiled.packs, compiled.masters, compiled.resident_weights)
         if compiled.options.compute_dtype is None and any(d.torch_device.type == "cuda" for d in self.devices):
             _pin_in_place(compiled.masters.values())
         self.stats = Stats()
