@@ -14,7 +14,9 @@ import pytest
 import torch
 
 import harmony_fx
+from harmony_fx.calibrate import spec_for
 from harmony_fx.models import MLPChain
+from harmony_fx.planner.module import simulate_module
 from tests.helpers import ATOL, RTOL, ZOO, assert_step_equal, train_step
 
 PACKS = dict(microbatches=2, pack_boundaries=(0, 3, 6), devices=["host:0"], track_memory=True)
@@ -69,6 +71,9 @@ def test_no_weight_crosses_and_the_activations_move_as_without_residency():
     assert resident_hm.plan.bytes_h2d == sum(n for (d, _), n in resident_moved.items() if d == "h2d")
     assert resident_hm.plan.bytes_d2h == sum(n for (d, _), n in resident_moved.items() if d == "d2h")
     assert "weights resident on host:0" in str(resident_hm.plan)
+    # and the simulation of its step, which the GPU check sets beside the measured one
+    simulated = simulate_module(resident_hm, spec_for(resident_hm.device, resident_hm.budget))
+    assert {k: n for k, n in simulated.bytes_moved.items() if n} == resident_moved
 
 
 def test_the_plan_keeps_room_for_the_gradients_below_the_budget():

@@ -27,7 +27,10 @@ def simulate_module(hm, spec: DeviceSpec, host: HostSpec = HostSpec()) -> Simula
     sizes = [s or size for s in hm.compiled.layout.sizes]  # the larger forward microbatches too
     programs = [forward + backward for forward, backward in hm.device_actions]
     measured = {key: value for memory in hm.task_memory for key, value in memory.items()}
-    costs = _MeasuredCosts(profile, [pack.layers for pack in hm.packs], sizes, spec, host, hm.key_bytes,
+    key_bytes = hm.key_bytes
+    if hm.compiled.resident_weights:  # handed over where they live: nothing crosses, nothing new is held
+        key_bytes = lambda key: 0 if key.kind in (KeyKind.WEIGHTS, KeyKind.WGRAD) else hm.key_bytes(key)  # noqa: E731
+    costs = _MeasuredCosts(profile, [pack.layers for pack in hm.packs], sizes, spec, host, key_bytes,
                            measured, [a for program in programs for a in program],
                            {pack: len(group) for pack, group in hm.update_groups().items()})
     return simulate(programs, costs, spec, host, hm.update_arrivals)
