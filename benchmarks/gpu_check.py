@@ -278,21 +278,19 @@ def run_gpt(kind: str, state_path: str, quick: bool) -> dict:
                   allocated_peak=stats.get("allocated_bytes.all.peak"), requested_peak=stats.get("requested_bytes.all.peak"),
                   reserved_peak=stats.get("reserved_bytes.all.peak"),
                   pinned_bytes=int(torch.cuda.host_memory_stats().get("allocated_bytes.current", 0)))
-    if kind == "resident":
-        result.update(bytes_moved=hm.stats.as_dict()["bytes_by_kind"], bytes_planned=hm.plan.predicted_bytes,
-                      bytes_equal_plan=hm.stats.as_dict()["bytes_by_kind"] == hm.plan.predicted_bytes,
-                      predicted_peak=hm.plan.predicted_peak["cuda:0"], budget=hm.plan.budget)
-    if kind == "harmony":
+    if kind in ("harmony", "resident"):
         from harmony_fx.planner.choose import device_spec
         from harmony_fx.planner.module import simulate_module
 
-        hm = trainer.hm
-        result.update(bytes_moved=hm.stats.as_dict()["bytes_by_kind"], bytes_planned=hm.plan.predicted_bytes,
-                      bytes_equal_plan=hm.stats.as_dict()["bytes_by_kind"] == hm.plan.predicted_bytes,
+        hm = trainer.hm if kind == "harmony" else hm
+        moved = hm.stats.as_dict()["bytes_by_kind"]
+        result.update(bytes_moved=moved, bytes_planned=hm.plan.predicted_bytes,
+                      bytes_equal_plan=moved == hm.plan.predicted_bytes,
                       predicted_peak=hm.plan.predicted_peak["cuda:0"], budget=hm.plan.budget,
-                      update_seconds=trainer.stats.update_seconds, exposed_update_seconds=trainer.stats.update_exposed_seconds,
-                      undo_seconds=trainer.stats.undo_seconds,
                       simulated_seconds=simulate_module(hm, device_spec(hm.device, hm.budget)).seconds)
+    if kind == "harmony":
+        result.update(update_seconds=trainer.stats.update_seconds, exposed_update_seconds=trainer.stats.update_exposed_seconds,
+                      undo_seconds=trainer.stats.undo_seconds)
     result["gpu_busy_fraction"] = _busy_fraction(step)
     return result
 
