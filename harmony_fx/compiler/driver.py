@@ -111,7 +111,8 @@ def _compile_program(model: nn.Module, args: tuple, kwargs: dict, options: Compi
                       options.tracks_memory, options.chaos, decision=_describe_devices)
     resident = _weights_resident(model, devices, options)
     if resident:
-        _refuse_resident_in_trainer(trainer or updates or optimizer is not None)
+        if trainer or updates or optimizer is not None:
+            _refuse_resident_in_trainer()
         _reserve_resident_gradients(model, devices[0], options)
     dims = microbatch.argument_dims(model, args, kwargs, options.batch_dims)
     flat_dims = tuple(d for x, d in zip(microbatch.pytree.tree_leaves((args, kwargs)), microbatch.pytree.tree_leaves(dims))
@@ -320,13 +321,12 @@ def _weights_resident(model: nn.Module, devices: list, options: CompileOptions) 
     return True
 
 
-def _refuse_resident_in_trainer(in_trainer: bool) -> None:
-    if in_trainer:
-        raise ValueError(
-            "harmony_fx.Trainer steps the optimizer on the host, pack by pack, while the devices go on: it "
-            "keeps the model's weights in host memory. For a model that fits on one GPU, keep it there and use "
-            "harmony_fx.compile(model, devices=['cuda:0']) with your optimizer on the GPU (loss.backward(); "
-            "optimizer.step()); or keep the model on the CPU (model.cpu()) for the Trainer.")
+def _refuse_resident_in_trainer() -> None:
+    raise ValueError(
+        "harmony_fx.Trainer steps the optimizer on the host, pack by pack, while the devices go on: it "
+        "keeps the model's weights in host memory. For a model that fits on one GPU, keep it there and use "
+        "harmony_fx.compile(model, devices=['cuda:0']) with your optimizer on the GPU (loss.backward(); "
+        "optimizer.step()); or keep the model on the CPU (model.cpu()) for the Trainer.")
 
 
 def _reserve_resident_gradients(model: nn.Module, device, options: CompileOptions) -> None:
@@ -334,8 +334,7 @@ def _reserve_resident_gradients(model: nn.Module, device, options: CompileOption
     beside what the plan counts: they are kept below the budget with the device's margin. On a GPU
     whose budget is what is free now, so is room for an Adam-like optimizer's two states, which
     the caller's optimizer makes there on its first step."""
-    trainable = {id(p): p.numel() * p.element_size() for p in model.parameters() if p.requires_grad}
-    grads = sum(trainable.values())
+    grads = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)  # tied: once
     optimizer = 2 * grads if options.memory_budget is None and isinstance(device, CudaDevice) else 0
     before = f"{device.margin_note}; and " if device.margin else ""
     device.margin += grads + optimizer
