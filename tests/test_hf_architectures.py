@@ -6,6 +6,7 @@ a sample of each (``-m slow``), ``-m extended`` all of them (about 11 minutes on
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -25,6 +26,19 @@ CI_SAMPLE = ("bart", "big_bird", "clip_vision", "deberta_v2", "dinov2", "falcon"
 CI_SAMPLE_BF16 = ("deberta_v2", "gpt_bigcode", "mistral", "opt", "resnet", "wav2vec2")
 
 
+# the architectures whose batch the analysis cannot show apart (so the planner keeps it whole, and a
+# user's microbatches get a warning), and the op it stops at: the rest are cut, and must compute
+# eager's loss and gradients in microbatches (the test below)
+KEPT_WHOLE = {
+    "bloom": "combines the batch with",  # ALiBi: a shared [B*heads] bias tiled per sample
+    "deepseek_v3": "scatter_",  # the router's top-k groups
+    "jamba": "sort", "mixtral": "sort", "qwen2_moe": "sort",  # experts sort all the tokens by expert
+    "mobilevit": "BatchNorm in training", "resnet": "BatchNorm in training",
+    "phimoe": "autograd_function",  # a custom router
+    "xlnet": "varies along the batch dim",  # dropout draws on positions expanded to the batch
+}
+
+
 def _architectures(sample: tuple[str, ...]) -> list:
     return [pytest.param(name, marks=() if name in sample else pytest.mark.extended) for name in sorted(ARCHITECTURES)]
 
@@ -41,8 +55,15 @@ def test_an_architecture_trains_like_eager_at_its_smallest_budget(name, memory_w
     with pytest.raises(harmony_fx.BudgetTooSmallError) as refused:
         harmony_fx.compile(model, (), batch, memory_budget=1, **options)
     budget = refused.value.smallest_budget
-    hm = harmony_fx.compile(model, (), batch, memory_budget=budget, **options)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        hm = harmony_fx.compile(model, (), batch, memory_budget=budget, **options)
     assert len(hm.packs) > 1
+    assert hm.compiled.batch_analysis.separable == (name not in KEPT_WHOLE), hm.compiled.batch_analysis.reason
+    if name in KEPT_WHOLE:
+        assert KEPT_WHOLE[name] in hm.compiled.batch_analysis.reason
+    # a batch shown apart is cut without the warning that the results may differ
+    assert any("cannot show" in str(w.message) for w in caught) == (name in KEPT_WHOLE and options["microbatches"] > 1)
     torch.manual_seed(5)
     loss = architecture_loss(name, hm(**batch))
     loss.backward()

@@ -10,8 +10,13 @@ this analysis proves it safe; an option the user sets is theirs.
 2. Each node maps its inputs' batch dims to its outputs' by its op's rule (pointwise ops align
    dims as broadcasting does; views and reshapes follow the sizes; reductions, ``softmax``, ``cat``,
    indexing and the like may not act along the batch dim; matmul, convolution, pooling, norms,
-   attention, RNNs and losses by what they compute). A batch dim is the *outer* factor of its dim:
-   ``[B, S, H] -> [B*S, H]`` keeps it at dim 0.
+   attention, RNNs and losses by what they compute). A batch dim is a factor of its dim: the
+   outer one (``[B, S, H] -> [B*S, H]`` keeps it at dim 0), or *interleaved* with an outer factor
+   (``[S, B, H] -> [S*B, H]``, as ``nn.MultiheadAttention`` merges time and batch around its output
+   projection): each sample still owns whole rows of that dim, so ops that treat its rows apart
+   (pointwise, ``linear``, a norm or softmax over other dims, views that keep it) keep it, a
+   reshape may split it back out (``[S*B, H] -> [S, B, H]``), and every other op, an in-place
+   write or a model output meeting it makes the graph not separable.
 3. Shared values are followed too: along which dims each is constant (``zeros``, an ``expand``ed
    size-1 dim, what is computed from those), and which are ``arange(B)``, each sample's own index
    (``mask[arange(B)[:, None], positions]`` picks each sample's row: it stays separable).
@@ -90,6 +95,9 @@ def analyze_batch_dims(gm: fx.GraphModule, input_dims: Mapping[str, int | None],
         if dim is None:
             return BatchAnalysis(False, f"the output {arg.name} does not depend on the batch: every microbatch "
                                         "would compute it whole")
+        if context.outer.get(arg, 1) > 1:
+            return BatchAnalysis(False, f"the output {arg.name} holds the batch interleaved with another dim: "
+                                        "microbatches' outputs cannot be joined along one dim")
         if dim == _REDUCED:
             # whether a loss can be put back together from microbatches is scalar_reduction's call,
             # the same one that gives the runtime its weights
@@ -121,6 +129,8 @@ def _propagate(gm: fx.GraphModule, env_inputs: Mapping[str, _Dims], batch_size: 
         inputs = [arg for arg in node.all_input_nodes]
         if _name(node) in _FRESH:  # ``x.new_zeros(size)``: x gives only its dtype and device, no values
             inputs = [arg for arg in inputs if arg is not node.args[0]]
+        elif _name(node) == "type_as":  # ``x.type_as(y)``: y gives only its dtype
+            inputs = inputs[:1]
         if all(all(d is None for d in env[arg]) for arg in inputs):
             # nothing batched comes in: the result is shared; follow what it is constant along
             env[node] = [None] * max(len(leaves(node.meta.get(meta.VAL))), 1)
@@ -145,7 +155,7 @@ def _propagate(gm: fx.GraphModule, env_inputs: Mapping[str, _Dims], batch_size: 
                 continue
             raise _mixed(node, "turns batched values into a Python number")
         try:
-            env[node] = _rule(node, c)
+            env[node] = _apply(node, c)
             if _written(node) is not None:
                 _write(node, c)
         except _Mixed:
@@ -187,6 +197,9 @@ class _Context:
     constant: dict[fx.Node, frozenset[int]]
     iota: dict[fx.Node, int]
     batch_size: int
+    # batched values whose batch is interleaved in its dim (step 2): node -> the number of blocks of
+    # rows above it (``S`` for ``[S*B, H]``); absent: the batch is the dim's outer factor
+    outer: dict[fx.Node, int] = dataclasses.field(default_factory=dict)
 
     def dim(self, node: Any) -> int | None:
         return _dim(self.env, node)
@@ -239,6 +252,48 @@ def _follow_shared(node: fx.Node, c: _Context) -> None:
         iota = None if c.iota.get(source, along) == along else c.iota[source] - (c.iota[source] > along)
     elif name == "embedding":
         constant = set(c.constant.get(node.args[1], ()))
+    elif name == "index":
+        constant = _constant_after_index(node, c)
+    elif name in ("cat", "stack"):  # the same along a dim every part is the same along
+        parts = [t for t in node.args[0] if isinstance(t, fx.Node)]
+        along = _norm(_argument(node, "dim", 0), rank)
+        common = set.intersection(*(set(c.constant.get(t, ())) for t in parts)) if parts else set()
+        if name == "cat":
+            constant = common - {along}
+        else:
+            constant = {d + (d >= along) for d in common}
+    elif name == "einsum":  # the same along a letter every operand having it is the same along
+        equation = node.args[0].replace(" ", "")
+        terms, _, output = equation.partition("->")
+        if "." not in equation and output:
+            constant = {i for i, letter in enumerate(output) if all(
+                letter not in term or term.index(letter) in c.constant.get(operand, ())
+                or _shape(operand)[term.index(letter)] == 1 for term, operand in zip(terms.split(","), node.args[1]))}
+    elif name == "repeat":  # a size-1 dim tiled is the same along it (``position_ids.repeat(B, 1)``)
+        offset = rank - len(_shape(source))
+        constant = set(range(offset)) | {d + offset for d in range(len(_shape(source)))
+                                         if _shape(source)[d] == 1 or d in c.constant.get(source, ())}
+    elif name in _VIEWS:  # each dim that a view keeps whole (as many elements before it, as long)
+        was, in_shape, out_shape = c.constant.get(source, ()), _shape(source), _shape(node)
+        constant = {j for j, size in enumerate(out_shape) if any(
+            i in was and in_shape[i] == size and math.prod(in_shape[:i]) == math.prod(out_shape[:j])
+            for i in range(len(in_shape)))}
+    elif name in ("transpose", "t", "permute"):
+        order = list(range(rank))
+        if name == "permute":
+            order = [_norm(d, rank) for d in node.args[1]]
+        elif rank > 1:
+            first, second = (0, 1) if name == "t" else (_norm(node.args[1], rank), _norm(node.args[2], rank))
+            order[first], order[second] = second, first
+        constant = {d for d in range(rank) if order[d] in c.constant.get(source, ())}
+    elif _RULES.get(name) in (_along, _reduction) and _acted_dims(node) is not None:
+        # a cumsum, diff or softmax along other dims (the mask helpers' running counts over positions),
+        # a sum over others: still the same along the dims it is constant along
+        acted = _acted_dims(node)
+        constant = set.intersection(*(set(c.constant.get(arg, ())) if len(_shape(arg)) == len(_shape(source))
+                                      else set() for arg in args)) - set(acted)  # (diff's prepend too)
+        if _RULES[name] is _reduction and not _argument(node, "keepdim", False):
+            constant = {d - sum(1 for a in acted if a < d) for d in constant}
     elif torch.Tag.pointwise in node.target.tags or name in _ENTRYWISE:
         constant = {d for d in range(rank) if all(
             d - (rank - len(_shape(arg))) < 0 or _shape(arg)[d - (rank - len(_shape(arg)))] == 1
@@ -247,6 +302,33 @@ def _follow_shared(node: fx.Node, c: _Context) -> None:
         c.constant[node] = frozenset(constant)
     if iota is not None:
         c.iota[node] = iota
+
+
+def _constant_after_index(node: fx.Node, c: _Context) -> set[int]:
+    """``x[i, j, ...]`` of shared values (``positions[arange(B)[:, None], kv]``, as the mask helpers
+    look each sample's positions up): constant along a dim of the index tensors' broadcast where
+    every index tensor for a dim ``x`` varies along is constant along it; the dims not indexed keep
+    ``x``'s. The broadcast dims stand where the index tensors do when these are neighbours, first
+    otherwise (advanced indexing's layout)."""
+    source, indices = node.args[0], list(node.args[1])
+    positions = [i for i, index in enumerate(indices) if index is not None]
+    tensors = [indices[i] for i in positions]
+    if not tensors or any(not isinstance(t, fx.Node) or _val(t).dtype == torch.bool for t in tensors):
+        return set()
+    was = c.constant.get(source, frozenset())
+    rank = max(len(_shape(t)) for t in tensors)
+    varying = [t for t, position in zip(tensors, positions) if position not in was]
+    broadcast = {d for d in range(rank) if all(
+        d - (rank - len(_shape(t))) < 0 or _shape(t)[d - (rank - len(_shape(t)))] == 1
+        or d - (rank - len(_shape(t))) in c.constant.get(t, ()) for t in varying)}
+    rest = [d for d in range(len(_shape(source))) if d not in positions]
+    adjacent = positions == list(range(positions[0], positions[-1] + 1))
+    start = positions[0] if adjacent else 0
+    before = [d for d in rest if adjacent and d < start]
+    after = [d for d in rest if d not in before]
+    constant = {i for i, d in enumerate(before) if d in was} | {start + d for d in broadcast}
+    constant |= {start + rank + i for i, d in enumerate(after) if d in was}
+    return constant
 
 
 # entry by entry, each result entry from the same entry of every argument, and not random (unlike
@@ -275,6 +357,9 @@ def _write(node: fx.Node, c: _Context) -> None:
     (dim,) = c.env[node]
     chain = alias_chain(node.args[0])
     base = chain[-1]
+    if any(c.outer.get(value, 1) > 1 for value in (node, *chain)):
+        raise _mixed(node, "writes in place a batch interleaved with other dims; this analysis cannot follow it "
+                           "back to its buffer")
     if dim is not None:
         for view in chain[:-1]:
             dim = _parent_dim(view, dim, c)
@@ -332,7 +417,7 @@ def _follow_views(base: fx.Node, c: _Context) -> None:
                 if parent in c.iota:
                     c.iota[view] = c.iota[parent]
             elif any(d is not None for d in c.env[parent]):
-                c.env[view] = _rule(view, c)
+                c.env[view] = _apply(view, c)
             elif isinstance(_val(view), torch.Tensor) and view.target is not operator.getitem:
                 _follow_shared(view, c)  # (a split's pieces: nothing known to stay constant)
             queue.append(view)
@@ -394,6 +479,44 @@ def _name(node: fx.Node) -> str:
 # ----------------------------------------------------------------------------------- the rules
 
 
+def _apply(node: fx.Node, c: _Context) -> _Dims:
+    """The node's rule, and where its batched inputs' batch is interleaved, whether the rule keeps
+    each sample's rows apart (then its batched results are interleaved alike)."""
+    c.outer.pop(node, None)  # a view run again after a write (``_follow_views``) starts afresh
+    batched = [arg for arg in _tensor_args(node) if c.dim(arg) not in (None, _REDUCED)] \
+        if node.target is not operator.getitem else [node.args[0]]
+    outers = {c.outer.get(arg, 1) for arg in batched}
+    dims = _rule(node, c)
+    if outers <= {1} or _name(node) in _VIEWS:  # a reshape decides its own (``_reshape``)
+        return dims
+    if len(outers) > 1:
+        raise _mixed(node, "combines batches interleaved differently with other dims")
+    if not _keeps_rows(node):
+        raise _mixed(node, "meets a batch interleaved with other dims (a reshape merged it with an outer dim); "
+                           "this analysis can follow it only through ops that treat the rows of that dim apart")
+    (outer,) = outers
+    rows = {_shape(arg)[c.dim(arg)] for arg in batched}
+    values = leaves(_val(node))
+    for dim, value in zip(dims, values):
+        if isinstance(dim, int) and (not isinstance(value, torch.Tensor) or value.shape[dim] not in rows):
+            raise _mixed(node, "changes the rows of a batch interleaved with other dims")
+    c.outer[node] = outer
+    return dims
+
+
+def _keeps_rows(node: fx.Node) -> bool:
+    """Whether the node's rule, where it accepts a batch dim, computes each row of that dim from the
+    same row of its inputs: then a batch interleaved in that dim stays so."""
+    if node.target is operator.getitem:
+        return True
+    if not isinstance(node.target, torch._ops.OpOverload):
+        return False
+    rule = _RULES.get(_name(node))
+    if rule is None:
+        return torch.Tag.pointwise in node.target.tags or _name(node) in _ELEMENTWISE
+    return rule in _ROW_WISE
+
+
 def _rule(node: fx.Node, c: _Context) -> _Dims:
     target = node.target
     if target is operator.getitem:
@@ -445,12 +568,6 @@ def _first_dim(node: fx.Node, c: _Context) -> int:
     return c.dim(node.args[0])
 
 
-def _same(node: fx.Node, c: _Context) -> _Dims:
-    """Results shaped like the (one) batched input: its batch dim, for every tensor leaf."""
-    (dim,) = {c.dim(arg) for arg in _tensor_args(node)} - {None}
-    return [dim if isinstance(leaf, torch.Tensor) else None for leaf in leaves(_val(node))]
-
-
 def _reshape(node: fx.Node, c: _Context) -> _Dims:
     """A view or reshape. The samples stay apart if the output has a dim with as many elements
     before it as the batch dim had, and the batch is an outer factor of it (each sample then
@@ -459,11 +576,16 @@ def _reshape(node: fx.Node, c: _Context) -> _Dims:
     source = node.args[0]
     dim = c.dim(source)
     in_shape, out_shape = _shape(source), _shape(node)
-    before = math.prod(in_shape[:dim])
+    # the elements' flat index is [above, batch, below] in mixed radix: the batch lands in the output
+    # dim that spans it whole, interleaved where that dim also spans some of ``above``
+    above = math.prod(in_shape[:dim]) * c.outer.get(source, 1)
     for index, size in enumerate(out_shape):
-        if math.prod(out_shape[:index]) == before and size % c.batch_size == 0:
+        spans = math.prod(out_shape[:index])
+        if spans and above % spans == 0 and (spans * size) % (above * c.batch_size) == 0:
+            if above > spans:
+                c.outer[node] = above // spans
             return [index]
-    raise _mixed(node, f"reshapes {in_shape} to {out_shape}, interleaving the batch (dim {dim}) with other dims")
+    raise _mixed(node, f"reshapes {in_shape} to {out_shape}, cutting the batch (dim {dim}) across dims")
 
 
 def _expand(node: fx.Node, c: _Context) -> _Dims:
@@ -486,6 +608,14 @@ def _permute(node: fx.Node, c: _Context) -> _Dims:
 def _unsqueeze(node: fx.Node, c: _Context) -> _Dims:
     dim = _first_dim(node, c)
     return [dim + 1 if _norm(node.args[1], len(_shape(node))) <= dim else dim]
+
+
+def _unchanged_leading(node: fx.Node, c: _Context) -> _Dims:
+    """An op that changes only the last dim (``view_as_real`` adds one, ``view_as_complex`` removes it)."""
+    dim = _first_dim(node, c)
+    if dim >= min(len(_shape(node.args[0])), len(_shape(node))) - 1:
+        raise _mixed(node, "changes the batch dim (the last)")
+    return [dim]
 
 
 def _argument(node: fx.Node, name: str, default: Any = None) -> Any:
@@ -598,10 +728,48 @@ def _index(node: fx.Node, c: _Context) -> _Dims:
 
 
 def _gather(node: fx.Node, c: _Context) -> _Dims:
-    dim, (along,) = _first_dim(node, c), _acted_dims(node)
-    if dim is None or c.dim(_argument(node, "index")) != dim or along == dim:
+    """``out[b][j] = x[b][index[b][j]]`` along another dim than the batch's: from the sample's own
+    row of a batched ``x``, or of a shared ``x`` that is the same for every sample (a buffer
+    ``expand``ed to the batch, as RoBERTa gathers its token types by position)."""
+    source, index = node.args[0], _argument(node, "index")
+    (along,) = _acted_dims(node)
+    dim = c.dim(index)
+    if dim is None or along == dim or c.dim(source) not in (dim, None):
         raise _mixed(node, "gathers across the batch")
+    if c.dim(source) is None and c.varies_along(source, dim):
+        raise _mixed(node, f"gathers from {source.name}, which every sample shares but varies along the batch dim")
     return [dim]
+
+
+def _repeat(node: fx.Node, c: _Context) -> _Dims:
+    """``x.repeat(sizes)``: the batch dim kept where it is not repeated."""
+    offset = len(_shape(node)) - len(_shape(node.args[0]))
+    dim = _first_dim(node, c) + offset
+    if node.args[1][dim] != 1:
+        raise _mixed(node, "repeats the batch")
+    return [dim]
+
+
+def _einsum(node: fx.Node, c: _Context) -> _Dims:
+    """``einsum(equation, operands)``: the batch dim's letter must be the same in every batched
+    operand, kept in the result (not summed over), and absent from the shared operands (or on a
+    dim they are the same along)."""
+    equation, operands = node.args[0].replace(" ", ""), list(node.args[1])
+    inputs, _, output = equation.partition("->")
+    terms = inputs.split(",")
+    if "." in equation or not output or len(terms) != len(operands):
+        raise _mixed(node, f"is an einsum ({equation}) this analysis does not read (an ellipsis or no explicit output)")
+    letters = {terms[i][c.dim(operand)] for i, operand in enumerate(operands) if c.dim(operand) is not None}
+    if len(letters) != 1:
+        raise _mixed(node, f"multiplies values batched along different dims ({equation})")
+    (letter,) = letters
+    if letter not in output:
+        raise _mixed(node, f"sums over the batch dim ({equation})")
+    for term, operand in zip(terms, operands):
+        if c.dim(operand) is None and letter in term and c.varies_along(operand, term.index(letter)):
+            raise _mixed(node, f"multiplies the batch by {operand.name}, which every sample shares but varies along "
+                               "the batch dim")
+    return [output.index(letter)]
 
 
 def _embedding(node: fx.Node, c: _Context) -> _Dims:
@@ -668,8 +836,19 @@ def _kernel_dims(node: fx.Node) -> int:
     return next((int(digit) for digit in "123" if f"{digit}d" in name), 1)
 
 
-def _pad_dims(node: fx.Node) -> int:
-    return len(node.args[1]) // 2
+def _padding(node: fx.Node, c: _Context) -> _Dims:
+    """pad / constant_pad_nd / reflection and replication pads: ``pad`` gives (before, after) for
+    the last dims, last first; a batch dim padded by nothing is kept."""
+    dim, rank, pad = _first_dim(node, c), len(_shape(node.args[0])), list(node.args[1])
+    padded = {rank - 1 - i for i in range(len(pad) // 2) if pad[2 * i] != 0 or pad[2 * i + 1] != 0}
+    if dim in padded:
+        raise _mixed(node, "pads along the batch dim")
+    return [dim]
+
+
+def _dtype_of_second(node: fx.Node, c: _Context) -> _Dims:
+    """``x.type_as(y)``: x's values in y's dtype."""
+    return [c.dim(node.args[0])]
 
 
 def _normalized(node: fx.Node, c: _Context) -> _Dims:
@@ -763,9 +942,11 @@ def _subgraph(node: fx.Node, c: _Context) -> _Dims:
     placeholders = sub.graph.find_nodes(op="placeholder")
     inner = {p.name: c.env[arg] if isinstance(arg, fx.Node) else [None]
              for p, arg in zip(placeholders, node.args[position + 1:])}
-    inner_env, _ = _propagate(sub, inner, c.batch_size)
+    inner_env, inner_c = _propagate(sub, inner, c.batch_size)
     outputs = sub.graph.find_nodes(op="output")[0].args[0]
     outputs = outputs if isinstance(outputs, (tuple, list)) else [outputs]
+    if any(inner_c.outer.get(out, 1) > 1 for out in outputs if isinstance(out, fx.Node)):
+        raise _mixed(node, "returns from its region a batch interleaved with other dims")
     return [d for out in outputs for d in (inner_env[out] if isinstance(out, fx.Node) else [None])]
 
 
@@ -782,7 +963,7 @@ _ELEMENTWISE = {"dropout", "native_dropout", "feature_dropout", "alpha_dropout",
                 "ones_like", "empty_like", "full_like", "rand_like", "randn_like", "dropout_", "hardswish_",
                 "hardsigmoid_", "mish_", "celu_", "selu_", "rrelu_with_noise_", "rrelu", "__and__", "__or__",
                 "__xor__", "__invert__", "__iand__", "__ior__", "__ixor__", "bitwise_and", "bitwise_or",
-                "bitwise_xor", "bitwise_not", "logical_and", "logical_or", "logical_xor", "where"}
+                "bitwise_xor", "bitwise_not", "logical_and", "logical_or", "logical_xor", "where", "real", "imag"}
 
 _CLASS_LOSSES = {"cross_entropy_loss", "nll_loss", "nll_loss_nd", "nll_loss2d", "nll_loss_forward",
                  "nll_loss2d_forward", "multi_margin_loss", "multilabel_margin_loss", "multilabel_margin_loss_forward"}
@@ -790,12 +971,19 @@ _ELEMENT_LOSSES = {"mse_loss", "l1_loss", "smooth_l1_loss", "huber_loss", "binar
                    "binary_cross_entropy_with_logits", "kl_div", "soft_margin_loss", "hinge_embedding_loss",
                    "poisson_nll_loss", "margin_ranking_loss"}
 
+# the rules that, where they accept a batch dim, compute each of its rows from the same rows
+_ROW_WISE = {_along, _reduction, _matmul, _einsum, _normalized, _attention, _loss, _select, _split, _cat, _gather,
+             _expand, _repeat, _transpose, _permute, _unsqueeze, _unchanged_leading, _padding, _dtype_of_second}
+
 _RULES = {
     **{name: _reshape for name in ("view", "_unsafe_view", "reshape", "flatten", "unflatten", "squeeze",
                                    "view_as", "_reshape_alias")},
     **{name: _along for name in ("softmax", "_softmax", "log_softmax", "_log_softmax", "cumsum", "cumprod",
                                  "logcumsumexp", "flip", "roll", "sort", "topk", "kthvalue", "glu", "_safe_softmax",
-                                 "cummax", "cummin", "diff")},
+                                 "cummax", "cummin", "diff", "repeat_interleave", "fft_fft", "fft_ifft", "fft_rfft",
+                                 "fft_irfft", "fft_hfft", "fft_ihfft", "fft_fft2", "fft_ifft2", "fft_rfft2",
+                                 "fft_irfft2", "fft_fftn", "fft_ifftn", "fft_rfftn", "fft_irfftn", "_fft_r2c",
+                                 "_fft_c2r", "_fft_c2c")},
     **{name: _reduction for name in ("sum", "mean", "amax", "amin", "max", "min", "argmax", "argmin", "var", "std",
                                      "var_mean", "std_mean", "prod", "logsumexp", "norm", "linalg_vector_norm",
                                      "all", "any", "median", "nansum", "nanmean", "count_nonzero")},
@@ -811,9 +999,9 @@ _RULES = {
         "upsample_linear1d", "upsample_trilinear3d", "upsample_bicubic2d", "_upsample_nearest_exact1d",
         "_upsample_nearest_exact2d", "_upsample_nearest_exact3d", "max_unpool2d", "max_unpool3d",
         "pixel_shuffle", "pixel_unshuffle", "channel_shuffle")},
-    **{name: _spatial(_pad_dims) for name in ("constant_pad_nd", "pad", "reflection_pad1d", "reflection_pad2d",
-                                              "reflection_pad3d", "replication_pad1d", "replication_pad2d",
-                                              "replication_pad3d", "_pad_circular")},
+    **{name: _padding for name in ("constant_pad_nd", "pad", "reflection_pad1d", "reflection_pad2d",
+                                   "reflection_pad3d", "replication_pad1d", "replication_pad2d", "replication_pad3d",
+                                   "_pad_circular")},
     **{name: _normalized for name in ("layer_norm", "native_layer_norm", "rms_norm", "_fused_rms_norm")},
     **{name: _per_sample_norm for name in ("group_norm", "native_group_norm", "instance_norm", "batch_norm",
                                            "native_batch_norm", "_native_batch_norm_legit",
@@ -829,5 +1017,7 @@ _RULES = {
     **{name: _split for name in ("split", "split_with_sizes", "chunk", "unbind", "tensor_split")},
     "expand": _expand, "transpose": _transpose, "t": _transpose, "swapaxes": _transpose, "permute": _permute,
     "unsqueeze": _unsqueeze, "cat": _cat, "stack": _cat, "index": _index, "gather": _gather,
-    "embedding": _embedding,
+    "embedding": _embedding, "repeat": _repeat, "einsum": _einsum, "type_as": _dtype_of_second,
+    # complex values seen as pairs of reals and back: a trailing dim of 2 added or removed
+    "view_as_real": _unchanged_leading, "view_as_complex": _unchanged_leading,
 }

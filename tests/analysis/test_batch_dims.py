@@ -168,6 +168,14 @@ def test_writes_in_place_that_mix_samples_are_found(fn, why):
     (lambda h, m: h[1:], "picks some samples"),
     (lambda h, m: h + torch.arange(h.shape[0])[:, None], "varies along the batch dim"),
     (lambda h, m: h.t() @ h, "contracts the batch dim"),
+    (lambda h, m: torch.einsum("bi,bj->ij", h, h), "sums over the batch dim"),
+    (lambda h, m: h + torch.arange(6.0)[:, None].expand(6, 4).cumsum(0), "varies along the batch dim"),
+    (lambda h, m: h + torch.arange(6.0)[:, None].repeat(1, 4), "varies along the batch dim"),
+    (lambda h, m: torch.gather(torch.arange(6.0)[:, None].expand(6, 8), 1, (h > 0).long()), "varies along the batch"),
+    (lambda h, m: torch.fft.fftn(h).real, "acts along the batch dim"),
+    (lambda h, m: F.pad(h, (0, 0, 1, 0)), "pads along the batch dim"),
+    (lambda h, m: h.repeat(2, 1), "repeats the batch"),
+    (lambda h, m: h.repeat_interleave(2, dim=0), "acts along the batch dim"),
 ])
 def test_ops_that_mix_samples_are_found(fn, why):
     analysis = _analysis(_Fn(fn), torch.randn(6, 4))
@@ -181,6 +189,22 @@ def test_ops_that_mix_samples_are_found(fn, why):
     lambda h, m: (h.unsqueeze(1) @ h.unsqueeze(2)).squeeze(),          # per-sample dot products
     lambda h, m: h[torch.arange(6), (h > 0).sum(1) % 4],               # each sample's own entry
     lambda h, m: h + torch.ones(1, 4).expand(6, 4),                    # constant along the batch
+    # shared values the same for every sample, as Hugging Face's mask helpers build them: positions
+    # expanded to the batch, looked up per sample, counted along the sequence, tiled, joined, viewed
+    lambda h, m: h + torch.arange(4).expand(6, 4)[torch.arange(6)[:, None], torch.arange(4)[None, :]],
+    lambda h, m: h + torch.arange(4.0).expand(6, 4).cumsum(1) + torch.arange(5.0).expand(6, 5).diff(dim=1),
+    lambda h, m: h + torch.arange(4)[None].repeat(6, 1),
+    lambda h, m: h + torch.cat([torch.arange(2).expand(6, 2), torch.zeros(6, 2)], 1),
+    lambda h, m: h + torch.arange(4).expand(6, 4).reshape(6, 1, 4).squeeze(1),
+    lambda h, m: h + torch.einsum("bi,ij->bj", torch.arange(4.0).expand(6, 4), torch.eye(4)),
+    lambda h, m: h + torch.arange(4).expand(6, 4).type_as(h[None]),  # h gives a dtype, not values
+    lambda h, m: h.type_as(h.t()),
+    # ops on the batched values along other dims
+    lambda h, m: torch.einsum("bi,ij->bj", h, m.linear.weight),
+    lambda h, m: torch.gather(torch.arange(8.0).expand(6, 8), 1, (h > 0).long()),
+    lambda h, m: torch.fft.fft(h, dim=1).real + torch.view_as_real(torch.fft.rfft(h, dim=1)).sum(-1).sum(-1, True),
+    lambda h, m: F.pad(h, (1, 1, 0, 0)),
+    lambda h, m: h.repeat(1, 2) + h.repeat_interleave(2, dim=1),
 ])
 def test_ops_that_keep_samples_apart_are_separable(fn):
     analysis = _analysis(_Fn(fn), torch.randn(6, 4))
@@ -220,9 +244,73 @@ def test_a_loss_that_cannot_be_put_back_together_is_not_separable(fn, why):
     assert why in analysis.reason
 
 
-def test_an_interleaving_reshape_is_not_separable():
+def test_a_reshape_that_cuts_the_batch_across_dims_is_not_separable():
+    # [6, 4] -> [2, 3, 4]: each sample's index is split over two dims, which one batch dim cannot say
     analysis = _analysis(_Fn(lambda h, m: h.view(2, 3, 4).transpose(0, 1).reshape(6, 4)), torch.randn(6, 4))
-    assert not analysis.separable and "interleaving" in analysis.reason
+    assert not analysis.separable and "cutting the batch (dim 0) across dims" in analysis.reason
+
+
+def _merged_with_an_outer_dim(h, m):
+    """[B, 4] -> [2*B, 2] with the batch inside (as nn.MultiheadAttention merges time and batch
+    around its output projection), a row-wise product, and back to [B, 4]."""
+    rows = h.view(6, 2, 2).transpose(0, 1).reshape(12, 2)
+    rows = torch.tanh(rows @ torch.ones(2, 2)) * 2
+    return rows.view(2, 6, 2).transpose(0, 1).reshape(6, 4)
+
+
+@pytest.mark.parametrize("fn", [
+    _merged_with_an_outer_dim,
+    # merged, then split into [2, B*2]: the batch is again the outer factor of dim 1
+    lambda h, m: h.view(6, 2, 2).transpose(0, 1).reshape(12, 2).view(2, 12).transpose(0, 1).reshape(6, 4),
+    lambda h, m: F.layer_norm(h.t().reshape(24, 1).view(4, 6, 1), (1,)).reshape(4, 6).t(),
+], ids=["linear-on-rows", "split-back-elsewhere", "norm-on-rows"])
+def test_a_batch_merged_inside_another_dim_stays_apart_through_row_wise_ops(fn):
+    analysis = _analysis(_Fn(fn), torch.randn(6, 4))
+    assert analysis.separable, analysis.reason
+    assert list(analysis.output_dims.values()) == [0]
+
+
+def _interleaved(h):
+    return h.view(6, 2, 2).transpose(0, 1).reshape(12, 2)
+
+
+@pytest.mark.parametrize("fn,why", [
+    (lambda h, m: _interleaved(h), "holds the batch interleaved"),
+    (lambda h, m: _interleaved(h).softmax(0).reshape(2, 6, 2).sum(0), "acts along the batch dim"),
+    (lambda h, m: _interleaved(h)[:6], "picks some samples"),
+    (lambda h, m: (_interleaved(h) + h.reshape(12, 2)).view(2, 6, 2).sum(0), "interleaved differently"),
+    (lambda h, m: F.embedding((_interleaved(h) > 0).long(), torch.ones(2, 3)).view(2, 6, 6).sum(0),
+     "only through ops that treat the rows"),
+    (lambda h, m: _interleaved(h).view(3, 8).transpose(0, 1).reshape(6, 4), "cutting the batch"),
+], ids=["as-output", "softmax-across-rows", "some-rows", "two-layouts", "unknown-op", "cut-again"])
+def test_a_batch_merged_inside_another_dim_meeting_what_mixes_rows_is_found(fn, why):
+    analysis = _analysis(_Fn(fn), torch.randn(6, 4))
+    assert not analysis.separable
+    assert why in analysis.reason
+
+
+@pytest.mark.parametrize("batch_first", [True, False])
+def test_pytorchs_transformer_layers_are_cut_into_microbatches_as_eager_computes(batch_first):
+    """nn.MultiheadAttention merges time and batch ([T*B, E]) around its output projection: a
+    batch merged inside another dim. Analysed separable, the batch is cut, and the microbatches
+    give eager's outputs and gradients with no warning."""
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(16, 4, 32, dropout=0.0, batch_first=batch_first)
+    model = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+    reference = copy.deepcopy(model)
+    x = torch.randn(8, 5, 16) if batch_first else torch.randn(5, 8, 16)
+    dim = 0 if batch_first else 1
+    assert _analysis(model, x, dims=[dim]).separable
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the warning that microbatches may change the results
+        hm = harmony_fx.compile(model, (x,), microbatches=4, batch_dims=dim, devices=["host:0"])
+    out = hm(x)
+    out.pow(2).mean().backward()
+    expected = reference(x)
+    expected.pow(2).mean().backward()
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)
+    for (name, param), ref in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(param.grad, ref.grad, rtol=1e-5, atol=1e-6, msg=name)
 
 
 def test_an_unbatched_sequence_is_not_a_batch():
