@@ -54,6 +54,7 @@ from harmony_fx.compiler.capture_cache import cached_capture
 from harmony_fx.compiler.variants import Variant, check_same_layers
 from harmony_fx.config import CompileOptions, format_size
 from harmony_fx.frontend import microbatch
+from harmony_fx.ir import meta
 from harmony_fx.lowering.tier_io import insert_tier_io
 from harmony_fx.passes.split_packs import annotate_packs
 from harmony_fx.planner.chain import Schedule
@@ -412,7 +413,22 @@ def _analyze_batch(variant: Variant, batch: int, flat_dims) -> BatchAnalysis:
     captured = variant.captured
     if batch < 2:
         return BatchAnalysis(False, "a batch of one sample has nothing to cut")
-    return analyze_batch_dims(captured.gm, dict(zip(captured.inputs, flat_dims)), batch, captured.reductions)
+    analysis = analyze_batch_dims(captured.gm, dict(zip(captured.inputs, flat_dims)), batch, captured.reductions)
+    if analysis.separable or set(flat_dims) - {None} != {0}:
+        return analysis
+    # read along dim 0, a sequence-first model ([time, batch, ...]: nn.Transformer's and nn.LSTM's
+    # default layout) mixes its "samples": say so where dim 1 would be a batch the analysis can cut
+    values = {node.name: node.meta[meta.VAL] for node in captured.gm.graph.find_nodes(op="placeholder")}
+    cut = [values[name] for name, dim in zip(captured.inputs, flat_dims) if dim == 0]
+    if any(value.dim() < 2 for value in cut) or len({value.shape[1] for value in cut}) != 1 or cut[0].shape[1] < 2:
+        return analysis
+    along_one = analyze_batch_dims(captured.gm, {name: 1 if dim == 0 else None for name, dim in
+                                                 zip(captured.inputs, flat_dims)}, cut[0].shape[1], captured.reductions)
+    if not along_one.separable:
+        return analysis
+    return dataclasses.replace(analysis, reason=f"{analysis.reason}; along dim 1 of the inputs every op treats the "
+                                                "samples apart: if the batch is dim 1 (a sequence-first layout), "
+                                                "say batch_dims=1")
 
 
 def _analyze_largest(example: _Example, variants: dict, layout: Layout) -> BatchAnalysis:

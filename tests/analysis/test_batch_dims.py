@@ -365,3 +365,20 @@ def test_the_planner_keeps_a_batch_whole_that_it_cannot_cut():
     assert hm.num_microbatches == 1
     assert "weights its classes" in hm.explain()
     torch.testing.assert_close(hm(x, y), Weighted()(x, y))
+
+
+def test_a_sequence_first_model_read_along_dim_0_is_told_to_say_batch_dims_1():
+    """nn.TransformerEncoder's default layout is [time, batch, features]: cut along dim 0 (the
+    default batch_dims), attention mixes its "samples"; the warning and the plan say dim 1 would do."""
+    torch.manual_seed(0)
+    model = nn.TransformerEncoder(nn.TransformerEncoderLayer(16, 4, 32, dropout=0.0), 2, enable_nested_tensor=False)
+    x = torch.randn(5, 8, 16)
+    with pytest.warns(UserWarning, match=r"attends along the batch dim.*say batch_dims=1"):
+        harmony_fx.compile(model, (x,), microbatches=4, devices=["host:0"])
+    hm = harmony_fx.compile(model, (x,), devices=["host:0"])
+    assert "batch_dims=1" in hm.explain()
+    # a model that mixes its samples along either dim gets no such advice
+    with pytest.warns(UserWarning) as caught:
+        harmony_fx.compile(_Fn(lambda h, m: h.softmax(0) + h.softmax(1), width=4), (torch.randn(6, 5, 4),), microbatches=2,
+                           devices=["host:0"])
+    assert not any("batch_dims=1" in str(w.message) for w in caught)
