@@ -90,7 +90,7 @@ def check_sample(name: str, index: int) -> str:
     except Exception:  # noqa: BLE001 - an op eager itself cannot run or differentiate
         return "eager fails"
     for budget in ("none", "smallest"):
-        options = {}
+        options = {"track_memory": True}  # the measured peak (also where conftest does not turn it on: the walk)
         if budget == "smallest":
             with pytest.raises(harmony_fx.BudgetTooSmallError) as error:
                 harmony_fx.compile(copy.deepcopy(module), *_copy_call(args, kwargs), memory_budget=1)
