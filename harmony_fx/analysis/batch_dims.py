@@ -254,6 +254,8 @@ def _follow_shared(node: fx.Node, c: _Context) -> None:
         constant = set(c.constant.get(node.args[1], ()))
     elif name == "index":
         constant = _constant_after_index(node, c)
+    elif name in ("triu", "tril"):  # a mask over the last two dims: the same along the others
+        constant = {d for d in c.constant.get(source, ()) if d < rank - 2}
     elif name in ("cat", "stack"):  # the same along a dim every part is the same along
         parts = [t for t in node.args[0] if isinstance(t, fx.Node)]
         along = _norm(_argument(node, "dim", 0), rank)
@@ -333,7 +335,8 @@ def _constant_after_index(node: fx.Node, c: _Context) -> set[int]:
 
 # entry by entry, each result entry from the same entry of every argument, and not random (unlike
 # dropout), yet without the pointwise tag on every overload (``where.ScalarOther``)
-_ENTRYWISE = {"where", "masked_fill", "masked_fill_", "copy", "copy_", "__and__", "__or__", "__xor__", "__invert__"}
+_ENTRYWISE = {"where", "masked_fill", "masked_fill_", "copy", "copy_", "__and__", "__or__", "__xor__", "__invert__",
+              "floor_divide", "remainder", "fmod", "true_divide", "rsub", "copysign", "complex", "polar"}
 
 # ``x.new_zeros(size)`` and the like: a fresh buffer, ``x`` only its dtype and device
 _FRESH = {"new_zeros", "new_ones", "new_full", "new_empty", "new_empty_strided"}
@@ -741,6 +744,19 @@ def _gather(node: fx.Node, c: _Context) -> _Dims:
     return [dim]
 
 
+def _scatter(node: fx.Node, c: _Context) -> _Dims:
+    """``scatter``/``scatter_add``/``scatter_reduce`` along another dim than the batch's
+    (``full_like(logits, -inf).scatter_(1, top_k, values)``, a router's scores): each sample's row
+    written from its own index and source rows, all as long as the result along the batch dim."""
+    (along,) = _acted_dims(node)
+    dim = _broadcast(node, _tensor_args(node), c)
+    if along == dim:
+        raise _mixed(node, "scatters along the batch dim")
+    if any(len(_shape(arg)) != len(_shape(node)) or _shape(arg)[dim] != _shape(node)[dim] for arg in _tensor_args(node)):
+        raise _mixed(node, "scatters with an index or source that covers only some of the batch")
+    return [dim]
+
+
 def _repeat(node: fx.Node, c: _Context) -> _Dims:
     """``x.repeat(sizes)``: the batch dim kept where it is not repeated."""
     offset = len(_shape(node)) - len(_shape(node.args[0]))
@@ -963,7 +979,7 @@ _ELEMENTWISE = {"dropout", "native_dropout", "feature_dropout", "alpha_dropout",
                 "ones_like", "empty_like", "full_like", "rand_like", "randn_like", "dropout_", "hardswish_",
                 "hardsigmoid_", "mish_", "celu_", "selu_", "rrelu_with_noise_", "rrelu", "__and__", "__or__",
                 "__xor__", "__invert__", "__iand__", "__ior__", "__ixor__", "bitwise_and", "bitwise_or",
-                "bitwise_xor", "bitwise_not", "logical_and", "logical_or", "logical_xor", "where", "real", "imag"}
+                "bitwise_xor", "bitwise_not", "logical_and", "logical_or", "logical_xor", "real", "imag"} | _ENTRYWISE
 
 _CLASS_LOSSES = {"cross_entropy_loss", "nll_loss", "nll_loss_nd", "nll_loss2d", "nll_loss_forward",
                  "nll_loss2d_forward", "multi_margin_loss", "multilabel_margin_loss", "multilabel_margin_loss_forward"}
@@ -973,7 +989,7 @@ _ELEMENT_LOSSES = {"mse_loss", "l1_loss", "smooth_l1_loss", "huber_loss", "binar
 
 # the rules that, where they accept a batch dim, compute each of its rows from the same rows
 _ROW_WISE = {_along, _reduction, _matmul, _einsum, _normalized, _attention, _loss, _select, _split, _cat, _gather,
-             _expand, _repeat, _transpose, _permute, _unsqueeze, _unchanged_leading, _padding, _dtype_of_second}
+             _scatter, _expand, _repeat, _transpose, _permute, _unsqueeze, _unchanged_leading, _padding, _dtype_of_second}
 
 _RULES = {
     **{name: _reshape for name in ("view", "_unsafe_view", "reshape", "flatten", "unflatten", "squeeze",
@@ -999,6 +1015,7 @@ _RULES = {
         "upsample_linear1d", "upsample_trilinear3d", "upsample_bicubic2d", "_upsample_nearest_exact1d",
         "_upsample_nearest_exact2d", "_upsample_nearest_exact3d", "max_unpool2d", "max_unpool3d",
         "pixel_shuffle", "pixel_unshuffle", "channel_shuffle")},
+    **{name: _spatial(lambda node: 2) for name in ("triu", "tril")},
     **{name: _padding for name in ("constant_pad_nd", "pad", "reflection_pad1d", "reflection_pad2d",
                                    "reflection_pad3d", "replication_pad1d", "replication_pad2d", "replication_pad3d",
                                    "_pad_circular")},
@@ -1017,6 +1034,8 @@ _RULES = {
     **{name: _split for name in ("split", "split_with_sizes", "chunk", "unbind", "tensor_split")},
     "expand": _expand, "transpose": _transpose, "t": _transpose, "swapaxes": _transpose, "permute": _permute,
     "unsqueeze": _unsqueeze, "cat": _cat, "stack": _cat, "index": _index, "gather": _gather,
+    **{name: _scatter for name in ("scatter", "scatter_", "scatter_add", "scatter_add_", "scatter_reduce",
+                                   "scatter_reduce_")},
     "embedding": _embedding, "repeat": _repeat, "einsum": _einsum, "type_as": _dtype_of_second,
     # complex values seen as pairs of reals and back: a trailing dim of 2 added or removed
     "view_as_real": _unchanged_leading, "view_as_complex": _unchanged_leading,

@@ -176,6 +176,8 @@ def test_writes_in_place_that_mix_samples_are_found(fn, why):
     (lambda h, m: F.pad(h, (0, 0, 1, 0)), "pads along the batch dim"),
     (lambda h, m: h.repeat(2, 1), "repeats the batch"),
     (lambda h, m: h.repeat_interleave(2, dim=0), "acts along the batch dim"),
+    (lambda h, m: torch.zeros(6, 4).scatter(0, (h > 0).long(), h), "scatters along the batch dim"),
+    (lambda h, m: h + torch.floor_divide(torch.arange(6)[:, None], 1), "varies along the batch dim"),
 ])
 def test_ops_that_mix_samples_are_found(fn, why):
     analysis = _analysis(_Fn(fn), torch.randn(6, 4))
@@ -205,6 +207,10 @@ def test_ops_that_mix_samples_are_found(fn, why):
     lambda h, m: torch.fft.fft(h, dim=1).real + torch.view_as_real(torch.fft.rfft(h, dim=1)).sum(-1).sum(-1, True),
     lambda h, m: F.pad(h, (1, 1, 0, 0)),
     lambda h, m: h.repeat(1, 2) + h.repeat_interleave(2, dim=1),
+    lambda h, m: torch.full_like(h, -1.0).scatter_(1, h.topk(2, 1).indices, h.topk(2, 1).values),  # a router's
+    # ops on every entry apart that have no pointwise tag; a mask over the last two dims
+    lambda h, m: h + torch.floor_divide(torch.arange(4).expand(6, 4), 2) + torch.remainder(h, 2) + torch.rsub(h, 1),
+    lambda h, m: h + torch.ones(4, 4).triu().expand(6, 4, 4).sum(1) + h[:, None, :].expand(6, 4, 4).tril().sum(1),
 ])
 def test_ops_that_keep_samples_apart_are_separable(fn):
     analysis = _analysis(_Fn(fn), torch.randn(6, 4))
