@@ -31,9 +31,6 @@ CI_SAMPLE_BF16 = ("deberta_v2", "gpt_bigcode", "mistral", "opt", "resnet", "wav2
 # eager's loss and gradients in microbatches (the test below)
 KEPT_WHOLE = {
     "bloom": "combines the batch with",  # ALiBi: a shared [B*heads] bias tiled per sample
-    # experts sort all the tokens by expert (grouped matmuls): each token's result is its own, but the
-    # analysis does not follow a permutation of the batch and back
-    "deepseek_v3": "sort", "jamba": "sort", "mixtral": "sort", "qwen2_moe": "sort",
     "mobilevit": "BatchNorm in training", "resnet": "BatchNorm in training",
     "phimoe": "autograd_function",  # a custom router
     "xlnet": "varies along the batch dim",  # dropout draws on positions expanded to the batch

@@ -95,6 +95,8 @@ def analyze_batch_dims(gm: fx.GraphModule, input_dims: Mapping[str, int | None],
         if dim is None:
             return BatchAnalysis(False, f"the output {arg.name} does not depend on the batch: every microbatch "
                                         "would compute it whole")
+        if arg in context.sorted:
+            return BatchAnalysis(False, f"the output {arg.name} holds the batch's rows in a sorted order")
         if context.outer.get(arg, 1) > 1:
             return BatchAnalysis(False, f"the output {arg.name} holds the batch interleaved with another dim: "
                                         "microbatches' outputs cannot be joined along one dim")
@@ -131,7 +133,7 @@ def _propagate(gm: fx.GraphModule, env_inputs: Mapping[str, _Dims], batch_size: 
             inputs = [arg for arg in inputs if arg is not node.args[0]]
         elif _name(node) == "type_as":  # ``x.type_as(y)``: y gives only its dtype
             inputs = inputs[:1]
-        if all(all(d is None for d in env[arg]) for arg in inputs):
+        if all(all(d is None for d in env[arg]) for arg in inputs) and not any(arg in c.sorted for arg in inputs):
             # nothing batched comes in: the result is shared; follow what it is constant along
             env[node] = [None] * max(len(leaves(node.meta.get(meta.VAL))), 1)
             if isinstance(node.meta.get(meta.VAL), torch.Tensor) and isinstance(node.target, torch._ops.OpOverload):
@@ -156,7 +158,7 @@ def _propagate(gm: fx.GraphModule, env_inputs: Mapping[str, _Dims], batch_size: 
             raise _mixed(node, "turns batched values into a Python number")
         try:
             env[node] = _apply(node, c)
-            if _written(node) is not None:
+            if _written(node) is not None and node not in c.sorted:
                 _write(node, c)
         except _Mixed:
             raise
@@ -200,6 +202,8 @@ class _Context:
     # batched values whose batch is interleaved in its dim (step 2): node -> the number of blocks of
     # rows above it (``S`` for ``[S*B, H]``); absent: the batch is the dim's outer factor
     outer: dict[fx.Node, int] = dataclasses.field(default_factory=dict)
+    # values made by sorting the batch's rows (step 2b): node -> (what it is, the sort node)
+    sorted: dict[fx.Node, tuple[str, fx.Node]] = dataclasses.field(default_factory=dict)
 
     def dim(self, node: Any) -> int | None:
         return _dim(self.env, node)
@@ -486,6 +490,8 @@ def _apply(node: fx.Node, c: _Context) -> _Dims:
     """The node's rule, and where its batched inputs' batch is interleaved, whether the rule keeps
     each sample's rows apart (then its batched results are interleaved alike)."""
     c.outer.pop(node, None)  # a view run again after a write (``_follow_views``) starts afresh
+    if any(arg in c.sorted for arg in node.all_input_nodes) or _sorts_the_batch(node, c):
+        return _through_sorted(node, c)
     batched = [arg for arg in _tensor_args(node) if c.dim(arg) not in (None, _REDUCED)] \
         if node.target is not operator.getitem else [node.args[0]]
     outers = {c.outer.get(arg, 1) for arg in batched}
@@ -505,6 +511,105 @@ def _apply(node: fx.Node, c: _Context) -> _Dims:
             raise _mixed(node, "changes the rows of a batch interleaved with other dims")
     c.outer[node] = outer
     return dims
+
+
+# ----------------------------------------------------------------------- tokens sorted by expert
+# A mixture of experts' grouped matmuls (transformers' ``grouped_mm`` experts) sort every
+# (token, expert) pair of the batch by expert id, multiply each expert's run of rows by its
+# weights (``offsets``: the cumulative count of each id), and put the rows back in their order:
+#
+#     ids, perm = sort(expert_ids)            rows = hidden[perm // top_k]    w = weights[perm]
+#     offsets = cumsum(histc(ids, bins=E, min=0, max=E - 1))
+#     out = grouped_mm(rows, W, offsets) * w  inverse[perm] = arange(N)     out[inverse]
+#
+# Each row's result is its own pair's (the row's group is its own id, as the ids are sorted and the
+# offsets count each id), so cutting the batch computes what the whole batch does. Followed here
+# as exactly that: each value made from the sort is one of the kinds below, tied to its sort; a
+# row-wise op keeps rows sorted; anything else, or a model output, meeting one stops the analysis.
+_KEYS, _ROWS, _PERM, _PERM_DIV, _FRESH_FOR, _INVERSE, _COUNTS, _OFFSETS = (
+    "keys", "rows", "perm", "perm // top_k", "fresh", "inverse", "counts", "offsets")
+
+_GROUPED_MM = {"_grouped_mm", "grouped_mm", "grouped_mm_fallback"}
+
+
+def _sorts_the_batch(node: fx.Node, c: _Context) -> bool:
+    """``sort`` of a 1-d value batched along its dim 0 (the batch its outer factor), ascending."""
+    if _name(node) != "sort" or not isinstance(node.args[0], fx.Node) or node.args[0] in c.sorted:
+        return False
+    source = node.args[0]
+    return (len(_shape(source)) == 1 and c.dim(source) == 0 and source not in c.outer
+            and not _argument(node, "descending", False))
+
+
+def _through_sorted(node: fx.Node, c: _Context) -> _Dims:
+    """The rules for values made from a sort of the batch (the block comment above)."""
+    kinds = {arg: c.sorted[arg] for arg in node.all_input_nodes if arg in c.sorted}
+    sorts = {sort for _, sort in kinds.values()}
+    if len(sorts) > 1:
+        raise _mixed(node, "combines tokens sorted by different sorts")
+    sort = next(iter(sorts), node)
+    rows = _shape(sort.args[0])[0]
+    name = _name(node)
+
+    def made(kind: str, dims: _Dims | None = None) -> _Dims:
+        c.sorted[node] = (kind, sort)
+        return dims or [0]
+
+    if node is sort:
+        return made("sort", [0, 0])
+    if node.target is operator.getitem and node.args[0] is sort:
+        return made(_KEYS if node.args[1] == 0 else _PERM)
+    kind = {arg: k for arg, (k, _) in kinds.items()}
+    first = node.args[0] if node.args else None
+    if name in _SAME_VALUES and kind.get(first) == _KEYS:  # the ids cast for histc
+        return made(_KEYS)
+    if name == "floor_divide" and kind.get(first) == _PERM and isinstance(node.args[1], int) and rows % node.args[1] == 0:
+        return made(_PERM_DIV)  # each sorted pair's token, the pairs made from [tokens, top_k]
+    if name == "index" and len(node.args[1]) == 1 and isinstance(node.args[1][0], fx.Node):
+        looked_up = _sorted_lookup(node, kind, rows, c)
+        return made(looked_up) if looked_up else [0]
+    if name in _FRESH_LIKE and kind.get(first) == _PERM:
+        return made(_FRESH_FOR)
+    if name in ("index_put", "index_put_") and kind.get(first) == _FRESH_FOR and len(node.args[1]) == 1 \
+            and kind.get(node.args[1][0]) == _PERM and c.iota.get(node.args[2]) == 0 and _shape(node.args[2]) == (rows,):
+        c.sorted[first] = (_INVERSE, sort)  # written whole, every position once: perm is a permutation
+        return made(_INVERSE)
+    if name == "histc" and kind.get(first) == _KEYS and _argument(node, "min") == 0 \
+            and _argument(node, "max") == _argument(node, "bins") - 1:  # one bin per id: the count of each
+        return made(_COUNTS, [None])
+    if name == "cumsum" and kind.get(first) == _COUNTS:
+        return made(_OFFSETS, [None])
+    if name in _GROUPED_MM and kind.get(first) in (_ROWS, _KEYS) and kind.get(_argument(node, "offs")) == _OFFSETS \
+            and all(c.dim(arg) is None for arg in _tensor_args(node) if arg not in kinds):
+        return made(_ROWS)  # row r by the weights of group r's id: its own id
+    if all(k in (_ROWS, _KEYS) for k in kind.values()) and not any(
+            c.dim(arg) is not None and arg not in kinds for arg in _tensor_args(node)) and _keeps_rows(node):
+        dims = _rule(node, c)  # row-wise: each result row from the same rows, whatever their order
+        values = leaves(_val(node))
+        if all(d is None or (d == 0 and v.shape[0] == rows) for d, v in zip(dims, values)):
+            return made(_ROWS, dims)
+    raise _mixed(node, f"meets the batch's rows sorted by {sort.name} ({kind.get(first, 'a value made from them')}) "
+                       "in a way this analysis cannot follow")
+
+
+def _sorted_lookup(node: fx.Node, kind: Mapping[fx.Node, str], rows: int, c: _Context) -> str | None:
+    """``x[i]`` with one index tensor, about a sort: the batch's pairs (or their tokens) put in
+    sorted order, or a shared table looked up by sorted ids (both sorted rows); or sorted rows put
+    back by the inverse permutation (``None``: the batch's rows, in its order, along dim 0)."""
+    source, (index,) = node.args[0], node.args[1]
+    in_order = c.dim(source) == 0 and source not in c.outer and source not in kind
+    if kind.get(index) == _PERM and in_order and _shape(source)[0] == rows:
+        return _ROWS
+    if kind.get(index) == _PERM_DIV and in_order and _shape(source)[0] * index.args[1] == rows:
+        return _ROWS
+    if kind.get(index) in (_KEYS, _ROWS) and c.dim(source) is None:
+        return _ROWS
+    if kind.get(index) == _INVERSE and kind.get(source) in (_ROWS, _KEYS) and _shape(source)[0] == rows:
+        return None
+    raise _mixed(node, "looks the batch's sorted rows up in a way this analysis cannot follow")
+
+
+_FRESH_LIKE = {"empty_like", "zeros_like", "new_empty", "new_zeros"}
 
 
 def _keeps_rows(node: fx.Node) -> bool:
@@ -758,11 +863,15 @@ def _scatter(node: fx.Node, c: _Context) -> _Dims:
 
 
 def _repeat(node: fx.Node, c: _Context) -> _Dims:
-    """``x.repeat(sizes)``: the batch dim kept where it is not repeated."""
+    """``x.repeat(sizes)``: the batch dim kept where it is not repeated; repeated r times, the
+    batch is interleaved in it below r blocks (``hidden.repeat(experts, 1)``, Llama 4's experts)."""
     offset = len(_shape(node)) - len(_shape(node.args[0]))
     dim = _first_dim(node, c) + offset
-    if node.args[1][dim] != 1:
-        raise _mixed(node, "repeats the batch")
+    times = node.args[1][dim]
+    if times != 1:
+        if node.args[0] in c.outer:
+            raise _mixed(node, "repeats a batch already interleaved with other dims")
+        c.outer[node] = times
     return [dim]
 
 

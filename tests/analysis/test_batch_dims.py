@@ -174,7 +174,7 @@ def test_writes_in_place_that_mix_samples_are_found(fn, why):
     (lambda h, m: torch.gather(torch.arange(6.0)[:, None].expand(6, 8), 1, (h > 0).long()), "varies along the batch"),
     (lambda h, m: torch.fft.fftn(h).real, "acts along the batch dim"),
     (lambda h, m: F.pad(h, (0, 0, 1, 0)), "pads along the batch dim"),
-    (lambda h, m: h.repeat(2, 1), "repeats the batch"),
+    (lambda h, m: h.repeat(2, 1), "holds the batch interleaved"),
     (lambda h, m: h.repeat_interleave(2, dim=0), "acts along the batch dim"),
     (lambda h, m: torch.zeros(6, 4).scatter(0, (h > 0).long(), h), "scatters along the batch dim"),
     (lambda h, m: h + torch.floor_divide(torch.arange(6)[:, None], 1), "varies along the batch dim"),
@@ -207,6 +207,8 @@ def test_ops_that_mix_samples_are_found(fn, why):
     lambda h, m: torch.fft.fft(h, dim=1).real + torch.view_as_real(torch.fft.rfft(h, dim=1)).sum(-1).sum(-1, True),
     lambda h, m: F.pad(h, (1, 1, 0, 0)),
     lambda h, m: h.repeat(1, 2) + h.repeat_interleave(2, dim=1),
+    # Llama 4's experts: every token once per expert, scaled by its score for that expert
+    lambda h, m: (h.repeat(4, 1) * h.t().reshape(-1, 1)).view(4, 6, 4).sum(0),
     lambda h, m: torch.full_like(h, -1.0).scatter_(1, h.topk(2, 1).indices, h.topk(2, 1).values),  # a router's
     # ops on every entry apart that have no pointwise tag; a mask over the last two dims
     lambda h, m: h + torch.floor_divide(torch.arange(4).expand(6, 4), 2) + torch.remainder(h, 2) + torch.rsub(h, 1),
@@ -388,3 +390,65 @@ def test_a_sequence_first_model_read_along_dim_0_is_told_to_say_batch_dims_1():
         harmony_fx.compile(_Fn(lambda h, m: h.softmax(0) + h.softmax(1), width=4), (torch.randn(6, 5, 4),), microbatches=2,
                            devices=["host:0"])
     assert not any("batch_dims=1" in str(w.message) for w in caught)
+
+
+class _Experts(nn.Module):
+    """A mixture of experts as transformers' grouped_mm experts compute it: every (token, expert)
+    pair sorted by expert id, each expert's run of rows multiplied by its weights (offsets from a
+    histc of the ids), the rows put back in order by the inverse permutation. ``variant`` breaks
+    one step of that, as a model the analysis must not cut would."""
+
+    def __init__(self, variant: str = "") -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.router, self.weight, self.variant = nn.Linear(4, 3), nn.Parameter(torch.randn(3, 4, 4)), variant
+
+    def forward(self, x):
+        import transformers.integrations.moe  # noqa: F401 - registers torch.ops.transformers.grouped_mm_fallback
+
+        scores, ids = self.router(x).softmax(-1).topk(2, dim=-1)
+        flat_ids, flat_scores = ids.reshape(-1), scores.reshape(-1)
+        sorted_ids, perm = torch.sort(flat_ids, descending=self.variant == "descending")
+        rows, row_scores = x[perm // 2], flat_scores[perm]
+        if self.variant == "mixing":
+            rows = rows + flat_scores[:, None]  # another pair's score: the pairs in their own order
+        top = 3 if self.variant == "bins" else 2  # not one bin per id: a row's group is not its id
+        offsets = torch.cumsum(torch.histc(sorted_ids.float(), bins=3, min=0, max=top), 0, dtype=torch.int32)
+        out = torch.ops.transformers.grouped_mm_fallback(rows, self.weight, offs=offsets) * row_scores[:, None]
+        if self.variant == "sorted":
+            return out
+        inverse = torch.empty_like(perm)
+        inverse[perm] = torch.arange(perm.shape[0])
+        return out[inverse].view(-1, 2, 4).sum(1)
+
+
+def test_experts_that_sort_the_batchs_tokens_and_put_them_back_are_cut_as_eager():
+    pytest.importorskip("transformers")
+    model = _Experts()
+    reference = copy.deepcopy(model)
+    x = torch.randn(8, 4)
+    analysis = _analysis(model, x)
+    assert analysis.separable, analysis.reason
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the warning that microbatches may change the results
+        hm = harmony_fx.compile(model, (x,), microbatches=4, devices=["host:0"])
+    out = hm(x)
+    out.pow(2).sum().backward()
+    expected = reference(x)
+    expected.pow(2).sum().backward()
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)
+    for (name, param), ref in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(param.grad, ref.grad, rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("variant,why", [
+    ("sorted", "holds the batch's rows in a sorted order"),
+    ("descending", "acts along the batch dim"),
+    ("mixing", "meets the batch's rows sorted by sort"),
+    ("bins", "meets the batch's rows sorted by sort"),
+])
+def test_experts_that_do_not_put_each_tokens_rows_back_are_not_cut(variant, why):
+    pytest.importorskip("transformers")
+    analysis = _analysis(_Experts(variant), torch.randn(8, 4))
+    assert not analysis.separable
+    assert why in analysis.reason
