@@ -1,4 +1,4 @@
-"""Breadth: 41 Hugging Face architectures nobody here wrote (``testing.hf_architectures``), each
+"""Breadth: 45 Hugging Face architectures nobody here wrote (``testing.hf_architectures``), each
 compiled at the smallest budget its refusal names and stepped once beside eager: the same loss and
 every gradient; and again under ``precision="bf16"`` beside the model converted to bf16. CI runs
 a sample of each (``-m slow``), ``-m extended`` all of them (about 11 minutes on 2 cores);

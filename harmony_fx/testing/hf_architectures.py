@@ -6,8 +6,10 @@ causal LMs (Mistral, Gemma, Gemma 2, Phi, Phi-3, BLOOM's ALiBi, OPT, GPT-Neo's l
 GPT-J, Falcon, Mixtral's experts, Qwen3, GPT-BigCode's one key-value head, Cohere, Qwen2-MoE's
 shared experts, DeepSeek-V3's latent attention and grouped routing, Mamba's selective scan,
 XLNet's relative attention, PhiMoE's sparse mixer (an autograd Function with its own backward,
-drawing random numbers), Gemma 3, Jamba's attention and Mamba layers, Mamba-2), masked LMs
-(DistilBERT, RoBERTa, ALBERT's one shared layer, ELECTRA, DeBERTa-v2's relative attention, Funnel's
+drawing random numbers), Gemma 3, Jamba's attention and Mamba layers, Mamba-2, OLMo 2, GPT-OSS's
+experts with biases and attention sinks, Llama 4's chunked attention and experts run on every
+token), masked LMs (ModernBERT's alternating local attention,
+DistilBERT, RoBERTa, ALBERT's one shared layer, ELECTRA, DeBERTa-v2's relative attention, Funnel's
 pooling, BigBird and FNet's Fourier mixing, both with a pooler the loss does not use),
 encoder-decoders (BART, UMT5, Whisper on log-mel features), image classifiers (ResNet with
 BatchNorm, ConvNeXt, Swin's shifted windows, BEiT's relative position bias, MobileViT's convolutions
@@ -58,6 +60,17 @@ ARCHITECTURES: dict[str, tuple[str, str, dict, str]] = {
     "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(
         _DECODER, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, router_aux_loss_coef=0.0), "lm"),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(_DECODER, num_key_value_heads=2, head_dim=8), "lm"),
+    "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", dict(_DECODER, num_key_value_heads=2), "lm"),
+    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM", dict(
+        _DECODER, num_key_value_heads=2, head_dim=8, num_local_experts=4, num_experts_per_tok=2,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"], sliding_window=8), "lm"),
+    "llama4": ("Llama4TextConfig", "Llama4ForCausalLM", dict(
+        _DECODER, num_key_value_heads=2, head_dim=8, num_local_experts=4, intermediate_size_mlp=64,
+        interleave_moe_layer_step=2), "lm"),
+    "modernbert": ("ModernBertConfig", "ModernBertForMaskedLM", dict(
+        vocab_size=_V, hidden_size=_H, intermediate_size=_I, num_hidden_layers=_L, num_attention_heads=_NH,
+        max_position_embeddings=_P, pad_token_id=0, bos_token_id=1, eos_token_id=2, cls_token_id=1,
+        sep_token_id=2), "mlm"),
     "distilbert": ("DistilBertConfig", "DistilBertForMaskedLM", dict(
         vocab_size=_V, dim=_H, n_layers=_L, n_heads=_NH, hidden_dim=_I, max_position_embeddings=_P, dropout=0.0,
         attention_dropout=0.0), "mlm"),
