@@ -202,6 +202,8 @@ class _Context:
     # batched values whose batch is interleaved in its dim (step 2): node -> the number of blocks of
     # rows above it (``S`` for ``[S*B, H]``); absent: the batch is the dim's outer factor
     outer: dict[fx.Node, int] = dataclasses.field(default_factory=dict)
+    # shared values made of copies of a block along a dim: node -> {dim: copies}
+    tiled: dict[fx.Node, dict[int, int]] = dataclasses.field(default_factory=dict)
     # values made by sorting the batch's rows (step 2b): node -> (what it is, the sort node)
     sorted: dict[fx.Node, tuple[str, fx.Node]] = dataclasses.field(default_factory=dict)
 
@@ -308,6 +310,23 @@ def _follow_shared(node: fx.Node, c: _Context) -> None:
         c.constant[node] = frozenset(constant)
     if iota is not None:
         c.iota[node] = iota
+    tiled = _tiling(node, name, rank, source, c)
+    if tiled:
+        c.tiled[node] = tiled
+
+
+def _tiling(node: fx.Node, name: str, rank: int, source: fx.Node | None, c: _Context) -> dict[int, int]:
+    """The dims along which the shared ``node`` is a whole number of copies of a block, and how
+    many (``alibi.repeat(B, 1, 1)``: a bias per head, the same for every sample of a [B*heads] dim)."""
+    if name == "repeat":
+        offset = rank - len(_shape(source))
+        tiled = {d + offset: times for d, times in c.tiled.get(source, {}).items()}
+        for d, times in enumerate(node.args[1]):
+            tiled[d] = tiled.get(d, 1) * times
+        return {d: times for d, times in tiled.items() if times > 1}
+    if name in _SAME_VALUES:
+        return dict(c.tiled.get(source, {}))
+    return {}
 
 
 def _constant_after_index(node: fx.Node, c: _Context) -> set[int]:
@@ -663,10 +682,13 @@ def _broadcast(node: fx.Node, args: Sequence[fx.Node], c: _Context, out_shape: S
             if found is not None and found != aligned:
                 raise _mixed(node, "combines values batched along different dims")
             found = aligned
+    interleaved = any(arg in c.outer for arg in args)
     for arg in args:
         if c.dim(arg) is None:
             position = found - (rank - len(_shape(arg)))
-            if 0 <= position and c.varies_along(arg, position):
+            # a block per sample's rows (copies by a multiple of the batch, the batch the dim's outer factor)
+            per_sample = not interleaved and c.tiled.get(arg, {}).get(position, 1) % c.batch_size == 0
+            if 0 <= position and c.varies_along(arg, position) and not per_sample:
                 raise _mixed(node, f"combines the batch with {arg.name}, which is shared by every sample but varies "
                                    "along the batch dim")
     return found

@@ -175,6 +175,8 @@ def test_writes_in_place_that_mix_samples_are_found(fn, why):
     (lambda h, m: torch.fft.fftn(h).real, "acts along the batch dim"),
     (lambda h, m: F.pad(h, (0, 0, 1, 0)), "pads along the batch dim"),
     (lambda h, m: h.repeat(2, 1), "holds the batch interleaved"),
+    (lambda h, m: (h.reshape(12, 2) + torch.arange(4.0)[:, None].repeat(3, 1)).reshape(6, 4),
+     "varies along the batch dim"),  # 3 copies of a block of 4 rows: not one per sample
     (lambda h, m: h.repeat_interleave(2, dim=0), "acts along the batch dim"),
     (lambda h, m: torch.zeros(6, 4).scatter(0, (h > 0).long(), h), "scatters along the batch dim"),
     (lambda h, m: h + torch.floor_divide(torch.arange(6)[:, None], 1), "varies along the batch dim"),
@@ -207,6 +209,8 @@ def test_ops_that_mix_samples_are_found(fn, why):
     lambda h, m: torch.fft.fft(h, dim=1).real + torch.view_as_real(torch.fft.rfft(h, dim=1)).sum(-1).sum(-1, True),
     lambda h, m: F.pad(h, (1, 1, 0, 0)),
     lambda h, m: h.repeat(1, 2) + h.repeat_interleave(2, dim=1),
+    # ALiBi: a bias per head tiled to [batch * heads], the same for every sample's block of rows
+    lambda h, m: (h.reshape(12, 2) + torch.arange(2.0)[:, None].repeat(6, 1)).reshape(6, 4),
     # Llama 4's experts: every token once per expert, scaled by its score for that expert
     lambda h, m: (h.repeat(4, 1) * h.t().reshape(-1, 1)).view(4, 6, 4).sum(0),
     lambda h, m: torch.full_like(h, -1.0).scatter_(1, h.topk(2, 1).indices, h.topk(2, 1).values),  # a router's
