@@ -30,9 +30,7 @@ CI_SAMPLE_BF16 = ("deberta_v2", "gpt_bigcode", "mistral", "opt", "resnet", "wav2
 # user's microbatches get a warning), and the op it stops at: the rest are cut, and must compute
 # eager's loss and gradients in microbatches (the test below)
 KEPT_WHOLE = {
-    "bloom": "autograd_function",  # its GeLU in training is a custom Function (its ALiBi is followed)
     "mobilevit": "BatchNorm in training", "resnet": "BatchNorm in training",
-    "phimoe": "autograd_function",  # a custom router
     "xlnet": "varies along the batch dim",  # dropout draws on positions expanded to the batch
 }
 

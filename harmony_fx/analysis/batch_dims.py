@@ -47,7 +47,7 @@ from torch import fx
 
 from harmony_fx.analysis.aliasing import alias_chain, aliased
 from harmony_fx.analysis.reductions import ScalarReduction, scalar_reduction
-from harmony_fx.ir import meta
+from harmony_fx.ir import autograd_functions, meta
 from harmony_fx.ir.values import leaves
 
 __all__ = ["BatchAnalysis", "analyze_batch_dims"]
@@ -262,11 +262,11 @@ def _follow_shared(node: fx.Node, c: _Context) -> None:
         constant = _constant_after_index(node, c)
     elif name in ("triu", "tril"):  # a mask over the last two dims: the same along the others
         constant = {d for d in c.constant.get(source, ()) if d < rank - 2}
-    elif name in ("cat", "stack"):  # the same along a dim every part is the same along
+    elif name in ("cat", "concat", "concatenate", "stack"):  # the same along a dim every part is the same along
         parts = [t for t in node.args[0] if isinstance(t, fx.Node)]
         along = _norm(_argument(node, "dim", 0), rank)
         common = set.intersection(*(set(c.constant.get(t, ())) for t in parts)) if parts else set()
-        if name == "cat":
+        if name != "stack":
             constant = common - {along}
         else:
             constant = {d + (d >= along) for d in common}
@@ -1097,6 +1097,40 @@ def _subgraph(node: fx.Node, c: _Context) -> _Dims:
     return [d for out in outputs for d in (inner_env[out] if isinstance(out, fx.Node) else [None])]
 
 
+def _autograd_function(node: fx.Node, c: _Context) -> _Dims:
+    """A model's own ``torch.autograd.Function`` (``ir.autograd_functions``): its forward, and its
+    forward with its own backward, traced on fakes and read by these rules. The samples stay apart
+    where both keep them apart and each input's gradient is batched as the input is (a gradient
+    of a shared input, which its backward would sum over the batch, is not followed)."""
+    key, tensors = node.args
+    outputs = leaves(_val(node))
+    graphs = autograd_functions.traced(key, [_val(t) for t in tensors], outputs)
+    if graphs is None:
+        raise _mixed(node, f"is a custom autograd Function ({key}) whose forward or backward cannot be traced on "
+                           "fakes (it reads values), so how it treats the batch is unknown")
+    forward, joint = graphs
+    part = "its forward"
+    try:
+        inputs = {p.name: list(c.env[t]) for p, t in zip(forward.graph.find_nodes(op="placeholder"), tensors)}
+        forward_env, forward_c = _propagate(forward, inputs, c.batch_size)
+        results = list(forward.graph.find_nodes(op="output")[0].args[0])
+        dims = [forward_env[r][0] if isinstance(r, fx.Node) else None for r in results]
+        if any(d == _REDUCED for d in dims) or any(r in forward_c.outer or r in forward_c.sorted for r in results):
+            raise _Mixed("returns the batch reduced, interleaved or sorted")
+        part = "its backward"
+        placeholders = joint.graph.find_nodes(op="placeholder")
+        seeds = [list(c.env[t]) for t in tensors] + [[d] for d in dims]
+        joint_env, joint_c = _propagate(joint, {p.name: d for p, d in zip(placeholders, seeds)}, c.batch_size)
+        grads = list(joint.graph.find_nodes(op="output")[0].args[0])[len(results):]
+        for tensor, grad in zip(tensors, grads):
+            if isinstance(grad, fx.Node) and (joint_env[grad] != c.env[tensor] or grad in joint_c.outer
+                                              or grad in joint_c.sorted):
+                raise _Mixed(f"gives {tensor.name} a gradient batched otherwise than it is")
+    except _Mixed as inner:
+        raise _mixed(node, f"is a custom autograd Function ({key}) that mixes the samples: {part}: {inner}") from inner
+    return dims
+
+
 # ops returning a size, not values computed from the samples
 _SIZE_QUERIES = {"sym_size", "sym_numel", "sym_stride", "sym_storage_offset", "_assert_tensor_metadata"}
 
@@ -1164,10 +1198,10 @@ _RULES = {
     **{name: _select for name in ("select", "index_select", "slice", "narrow")},
     **{name: _split for name in ("split", "split_with_sizes", "chunk", "unbind", "tensor_split")},
     "expand": _expand, "transpose": _transpose, "t": _transpose, "swapaxes": _transpose, "permute": _permute,
-    "unsqueeze": _unsqueeze, "cat": _cat, "stack": _cat, "index": _index, "gather": _gather,
+    "unsqueeze": _unsqueeze, "cat": _cat, "concat": _cat, "concatenate": _cat, "stack": _cat, "index": _index, "gather": _gather,
     **{name: _scatter for name in ("scatter", "scatter_", "scatter_add", "scatter_add_", "scatter_reduce",
                                    "scatter_reduce_")},
-    "embedding": _embedding, "repeat": _repeat, "einsum": _einsum, "type_as": _dtype_of_second,
+    "embedding": _embedding, "repeat": _repeat, "autograd_function": _autograd_function, "einsum": _einsum, "type_as": _dtype_of_second,
     # complex values seen as pairs of reals and back: a trailing dim of 2 added or removed
     "view_as_real": _unchanged_leading, "view_as_complex": _unchanged_leading,
 }

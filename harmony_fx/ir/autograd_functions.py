@@ -131,6 +131,38 @@ def custom_backwards():
         torch.autograd.Function.apply = before
 
 
+def traced(key: str, inputs: list[torch.Tensor], outputs: list[torch.Tensor],
+           ) -> tuple[torch.fx.GraphModule, torch.fx.GraphModule] | None:
+    """The recorded Function's forward, and its forward with its own backward, as ATen graphs
+    traced on fakes shaped like ``inputs`` and ``outputs`` (the node's): ``forward(*inputs)`` returns
+    its tensor outputs; ``joint(*inputs, *grad_outputs)`` returns them and the gradient of each
+    floating input (``None`` where the backward gives none). ``None`` where the Function cannot be
+    traced so (its forward or backward reads values)."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    def forward(*tensors):
+        return _kernel(key, list(tensors))
+
+    def joint(*tensors_and_grads):
+        tensors = [t.detach().requires_grad_(t.is_floating_point()) for t in tensors_and_grads[:len(inputs)]]
+        with torch.enable_grad():
+            outputs = _kernel(key, tensors)
+            wanted = [t for t in tensors if t.requires_grad]
+            flowing = [(out, grad) for out, grad in zip(outputs, tensors_and_grads[len(inputs):]) if out.requires_grad]
+            grads = torch.autograd.grad([o for o, _ in flowing], wanted, [g for _, g in flowing], allow_unused=True) \
+                if flowing and wanted else [None] * len(wanted)
+        given = iter(grads)
+        return [*outputs, *[next(given) if t.requires_grad else None for t in tensors]]
+
+    examples = [torch.empty(t.shape, dtype=t.dtype, device="meta") for t in (*inputs, *outputs)]
+    try:
+        forward_gm = make_fx(forward, tracing_mode="fake")(*examples[:len(inputs)])
+        joint_gm = make_fx(joint, tracing_mode="fake")(*examples)
+    except Exception:  # noqa: BLE001 - code that reads values cannot be traced: the caller treats it as opaque
+        return None
+    return forward_gm, joint_gm
+
+
 def draws_random(key: str) -> bool:
     """Whether the recorded Function's forward drew random numbers when export ran it."""
     return _CALLS[key].random

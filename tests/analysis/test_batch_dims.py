@@ -456,3 +456,101 @@ def test_experts_that_do_not_put_each_tokens_rows_back_are_not_cut(variant, why)
     analysis = _analysis(_Experts(variant), torch.randn(8, 4))
     assert not analysis.separable
     assert why in analysis.reason
+
+
+class _Reversed(torch.autograd.Function):
+    """The gradient reversal layer: identity forward, the gradient negated."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return -grad
+
+
+class _NormalizedGradient(torch.autograd.Function):
+    """A backward that divides by the whole batch's gradient norm: it mixes the samples."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad / grad.norm()
+
+
+class _Centered(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x - x.mean(0)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+class _Scaled(torch.autograd.Function):
+    """Scaled by a shared parameter, whose gradient its backward sums over the batch."""
+
+    @staticmethod
+    def forward(ctx, x, scale):
+        ctx.save_for_backward(x, scale)
+        return x * scale
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, scale = ctx.saved_tensors
+        return grad * scale, (grad * x).sum(0)
+
+
+class _OnesForGradient(torch.autograd.Function):
+    """A backward giving every sample the same gradient, whatever its own."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, grad):
+        return torch.ones(grad.shape)
+
+
+class _ReadsValues(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * float(grad.abs().max() > 1)
+
+
+def test_a_custom_function_that_keeps_the_samples_apart_forward_and_backward_is_cut_as_eager():
+    torch.manual_seed(0)
+    model = _Fn(lambda h, m: torch.tanh(_Reversed.apply(h)))
+    reference = copy.deepcopy(model)
+    x = torch.randn(6, 4)
+    assert _analysis(model, x).separable
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the warning that microbatches may change the results
+        hm = harmony_fx.compile(model, (x,), microbatches=3, devices=["host:0"])
+    hm(x).pow(2).sum().backward()
+    reference(x).pow(2).sum().backward()
+    for (name, param), ref in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(param.grad, ref.grad, rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("fn,why", [
+    (lambda h, m: _NormalizedGradient.apply(h), "its backward: linalg_vector_norm"),
+    (lambda h, m: _Centered.apply(h), "its forward: mean"),
+    (lambda h, m: _Scaled.apply(h, m.linear.bias), "its backward: sum"),
+    (lambda h, m: _ReadsValues.apply(h), "cannot be traced"),
+    (lambda h, m: _OnesForGradient.apply(h), "gives linear a gradient batched otherwise"),
+], ids=["backward-mixes", "forward-mixes", "shared-parameter", "reads-values", "shared-gradient"])
+def test_a_custom_function_that_may_mix_the_samples_is_not_cut(fn, why):
+    analysis = _analysis(_Fn(fn), torch.randn(6, 4))
+    assert not analysis.separable
+    assert "custom autograd Function" in analysis.reason and why in analysis.reason
