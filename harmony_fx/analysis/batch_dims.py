@@ -16,7 +16,9 @@ this analysis proves it safe; an option the user sets is theirs.
    projection): each sample still owns whole rows of that dim, so ops that treat its rows apart
    (pointwise, ``linear``, a norm or softmax over other dims, views that keep it) keep it, a
    reshape may split it back out (``[S*B, H] -> [S, B, H]``), and every other op, an in-place
-   write or a model output meeting it makes the graph not separable.
+   write or a model output meeting it makes the graph not separable. A mixture of experts' rows
+   sorted by expert and put back are followed as that one chain of ops (``tokens sorted by
+   expert`` below), and a model's own autograd Function by its forward and backward, traced.
 3. Shared values are followed too: along which dims each is constant (``zeros``, an ``expand``ed
    size-1 dim, what is computed from those), and which are ``arange(B)``, each sample's own index
    (``mask[arange(B)[:, None], positions]`` picks each sample's row: it stays separable).
@@ -204,7 +206,7 @@ class _Context:
     outer: dict[fx.Node, int] = dataclasses.field(default_factory=dict)
     # shared values made of copies of a block along a dim: node -> {dim: copies}
     tiled: dict[fx.Node, dict[int, int]] = dataclasses.field(default_factory=dict)
-    # values made by sorting the batch's rows (step 2b): node -> (what it is, the sort node)
+    # values made by sorting the batch's rows (``tokens sorted by expert``): node -> (what it is, the sort)
     sorted: dict[fx.Node, tuple[str, fx.Node]] = dataclasses.field(default_factory=dict)
 
     def dim(self, node: Any) -> int | None:
@@ -506,8 +508,9 @@ def _name(node: fx.Node) -> str:
 
 
 def _apply(node: fx.Node, c: _Context) -> _Dims:
-    """The node's rule, and where its batched inputs' batch is interleaved, whether the rule keeps
-    each sample's rows apart (then its batched results are interleaved alike)."""
+    """The node's rule (the sort's, where a value made from a sort of the batch comes in), and
+    where its batched inputs' batch is interleaved, whether the rule keeps each sample's rows
+    apart (then its batched results are interleaved alike)."""
     c.outer.pop(node, None)  # a view run again after a write (``_follow_views``) starts afresh
     if any(arg in c.sorted for arg in node.all_input_nodes) or _sorts_the_batch(node, c):
         return _through_sorted(node, c)
@@ -582,7 +585,8 @@ def _through_sorted(node: fx.Node, c: _Context) -> _Dims:
     first = node.args[0] if node.args else None
     if name in _SAME_VALUES and kind.get(first) == _KEYS:  # the ids cast for histc
         return made(_KEYS)
-    if name == "floor_divide" and kind.get(first) == _PERM and isinstance(node.args[1], int) and rows % node.args[1] == 0:
+    if name == "floor_divide" and kind.get(first) == _PERM and isinstance(node.args[1], int) \
+            and (rows // c.batch_size) % node.args[1] == 0:  # a sample's pairs: whole tokens of it
         return made(_PERM_DIV)  # each sorted pair's token, the pairs made from [tokens, top_k]
     if name == "index" and len(node.args[1]) == 1 and isinstance(node.args[1][0], fx.Node):
         looked_up = _sorted_lookup(node, kind, rows, c)
@@ -590,7 +594,8 @@ def _through_sorted(node: fx.Node, c: _Context) -> _Dims:
     if name in _FRESH_LIKE and kind.get(first) == _PERM:
         return made(_FRESH_FOR)
     if name in ("index_put", "index_put_") and kind.get(first) == _FRESH_FOR and len(node.args[1]) == 1 \
-            and kind.get(node.args[1][0]) == _PERM and c.iota.get(node.args[2]) == 0 and _shape(node.args[2]) == (rows,):
+            and kind.get(node.args[1][0]) == _PERM and c.iota.get(node.args[2]) == 0 \
+            and _shape(node.args[2]) == (rows,):
         c.sorted[first] = (_INVERSE, sort)  # written whole, every position once: perm is a permutation
         return made(_INVERSE)
     if name == "histc" and kind.get(first) == _KEYS and _argument(node, "min") == 0 \
@@ -879,7 +884,8 @@ def _scatter(node: fx.Node, c: _Context) -> _Dims:
     dim = _broadcast(node, _tensor_args(node), c)
     if along == dim:
         raise _mixed(node, "scatters along the batch dim")
-    if any(len(_shape(arg)) != len(_shape(node)) or _shape(arg)[dim] != _shape(node)[dim] for arg in _tensor_args(node)):
+    if any(len(_shape(arg)) != len(_shape(node)) or _shape(arg)[dim] != _shape(node)[dim]
+           for arg in _tensor_args(node)):
         raise _mixed(node, "scatters with an index or source that covers only some of the batch")
     return [dim]
 
@@ -1154,7 +1160,8 @@ _ELEMENT_LOSSES = {"mse_loss", "l1_loss", "smooth_l1_loss", "huber_loss", "binar
 
 # the rules that, where they accept a batch dim, compute each of its rows from the same rows
 _ROW_WISE = {_along, _reduction, _matmul, _einsum, _normalized, _attention, _loss, _select, _split, _cat, _gather,
-             _scatter, _expand, _repeat, _transpose, _permute, _unsqueeze, _unchanged_leading, _padding, _dtype_of_second}
+             _scatter, _expand, _repeat, _transpose, _permute, _unsqueeze, _unchanged_leading, _padding,
+             _dtype_of_second}
 
 _RULES = {
     **{name: _reshape for name in ("view", "_unsafe_view", "reshape", "flatten", "unflatten", "squeeze",
@@ -1198,10 +1205,12 @@ _RULES = {
     **{name: _select for name in ("select", "index_select", "slice", "narrow")},
     **{name: _split for name in ("split", "split_with_sizes", "chunk", "unbind", "tensor_split")},
     "expand": _expand, "transpose": _transpose, "t": _transpose, "swapaxes": _transpose, "permute": _permute,
-    "unsqueeze": _unsqueeze, "cat": _cat, "concat": _cat, "concatenate": _cat, "stack": _cat, "index": _index, "gather": _gather,
+    "unsqueeze": _unsqueeze, "cat": _cat, "concat": _cat, "concatenate": _cat, "stack": _cat, "index": _index,
+    "gather": _gather,
     **{name: _scatter for name in ("scatter", "scatter_", "scatter_add", "scatter_add_", "scatter_reduce",
                                    "scatter_reduce_")},
-    "embedding": _embedding, "repeat": _repeat, "autograd_function": _autograd_function, "einsum": _einsum, "type_as": _dtype_of_second,
+    "embedding": _embedding, "repeat": _repeat, "einsum": _einsum, "type_as": _dtype_of_second,
+    "autograd_function": _autograd_function,
     # complex values seen as pairs of reals and back: a trailing dim of 2 added or removed
     "view_as_real": _unchanged_leading, "view_as_complex": _unchanged_leading,
 }

@@ -391,8 +391,8 @@ def test_a_sequence_first_model_read_along_dim_0_is_told_to_say_batch_dims_1():
     assert "batch_dims=1" in hm.explain()
     # a model that mixes its samples along either dim gets no such advice
     with pytest.warns(UserWarning) as caught:
-        harmony_fx.compile(_Fn(lambda h, m: h.softmax(0) + h.softmax(1), width=4), (torch.randn(6, 5, 4),), microbatches=2,
-                           devices=["host:0"])
+        harmony_fx.compile(_Fn(lambda h, m: h.softmax(0) + h.softmax(1), width=4), (torch.randn(6, 5, 4),),
+                           microbatches=2, devices=["host:0"])
     assert not any("batch_dims=1" in str(w.message) for w in caught)
 
 
