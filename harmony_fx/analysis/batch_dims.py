@@ -288,14 +288,8 @@ def _follow_shared(node: fx.Node, c: _Context) -> None:
         constant = {j for j, size in enumerate(out_shape) if any(
             i in was and in_shape[i] == size and math.prod(in_shape[:i]) == math.prod(out_shape[:j])
             for i in range(len(in_shape)))}
-    elif name in ("transpose", "t", "permute"):
-        order = list(range(rank))
-        if name == "permute":
-            order = [_norm(d, rank) for d in node.args[1]]
-        elif rank > 1:
-            first, second = (0, 1) if name == "t" else (_norm(node.args[1], rank), _norm(node.args[2], rank))
-            order[first], order[second] = second, first
-        constant = {d for d in range(rank) if order[d] in c.constant.get(source, ())}
+    elif name in ("transpose", "t", "swapaxes", "permute"):  # each dim is one of the source's, moved
+        constant = {d for d in range(rank) if _parent_dim(node, d, c) in c.constant.get(source, ())}
     elif _RULES.get(name) in (_along, _reduction) and _acted_dims(node) is not None:
         # a cumsum, diff or softmax along other dims (the mask helpers' running counts over positions),
         # a sum over others: still the same along the dims it is constant along

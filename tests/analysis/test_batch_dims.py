@@ -200,6 +200,7 @@ def test_ops_that_mix_samples_are_found(fn, why):
     lambda h, m: h + torch.arange(4)[None].repeat(6, 1),
     lambda h, m: h + torch.cat([torch.arange(2).expand(6, 2), torch.zeros(6, 2)], 1),
     lambda h, m: h + torch.arange(4).expand(6, 4).reshape(6, 1, 4).squeeze(1),
+    lambda h, m: h + torch.arange(4)[:, None].expand(4, 6).t(),
     lambda h, m: h + torch.einsum("bi,ij->bj", torch.arange(4.0).expand(6, 4), torch.eye(4)),
     lambda h, m: h + torch.arange(4).expand(6, 4).type_as(h[None]),  # h gives a dtype, not values
     lambda h, m: h.type_as(h.t()),
