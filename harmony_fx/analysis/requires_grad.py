@@ -30,7 +30,7 @@ from torch._guards import detect_fake_mode
 
 from harmony_fx.analysis.aliasing import alias_base, written_arguments
 from harmony_fx.ir import meta
-from harmony_fx.ir.values import leaves, map_tensors
+from harmony_fx.ir.values import empty_fake, leaves, map_tensors
 
 __all__ = ["annotate_requires_grad", "requires_grad_of", "any_requires_grad", "run_node"]
 
@@ -134,7 +134,7 @@ def any_requires_grad(node: fx.Node) -> bool:
 
 
 def _fresh(value: torch.Tensor, requires_grad: bool) -> torch.Tensor:
-    copy = torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device=value.device)
+    copy = empty_fake(value.shape, value.stride(), value.dtype, value.device)
     return copy.requires_grad_(requires_grad and (value.is_floating_point() or value.is_complex()))
 
 

@@ -30,7 +30,7 @@ import weakref
 
 import torch
 from torch import fx, nn
-from torch.fx._lazy_graph_module import _use_lazy_graph_module
+from torch.fx._lazy_graph_module import _make_graph_module, _use_lazy_graph_module
 
 from harmony_fx.compiler.variants import Variant, capture_variant
 from harmony_fx.frontend.guards import CallKey, attribute_facts
@@ -98,7 +98,7 @@ def _copy(variant: Variant) -> Variant:
     for original, node in zip(gm.graph.nodes, graph.nodes):
         node.name = original.name  # export names nodes as fx would not (a placeholder ``input``)
     with _use_lazy_graph_module(True):  # its code generated when first asked for, if ever
-        graph_module = fx.GraphModule(gm, graph, class_name=type(gm).__name__)
+        graph_module = _make_graph_module(gm, graph, class_name=type(gm).__name__)
     graph_module.meta.update(gm.meta)
     captured = dataclasses.replace(variant.captured, gm=graph_module)
     return dataclasses.replace(variant, captured=captured,

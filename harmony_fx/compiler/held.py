@@ -42,9 +42,8 @@ from torch._subclasses import FakeTensorMode
 from harmony_fx.analysis.requires_grad import requires_grad_of, run_node
 from harmony_fx.ir import meta
 from harmony_fx.ir.tracking import AllocationTracker, storage_key
-from harmony_fx.ir.values import map_tensors, tensors
+from harmony_fx.ir.values import empty_fake, map_tensors, tensors
 from harmony_fx.passes.find_layers import Layer, layer_inputs, layer_signature
-from harmony_fx.runtime.probe import empty_fake
 
 __all__ = ["ByReach", "LayerHeld", "measure_held"]
 

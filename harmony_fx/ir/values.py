@@ -15,9 +15,11 @@ from __future__ import annotations
 from typing import Any, Callable, Sequence
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils import _pytree as pytree
+from torch.utils._mode_utils import no_dispatch
 
-__all__ = ["map_tensors", "tensors", "leaves", "with_leaves", "add_grads", "value_bytes"]
+__all__ = ["map_tensors", "tensors", "leaves", "with_leaves", "add_grads", "value_bytes", "empty_fake"]
 
 
 def map_tensors(fn: Callable[[torch.Tensor], Any], value: Any) -> Any:
@@ -59,3 +61,17 @@ def add_grads(total: Any, grad: Any, inplace: bool) -> Any:
 def value_bytes(value: Any, itemsize: Callable[[torch.Tensor], int] | None = None) -> int:
     """Bytes of the tensors in ``value``: ``numel * itemsize`` each (a view moves only itself)."""
     return sum(t.numel() * (t.element_size() if itemsize is None else itemsize(t)) for t in tensors(value))
+
+
+def empty_fake(shape: Sequence[int], stride: Sequence[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A new FakeTensor of this layout in the active ``FakeTensorMode``, built from a meta tensor
+    directly: what ``torch.empty_strided`` under the mode makes, without the mode's dispatch (its
+    cache key alone costs more than the tensor: 30 µs against 100, and 200 for a ``clone``). A
+    planning run makes thousands of values that nothing reads (copies, replayed results), the
+    requires-grad pass one for each value it cannot reuse. A symbolic size goes through the mode."""
+    mode = torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE)
+    if mode is None or not all(type(size) is int for size in (*shape, *stride)):
+        return torch.empty_strided(shape, stride, dtype=dtype, device=device)
+    with no_dispatch():
+        elem = torch.empty_strided(shape, stride, dtype=dtype, device="meta")
+    return FakeTensor(mode, elem, torch.device(device))

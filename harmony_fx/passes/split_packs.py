@@ -24,6 +24,7 @@ from typing import Sequence
 
 import torch
 from torch import fx
+from torch.fx._lazy_graph_module import _make_graph_module, _use_lazy_graph_module
 
 from harmony_fx.analysis.random_ops import draws_random
 from harmony_fx.analysis.requires_grad import requires_grad_of
@@ -102,7 +103,8 @@ def _build_pack(gm, layers, pack_index, start, stop, nodes, masters) -> Pack:
         env[node] = graph.node_copy(node, lambda arg: env[arg])
     graph.output(tuple(env[nodes[name]] for name in outputs))
     graph.lint()
-    pack_gm = fx.GraphModule(gm, graph, class_name=f"Pack{pack_index}")
+    with _use_lazy_graph_module(True):  # its code made when first run: a search replays most packs it builds
+        pack_gm = _make_graph_module(gm, graph, class_name=f"Pack{pack_index}")
 
     # Distinct masters: tied parameters read by one pack are fetched once.
     slots: dict[int, int] = {}

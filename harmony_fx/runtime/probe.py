@@ -14,9 +14,9 @@ from typing import Callable, Sequence
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
-from torch.utils._mode_utils import no_dispatch
 
 from harmony_fx.ir.pack import Pack
+from harmony_fx.ir.values import empty_fake
 from harmony_fx.program.actions import Key
 from harmony_fx.program.ops import OP_OF_KIND
 from harmony_fx.runtime.devices import Device, HostDevice
@@ -25,7 +25,7 @@ from harmony_fx.runtime.host import Event, HostState
 from harmony_fx.runtime.links import StandaloneLinks
 from harmony_fx.runtime.stats import Stats
 
-__all__ = ["Probe", "FakeHostDevice", "empty_fake"]
+__all__ = ["Probe", "FakeHostDevice"]
 
 
 class Probe(Runtime):
@@ -107,19 +107,6 @@ class _PeakTrace:
             return result
 
         return traced
-
-
-def empty_fake(shape: Sequence[int], stride: Sequence[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A new FakeTensor of this layout in the active ``FakeTensorMode``, built from a meta tensor
-    directly: what ``torch.empty_strided`` under the mode makes, without the mode's dispatch (its
-    cache key alone costs more than the tensor: 30 µs against 100, and 200 for a ``clone``). A
-    planning run makes thousands of values that nothing reads: copies, replayed results."""
-    mode = torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE)
-    if mode is None:
-        return torch.empty_strided(shape, stride, dtype=dtype, device=device)
-    with no_dispatch():
-        elem = torch.empty_strided(shape, stride, dtype=dtype, device="meta")
-    return FakeTensor(mode, elem, torch.device(device))
 
 
 def _fresh_copy(value: torch.Tensor) -> torch.Tensor:
