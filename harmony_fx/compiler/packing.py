@@ -88,14 +88,15 @@ def balanced(layer_costs: Sequence[int], num_packs: int) -> list[int]:
 
 def plan_packs(layer_costs: Sequence[int], evaluate: Callable[[list[int]], C], peak_of: Callable[[C], int],
                budget: int | None, policy: PackingPolicy = balanced, margin: int = 0, *,
-               bound: Callable[[Sequence[int]], int] | None = None, cut_short: bool = False,
+               bound: Callable[[Sequence[int], int], int] | None = None, cut_short: bool = False,
                name_smallest: bool = True, progress: Callable[[str], None] | None = None) -> tuple[list[int], C]:
     """The fewest packs whose program fits ``budget`` with ``margin`` bytes to spare (kept for
     allocations no shape predicts), by the search of the module docstring; raises
-    ``BudgetTooSmallError`` naming the smallest budget that fits when none does. ``bound(boundaries)``:
-    a lower bound of the packing's peak (never above what ``evaluate`` finds); ``cut_short``: the
-    search calls ``evaluate(boundaries, limit)``, which may stop where the peak passes ``limit``
-    (then any peak above it does); ``name_smallest``: where none fits, run the packing of least
+    ``BudgetTooSmallError`` naming the smallest budget that fits when none does.
+    ``bound(boundaries, limit)``: a lower bound of the packing's peak (never above what ``evaluate``
+    finds), or any lower bound above ``limit`` where one is; ``cut_short``: the search calls
+    ``evaluate(boundaries, limit)``, which may stop where the peak passes ``limit`` (then any peak
+    above it does); ``name_smallest``: where none fits, run the packing of least
     memory in full to name the smallest budget (else the error says only that more is needed: a
     caller with another schedule to fall back on never shows it); ``progress``: told each candidate
     run."""
@@ -116,7 +117,7 @@ def plan_packs(layer_costs: Sequence[int], evaluate: Callable[[list[int]], C], p
     def fits(boundaries: tuple[int, ...]) -> bool:
         return peak_of(run(boundaries, limit)) + margin <= budget
 
-    possible = candidates if bound is None else [c for c in candidates if bound(c) + margin <= budget]
+    possible = candidates if bound is None else [c for c in candidates if bound(c, budget - margin) + margin <= budget]
     if possible and fits(possible[0]):
         return list(possible[0]), tried[possible[0]]
     if len(possible) > 1 and fits(possible[-1]):
@@ -267,6 +268,7 @@ class PackingBounds:
     def __init__(self, context: PackingContext) -> None:
         variant = context.variants[context.layout.mb_sizes[0]]
         self._context = context
+        self._passed_at = 0  # the first layer of the pack whose bound last passed a limit
         shapes, masters = context.shapes, variant.masters
         nodes = variant.nodes
         self._read_after = last_readers(variant.captured.gm, variant.layers)
@@ -326,9 +328,21 @@ class PackingBounds:
                                for name in layer.nodes if name in context.signature.differentiable]
                               for layer in variant.layers] if self._at_backward else []
 
-    def __call__(self, boundaries: Sequence[int]) -> int:
+    def __call__(self, boundaries: Sequence[int], limit: int | None = None) -> int:
+        """The bound; given ``limit``, the first pack's bound found above it, if any. The pack holding
+        the layer where a bound last passed its limit goes first: the search's candidates, packings of
+        the same layers, mostly pass it at the same place, so a refusal costs one pack a candidate."""
         ends = [*boundaries[1:], len(self._weights)]
-        return max(self._pack(start, end, previous) for start, end, previous in zip(boundaries, ends, [None, *boundaries]))
+        packs = list(zip(boundaries, ends, [None, *boundaries]))
+        if limit is not None:
+            packs.insert(0, packs.pop(bisect.bisect_right(boundaries, self._passed_at) - 1))
+        bound = 0
+        for start, end, previous in packs:
+            bound = max(bound, self._pack(start, end, previous))
+            if limit is not None and bound > limit:
+                self._passed_at = start
+                break
+        return bound
 
     def _pack(self, start: int, end: int, previous: int | None = None) -> int:
         """``previous``: the first layer of the pack before (``None``: this is the first)."""

@@ -85,7 +85,7 @@ def test_bounds_rule_candidates_out_without_running_them():
         tried.append(list(boundaries))
         return _chunk_peak(costs)(boundaries)
 
-    bound = lambda boundaries: _chunk_peak(costs)(boundaries) - 1  # noqa: E731 - a lower bound, 1 byte short
+    bound = lambda boundaries, limit: _chunk_peak(costs)(boundaries) - 1  # noqa: E731 - a lower bound, 1 byte short
     boundaries, _ = plan_packs(costs, evaluate, lambda peak: peak, 15, bound=bound)
     assert boundaries == [0, 3, 6] and tried[0] == [0, 3, 6]  # 1 and 2 packs never run: their bounds are 39 and 19
     tried.clear()
@@ -184,7 +184,10 @@ def _check_against_the_full_search(costs, evaluate, peak_of, budget, policy, mar
     squeezed = dataclasses.replace(context, budget=1)  # under a budget: each stash fetched just in time
     peaks = {c: packing.evaluate(squeezed, list(c)).peak for c in candidates}
     bound = packing.PackingBounds(squeezed)
-    assert all(bound(c) <= peaks[c] for c in candidates), {c: (bound(c), peaks[c]) for c in candidates}
+    bounds = {c: bound(c) for c in candidates}
+    assert all(bounds[c] <= peaks[c] for c in candidates), {c: (bounds[c], peaks[c]) for c in candidates}
+    for limit in sorted({b + d for b in bounds.values() for d in (-1, 0)}):  # cut short at a limit: passes it alike
+        assert [bound(c, limit) > limit for c in candidates] == [bounds[c] > limit for c in candidates], limit
     for limit in sorted({p + d for p in peaks.values() for d in (-1, 0)}):
         at = dataclasses.replace(context, budget=limit)
         accepts = min(peaks.values()) <= limit
