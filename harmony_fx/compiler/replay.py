@@ -12,8 +12,9 @@ is met and records what it did to the device's memory; after that it replays the
    with them dies, as in the real run;
 3. the values it leaves: fresh storages of the recorded sizes, or views of what it read where the
    real values were views, laid out as the real ones (shape, strides, offset, dtype); a recompute's
-   graph keeps the storages the real graph alone kept (autograd's saved tensors), a backward's
-   summed weight gradients are the weights' ``.grad`` again.
+   graph keeps the bytes of the storages the real graph alone kept (autograd's saved tensors), as
+   one storage (they die together, with the graph); a backward's summed weight gradients are the
+   weights' ``.grad`` again.
 
 The device's live bytes after a replay must be the record's (an internal check); where they are
 not, the probe says so (``replay_failed``) and the caller runs the packing again without replays.
@@ -58,8 +59,9 @@ class _Unreplayable(Exception):
 class _Record:
     transient: int                     # the task's peak above the bytes live at its start
     net: int                           # live bytes after it less before it
-    storages: tuple[tuple, ...]        # each storage it made that outlives it: ("raw", bytes) or its base's
-                                       # ("base", shape, strides, dtype), the tensor the others view
+    storages: tuple[tuple | None, ...]  # each storage it made that outlives it: ("raw", bytes) or its base's
+                                       # ("base", shape, strides, dtype), the tensor the others view; a
+                                       # recompute's kept storages are one, of their bytes (the others None)
     writes: tuple[Any, ...]            # per key it writes, its value's template (None: left as it was)
     kept: tuple[int, ...] = ()         # recompute: the storages (indices) only its graph keeps
     grads: tuple[int | None, ...] = ()  # backward: per weight, its ``.grad`` as a leaf of dW (None: unset)
@@ -256,14 +258,22 @@ class ReplayingProbe(Probe):
                           next((i for i, leaf in enumerate(summed) if leaf is weight.grad), -1) for weight in weights)
             if -1 in grads:
                 raise _Unreplayable  # a gradient the weight alone holds
-        storages = tuple(bases.get(i, ("raw", nbytes)) for i, nbytes in enumerate(made.values()))
-        return _Record(tracker.peak - before, tracker.live - before, storages, tuple(templates), kept, grads)
+        sizes = list(made.values())
+        storages: list[tuple | None] = [bases.get(i, ("raw", nbytes)) for i, nbytes in enumerate(sizes)]
+        if kept:  # the graph alone holds them and lets them go together: one storage of all their bytes
+            storages[kept[0]] = ("raw", sum(sizes[i] for i in kept))
+            for i in kept[1:]:
+                storages[i] = None
+            kept = kept[:1]
+        return _Record(tracker.peak - before, tracker.live - before, tuple(storages), tuple(templates), kept, grads)
 
     def _storages(self, record: _Record) -> list[torch.Tensor]:
         """Fresh storages of the record's sizes on the device, counted as the real ones were: each
-        the tensor the values on it view (as their ``_base``), or raw bytes a graph keeps."""
+        the tensor the values on it view (as their ``_base``), or raw bytes a graph keeps (``None``:
+        counted in another's)."""
         register = self.device.tracker.register
-        return [register(empty_fake((spec[1],), (1,), torch.uint8, self.target) if spec[0] == "raw" else
+        return [None if spec is None else
+                register(empty_fake((spec[1],), (1,), torch.uint8, self.target) if spec[0] == "raw" else
                          empty_fake(spec[1], spec[2], spec[3], self.target))
                 for spec in record.storages]
 
