@@ -29,7 +29,7 @@ import dataclasses
 import weakref
 
 import torch
-from torch import fx, nn
+from torch import nn
 from torch.fx._lazy_graph_module import _make_graph_module, _use_lazy_graph_module
 
 from harmony_fx.compiler.variants import Variant, capture_variant
