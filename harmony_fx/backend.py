@@ -6,10 +6,11 @@ calls and lifts the model's parameters and buffers to graph inputs, so the input
 state with the call's activations. The backend
 
 1. sorts the inputs (``_Kind``): an ``nn.Parameter`` is a parameter; a tensor Dynamo reached
-   through an attribute or a global (``self.bn._buffers['running_mean']``) is a buffer; a Python
-   number Dynamo passes as an input (a symbolic size, a float attribute wrapped in a tensor) is a
-   size when it is a dim of an activation and otherwise a constant; every other tensor (from the
-   call's arguments, or made by the graph before a break) is an activation;
+   through a module or a global (``self.bn._buffers['running_mean']``, a tensor attribute) is a
+   buffer; a Python number Dynamo passes as an input (a symbolic size, a float attribute wrapped in
+   a tensor) is a size when it is a dim of an activation and otherwise a constant; every other
+   tensor (from the call's arguments, or made by the graph before a break, also as a field of an
+   object such as a ``ModelOutput``) is an activation;
 2. on the first call (when every input is a real value) wraps the graph in ``_DynamoGraph``, an
    ``nn.Module`` whose parameters and buffers *are* the model's own tensor objects and whose
    forward takes the activations only, and compiles that with ``harmony_fx.compile`` (``options``
@@ -98,7 +99,7 @@ def _num_microbatches(options: dict) -> int:
 
 
 def _sort_inputs(placeholders: Sequence[fx.Node], example_inputs: Sequence[Any]) -> list[_Input]:
-    from torch._dynamo.source import AttrSource, GlobalSource, TensorProperty, TensorPropertySource
+    from torch._dynamo.source import TensorProperty, TensorPropertySource
 
     graphargs = [node.meta.get("grapharg") for node in placeholders]  # Dynamo's record of where each came from
     sources = [getattr(grapharg, "source", None) for grapharg in graphargs]
@@ -109,7 +110,7 @@ def _sort_inputs(placeholders: Sequence[fx.Node], example_inputs: Sequence[Any])
             kind = _Kind.PARAM
         elif not isinstance(value, torch.Tensor) or getattr(grapharg, "pass_arg_as_tensor", False):
             kind = _Kind.CONSTANT  # refined to SIZE below, once every activation is known
-        elif _has_base(source, (AttrSource, GlobalSource)):
+        elif _is_state(source):
             kind = _Kind.BUFFER
         else:
             kind = _Kind.ACTIVATION
@@ -125,13 +126,16 @@ def _sort_inputs(placeholders: Sequence[fx.Node], example_inputs: Sequence[Any])
     return inputs
 
 
-def _has_base(source: Any, types: tuple[type, ...]) -> bool:
-    """Whether ``source`` or a source it is reached from is one of ``types``."""
-    while source is not None:
-        if isinstance(source, types):
-            return True
-        source = getattr(source, "base", None)
-    return False
+def _is_state(source: Any) -> bool:
+    """Whether Dynamo reached the tensor through a module (a parameter, a buffer, a tensor attribute
+    of it or of an object it holds) or a global: state that outlives the call. Through a local's
+    attribute or item (a ``ModelOutput`` made before a graph break, a batch passed as a dataclass),
+    it is an activation, whose gradient must flow. Told by Dynamo's guard source, by its name (its
+    methods changed across torch versions)."""
+    guard = getattr(source, "guard_source", None)
+    guard = guard() if callable(guard) else guard
+    name = getattr(guard, "name", "")
+    return name.startswith("GLOBAL") or "NN_MODULE" in name or "FSDP" in name
 
 
 def _check_batch_is_symbolic(placeholders: Sequence[fx.Node], inputs: Sequence[_Input]) -> None:

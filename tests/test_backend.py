@@ -3,6 +3,7 @@ eager, with gradients in the model's own ``param.grad``, also across graph break
 from __future__ import annotations
 
 import copy
+import dataclasses
 from importlib.metadata import entry_points
 from typing import Any, Callable
 
@@ -116,6 +117,44 @@ def test_graph_breaks_make_programs_that_train_together_like_eager():
     assert len(modules) >= 2
     # the second graph's input is the first's output: its gradient goes back through autograd
     assert any(hm.signature.inputs_requiring_grad for hm in modules)
+
+
+@dataclasses.dataclass
+class _Batch:
+    x: torch.Tensor
+
+
+@dataclasses.dataclass
+class _Hidden:
+    hidden: torch.Tensor
+
+
+class FieldsAcrossABreak(nn.Module):
+    """Its input is a dataclass's field, and what crosses its graph break is another's (as a
+    ``ModelOutput``'s ``last_hidden_state`` does in a Hugging Face model): Dynamo reaches both
+    through an attribute of a local, and both are activations, whose gradients flow."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.second = nn.Linear(8, 16), nn.Linear(16, 4)
+
+    def body(self, batch: _Batch) -> _Hidden:
+        return _Hidden(torch.relu(self.first(batch.x)))
+
+    def forward(self, batch: _Batch) -> torch.Tensor:
+        out = self.body(batch)
+        torch._dynamo.graph_break()
+        return self.second(out.hidden)
+
+
+def test_an_activation_reached_through_a_field_is_differentiated_not_kept_as_state():
+    """Before, a tensor reached through any attribute was taken for a buffer: the first linear got
+    no gradient, and the next call's new activation was refused as "replaced after torch.compile"."""
+    torch.manual_seed(0)
+    model = FieldsAcrossABreak()
+    # a new batch each step (the compiled call, then the eager one, read the same)
+    batches = iter([batch for batch in (_Batch(torch.randn(8, 8)) for _ in range(3)) for _twice in range(2)])
+    _train_like_eager(model, lambda m: m(next(batches)).square().mean(), {"microbatches": 2})
 
 
 def test_static_batch_with_microbatches_asks_for_dynamic_shapes():
