@@ -139,10 +139,12 @@ def _is_state(source: Any) -> bool:
 
 
 def _check_batch_is_symbolic(placeholders: Sequence[fx.Node], inputs: Sequence[_Input]) -> None:
+    """A batch of one sample is fixed even under ``dynamic=True`` (Dynamo specializes sizes 0 and
+    1): it runs as one microbatch, as any batch smaller than the microbatches does."""
     for node, item in zip(placeholders, inputs):
         value = node.meta.get("example_value")
         if item.kind == _Kind.ACTIVATION and isinstance(value, torch.Tensor) and value.dim() > 0:
-            if not isinstance(value.shape[0], torch.SymInt):
+            if not isinstance(value.shape[0], torch.SymInt) and value.shape[0] != 1:
                 raise ValueError(
                     f"Dynamo baked the batch size into the graph (its input {node.name} has the fixed shape "
                     f"{tuple(value.shape)}), so harmony cannot run it on microbatches. Compile with "

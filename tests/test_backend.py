@@ -164,6 +164,22 @@ def test_static_batch_with_microbatches_asks_for_dynamic_shapes():
         compiled(torch.randn(4, 8))
 
 
+def test_a_batch_of_one_dynamo_fixed_runs_as_one_microbatch():
+    """dynamic=True still fixes a size of 1 (Dynamo specializes it): a loader's last batch of one
+    sample runs as one microbatch instead of being refused as a static batch."""
+    torch.manual_seed(0)
+    model = MLPChain(width=8, depth=2)
+    reference = copy.deepcopy(model)
+    compiled = torch.compile(model, backend="harmony", dynamic=True, options={"microbatches": 2})
+    for batch in (4, 1):
+        x = torch.randn(batch, 8)
+        compiled(x).square().sum().backward()
+        reference(x).square().sum().backward()
+        for param, expected in zip(model.parameters(), reference.parameters()):
+            torch.testing.assert_close(param.grad, expected.grad, rtol=RTOL, atol=ATOL)
+            param.grad = expected.grad = None
+
+
 def test_unknown_option_is_refused_with_the_known_ones():
     compiled = torch.compile(MLPChain(width=8, depth=2), backend="harmony", options={"budget": "1MiB"})
     with pytest.raises(Exception, match="memory_budget"):

@@ -182,14 +182,6 @@ def test_a_shape_the_model_cannot_take_fails_as_eager_does():
     assert hm.batch_sizes == []
 
 
-def test_a_batch_smaller_than_the_microbatch_count_is_refused():
-    with pytest.raises(ValueError, match="cannot cut a batch of 2 into 4 microbatches: use at most 2"):
-        harmony_fx.compile(_mlp(), (torch.randn(2, 16),), microbatches=4)
-    hm = harmony_fx.compile(_mlp(), (torch.randn(8, 16),), microbatches=4, pack_boundaries=BOUNDARIES)
-    with pytest.raises(ValueError, match="cannot cut a batch of 3 into 4 microbatches: use at most 3"):
-        hm(torch.randn(3, 16))
-
-
 # ---------------------------------------------------------------------- outputs with structure
 
 

@@ -717,6 +717,14 @@ def _reshape(node: fx.Node, c: _Context) -> _Dims:
     raise _mixed(node, f"reshapes {in_shape} to {out_shape}, cutting the batch (dim {dim}) across dims")
 
 
+def _broadcast_tensors(node: fx.Node, c: _Context) -> _Dims:
+    """Each tensor expanded to the shape of all (``mse_loss`` broadcasts its input and target so):
+    every result batched along the broadcast's batch dim, where any argument is batched."""
+    args = _tensor_args(node)
+    found = _broadcast(node, args, c, torch.broadcast_shapes(*[_shape(a) for a in args]))
+    return [found] * len(leaves(_val(node)))
+
+
 def _expand(node: fx.Node, c: _Context) -> _Dims:
     source = node.args[0]
     aligned = c.dim(source) + len(_shape(node)) - len(_shape(source))
@@ -1154,7 +1162,7 @@ _ELEMENT_LOSSES = {"mse_loss", "l1_loss", "smooth_l1_loss", "huber_loss", "binar
 
 # the rules that, where they accept a batch dim, compute each of its rows from the same rows
 _ROW_WISE = {_along, _reduction, _matmul, _einsum, _normalized, _attention, _loss, _select, _split, _cat, _gather,
-             _scatter, _expand, _repeat, _transpose, _permute, _unsqueeze, _unchanged_leading, _padding,
+             _scatter, _expand, _broadcast_tensors, _repeat, _transpose, _permute, _unsqueeze, _unchanged_leading, _padding,
              _dtype_of_second}
 
 _RULES = {
@@ -1198,7 +1206,7 @@ _RULES = {
     **{name: _loss for name in _CLASS_LOSSES | _ELEMENT_LOSSES},
     **{name: _select for name in ("select", "index_select", "slice", "narrow")},
     **{name: _split for name in ("split", "split_with_sizes", "chunk", "unbind", "tensor_split")},
-    "expand": _expand, "transpose": _transpose, "t": _transpose, "swapaxes": _transpose, "permute": _permute,
+    "expand": _expand, "broadcast_tensors": _broadcast_tensors, "transpose": _transpose, "t": _transpose, "swapaxes": _transpose, "permute": _permute,
     "unsqueeze": _unsqueeze, "cat": _cat, "concat": _cat, "concatenate": _cat, "stack": _cat, "index": _index,
     "gather": _gather,
     **{name: _scatter for name in ("scatter", "scatter_", "scatter_add", "scatter_add_", "scatter_reduce",

@@ -204,7 +204,8 @@ def _from_layout(log: StageLog, example: _Example, devices: list, options: Compi
                        devices[0].torch_device, options.compute_dtype, decision=_describe_microbatches)
     primary = variants[layout.mb_sizes[0]]
     if analysis is None:
-        analysis = log.run("analyze batch", _analyze_largest, example, variants, layout, decision=_describe_batch)
+        analysis = log.run("analyze batch", _analyze_largest, example, variants, layout, devices[0].torch_device,
+                           options.compute_dtype, decision=_describe_batch)
     if schedule is None:
         _warn_if_cut_changes_results(layout, analysis)
     example_flat = primary.captured.flatten_inputs(*microbatch.split_call(
@@ -431,15 +432,18 @@ def _analyze_batch(variant: Variant, batch: int, flat_dims) -> BatchAnalysis:
                                                 "say batch_dims=1")
 
 
-def _analyze_largest(example: _Example, variants: dict, layout: Layout) -> BatchAnalysis:
-    if layout.mb_sizes != (None,):
+def _analyze_largest(example: _Example, variants: dict, layout: Layout, target, dtype: torch.dtype | None) -> BatchAnalysis:
+    """The analysis of the largest microbatch's graph; of the whole batch's where each microbatch is
+    one sample (whose graph cannot show samples apart), captured for it."""
+    if layout.mb_sizes != (None,) and max(layout.mb_sizes) > 1:
         largest = max(layout.mb_sizes)
         return _analyze_batch(variants[largest], largest, example.flat_dims)
     try:
         batch = example.batch_size()
     except ValueError as error:
         return BatchAnalysis(False, str(error))
-    return _analyze_batch(variants[None], batch, example.flat_dims)
+    whole = variants.get(None) or cached_capture(example.model, None, example.args, example.kwargs, target, dtype)
+    return _analyze_batch(whole, batch, example.flat_dims)
 
 
 def _annotate(variants: dict, boundaries, verify: bool) -> None:

@@ -58,7 +58,13 @@ def decide_layout(schedule: Schedule | None, options: CompileOptions, num_device
     parallel = options.parallel
     if schedule is not None:
         num_microbatches, parallel = schedule.microbatches, schedule.parallel
-    parallel = "single" if num_devices == 1 else ("pp" if parallel == "pp" else "dp")
+    asked = num_microbatches
+    if num_microbatches > 1:  # a batch of fewer samples than microbatches (a loader's last): one sample each
+        num_microbatches = min(num_microbatches, max(batch_size(), 1))
+    # where those are fewer than the devices, data parallelism would leave a device without work:
+    # every device runs its packs on each, as a pipeline
+    short = num_microbatches < min(asked, num_devices)
+    parallel = "single" if num_devices == 1 else ("pp" if parallel == "pp" or short else "dp")
     parts = forward_parts(num_microbatches, options.forward_microbatches if schedule is None
                           else schedule.forward_microbatches)
     if parallel == "pp":  # every device runs its packs on every microbatch

@@ -218,6 +218,9 @@ def test_ops_that_mix_samples_are_found(fn, why):
     # ops on every entry apart that have no pointwise tag; a mask over the last two dims
     lambda h, m: h + torch.floor_divide(torch.arange(4).expand(6, 4), 2) + torch.remainder(h, 2) + torch.rsub(h, 1),
     lambda h, m: h + torch.ones(4, 4).triu().expand(6, 4, 4).sum(1) + h[:, None, :].expand(6, 4, 4).tril().sum(1),
+    # each broadcast to the shape of both, as mse_loss does with its input and target
+    lambda h, m: sum(torch.broadcast_tensors(h[:, :1], torch.arange(4.0)))
+    + F.mse_loss(h[:, :1], h, reduction="none"),
 ])
 def test_ops_that_keep_samples_apart_are_separable(fn):
     analysis = _analysis(_Fn(fn), torch.randn(6, 4))

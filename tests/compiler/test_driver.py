@@ -264,3 +264,28 @@ def test_when_the_planners_estimate_fits_nothing_its_closest_schedules_get_the_e
     assert_grads_equal(model, reference)
     assert hm.num_microbatches == 4 and "fall back" not in [stage.name for stage in hm.passes]
     assert hm.schedule.budget_note.startswith("the planner's estimate of every schedule it simulated passed")
+
+
+class _Centered(torch.nn.Module):
+    """Subtracts the batch's mean: each sample's output depends on the others'."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x - x.mean(dim=0)
+
+
+@pytest.mark.parametrize("mixes", [False, True])
+def test_microbatches_of_one_sample_are_judged_on_the_whole_batch(mixes):
+    """A microbatch of one sample cannot show samples apart, so the warning that microbatches may
+    change the result is decided on the whole batch's graph: none for an MLP (it was given, naming
+    "a batch of one sample"), one for a model that centres the batch."""
+    import warnings
+
+    torch.manual_seed(0)
+    layers = [torch.nn.Linear(8, 8), _Centered() if mixes else torch.nn.ReLU(), torch.nn.Linear(8, 2)]
+    hm = harmony_fx.compile(torch.nn.Sequential(*layers), devices=["host:0"], microbatches=2)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        hm(torch.randn(2, 8))
+    messages = [str(warning.message) for warning in caught if "cannot show" in str(warning.message)]
+    assert len(messages) == mixes
+    assert not any("one sample" in message for message in messages)

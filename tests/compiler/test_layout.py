@@ -129,3 +129,37 @@ def test_a_compiled_module_runs_the_layout_of_the_batch_cut_here(microbatches, d
     # every size the layout names has its own graph, and the output joins back to the whole batch
     assert set(hm.compiled.packs_by_size) == set(layout.sizes)
     torch.testing.assert_close(hm(x), model(x), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("batch,num_devices,parallel", [(1, 1, "single"), (3, 1, "single"), (3, 2, "dp"),
+                                                        (1, 2, "pp"), (1, 3, "pp")])
+def test_a_batch_smaller_than_the_microbatches_runs_one_sample_each(batch, num_devices, parallel):
+    """A loader's last batch: fewer samples than ``microbatches=4``. Each sample is a microbatch;
+    where they are fewer than the devices, each device runs its packs on each (a pipeline), as
+    data parallelism would leave a device idle."""
+    layout = decide_layout(None, CompileOptions(microbatches=4, parallel="dp" if num_devices > 1 else "auto"),
+                           num_devices, lambda: batch)
+    assert layout.num_microbatches == batch and layout.parallel == parallel
+    assert layout.mb_sizes == ((None,) if batch == 1 else _sizes(batch, batch))
+
+
+def test_microbatches_fewer_than_the_devices_asked_for_are_still_refused():
+    """Not a short batch: the user's own setting, which data parallelism cannot run."""
+    with pytest.raises(ValueError, match="fewer than the 2 devices"):
+        decide_layout(None, CompileOptions(microbatches=1, parallel="dp"), 2, lambda: 8)
+
+
+@pytest.mark.parametrize("devices", [1, 2])
+def test_a_compiled_module_trains_like_eager_on_a_last_batch_smaller_than_its_microbatches(devices):
+    torch.manual_seed(0)
+    model = MLPChain(width=8, depth=4)
+    reference = MLPChain(width=8, depth=4)
+    reference.load_state_dict(model.state_dict())
+    hm = harmony_fx.compile(model, microbatches=4, devices=[f"host:{i}" for i in range(devices)])
+    for batch in (8, 1, 3):
+        x = torch.randn(batch, 8)
+        hm(x).square().sum().backward()
+        reference(x).square().sum().backward()
+        for param, expected in zip(model.parameters(), reference.parameters()):
+            torch.testing.assert_close(param.grad, expected.grad, rtol=1e-5, atol=1e-6)
+            param.grad = expected.grad = None

@@ -44,10 +44,14 @@ def test_more_microbatches_than_samples_is_refused():
         microbatch.microbatch_sizes(3, 4)
 
 
-def test_compile_with_more_microbatches_than_samples_is_refused():
+def test_compile_with_more_microbatches_than_samples_runs_one_sample_each():
+    """A batch smaller than ``microbatches`` (a loader's last) is cut into its samples."""
+    torch.manual_seed(0)
     model = MLPChain(width=8, depth=2)
-    with pytest.raises(ValueError, match="microbatches"):
-        harmony_fx.compile(model, torch.randn(3, 8), microbatches=4)
+    x = torch.randn(3, 8)
+    hm = harmony_fx.compile(model, x, microbatches=4)
+    assert hm.mb_sizes == [1, 1, 1]
+    torch.testing.assert_close(hm(x), model(x))
 
 
 def test_split_and_merge_round_trip_with_a_shared_input():
