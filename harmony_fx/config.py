@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import os
 import re
 from typing import Any, Callable, Iterable, Literal, Mapping
@@ -28,19 +29,25 @@ def parse_size(size: int | float | str | None) -> int | None:
     if isinstance(size, bool):
         raise TypeError(f"a size must be a number of bytes or a string like '2GiB', not {size!r}")
     if isinstance(size, (int, float)):
+        if not math.isfinite(size):
+            raise ValueError(f"a size must be a finite number of bytes, got {size!r}")
         if size <= 0:
             raise ValueError(f"a size must be positive, got {size!r}")
+        if size != int(size):
+            raise ValueError(f"a size in bytes must be a whole number, got {size!r}: write bytes, or a string "
+                             "with a unit such as '1.5GiB'")
         return int(size)
-    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", str(size))
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*", str(size))
     if not match or match.group(2).lower() not in _UNITS:
         raise ValueError(
             f"cannot read the size {size!r}: write a number of bytes or a number with a unit, "
-            "e.g. 1048576, '512MiB', '2GiB', '1.5GB'"
+            "e.g. 1048576, '1e6', '512MiB', '2GiB', '1.5GB' (KB, MB, GB, TB: powers of 1000; "
+            "KiB, MiB, GiB, TiB and K, M, G, T: of 1024)"
         )
-    value = float(match.group(1)) * _UNITS[match.group(2).lower()]
+    value = int(float(match.group(1)) * _UNITS[match.group(2).lower()])
     if value <= 0:
-        raise ValueError(f"a size must be positive, got {size!r}")
-    return int(value)
+        raise ValueError(f"a size must be at least one byte, got {size!r}")
+    return value
 
 
 def format_size(num_bytes: int | float) -> str:

@@ -23,25 +23,35 @@ from harmony_fx.config import CompileOptions, format_size, options_from_environm
     (1048576, 1048576),
     (7, 7),
     (2.5e3, 2500),
+    ("1e9", 10**9),
+    ("2.5e3KiB", 2560000),
     (None, None),
 ])
 def test_parse_size(text, expected):
     assert parse_size(text) == expected
 
 
-@pytest.mark.parametrize("text", ["", "lots", "2 GiBs", "GiB", "2GiB!", "1e9", "-5MiB", "1,000", "two GB", "0", "0GiB"])
+@pytest.mark.parametrize("text", ["", "lots", "2 GiBs", "GiB", "2GiB!", "1e", "-5MiB", "1,000", "two GB", "0", "0GiB",
+                                  "0.1B"])
 def test_bad_size_strings_are_refused_with_an_example(text):
     with pytest.raises(ValueError) as info:
         parse_size(text)
     message = str(info.value)
     assert repr(text) in message
-    if text not in ("0", "0GiB"):
+    if text not in ("0", "0GiB", "0.1B"):
         assert "2GiB" in message or "512MiB" in message  # shows how to write one
 
 
 @pytest.mark.parametrize("value", [0, -1, -0.5])
 def test_non_positive_sizes_are_refused(value):
     with pytest.raises(ValueError, match="positive"):
+        parse_size(value)
+
+
+@pytest.mark.parametrize("value,why", [(1.5, "whole number"), (float("inf"), "finite"), (float("nan"), "finite")])
+def test_a_number_of_bytes_must_be_whole_and_finite(value, why):
+    """1.5 was read as 1 byte, and infinity raised Python's OverflowError."""
+    with pytest.raises(ValueError, match=why):
         parse_size(value)
 
 

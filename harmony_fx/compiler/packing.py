@@ -44,6 +44,7 @@ from harmony_fx.compiler.layout import Layout
 from harmony_fx.compiler.replay import TaskRecords
 from harmony_fx.compiler.shapes import Shapes
 from harmony_fx.compiler.variants import Variant
+from harmony_fx.config import format_size
 from harmony_fx.ir import meta
 from harmony_fx.ir.pack import Pack
 from harmony_fx.lowering.pipeline import lower_pipeline
@@ -143,7 +144,7 @@ def plan_packs(layer_costs: Sequence[int], evaluate: Callable[[list[int]], C], p
     smallest = peak_of(evaluate(list(candidates[-1]))) + margin
     raise BudgetTooSmallError(
         f"plan_packs: no packing fits the memory budget of {budget:,} bytes; the smallest budget that "
-        f"fits is {smallest:,} bytes ({smallest / 2**20:.2f} MiB). Raise memory_budget to at least that, "
+        f"fits is {smallest:,} bytes ({format_size(smallest)}). Raise memory_budget to at least that, "
         "or use more microbatches so each task holds fewer activations.",
         smallest,
     )
