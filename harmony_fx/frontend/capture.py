@@ -168,8 +168,28 @@ def _capture(model: nn.Module, args: tuple, kwargs: dict, stack_traces: bool, dt
         try:
             captured = _capture_with_symbolic_trace(model, args, kwargs, dtype)
         except Exception as trace_error:  # noqa: BLE001
+            own = _raised_when_run(model, args, kwargs)
+            if own is not None:
+                raise CaptureError(
+                    f"{type(model).__name__} raises on these inputs, as it would called eagerly: "
+                    f"{type(own).__name__}: {(str(own).strip().splitlines() or [''])[0]}\nCheck the inputs' dtypes "
+                    "(token ids are integers), shapes and devices against what the model expects.") from own
             raise CaptureError(_capture_failure_message(model, export_error, trace_error, kwargs)) from export_error
     return captured
+
+
+def _raised_when_run(model: nn.Module, args: tuple, kwargs: dict) -> Exception | None:
+    """What the model's forward raises on FakeTensors of the inputs (nothing computed), if anything:
+    where both captures failed because the model itself fails on these inputs (float token ids),
+    that is the error to show, not advice about tracing."""
+    try:
+        with torch._subclasses.FakeTensorMode(allow_non_fake_inputs=True) as mode, torch.no_grad():
+            fake_args, fake_kwargs = pytree.tree_map_only(torch.Tensor, mode.from_tensor, (args, kwargs))
+            model(*fake_args, **fake_kwargs)
+    except Exception as error:  # noqa: BLE001 - the model's own error, shown to the user
+        # not FakeTensors' own refusals (a value read by Python control flow, an op with no fake kernel)
+        return None if type(error).__module__.startswith(("torch._subclasses", "torch.fx", "torch._dynamo")) else error
+    return None
 
 
 def _export_trying_again(model: nn.Module, args: tuple, kwargs: dict, stack_traces: bool,

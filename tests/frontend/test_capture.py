@@ -112,6 +112,17 @@ def test_data_dependent_control_flow_is_refused_with_advice():
     assert isinstance(info.value, ValueError) and harmony_fx.CaptureError is CaptureError
 
 
+def test_inputs_the_model_itself_raises_on_are_named_not_taken_for_a_tracing_problem():
+    """Float token ids: an embedding raises on them eagerly too; the message was advice about
+    control flow and caches."""
+    model = nn.Sequential(nn.Embedding(10, 4), nn.Linear(4, 2))
+    with pytest.raises(harmony_fx.CaptureError) as info:
+        harmony_fx.compile(model, (torch.zeros(2, 3),))
+    message = str(info.value)
+    assert "Sequential raises on these inputs" in message and "Long" in message and "dtypes" in message
+    assert "control flow" not in message
+
+
 class LabelledLoss(nn.Module):
     """DeBERTa's classification head: the loss branches on how many labels are not ignored."""
 
