@@ -1162,7 +1162,8 @@ _ELEMENT_LOSSES = {"mse_loss", "l1_loss", "smooth_l1_loss", "huber_loss", "binar
 
 # the rules that, where they accept a batch dim, compute each of its rows from the same rows
 _ROW_WISE = {_along, _reduction, _matmul, _einsum, _normalized, _attention, _loss, _select, _split, _cat, _gather,
-             _scatter, _expand, _broadcast_tensors, _repeat, _transpose, _permute, _unsqueeze, _unchanged_leading, _padding,
+             _scatter, _expand, _broadcast_tensors, _repeat, _transpose, _permute, _unsqueeze, _unchanged_leading,
+             _padding,
              _dtype_of_second}
 
 _RULES = {
@@ -1206,7 +1207,8 @@ _RULES = {
     **{name: _loss for name in _CLASS_LOSSES | _ELEMENT_LOSSES},
     **{name: _select for name in ("select", "index_select", "slice", "narrow")},
     **{name: _split for name in ("split", "split_with_sizes", "chunk", "unbind", "tensor_split")},
-    "expand": _expand, "broadcast_tensors": _broadcast_tensors, "transpose": _transpose, "t": _transpose, "swapaxes": _transpose, "permute": _permute,
+    "expand": _expand, "broadcast_tensors": _broadcast_tensors, "transpose": _transpose, "t": _transpose,
+    "swapaxes": _transpose, "permute": _permute,
     "unsqueeze": _unsqueeze, "cat": _cat, "concat": _cat, "concatenate": _cat, "stack": _cat, "index": _index,
     "gather": _gather,
     **{name: _scatter for name in ("scatter", "scatter_", "scatter_add", "scatter_add_", "scatter_reduce",

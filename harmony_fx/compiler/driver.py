@@ -432,7 +432,8 @@ def _analyze_batch(variant: Variant, batch: int, flat_dims) -> BatchAnalysis:
                                                 "say batch_dims=1")
 
 
-def _analyze_largest(example: _Example, variants: dict, layout: Layout, target, dtype: torch.dtype | None) -> BatchAnalysis:
+def _analyze_largest(example: _Example, variants: dict, layout: Layout, target,
+                     dtype: torch.dtype | None) -> BatchAnalysis:
     """The analysis of the largest microbatch's graph; of the whole batch's where each microbatch is
     one sample (whose graph cannot show samples apart), captured for it."""
     if layout.mb_sizes != (None,) and max(layout.mb_sizes) > 1:
