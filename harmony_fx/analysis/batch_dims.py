@@ -1163,8 +1163,7 @@ _ELEMENT_LOSSES = {"mse_loss", "l1_loss", "smooth_l1_loss", "huber_loss", "binar
 # the rules that, where they accept a batch dim, compute each of its rows from the same rows
 _ROW_WISE = {_along, _reduction, _matmul, _einsum, _normalized, _attention, _loss, _select, _split, _cat, _gather,
              _scatter, _expand, _broadcast_tensors, _repeat, _transpose, _permute, _unsqueeze, _unchanged_leading,
-             _padding,
-             _dtype_of_second}
+             _padding, _dtype_of_second}
 
 _RULES = {
     **{name: _reshape for name in ("view", "_unsafe_view", "reshape", "flatten", "unflatten", "squeeze",
