@@ -196,12 +196,14 @@ class Trainer:
         self._last_hm.plot_memory(path)
 
     # ------------------------------------------------------------------ training
-    def step(self, batch: tuple) -> torch.Tensor:
-        """One iteration on ``batch``; returns the batch's loss. All or nothing: if anything fails
-        (including Ctrl-C), the weights, buffers and optimizer state are as before the call, and
-        every ``param.grad`` is ``None``. After it, ``param.grad`` holds this step's gradients (as
-        the optimizer stepped them, clipped with ``max_grad_norm``), in tensors the next step
-        writes its gradients into."""
+    def step(self, batch: tuple, *, loss_scale: float = 1.0) -> torch.Tensor:
+        """One iteration on ``batch``; returns the batch's loss, times ``loss_scale`` as its gradients
+        are (for a caller that adds up its batches' losses, as transformers' Trainer does under
+        gradient accumulation where the model's loss ignores ``num_items_in_batch``). All or
+        nothing: if anything fails (including Ctrl-C), the weights, buffers and optimizer state are
+        as before the call, and every ``param.grad`` is ``None``. After it, ``param.grad`` holds this
+        step's gradients (as the optimizer stepped them, clipped with ``max_grad_norm``), in tensors
+        the next step writes its gradients into."""
         args, kwargs = self._loss_model.call_of(batch)
         hm = self._module_for(args, kwargs)
         if self._pending is not None and self._pending.io.committed.done():
@@ -214,7 +216,7 @@ class Trainer:
                     # after the next step's copies: each step's its own then
                     store=self._undo_store if self._tier is None else None)
         transaction = StepTransaction(self.step_count, undo, self._tier, self.cluster, self._cross)
-        batch_loss = BatchLoss(hm, per_mb, self.loss_reduction, transaction.total)
+        batch_loss = BatchLoss(hm, per_mb, self.loss_reduction, transaction.total, loss_scale)
         updates = PackUpdates(self._updater, groups, hm.update_arrivals, undo)
         self._last_hm, self._stats = hm, None
         loss = None

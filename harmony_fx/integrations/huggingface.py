@@ -43,6 +43,9 @@ from typing import Any, Mapping
 
 import torch
 from torch import nn
+from torch._subclasses import FakeTensorMode
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
 
 try:
     import transformers
@@ -96,6 +99,7 @@ class HarmonyTrainer(transformers.Trainer):
         self._host_optimizer: torch.optim.Optimizer | None = None  # the real one (create_optimizer)
         self._forward_module: HarmonyModule | None = None
         self._window: list[dict] = []  # the batches of the optimizer step under way
+        self._reads_num_items: bool | None = None  # whether the model's loss reads num_items_in_batch
         super().__init__(**{**{name: value for name, value in bound.items() if name != "self"}, "args": training_args})
 
     # ------------------------------------------------------------------ the model stays on the host
@@ -132,18 +136,36 @@ class HarmonyTrainer(transformers.Trainer):
         return the whole step's loss (each earlier batch returns 0, so transformers' running sum
         is the step's loss). The model gets ``num_items_in_batch`` where transformers gives it (the
         whole step's labelled tokens, which its loss divides its sum by): every microbatch has it
-        whole, and harmony adds their losses up as the graph says."""
+        whole, and harmony adds their losses up as the graph says. Where transformers leaves the
+        loss to the model (it takes ``**kwargs``) but the model's loss never reads
+        ``num_items_in_batch`` (a classification head's mean), transformers adds the batches' mean
+        losses: the step's loss and gradients are then as many times the mean as it has batches."""
         self._window.append(inputs)
         if not self.accelerator.sync_gradients:
             return torch.zeros((), device=self.args.device)
         batches, self._window = self._window, []
         batch = _one_batch(batches, self._pad_token_id(), self._padding_side())
-        if self.model_accepts_loss_kwargs and num_items_in_batch is not None:
+        passed = self.model_accepts_loss_kwargs and num_items_in_batch is not None
+        if passed:
             batch["num_items_in_batch"] = torch.as_tensor(num_items_in_batch).detach().cpu()
         self.model.train()
         with self._autocast():
-            loss = self._harmony_for(batch).step(batch)
+            scale = len(batches) if self._adds_batch_losses(passed, batch) else 1
+            loss = self._harmony_for(batch).step(batch, loss_scale=scale)
         return loss.detach().to(self.args.device)
+
+    def _adds_batch_losses(self, passed: bool, batch: dict) -> bool:
+        """Whether transformers adds the step's batch losses undivided (its own rule:
+        ``loss_is_scaled_for_ga`` where set, else whether it passes ``num_items_in_batch``) and the
+        model's loss does not divide by ``num_items_in_batch`` (a FakeTensor run of the forward, once)."""
+        decided = getattr(self, "loss_is_scaled_for_ga", None)
+        if not (passed if decided is None else decided):
+            return False  # transformers divides each batch's loss by their number: the mean
+        if not passed:
+            return True
+        if self._reads_num_items is None:
+            self._reads_num_items = _forward_reads(self.model, batch, "num_items_in_batch")
+        return not self._reads_num_items
 
     def _clip_grad_norm(self, model: nn.Module) -> torch.Tensor:
         """The global gradient norm harmony clipped by (``max_grad_norm``), for the log."""
@@ -305,6 +327,24 @@ def _refuse_unsupported(args: transformers.TrainingArguments, trainer_arguments:
     refused = _refusals(args, trainer_arguments, options)
     if refused:
         raise ValueError("HarmonyTrainer cannot honor " + "; ".join(refused) + ".")
+
+
+def _forward_reads(model: nn.Module, batch: dict[str, Any], key: str) -> bool:
+    """Whether ``model(**batch)`` reads the tensor ``batch[key]`` in any op, on FakeTensors."""
+    read = False
+
+    class _Watch(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            nonlocal read
+            read = read or any(leaf is watched for leaf in pytree.tree_leaves((args, kwargs)))
+            return func(*args, **(kwargs or {}))
+
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode, torch.no_grad():
+        fake = pytree.tree_map_only(torch.Tensor, mode.from_tensor, batch)
+        watched = fake[key]
+        with _Watch():
+            model(**fake)
+    return read
 
 
 def _one_batch(batches: list[dict[str, Any]], pad_token_id: int, padding_side: str) -> dict[str, Any]:

@@ -164,6 +164,40 @@ def test_batches_padded_to_changing_lengths_equal_eager(tmp_path):
     assert len(trainer.harmony.hm.variants) == 3  # one program per step's length (12, 14, 16)
 
 
+class _Labelled(torch.utils.data.Dataset):
+    """Random token sequences with a class each, for a sequence classifier."""
+
+    def __init__(self, size: int) -> None:
+        generator = torch.Generator().manual_seed(0)
+        self.ids = torch.randint(2, VOCAB, (size, SEQ), generator=generator)
+        self.labels = torch.randint(0, 3, (size,), generator=generator)
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, index: int) -> dict:
+        return {"input_ids": self.ids[index], "labels": self.labels[index]}
+
+
+def test_a_classifier_whose_loss_ignores_num_items_adds_its_batch_losses_as_transformers_does(tmp_path):
+    """BERT's sequence classification head takes ``**kwargs`` (so transformers neither divides its
+    loss by the accumulation steps nor has it divided by ``num_items_in_batch``) and computes a
+    plain mean: transformers' step adds the two batches' means. Harmony's loss was their mean,
+    half of transformers' (and so were the gradients): now the same, step by step."""
+    def classifier():
+        torch.manual_seed(0)
+        return transformers.BertForSequenceClassification(transformers.BertConfig(
+            vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+            hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, num_labels=3))
+
+    arguments = {"eval_strategy": "no", "save_strategy": "no", "max_steps": 3}
+    _, eager_steps, _ = _train(transformers.Trainer, classifier(), tmp_path / "eager", train_data=_Labelled(32),
+                               arguments=arguments)
+    _, steps, _ = _train(HarmonyTrainer, classifier(), tmp_path / "harmony", train_data=_Labelled(32),
+                         arguments=arguments)
+    _assert_same_steps(steps, eager_steps)
+
+
 @pytest.mark.parametrize("overrides,match", [
     ({"torch_compile": True}, r"torch_compile=True: HarmonyTrainer compiles the model itself; drop torch_compile"),
     ({"label_smoothing_factor": 0.1}, r"label_smoothing_factor: transformers smooths outside the model"),

@@ -151,3 +151,20 @@ def test_a_model_returning_a_tuple_without_a_loss_fn_is_refused_with_what_to_do(
     model = _NanoGPTLike()
     with pytest.raises(ValueError, match=r"lambda out: out\[1\]"):
         harmony_fx.Trainer(model, None, torch.optim.SGD(model.parameters(), lr=0.1), _token_batch(1))
+
+
+def test_a_loss_scale_multiplies_the_steps_loss_and_every_gradient():
+    """``step(batch, loss_scale=3)``: three times the loss eager computes, and three times each
+    gradient (what a caller adding its batches' losses asks for)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
+    reference = copy.deepcopy(model)
+    x, target = torch.randn(6, 8), torch.randn(6, 2)
+    trainer = harmony_fx.Trainer(model, F.mse_loss, torch.optim.SGD(model.parameters(), lr=0.0), (x, target),
+                                 devices=["host:0"], microbatches=2)
+    loss = trainer.step((x, target), loss_scale=3.0)
+    expected = F.mse_loss(reference(x), target)
+    expected.backward()
+    torch.testing.assert_close(loss, 3 * expected.detach(), rtol=1e-5, atol=1e-6)
+    for param, ref in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(param.grad, 3 * ref.grad, rtol=1e-5, atol=1e-6)
