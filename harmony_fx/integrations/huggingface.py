@@ -330,7 +330,9 @@ def _refuse_unsupported(args: transformers.TrainingArguments, trainer_arguments:
 
 
 def _forward_reads(model: nn.Module, batch: dict[str, Any], key: str) -> bool:
-    """Whether ``model(**batch)`` reads the tensor ``batch[key]`` in any op, on FakeTensors."""
+    """Whether ``model(**batch)`` reads the tensor ``batch[key]`` in any op, on FakeTensors; where
+    the forward cannot run on them (a value read by Python), taken as read: the loss as harmony's
+    graph computes it, unscaled."""
     read = False
 
     class _Watch(TorchDispatchMode):
@@ -339,11 +341,14 @@ def _forward_reads(model: nn.Module, batch: dict[str, Any], key: str) -> bool:
             read = read or any(leaf is watched for leaf in pytree.tree_leaves((args, kwargs)))
             return func(*args, **(kwargs or {}))
 
-    with FakeTensorMode(allow_non_fake_inputs=True) as mode, torch.no_grad():
-        fake = pytree.tree_map_only(torch.Tensor, mode.from_tensor, batch)
-        watched = fake[key]
-        with _Watch():
-            model(**fake)
+    try:
+        with FakeTensorMode(allow_non_fake_inputs=True) as mode, torch.no_grad():
+            fake = pytree.tree_map_only(torch.Tensor, mode.from_tensor, batch)
+            watched = fake[key]
+            with _Watch():
+                model(**fake)
+    except Exception:  # noqa: BLE001 - FakeTensors' refusals; the modes are left by their own exits
+        return True
     return read
 
 
