@@ -48,7 +48,7 @@ from harmony_fx.training.checkpoint import TrainingState, load_file, save_file
 from harmony_fx.training.loss import BatchLoss, LossModel
 from harmony_fx.training.stats import StepStats
 from harmony_fx.training.transaction import PendingStep, StepTransaction, Undo
-from harmony_fx.training.updates import PackUpdates, Updater
+from harmony_fx.training.updates import PackUpdates, StepHooks, Updater
 
 __all__ = ["Trainer", "NonFiniteLossError"]
 
@@ -99,6 +99,12 @@ class Trainer:
                              "backward already made, from the copies atomic=False does not keep")
         if loss_reduction not in ("mean", "sum"):
             raise ValueError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
+        closure = inspect.signature(type(optimizer).step).parameters.get("closure")
+        if closure is not None and closure.default is inspect.Parameter.empty:
+            raise TypeError(f"{type(optimizer).__name__} steps with a closure that evaluates the loss again "
+                            "(optimizer.step(closure)); harmony_fx.Trainer runs the forward and backward once a "
+                            "step and updates each pack as its gradients arrive: use an optimizer whose step "
+                            "takes no closure (SGD, Adam, AdamW, ...), or harmony_fx.compile with your own loop.")
         model_params = {id(p) for p in model.parameters()}
         foreign = [i for group in optimizer.param_groups for i, p in enumerate(group["params"]) if id(p) not in model_params]
         if foreign:
@@ -220,7 +226,9 @@ class Trainer:
         updates = PackUpdates(self._updater, groups, hm.update_arrivals, undo)
         self._last_hm, self._stats = hm, None
         loss = None
+        hooks = StepHooks(self.optimizer)
         try:
+            hooks.hold()
             with updates:
                 runtime = hm.run_iteration(per_mb, updates.on_pack, batch_loss.output_grads,
                                            self._on_tier if self._tier is not None else None, self._grad_buffers)
@@ -241,7 +249,9 @@ class Trainer:
                 stats.update_seconds = stats.update_exposed_seconds = time.perf_counter() - started
             stats.undo_seconds = undo.seconds
             self._pending = transaction.commit(stats)
+            hooks.release(done=True)
         except BaseException as error:
+            hooks.release(done=False)
             updates.shutdown()
             # with clipping no pack took its turn in the backward: the ranks' collectives start after they agree
             transaction.fail(error, updates.turns if self.max_grad_norm is None else None, len(per_mb))

@@ -343,3 +343,17 @@ def fake_machine(tmp_path, monkeypatch):
     calibrate._forget()
     yield state
     calibrate._forget()
+
+
+def after_each_pack_update(monkeypatch, probe) -> None:
+    """``probe(params)`` after each pack's update over ``params`` (``step_subset``, on the update
+    worker): the optimizer's own step hooks run once a step, not once a pack."""
+    from harmony_fx.training import updates
+
+    original = updates.step_subset
+
+    def stepped(optimizer, params):
+        original(optimizer, params)
+        probe(params)
+
+    monkeypatch.setattr(updates, "step_subset", stepped)

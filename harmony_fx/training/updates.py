@@ -31,7 +31,7 @@ from harmony_fx.runtime.host import GradientBuffers, land
 from harmony_fx.runtime.tier import StateTier
 from harmony_fx.tier_policy import PACKS_READ_AHEAD
 
-__all__ = ["Updater", "PackUpdates", "step_subset"]
+__all__ = ["Updater", "PackUpdates", "StepHooks", "step_subset"]
 
 
 class Updater:
@@ -201,6 +201,38 @@ def step_subset(optimizer: torch.optim.Optimizer, params: Sequence[nn.Parameter]
     finally:
         for group, original in zip(optimizer.param_groups, saved):
             group["params"] = original
+
+
+class StepHooks:
+    """The optimizer's own step hooks (``register_step_pre_hook``, ``register_step_post_hook``) once
+    a Trainer step, as around one ``optimizer.step()``, each seeing every parameter: the step
+    updates pack by pack, each update an ``optimizer.step()`` over that pack's parameters, which
+    would run every hook once a pack. ``hold()`` runs the pre-hooks and takes every hook off the
+    optimizer; ``release(done)`` puts them back and, for a step done (not undone), runs the
+    post-hooks."""
+
+    _KINDS = ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks")
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        self._optimizer = optimizer
+        self._held: dict[str, dict] = {}
+
+    def hold(self) -> None:
+        for name in self._KINDS:
+            hooks = getattr(self._optimizer, name, None)
+            if hooks is not None:
+                self._held[name] = dict(hooks)
+                hooks.clear()
+        for hook in self._held.get(self._KINDS[0], {}).values():
+            hook(self._optimizer, (), {})
+
+    def release(self, done: bool) -> None:
+        held, self._held = self._held, {}
+        for name, hooks in held.items():
+            getattr(self._optimizer, name).update(hooks)
+        if done:
+            for hook in held.get(self._KINDS[1], {}).values():
+                hook(self._optimizer, (), {})
 
 
 def _timed(fn: Callable, *args) -> float:

@@ -20,7 +20,8 @@ from harmony_fx.models import GPTConfig, MLPChain, TinyGPT
 from harmony_fx.runtime.executor import Runtime
 from harmony_fx.program.actions import ActionKind
 from harmony_fx.testing.models import zoo
-from tests.helpers import FOUR_PACKS, assert_same_result, four_pack_model, four_pack_trainer, regression_batches
+from tests.helpers import (FOUR_PACKS, after_each_pack_update, assert_same_result, four_pack_model,
+                           four_pack_trainer, regression_batches)
 
 RTOL, ATOL = 1e-5, 1e-6
 STEPS = 5
@@ -568,7 +569,7 @@ def _live_bytes_shaped_as(params, besides, earlier: dict[int, weakref.ref]) -> i
 
 
 @pytest.mark.parametrize("atomic", [True, False])
-def test_one_set_of_host_gradients_serves_every_step(atomic):
+def test_one_set_of_host_gradients_serves_every_step(atomic, monkeypatch):
     """Each step's weight gradients land in the tensors that held the last step's: the host holds
     one set of gradients, not the last step's beside this one's. Counted here, over 3 steps of a
     4-pack model: every gradient an update stepped with that is still alive, while each update
@@ -581,12 +582,12 @@ def test_one_set_of_host_gradients_serves_every_step(atomic):
     stepped_with: list[weakref.ref] = []  # every .grad an update read, as long as it lives
     alive_during_updates: list[int] = []
 
-    def count_alive(optimizer, args, kwargs):  # on the update worker, after each pack's update
-        stepped_with.extend(weakref.ref(p.grad) for group in optimizer.param_groups for p in group["params"])
+    def count_alive(params):  # on the update worker, after each pack's update
+        stepped_with.extend(weakref.ref(p.grad) for p in params)
         alive = [grad for grad in (ref() for ref in stepped_with) if grad is not None]
         alive_during_updates.append(sum(_storage_bytes(alive).values()))
 
-    trainer.optimizer.register_step_post_hook(count_alive)
+    after_each_pack_update(monkeypatch, count_alive)
     where_grads_live = []
     try:
         for x, target in regression_batches(3):

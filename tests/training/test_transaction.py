@@ -8,7 +8,8 @@ from torch import nn
 
 from harmony_fx.training.transaction import Undo
 from harmony_fx.training.updates import Updater
-from tests.helpers import assert_same_result, four_pack_model, four_pack_trainer, regression_batches
+from tests.helpers import (after_each_pack_update, assert_same_result, four_pack_model, four_pack_trainer,
+                           regression_batches)
 
 
 def _trained_once(model: nn.Module) -> torch.optim.Optimizer:
@@ -82,7 +83,7 @@ class _Injected(RuntimeError):
     pass
 
 
-def test_a_failed_step_leaves_no_grad_and_the_next_step_equals_eager():
+def test_a_failed_step_leaves_no_grad_and_the_next_step_equals_eager(monkeypatch):
     """A step whose second pack update fails (each pack's gradients landed in the last step's
     tensors) is undone: weights and optimizer state as before it, every ``.grad`` ``None``. The
     step run again equals eager's, gradients included."""
@@ -92,12 +93,12 @@ def test_a_failed_step_leaves_no_grad_and_the_next_step_equals_eager():
     params = list(trainer.model.parameters())
     updates = []
 
-    def fail_in_second_step(optimizer, args, kwargs):
+    def fail_in_second_step(params):
         updates.append(len(updates))
         if len(updates) == 4 + 2:  # the first step's 4 packs, then 2 of the second's
             raise _Injected("after two packs of the second step")
 
-    handle = trainer.optimizer.register_step_post_hook(fail_in_second_step)
+    after_each_pack_update(monkeypatch, fail_in_second_step)
     try:
         for step, (x, target) in enumerate(regression_batches(3)):
             if step == 1:
@@ -119,6 +120,5 @@ def test_a_failed_step_leaves_no_grad_and_the_next_step_equals_eager():
             for param, ref in zip(params, reference.parameters()):
                 torch.testing.assert_close(param.grad, ref.grad, rtol=1e-5, atol=1e-6)
     finally:
-        handle.remove()
         trainer.close()
     assert len(updates) == 4 * 4  # the failed step's worker went on with its other packs, undone too

@@ -6,8 +6,11 @@ import copy
 
 import pytest
 import torch
+import torch.nn.functional as F
 from hypothesis import given, strategies as st
 from torch import nn
+
+import harmony_fx
 
 from harmony_fx.distributed.updates import TurnOrder
 from harmony_fx.training.transaction import Undo
@@ -93,3 +96,33 @@ def test_turns_come_in_the_common_order_whatever_order_packs_complete_in(arrival
         # a pack's turn comes as soon as every pack before it is complete
         assert len(taken) == next((i for i, p in enumerate(order) if p not in arrival[:count]), len(order))
     assert taken == order
+
+
+@pytest.mark.parametrize("max_grad_norm", [None, 0.1])
+def test_the_optimizers_step_hooks_run_once_a_step_seeing_every_parameter(max_grad_norm):
+    """A step updates pack by pack, an ``optimizer.step()`` over each pack's parameters: the
+    optimizer's own hooks (an EMA, a step counter) ran once a pack, each seeing that pack's two
+    parameters. As around one eager ``optimizer.step()``: once, before and after, over all six."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    calls = []
+    def hook(kind):
+        return lambda opt, args, kwargs: calls.append((kind, sum(len(group["params"]) for group in opt.param_groups)))
+
+    optimizer.register_step_pre_hook(hook("pre"))
+    optimizer.register_step_post_hook(hook("post"))
+    x, y = torch.randn(8, 16), torch.randint(0, 4, (8,))
+    trainer = harmony_fx.Trainer(model, F.cross_entropy, optimizer, (x, y), pack_boundaries=[0, 2, 4],
+                                 max_grad_norm=max_grad_norm, devices=["host:0"])
+    for _ in range(2):
+        trainer.step((x, y))
+    assert calls == [("pre", 6), ("post", 6)] * 2
+    assert len(optimizer._optimizer_step_pre_hooks) == len(optimizer._optimizer_step_post_hooks) == 1
+
+
+def test_an_optimizer_that_steps_with_a_closure_is_refused_with_what_to_use():
+    model = nn.Linear(4, 2)
+    with pytest.raises(TypeError, match="closure.*SGD, Adam"):
+        harmony_fx.Trainer(model, F.mse_loss, torch.optim.LBFGS(model.parameters()),
+                           (torch.randn(2, 4), torch.randn(2, 2)))
