@@ -293,8 +293,23 @@ def _capture_failure_message(model: nn.Module, export_error: Exception, trace_er
         f"harmony_fx could not capture {type(model).__name__} as a graph.\n"
         f"  torch.export (non-strict) failed with   {first_line(export_error)}\n"
         f"  torch.fx.symbolic_trace failed with     {first_line(trace_error)}\n"
-        f"What to try: {_advice(export_error)}{_where_and_labels(export_error, kwargs)}"
+        f"What to try: {_cumulative_batch_norm(model) or _advice(export_error)}"
+        f"{_where_and_labels(export_error, kwargs)}"
     )
+
+
+def _cumulative_batch_norm(model: nn.Module) -> str:
+    """A BatchNorm with ``momentum=None`` in training divides by ``float(num_batches_tracked)``, a
+    value read by Python, which no capture can keep in a graph."""
+    found = [(name, module) for name, module in model.named_modules()
+             if isinstance(module, nn.modules.batchnorm._BatchNorm) and module.momentum is None and module.training]
+    if not found:
+        return ""
+    name, module = found[0]
+    return (f"module {name or '(the model)'} (a {type(module).__name__}) has momentum=None, a cumulative average: "
+            "torch reads float(num_batches_tracked) in Python, which no graph can hold; give it a number "
+            "(momentum=0.1, torch's default), or use torch.compile(model, backend='harmony'), whose Dynamo "
+            "graphs take that value as an input.")
 
 
 def _where_and_labels(export_error: Exception, kwargs: dict) -> str:

@@ -220,3 +220,14 @@ def test_a_torchscript_module_is_refused_naming_it():
     model = nn.Sequential(torch.jit.script(nn.Linear(8, 16)), nn.ReLU(), nn.Linear(16, 4))
     with pytest.raises(harmony_fx.CaptureError, match=r"the module '0' is TorchScript \(RecursiveScriptModule"):
         harmony_fx.compile(model, (torch.randn(4, 8),), devices=["host:0"])
+
+
+def test_a_cumulative_batch_norm_is_named_with_what_to_do():
+    """``momentum=None``: torch divides by ``float(num_batches_tracked)``, which export cannot keep
+    in a graph; the advice was about control flow on tensor values."""
+    model = nn.Sequential(nn.Linear(16, 8), nn.BatchNorm1d(8, momentum=None))
+    with pytest.raises(harmony_fx.CaptureError) as info:
+        harmony_fx.compile(model, (torch.randn(4, 16),), microbatches=1)
+    message = str(info.value)
+    assert "module 1 (a BatchNorm1d) has momentum=None" in message and "momentum=0.1" in message
+    assert "torch.where" not in message
