@@ -568,6 +568,6 @@ def _warn_if_cut_changes_results(layout: Layout, analysis: BatchAnalysis) -> Non
     if layout.num_microbatches > 1 and not analysis.separable:
         warnings.warn(
             f"harmony_fx: microbatches={layout.num_microbatches} cuts the batch, but harmony_fx cannot show "
-            f"that microbatches compute what the whole batch does: {analysis.reason.rstrip('.')}. The results (loss and "
-            "gradients) may differ from eager's; microbatches=1, or None (the planner keeps such a batch "
-            "whole), computes eager's.", UserWarning, stacklevel=2)
+            f"that microbatches compute what the whole batch does: {analysis.reason.rstrip('.')}. The results "
+            "(loss and gradients) may differ from eager's; microbatches=1, or None (the planner keeps such a "
+            "batch whole), computes eager's.", UserWarning, stacklevel=2)

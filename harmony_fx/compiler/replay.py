@@ -42,9 +42,9 @@ import torch
 from torch.utils import _pytree as pytree
 
 from harmony_fx.ir.tracking import storage_key
+from harmony_fx.ir.values import empty_fake
 from harmony_fx.program.actions import Key, KeyKind
 from harmony_fx.runtime.inductor import structure_key
-from harmony_fx.ir.values import empty_fake
 from harmony_fx.runtime.probe import Probe
 
 __all__ = ["TaskRecords", "ReplayingProbe"]

@@ -39,6 +39,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from harmony_fx.analysis.reductions import ScalarReduction, scalar_reduction
 from harmony_fx.ir import meta
 from harmony_fx.ir.autograd_functions import custom_backwards
+from harmony_fx.ir.values import fakes_of
 from harmony_fx.frontend.backward_hooks import (
     hooks_registered_in_forward, refuse_module_backward_hooks, refuse_tensor_hooks,
 )
@@ -183,8 +184,7 @@ def _raised_when_run(model: nn.Module, args: tuple, kwargs: dict) -> Exception |
     where both captures failed because the model itself fails on these inputs (float token ids),
     that is the error to show, not advice about tracing."""
     try:
-        with torch._subclasses.FakeTensorMode(allow_non_fake_inputs=True) as mode, torch.no_grad():
-            fake_args, fake_kwargs = pytree.tree_map_only(torch.Tensor, mode.from_tensor, (args, kwargs))
+        with fakes_of((args, kwargs)) as (fake_args, fake_kwargs):
             model(*fake_args, **fake_kwargs)
     except Exception as error:  # noqa: BLE001 - the model's own error, shown to the user
         # not FakeTensors' own refusals (a value read by Python control flow, an op with no fake kernel)
@@ -232,8 +232,7 @@ def _register_output_dataclasses(model: nn.Module, args: tuple, kwargs: dict) ->
     registration is process-wide, as Hugging Face's own for ``ModelOutput``: it only lets pytree
     flatten these types into their fields."""
     try:
-        with torch._subclasses.FakeTensorMode(allow_non_fake_inputs=True) as mode, torch.no_grad():
-            fake_args, fake_kwargs = pytree.tree_map_only(torch.Tensor, mode.from_tensor, (args, kwargs))
+        with fakes_of((args, kwargs)) as (fake_args, fake_kwargs):
             output = model(*fake_args, **fake_kwargs)
     except Exception:  # noqa: BLE001 - then export's own error stands
         return False

@@ -43,7 +43,6 @@ from typing import Any, Mapping
 
 import torch
 from torch import nn
-from torch._subclasses import FakeTensorMode
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -55,6 +54,7 @@ except ImportError as error:  # an optional extra: say how to get it
 
 from harmony_fx.api import HarmonyModule, compile as harmony_compile
 from harmony_fx.config import check_option_names, option_names, with_environment
+from harmony_fx.ir.values import fakes_of
 from harmony_fx.trainer import Trainer
 
 __all__ = ["HarmonyTrainer"]
@@ -342,8 +342,7 @@ def _forward_reads(model: nn.Module, batch: dict[str, Any], key: str) -> bool:
             return func(*args, **(kwargs or {}))
 
     try:
-        with FakeTensorMode(allow_non_fake_inputs=True) as mode, torch.no_grad():
-            fake = pytree.tree_map_only(torch.Tensor, mode.from_tensor, batch)
+        with fakes_of(batch) as fake:
             watched = fake[key]
             with _Watch():
                 model(**fake)

@@ -12,14 +12,15 @@ exactly as its value does.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+import contextlib
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensor
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils import _pytree as pytree
 from torch.utils._mode_utils import no_dispatch
 
-__all__ = ["map_tensors", "tensors", "leaves", "with_leaves", "add_grads", "value_bytes", "empty_fake"]
+__all__ = ["map_tensors", "tensors", "leaves", "with_leaves", "add_grads", "value_bytes", "empty_fake", "fakes_of"]
 
 
 def map_tensors(fn: Callable[[torch.Tensor], Any], value: Any) -> Any:
@@ -75,3 +76,12 @@ def empty_fake(shape: Sequence[int], stride: Sequence[int], dtype: torch.dtype, 
     with no_dispatch():
         elem = torch.empty_strided(shape, stride, dtype=dtype, device="meta")
     return FakeTensor(mode, elem, torch.device(device))
+
+
+@contextlib.contextmanager
+def fakes_of(value: Any) -> Iterator[Any]:
+    """``value`` with each tensor as a FakeTensor, inside a ``FakeTensorMode`` (real tensors, a
+    model's parameters, still allowed) without grad: a forward run on it computes nothing. Used to
+    learn what a model's forward does with inputs before (or instead of) capturing it."""
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode, torch.no_grad():
+        yield pytree.tree_map_only(torch.Tensor, mode.from_tensor, value)
