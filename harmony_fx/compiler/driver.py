@@ -15,7 +15,9 @@
 7. ``fall back``: if a stage from 3 on raises for the planner's schedule (its packing does not
    fit after all, a microbatch size captures another graph, ...), stages 3-9 again with its next
    schedule, and last with the options' own settings; if those fail too, their error says what
-   was tried before.
+   was tried before. Where the planner was free to cut the batch and the options' own do not fit,
+   one sample per microbatch is tried last, and a refusal names the smaller of the two smallest
+   budgets.
 8. ``annotate packs``: the chosen packing written on the graphs, liveness, ``verify_packs``.
 9. ``check peak``; for a Trainer with ``host_memory``/``nvme_path``, ``plan host memory`` (what a
    step holds there, and which packs' optimizer state goes to the NVMe tier:
@@ -58,7 +60,7 @@ from harmony_fx.ir import meta
 from harmony_fx.lowering.tier_io import insert_tier_io
 from harmony_fx.passes.split_packs import annotate_packs
 from harmony_fx.planner.chain import Schedule
-from harmony_fx.planner.choose import choose_schedules
+from harmony_fx.planner.choose import choose_schedules, cutting_changes_results
 from harmony_fx.program.actions import Action, ActionKind, KeyKind
 from harmony_fx.program.codegen import generate_program
 from harmony_fx.program.verify import check_peak, verify_packs
@@ -119,7 +121,7 @@ def _compile_program(model: nn.Module, args: tuple, kwargs: dict, options: Compi
     flat_dims = tuple(d for x, d in zip(microbatch.pytree.tree_leaves((args, kwargs)), microbatch.pytree.tree_leaves(dims))
                       if isinstance(x, torch.Tensor))
     example = _Example(model, args, kwargs, dims, flat_dims)
-    whole = analysis = None
+    whole = analysis = least = None
     schedules: tuple[Schedule, ...] = ()
     if options.pack_boundaries is None and (
             options.microbatches is None or (options.parallel == "auto" and len(devices) > 1)):
@@ -130,9 +132,13 @@ def _compile_program(model: nn.Module, args: tuple, kwargs: dict, options: Compi
             analysis = log.run("analyze batch", _analyze_batch, whole, batch, flat_dims, decision=_describe_batch)
             schedules = log.run("choose schedule", choose_schedules, whole.captured.gm, model, batch, devices,
                                 devices[0].budget, options, analysis.separable, trainer, decision=_describe_schedules)
-    stages = functools.partial(_from_layout, log, example, devices, options, trainer, updates, optimizer, whole,
-                               analysis, forward_only=forward_only, reuse=reuse, resident=resident)
-    return _first_that_compiles(log, stages, schedules, options, len(devices))
+            least = _least_memory_options(options, analysis, whole, model, batch, len(devices))
+
+    def stages(schedule: Schedule | None, options: CompileOptions = options) -> Compiled:
+        return _from_layout(log, example, devices, options, trainer, updates, optimizer, whole, analysis, schedule,
+                            forward_only=forward_only, reuse=reuse, resident=resident)
+
+    return _first_that_compiles(log, stages, schedules, options, len(devices), least, devices[0].budget)
 
 
 # the stages a compile past two seconds says it starts (the others take milliseconds)
@@ -141,13 +147,15 @@ _SLOW_STAGES = frozenset({"capture whole batch", "choose schedule", "capture mic
 
 
 def _first_that_compiles(log: StageLog, stages, schedules: tuple[Schedule, ...], options: CompileOptions,
-                         num_devices: int) -> Compiled:
+                         num_devices: int, least: CompileOptions | None = None, budget: int | None = None) -> Compiled:
     """``stages(schedule)`` for the planner's schedules in turn, then the options' own (``None``):
     the planner chose on the whole batch's graph and its own cost model, and a choice can still
     fail here (a microbatch size captures another graph, the packing does not fit after all), which
     is no reason to fail a model the next choice compiles. Each try is in the log; if the options'
     own fail too, their error is raised (its type kept: callers catch ``BudgetTooSmallError``),
-    saying what was tried before and why each failed."""
+    saying what was tried before and why each failed. Where the options' own do not fit and
+    ``least`` is given (``_least_memory_options``), those are tried last, and their refusal names
+    the smallest budget the planner's range of microbatches allows."""
     tried: list[tuple[str, Exception]] = []
     candidates = [*schedules, None]
     for index, schedule in enumerate(candidates):
@@ -155,6 +163,8 @@ def _first_that_compiles(log: StageLog, stages, schedules: tuple[Schedule, ...],
             return stages(schedule)
         except Exception as error:  # noqa: BLE001 - any failure of a planner's choice: try the next
             if schedule is None:
+                if least is not None and isinstance(error, BudgetTooSmallError):
+                    return _with_least_memory(log, stages, least, error, tried, options, num_devices, budget)
                 if not tried:
                     raise
                 replacement = _say_what_was_tried(error, tried)
@@ -167,6 +177,49 @@ def _first_that_compiles(log: StageLog, stages, schedules: tuple[Schedule, ...],
             said = f"{what} raised {type(error).__name__}; trying {following}"
             log.run("fall back", lambda: None, decision=lambda _: said)
     raise AssertionError("unreachable: the options' own settings are the last candidate")
+
+
+def _least_memory_options(options: CompileOptions, analysis: BatchAnalysis, whole: Variant, model: nn.Module,
+                          batch: int, num_devices: int) -> CompileOptions | None:
+    """The options with one sample per microbatch, the least memory of the microbatch counts the
+    planner chooses from, where it was free to choose them and they change no result (the samples
+    are apart, nothing random is drawn, no BatchNorm in training); ``None`` where the options' own
+    (one microbatch per device) are already the planner's whole range."""
+    if (options.microbatches is not None or options.forward_microbatches is not None or not analysis.separable
+            or batch <= num_devices or cutting_changes_results(whole.captured.gm, model)):
+        return None
+    return dataclasses.replace(options, microbatches=batch)
+
+
+def _with_least_memory(log: StageLog, stages, least: CompileOptions, refusal: BudgetTooSmallError,
+                       tried: list[tuple[str, Exception]], options: CompileOptions, num_devices: int,
+                       budget: int) -> Compiled:
+    """The options' own do not fit (``refusal``): ``least``'s compile, or a refusal naming the
+    smaller of the two smallest budgets. A sample per microbatch holds the fewest activations at a
+    time, but each microbatch adds what the device keeps of it (a model whose weights outweigh
+    its activations fits one microbatch in less): neither alone is the smallest budget the
+    planner's microbatches allow, and naming the one microbatch's alone sent users of a model
+    whose activations dominate to a device four times larger than it needs (a 59-block GPT-2).
+    Where ``least`` fails otherwise (a sample alone captures another graph), ``refusal``."""
+    own = _describe_try(None, options, num_devices)
+    what = f"one sample per microbatch ({least.microbatches} microbatches)"
+    log.run("fall back", lambda: None, decision=lambda _: f"{own} do not fit; trying {what}")
+    try:
+        return stages(None, least)
+    except BudgetTooSmallError as error:
+        smallest = min(error.smallest_budget, refusal.smallest_budget)
+        which = what if error.smallest_budget < refusal.smallest_budget else own
+        message = (f"plan_packs: no packing fits the memory budget of {budget:,} bytes; the smallest budget that fits "
+                   f"is {smallest:,} bytes ({format_size(smallest)}), with {which} (with {what}: "
+                   f"{format_size(error.smallest_budget)}; with {own}: {format_size(refusal.smallest_budget)}). "
+                   "Raise memory_budget to at least that, or use a smaller batch or shorter inputs.")
+        replacement = BudgetTooSmallError(message, smallest)
+        raise (_say_what_was_tried(replacement, tried) if tried else replacement) from error
+    except Exception as error:  # noqa: BLE001 - the options' own refusal stands, saying what was tried
+        replacement = _say_what_was_tried(refusal, [*tried, (what, error)])
+        if replacement is refusal:
+            raise refusal from error
+        raise replacement from error
 
 
 def _describe_try(schedule: Schedule | None, options: CompileOptions, num_devices: int) -> str:
@@ -185,8 +238,7 @@ def _say_what_was_tried(error: Exception, tried: list[tuple[str, Exception]]) ->
     object where its message is its one argument (type and attributes kept, e.g.
     ``BudgetTooSmallError.smallest_budget``), else a ``ValueError`` saying it all."""
     lines = "\n".join(f"  - {what}: {type(failure).__name__}: {_first_line(failure)}" for what, failure in tried)
-    message = (f"{error}\nharmony_fx tried {len(tried)} schedule(s) of the planner before these options, and each "
-               f"failed:\n{lines}")
+    message = f"{error}\nharmony_fx also tried, and each failed:\n{lines}"
     if type(error).__str__ is BaseException.__str__ and len(error.args) == 1 and isinstance(error.args[0], str):
         error.args = (message,)
         return error

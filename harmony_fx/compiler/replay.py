@@ -42,7 +42,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from harmony_fx.ir.tracking import storage_key
-from harmony_fx.ir.values import empty_fake
+from harmony_fx.ir.values import alias_fake, empty_fake
 from harmony_fx.program.actions import Key, KeyKind
 from harmony_fx.runtime.inductor import structure_key
 from harmony_fx.runtime.probe import Probe
@@ -402,10 +402,10 @@ def _build(template: tuple, storages: list[torch.Tensor], sources: list, unused:
                 and tuple(base.shape) == shape and base.stride() == stride):
             unused.discard(index)
             leaf = base  # the storage's own tensor (one op fewer for each of a task's values)
-        else:
+        elif is_view:
             leaf = base.as_strided(shape, stride, offset)
-        if not is_view and leaf is not base:
-            leaf = leaf.detach()  # an alias of its own, as ``detach`` makes: no ``_base``
+        else:
+            leaf = alias_fake(base, shape, stride, offset)  # an alias of its own, as ``detach`` makes: no ``_base``
         if requires_grad:
             leaf.requires_grad_(True)
         leaves.append(leaf)

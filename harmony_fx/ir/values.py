@@ -78,6 +78,17 @@ def empty_fake(shape: Sequence[int], stride: Sequence[int], dtype: torch.dtype, 
     return FakeTensor(mode, elem, torch.device(device))
 
 
+def alias_fake(base: torch.Tensor, shape: Sequence[int], stride: Sequence[int], offset: int) -> torch.Tensor:
+    """A FakeTensor over ``base``'s storage with this layout and no ``_base``: what ``as_strided``
+    and then ``detach`` make, without the mode's dispatch (two cache keys), as ``empty_fake`` does.
+    A real tensor, or a symbolic size, goes through the ops."""
+    if not isinstance(base, FakeTensor) or not all(type(size) is int for size in (*shape, *stride)):
+        return base.as_strided(shape, stride, offset).detach()
+    with no_dispatch():
+        elem = torch.empty(0, dtype=base.dtype, device="meta").set_(base.untyped_storage(), offset, shape, stride)
+    return FakeTensor(base.fake_mode, elem, base.device)
+
+
 @contextlib.contextmanager
 def fakes_of(value: Any) -> Iterator[Any]:
     """``value`` with each tensor as a FakeTensor, inside a ``FakeTensorMode`` (real tensors, a

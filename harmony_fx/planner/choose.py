@@ -28,7 +28,7 @@ from harmony_fx.planner.profile import profile_graph
 from harmony_fx.planner.search import PlanChoice, PlanningError, search
 from harmony_fx.planner.specs import PRESETS, DeviceSpec, HostSpec, host_nominal
 
-__all__ = ["choose_schedules", "device_spec"]
+__all__ = ["choose_schedules", "cutting_changes_results", "device_spec"]
 
 
 def choose_schedules(gm: fx.GraphModule, model: nn.Module, batch_size: int, devices: list, budget: int | None,
@@ -50,7 +50,7 @@ def choose_schedules(gm: fx.GraphModule, model: nn.Module, batch_size: int, devi
     profile = profile_graph("model", gm, batch_size, None, options.precision, devices[0].torch_device.type)
     microbatches = options.microbatches
     parallel = None if options.parallel == "auto" or len(devices) == 1 else options.parallel
-    changes_results = _split_changes_results(gm, model)
+    changes_results = cutting_changes_results(gm, model)
     if microbatches is None and not separable:
         microbatches = 1
         if parallel is None and len(devices) > 1:
@@ -125,7 +125,9 @@ def _budget_note(choice: PlanChoice, profile, spec: DeviceSpec, settings: dict, 
             + (f" ({'; '.join(reasons)})" if reasons else ""))
 
 
-def _split_changes_results(gm: fx.GraphModule, model: nn.Module) -> bool:
+def cutting_changes_results(gm: fx.GraphModule, model: nn.Module) -> bool:
+    """Whether microbatches change the results even where the samples are apart: random draws
+    (dropout draws per microbatch) or a BatchNorm in training (statistics per microbatch)."""
     random = any(draws_random(node) for node in gm.graph.nodes)
     batch_norm = any(isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training for m in model.modules())
     return random or batch_norm

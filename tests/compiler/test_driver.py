@@ -136,15 +136,16 @@ def test_a_planner_choice_that_cannot_be_captured_falls_back_and_trains_like_eag
 
 
 def test_when_every_schedule_fails_the_error_says_what_was_tried(monkeypatch):
-    """The planner's schedules fail (forced here), then the options' own: their error is raised,
-    of its own type and with its attributes (callers catch ``BudgetTooSmallError`` and read
-    ``smallest_budget``), saying what was tried before and why each failed."""
+    """The planner's schedules fail (forced here), then the options' own, then one sample per
+    microbatch: the last one's refusal is raised, a ``BudgetTooSmallError`` with its
+    ``smallest_budget`` (what callers read), saying what was tried before and why each failed."""
     from harmony_fx.compiler import driver
 
-    def fails(schedule, *args):
+    def fails(schedule, options, *args):
         if schedule is not None:
             raise ValueError(f"no layout for {schedule.microbatches} microbatches")
-        raise harmony_fx.BudgetTooSmallError("plan_packs: the options' own do not fit", smallest_budget=12345)
+        raise harmony_fx.BudgetTooSmallError("plan_packs: does not fit",
+                                             smallest_budget=678 if options.microbatches else 12345)
 
     monkeypatch.setattr(driver, "decide_layout", fails)
     torch.manual_seed(0)
@@ -152,11 +153,82 @@ def test_when_every_schedule_fails_the_error_says_what_was_tried(monkeypatch):
     x = torch.randn(16, 32)
     with pytest.raises(harmony_fx.BudgetTooSmallError) as info:
         hm(x)
-    assert info.value.smallest_budget == 12345
+    assert info.value.smallest_budget == 678
     message = str(info.value)
-    assert message.startswith("plan_packs: the options' own do not fit")
+    assert message.startswith("plan_packs: no packing fits the memory budget of 24,576 bytes; the smallest budget "
+                              "that fits is 678 bytes (678 B), with one sample per microbatch (16 microbatches)")
     tried = re.findall(r"^  - the planner's (.*): ValueError: no layout for (\d+) microbatches$", message, re.M)
     assert tried and all(f"{count} microbatches" in what for what, count in tried), message
+
+
+def _refused(model, x, **options):
+    with pytest.raises(harmony_fx.BudgetTooSmallError) as info:
+        harmony_fx.compile(model, (x,), memory_budget=1, **options)
+    return info.value
+
+
+@pytest.mark.parametrize("batch, fewest", [(16, "one microbatch"), (64, "one sample per microbatch")])
+def test_a_refusal_names_the_smaller_of_one_microbatch_and_one_sample_each(batch, fewest):
+    """With the microbatches left to the planner, the smallest budget named is the smaller of one
+    microbatch's and one sample per microbatch's, each a compile of its own with the microbatches
+    fixed: a short batch (weights outweigh activations) fits one microbatch in less, a long batch
+    a sample at a time. A compile at that budget fits, the planner free, and trains as eager; a
+    byte less is refused."""
+    torch.manual_seed(0)
+    model, x = MLPChain(width=64, depth=6), torch.randn(batch, 64)
+    refusal = _refused(model, x)
+    whole = _refused(model, x, microbatches=1).smallest_budget
+    each = _refused(model, x, microbatches=256).smallest_budget
+    assert refusal.smallest_budget == min(whole, each)
+    assert (whole < each) == (fewest == "one microbatch")
+    assert f"smallest budget that fits is {min(whole, each):,} bytes" in str(refusal)
+    assert f"with {'the options' if fewest == 'one microbatch' else fewest}" in str(refusal), refusal
+    hm = harmony_fx.compile(model, (x,), memory_budget=refusal.smallest_budget)
+    reference = copy.deepcopy(model)
+    hm(x).square().mean().backward()
+    assert hm.stats.peak_bytes["host:0"] <= refusal.smallest_budget  # measured on the HostDevice
+    reference(x).square().mean().backward()
+    assert_grads_equal(model, reference)
+    with pytest.raises(harmony_fx.BudgetTooSmallError) as info:
+        harmony_fx.compile(model, (x,), memory_budget=refusal.smallest_budget - 1)(x)
+    assert info.value.smallest_budget == refusal.smallest_budget
+
+
+@pytest.mark.parametrize("why", ["dropout", "mixes samples"])
+def test_where_microbatches_change_the_results_the_refusal_names_one_microbatch(why):
+    """Dropout draws per microbatch; a softmax over the batch mixes samples: the planner keeps the
+    batch whole, and so does the smallest budget a refusal names."""
+    torch.manual_seed(0)
+    if why == "dropout":
+        model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Dropout(0.1), torch.nn.Linear(64, 32))
+    else:
+        model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Softmax(dim=0), torch.nn.Linear(64, 32))
+    x = torch.randn(8, 32)
+    refusal = _refused(model, x)
+    assert "one sample per microbatch" not in str(refusal), refusal
+    assert refusal.smallest_budget == _refused(model, x, microbatches=1).smallest_budget
+
+
+def test_where_a_sample_alone_cannot_be_compiled_the_one_microbatch_refusal_stands(monkeypatch):
+    """The graph of one sample fails (forced here): the options' own refusal is raised, naming
+    their smallest budget (a compile with one microbatch names the same), saying what was tried."""
+    from harmony_fx.compiler import driver
+
+    captured = driver.cached_capture
+
+    def no_single_sample(model, size, *args):
+        if size == 1:
+            raise ValueError("this graph cannot be captured for one sample")
+        return captured(model, size, *args)
+
+    torch.manual_seed(0)
+    model, x = MLPChain(width=64, depth=6), torch.randn(16, 64)
+    whole = _refused(model, x, microbatches=1).smallest_budget
+    monkeypatch.setattr(driver, "cached_capture", no_single_sample)
+    refusal = _refused(model, x)
+    assert refusal.smallest_budget == whole
+    assert re.search(r"^  - one sample per microbatch \(16 microbatches\): ValueError: this graph cannot be "
+                     r"captured for one sample$", str(refusal), re.M), refusal
 
 
 def test_an_error_of_the_options_own_settings_is_unchanged_without_a_planner():
