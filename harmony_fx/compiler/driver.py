@@ -207,12 +207,14 @@ def _with_least_memory(log: StageLog, stages, least: CompileOptions, refusal: Bu
     try:
         return stages(None, least)
     except BudgetTooSmallError as error:
-        smallest = min(error.smallest_budget, refusal.smallest_budget)
-        which = what if error.smallest_budget < refusal.smallest_budget else own
+        each, whole = error.smallest_budget, refusal.smallest_budget
+        smallest = min(each, whole)
+        batch = "one microbatch" if num_devices == 1 else f"one microbatch per device ({num_devices})"
+        which, other = (what, f"{batch} needs {format_size(whole)}") if each < whole else \
+            (batch, f"{what} needs {format_size(each)}")
         message = (f"plan_packs: no packing fits the memory budget of {budget:,} bytes; the smallest budget that fits "
-                   f"is {smallest:,} bytes ({format_size(smallest)}), with {which} (with {what}: "
-                   f"{format_size(error.smallest_budget)}; with {own}: {format_size(refusal.smallest_budget)}). "
-                   "Raise memory_budget to at least that, or use a smaller batch or shorter inputs.")
+                   f"is {smallest:,} bytes ({format_size(smallest)}), with {which} ({other}). Raise memory_budget "
+                   "to at least that, or use a smaller batch or shorter inputs.")
         replacement = BudgetTooSmallError(message, smallest)
         raise (_say_what_was_tried(replacement, tried) if tried else replacement) from error
     except Exception as error:  # noqa: BLE001 - the options' own refusal stands, saying what was tried
