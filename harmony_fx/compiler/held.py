@@ -72,11 +72,14 @@ class LayerHeld:
     earlier layer runs (autograd runs a node after every node made after it that it waits for, and
     the earlier layers' nodes were made first). ``backward`` is 0 where it is not provable: the
     layer did not run, or an output is not contiguous (its gradient's strides, which its backward's
-    copies depend on, are then not known)."""
+    copies depend on, are then not known). ``accumulating``: the same for a later microbatch's
+    backward, where the weights' gradients exist and autograd adds each new one into its weight's
+    ``.grad`` as soon as it is made (the first's keeps them all)."""
 
     begins: ByReach = ByReach()
     during: ByReach = ByReach()
     backward: int = 0
+    accumulating: int = 0
 
 
 @dataclasses.dataclass
@@ -92,6 +95,7 @@ class _Measured:
     nbytes: list[int]
     edges: list[tuple[str, str]]
     backward: int = 0
+    accumulating: int = 0
 
 
 def measure_held(gm: fx.GraphModule, layers: Sequence[Layer], read_after: Mapping[str, int],
@@ -136,7 +140,7 @@ def measure_held(gm: fx.GraphModule, layers: Sequence[Layer], read_after: Mappin
             reach[node.name] = max([read_after.get(node.name, -1), *(reach.get(r, -1) for r in readers.get(node.name, ()))])
     return [LayerHeld() if layer is None else LayerHeld(_by_reach(layer, layer.values, reach, read_after),
                                                         _by_reach(layer, layer.differentiated, reach, read_after),
-                                                        layer.backward)
+                                                        layer.backward, layer.accumulating)
             for layer in measured]
 
 
@@ -236,9 +240,40 @@ def _measure(gm: fx.GraphModule, layer_nodes: list[fx.Node], external: list[fx.N
                 handed = sum(t.untyped_storage().nbytes() for t in incoming)
                 torch.autograd.grad(roots, wanted, incoming, allow_unused=True)
             result.backward = max(tracker.peak - before - handed, 0)
+            result.accumulating = min(_accumulating_backward(gm, layer_nodes, external, device, outputs),
+                                      result.backward)
         except Exception:  # noqa: BLE001 - a backward that does not run on FakeTensors adds nothing provable
-            result.backward = 0
+            result.backward = result.accumulating = 0
     return result
+
+
+def _accumulating_backward(gm: fx.GraphModule, layer_nodes: list[fx.Node], external: list[fx.Node],
+                           device: torch.device, outputs: set[str]) -> int:
+    """What the layer's backward adds, its incoming gradients apart, where its weights' gradients
+    exist already (a later microbatch's): the layer run again, each weight given a ``.grad``, and
+    its backward run as the runtime runs it (``torch.autograd.backward``, whose AccumulateGrad adds
+    each new weight gradient into ``.grad`` in place and lets it go)."""
+    env: dict[str, object] = {node.name: _fresh(node, device) for node in external}
+    tracker = AllocationTracker()
+    for node in external:
+        for tensor in tensors(env[node.name]):
+            tracker.register(tensor)
+            if meta.role_of(node) == meta.Role.PARAM and tensor.requires_grad:
+                tensor.grad = tracker.register(empty_fake(tensor.shape, tensor.stride(), tensor.dtype, device))
+    with tracker.mode():
+        for node in layer_nodes:
+            args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: env[n.name])
+            env[node.name] = run_node(gm, node, args, kwargs)
+            del args, kwargs
+    roots = [t for node in layer_nodes if node.name in outputs for t in tensors(env[node.name]) if t.requires_grad]
+    env.clear()
+    before = tracker.live
+    tracker.reset_peak()
+    with tracker.mode():
+        incoming = [torch.ones_like(t) for t in roots]
+        handed = sum(t.untyped_storage().nbytes() for t in incoming)
+        torch.autograd.backward(roots, incoming)
+    return max(tracker.peak - before - handed, 0)
 
 
 def _fresh(node: fx.Node, device: torch.device) -> object:

@@ -303,6 +303,9 @@ class PackingBounds:
                                       if name in defined_in and name in context.signature.differentiable})
         signature = context.signature
         self._at_backward = not signature.forward_only and not ambient.Autocast.current().enabled
+        # a later microbatch's weight gradients are added into ``.grad`` by autograd as it makes
+        # them (``runtime.executor``), unless computed in another dtype than the masters' gradients
+        self._summed_by_autograd = context.shapes.compute_dtype is None
         # One device's program (``lowering.single``) with grouping: a pack before the last fetches
         # each of its stashed inputs into a copy of its own for its recompute, whose graph keeps them
         # all through the backward; and the backward of pack p fetches W[p-1] before its first task.
@@ -369,23 +372,31 @@ class PackingBounds:
                 fetched = {key: nbytes for layer in range(previous, start) for key, nbytes in self._weights[layer].items()}
                 handed += sum(nbytes for key, nbytes in fetched.items() if key not in weights)
             begins = sum(held[layer].begins.held_until(end) for layer in range(start, end))
-            during = sum(held[layer].during.held_until(end) for layer in range(start, end)) + held[end - 1].backward
+            kept = sum(held[layer].during.held_until(end) for layer in range(start, end))
+            during = kept + held[end - 1].backward
             graph = 0  # another microbatch's graph, which a last pack not fused with the loss keeps:
             if last and self._keeps_last_graphs:  # its largest input a layer made (a model input unsplit
                 # along the batch might be one tensor for all) and what its forward left
                 graph = begins + max((nbytes for layer in range(start, end)
                                       for defined, nbytes in self._first_inputs[layer].values()
                                       if 0 <= defined < start), default=0)
-            bound = max(bound, handed + self._alike * graph + max(begins, during))
+            # In one program, the packs after this one ran every microbatch's backward before it:
+            # the gradients they gave its outputs wait here for its later microbatches
+            waiting = sum(nbytes for layer in range(start, end) for reader, nbytes in self._output_grads[layer]
+                          if end <= reader < len(self._weights)) if self._one_program else 0
+            bound = max(bound, handed + self._alike * (graph + waiting) + max(begins, during))
             if self._second_microbatch:
-                # as its backward begins (the measure of ``during`` has the last layer's new weight
-                # gradients in it, which the second microbatch adds in place and lets go). Each
-                # input's gradient is a storage of its own (the runtime copies one autograd hands
-                # to two inputs, as an ``add``'s backward does)
+                # as its backward begins, and while its last layer's backward runs: what it adds
+                # where the weight gradients exist (autograd adds the new ones into them in place:
+                # ``accumulating``; summed in another dtype, the runtime holds them all, as the
+                # first does). Each input's gradient is a storage of its own (the runtime copies
+                # one autograd hands to two inputs, as an ``add``'s backward does)
                 input_grads = sum({name: nbytes for layer in range(start, end)
                                    for name, (defined, nbytes) in self._input_grads[layer].items()
                                    if defined < start}.values())
-                bound = max(bound, handed + (self._alike - 1) * graph + sum(grads.values()) + input_grads + begins)
+                adds = held[end - 1].accumulating if self._summed_by_autograd else held[end - 1].backward
+                bound = max(bound, handed + (self._alike - 1) * (graph + waiting) + sum(grads.values()) + input_grads
+                            + max(begins, kept + adds))
         return bound
 
     def _held(self) -> list[LayerHeld]:
