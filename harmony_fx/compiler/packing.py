@@ -262,8 +262,11 @@ class PackingBounds:
     (``compiler.held``, measured layer by layer on the first microbatch's graph the first time a
     bound is asked for, once per compile). With more microbatches of the first's size: a last pack
     not fused with the loss holds each one's forward graph (its largest input and what it left) as
-    its first backward begins; in one program, a pack's second backward begins beside the first's
-    weight gradients and the gradients the first gave its inputs. Not under autocast, whose casts
+    its first backward begins; in one program, the gradients the later packs gave its outputs for
+    the microbatches still to come wait beside each of its backwards, and a pack's second backward
+    runs beside the first's weight gradients and the gradients the first gave its inputs, adding
+    what its last layer's backward adds where the weight gradients exist (``compiler.held``'s
+    ``accumulating``). Not under autocast, whose casts
     the captured graph does not show. ``bounds(boundaries)`` never passes what ``evaluate`` finds."""
 
     def __init__(self, context: PackingContext) -> None:
