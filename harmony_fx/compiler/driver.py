@@ -154,8 +154,8 @@ def _first_that_compiles(log: StageLog, stages, schedules: tuple[Schedule, ...],
     is no reason to fail a model the next choice compiles. Each try is in the log; if the options'
     own fail too, their error is raised (its type kept: callers catch ``BudgetTooSmallError``),
     saying what was tried before and why each failed. Where the options' own do not fit and
-    ``least`` is given (``_least_memory_options``), those are tried last, and their refusal names
-    the smallest budget the planner's range of microbatches allows."""
+    ``least`` is given (``_least_memory_options``), those are tried last, and a refusal names the
+    smaller of the two smallest budgets."""
     tried: list[tuple[str, Exception]] = []
     candidates = [*schedules, None]
     for index, schedule in enumerate(candidates):
@@ -181,10 +181,10 @@ def _first_that_compiles(log: StageLog, stages, schedules: tuple[Schedule, ...],
 
 def _least_memory_options(options: CompileOptions, analysis: BatchAnalysis, whole: Variant, model: nn.Module,
                           batch: int, num_devices: int) -> CompileOptions | None:
-    """The options with one sample per microbatch, the least memory of the microbatch counts the
-    planner chooses from, where it was free to choose them and they change no result (the samples
-    are apart, nothing random is drawn, no BatchNorm in training); ``None`` where the options' own
-    (one microbatch per device) are already the planner's whole range."""
+    """The options with one sample per microbatch (the fewest activations at a time), where the
+    planner was free to choose the microbatches and cutting changes no result (the samples are
+    apart, nothing random is drawn, no BatchNorm in training); ``None`` where the options' own (one
+    microbatch per device) are already all the planner may choose."""
     if (options.microbatches is not None or options.forward_microbatches is not None or not analysis.separable
             or batch <= num_devices or cutting_changes_results(whole.captured.gm, model)):
         return None

@@ -240,10 +240,13 @@ def _measure(gm: fx.GraphModule, layer_nodes: list[fx.Node], external: list[fx.N
                 handed = sum(t.untyped_storage().nbytes() for t in incoming)
                 torch.autograd.grad(roots, wanted, incoming, allow_unused=True)
             result.backward = max(tracker.peak - before - handed, 0)
+        except Exception:  # noqa: BLE001 - a backward that does not run on FakeTensors adds nothing provable
+            result.backward = 0
+        try:
             result.accumulating = min(_accumulating_backward(gm, layer_nodes, external, device, outputs),
                                       result.backward)
-        except Exception:  # noqa: BLE001 - a backward that does not run on FakeTensors adds nothing provable
-            result.backward = result.accumulating = 0
+        except Exception:  # noqa: BLE001 - as above
+            result.accumulating = 0
     return result
 
 
