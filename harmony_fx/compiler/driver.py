@@ -227,7 +227,8 @@ def _with_least_memory(log: StageLog, stages, least: CompileOptions, refusal: Bu
 def _describe_try(schedule: Schedule | None, options: CompileOptions, num_devices: int) -> str:
     if schedule is None:
         forward = "" if options.forward_microbatches is None else f", {options.forward_microbatches} in the forward"
-        return f"the options' own settings ({options.microbatches or num_devices} microbatches{forward})"
+        count = options.microbatches or num_devices
+        return f"the options' own settings ({count} microbatch{'es' if count > 1 else ''}{forward})"
     return f"the planner's {schedule.describe()}"
 
 
