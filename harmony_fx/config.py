@@ -71,7 +71,7 @@ class CompileOptions:
     ``devices``: ``None`` (every CUDA GPU, else one HostDevice), an int N, or names such as
     ``["cuda:0", "cuda:1"]`` / ``["host:0"]``.
     ``memory_budget``: bytes per device (``None``: the device's own capacity).
-    ``microbatches``: how many microbatches a batch is cut into (``None``: 1 for now); or
+    ``microbatches``: how many microbatches a batch is cut into (``None``: the planner chooses); or
     ``{"forward": Mf, "backward": Mb}``: the forward runs Mf larger microbatches (it holds nothing
     for the backward but each pack's inputs), the backward Mb smaller ones, Mb a multiple of Mf
     (the Trainer; models without random ops).
