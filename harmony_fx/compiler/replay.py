@@ -159,7 +159,9 @@ class ReplayingProbe(Probe):
             values.update(outputs)
             summed = pytree.tree_leaves(values.get(wgrad_key))
             for weight, index in zip(weights, record.grads):
-                weight.grad = None if index is None else summed[index]
+                grad = None if index is None else summed[index]
+                if weight.grad is not grad:  # a later microbatch's: added in place, the same tensor
+                    weight.grad = grad
 
         self._task(signature, read, lambda: self._run_backward(pack_index, mb), replay, [*grad_keys, wgrad_key],
                    weights=weights, dropped=dropped)
@@ -415,6 +417,6 @@ def _build(template: tuple, storages: list[torch.Tensor], sources: list, unused:
 def _leaf(value: object, requires_grad: Sequence[bool]) -> object:
     """As the runtime makes a recompute's inputs: detached, recording gradients where flagged."""
     leaves, spec = pytree.tree_flatten(value)
-    fresh = [leaf.detach().requires_grad_(flag) if isinstance(leaf, torch.Tensor) else leaf
-             for leaf, flag in zip(leaves, requires_grad, strict=True)]
+    fresh = [alias_fake(leaf, leaf.shape, leaf.stride(), leaf.storage_offset()).requires_grad_(flag)
+             if isinstance(leaf, torch.Tensor) else leaf for leaf, flag in zip(leaves, requires_grad, strict=True)]
     return pytree.tree_unflatten(fresh, spec)
