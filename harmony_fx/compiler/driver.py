@@ -134,9 +134,9 @@ def _compile_program(model: nn.Module, args: tuple, kwargs: dict, options: Compi
                                 devices[0].budget, options, analysis.separable, trainer, decision=_describe_schedules)
             least = _least_memory_options(options, analysis, whole, model, batch, len(devices))
 
-    def stages(schedule: Schedule | None, options: CompileOptions = options) -> Compiled:
+    def stages(schedule: Schedule | None, options: CompileOptions = options, why: str = "") -> Compiled:
         return _from_layout(log, example, devices, options, trainer, updates, optimizer, whole, analysis, schedule,
-                            forward_only=forward_only, reuse=reuse, resident=resident)
+                            forward_only=forward_only, reuse=reuse, resident=resident, why=why)
 
     return _first_that_compiles(log, stages, schedules, options, len(devices), least, devices[0].budget)
 
@@ -203,13 +203,13 @@ def _with_least_memory(log: StageLog, stages, least: CompileOptions, refusal: Bu
     Where ``least`` fails otherwise (a sample alone captures another graph), ``refusal``."""
     own = _describe_try(None, options, num_devices)
     what = f"one sample per microbatch ({least.microbatches} microbatches)"
+    batch = "one microbatch" if num_devices == 1 else f"one microbatch per device ({num_devices})"
     log.run("fall back", lambda: None, decision=lambda _: f"{own} do not fit; trying {what}")
     try:
-        return stages(None, least)
+        return stages(None, least, f", {what}: {batch} does not fit")
     except BudgetTooSmallError as error:
         each, whole = error.smallest_budget, refusal.smallest_budget
         smallest = min(each, whole)
-        batch = "one microbatch" if num_devices == 1 else f"one microbatch per device ({num_devices})"
         which, other = (what, f"{batch} needs {format_size(whole)}") if each < whole else \
             (batch, f"{what} needs {format_size(each)}")
         message = (f"plan_packs: no packing fits the memory budget of {budget:,} bytes; the smallest budget that fits "
@@ -251,8 +251,9 @@ def _say_what_was_tried(error: Exception, tried: list[tuple[str, Exception]]) ->
 def _from_layout(log: StageLog, example: _Example, devices: list, options: CompileOptions, trainer: bool,
                  updates: bool, optimizer: OptimizerFacts | None, whole: Variant | None, analysis: BatchAnalysis | None,
                  schedule: Schedule | None, forward_only: bool = False, reuse: Compiled | None = None,
-                 resident: bool = False) -> Compiled:
-    """Stages 3-9 of the module docstring, for ``schedule`` (``None``: the options' own)."""
+                 resident: bool = False, why: str = "") -> Compiled:
+    """Stages 3-9 of the module docstring, for ``schedule`` (``None``: the options' own; ``why``:
+    what the plan says of them where the compile chose them)."""
     layout = log.run("lay out", decide_layout, schedule, options, len(devices), example.batch_size,
                      decision=Layout.describe)
     variants = log.run("capture microbatches", _capture_microbatches, example, layout, whole,
@@ -277,7 +278,7 @@ def _from_layout(log: StageLog, example: _Example, devices: list, options: Compi
     elif options.pack_boundaries is not None:
         policy, policy_name = fixed(options.pack_boundaries), "fixed"
     else:
-        policy, policy_name = balanced, "balanced"
+        policy, policy_name = balanced, f"balanced{why}"
     candidate: Candidate | None = None
     if reuse is not None:
         candidate = log.run("reuse packs", reuse_packing, context, reuse.candidate, reuse.variants, reuse.layout.sizes,

@@ -194,6 +194,21 @@ def test_a_refusal_names_the_smaller_of_one_microbatch_and_one_sample_each(batch
     assert info.value.smallest_budget == refusal.smallest_budget
 
 
+def test_a_batch_cut_to_one_sample_each_says_why_in_the_plan(monkeypatch):
+    """The planner's schedules left out (as where its estimate fits nothing): one microbatch does
+    not fit, one sample each does, and the plan says so."""
+    from harmony_fx.compiler import driver
+
+    torch.manual_seed(0)
+    model, x = MLPChain(width=64, depth=6), torch.randn(64, 64)
+    budget = _refused(model, x).smallest_budget
+    monkeypatch.setattr(driver, "choose_schedules", lambda *args, **kwargs: ())
+    hm = harmony_fx.compile(model, (x,), memory_budget=budget)
+    hm(x)
+    assert hm.compiled.layout.num_microbatches == 64
+    assert "policy balanced, one sample per microbatch (64 microbatches): one microbatch does not fit" in str(hm.plan)
+
+
 @pytest.mark.parametrize("why", ["dropout", "mixes samples"])
 def test_where_microbatches_change_the_results_the_refusal_names_one_microbatch(why):
     """Dropout draws per microbatch; a softmax over the batch mixes samples: the planner keeps the
