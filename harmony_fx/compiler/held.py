@@ -232,14 +232,9 @@ def _measure(gm: fx.GraphModule, layer_nodes: list[fx.Node], external: list[fx.N
     wanted = [t for value in inputs for t in tensors(value) if t.requires_grad]
     env.clear()
     if roots and wanted and all(t.is_contiguous() for t in roots):
-        before = tracker.live
-        tracker.reset_peak()
         try:
-            with tracker.mode():
-                incoming = [torch.ones_like(t) for t in roots]  # a pack's backward is handed these: not added
-                handed = sum(t.untyped_storage().nbytes() for t in incoming)
-                torch.autograd.grad(roots, wanted, incoming, allow_unused=True)
-            result.backward = max(tracker.peak - before - handed, 0)
+            result.backward = _backward_adds(tracker, roots, lambda incoming: torch.autograd.grad(
+                roots, wanted, incoming, allow_unused=True))
         except Exception:  # noqa: BLE001 - a backward that does not run on FakeTensors adds nothing provable
             result.backward = 0
         try:
@@ -270,12 +265,18 @@ def _accumulating_backward(gm: fx.GraphModule, layer_nodes: list[fx.Node], exter
             del args, kwargs
     roots = [t for node in layer_nodes if node.name in outputs for t in tensors(env[node.name]) if t.requires_grad]
     env.clear()
+    return _backward_adds(tracker, roots, lambda incoming: torch.autograd.backward(roots, incoming))
+
+
+def _backward_adds(tracker: AllocationTracker, roots: list[torch.Tensor], backward) -> int:
+    """The most ``backward(incoming)`` adds to what ``tracker`` holds, the incoming gradients (ones
+    like ``roots``: a pack's backward is handed these, it does not make them) apart."""
     before = tracker.live
     tracker.reset_peak()
     with tracker.mode():
         incoming = [torch.ones_like(t) for t in roots]
         handed = sum(t.untyped_storage().nbytes() for t in incoming)
-        torch.autograd.backward(roots, incoming)
+        backward(incoming)
     return max(tracker.peak - before - handed, 0)
 
 
