@@ -588,7 +588,8 @@ def _describe_schedules(schedules: tuple[Schedule, ...]) -> str:
 def _describe_variant(variant: Variant) -> str:
     captured = variant.captured
     kept = ", kept from an earlier compile of the model in this state" if variant.reused else ""
-    return f"{captured.method}: {len(variant.layers)} layers, {len(captured.params)} parameter tensors{kept}"
+    return f"{captured.method}: {len(variant.layers)} layers, {len(captured.params)} parameter tensors" \
+           f"{_cache_note([variant])}{kept}"
 
 
 def _describe_microbatches(variants: dict) -> str:
@@ -596,7 +597,13 @@ def _describe_microbatches(variants: dict) -> str:
     kept_note = f" ({kept} kept from an earlier compile of the model in this state)" if kept else ""
     if None in variants:
         return "the whole batch's graph" + kept_note
-    return f"{len(variants)} graph(s), at microbatch sizes " + ", ".join(map(str, variants)) + kept_note
+    return f"{len(variants)} graph(s), at microbatch sizes " + ", ".join(map(str, variants)) + \
+        _cache_note(variants.values()) + kept_note
+
+
+def _cache_note(variants) -> str:
+    return ", the model's key/value cache off (training does not read it)" if any(
+        variant.captured.caches_off for variant in variants) else ""
 
 
 def _describe_batch(analysis: BatchAnalysis) -> str:

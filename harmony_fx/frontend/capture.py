@@ -45,6 +45,7 @@ from harmony_fx.frontend.backward_hooks import (
 )
 from harmony_fx.frontend.compute_dtype import fake_in, in_compute_dtype
 from harmony_fx.frontend.decomposition_fixes import decomposition_fixes
+from harmony_fx.frontend.key_value_caches import key_value_caches_off
 from harmony_fx.frontend.random_branches import certain_random_branches
 from harmony_fx.frontend.refusals import first_refused, refusal
 from harmony_fx.passes.bound_sizes import bound_sizes
@@ -66,6 +67,7 @@ class Captured:
     ``flatten_inputs(args, kwargs)`` returns the user's tensors in that order (and checks the
     structure); ``unflatten_outputs(flat)`` rebuilds the model's output structure.
     ``reductions``: output node name → how that scalar output combines across microbatches.
+    ``caches_off``: the model's key/value cache was turned off to capture it.
     """
 
     gm: fx.GraphModule
@@ -76,6 +78,7 @@ class Captured:
     unflatten_outputs: Callable[[list[Any]], Any]
     method: str
     reductions: dict[str, ScalarReduction] = dataclasses.field(default_factory=dict)
+    caches_off: bool = False  # a config's use_cache was off while capturing (``frontend.key_value_caches``)
 
 
 def capture(model: nn.Module, args: tuple, kwargs: dict | None = None, stack_traces: bool = False,
@@ -92,7 +95,8 @@ def capture(model: nn.Module, args: tuple, kwargs: dict | None = None, stack_tra
     kwargs = dict(kwargs or {})
     refuse_module_backward_hooks(model)
     _refuse_script_modules(model)
-    with _grads_set_aside(model), _python_draws_noted(model), hooks_registered_in_forward() as hooks:
+    with _grads_set_aside(model), _python_draws_noted(model), hooks_registered_in_forward() as hooks, \
+            key_value_caches_off(model, kwargs) as caches_off:
         captured, found = _bounded_capture(model, args, kwargs, stack_traces, dtype)
         if found is not None and not stack_traces:  # again with traces, to name the line it is on
             captured, found = _bounded_capture(model, args, kwargs, True, dtype)
@@ -100,6 +104,7 @@ def capture(model: nn.Module, args: tuple, kwargs: dict | None = None, stack_tra
     if found is not None:
         raise refusal(found)
     captured.reductions = _scalar_reductions(captured.gm)
+    captured.caches_off = caches_off
     return captured
 
 
@@ -333,8 +338,8 @@ def _advice(export_error: Exception) -> str:
     text = str(export_error)
     if match := _CACHE_IN_OUTPUT.search(text):
         return (f"the model returns a key/value cache ({match.group(1)}), which is inference state, not a "
-                "tensor; build the model with use_cache=False (e.g. GPT2Config(use_cache=False), or set "
-                "model.config.use_cache = False) or pass use_cache=False in the call.")
+                "tensor: pass use_cache=False in the call, or leave use_cache out (harmony_fx then captures "
+                "the model with its cache off).")
     if match := _UNKNOWN_OUTPUT.search(text):
         return (f"the model returns a {match.group(1)}, which harmony_fx cannot take apart into tensors; return "
                 "tensors, tuples, lists, dicts or dataclasses, or register the type with "
