@@ -17,7 +17,7 @@
    schedule, and last with the options' own settings; if those fail too, their error says what
    was tried before. Where the planner was free to cut the batch and the options' own do not fit,
    one sample per microbatch is tried last, and a refusal names the smaller of the two smallest
-   budgets.
+   budgets (``count the smallest budget``: the options' own is counted only then).
 8. ``annotate packs``: the chosen packing written on the graphs, liveness, ``verify_packs``.
 9. ``check peak``; for a Trainer with ``host_memory``/``nvme_path``, ``plan host memory`` (what a
    step holds there, and which packs' optimizer state goes to the NVMe tier:
@@ -45,7 +45,7 @@ from harmony_fx.compiler.heap import collections_skip_the_heap
 from harmony_fx.compiler.host_memory import HostMemoryPlan, OptimizerFacts, plan_host_memory
 from harmony_fx.compiler.layout import Layout, decide_layout
 from harmony_fx.compiler.packing import (
-    BudgetTooSmallError, Candidate, PackingBounds, PackingContext, balanced, evaluate, finish_chosen, fixed,
+    BudgetTooSmallError, Candidate, CountedWhenAsked, PackingBounds, PackingContext, balanced, evaluate, finish_chosen, fixed,
     layer_costs, plan_packs, reuse as reuse_packing, update_groups, verify_programs,
 )
 from harmony_fx.compiler.plan import make_plan
@@ -134,16 +134,18 @@ def _compile_program(model: nn.Module, args: tuple, kwargs: dict, options: Compi
                                 devices[0].budget, options, analysis.separable, trainer, decision=_describe_schedules)
             least = _least_memory_options(options, analysis, whole, model, batch, len(devices))
 
-    def stages(schedule: Schedule | None, options: CompileOptions = options, why: str = "") -> Compiled:
+    def stages(schedule: Schedule | None, options: CompileOptions = options, why: str = "",
+               name_smallest: bool | str = True) -> Compiled:
         return _from_layout(log, example, devices, options, trainer, updates, optimizer, whole, analysis, schedule,
-                            forward_only=forward_only, reuse=reuse, resident=resident, why=why)
+                            forward_only=forward_only, reuse=reuse, resident=resident, why=why,
+                            name_smallest=name_smallest)
 
     return _first_that_compiles(log, stages, schedules, options, len(devices), least, devices[0].budget)
 
 
 # the stages a compile past two seconds says it starts (the others take milliseconds)
 _SLOW_STAGES = frozenset({"capture whole batch", "choose schedule", "capture microbatches", "reuse packs", "plan packs",
-                          "plan host memory"})
+                          "count the smallest budget", "plan host memory"})
 
 
 def _first_that_compiles(log: StageLog, stages, schedules: tuple[Schedule, ...], options: CompileOptions,
@@ -160,7 +162,8 @@ def _first_that_compiles(log: StageLog, stages, schedules: tuple[Schedule, ...],
     candidates = [*schedules, None]
     for index, schedule in enumerate(candidates):
         try:
-            return stages(schedule)
+            # the options' own smallest budget is counted only if one sample per microbatch fails too
+            return stages(schedule) if schedule is not None or least is None else stages(None, name_smallest="when asked")
         except Exception as error:  # noqa: BLE001 - any failure of a planner's choice: try the next
             if schedule is None:
                 if least is not None and isinstance(error, BudgetTooSmallError):
@@ -208,7 +211,10 @@ def _with_least_memory(log: StageLog, stages, least: CompileOptions, refusal: Bu
     try:
         return stages(None, least, f", {what}: {batch} does not fit")
     except BudgetTooSmallError as error:
-        each, whole = error.smallest_budget, refusal.smallest_budget
+        each = error.smallest_budget
+        refusal = log.run("count the smallest budget", _counted, refusal,
+                          decision=lambda counted: f"{batch} needs {format_size(counted.smallest_budget)}")
+        whole = refusal.smallest_budget
         smallest = min(each, whole)
         which, other = (what, f"{batch} needs {format_size(whole)}") if each < whole else \
             (batch, f"{what} needs {format_size(each)}")
@@ -218,10 +224,15 @@ def _with_least_memory(log: StageLog, stages, least: CompileOptions, refusal: Bu
         replacement = BudgetTooSmallError(message, smallest)
         raise (_say_what_was_tried(replacement, tried) if tried else replacement) from error
     except Exception as error:  # noqa: BLE001 - the options' own refusal stands, saying what was tried
+        refusal = _counted(refusal)
         replacement = _say_what_was_tried(refusal, [*tried, (what, error)])
         if replacement is refusal:
             raise refusal from error
         raise replacement from error
+
+
+def _counted(refusal: BudgetTooSmallError) -> BudgetTooSmallError:
+    return refusal.counted() if isinstance(refusal, CountedWhenAsked) else refusal
 
 
 def _describe_try(schedule: Schedule | None, options: CompileOptions, num_devices: int) -> str:
@@ -251,9 +262,10 @@ def _say_what_was_tried(error: Exception, tried: list[tuple[str, Exception]]) ->
 def _from_layout(log: StageLog, example: _Example, devices: list, options: CompileOptions, trainer: bool,
                  updates: bool, optimizer: OptimizerFacts | None, whole: Variant | None, analysis: BatchAnalysis | None,
                  schedule: Schedule | None, forward_only: bool = False, reuse: Compiled | None = None,
-                 resident: bool = False, why: str = "") -> Compiled:
+                 resident: bool = False, why: str = "", name_smallest: bool | str = True) -> Compiled:
     """Stages 3-9 of the module docstring, for ``schedule`` (``None``: the options' own; ``why``:
-    what the plan says of them where the compile chose them)."""
+    what the plan says of them where the compile chose them; ``name_smallest``: how their refusal
+    names the smallest budget, ``compiler.packing.plan_packs``)."""
     layout = log.run("lay out", decide_layout, schedule, options, len(devices), example.batch_size,
                      decision=Layout.describe)
     variants = log.run("capture microbatches", _capture_microbatches, example, layout, whole,
@@ -287,7 +299,7 @@ def _from_layout(log: StageLog, example: _Example, devices: list, options: Compi
     if candidate is None:
         def plan_packs_by(policy, policy_name: str) -> Candidate:
             return log.run("plan packs", _plan_packs, log, context, primary, devices[0], policy,
-                           name_smallest=schedule is None,
+                           name_smallest=name_smallest if schedule is None else False,
                            decision=lambda c: f"{policy_name}: {len(c.packs)} pack(s), peak "
                            + ", ".join(f"{d.name} {format_size(p)}" for d, p in zip(devices, c.peaks)))
 
@@ -425,7 +437,7 @@ def _capture_microbatches(example: _Example, layout: Layout, whole: Variant | No
 
 
 def _plan_packs(log: StageLog, context: PackingContext, primary: Variant, device, policy,
-                name_smallest: bool) -> Candidate:
+                name_smallest: bool | str) -> Candidate:
     """The fewest packs that fit (``compiler.packing.plan_packs``: bounds, then a monotone search,
     each run cut short where it passes the budget), the chosen packing as it will run.
     ``name_smallest``: a refusal names the smallest budget (the options' own settings: a planner's

@@ -56,7 +56,7 @@ from harmony_fx.program.actions import Action, ActionKind, Key, KeyKind
 from harmony_fx.program.verify import verify_devices, verify_program
 from harmony_fx.runtime import ambient
 
-__all__ = ["balanced", "fixed", "plan_packs", "PackingPolicy", "BudgetTooSmallError", "Candidate", "PackingContext",
+__all__ = ["balanced", "fixed", "plan_packs", "PackingPolicy", "BudgetTooSmallError", "CountedWhenAsked", "Candidate", "PackingContext",
            "PackingBounds", "evaluate", "finish_chosen", "layer_costs", "lower_devices", "update_groups", "verify_programs"]
 
 PackingPolicy = Callable[[Sequence[int], int], list[int]]
@@ -70,6 +70,29 @@ class BudgetTooSmallError(ValueError):
     def __init__(self, message: str, smallest_budget: int) -> None:
         super().__init__(message)
         self.smallest_budget = smallest_budget
+
+
+class CountedWhenAsked(BudgetTooSmallError):
+    """No packing fits, and the smallest budget that does is counted (one run of the packing of
+    least memory) only when asked for: ``smallest_budget`` or ``counted()``, the error that names
+    it (its message says it is not counted until then). A compile with another schedule still to
+    try (one sample per microbatch) asks only where that fails too."""
+
+    def __init__(self, budget: int, count: Callable[[], BudgetTooSmallError]) -> None:
+        ValueError.__init__(self, f"plan_packs: no packing fits the memory budget of {budget:,} bytes (the smallest "
+                                  "budget that fits is not counted yet)")
+        self._count: Callable[[], BudgetTooSmallError] | None = count
+        self._counted: BudgetTooSmallError | None = None
+
+    def counted(self) -> BudgetTooSmallError:
+        if self._counted is None:
+            self._counted, self._count = self._count(), None
+        return self._counted
+
+    smallest_budget = property(lambda self: self.counted().smallest_budget)
+
+    def __str__(self) -> str:
+        return super().__str__() if self._counted is None else str(self._counted)
 
 
 def balanced(layer_costs: Sequence[int], num_packs: int) -> list[int]:
@@ -90,7 +113,7 @@ def balanced(layer_costs: Sequence[int], num_packs: int) -> list[int]:
 def plan_packs(layer_costs: Sequence[int], evaluate: Callable[[list[int]], C], peak_of: Callable[[C], int],
                budget: int | None, policy: PackingPolicy = balanced, margin: int = 0, *,
                bound: Callable[[Sequence[int], int], int] | None = None, cut_short: bool = False,
-               name_smallest: bool = True, progress: Callable[[str], None] | None = None) -> tuple[list[int], C]:
+               name_smallest: bool | str = True, progress: Callable[[str], None] | None = None) -> tuple[list[int], C]:
     """The fewest packs whose program fits ``budget`` with ``margin`` bytes to spare (kept for
     allocations no shape predicts), by the search of the module docstring; raises
     ``BudgetTooSmallError`` naming the smallest budget that fits when none does.
@@ -99,8 +122,8 @@ def plan_packs(layer_costs: Sequence[int], evaluate: Callable[[list[int]], C], p
     ``evaluate(boundaries, limit)``, which may stop where the peak passes ``limit`` (then any peak
     above it does); ``name_smallest``: where none fits, run the packing of least
     memory in full to name the smallest budget (else the error says only that more is needed: a
-    caller with another schedule to fall back on never shows it); ``progress``: told each candidate
-    run."""
+    caller with another schedule to fall back on never shows it), or ``"when asked"``: run it when
+    the error is asked for it (``CountedWhenAsked``); ``progress``: told each candidate run."""
     candidates = list(dict.fromkeys(tuple(policy(layer_costs, n)) for n in range(1, len(layer_costs) + 1)))
     tried: dict[tuple[int, ...], C] = {}
 
@@ -139,15 +162,18 @@ def plan_packs(layer_costs: Sequence[int], evaluate: Callable[[list[int]], C], p
                                   f"packings need at least {least:,} bytes", least)
     # nothing fits. The smallest budget named is the most packs' peak (run in full): asked for
     # again, the search finds that packing possible (its bound is below its peak) and tries it second
-    if progress is not None:
-        progress(f"no candidate fits: the peak of {len(candidates[-1])} packs, in full")
-    smallest = peak_of(evaluate(list(candidates[-1]))) + margin
-    raise BudgetTooSmallError(
-        f"plan_packs: no packing fits the memory budget of {budget:,} bytes; the smallest budget that "
-        f"fits is {smallest:,} bytes ({format_size(smallest)}). Raise memory_budget to at least that, "
-        "or use more microbatches so each task holds fewer activations.",
-        smallest,
-    )
+    def count() -> BudgetTooSmallError:
+        if progress is not None:
+            progress(f"no candidate fits: the peak of {len(candidates[-1])} packs, in full")
+        smallest = peak_of(evaluate(list(candidates[-1]))) + margin
+        return BudgetTooSmallError(
+            f"plan_packs: no packing fits the memory budget of {budget:,} bytes; the smallest budget that "
+            f"fits is {smallest:,} bytes ({format_size(smallest)}). Raise memory_budget to at least that, "
+            "or use more microbatches so each task holds fewer activations.",
+            smallest,
+        )
+
+    raise CountedWhenAsked(budget, count) if name_smallest == "when asked" else count()
 
 
 def fixed(boundaries: Sequence[int]) -> PackingPolicy:

@@ -176,9 +176,9 @@ def test_a_refusal_names_the_smaller_of_one_microbatch_and_one_sample_each(batch
     byte less is refused."""
     torch.manual_seed(0)
     model, x = MLPChain(width=64, depth=6), torch.randn(batch, 64)
-    refusal = _refused(model, x)
     whole = _refused(model, x, microbatches=1).smallest_budget
     each = _refused(model, x, microbatches=256).smallest_budget
+    refusal = _refused(model, x)
     assert refusal.smallest_budget == min(whole, each)
     assert (whole < each) == (fewest == "one microbatch")
     assert f"smallest budget that fits is {min(whole, each):,} bytes" in str(refusal)
@@ -203,10 +203,28 @@ def test_a_batch_cut_to_one_sample_each_says_why_in_the_plan(monkeypatch):
     model, x = MLPChain(width=64, depth=6), torch.randn(64, 64)
     budget = _refused(model, x).smallest_budget
     monkeypatch.setattr(driver, "choose_schedules", lambda *args, **kwargs: ())
+    runs_in_full = _runs_in_full(monkeypatch)
     hm = harmony_fx.compile(model, (x,), memory_budget=budget)
     hm(x)
     assert hm.compiled.layout.num_microbatches == 64
     assert "policy balanced, one sample per microbatch (64 microbatches): one microbatch does not fit" in str(hm.plan)
+    # one microbatch's smallest budget is never counted (a run in full of its most packs): no refusal needs it
+    assert 1 not in runs_in_full, runs_in_full
+
+
+def _runs_in_full(monkeypatch) -> list[int]:
+    """The microbatch counts of the packings the compile runs in full (not cut short at the budget)."""
+    from harmony_fx.compiler import driver
+
+    counts, evaluate = [], driver.evaluate
+
+    def recorded(context, boundaries, limit=None, **kwargs):
+        if limit is None:
+            counts.append(context.layout.num_microbatches)
+        return evaluate(context, boundaries, limit, **kwargs)
+
+    monkeypatch.setattr(driver, "evaluate", recorded)
+    return counts
 
 
 @pytest.mark.parametrize("why", ["dropout", "mixes samples"])

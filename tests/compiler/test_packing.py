@@ -18,7 +18,7 @@ pytest.importorskip("hypothesis")  # a test extra: without it this module skips
 from hypothesis import HealthCheck, example, given, settings, strategies as st
 
 import harmony_fx
-from harmony_fx.compiler.packing import BudgetTooSmallError, balanced, plan_packs
+from harmony_fx.compiler.packing import BudgetTooSmallError, CountedWhenAsked, balanced, plan_packs
 from harmony_fx.models import MLPChain
 
 costs_strategy = st.lists(st.integers(min_value=0, max_value=10**9), min_size=1, max_size=60)
@@ -117,6 +117,14 @@ def test_runs_are_cut_short_at_the_budget_and_the_smallest_is_run_in_full():
     with pytest.raises(BudgetTooSmallError, match="need at least 7 bytes"):  # a schedule with a fallback
         plan_packs(costs, evaluate, lambda peak: peak, 6, margin=2, cut_short=True, name_smallest=False)
     assert all(limit == 4 for _, limit in calls)
+
+    calls.clear()
+    with pytest.raises(CountedWhenAsked) as info:  # a schedule to fall back on, and its refusal if that fails
+        plan_packs(costs, evaluate, lambda peak: peak, 6, margin=2, cut_short=True, name_smallest="when asked")
+    assert (candidates[-1], None) not in calls and "not counted yet" in str(info.value)
+    assert info.value.smallest_budget == 7 and calls[-1] == (candidates[-1], None)
+    assert info.value.counted().smallest_budget == 7 and calls.count((candidates[-1], None)) == 1  # counted once
+    assert "smallest budget that fits is 7 bytes" in str(info.value)
 
 
 def test_plan_packs_names_the_smallest_budget():
