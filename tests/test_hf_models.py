@@ -74,7 +74,9 @@ def _version(text: str) -> tuple[int, ...]:
     return tuple(int(part) for part in text.split(".")[:2] if part.isdigit())
 
 
-def test_key_value_cache_output_names_use_cache():
+def test_a_call_asking_for_the_key_value_cache_names_use_cache():
+    """The call passes use_cache=True (left to the config, the cache is off while capturing:
+    tests/frontend/test_key_value_caches.py)."""
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
     config = transformers.GPT2Config(vocab_size=128, n_positions=32, n_embd=32, n_layer=1, n_head=2, use_cache=True,
@@ -82,7 +84,8 @@ def test_key_value_cache_output_names_use_cache():
     model = transformers.GPT2LMHeadModel(config)
     ids = torch.randint(0, 128, (2, 8))
     with pytest.raises(harmony_fx.CaptureError, match=r"DynamicCache.*use_cache=False"):
-        harmony_fx.compile(model, (), {"input_ids": ids})
+        harmony_fx.compile(model, (), {"input_ids": ids, "use_cache": True})
+    assert harmony_fx.compile(model, (), {"input_ids": ids})(input_ids=ids).logits.shape == (2, 8, 128)
 
 
 # ---------------------------------------------------------------------- losses the model reduces itself
