@@ -46,7 +46,7 @@ from harmony_fx.frontend.backward_hooks import (
 from harmony_fx.frontend.compute_dtype import fake_in, in_compute_dtype
 from harmony_fx.frontend.decomposition_fixes import decomposition_fixes
 from harmony_fx.frontend.key_value_caches import key_value_caches_off
-from harmony_fx.frontend.random_branches import certain_random_branches
+from harmony_fx.frontend.random_branches import RandomBranchError, certain_random_branches
 from harmony_fx.frontend.refusals import first_refused, refusal
 from harmony_fx.passes.bound_sizes import bound_sizes
 
@@ -143,8 +143,9 @@ def _python_draws_noted(model: nn.Module):
         warnings.warn(
             f"{type(model).__name__} draws from {' and '.join(drew)} in forward: the captured graph keeps the numbers "
             "of the one call that captured it, and every step takes the branches they chose (the same layers "
-            "dropped, the same choice made). Draw with torch (torch.rand), whose draws the graph makes every "
-            "call, or set the probability that uses them to 0.", stacklevel=4)
+            "dropped, the same choice made). Draw with torch (torch.rand) and use the numbers in tensor ops "
+            "(a mask, torch.where), which the graph draws anew every call, or set the probability that uses "
+            "them to 0.", stacklevel=4)
 
 
 def _same_numpy_state(state: tuple, other: tuple) -> bool:
@@ -214,8 +215,9 @@ def _export_trying_again(model: nn.Module, args: tuple, kwargs: dict, stack_trac
                 certain_draws, guarded = True, error
             elif not registered and _register_output_dataclasses(model, args, kwargs):
                 registered = True
-            elif guarded is not None and _guards_on_data(error):
-                raise guarded  # it names the model's line; the second try's names random_branches'
+            elif guarded is not None and (_guards_on_data(error) or _random_branch(error) is not None):
+                # export's first error names the model's line; a random branch says what to set to 0
+                raise guarded from (error if _random_branch(error) is not None else None)
             else:
                 raise
 
@@ -297,9 +299,44 @@ def _capture_failure_message(model: nn.Module, export_error: Exception, trace_er
         f"harmony_fx could not capture {type(model).__name__} as a graph.\n"
         f"  torch.export (non-strict) failed with   {first_line(export_error)}\n"
         f"  torch.fx.symbolic_trace failed with     {first_line(trace_error)}\n"
-        f"What to try: {_cumulative_batch_norm(model) or _advice(export_error)}"
+        f"What to try: {_cumulative_batch_norm(model) or _random_layer_drop(model, export_error) or _advice(export_error)}"
         f"{_where_and_labels(export_error, kwargs)}"
     )
+
+
+def _random_branch(error: BaseException | None) -> RandomBranchError | None:
+    while error is not None and not isinstance(error, RandomBranchError):
+        error = error.__cause__ or error.__context__
+    return error
+
+
+def _random_layer_drop(model: nn.Module, export_error: Exception) -> str:
+    """A branch on a random draw whose outcome changes from call to call (layer drop: a layer
+    skipped with a probability): what to set to 0, named where a config or module attribute holds
+    that probability (``config.layerdrop``)."""
+    branch = _random_branch(export_error)
+    if branch is None:
+        return ""
+    owners: dict[int, tuple[str, object]] = {}  # a config shared by many modules: named once, by the first
+    for module_name, module in model.named_modules():
+        owners.setdefault(id(module.__dict__.get("config")), (f"{module_name or 'model'}.config.", module.__dict__.get("config")))
+        owners[id(module)] = (f"{module_name or 'model'}.", module)
+    holders = [f"{prefix}{name}" for prefix, owner in owners.values()
+               for name, value in getattr(owner, "__dict__", {}).items()
+               if not name.startswith("_") and _is_number(value) and value == branch.probability]
+    # the attributes holding that number, those named for layer drop first (a config holds other 0.1s)
+    for words in (("layerdrop", "layer_drop"), ("drop",), ("",)):
+        named = [holder for holder in dict.fromkeys(holders) if any(w in holder.rsplit(".", 1)[-1] for w in words)]
+        if named:
+            break
+    held = f" ({' or '.join(named[:3])}, now {branch.probability!r})" if holders else ""
+    return (f"{branch}: a graph has the same layers every step, so it cannot skip one at random (layer drop). "
+            f"Set that probability to 0{held}; randomness computed with tensors (dropout, torch.where on a "
+            "draw) stays in the graph.")
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def _cumulative_batch_norm(model: nn.Module) -> str:
@@ -327,7 +364,7 @@ def _where_and_labels(export_error: Exception, kwargs: dict) -> str:
              if not pathlib.Path(path).is_relative_to(torch_dir)]
     where += [w for w in _CAUSED_BY.findall(message) if not (torch_dir / w.split(":")[0]).exists()]
     text = f" The model's code at {where[0]}." if where else ""
-    if "labels" in kwargs:
+    if "labels" in kwargs and _random_branch(export_error) is None:
         text += (" If that is the loss computed from labels, call the model without labels and compute the loss "
                  "from its logits outside (harmony_fx.Trainer's loss_fn(output, target)).")
     return text

@@ -11,8 +11,9 @@ such a model would not capture at all. A draw of ``torch.rand``/``torch.rand_lik
 compared with a number outside that range its outcome is the same every call, and ``bool()`` (or
 ``.item()``) of that comparison is answered here with it. The draw and the comparison stay in the
 graph, so the program consumes the random numbers eager consumes (a dropout after it gets eager's
-mask). A comparison whose outcome really is random (a layer drop of 0.3) is left to export, which
-refuses it as before.
+mask). A comparison whose outcome really is random (a layer drop of 0.3) cannot be a graph, whose
+layers are the same every step: ``bool()`` of it raises ``RandomBranchError`` (the comparison and
+the probability it was given), which the capture's refusal turns into what to set to 0.
 
 ``certain_random_branches(module)`` runs the module's forward under the mode that answers them;
 it must run inside export's own tracing, above export's function modes, hence the forward itself
@@ -29,7 +30,7 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["certain_random_branches"]
+__all__ = ["certain_random_branches", "RandomBranchError"]
 
 _DRAWS = (torch.rand, torch.rand_like)  # uniform on [0, 1)
 # a comparison's outcome for every draw in [0, 1], from the number it is compared with (None: random)
@@ -40,31 +41,42 @@ _OUTCOMES: dict[str, Callable[[float], bool | None]] = {
     "ge": lambda c: True if c <= 0 else False if c > 1 else None,
 }
 _OUTCOMES.update({f"__{name}__": outcome for name, outcome in list(_OUTCOMES.items())})
+_SYMBOLS = {"lt": "<", "le": "<=", "gt": ">", "ge": ">="}
+
+
+class RandomBranchError(RuntimeError):
+    """The model branches in Python on a comparison of a uniform draw whose outcome is random:
+    ``probability`` is the number the draw was compared with."""
+
+    def __init__(self, comparison: str, probability: float) -> None:
+        super().__init__(f"the model branches in Python on a random draw, torch.rand() {comparison} {probability!r}, "
+                         "whose outcome changes from call to call")
+        self.probability = probability
 
 
 class _CertainDraws(TorchFunctionMode):
-    """Remembers the tensors ``torch.rand`` gave and the comparisons of them whose outcome is certain
-    (by ``id``, holding the tensor: a tensor's ``==`` is not identity), and answers ``bool()`` or
-    ``.item()`` of those with the outcome."""
+    """Remembers the tensors ``torch.rand`` gave and the comparisons of them (by ``id``, holding the
+    tensor: a tensor's ``==`` is not identity); answers ``bool()`` or ``.item()`` of those whose
+    outcome is certain with the outcome, and raises ``RandomBranchError`` for the others."""
 
     def __init__(self) -> None:
         super().__init__()
         self.draws: dict[int, torch.Tensor] = {}
-        self.certain: dict[int, tuple[torch.Tensor, bool]] = {}
+        self.compared: dict[int, tuple[torch.Tensor, bool | None, str, float]] = {}
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         name = getattr(func, "__name__", None)
         if name in ("__bool__", "item") and args:
-            held, outcome = self.certain.get(id(args[0]), (None, None))
+            held, outcome, comparison, number = self.compared.get(id(args[0]), (None, None, "", 0.0))
             if held is args[0]:
+                if outcome is None:
+                    raise RandomBranchError(comparison, number)
                 return outcome
         out = func(*args, **(kwargs or {}))
         if any(func is draw for draw in _DRAWS):
             self.draws[id(out)] = out
         elif name in _OUTCOMES and len(args) == 2 and self._is_draw(args[0]) and _is_number(args[1]):
-            outcome = _OUTCOMES[name](args[1])
-            if outcome is not None:
-                self.certain[id(out)] = (out, outcome)
+            self.compared[id(out)] = (out, _OUTCOMES[name](args[1]), _SYMBOLS[name.strip("_")], args[1])
         return out
 
     def _is_draw(self, value: object) -> bool:

@@ -83,6 +83,22 @@ def test_a_draw_whose_outcome_is_random_is_still_refused():
     assert "if dropout_probability < self.layerdrop" in str(refused.value)
     assert "draw once and bake" in str(refused.value)
     assert "forward" not in model.__dict__
+    # what to do: the draw, the probability and what holds it, not "pick with torch.where"
+    assert "torch.rand() < 0.3" in str(refused.value)
+    assert "Set that probability to 0 (model.layerdrop, now 0.3)" in str(refused.value)
+    assert "torch.where, or move" not in str(refused.value)
+
+
+def test_a_hugging_face_layer_drop_names_the_config_that_holds_it():
+    """Wav2Vec2 with transformers' default layerdrop (0.1): skips each layer at random in training."""
+    pytest.importorskip("transformers")
+    from harmony_fx.testing.hf_architectures import architecture_batch, build_architecture
+
+    model = build_architecture("wav2vec2")
+    model.config.layerdrop = 0.1
+    with pytest.raises(CaptureError, match=r"Set that probability to 0 \(model\.config\.layerdrop, now 0\.1\)") as refused:
+        capture(model, (), architecture_batch("wav2vec2"))
+    assert "call the model without labels" not in str(refused.value)  # the loss is not what failed
 
 
 def test_a_users_own_forward_attribute_is_kept():
