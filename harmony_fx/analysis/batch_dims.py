@@ -26,6 +26,10 @@ this analysis proves it safe; an option the user sets is theirs.
    into ``shifted = ids.new_zeros(...)``, a fresh constant: ``ids`` gives it only a dtype): the
    buffer and every view of it hold what was written from then on, the batch dim mapped back
    through the views, which may neither cut nor merge it.
+   A draw of independent numbers with exactly one dim of the batch's size (stochastic depth's
+   ``torch.rand((B, 1, 1))``, timm's ``x.new_empty((B, 1)).bernoulli_(p)``) is each sample's own
+   along that dim: a microbatch draws its own alike (not ``randperm``, whose entries depend on
+   each other).
 4. An op acting along the batch dim, an op this module has no rule for, and a shared value that
    varies along the batch dim meeting a batched one (a ``[B, H]`` parameter added to ``[B, H]``
    activations) all make the graph *not separable*; the first such node is the reason given.
@@ -48,6 +52,7 @@ import torch
 from torch import fx
 
 from harmony_fx.analysis.aliasing import alias_chain, aliased
+from harmony_fx.analysis.random_ops import draws_random
 from harmony_fx.analysis.reductions import ScalarReduction, scalar_reduction
 from harmony_fx.ir import autograd_functions, meta
 from harmony_fx.ir.values import leaves
@@ -136,6 +141,9 @@ def _propagate(gm: fx.GraphModule, env_inputs: Mapping[str, _Dims], batch_size: 
         elif _name(node) == "type_as":  # ``x.type_as(y)``: y gives only its dtype
             inputs = inputs[:1]
         if all(all(d is None for d in env[arg]) for arg in inputs) and not any(arg in c.sorted for arg in inputs):
+            if (drawn := _per_sample_draw(node, batch_size)) is not None:
+                env[node] = [drawn]
+                continue
             # nothing batched comes in: the result is shared; follow what it is constant along
             env[node] = [None] * max(len(leaves(node.meta.get(meta.VAL))), 1)
             if isinstance(node.meta.get(meta.VAL), torch.Tensor) and isinstance(node.target, torch._ops.OpOverload):
@@ -167,6 +175,25 @@ def _propagate(gm: fx.GraphModule, env_inputs: Mapping[str, _Dims], batch_size: 
         except Exception as error:  # noqa: BLE001 - an op we cannot read is one we cannot prove safe
             raise _Mixed(f"{meta.describe(node)}: cannot tell how it treats the batch ({error})") from error
     return env, c
+
+
+# draws of independent numbers, each entry its own (not ``randperm``, whose entries depend on each other)
+_INDEPENDENT_DRAWS = frozenset({"rand", "randn", "randint", "bernoulli", "bernoulli_", "uniform_", "normal", "normal_",
+                                "exponential_", "geometric_", "cauchy_", "log_normal_", "random_", "rand_like",
+                                "randn_like", "randint_like", "native_dropout", "dropout"})
+
+
+def _per_sample_draw(node: fx.Node, batch_size: int) -> int | None:
+    """The dim of a draw of independent numbers that is the batch's size, where it has exactly one
+    (``torch.rand((B, 1, 1))``: stochastic depth's mask, a number per sample): each sample's own
+    numbers along it, so a microbatch drawing its own draws alike (other numbers, as every cut of a
+    model that draws does: the planner does not cut those itself)."""
+    value = node.meta.get(meta.VAL)
+    if batch_size < 2 or not isinstance(value, torch.Tensor) or _name(node) not in _INDEPENDENT_DRAWS \
+            or not draws_random(node):
+        return None
+    dims = [dim for dim, size in enumerate(value.shape) if size == batch_size]
+    return dims[0] if len(dims) == 1 else None
 
 
 def _val(node: Any) -> Any:

@@ -552,3 +552,45 @@ def test_a_custom_function_that_may_mix_the_samples_is_not_cut(fn, why):
     analysis = _analysis(_Fn(fn), torch.randn(6, 4))
     assert not analysis.separable
     assert "custom autograd Function" in analysis.reason and why in analysis.reason
+
+
+class _DropPath(nn.Module):
+    """Stochastic depth as transformers (``torch.rand``) and timm (``new_empty().bernoulli_``) write it:
+    each sample's branch kept or dropped by a number drawn for it alone."""
+
+    def __init__(self, timm_style: bool) -> None:
+        super().__init__()
+        self.block = nn.Sequential(nn.Linear(8, 8), nn.Tanh())
+        self.timm_style = timm_style
+
+    def forward(self, x):
+        shape = (x.shape[0], 1)
+        if self.timm_style:
+            mask = x.new_empty(shape).bernoulli_(0.7)
+        else:
+            mask = (0.7 + torch.rand(shape, dtype=x.dtype)).floor_()
+        return x + self.block(x).div(0.7) * mask
+
+
+@pytest.mark.parametrize("timm_style", [False, True])
+def test_a_draw_of_one_number_per_sample_keeps_the_samples_apart_and_cuts_as_eager_draws(timm_style):
+    """Cut in two, each microbatch draws its own samples' numbers: one pack running the microbatches
+    in turn draws what eager draws running the two halves in turn, so the step is eager's on them."""
+    torch.manual_seed(0)
+    model, x = _DropPath(timm_style), torch.randn(4, 8)
+    assert _analysis(model, x).separable
+    reference = copy.deepcopy(model)
+    hm = harmony_fx.compile(model, (x,), microbatches=2, pack_boundaries=(0,))
+    torch.manual_seed(1)
+    hm(x).square().mean().backward()
+    torch.manual_seed(1)
+    sum(reference(half).square().mean() for half in x.chunk(2)).div(2).backward()
+    for param, ref in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(param.grad, ref.grad)
+
+
+def test_a_permutation_of_the_batch_still_mixes_samples():
+    """``randperm``'s entries depend on each other: shuffling the batch by it is not a per-sample draw."""
+    model = _Fn(lambda h, m: h[torch.randperm(h.shape[0])] + h)
+    analysis = _analysis(model, torch.randn(4, 4))
+    assert not analysis.separable
