@@ -88,6 +88,29 @@ def test_a_call_asking_for_the_key_value_cache_names_use_cache():
     assert harmony_fx.compile(model, (), {"input_ids": ids})(input_ids=ids).logits.shape == (2, 8, 128)
 
 
+def test_a_model_output_class_transformers_left_unregistered_is_captured():
+    """transformers registers each ModelOutput class with pytree when it is made, except while
+    something is traced (torch.compiler.is_compiling()): a class first imported inside a trace is
+    unknown to export. The capture's FakeTensor run makes one outside, and tries again."""
+    pytest.importorskip("transformers")
+    from torch.utils import _pytree as pytree
+    from transformers.modeling_outputs import CausalLMOutputWithCrossAttentions as Output
+    from transformers.utils import generic
+
+    model, batch = build_hf_model("gpt2"), hf_batch("gpt2")
+    reference = copy.deepcopy(model)
+    flatten = pytree.SUPPORTED_NODES.pop(Output)  # as if made inside a trace
+    getattr(generic, "_registered_model_output_types", set()).discard(Output)
+    try:
+        out = harmony_fx.compile(model, (), example_kwargs=batch, devices=["host:0"], microbatches=1)(**batch)
+    finally:
+        if Output not in pytree.SUPPORTED_NODES:  # put back for the tests after this one
+            pytree.SUPPORTED_NODES[Output] = flatten
+            getattr(generic, "_registered_model_output_types", set()).add(Output)
+    assert isinstance(out, Output)
+    torch.testing.assert_close(out.loss, reference(**batch).loss, rtol=RTOL, atol=ATOL)
+
+
 # ---------------------------------------------------------------------- losses the model reduces itself
 
 

@@ -235,18 +235,23 @@ def _guards_on_data(error: BaseException | None) -> bool:
 
 def _register_output_dataclasses(model: nn.Module, args: tuple, kwargs: dict) -> bool:
     """Register with pytree (``torch.export.register_dataclass``) every dataclass type in the model's
-    output that pytree does not know, found by one run on FakeTensors; whether there was any. The
-    registration is process-wide, as Hugging Face's own for ``ModelOutput``: it only lets pytree
-    flatten these types into their fields."""
+    output that pytree does not know, found by one run on FakeTensors; whether any output type is
+    known now that was not before. The registration is process-wide, as Hugging Face's own for
+    ``ModelOutput``, which registers itself when made outside a trace: a ``ModelOutput`` class first
+    imported while something was traced (``torch.compiler.is_compiling()``) is never registered by
+    transformers until the run here makes one."""
+    known = set(pytree.SUPPORTED_NODES)
     try:
         with fakes_of((args, kwargs)) as (fake_args, fake_kwargs):
             output = model(*fake_args, **fake_kwargs)
     except Exception:  # noqa: BLE001 - then export's own error stands
         return False
     found: dict[type, None] = {}
+    seen: set[type] = set()
 
     def visit(value: Any) -> None:
         if dataclasses.is_dataclass(value) and not isinstance(value, type):
+            seen.add(type(value))
             if type(value) not in pytree.SUPPORTED_NODES:
                 found[type(value)] = None
             for field in dataclasses.fields(value):
@@ -261,7 +266,7 @@ def _register_output_dataclasses(model: nn.Module, args: tuple, kwargs: dict) ->
     visit(output)
     for cls in found:
         torch.export.register_dataclass(cls)
-    return bool(found)
+    return bool(found) or bool(seen - known)
 
 
 def _bounded_capture(model: nn.Module, args: tuple, kwargs: dict, stack_traces: bool, dtype: torch.dtype | None):
