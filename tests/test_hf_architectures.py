@@ -1,6 +1,7 @@
 """Breadth: 45 Hugging Face architectures nobody here wrote (``testing.hf_architectures``), each
 compiled at the smallest budget its refusal names and stepped once beside eager: the same loss and
-every gradient; and again under ``precision="bf16"`` beside the model converted to bf16. CI runs
+every gradient; again under ``precision="bf16"`` beside the model converted to bf16; and built with
+transformers' defaults (dropout on, the key/value cache), beside eager on the same seed. CI runs
 a sample of each (``-m slow``), ``-m extended`` all of them (about 11 minutes on 2 cores);
 ``test_hf_models`` goes deeper on a few."""
 from __future__ import annotations
@@ -72,6 +73,38 @@ def test_an_architecture_trains_like_eager_at_its_smallest_budget(name, memory_w
         if param.grad is not None:
             torch.testing.assert_close(param.grad, eager.grad, rtol=1e-4, atol=1e-6, msg=param_name)
     assert memory_witness.peak_of(hm.device) == hm.stats.peak_bytes[hm.device.name] <= budget
+
+
+# with transformers' defaults: dropout, stochastic depth (Swin, BEiT), the key/value cache; Wav2Vec2's
+# layer drop (0.1) skips layers at random, which no graph can (tests/frontend/test_random_branches.py)
+CI_SAMPLE_DEFAULTS = ("bart", "beit", "opt", "swin", "whisper", "xlnet")
+
+
+@pytest.mark.parametrize("name", [param for param in _architectures(CI_SAMPLE_DEFAULTS) if param.values != ("wav2vec2",)])
+def test_an_architecture_with_transformers_defaults_draws_as_eager_at_its_smallest_budget(name):
+    """Built as users build it, dropout on: at the smallest budget (many packs, each recompute
+    replaying its forward's random numbers; several microbatches where nothing is drawn), the same
+    seed gives eager's loss and every gradient, and the model's config says use_cache as before."""
+    pytest.importorskip("transformers")
+    model = build_architecture(name, defaults=True)
+    reference = copy.deepcopy(model)
+    batch = architecture_batch(name)
+    caching = getattr(model.config, "use_cache", None)
+    with pytest.raises(harmony_fx.BudgetTooSmallError) as refused:
+        harmony_fx.compile(model, (), batch, memory_budget=1, devices=["host:0"])
+    hm = harmony_fx.compile(model, (), batch, memory_budget=refused.value.smallest_budget, devices=["host:0"])
+    assert len(hm.packs) > 1 and getattr(model.config, "use_cache", None) == caching
+    torch.manual_seed(5)
+    loss = architecture_loss(name, hm(**batch))
+    loss.backward()
+    torch.manual_seed(5)
+    expected = architecture_loss(name, reference(**batch))
+    expected.backward()
+    torch.testing.assert_close(loss, expected, rtol=1e-4, atol=1e-6)
+    for (param_name, param), eager in zip(model.named_parameters(), reference.parameters()):
+        assert (param.grad is None) == (eager.grad is None), param_name
+        if param.grad is not None:  # attention's key bias: an exact 0, rounding noise of 1e-10 on both sides
+            torch.testing.assert_close(param.grad, eager.grad, rtol=1e-4, atol=1e-6, msg=param_name)
 
 
 @pytest.mark.parametrize("name", _architectures(CI_SAMPLE_BF16))

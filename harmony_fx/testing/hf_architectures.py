@@ -14,10 +14,13 @@ pooling, BigBird and FNet's Fourier mixing, both with a pooler the loss does not
 encoder-decoders (BART, UMT5, Whisper on log-mel features), image classifiers (ResNet with
 BatchNorm, ConvNeXt, Swin's shifted windows, BEiT's relative position bias, MobileViT's convolutions
 with BatchNorm, DINOv2), Wav2Vec2 on raw audio (weight-normed convolutions) and CLIP's vision tower. Dropout is 0
-everywhere, so a step computes what eager's does. ``transformers`` is imported when a model is
-built: it is a test extra.
+everywhere, so a step computes what eager's does (``build_architecture(defaults=True)``: transformers'
+own dropout, as users build them). ``transformers`` is imported when a model is built: it is a test
+extra.
 """
 from __future__ import annotations
+
+import re
 
 import torch
 from torch import nn
@@ -158,11 +161,20 @@ ARCHITECTURES: dict[str, tuple[str, str, dict, str]] = {
 }
 
 
-def build_architecture(name: str, seed: int = 0) -> nn.Module:
-    """A fresh, seeded model of ``name`` in training mode."""
+# the arguments whose transformers default a user gets: dropout, layer drop, stochastic depth,
+# SpecAugment's time masks, the key/value cache
+_LEFT_TO_DEFAULTS = re.compile(r"dropout|pdrop|layerdrop|drop_path|mask_time_prob|use_cache")
+
+
+def build_architecture(name: str, seed: int = 0, defaults: bool = False) -> nn.Module:
+    """A fresh, seeded model of ``name`` in training mode. ``defaults``: with transformers' own
+    dropout, layer drop, stochastic depth, time masking and ``use_cache`` (as a user builds it; only
+    the sizes tiny), where the zoo turns each off."""
     import transformers
 
     config_class, model_class, arguments, _ = ARCHITECTURES[name]
+    if defaults:
+        arguments = {key: value for key, value in arguments.items() if not _LEFT_TO_DEFAULTS.search(key)}
     torch.manual_seed(seed)
     return getattr(transformers, model_class)(getattr(transformers, config_class)(**arguments)).train()
 
