@@ -48,8 +48,7 @@ class Counting(torch.utils.data.Dataset):
 def build_model(lora: bool) -> torch.nn.Module:
     torch.manual_seed(0)
     config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
-                                      num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=SEQ,
-                                      use_cache=False)
+                                      num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=SEQ)
     model = transformers.LlamaForCausalLM(config)
     if lora:
         import peft
