@@ -30,7 +30,7 @@ import inspect
 import os
 import pathlib
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -202,10 +202,15 @@ class Trainer:
         self._last_hm.plot_memory(path)
 
     # ------------------------------------------------------------------ training
-    def step(self, batch: tuple, *, loss_scale: float = 1.0) -> torch.Tensor:
+    def step(self, batch: tuple, *, loss_scale: float = 1.0,
+             microbatch_weights: Sequence[float] | None = None) -> torch.Tensor:
         """One iteration on ``batch``; returns the batch's loss, times ``loss_scale`` as its gradients
         are (for a caller that adds up its batches' losses, as transformers' Trainer does under
-        gradient accumulation where the model's loss ignores ``num_items_in_batch``). All or
+        gradient accumulation where the model's loss ignores ``num_items_in_batch``).
+        ``microbatch_weights``: each microbatch's loss weight in the batch's (one per microbatch, in
+        order), where the graph's own weights (the whole batch's mean, say) are not what the caller
+        computes: a caller whose microbatches are its own batches, each loss a mean of its own,
+        adding them up (weights of 1). All or
         nothing: if anything fails (including Ctrl-C), the weights, buffers and optimizer state are
         as before the call, and every ``param.grad`` is ``None``. After it, ``param.grad`` holds this
         step's gradients (as the optimizer stepped them, clipped with ``max_grad_norm``), in tensors
@@ -216,13 +221,16 @@ class Trainer:
             self.flush()  # the last step's state is on the tier, or that step is undone and this raises
         groups = self._groups if hm is self.hm else hm.update_groups()
         per_mb = hm.split_inputs(args, kwargs)
+        if microbatch_weights is not None and len(microbatch_weights) != len(per_mb):
+            raise ValueError(f"Trainer.step: microbatch_weights has {len(microbatch_weights)} weight(s) for the "
+                             f"batch's {len(per_mb)} microbatches (sizes {list(hm.mb_sizes)}): give one per microbatch")
         undo = Undo(self.optimizer, [p for group in groups.values() for p in group], hm.compiled.written_buffers(),
                     copies=self.atomic, tier=self._tier,
                     # with the tier a step's undo lives on until its files are committed, which may be
                     # after the next step's copies: each step's its own then
                     store=self._undo_store if self._tier is None else None)
         transaction = StepTransaction(self.step_count, undo, self._tier, self.cluster, self._cross)
-        batch_loss = BatchLoss(hm, per_mb, self.loss_reduction, transaction.total, loss_scale)
+        batch_loss = BatchLoss(hm, per_mb, self.loss_reduction, transaction.total, loss_scale, microbatch_weights)
         updates = PackUpdates(self._updater, groups, hm.update_arrivals, undo)
         self._last_hm, self._stats = hm, None
         loss = None

@@ -139,7 +139,8 @@ class HarmonyTrainer(transformers.Trainer):
         whole, and harmony adds their losses up as the graph says. Where transformers leaves the
         loss to the model (it takes ``**kwargs``) but the model's loss never reads
         ``num_items_in_batch`` (a classification head's mean), transformers adds the batches' mean
-        losses: the step's loss and gradients are then as many times the mean as it has batches."""
+        losses: each batch is a microbatch whose loss weighs 1, as there (where the batches are of one
+        size and the microbatches as many: else the whole batch's mean, times the number of batches)."""
         self._window.append(inputs)
         if not self.accelerator.sync_gradients:
             return torch.zeros((), device=self.args.device)
@@ -150,9 +151,21 @@ class HarmonyTrainer(transformers.Trainer):
             batch["num_items_in_batch"] = torch.as_tensor(num_items_in_batch).detach().cpu()
         self.model.train()
         with self._autocast():
-            scale = len(batches) if self._adds_batch_losses(passed, batch) else 1
-            loss = self._harmony_for(batch).step(batch, loss_scale=scale)
+            if not self._adds_batch_losses(passed, batch):
+                loss = self._harmony_for(batch).step(batch)
+            elif self._batches_are_microbatches(batches):
+                loss = self._harmony_for(batch).step(batch, microbatch_weights=[1.0] * len(batches))
+            else:
+                loss = self._harmony_for(batch).step(batch, loss_scale=len(batches))
         return loss.detach().to(self.args.device)
+
+    def _batches_are_microbatches(self, batches: list[dict]) -> bool:
+        """Whether harmony cuts the step's batch into exactly its batches: as many microbatches as
+        batches, all of one size (an even cut). An epoch's last step may hold fewer, or a smaller one."""
+        sizes = {len(next(value for value in batch.values() if isinstance(value, torch.Tensor)))
+                 for batch in batches}
+        microbatches = self._harmony_options.get("microbatches", self.args.gradient_accumulation_steps)
+        return len(sizes) == 1 and microbatches == len(batches)
 
     def _adds_batch_losses(self, passed: bool, batch: dict) -> bool:
         """Whether transformers adds the step's batch losses undivided (its own rule:

@@ -110,15 +110,18 @@ class BatchLoss:
     """How one batch's microbatch losses make the batch's loss, as eager computes it on the whole
     batch: weights from the graph (a mean over labelled tokens, over elements, a sum) where it says
     how the loss reduces, else by microbatch size (``reduction="mean"``) or all 1 (``"sum"``);
-    across processes, over every rank's batch (``total`` sums a number over the ranks); each weight
-    times ``scale``."""
+    across processes, over every rank's batch (``total`` sums a number over the ranks); or
+    ``weights``, the caller's, one per microbatch; each weight times ``scale``."""
 
     def __init__(self, hm, per_mb: Sequence[Sequence[torch.Tensor]], reduction: str,
-                 total: Callable[[float], float] | None, scale: float = 1.0) -> None:
+                 total: Callable[[float], float] | None, scale: float = 1.0,
+                 weights: Sequence[float] | None = None) -> None:
         (self.name,) = hm.signature.model_outputs
         self.microbatches = len(per_mb)
-        self.weights = [scale * weight for weight in hm.scalar_weights(
-            self.name, per_mb, otherwise=lambda: _size_weights(hm, reduction, total), total=total)]
+        if weights is None:
+            weights = hm.scalar_weights(self.name, per_mb, otherwise=lambda: _size_weights(hm, reduction, total),
+                                        total=total)
+        self.weights = [scale * weight for weight in weights]
         like = hm.output_like(self.name)
         # the gradient each microbatch's loss starts its backward from: its weight
         self.output_grads = {Key(KeyKind.GRAD, self.name, mb): torch.full(like.shape, w, dtype=like.dtype)

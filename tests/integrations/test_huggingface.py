@@ -305,3 +305,19 @@ def test_lora_over_a_bf16_base_keeps_and_moves_the_frozen_weights_in_bf16(tmp_pa
     moved = trainer.harmony.stats.as_dict()["bytes_by_kind"]
     assert moved == trainer.harmony.plan.predicted_bytes
     assert moved["d2h/wgrad"] == sum(p.numel() * p.element_size() for p in adapters)
+
+
+def test_a_masked_lm_whose_loss_ignores_num_items_adds_its_batch_means_over_their_own_tokens(tmp_path):
+    """BERT's masked-LM head takes ``**kwargs`` but its loss is a mean over the batch's own labelled
+    tokens: transformers' step adds the two batches' means, which weigh a token by its own batch's
+    count. The batches of one step are harmony's microbatches, each loss weighed 1 as transformers
+    weighs it (the tails of some samples ignored: the batches hold different counts)."""
+    def masked_lm():
+        torch.manual_seed(0)
+        return build_hf_model("bert")
+
+    arguments = {"eval_strategy": "no", "save_strategy": "no", "max_steps": 3}
+    _, eager_steps, _ = _train(transformers.Trainer, masked_lm(), tmp_path / "eager", arguments=arguments)
+    _, steps, _ = _train(HarmonyTrainer, masked_lm(), tmp_path / "harmony", arguments=arguments,
+                         harmony_options={"memory_budget": "1MiB"})
+    _assert_same_steps(steps, eager_steps)

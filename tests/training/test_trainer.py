@@ -625,3 +625,31 @@ def test_gradients_landing_in_last_steps_buffers_equal_eager(devices):
                                            msg=lambda m: f"a .grad after step {step}: {m}")
     finally:
         trainer.close()
+
+
+def test_microbatch_weights_replace_the_graphs_and_must_be_one_per_microbatch():
+    """A caller whose microbatches are its own batches adds their mean losses (weights of 1): the
+    step is eager's sum of the halves' means; a weight count other than the microbatches' is
+    refused before anything changes."""
+    torch.manual_seed(0)
+    model = MLPChain(width=16, depth=4)
+    reference = copy.deepcopy(model)
+    x, target = torch.randn(8, 16), torch.randint(0, 10, (8,))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    trainer = harmony_fx.Trainer(model, F.cross_entropy, optimizer, (x, target), microbatches=2)
+    try:
+        before = [p.detach().clone() for p in model.parameters()]
+        with pytest.raises(ValueError, match=r"microbatch_weights has 3 weight\(s\) for the batch's 2 microbatches"):
+            trainer.step((x, target), microbatch_weights=[1.0, 1.0, 1.0])
+        assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+        loss = trainer.step((x, target), microbatch_weights=[1.0, 1.0])
+    finally:
+        trainer.close()
+    expected = sum(F.cross_entropy(reference(half), labels) for half, labels in zip(x.chunk(2), target.chunk(2)))
+    expected.backward()
+    torch.testing.assert_close(loss, expected.detach())
+    with torch.no_grad():
+        for param in reference.parameters():
+            param -= 0.1 * param.grad
+    for param, ref in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(param, ref)
