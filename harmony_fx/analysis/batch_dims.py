@@ -841,7 +841,8 @@ def _split(node: fx.Node, c: _Context) -> _Dims:
 
 
 def _cat(node: fx.Node, c: _Context) -> _Dims:
-    tensors = [t for t in node.args[0] if isinstance(t, fx.Node)]
+    # a 1-D empty tensor is no part at all (torch.cat skips it): a key/value cache's first keys
+    tensors = [t for t in node.args[0] if isinstance(t, fx.Node) and not (_name(node) != "stack" and _shape(t) == (0,))]
     along = _norm(_argument(node, "dim", 0), len(_shape(node)))
     dims = {c.dim(t) for t in tensors} - {None}
     if len(dims) != 1:

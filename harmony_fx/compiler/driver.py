@@ -18,6 +18,8 @@
    was tried before. Where the planner was free to cut the batch and the options' own do not fit,
    one sample per microbatch is tried last, and a refusal names the smaller of the two smallest
    budgets (``count the smallest budget``: the options' own is counted only then).
+   Where the options' own microbatches cut the batch into sizes whose graphs differ (an epoch's
+   last, smaller batch), microbatches all of one size are tried.
 8. ``annotate packs``: the chosen packing written on the graphs, liveness, ``verify_packs``.
 9. ``check peak``; for a Trainer with ``host_memory``/``nvme_path``, ``plan host memory`` (what a
    step holds there, and which packs' optimizer state goes to the NVMe tier:
@@ -53,7 +55,7 @@ from harmony_fx.compiler.shapes import Shapes
 from harmony_fx.compiler.signature import program_signature
 from harmony_fx.compiler.stages import StageLog, progress_to_stderr
 from harmony_fx.compiler.capture_cache import cached_capture
-from harmony_fx.compiler.variants import Variant, check_same_layers
+from harmony_fx.compiler.variants import GraphsDiffer, Variant, check_same_layers
 from harmony_fx.config import CompileOptions, format_size
 from harmony_fx.frontend import microbatch
 from harmony_fx.ir import meta
@@ -166,6 +168,8 @@ def _first_that_compiles(log: StageLog, stages, schedules: tuple[Schedule, ...],
             return stages(schedule) if schedule is not None or least is None else stages(None, name_smallest="when asked")
         except Exception as error:  # noqa: BLE001 - any failure of a planner's choice: try the next
             if schedule is None:
+                if isinstance(error, GraphsDiffer) and (one_size := _of_one_size(options, error)) is not None:
+                    return _with_one_size(log, stages, one_size, error, options, num_devices)
                 if least is not None and isinstance(error, BudgetTooSmallError):
                     return _with_least_memory(log, stages, least, error, tried, options, num_devices, budget)
                 if not tried:
@@ -231,6 +235,36 @@ def _with_least_memory(log: StageLog, stages, least: CompileOptions, refusal: Bu
         raise replacement from error
 
 
+def _of_one_size(options: CompileOptions, error: GraphsDiffer) -> CompileOptions | None:
+    """The options with microbatches all of one size, where theirs cut the batch into sizes whose
+    graphs differ (the last, smaller batch of an epoch: 3 samples in 2 microbatches of 2 and 1, the
+    graph of one sample not the graph of two): the largest size that divides the batch and is no
+    larger than theirs, so that no microbatch holds more than they planned for."""
+    if error.forward or not isinstance(options.microbatches, int):
+        return None
+    sizes = [size for size in error.sizes if size]
+    batch = sum(sizes)
+    size = max(d for d in range(1, max(sizes) + 1) if batch % d == 0)
+    return None if batch // size == options.microbatches else dataclasses.replace(options, microbatches=batch // size)
+
+
+def _with_one_size(log: StageLog, stages, one_size: CompileOptions, error: GraphsDiffer, options: CompileOptions,
+                   num_devices: int) -> Compiled:
+    """``one_size``'s compile, the plan saying why; where that fails too, ``error`` stands, saying so."""
+    batch = sum(size for size in error.sizes if size)
+    what = f"{one_size.microbatches} microbatches of {batch // one_size.microbatches}"
+    cut = ", ".join(map(str, sorted({s for s in error.sizes if s}, reverse=True)))
+    why = f"microbatches={options.microbatches} cuts the batch of {batch} into sizes {cut}, whose graphs differ"
+    log.run("fall back", lambda: None, decision=lambda _: f"{why}; trying {what}")
+    try:
+        return stages(None, one_size, f", {what}: {why}")
+    except Exception as failure:  # noqa: BLE001 - the first error stands, saying what was tried
+        replacement = _say_what_was_tried(error, [(what, failure)])
+        if replacement is error:
+            raise error from failure
+        raise replacement from failure
+
+
 def _counted(refusal: BudgetTooSmallError) -> BudgetTooSmallError:
     return refusal.counted() if isinstance(refusal, CountedWhenAsked) else refusal
 
@@ -288,7 +322,7 @@ def _from_layout(log: StageLog, example: _Example, devices: list, options: Compi
     if schedule is not None:
         policy, policy_name = fixed(schedule.boundaries), "planner"
     elif options.pack_boundaries is not None:
-        policy, policy_name = fixed(options.pack_boundaries), "fixed"
+        policy, policy_name = fixed(options.pack_boundaries), f"fixed{why}"
     else:
         policy, policy_name = balanced, f"balanced{why}"
     candidate: Candidate | None = None

@@ -21,7 +21,7 @@ from harmony_fx.frontend.capture import Captured, capture
 from harmony_fx.passes.find_layers import Layer, find_layers
 from harmony_fx.passes.retarget_device import retarget_device
 
-__all__ = ["Variant", "capture_variant", "check_same_layers"]
+__all__ = ["Variant", "GraphsDiffer", "capture_variant", "check_same_layers"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,6 +58,15 @@ def capture_variant(model: nn.Module, size: int | None, args: tuple, kwargs: dic
     return Variant(size, captured, layers, {node.name: node for node in captured.gm.graph.nodes})
 
 
+class GraphsDiffer(ValueError):
+    """Two microbatch sizes capture different layers; ``sizes``: the backward's microbatch sizes,
+    ``forward``: whether a larger forward microbatch's graph is one of the two."""
+
+    def __init__(self, message: str, sizes: Sequence[int | None], forward: bool) -> None:
+        super().__init__(message)
+        self.sizes, self.forward = tuple(sizes), forward
+
+
 def check_same_layers(variants: dict[int | None, Variant], backward_sizes: Sequence[int | None],
                       forward_sizes: Sequence[int] = ()) -> None:
     """Every variant has the first's layers, node for node; else a ``ValueError`` saying where
@@ -73,11 +82,12 @@ def check_same_layers(variants: dict[int | None, Variant], backward_sizes: Seque
             only = sorted(set(where[0].nodes) ^ set(where[1].nodes))
             detail = (f", first in layer {where[0].name!r} (nodes only one of them has: "
                       f"{', '.join(only[:3])}{', ...' if len(only) > 3 else ''})")
-        raise ValueError(
+        raise GraphsDiffer(
             f"the model's graph at microbatch size {variant.size} differs from the graph at size {first.size}"
             f"{detail}: export specialises some ops on the sizes it sees (a size-1 dim, for one, makes a "
             "`contiguous` a no-op it drops), and the packs of every microbatch size must share their layers. "
-            + _same_size_advice(first.size, variant.size, backward_sizes, forward_sizes))
+            + _same_size_advice(first.size, variant.size, backward_sizes, forward_sizes),
+            backward_sizes, bool({first.size, variant.size} & (set(forward_sizes) - set(backward_sizes))))
 
 
 def _same_size_advice(a: int | None, b: int | None, backward_sizes: Sequence[int | None],

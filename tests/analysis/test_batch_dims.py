@@ -594,3 +594,11 @@ def test_a_permutation_of_the_batch_still_mixes_samples():
     model = _Fn(lambda h, m: h[torch.randperm(h.shape[0])] + h)
     analysis = _analysis(model, torch.randn(4, 4))
     assert not analysis.separable
+
+
+def test_joining_an_empty_tensor_keeps_the_batch():
+    """torch.cat skips a 1-D empty tensor (a key/value cache's keys before its first update, in
+    transformers' DynamicCache): the result is the batched part alone."""
+    model = _Fn(lambda h, m: torch.cat([h.new_empty(0).detach_(), h], dim=-1) * 2)
+    analysis = _analysis(model, torch.randn(4, 4))
+    assert analysis.separable, analysis.reason

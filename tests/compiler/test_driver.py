@@ -394,3 +394,52 @@ def test_microbatches_of_one_sample_are_judged_on_the_whole_batch(mixes):
     messages = [str(warning.message) for warning in caught if "cannot show" in str(warning.message)]
     assert len(messages) == mixes
     assert not any("one sample" in message for message in messages)
+
+
+class _OtherGraphForOneSample(torch.nn.Module):
+    """Captures another graph for one sample than for several (an op only a batch of two or more
+    runs, computing nothing new), as export does for some models."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.second = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = torch.tanh(self.first(x))
+        if x.shape[0] > 1:
+            h = h + 0.0
+        return self.second(h)
+
+
+def test_a_batch_whose_microbatches_capture_other_graphs_is_cut_into_microbatches_of_one_size(monkeypatch):
+    """An epoch's last batch of 3 in microbatches=2 is cut 2 and 1, whose graphs differ: it runs in
+    3 microbatches of 1, trains as eager and the plan says why; where those fail too, the first
+    error stands, saying what was tried."""
+    torch.manual_seed(0)
+    model = _OtherGraphForOneSample()
+    reference = copy.deepcopy(model)
+    hm = harmony_fx.compile(model, microbatches=2, devices=["host:0"])
+    for batch in (4, 3):
+        x = torch.randn(batch, 8)
+        hm(x).square().mean().backward()
+        reference(x).square().mean().backward()
+        assert_grads_equal(model, reference)
+        model.zero_grad(), reference.zero_grad()
+    last = hm.for_batch((x,), {})
+    assert last.compiled.layout.mb_sizes == (1, 1, 1)
+    assert "3 microbatches of 1: microbatches=2 cuts the batch of 3 into sizes 2, 1, whose graphs differ" in str(last.plan)
+
+    from harmony_fx.compiler import driver
+
+    captured, asked = driver.cached_capture, []
+
+    def second_of_one_sample_fails(model, size, *args):
+        asked.append(size)
+        if asked.count(1) == 2:  # the microbatches of one size
+            raise ValueError("no graph of one sample")
+        return captured(model, size, *args)
+
+    monkeypatch.setattr(driver, "cached_capture", second_of_one_sample_fails)
+    with pytest.raises(ValueError, match=r"differs from the graph at size") as refused:
+        harmony_fx.compile(_OtherGraphForOneSample(), (torch.randn(3, 8),), microbatches=2, devices=["host:0"])
+    assert re.search(r"^  - 3 microbatches of 1: ValueError: no graph of one sample$", str(refused.value), re.M)
