@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import importlib
 import threading
 import time
 from typing import Callable, Sequence
@@ -204,34 +205,43 @@ def step_subset(optimizer: torch.optim.Optimizer, params: Sequence[nn.Parameter]
 
 
 class StepHooks:
-    """The optimizer's own step hooks (``register_step_pre_hook``, ``register_step_post_hook``) once
-    a Trainer step, as around one ``optimizer.step()``, each seeing every parameter: the step
+    """The optimizer's step hooks, its own (``register_step_pre_hook``, ``register_step_post_hook``)
+    and torch's global ones (``torch.optim.optimizer.register_optimizer_step_pre_hook``, ``..._post_hook``),
+    once a Trainer step, as around one ``optimizer.step()``, each seeing every parameter: the step
     updates pack by pack, each update an ``optimizer.step()`` over that pack's parameters, which
-    would run every hook once a pack. ``hold()`` runs the pre-hooks and takes every hook off the
-    optimizer; ``release(done)`` puts them back and, for a step done (not undone), runs the
-    post-hooks."""
-
-    _KINDS = ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks")
+    would run every hook once a pack. ``hold()`` runs the pre-hooks (the global ones first, as torch
+    does) and takes every hook off; ``release(done)`` puts them back and, for a step done (not
+    undone), runs the post-hooks (the optimizer's own first)."""
 
     def __init__(self, optimizer: torch.optim.Optimizer) -> None:
         self._optimizer = optimizer
-        self._held: dict[str, dict] = {}
+        self._held: dict[str, list[tuple[dict, dict]]] = {}  # "pre"/"post" -> (a hooks' dict, what it held)
 
     def hold(self) -> None:
-        for name in self._KINDS:
-            hooks = getattr(self._optimizer, name, None)
-            if hooks is not None:
-                self._held[name] = dict(hooks)
+        optimizer, module = self._optimizer, importlib.import_module("torch.optim.optimizer")  # not an attribute
+        for kind, dicts in (("pre", (getattr(module, "_global_optimizer_pre_hooks", None),
+                                     getattr(optimizer, "_optimizer_step_pre_hooks", None))),
+                            ("post", (getattr(optimizer, "_optimizer_step_post_hooks", None),
+                                      getattr(module, "_global_optimizer_post_hooks", None)))):
+            self._held[kind] = [(hooks, dict(hooks)) for hooks in dicts if hooks is not None]
+            for hooks, _ in self._held[kind]:
                 hooks.clear()
-        for hook in self._held.get(self._KINDS[0], {}).values():
-            hook(self._optimizer, (), {})
+        self._run("pre")
 
     def release(self, done: bool) -> None:
         held, self._held = self._held, {}
-        for name, hooks in held.items():
-            getattr(self._optimizer, name).update(hooks)
+        for hooks, hooks_held in (*held.get("pre", ()), *held.get("post", ())):
+            hooks.update(hooks_held)
         if done:
-            for hook in held.get(self._KINDS[1], {}).values():
+            self._held = held
+            try:
+                self._run("post")
+            finally:
+                self._held = {}
+
+    def _run(self, kind: str) -> None:
+        for _, hooks_held in self._held.get(kind, ()):
+            for hook in hooks_held.values():
                 hook(self._optimizer, (), {})
 
 

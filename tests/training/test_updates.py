@@ -3,6 +3,7 @@ the updates against a plain ``optimizer.step()``, and the order every rank issue
 from __future__ import annotations
 
 import copy
+import importlib
 
 import pytest
 import torch
@@ -112,13 +113,23 @@ def test_the_optimizers_step_hooks_run_once_a_step_seeing_every_parameter(max_gr
 
     optimizer.register_step_pre_hook(hook("pre"))
     optimizer.register_step_post_hook(hook("post"))
+    # torch's global hooks (every optimizer's), around the optimizer's own as torch orders them
+    hooks_module = importlib.import_module("torch.optim.optimizer")  # torch.optim does not keep it as an attribute
+    handles = [hooks_module.register_optimizer_step_pre_hook(hook("global pre")),
+               hooks_module.register_optimizer_step_post_hook(hook("global post"))]
     x, y = torch.randn(8, 16), torch.randint(0, 4, (8,))
     trainer = harmony_fx.Trainer(model, F.cross_entropy, optimizer, (x, y), pack_boundaries=[0, 2, 4],
                                  max_grad_norm=max_grad_norm, devices=["host:0"])
-    for _ in range(2):
-        trainer.step((x, y))
-    assert calls == [("pre", 6), ("post", 6)] * 2
-    assert len(optimizer._optimizer_step_pre_hooks) == len(optimizer._optimizer_step_post_hooks) == 1
+    try:
+        for _ in range(2):
+            trainer.step((x, y))
+        assert calls == [("global pre", 6), ("pre", 6), ("post", 6), ("global post", 6)] * 2
+        assert len(optimizer._optimizer_step_pre_hooks) == len(optimizer._optimizer_step_post_hooks) == 1
+        assert all(handle.id in hooks for handle, hooks in zip(handles, (
+            hooks_module._global_optimizer_pre_hooks, hooks_module._global_optimizer_post_hooks)))
+    finally:
+        for handle in handles:
+            handle.remove()
 
 
 def test_an_optimizer_that_steps_with_a_closure_is_refused_with_what_to_use():
