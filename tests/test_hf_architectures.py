@@ -80,7 +80,8 @@ def test_an_architecture_trains_like_eager_at_its_smallest_budget(name, memory_w
 CI_SAMPLE_DEFAULTS = ("bart", "beit", "opt", "swin", "whisper", "xlnet")
 
 
-@pytest.mark.parametrize("name", [param for param in _architectures(CI_SAMPLE_DEFAULTS) if param.values != ("wav2vec2",)])
+@pytest.mark.parametrize("name", [param for param in _architectures(CI_SAMPLE_DEFAULTS)
+                                  if param.values != ("wav2vec2",)])
 def test_an_architecture_with_transformers_defaults_draws_as_eager_at_its_smallest_budget(name):
     """Built as users build it, dropout on: at the smallest budget (many packs, each recompute
     replaying its forward's random numbers; several microbatches where nothing is drawn), the same

@@ -47,8 +47,8 @@ from harmony_fx.compiler.heap import collections_skip_the_heap
 from harmony_fx.compiler.host_memory import HostMemoryPlan, OptimizerFacts, plan_host_memory
 from harmony_fx.compiler.layout import Layout, decide_layout
 from harmony_fx.compiler.packing import (
-    BudgetTooSmallError, Candidate, CountedWhenAsked, PackingBounds, PackingContext, balanced, evaluate, finish_chosen, fixed,
-    layer_costs, plan_packs, reuse as reuse_packing, update_groups, verify_programs,
+    BudgetTooSmallError, Candidate, CountedWhenAsked, PackingBounds, PackingContext, balanced, evaluate, finish_chosen,
+    fixed, layer_costs, plan_packs, reuse as reuse_packing, update_groups, verify_programs,
 )
 from harmony_fx.compiler.plan import make_plan
 from harmony_fx.compiler.shapes import Shapes
@@ -165,7 +165,8 @@ def _first_that_compiles(log: StageLog, stages, schedules: tuple[Schedule, ...],
     for index, schedule in enumerate(candidates):
         try:
             # the options' own smallest budget is counted only if one sample per microbatch fails too
-            return stages(schedule) if schedule is not None or least is None else stages(None, name_smallest="when asked")
+            own_named = True if least is None else "when asked"
+            return stages(schedule) if schedule is not None else stages(None, name_smallest=own_named)
         except Exception as error:  # noqa: BLE001 - any failure of a planner's choice: try the next
             if schedule is None:
                 if isinstance(error, GraphsDiffer) and (one_size := _of_one_size(options, error)) is not None:

@@ -56,8 +56,9 @@ from harmony_fx.program.actions import Action, ActionKind, Key, KeyKind
 from harmony_fx.program.verify import verify_devices, verify_program
 from harmony_fx.runtime import ambient
 
-__all__ = ["balanced", "fixed", "plan_packs", "PackingPolicy", "BudgetTooSmallError", "CountedWhenAsked", "Candidate", "PackingContext",
-           "PackingBounds", "evaluate", "finish_chosen", "layer_costs", "lower_devices", "update_groups", "verify_programs"]
+__all__ = ["balanced", "fixed", "plan_packs", "PackingPolicy", "BudgetTooSmallError", "CountedWhenAsked", "Candidate",
+           "PackingContext", "PackingBounds", "evaluate", "finish_chosen", "layer_costs", "lower_devices", "update_groups",
+           "verify_programs"]
 
 PackingPolicy = Callable[[Sequence[int], int], list[int]]
 C = TypeVar("C")

@@ -215,9 +215,10 @@ def _export_trying_again(model: nn.Module, args: tuple, kwargs: dict, stack_trac
                 certain_draws, guarded = True, error
             elif not registered and _register_output_dataclasses(model, args, kwargs):
                 registered = True
-            elif guarded is not None and (_guards_on_data(error) or _random_branch(error) is not None):
-                # export's first error names the model's line; a random branch says what to set to 0
-                raise guarded from (error if _random_branch(error) is not None else None)
+            elif guarded is not None and _random_branch(error) is not None:
+                raise guarded from error  # export's error names the model's line; the branch, what to set to 0
+            elif guarded is not None and _guards_on_data(error):
+                raise guarded  # it names the model's line; the second try's names random_branches'
             else:
                 raise
 
@@ -304,7 +305,8 @@ def _capture_failure_message(model: nn.Module, export_error: Exception, trace_er
         f"harmony_fx could not capture {type(model).__name__} as a graph.\n"
         f"  torch.export (non-strict) failed with   {first_line(export_error)}\n"
         f"  torch.fx.symbolic_trace failed with     {first_line(trace_error)}\n"
-        f"What to try: {_cumulative_batch_norm(model) or _random_layer_drop(model, export_error) or _advice(export_error)}"
+        "What to try: "
+        f"{_cumulative_batch_norm(model) or _random_layer_drop(model, export_error) or _advice(export_error)}"
         f"{_where_and_labels(export_error, kwargs)}"
     )
 
@@ -324,11 +326,13 @@ def _random_layer_drop(model: nn.Module, export_error: Exception) -> str:
         return ""
     owners: dict[int, tuple[str, object]] = {}  # a config shared by many modules: named once, by the first
     for module_name, module in model.named_modules():
-        owners.setdefault(id(module.__dict__.get("config")), (f"{module_name or 'model'}.config.", module.__dict__.get("config")))
-        owners[id(module)] = (f"{module_name or 'model'}.", module)
+        prefix, config = module_name or "model", module.__dict__.get("config")
+        if config is not None:
+            owners.setdefault(id(config), (f"{prefix}.config.", config))
+        owners[id(module)] = (f"{prefix}.", module)
     holders = [f"{prefix}{name}" for prefix, owner in owners.values()
                for name, value in getattr(owner, "__dict__", {}).items()
-               if not name.startswith("_") and _is_number(value) and value == branch.probability]
+               if not name.startswith("_") and isinstance(value, float) and value == branch.probability]
     # the attributes holding that number, those named for layer drop first (a config holds other 0.1s)
     for words in (("layerdrop", "layer_drop"), ("drop",), ("",)):
         named = [holder for holder in dict.fromkeys(holders) if any(w in holder.rsplit(".", 1)[-1] for w in words)]
@@ -338,10 +342,6 @@ def _random_layer_drop(model: nn.Module, export_error: Exception) -> str:
     return (f"{branch}: a graph has the same layers every step, so it cannot skip one at random (layer drop). "
             f"Set that probability to 0{held}; randomness computed with tensors (dropout, torch.where on a "
             "draw) stays in the graph.")
-
-
-def _is_number(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def _cumulative_batch_norm(model: nn.Module) -> str:
