@@ -110,14 +110,19 @@ class ChaosStreams(_HostClock):
             if item is None:
                 return
             work, event, delay = item
+            del item
             time.sleep(delay)
             try:
                 if self._error is None:
                     work()
             except BaseException as error:  # noqa: BLE001 - handed to the controller at its next wait
                 self._error = self._error or error
+            # the task's tensors are the runtime's to free once it learns the task is done: this
+            # thread lets go first (else they live on until its next task comes, past the plan's peak)
+            del work
             event.error = self._error
             event.done.set()
+            del event
 
     def submit(self, stream: Stream, work: Callable[[], None]) -> _ThreadEvent:
         event = _ThreadEvent()

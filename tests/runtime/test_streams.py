@@ -3,6 +3,7 @@ that keep every ordering the program asks for and no other, and CUDA streams on 
 from __future__ import annotations
 
 import threading
+import weakref
 
 import pytest
 import torch
@@ -38,6 +39,19 @@ def test_chaos_streams_run_each_streams_work_in_order_on_its_own_thread(chaos):
         mine = [(i, thread) for s, i, thread in ran if s == stream]
         assert [i for i, _ in mine] == list(range(20))
         assert {thread for _, thread in mine} == {f"harmony-chaos-{stream}"}
+
+
+@pytest.mark.parametrize("stream", [Stream.COMPUTE, Stream.H2D])
+def test_a_chaos_stream_lets_go_of_its_work_before_saying_it_is_done(chaos, stream):
+    """Once a task's event is done, the runtime frees what the task held (a copy's source, a
+    pack's inputs): the stream's thread must not keep it alive until its next task comes, which
+    a GPU's stream does not (a device tensor kept so was counted past the plan's peak)."""
+    held = torch.ones(4)
+    alive = weakref.ref(held)
+    event = chaos.submit(stream, lambda held=held: held.add_(1))
+    del held
+    event.synchronize()
+    assert alive() is None  # nothing else submitted: only the finished task could hold it
 
 
 @pytest.mark.parametrize("seed", range(5))
