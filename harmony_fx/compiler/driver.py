@@ -217,12 +217,16 @@ def _with_least_memory(log: StageLog, stages, least: CompileOptions, refusal: Bu
         return stages(None, least, f", {what}: {batch} does not fit")
     except BudgetTooSmallError as error:
         each = error.smallest_budget
-        refusal = log.run("count the smallest budget", _counted, refusal,
-                          decision=lambda counted: f"{batch} needs {format_size(counted.smallest_budget)}")
-        whole = refusal.smallest_budget
-        smallest = min(each, whole)
-        which, other = (what, f"{batch} needs {format_size(whole)}") if each < whole else \
-            (batch, f"{what} needs {format_size(each)}")
+        at_least = refusal.at_least if isinstance(refusal, CountedWhenAsked) else 0
+        if at_least >= each:  # the options' own bound already passes it: no need to count them
+            smallest, which, other = each, what, f"{batch} needs at least {format_size(at_least)}"
+        else:
+            refusal = log.run("count the smallest budget", _counted, refusal,
+                              decision=lambda counted: f"{batch} needs {format_size(counted.smallest_budget)}")
+            whole = refusal.smallest_budget
+            smallest = min(each, whole)
+            which, other = (what, f"{batch} needs {format_size(whole)}") if each < whole else \
+                (batch, f"{what} needs {format_size(each)}")
         message = (f"plan_packs: no packing fits the memory budget of {budget:,} bytes; the smallest budget that fits "
                    f"is {smallest:,} bytes ({format_size(smallest)}), with {which} ({other}). Raise memory_budget "
                    "to at least that, or use a smaller batch or shorter inputs.")

@@ -57,8 +57,8 @@ from harmony_fx.program.verify import verify_devices, verify_program
 from harmony_fx.runtime import ambient
 
 __all__ = ["balanced", "fixed", "plan_packs", "PackingPolicy", "BudgetTooSmallError", "CountedWhenAsked", "Candidate",
-           "PackingContext", "PackingBounds", "evaluate", "finish_chosen", "layer_costs", "lower_devices", "update_groups",
-           "verify_programs"]
+           "PackingContext", "PackingBounds", "evaluate", "finish_chosen", "layer_costs", "lower_devices",
+           "update_groups", "verify_programs"]
 
 PackingPolicy = Callable[[Sequence[int], int], list[int]]
 C = TypeVar("C")
@@ -76,12 +76,14 @@ class BudgetTooSmallError(ValueError):
 class CountedWhenAsked(BudgetTooSmallError):
     """No packing fits, and the smallest budget that does is counted (one run of the packing of
     least memory) only when asked for: ``smallest_budget`` or ``counted()``, the error that names
-    it (its message says it is not counted until then). A compile with another schedule still to
-    try (one sample per microbatch) asks only where that fails too."""
+    it (its message says it is not counted until then); ``at_least``, the bound of that packing's
+    peak (never above it). A compile with another schedule still to try (one sample per
+    microbatch) asks only where that fails too, and the bound passes what that one needs."""
 
-    def __init__(self, budget: int, count: Callable[[], BudgetTooSmallError]) -> None:
+    def __init__(self, budget: int, count: Callable[[], BudgetTooSmallError], at_least: int = 0) -> None:
         ValueError.__init__(self, f"plan_packs: no packing fits the memory budget of {budget:,} bytes (the smallest "
                                   "budget that fits is not counted yet)")
+        self.at_least = at_least  # a lower bound of the smallest budget, from shapes alone (0: none)
         self._count: Callable[[], BudgetTooSmallError] | None = count
         self._counted: BudgetTooSmallError | None = None
 
@@ -119,9 +121,9 @@ def plan_packs(layer_costs: Sequence[int], evaluate: Callable[[list[int]], C], p
     allocations no shape predicts), by the search of the module docstring; raises
     ``BudgetTooSmallError`` naming the smallest budget that fits when none does.
     ``bound(boundaries, limit)``: a lower bound of the packing's peak (never above what ``evaluate``
-    finds), or any lower bound above ``limit`` where one is; ``cut_short``: the search calls
-    ``evaluate(boundaries, limit)``, which may stop where the peak passes ``limit`` (then any peak
-    above it does); ``name_smallest``: where none fits, run the packing of least
+    finds), or any lower bound above ``limit`` where one is (``None``: the bound itself);
+    ``cut_short``: the search calls ``evaluate(boundaries, limit)``, which may stop where the peak
+    passes ``limit`` (then any peak above it does); ``name_smallest``: where none fits, run the packing of least
     memory in full to name the smallest budget (else the error says only that more is needed: a
     caller with another schedule to fall back on never shows it), or ``"when asked"``: run it when
     the error is asked for it (``CountedWhenAsked``); ``progress``: told each candidate run."""
@@ -174,7 +176,9 @@ def plan_packs(layer_costs: Sequence[int], evaluate: Callable[[list[int]], C], p
             smallest,
         )
 
-    raise CountedWhenAsked(budget, count) if name_smallest == "when asked" else count()
+    if name_smallest == "when asked":
+        raise CountedWhenAsked(budget, count, bound(candidates[-1], None) + margin if bound is not None else 0)
+    raise count()
 
 
 def fixed(boundaries: Sequence[int]) -> PackingPolicy:

@@ -168,7 +168,7 @@ def _refused(model, x, **options):
 
 
 @pytest.mark.parametrize("batch, fewest", [(16, "one microbatch"), (64, "one sample per microbatch")])
-def test_a_refusal_names_the_smaller_of_one_microbatch_and_one_sample_each(batch, fewest):
+def test_a_refusal_names_the_smaller_of_one_microbatch_and_one_sample_each(batch, fewest, monkeypatch):
     """With the microbatches left to the planner, the smallest budget named is the smaller of one
     microbatch's and one sample per microbatch's, each a compile of its own with the microbatches
     fixed: a short batch (weights outweigh activations) fits one microbatch in less, a long batch
@@ -178,8 +178,12 @@ def test_a_refusal_names_the_smaller_of_one_microbatch_and_one_sample_each(batch
     model, x = MLPChain(width=64, depth=6), torch.randn(batch, 64)
     whole = _refused(model, x, microbatches=1).smallest_budget
     each = _refused(model, x, microbatches=256).smallest_budget
+    runs_in_full = _runs_in_full(monkeypatch)
     refusal = _refused(model, x)
+    monkeypatch.undo()
     assert refusal.smallest_budget == min(whole, each)
+    if fewest == "one sample per microbatch":  # one microbatch's bound passes it: never counted
+        assert 1 not in runs_in_full and re.search(r"one microbatch needs at least [\d.]+ KiB", str(refusal))
     assert (whole < each) == (fewest == "one microbatch")
     assert f"smallest budget that fits is {min(whole, each):,} bytes" in str(refusal)
     assert re.search(rf"fits is {min(whole, each):,} bytes \([^)]*\), with {fewest}", str(refusal)), refusal

@@ -92,6 +92,9 @@ def test_bounds_rule_candidates_out_without_running_them():
     with pytest.raises(BudgetTooSmallError) as info:
         plan_packs(costs, evaluate, lambda peak: peak, 4, bound=bound, margin=1)
     assert tried == [list(range(8))] and info.value.smallest_budget == 6  # its peak, and the margin
+    with pytest.raises(CountedWhenAsked) as info:  # the bound of the most packs, before any count
+        plan_packs(costs, evaluate, lambda peak: peak, 4, bound=bound, margin=1, name_smallest="when asked")
+    assert info.value.at_least == 5 <= info.value.smallest_budget == 6
 
 
 def test_runs_are_cut_short_at_the_budget_and_the_smallest_is_run_in_full():
@@ -122,6 +125,7 @@ def test_runs_are_cut_short_at_the_budget_and_the_smallest_is_run_in_full():
     with pytest.raises(CountedWhenAsked) as info:  # a schedule to fall back on, and its refusal if that fails
         plan_packs(costs, evaluate, lambda peak: peak, 6, margin=2, cut_short=True, name_smallest="when asked")
     assert (candidates[-1], None) not in calls and "not counted yet" in str(info.value)
+    assert info.value.at_least == 0  # no bound given: nothing known before the count
     assert info.value.smallest_budget == 7 and calls[-1] == (candidates[-1], None)
     assert info.value.counted().smallest_budget == 7 and calls.count((candidates[-1], None)) == 1  # counted once
     assert "smallest budget that fits is 7 bytes" in str(info.value)
