@@ -15,6 +15,7 @@ from torch.utils import _pytree as pytree
 
 import harmony_fx
 from harmony_fx.testing.hf_architectures import ARCHITECTURES, architecture_batch, architecture_loss, build_architecture
+from tests.helpers import assert_grads_equal
 
 pytestmark = pytest.mark.slow
 
@@ -61,17 +62,7 @@ def test_an_architecture_trains_like_eager_at_its_smallest_budget(name, memory_w
         assert KEPT_WHOLE[name] in hm.compiled.batch_analysis.reason
     # a batch shown apart is cut without the warning that the results may differ
     assert any("cannot show" in str(w.message) for w in caught) == (name in KEPT_WHOLE and options["microbatches"] > 1)
-    torch.manual_seed(5)
-    loss = architecture_loss(name, hm(**batch))
-    loss.backward()
-    torch.manual_seed(5)
-    expected = architecture_loss(name, reference(**batch))
-    expected.backward()
-    torch.testing.assert_close(loss, expected, rtol=1e-4, atol=1e-6)
-    for (param_name, param), eager in zip(model.named_parameters(), reference.parameters()):
-        assert (param.grad is None) == (eager.grad is None), param_name
-        if param.grad is not None:
-            torch.testing.assert_close(param.grad, eager.grad, rtol=1e-4, atol=1e-6, msg=param_name)
+    _assert_steps_as_eager(name, hm, model, reference, batch)
     assert memory_witness.peak_of(hm.device) == hm.stats.peak_bytes[hm.device.name] <= budget
 
 
@@ -95,6 +86,12 @@ def test_an_architecture_with_transformers_defaults_draws_as_eager_at_its_smalle
         harmony_fx.compile(model, (), batch, memory_budget=1, devices=["host:0"])
     hm = harmony_fx.compile(model, (), batch, memory_budget=refused.value.smallest_budget, devices=["host:0"])
     assert len(hm.packs) > 1 and getattr(model.config, "use_cache", None) == caching
+    _assert_steps_as_eager(name, hm, model, reference, batch)
+
+
+def _assert_steps_as_eager(name: str, hm, model, reference, batch: dict) -> None:
+    """One step of ``hm`` and of eager ``reference`` on the same seed: the same loss and every
+    gradient (attention's key bias: an exact 0, rounding noise of 1e-10 on both sides, hence atol)."""
     torch.manual_seed(5)
     loss = architecture_loss(name, hm(**batch))
     loss.backward()
@@ -102,10 +99,7 @@ def test_an_architecture_with_transformers_defaults_draws_as_eager_at_its_smalle
     expected = architecture_loss(name, reference(**batch))
     expected.backward()
     torch.testing.assert_close(loss, expected, rtol=1e-4, atol=1e-6)
-    for (param_name, param), eager in zip(model.named_parameters(), reference.parameters()):
-        assert (param.grad is None) == (eager.grad is None), param_name
-        if param.grad is not None:  # attention's key bias: an exact 0, rounding noise of 1e-10 on both sides
-            torch.testing.assert_close(param.grad, eager.grad, rtol=1e-4, atol=1e-6, msg=param_name)
+    assert_grads_equal(model, reference, rtol=1e-4, atol=1e-6)
 
 
 @pytest.mark.parametrize("name", _architectures(CI_SAMPLE_BF16))

@@ -226,21 +226,17 @@ class StepHooks:
             self._held[kind] = [(hooks, dict(hooks)) for hooks in dicts if hooks is not None]
             for hooks, _ in self._held[kind]:
                 hooks.clear()
-        self._run("pre")
+        self._run(self._held["pre"])
 
     def release(self, done: bool) -> None:
         held, self._held = self._held, {}
         for hooks, hooks_held in (*held.get("pre", ()), *held.get("post", ())):
             hooks.update(hooks_held)
         if done:
-            self._held = held
-            try:
-                self._run("post")
-            finally:
-                self._held = {}
+            self._run(held.get("post", ()))
 
-    def _run(self, kind: str) -> None:
-        for _, hooks_held in self._held.get(kind, ()):
+    def _run(self, held: Sequence[tuple[dict, dict]]) -> None:
+        for _, hooks_held in held:
             for hook in hooks_held.values():
                 hook(self._optimizer, (), {})
 
