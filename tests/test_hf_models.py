@@ -141,10 +141,12 @@ def _labels() -> torch.Tensor:
     return labels
 
 
-@pytest.mark.parametrize("reduction", ["mean", "sum", "mse"])
+@pytest.mark.parametrize("reduction", ["mean", "sum", "mse", "class-weighted mean"])
 def test_a_loss_is_put_back_together_as_eager_reduces_it(reduction):
+    """Class weights: torch divides by the kept labels' weights, so a microbatch weighs the weights
+    of its own labels (a registered buffer, read when the step runs)."""
     torch.manual_seed(0)
-    model = LossNet(reduction)
+    model = LossNet("mean", class_weight=True) if reduction == "class-weighted mean" else LossNet(reduction)
     reference = copy.deepcopy(model)
     x, labels = torch.randn(10, 8), _labels()
     hm = harmony_fx.compile(model, (x, labels), microbatches=3)  # sizes 4, 3, 3: uneven on purpose
@@ -156,9 +158,7 @@ def test_a_loss_is_put_back_together_as_eager_reduces_it(reduction):
     assert_grads_equal(model, reference, RTOL, ATOL)
 
 
-@pytest.mark.parametrize("model,match", [(LossNet("max"), "reduction='none'"),
-                                         (LossNet("mean", class_weight=True), "weights its classes")],
-                         ids=["max", "class-weights"])
+@pytest.mark.parametrize("model,match", [(LossNet("max"), "reduction='none'")], ids=["max"])
 def test_a_loss_that_cannot_be_put_back_together_says_what_to_do(model, match):
     x, labels = torch.randn(10, 8), _labels()
     hm = harmony_fx.compile(model, (x, labels), microbatches=2)

@@ -81,13 +81,16 @@ _SIZED_FROM_NUMBERS = {aten.expand.default, aten.repeat.default, aten.new_empty.
                        aten.new_ones.default, aten.new_full.default}
 
 
-def scalar_reduction(gm: fx.GraphModule, node: fx.Node) -> ScalarReduction:
+def scalar_reduction(gm: fx.GraphModule, node: fx.Node,
+                     state: Mapping[str, torch.Tensor] | None = None) -> ScalarReduction:
     """How the scalar ``node`` (an output of the captured ATen graph ``gm``) reduces its batch: one
     mean or sum of the batch, or a linear combination of them (``loss_a.mean() + 0.5 * loss_b.sum()
     / n``), possibly plus values that do not depend on the batch. This is the one place that decides
     it: ``analysis.batch_dims`` asks it whether a loss can be cut, and the runtime's weights come
-    from it (``scalar_weights``)."""
-    terms = _terms(gm, node, None, node)
+    from it (``scalar_weights``). ``state``: the model's parameters and buffers by placeholder name,
+    which a count may read (a cross entropy's class weights); without it, only whether the loss can
+    be cut is known (the counts refuse to run)."""
+    terms = _terms(gm, node, None, node, state)
     failed = [term for term in terms if term is not _SHARED and term.combine is None]
     if failed:
         return failed[0]
@@ -112,7 +115,8 @@ def scalar_reduction(gm: fx.GraphModule, node: fx.Node) -> ScalarReduction:
                            node=node.name)
 
 
-def _terms(gm: fx.GraphModule, node: fx.Node, divisor: float | None, origin: fx.Node) -> list:
+def _terms(gm: fx.GraphModule, node: fx.Node, divisor: float | None, origin: fx.Node,
+           state: Mapping[str, torch.Tensor] | None = None) -> list:
     """The reductions ``node`` adds up (each a ``ScalarReduction``, ``combine=None`` where the graph
     does not say), and ``_SHARED`` for each term that does not depend on the batch. ``divisor``:
     what the terms were divided by on the way from ``node`` to the output."""
@@ -143,13 +147,14 @@ def _terms(gm: fx.GraphModule, node: fx.Node, divisor: float | None, origin: fx.
             left, right = node.args
             alpha = node.kwargs.get("alpha", 1)
             right_terms = [] if alpha == 0 else (
-                _terms(gm, right, _scaled(divisor, 1 / alpha), origin) if isinstance(right, fx.Node) else [_SHARED])
-            return (_terms(gm, left, divisor, origin) if isinstance(left, fx.Node) else [_SHARED]) + right_terms
+                _terms(gm, right, _scaled(divisor, 1 / alpha), origin, state) if isinstance(right, fx.Node)
+                else [_SHARED])
+            return (_terms(gm, left, divisor, origin, state) if isinstance(left, fx.Node) else [_SHARED]) + right_terms
         elif target is operator.getitem and node.args[1] == 0 and node.args[0].target is aten.nll_loss_forward.default:
             node = node.args[0]  # (loss, total_weight)
         else:
             break
-    return [dataclasses.replace(_reduction(gm, node, divisor, origin), node=node.name)]
+    return [dataclasses.replace(_reduction(gm, node, divisor, origin, state), node=node.name)]
 
 
 def _scaled(divisor: float | None, factor: float) -> float:
@@ -195,7 +200,8 @@ def _unknown_size(origin: fx.Node, made: fx.Node, how: str) -> ScalarReduction:
         "between microbatches and the whole batch; compute it outside the model, or use microbatches=1."))
 
 
-def _reduction(gm: fx.GraphModule, node: fx.Node, divisor: float | None, origin: fx.Node) -> ScalarReduction:
+def _reduction(gm: fx.GraphModule, node: fx.Node, divisor: float | None, origin: fx.Node,
+               state: Mapping[str, torch.Tensor] | None) -> ScalarReduction:
     """The one reduction of the batch at ``node``."""
     target = node.target
     if target in (aten.sum.default, aten.sum.dim_IntList):
@@ -206,7 +212,7 @@ def _reduction(gm: fx.GraphModule, node: fx.Node, divisor: float | None, origin:
     if reduction == _SUM_REDUCTION:
         return ScalarReduction(Combine.SUM, divisor=divisor)
     if reduction == _MEAN_REDUCTION and target in _LABELLED_LOSSES:
-        return _mean_over_labels(gm, node)
+        return _mean_over_labels(gm, node, state)
     if reduction == _MEAN_REDUCTION:  # mse_loss, l1_loss, binary_cross_entropy, ...: every element
         return _mean_over_elements(node.args[0])
     return ScalarReduction(None, why=(
@@ -221,25 +227,34 @@ def _mean_over_elements(value: fx.Node) -> ScalarReduction:
     return ScalarReduction(Combine.MEAN, lambda inputs: numel)
 
 
-def _mean_over_labels(gm: fx.GraphModule, loss: fx.Node) -> ScalarReduction:
-    """A cross entropy's mean is over the targets that are not ``ignore_index``."""
-    if _argument(loss, "weight") is not None:
-        return ScalarReduction(None, why=(
-            f"{meta.describe(loss)} weights its classes, so a microbatch's share of the batch's mean depends on "
-            "which classes it holds; use reduction='sum' (and divide by the batch's total weight yourself) or "
-            "microbatches=1."))
+def _mean_over_labels(gm: fx.GraphModule, loss: fx.Node, state: Mapping[str, torch.Tensor] | None) -> ScalarReduction:
+    """A cross entropy's mean is over the targets that are not ``ignore_index``, each counted by its
+    class's weight where the loss weighs its classes (``weight=``: torch divides by the weights of
+    the targets it kept, so a microbatch's share is the weight of its own)."""
     ignore_index = _argument(loss, "ignore_index")
-    target = loss.args[1]
     try:
-        labels = _input_function(gm, target)
+        labels = _function_of(gm, loss.args[1], "labels")
+        weight = _argument(loss, "weight")
+        class_weights = None if weight is None else _function_of(gm, weight, "class weights", state, inputs=False)
     except ValueError as error:
         return ScalarReduction(None, why=str(error))
-    return ScalarReduction(Combine.MEAN, lambda inputs: int((labels(inputs) != ignore_index).sum()))
+    if class_weights is None:
+        return ScalarReduction(Combine.MEAN, lambda inputs: int((labels(inputs) != ignore_index).sum()))
+
+    def weight_of_kept(inputs: Mapping[str, torch.Tensor]) -> float:
+        kept = labels(inputs)
+        kept = kept[kept != ignore_index]
+        return float(class_weights({}).detach().to("cpu", torch.float64)[kept.to("cpu")].sum())
+
+    return ScalarReduction(Combine.MEAN, weight_of_kept)
 
 
-def _input_function(gm: fx.GraphModule, node: fx.Node) -> Callable[[Mapping[str, torch.Tensor]], torch.Tensor]:
-    """``node``'s value computed from the model's inputs alone, by a copy of the part of ``gm`` that
-    makes it (the copy is taken before any pass retargets the graph, so it runs on the host)."""
+def _function_of(gm: fx.GraphModule, node: fx.Node, what: str, state: Mapping[str, torch.Tensor] | None = None,
+                 inputs: bool = True) -> Callable[[Mapping[str, torch.Tensor]], torch.Tensor]:
+    """``node``'s value computed by a copy of the part of ``gm`` that makes it (taken before any
+    pass retargets the graph, so it runs on the host): from the model's inputs (``inputs=True``;
+    the function takes them by placeholder name), or from its parameters and buffers as ``state``
+    holds them (``inputs=False``: read at each call, so a weight changed in place counts)."""
     needed: set[fx.Node] = set()
     stack = [node]
     while stack:
@@ -248,10 +263,18 @@ def _input_function(gm: fx.GraphModule, node: fx.Node) -> Callable[[Mapping[str,
             needed.add(current)
             stack.extend(current.all_input_nodes)
     placeholders = [n for n in gm.graph.nodes if n in needed and n.op == "placeholder"]
-    state = [n.name for n in placeholders if meta.role_of(n) != meta.Role.INPUT]
-    if state:
-        raise ValueError(f"the labels of {node.name!r} are computed from the model's parameters or buffers {state}; "
-                         "harmony_fx counts each microbatch's labels from its inputs alone. Use microbatches=1.")
+    if inputs:
+        state_names = [n.name for n in placeholders if meta.role_of(n) != meta.Role.INPUT]
+        if state_names:
+            raise ValueError(f"the {what} of {node.name!r} are computed from the model's parameters or buffers "
+                             f"{state_names}; harmony_fx counts each microbatch's {what} from its inputs alone. "
+                             "Use microbatches=1.")
+    else:
+        batch = [n.name for n in placeholders if meta.role_of(n) == meta.Role.INPUT]
+        if batch:
+            raise ValueError(f"the {what} of {node.name!r} are computed from the batch {batch}, so a microbatch's "
+                             "share of the batch's mean depends on the rest of the batch; use reduction='sum' (and "
+                             "divide by the batch's total weight yourself) or microbatches=1.")
     graph = fx.Graph()
     copies: dict[fx.Node, fx.Node] = {}
     for n in gm.graph.nodes:
@@ -260,7 +283,22 @@ def _input_function(gm: fx.GraphModule, node: fx.Node) -> Callable[[Mapping[str,
     graph.output(copies[node])
     function = fx.GraphModule(gm, graph)
     names = [n.name for n in placeholders]
-    return lambda inputs: function(*[inputs[name] for name in names])
+    if inputs:
+        return lambda values: function(*[values[name] for name in names])
+
+    if state is None:  # only whether the loss can be cut is asked
+        return lambda _: _raise(AssertionError(f"the {what} of {node.name!r} read the model's state, not given"))
+    held = [state[name] for name in names]  # these tensors alone: the function keeps no other parameter alive
+
+    def from_state(_: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        with torch.no_grad():
+            return function(*held)
+
+    return from_state
+
+
+def _raise(error: Exception):
+    raise error
 
 
 def _argument(node: fx.Node, name: str) -> Any:

@@ -103,7 +103,7 @@ def capture(model: nn.Module, args: tuple, kwargs: dict | None = None, stack_tra
     refuse_tensor_hooks(hooks)
     if found is not None:
         raise refusal(found)
-    captured.reductions = _scalar_reductions(captured.gm)
+    captured.reductions = _scalar_reductions(captured.gm, {**captured.params, **captured.buffers})
     captured.caches_off = caches_off
     return captured
 
@@ -278,10 +278,10 @@ def _bounded_capture(model: nn.Module, args: tuple, kwargs: dict, stack_traces: 
     return captured, first_refused(captured.gm)
 
 
-def _scalar_reductions(gm: fx.GraphModule) -> dict[str, ScalarReduction]:
+def _scalar_reductions(gm: fx.GraphModule, state: dict[str, torch.Tensor]) -> dict[str, ScalarReduction]:
     # read now, before any pass rewrites the graph: the label counting copies part of it to run on the host
     outputs = gm.graph.find_nodes(op="output")[0].args[0]
-    return {node.name: scalar_reduction(gm, node) for node in outputs
+    return {node.name: scalar_reduction(gm, node, state) for node in outputs
             if isinstance(node, fx.Node) and isinstance(node.meta.get(meta.VAL), torch.Tensor)
             and node.meta[meta.VAL].dim() == 0}
 

@@ -128,8 +128,10 @@ class BatchLoss:
                              for mb, w in enumerate(self.weights)}
 
     def shares(self, host_values: dict) -> list[torch.Tensor]:
-        """Each microbatch's weighted loss, read from what the iteration left on the host."""
-        return [w * host_values[Key(KeyKind.ACT, self.name, mb)].detach().float()
+        """Each microbatch's weighted loss, read from what the iteration left on the host. A
+        microbatch of weight 0 shares 0: its mean is over nothing (every label ignored: NaN), and
+        eager's mean over the whole batch never sees it (``microbatch.merge_scalars`` alike)."""
+        return [w * host_values[Key(KeyKind.ACT, self.name, mb)].detach().float() if w != 0 else torch.zeros(())
                 for mb, w in enumerate(self.weights)]
 
 

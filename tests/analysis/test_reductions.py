@@ -52,9 +52,36 @@ def test_a_cross_entropy_counts_the_labels_that_are_not_ignored() -> None:
     assert reduction.count({"target": torch.tensor([-100, 0])}) == 1
 
 
+class WeighedClasses(nn.Module):
+    """A cross entropy whose classes weigh as its buffer says, ignoring the label -100."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("class_weight", torch.tensor([1.0, 2.0, 4.0]))
+
+    def forward(self, out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(out, target, weight=self.class_weight, label_smoothing=0.1)
+
+
+def test_a_cross_entropy_weighing_its_classes_counts_the_weights_of_the_labels_kept() -> None:
+    """torch divides by the summed weights of the labels it keeps: a microbatch counts its own,
+    read from the buffer as it is when counted (changed in place after the capture, counted anew)."""
+    torch.manual_seed(0)
+    model, labels = Loss(WeighedClasses()), torch.tensor([0, 1, -100, 2, 2, 1])
+    captured = capture(model, (torch.randn(6, 4), labels))
+    (output,) = [n for n in captured.gm.graph.find_nodes(op="output")[0].args[0] if isinstance(n, fx.Node)]
+    reduction = captured.reductions[output.name]
+    assert reduction.combine == Combine.MEAN
+    assert reduction.count({"target": labels}) == 1 + 2 + 4 + 4 + 2
+    assert reduction.count({"target": torch.tensor([-100, -100])}) == 0
+    model.loss.class_weight.mul_(2)
+    assert reduction.count({"target": torch.tensor([2, 0])}) == 10
+
+
 @pytest.mark.parametrize("loss, why", [
     (lambda out, target: (out - target).sum() + (out - target).pow(2).mean(), "weigh differently"),
-    (lambda out, target: F.cross_entropy(out, target.argmax(-1), weight=torch.ones(3)), "weights its classes"),
+    (lambda out, target: F.cross_entropy(out, target.argmax(-1), weight=1.0 / (1.0 + target.sum(0))),
+     "computed from the batch"),
 ])
 def test_what_cannot_be_put_back_together_says_why(loss, why) -> None:
     reduction, _ = _reduction(loss, torch.randn(6, 3))

@@ -168,3 +168,17 @@ def test_a_loss_scale_multiplies_the_steps_loss_and_every_gradient():
     torch.testing.assert_close(loss, 3 * expected.detach(), rtol=1e-5, atol=1e-6)
     for param, ref in zip(model.parameters(), reference.parameters()):
         torch.testing.assert_close(param.grad, 3 * ref.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_a_microbatch_whose_every_label_is_ignored_adds_nothing_to_the_steps_loss():
+    """Its mean is over no label (NaN); eager's mean over the whole batch never sees it, and the
+    step's loss and updates are eager's (a masked prompt, a padded tail)."""
+    torch.manual_seed(0)
+    model = _NanoGPTLike()
+    idx, targets = _token_batch(1)
+    targets[:2] = -1  # all of the first of three microbatches
+    _, reference, losses, ref_losses = _train(
+        model, lambda out: out[1], [(idx, targets)], lambda m: torch.optim.SGD(m.parameters(), lr=0.1),
+        lambda m, b: m(*b)[1], steps=2, microbatches=3)
+    assert losses == pytest.approx(ref_losses, rel=RTOL, abs=ATOL)
+    _assert_params_equal(model, reference)
