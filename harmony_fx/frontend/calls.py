@@ -187,7 +187,9 @@ class Calls:
         if otherwise is not None and any(reduction.combine is None for reduction in reductions):
             return otherwise()
         inputs = [dict(zip(self.inputs, flat)) for flat in per_mb]
-        return microbatch.scalar_weights(reductions, inputs, self.mb_sizes, total)
+        # one microbatch (size None) is the whole batch, of the size compiled: a divisor may be it
+        sizes = self.mb_sizes if self.mb_sizes[0] is not None else [self.batch_size]
+        return microbatch.scalar_weights(reductions, inputs, sizes, total)
 
     def output_like(self, name: str) -> torch.Tensor:
         """An empty tensor shaped as the model's output ``name`` on the whole batch (a scalar, such

@@ -145,7 +145,7 @@ def _term_weights(reductions: Sequence[ScalarReduction], inputs: Sequence[Mappin
     over the whole batch) rather than 1 each."""
     if reductions[0].combine == Combine.SUM:
         divisors = [reduction.divisor for reduction in reductions]
-        if divisors[0] is not None and (len(set(divisors)) > 1 or divisors == [float(size) for size in sizes]):
+        if divisors[0] is not None and (len(set(divisors)) > 1 or divisors == [size and float(size) for size in sizes]):
             whole = total(sum(divisors))
             return [divisor / whole for divisor in divisors], True  # a sum over the batch / its size
         return [1.0] * len(reductions), False

@@ -430,6 +430,27 @@ def test_a_linear_combination_of_means_and_sums_is_put_back_together(loss):
         torch.testing.assert_close(param.grad, ref.grad, rtol=RTOL, atol=ATOL)
 
 
+@pytest.mark.parametrize("microbatches", [1, 3])
+def test_the_trainer_puts_a_sum_plus_a_scaled_sum_back_together_whole_or_cut(microbatches):
+    """A VAE's loss: a reconstruction sum minus half a KL sum, each microbatch weighing 1. With the
+    batch whole, reading its size (``None`` for one microbatch) raised TypeError in the first step."""
+    torch.manual_seed(0)
+    model = _Heads(lambda a, b, m: a.pow(2).sum() - 0.5 * (1 + b - b.exp()).sum())
+    reference = copy.deepcopy(model)
+    x = torch.randn(10, 4)
+    trainer = harmony_fx.Trainer(model, None, torch.optim.SGD(model.parameters(), lr=0.0), x,
+                                 microbatches=microbatches)
+    try:
+        loss = trainer.step(x)
+    finally:
+        trainer.close()
+    expected = reference(x)
+    expected.backward()
+    torch.testing.assert_close(loss, expected.detach(), rtol=RTOL, atol=ATOL)
+    for param, ref in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(param.grad, ref.grad, rtol=RTOL, atol=ATOL)
+
+
 @pytest.mark.parametrize("loss,match", [
     (lambda a, b, m: a.pow(2).sum() + b.abs().mean(), "adds the sum .* to the mean"),
     (lambda a, b, m: a.pow(2).sum() + m.linear.weight.pow(2).sum(), "to a value computed without the batch"),
