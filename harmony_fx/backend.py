@@ -8,7 +8,8 @@ state with the call's activations. The backend
 1. sorts the inputs (``_Kind``): an ``nn.Parameter`` is a parameter; a tensor Dynamo reached
    through a module or a global (``self.bn._buffers['running_mean']``, a tensor attribute) is a
    buffer; a Python number Dynamo passes as an input (a symbolic size, a float attribute wrapped in
-   a tensor) is a size when it is a dim of an activation and otherwise a constant; every other
+   a tensor) is a size when it is a dim of an activation, unread where the graph never reads it (an
+   input view's storage offset, which changes from batch to batch) and otherwise a constant; every other
    tensor (from the call's arguments, or made by the graph before a break, also as a field of an
    object such as a ``ModelOutput``) is an activation;
 2. on the first call (when every input is a real value) wraps the graph in ``_DynamoGraph``, an
@@ -16,7 +17,10 @@ state with the call's activations. The backend
    forward takes the activations only, and compiles that with ``harmony_fx.compile`` (``options``
    are its keyword options): the host masters are the model's own parameters, gradients accumulate
    into their ``.grad``, buffer updates (BatchNorm statistics) land in the model's buffers;
-3. calls the harmony module with the activations; a new activation shape gets its own program.
+3. calls the harmony module with the activations; a new activation shape gets its own program,
+   and so do new tensors of the model's or new values of the numbers baked in (Dynamo runs one
+   graph for every instance of a class: a model loaded from a checkpoint, ``load_state_dict(assign=True)``),
+   in place of the program made for the old ones.
 
 A call that compiles raises what the compile raised. Dynamo calls the same compiled frame again on
 the next call, so a ``BudgetTooSmallError`` (no packing of this graph fits the budget at these
@@ -42,6 +46,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import functools
+import warnings
 from typing import Any, Callable, Sequence
 
 import torch
@@ -64,6 +69,7 @@ class _Kind(enum.Enum):
     ACTIVATION = "activation"
     SIZE = "size"          # a dim of an activation: recomputed from the (micro)batch
     CONSTANT = "constant"  # any other number: baked in at the first call
+    UNREAD = "unread"      # a number the graph never reads (an input view's storage offset): any value does
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,6 +127,10 @@ def _sort_inputs(placeholders: Sequence[fx.Node], example_inputs: Sequence[Any])
         if (kind == _Kind.CONSTANT and isinstance(source, TensorPropertySource)
                 and source.prop == TensorProperty.SIZE and source.base in activation_of_source):
             inputs.append(_Input(node.name, _Kind.SIZE, (activation_of_source[source.base], source.idx)))
+        elif kind == _Kind.CONSTANT and not node.users:
+            # Dynamo passes the symbols of what it guards on (the storage offset of a batch sliced
+            # from one tensor, source[i:i + bptt]) whether or not the graph computes with them
+            inputs.append(_Input(node.name, _Kind.UNREAD))
         else:
             inputs.append(_Input(node.name, kind))
     return inputs
@@ -181,6 +191,8 @@ class _DynamoGraph(nn.Module):
                 args.append(by_index[item.dim_of[0]].shape[item.dim_of[1]])
             elif item.kind == _Kind.CONSTANT:
                 args.append(self.constants[index])
+            elif item.kind == _Kind.UNREAD:
+                args.append(None)
             else:
                 args.append(getattr(self, item.name))
         # run node by node with each node's meta current, so the captured graph's nodes inherit
@@ -211,6 +223,7 @@ class _Compiled:
         self.gm, self.inputs, self.options = gm, list(inputs), options
         self.modules: dict[tuple, tuple[_DynamoGraph, HarmonyModule]] = {}
         self.refusals: dict[tuple, Exception] = {}  # activation shapes -> the compile's refusal
+        self.state_changes = 0  # compiles again because the model's tensors or numbers changed
 
     @property
     def harmony_modules(self) -> list[HarmonyModule]:
@@ -234,7 +247,18 @@ class _Compiled:
                 raise self._remembered(key, baked)
             self.modules[key] = module, hm
         module, hm = self.modules[key]
-        self._check_state(module, args)
+        changed = self._changed_state(module, args)
+        if changed is not None:
+            # Dynamo runs one graph for every instance of a class (another model, one loaded from a
+            # checkpoint) and for new values of a number it passes in: harmony's program holds the
+            # first's, so it compiles anew, in place of the old one (which would keep its weights alive)
+            del self.modules[key]
+            self.state_changes += 1
+            if self.state_changes == _STATE_CHANGES_WARNED:
+                warnings.warn(f"harmony_fx: a graph was compiled again {self.state_changes} times because {changed}; "
+                              "each change plans anew. Compile each model instance separately, or keep the number "
+                              "out of the forward.", stacklevel=2)
+            return self(*args)
         return hm(*activations)
 
     def _remembered(self, key: tuple, error: Exception) -> Exception:
@@ -245,16 +269,20 @@ class _Compiled:
         self.refusals[key] = error
         return error
 
-    def _check_state(self, module: _DynamoGraph, args: Sequence[Any]) -> None:
-        """The harmony program was planned around the model's tensor objects and the numbers of the
-        first call; say so if Dynamo hands over others without recompiling."""
+    def _changed_state(self, module: _DynamoGraph, args: Sequence[Any]) -> str | None:
+        """What differs from the tensors and numbers harmony's program was planned around (``None``:
+        nothing): Dynamo hands over another model's tensors, or a number's new value, without
+        compiling again."""
         for index, item in enumerate(self.inputs):
             if item.kind in (_Kind.PARAM, _Kind.BUFFER) and args[index] is not getattr(module, item.name):
-                raise ValueError(f"the model's tensor {item.name!r} was replaced after torch.compile; call "
-                                 "torch._dynamo.reset() and compile again.")
+                return f"the model's tensor {item.name!r} is another than at the last compile"
             if item.kind == _Kind.CONSTANT and not _same(args[index], module.constants[index]):
-                raise ValueError(f"the graph input {item.name!r} is {args[index]!r} but was {module.constants[index]!r} "
-                                 "when harmony compiled the graph; call torch._dynamo.reset() and compile again.")
+                return f"the graph input {item.name!r} is {args[index]!r}, {module.constants[index]!r} at the last compile"
+        return None
+
+
+# compiles again for changed state past which the backend warns (a number that changes every call)
+_STATE_CHANGES_WARNED = 4
 
 
 def _dtypes_dynamo_baked(hm: HarmonyModule) -> ValueError | None:

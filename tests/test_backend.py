@@ -119,6 +119,38 @@ def test_graph_breaks_make_programs_that_train_together_like_eager():
     assert any(hm.signature.inputs_requiring_grad for hm in modules)
 
 
+class CachedMaskTransformer(nn.Module):
+    """PyTorch's word_language_model TransformerModel, small: the causal mask is kept on the module
+    and made again when the length changes (Dynamo recompiles once the attribute is set)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(20, 8)
+        layer = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0)
+        self.encoder = nn.TransformerEncoder(layer, 1, enable_nested_tensor=False)
+        self.head = nn.Linear(8, 20)
+        self.src_mask = None
+
+    def forward(self, src: torch.Tensor) -> torch.Tensor:
+        if self.src_mask is None or self.src_mask.size(0) != len(src):
+            self.src_mask = nn.Transformer.generate_square_subsequent_mask(len(src))
+        return self.head(self.encoder(self.embed(src), mask=self.src_mask))
+
+
+def test_batches_sliced_from_one_tensor_run_whatever_their_storage_offset():
+    """word_language_model's get_batch (source[i:i + bptt]): each batch a view at another offset,
+    which Dynamo passes as a graph input the graph never reads; it was baked in and the third batch
+    refused."""
+    torch.manual_seed(0)
+    model = CachedMaskTransformer()
+    reference = copy.deepcopy(model)
+    compiled = torch.compile(model, backend="harmony", dynamic=True, options={"devices": ["host:0"]})
+    source = torch.randint(0, 20, (60, 4))
+    for start in range(0, 50, 10):
+        batch = source[start:start + 10]
+        torch.testing.assert_close(compiled(batch), reference(batch), rtol=RTOL, atol=ATOL)
+
+
 @dataclasses.dataclass
 class _Batch:
     x: torch.Tensor
@@ -155,6 +187,37 @@ def test_an_activation_reached_through_a_field_is_differentiated_not_kept_as_sta
     # a new batch each step (the compiled call, then the eager one, read the same)
     batches = iter([batch for batch in (_Batch(torch.randn(8, 8)) for _ in range(3)) for _twice in range(2)])
     _train_like_eager(model, lambda m: m(next(batches)).square().mean(), {"microbatches": 2})
+
+
+def test_another_instance_of_the_class_runs_on_its_own_weights():
+    """Dynamo runs the graph it made for the first instance for every instance of the class (a
+    model loaded from a checkpoint, as word_language_model evaluates its best one); the program is
+    compiled again around the new instance's tensors (it was refused), and again after weights
+    are replaced in place of the old ones (``load_state_dict(assign=True)``)."""
+    torch.manual_seed(0)
+    first, second = MLPChain(width=8, depth=2), MLPChain(width=8, depth=2)
+    x = torch.randn(4, 8)
+    torch.compile(first, backend="harmony", dynamic=True)(x).sum().backward()
+    for step in range(2):
+        reference = copy.deepcopy(second)
+        out = torch.compile(second, backend="harmony", dynamic=True)(x)
+        expected = reference(x)
+        torch.testing.assert_close(out, expected, rtol=RTOL, atol=ATOL)
+        out.sum().backward()
+        expected.sum().backward()
+        for param, ref in zip(second.parameters(), reference.parameters()):
+            torch.testing.assert_close(param.grad, ref.grad, rtol=RTOL, atol=ATOL)
+        second.load_state_dict({name: torch.randn_like(value) for name, value in second.state_dict().items()},
+                               assign=True)
+
+
+def test_a_graph_compiled_again_and_again_for_changed_state_warns():
+    torch.manual_seed(0)
+    models = [MLPChain(width=8, depth=2) for _ in range(5)]
+    x = torch.randn(4, 8)
+    with pytest.warns(UserWarning, match="compiled again 4 times because the model's tensor"):
+        for model in models:
+            torch.compile(model, backend="harmony", dynamic=True)(x)
 
 
 def test_static_batch_with_microbatches_asks_for_dynamic_shapes():
