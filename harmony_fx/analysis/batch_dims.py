@@ -78,6 +78,9 @@ class BatchAnalysis:
     separable: bool
     reason: str = ""
     output_dims: Mapping[str, int | None] = dataclasses.field(default_factory=dict)
+    # False where an output has no one batch dim to join microbatches' outputs along (it holds the
+    # batch interleaved or sorted, or does not depend on it): a cut would return another tensor
+    joinable: bool = True
     # the values that are ``arange(B)`` along a dim (each sample's own index, step 3): separable
     # when every microbatch computes its own, wrong if a larger forward microbatch's is cut apart
     batch_indices: tuple[str, ...] = ()
@@ -99,14 +102,18 @@ def analyze_batch_dims(gm: fx.GraphModule, input_dims: Mapping[str, int | None],
         if not isinstance(arg, fx.Node):
             continue
         (dim,) = env[arg][:1] or [None]
+        if dim is None and arg.op == "placeholder" and meta.role_of(arg) != meta.Role.INPUT:
+            continue  # a parameter or buffer returned as it is: the caller gets it back, nothing is joined
         if dim is None:
             return BatchAnalysis(False, f"the output {arg.name} does not depend on the batch: every microbatch "
-                                        "would compute it whole")
+                                        "would compute it whole", joinable=False)
         if arg in context.sorted:
-            return BatchAnalysis(False, f"the output {arg.name} holds the batch's rows in a sorted order")
+            return BatchAnalysis(False, f"the output {arg.name} holds the batch's rows in a sorted order",
+                                 joinable=False)
         if context.outer.get(arg, 1) > 1:
-            return BatchAnalysis(False, f"the output {arg.name} holds the batch interleaved with another dim: "
-                                        "microbatches' outputs cannot be joined along one dim")
+            return BatchAnalysis(False, f"the output {arg.name} holds the batch interleaved with another dim (a "
+                                        "reshape merged them, as view(-1, n) of a [time, batch, n] tensor does): "
+                                        "microbatches' outputs cannot be joined along one dim", joinable=False)
         if dim == _REDUCED:
             # whether a loss can be put back together from microbatches is scalar_reduction's call,
             # the same one that gives the runtime its weights

@@ -678,7 +678,13 @@ def _batch_note(analysis: BatchAnalysis, num_microbatches: int) -> str:
 def _warn_if_cut_changes_results(layout: Layout, analysis: BatchAnalysis) -> None:
     """Microbatches the user gave are theirs (BatchNorm per microbatch, as in Harmony), but a batch
     cut where the graph mixes samples (a contrastive loss over every pair of samples, a softmax over
-    the batch) computes another loss than eager without any error: say so once, at compile."""
+    the batch) computes another loss than eager without any error: say so once, at compile. Where
+    an output has no batch dim to join the microbatches' outputs along, a cut would return another
+    tensor than the model's: refused."""
+    if layout.num_microbatches > 1 and not analysis.joinable:
+        raise ValueError(f"microbatches={layout.num_microbatches} cuts the batch, but {analysis.reason.rstrip('.')}. "
+                         "Return the output before it loses its batch dim (reshape it after the call), or use "
+                         "microbatches=1.")
     if layout.num_microbatches > 1 and not analysis.separable:
         warnings.warn(
             f"harmony_fx: microbatches={layout.num_microbatches} cuts the batch, but harmony_fx cannot show "

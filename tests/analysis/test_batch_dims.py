@@ -305,6 +305,29 @@ def test_a_batch_merged_inside_another_dim_meeting_what_mixes_rows_is_found(fn, 
     assert why in analysis.reason
 
 
+class _SequenceFirstLM(nn.Module):
+    """PyTorch's word_language_model RNNModel: [time, batch] tokens, its log-probabilities returned
+    as view(-1, vocab), time and batch merged, beside the LSTM's state."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed, self.rnn, self.head = nn.Embedding(40, 16), nn.LSTM(16, 16), nn.Linear(16, 40)
+
+    def forward(self, tokens, hidden):
+        out, hidden = self.rnn(self.embed(tokens), hidden)
+        return F.log_softmax(self.head(out).view(-1, 40), dim=1), hidden
+
+
+def test_microbatches_are_refused_where_an_output_has_no_batch_dim_to_join_them_along():
+    """Cut anyway (only a warning before), the log-probabilities came back interleaved wrongly, the
+    state joined along dim 0, and the backward raised in split_with_sizes."""
+    tokens, hidden = torch.randint(0, 40, (10, 4)), (torch.zeros(1, 4, 16), torch.zeros(1, 4, 16))
+    with pytest.raises(ValueError, match="interleaved with another dim .* microbatches=1"):
+        harmony_fx.compile(_SequenceFirstLM(), (tokens, hidden), microbatches=2, batch_dims=1)
+    hm = harmony_fx.compile(_SequenceFirstLM(), (tokens, hidden), batch_dims=1)  # the planner keeps it whole
+    assert hm.num_microbatches == 1
+
+
 @pytest.mark.parametrize("batch_first", [True, False])
 def test_pytorchs_transformer_layers_are_cut_into_microbatches_as_eager_computes(batch_first):
     """nn.MultiheadAttention merges time and batch ([T*B, E]) around its output projection: a
