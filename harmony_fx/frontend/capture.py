@@ -44,6 +44,7 @@ from harmony_fx.frontend.backward_hooks import (
     hooks_registered_in_forward, refuse_module_backward_hooks, refuse_tensor_hooks,
 )
 from harmony_fx.frontend.compute_dtype import fake_in, in_compute_dtype
+from harmony_fx.frontend.causal_masks import causal_masks_applied
 from harmony_fx.frontend.decomposition_fixes import decomposition_fixes
 from harmony_fx.frontend.key_value_caches import key_value_caches_off
 from harmony_fx.frontend.random_branches import RandomBranchError, certain_random_branches
@@ -424,7 +425,7 @@ def _capture_with_export(model: nn.Module, args: tuple, kwargs: dict, stack_trac
     # export recompiles its graph's Python code after each of its passes (7 times, 0.1 s each for a
     # 59-block GPT-2), and nothing here runs that code: generated once, when first asked for
     with warnings.catch_warnings(), decomposition_fixes(), _stack_traces(stack_traces), custom_backwards(), \
-            _use_lazy_graph_module(True):
+            _use_lazy_graph_module(True), causal_masks_applied():
         # nn.RNN/LSTM/GRU re-assign their own _flat_weights on every call: torch's advice to register
         # them as buffers is about torch's code, not the user's
         warnings.filterwarnings("ignore", message=r"The tensor attributes (\S+\._flat_weights\[\d+\](, )?)+ were")
