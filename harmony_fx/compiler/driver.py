@@ -42,6 +42,7 @@ from torch import fx, nn
 
 from harmony_fx.analysis.batch_dims import BatchAnalysis, analyze_batch_dims
 from harmony_fx.analysis.liveness import annotate_liveness
+from harmony_fx.analysis.random_ops import draws_random
 from harmony_fx.compiler.compiled import Compiled
 from harmony_fx.compiler.heap import collections_skip_the_heap
 from harmony_fx.compiler.host_memory import HostMemoryPlan, OptimizerFacts, plan_host_memory
@@ -314,7 +315,7 @@ def _from_layout(log: StageLog, example: _Example, devices: list, options: Compi
         analysis = log.run("analyze batch", _analyze_largest, example, variants, layout, devices[0].torch_device,
                            options.compute_dtype, decision=_describe_batch)
     if schedule is None:
-        _warn_if_cut_changes_results(layout, analysis)
+        _warn_if_cut_changes_results(layout, analysis, primary.captured.gm)
     example_flat = primary.captured.flatten_inputs(*microbatch.split_call(
         example.call, example.dims, [s for s in layout.mb_sizes if s] or [0])[0])
     signature = log.run("signature", program_signature, primary.captured, [x.requires_grad for x in example_flat],
@@ -675,7 +676,7 @@ def _batch_note(analysis: BatchAnalysis, num_microbatches: int) -> str:
     return f"kept whole (microbatches would change the result): {analysis.reason}"
 
 
-def _warn_if_cut_changes_results(layout: Layout, analysis: BatchAnalysis) -> None:
+def _warn_if_cut_changes_results(layout: Layout, analysis: BatchAnalysis, gm: fx.GraphModule) -> None:
     """Microbatches the user gave are theirs (BatchNorm per microbatch, as in Harmony), but a batch
     cut where the graph mixes samples (a contrastive loss over every pair of samples, a softmax over
     the batch) computes another loss than eager without any error: say so once, at compile. Where
@@ -691,3 +692,14 @@ def _warn_if_cut_changes_results(layout: Layout, analysis: BatchAnalysis) -> Non
             f"that microbatches compute what the whole batch does: {analysis.reason.rstrip('.')}. The results "
             "(loss and gradients) may differ from eager's; microbatches=1, or None (the planner keeps such a "
             "batch whole), computes eager's.", UserWarning, stacklevel=2)
+    elif layout.num_microbatches > 1 and (draw := next((n for n in gm.graph.nodes if draws_random(n)), None)):
+        warnings.warn(
+            f"harmony_fx: microbatches={layout.num_microbatches} cuts the batch of a model that draws random "
+            f"numbers ({meta.describe(draw)}): each microbatch draws its own, in another order than eager's one "
+            "draw for the batch, so the loss and gradients equal eager's in distribution, not in value (as under "
+            "gradient accumulation); microbatches=1, or None (the planner keeps such a batch whole), draws as "
+            "eager does.", RandomDrawsPerMicrobatch, stacklevel=2)
+
+
+class RandomDrawsPerMicrobatch(UserWarning):
+    """Microbatches set by hand on a model that draws random numbers (dropout): each draws its own."""

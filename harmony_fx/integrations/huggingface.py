@@ -39,6 +39,7 @@ What a harmony step cannot honor is refused when the trainer is made, with what 
 from __future__ import annotations
 
 import inspect
+import warnings
 from typing import Any, Mapping
 
 import torch
@@ -53,6 +54,7 @@ except ImportError as error:  # an optional extra: say how to get it
                       "pip install 'harmony-fx[hf]'") from error
 
 from harmony_fx.api import HarmonyModule, compile as harmony_compile
+from harmony_fx.compiler.driver import RandomDrawsPerMicrobatch
 from harmony_fx.config import check_option_names, option_names, with_environment
 from harmony_fx.ir.values import fakes_of
 from harmony_fx.trainer import Trainer
@@ -150,7 +152,9 @@ class HarmonyTrainer(transformers.Trainer):
         if passed:
             batch["num_items_in_batch"] = torch.as_tensor(num_items_in_batch).detach().cpu()
         self.model.train()
-        with self._autocast():
+        with self._autocast(), warnings.catch_warnings():
+            # transformers draws each batch's dropout on its own too: the microbatches are its batches
+            warnings.simplefilter("ignore", RandomDrawsPerMicrobatch)
             if not self._adds_batch_losses(passed, batch):
                 loss = self._harmony_for(batch).step(batch)
             elif self._batches_are_microbatches(batches):

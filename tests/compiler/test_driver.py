@@ -400,6 +400,22 @@ def test_microbatches_of_one_sample_are_judged_on_the_whole_batch(mixes):
     assert not any("one sample" in message for message in messages)
 
 
+@pytest.mark.parametrize("microbatches,dropout,warned", [(2, 0.5, True), (1, 0.5, False), (2, 0.0, False)])
+def test_microbatches_set_by_hand_on_a_model_that_draws_say_so(microbatches, dropout, warned):
+    """Each microbatch draws its own dropout masks: the step differs from eager's in value (only in
+    distribution), which went unsaid; with one microbatch, or nothing drawn, nothing is said."""
+    import warnings
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Dropout(dropout), torch.nn.Linear(8, 2))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        harmony_fx.compile(model, (torch.randn(4, 8),), devices=["host:0"], microbatches=microbatches)
+    said = [str(w.message) for w in caught if issubclass(w.category, harmony_fx.RandomDrawsPerMicrobatch)]
+    assert len(said) == warned
+    assert all("draws random numbers (dropout" in message and "microbatches=1" in message for message in said)
+
+
 class _OtherGraphForOneSample(torch.nn.Module):
     """Captures another graph for one sample than for several (an op only a batch of two or more
     runs, computing nothing new), as export does for some models."""
