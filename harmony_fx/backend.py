@@ -30,7 +30,9 @@ computation in fp32 (``_dtypes_dynamo_baked``).
 
 Microbatches run the graph at a smaller batch, so its batch dim must be symbolic: with Dynamo's
 default static shapes the batch size is baked into the graph (``x.view(8, -1)``), and the backend
-refuses ``microbatches > 1`` and says to compile with ``dynamic=True`` (or ``mark_dynamic``).
+refuses ``microbatches > 1`` and says to compile with ``dynamic=True`` (or ``mark_dynamic``); with
+the microbatches left to the planner, such a graph runs as one microbatch (a cut could meet a
+baked size anywhere), and a refusal of its budget notes that ``dynamic=True`` may fit less.
 
 Options the code does not pass come from the ``HARMONY_FX_*`` environment variables
 (``config.options_from_environment``: ``HARMONY_FX_MEMORY_BUDGET=8GiB python train.py``), so that
@@ -89,9 +91,17 @@ def harmony(gm: fx.GraphModule, example_inputs: Sequence[Any], *, options: dict 
     options = with_environment(options)  # HARMONY_FX_* variables: a script run under a budget unedited
     placeholders = gm.graph.find_nodes(op="placeholder")
     inputs = _sort_inputs(placeholders, example_inputs)
-    if _num_microbatches(options) > 1 and "batch_dims" not in options:
-        _check_batch_is_symbolic(placeholders, inputs)
-    return _Compiled(gm, inputs, options)
+    static = None if "batch_dims" in options else _static_batch_input(placeholders, inputs)
+    if static is not None and _num_microbatches(options) > 1:
+        raise ValueError(
+            f"Dynamo baked the batch size into the graph (its input {static.name} has the fixed shape "
+            f"{tuple(static.meta['example_value'].shape)}), so harmony cannot run it on microbatches. Compile with "
+            "torch.compile(model, backend='harmony', dynamic=True, options=...) (or call "
+            "torch._dynamo.mark_dynamic(x, 0) on each batched input before the first call), or use microbatches=1.")
+    if static is not None and options.get("microbatches") is None:
+        # the planner may not cut what Dynamo fixed; a refusal says that dynamic=True would let it
+        options = {**options, "microbatches": 1}
+    return _Compiled(gm, inputs, options, static_batch=static is not None)
 
 
 def _num_microbatches(options: dict) -> int:
@@ -148,19 +158,16 @@ def _is_state(source: Any) -> bool:
     return name.startswith("GLOBAL") or "NN_MODULE" in name or "FSDP" in name
 
 
-def _check_batch_is_symbolic(placeholders: Sequence[fx.Node], inputs: Sequence[_Input]) -> None:
-    """A batch of one sample is fixed even under ``dynamic=True`` (Dynamo specializes sizes 0 and
-    1): it runs as one microbatch, as any batch smaller than the microbatches does."""
+def _static_batch_input(placeholders: Sequence[fx.Node], inputs: Sequence[_Input]) -> fx.Node | None:
+    """An activation whose batch size Dynamo fixed (``None``: every batch is symbolic). A batch of
+    one sample is fixed even under ``dynamic=True`` (Dynamo specializes sizes 0 and 1): it runs as
+    one microbatch, as any batch smaller than the microbatches does."""
     for node, item in zip(placeholders, inputs):
         value = node.meta.get("example_value")
         if item.kind == _Kind.ACTIVATION and isinstance(value, torch.Tensor) and value.dim() > 0:
             if not isinstance(value.shape[0], torch.SymInt) and value.shape[0] != 1:
-                raise ValueError(
-                    f"Dynamo baked the batch size into the graph (its input {node.name} has the fixed shape "
-                    f"{tuple(value.shape)}), so harmony cannot run it on microbatches. Compile with "
-                    "torch.compile(model, backend='harmony', dynamic=True, options=...) (or call "
-                    "torch._dynamo.mark_dynamic(x, 0) on each batched input before the first call), or use "
-                    "microbatches=1.")
+                return node
+    return None
 
 
 class _DynamoGraph(nn.Module):
@@ -219,8 +226,9 @@ class _Compiled:
     """What Dynamo calls in place of its graph: Dynamo's flat inputs in, the graph's outputs out.
     The harmony module is compiled at the first call with each set of activation shapes."""
 
-    def __init__(self, gm: fx.GraphModule, inputs: Sequence[_Input], options: dict) -> None:
+    def __init__(self, gm: fx.GraphModule, inputs: Sequence[_Input], options: dict, static_batch: bool = False) -> None:
         self.gm, self.inputs, self.options = gm, list(inputs), options
+        self.static_batch = static_batch  # Dynamo fixed the batch size: one microbatch
         self.modules: dict[tuple, tuple[_DynamoGraph, HarmonyModule]] = {}
         self.refusals: dict[tuple, Exception] = {}  # activation shapes -> the compile's refusal
         self.state_changes = 0  # compiles again because the model's tensors or numbers changed
@@ -264,6 +272,10 @@ class _Compiled:
     def _remembered(self, key: tuple, error: Exception) -> Exception:
         """``error``, kept to be raised again at the next call with ``key``: it cannot change for the
         same graph, shapes and options."""
+        if self.static_batch and isinstance(error, BudgetTooSmallError):
+            error.add_note("harmony_fx: Dynamo baked the batch size into this graph, so it runs as one microbatch; "
+                           "compiled with torch.compile(..., dynamic=True), harmony may cut the batch into "
+                           "microbatches, which can fit a smaller budget")
         error.add_note("harmony_fx: remembered for this graph at these shapes and options: later calls raise "
                        "it again without planning")
         self.refusals[key] = error

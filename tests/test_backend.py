@@ -307,6 +307,36 @@ def test_a_refused_budget_is_remembered_for_the_same_graph_and_shapes(monkeypatc
     assert len(compiles) == 2
 
 
+class _FlattensPerSample(nn.Module):
+    """``x.view(x.shape[0], -1)``: Dynamo's static graph bakes the batch size into the view."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.second = nn.Linear(8, 16), nn.Linear(32, 2)
+
+    def forward(self, x):
+        return self.second(torch.relu(self.first(x)).view(x.shape[0], -1))
+
+
+def test_a_static_graph_runs_whole_and_its_refusal_says_dynamic_shapes_may_cut_it():
+    """The planner tried one sample per microbatch on Dynamo's fixed-size graph, whose capture then
+    failed on the baked view; the refusal listed that CaptureError as "also tried"."""
+    from harmony_fx import BudgetTooSmallError
+
+    torch.manual_seed(0)
+    model = _FlattensPerSample()
+    x = torch.randn(8, 2, 8)
+    compiled = torch.compile(model, backend="harmony", options={"memory_budget": 1, "devices": ["host:0"]})
+    with pytest.raises(BudgetTooSmallError) as info:
+        compiled(x)
+    assert "also tried" not in str(info.value)
+    assert "dynamic=True" in "\n".join(info.value.__notes__)
+    torch._dynamo.reset()
+    smallest = info.value.smallest_budget
+    compiled = torch.compile(model, backend="harmony", options={"memory_budget": smallest, "devices": ["host:0"]})
+    torch.testing.assert_close(compiled(x), model(x), rtol=RTOL, atol=ATOL)
+
+
 class _CastsToDouble(nn.Module):
     def __init__(self) -> None:
         super().__init__()

@@ -172,7 +172,8 @@ def plan_packs(layer_costs: Sequence[int], evaluate: Callable[[list[int]], C], p
         return BudgetTooSmallError(
             f"plan_packs: no packing fits the memory budget of {budget:,} bytes; the smallest budget that "
             f"fits is {smallest:,} bytes ({format_size(smallest)}). Raise memory_budget to at least that, "
-            "or use more microbatches so each task holds fewer activations.",
+            "or use a smaller batch or shorter inputs (more microbatches hold fewer activations at a time, but keep "
+            "more of what each leaves: they need less only where activations dominate).",
             smallest,
         )
 
