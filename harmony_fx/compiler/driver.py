@@ -41,6 +41,7 @@ import torch
 from torch import fx, nn
 
 from harmony_fx.analysis.batch_dims import BatchAnalysis, analyze_batch_dims
+from harmony_fx.analysis.buffer_writes import first_buffer_write
 from harmony_fx.analysis.liveness import annotate_liveness
 from harmony_fx.analysis.random_ops import draws_random
 from harmony_fx.compiler.compiled import Compiled
@@ -699,6 +700,13 @@ def _warn_if_cut_changes_results(layout: Layout, analysis: BatchAnalysis, gm: fx
             "draw for the batch, so the loss and gradients equal eager's in distribution, not in value (as under "
             "gradient accumulation); microbatches=1, or None (the planner keeps such a batch whole), draws as "
             "eager does.", RandomDrawsPerMicrobatch, stacklevel=2)
+    elif layout.num_microbatches > 1 and (write := first_buffer_write(gm)) is not None:
+        warnings.warn(
+            f"harmony_fx: microbatches={layout.num_microbatches} cuts the batch of a model that updates a buffer in "
+            f"place ({meta.describe(write)}): each microbatch's forward updates it in turn, reading what the one "
+            "before left, where eager updates it once for the batch, so the results differ from eager's; "
+            "microbatches=1, or None (the planner keeps such a batch whole), computes eager's.", UserWarning,
+            stacklevel=2)
 
 
 class RandomDrawsPerMicrobatch(UserWarning):

@@ -43,6 +43,10 @@ class Pack:
     # per act input, one flag per leaf of its value: it requires grad in the model (see
     # analysis.requires_grad); a recompute makes exactly these leaves record gradients
     input_requires_grad: tuple[tuple[bool, ...], ...] = ()
+    # mutated buffers whose value as the forward begins reaches the pack's outputs (a step counter,
+    # spectral_norm's power iteration; not BatchNorm's statistics, which its training output never
+    # reads): the recompute reads them as the forward did, not as the forward left them
+    replayed_buffers: tuple[str, ...] = ()
 
     @property
     def name(self) -> str:
@@ -52,6 +56,11 @@ class Pack:
     def written_slots(self) -> frozenset[int]:
         """Slots of ``params + buffers`` the pack writes in place (its mutated buffers)."""
         return frozenset(len(self.params) + i for i, name in enumerate(self.buffers) if name in self.mutated_buffers)
+
+    @functools.cached_property
+    def replayed_slots(self) -> tuple[int, ...]:
+        """Slots of ``params + buffers`` whose forward values the recompute reads (``replayed_buffers``)."""
+        return tuple(len(self.params) + i for i, name in enumerate(self.buffers) if name in self.replayed_buffers)
 
     @functools.cached_property
     def slot_dtypes(self) -> tuple:

@@ -119,7 +119,9 @@ def _build_pack(gm, layers, pack_index, start, stop, nodes, masters) -> Pack:
     for position, name in enumerate(ordered):
         slots[id(masters[name])] = position
     state_slot = tuple(slots[id(masters[name])] for name in state_inputs)
-    mutated = _mutated_buffers(members, set(buffers), masters, {id(masters[b]): b for b in buffers})
+    master_to_buffer = {id(masters[b]): b for b in buffers}
+    mutated = _mutated_buffers(members, set(buffers), masters, master_to_buffer)
+    replayed = _read_before_written(members, [nodes[name] for name in outputs], mutated, masters, master_to_buffer)
     return Pack(
         index=pack_index,
         layers=tuple(range(start, stop)),
@@ -131,6 +133,7 @@ def _build_pack(gm, layers, pack_index, start, stop, nodes, masters) -> Pack:
         params=tuple(params),
         buffers=tuple(buffers),
         mutated_buffers=mutated,
+        replayed_buffers=replayed,
         random=any(draws_random(node) for node in members),
         input_requires_grad=tuple(requires_grad_of(nodes[name]) for name in act_inputs),
         state_slot=state_slot,
@@ -152,6 +155,48 @@ def _updates_statistics(node: fx.Node) -> bool:
             value = node.args[index] if index < len(node.args) else node.kwargs.get(argument.name)
             return value is not False
     return True
+
+
+def _read_before_written(members, outputs, mutated, masters, master_to_buffer) -> tuple[str, ...]:
+    """The mutated buffers whose value as the pack begins reaches one of its ``outputs``: followed
+    from each buffer's placeholder through every op's arguments, and into what an op writes in
+    place; not through a batch or instance norm's running statistics, which its output in training
+    never reads (it only updates them)."""
+    if not mutated:
+        return ()
+    reaches: dict[fx.Node, frozenset[str]] = {}
+    for node in members:
+        for arg in node.all_input_nodes:
+            if arg not in reaches and arg.op == "placeholder":
+                buffer = master_to_buffer.get(id(masters.get(arg.name)))
+                reaches[arg] = frozenset({buffer}) if buffer in mutated else frozenset()
+        statistics = _running_statistics(node)
+        read = frozenset().union(*(reaches.get(arg, frozenset()) for arg in node.all_input_nodes
+                                   if arg not in statistics))
+        reaches[node] = read
+        for arg in _written_args(node):  # later readers of what it writes read what it read
+            reaches[arg] = reaches.get(arg, frozenset()) | read
+    found = frozenset().union(*(reaches.get(node, frozenset()) for node in outputs))
+    return tuple(name for name in mutated if name in found)
+
+
+def _running_statistics(node: fx.Node) -> set[fx.Node]:
+    """A batch or instance norm's running statistics arguments, where it updates them (training)."""
+    if not isinstance(node.target, torch._ops.OpOverload):
+        return set()
+    if not ("batch_norm" in _op_name(node) or "instance_norm" in _op_name(node)) or not _updates_statistics(node):
+        return set()
+    return {arg for arg, schema_arg in zip(node.args, node.target._schema.arguments)
+            if isinstance(arg, fx.Node) and schema_arg.name in ("running_mean", "running_var")}
+
+
+def _written_args(node: fx.Node) -> list[fx.Node]:
+    """The arguments an ATen op writes in place, by its schema; any of a call whose schema cannot
+    say (a higher-order op's region, a plain torch function), as ``_mutated_buffers`` takes them."""
+    if not isinstance(node.target, torch._ops.OpOverload):
+        return list(node.all_input_nodes) if node.op in ("call_function", "call_method") else []
+    return [arg for arg, schema_arg in zip(node.args, node.target._schema.arguments)
+            if isinstance(arg, fx.Node) and schema_arg.alias_info is not None and schema_arg.alias_info.is_write]
 
 
 def _mutated_buffers(members, buffer_names, masters, master_to_buffer) -> tuple[str, ...]:

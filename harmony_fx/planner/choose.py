@@ -10,9 +10,10 @@ falls back to the planner's next schedule, and last to its own defaults.
 
 When the graph does not treat the samples apart (``analysis.batch_dims``: a softmax over the batch,
 an unbatched sequence, a loss it cannot put back together, ...) the batch is not cut: one
-microbatch, and several devices form a pipeline. When cutting it only changes the random numbers
-or the batch statistics (dropout draws per microbatch, BatchNorm normalises per microbatch), the
-planner keeps one microbatch per device.
+microbatch, and several devices form a pipeline. When cutting it only changes the random numbers,
+the batch statistics or the state (dropout draws per microbatch, BatchNorm normalises per
+microbatch, a buffer updated in place is updated once per microbatch), the planner keeps one
+microbatch per device.
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ import torch
 from torch import fx, nn
 
 from harmony_fx.config import CompileOptions, format_size
+from harmony_fx.analysis.buffer_writes import first_buffer_write
 from harmony_fx.analysis.random_ops import draws_random
 from harmony_fx.planner.chain import Schedule
 from harmony_fx.planner.profile import profile_graph
@@ -127,10 +129,11 @@ def _budget_note(choice: PlanChoice, profile, spec: DeviceSpec, settings: dict, 
 
 def cutting_changes_results(gm: fx.GraphModule, model: nn.Module) -> bool:
     """Whether microbatches change the results even where the samples are apart: random draws
-    (dropout draws per microbatch) or a BatchNorm in training (statistics per microbatch)."""
+    (dropout draws per microbatch), a BatchNorm in training (statistics per microbatch) or any
+    buffer the forward updates in place (once per microbatch: a step counter, spectral_norm)."""
     random = any(draws_random(node) for node in gm.graph.nodes)
     batch_norm = any(isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training for m in model.modules())
-    return random or batch_norm
+    return random or batch_norm or first_buffer_write(gm) is not None
 
 
 def device_spec(device, budget: int | None) -> DeviceSpec:

@@ -305,6 +305,11 @@ class Runtime:
                   for v in pack.act_inputs]
         if keep_graph:
             inputs = [_leaf(x, flags) for x, flags in zip(inputs, pack.input_requires_grad)]
+        if pack.replayed_slots and not keep_graph:
+            # what the forward reads of the buffers it then updates, on the host: the recompute reads it
+            weights = values[Key(KeyKind.WEIGHTS, pack.name)]
+            self.links.save_buffers(pack_index, mb, [weights[slot].detach().to("cpu", copy=True)
+                                                     for slot in pack.replayed_slots])
         with self.device.rng_lock() if pack.random else contextlib.nullcontext():
             if pack.random:
                 self.links.save_rng_state(pack_index, mb, self.device.get_rng_state())
@@ -318,8 +323,9 @@ class Runtime:
         pack = self.packs_for_mb[mb][pack_index]
         inputs = [_leaf(self.device_values.pop(Key(KeyKind.ACT, v, mb)), flags)
                   for v, flags in zip(pack.act_inputs, pack.input_requires_grad)]
+        buffers = self._forwards_buffers(pack, pack_index, mb)
         if not pack.random:
-            outputs = self._run_pack(pack, inputs, grad=True, what="recompute")
+            outputs = self._run_pack(pack, inputs, grad=True, what="recompute", buffers=buffers)
         else:
             with self.device.rng_lock():
                 saved_state = self.device.get_rng_state()
@@ -327,7 +333,7 @@ class Runtime:
                 if replayed is not None:
                     self.device.set_rng_state(replayed)
                 try:
-                    outputs = self._run_pack(pack, inputs, grad=True, what="recompute")
+                    outputs = self._run_pack(pack, inputs, grad=True, what="recompute", buffers=buffers)
                 finally:
                     self.device.set_rng_state(saved_state)
         self.device_values[Key(KeyKind.GRAPH, pack.name, mb)] = (inputs, outputs)
@@ -408,11 +414,28 @@ class Runtime:
             self.device.check_budget()
 
     # ------------------------------------------------------------------ helpers
-    def _run_pack(self, pack: Pack, inputs: list, grad: bool, what: str) -> tuple:
+    def _forwards_buffers(self, pack: Pack, pack_index: int, mb: int) -> dict[int, torch.Tensor]:
+        """Per replayed slot, the buffer as the forward of ``mb`` read it (saved then), else (the
+        forward ran on a device not run here: a planning run) as the device holds it now."""
+        if not pack.replayed_slots:
+            return {}
+        saved = self.links.saved_buffers(pack_index, mb)
+        if saved is None:
+            weights = self.device_values[Key(KeyKind.WEIGHTS, pack.name)]
+            saved = [weights[slot] for slot in pack.replayed_slots]
+        return dict(zip(pack.replayed_slots, saved))
+
+    def _run_pack(self, pack: Pack, inputs: list, grad: bool, what: str,
+                  buffers: dict[int, torch.Tensor] | None = None) -> tuple:
+        """``buffers``: slots read from these (host or device) tensors, each copied onto the device
+        as the task's own (its in-place updates go nowhere), in place of the device's copies."""
         weights = self.device_values[Key(KeyKind.WEIGHTS, pack.name)]
         state = [weights[slot] for slot in pack.state_slot]
         with (self.device.compute_scope(), self._context(pack, what), torch.set_grad_enabled(grad),
               ambient.scope(self.autocast)):
+            if buffers:
+                copies = {slot: value.to(weights[slot].device, copy=True) for slot, value in buffers.items()}
+                state = [copies.get(slot, value) for slot, value in zip(pack.state_slot, state)]
             if self.compiler is None:
                 outputs = direct_forward(pack.gm)(pack.gm, *inputs, *state)
             else:

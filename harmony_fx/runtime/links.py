@@ -1,5 +1,5 @@
 """What the devices of one iteration exchange: keys handed from one to another, the events one
-program publishes for another's waits, and the RNG state a recompute replays.
+program publishes for another's waits, and the RNG state and buffers a recompute replays.
 
 ``Links`` joins the runtimes of one iteration (one per device, each issuing from its own thread):
 a send posts a parcel the receiver takes, a published event is found by its number in the
@@ -8,7 +8,7 @@ schedule, and a device that fails wakes every device waiting on another (``abort
 ``StandaloneLinks`` answers the same questions for one device's programs run alone, with no peer
 (the FakeTensor planning run, ``runtime.probe``): what a peer would send is made when it is
 received, what is sent is picked up at once and goes nowhere, another device's event is done, and
-a recompute whose forward ran on another device has no RNG state to replay. The executor asks
+a recompute whose forward ran on another device has no RNG state or buffers to replay. The executor asks
 both the same way and never asks whether there are peers.
 """
 from __future__ import annotations
@@ -61,6 +61,8 @@ class Links:
         self._on_abort: list[Callable[[BaseException], None]] = []
         # (pack, microbatch) -> the RNG state before its forward; the recompute may run on another device
         self._rng_states: dict[tuple[int, int], object] = {}
+        # (pack, microbatch) -> host copies of the buffers its forward read and then updated (``Pack.replayed_buffers``)
+        self._buffers: dict[tuple[int, int], list] = {}
 
     def handover(self, key: Key, source: int, target: int):
         """Where device ``source`` posts ``key`` for ``target`` (``post(value, ready)``), and the
@@ -98,6 +100,16 @@ class Links:
         state = self._rng_states.pop((pack, mb), None)
         assert state is not None, f"no RNG state for p{pack}@{mb}"
         return state
+
+    def save_buffers(self, pack: int, mb: int, values: list) -> None:
+        self._buffers[(pack, mb)] = values
+
+    def saved_buffers(self, pack: int, mb: int) -> list | None:
+        """The buffers ``pack``'s forward of microbatch ``mb`` read before updating them, for its
+        recompute (once); ``None`` only where that forward did not run here."""
+        values = self._buffers.pop((pack, mb), None)
+        assert values is not None, f"no saved buffers for p{pack}@{mb}"
+        return values
 
     def drop_values(self) -> None:
         with self._lock:
@@ -178,3 +190,7 @@ class StandaloneLinks(Links):
     def rng_state(self, pack: int, mb: int) -> object | None:
         """As ``Links.rng_state``, but ``None`` where the forward ran on a device not run here."""
         return self._rng_states.pop((pack, mb), None)
+
+    def saved_buffers(self, pack: int, mb: int) -> list | None:
+        """As ``Links.saved_buffers``, but ``None`` where the forward ran on a device not run here."""
+        return self._buffers.pop((pack, mb), None)

@@ -8,6 +8,9 @@ Each model is small enough for a 2-core CPU, and each stresses one thing packs m
   tied to the head (the demo's model).
 * ``SmallCNN``: convolutions with BatchNorm (buffers updated in place, once per real forward).
 
+``StepCounter`` (not in the zoo) reads a buffer and then updates it in place, as spectral_norm's
+power iteration does: a recompute must read the buffer as the forward did.
+
 ``zoo()`` returns ``{name: ZooEntry}``; an entry builds a fresh seeded model with an example batch
 and a loss function, so tests can compare harmony_fx with eager on identical copies.
 """
@@ -22,7 +25,7 @@ from torch import nn
 
 from harmony_fx.models import GPTConfig, MLPChain, TinyGPT
 
-__all__ = ["ResidualMLP", "SmallCNN", "ZooEntry", "zoo"]
+__all__ = ["ResidualMLP", "SmallCNN", "StepCounter", "ZooEntry", "zoo"]
 
 
 class ResidualMLP(nn.Module):
@@ -58,6 +61,21 @@ class SmallCNN(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.features(self.stem(x))
         return self.head(x.mean(dim=(2, 3)))
+
+
+class StepCounter(nn.Module):
+    """A linear layer scaled by how many forwards ran before (a buffer), which then counts this one."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.linear = nn.Linear(width, width)
+        self.register_buffer("count", torch.ones(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.tanh(self.linear(x)) * self.count.clone()
+        with torch.no_grad():
+            self.count.add_(1.0)
+        return y
 
 
 def _cross_entropy(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:

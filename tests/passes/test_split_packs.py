@@ -126,6 +126,24 @@ def test_pack_flags_random_and_mutated_buffers():
     by_name = {node.name: node.meta[meta.TARGET] for node in prep.captured.gm.graph.find_nodes(op="placeholder")
                if node.name in prep.captured.buffers}
     assert {by_name[n] for n in mutated} == {name for name, _ in prep.model.named_buffers()}
+    # BatchNorm updates its statistics, but its training output never reads them: nothing to replay
+    assert not any(pack.replayed_buffers for pack in cnn_packs)
+
+
+def test_a_buffer_read_then_updated_is_replayed_by_the_recompute():
+    """A step counter read by the output, then incremented under no_grad (spectral_norm's vectors
+    alike): its value as the forward began is what the recompute must read."""
+    from harmony_fx.compiler.variants import capture_variant
+    from harmony_fx.testing.models import StepCounter
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), StepCounter(8), torch.nn.BatchNorm1d(8))
+    variant = capture_variant(model, None, (torch.randn(4, 8),), {}, torch.device("cpu"))
+    masters = {**variant.captured.params, **variant.captured.buffers}
+    (pack,) = split_packs(variant.captured.gm, variant.layers, [0], masters)
+    targets = {node.name: node.meta.get(meta.TARGET) for node in variant.captured.gm.graph.find_nodes(op="placeholder")}
+    assert {targets[n] for n in pack.replayed_buffers} == {"1.count"}
+    assert {"1.count", "2.running_mean", "2.num_batches_tracked"} <= {targets[n] for n in pack.mutated_buffers}
 
 
 @pytest.mark.parametrize("boundaries", [[], [1], [0, 0], [0, 3, 2], [0, 10_000]])

@@ -1,0 +1,48 @@
+"""Which op of a captured graph updates the model's buffers in place (a step counter,
+spectral_norm's power-iteration vectors, BatchNorm's ``num_batches_tracked``).
+
+Cut into microbatches, a forward that updates a buffer updates it once per microbatch, each
+microbatch reading what the one before left: another result than eager's one update for the
+batch. The planner does not cut such a batch, and a cut set by hand says so.
+
+An ATen op says what it writes in its schema. A higher-order op that runs a region under a mode
+(``wrap_with_set_grad_enabled``, ``wrap_with_autocast``: a ``no_grad`` block) passes its operands to
+the region's placeholders in order, and the region is read the same way; any other higher-order
+op is taken to write every tensor it is given.
+"""
+from __future__ import annotations
+
+import torch
+from torch import fx
+
+from harmony_fx.ir import meta
+
+__all__ = ["first_buffer_write"]
+
+
+def first_buffer_write(gm: fx.GraphModule) -> fx.Node | None:
+    """The first node of ``gm`` that writes a buffer placeholder in place (``None``: none does)."""
+    for node in gm.graph.nodes:
+        if any(arg.op == "placeholder" and meta.role_of(arg) == meta.Role.BUFFER for arg in _written(node)):
+            return node
+    return None
+
+
+def _written(node: fx.Node) -> list[fx.Node]:
+    target = node.target
+    if isinstance(target, torch._ops.OpOverload):
+        return [arg for arg, schema_arg in zip(node.args, target._schema.arguments)
+                if isinstance(arg, fx.Node) and schema_arg.alias_info is not None and schema_arg.alias_info.is_write]
+    if not isinstance(target, torch._ops.HigherOrderOperator):
+        return []
+    root = node.graph.owning_module
+    regions = [(index, getattr(root, arg.target, None)) for index, arg in enumerate(node.args)
+               if isinstance(arg, fx.Node) and arg.op == "get_attr" and root is not None]
+    if len(regions) == 1 and isinstance(regions[0][1], fx.GraphModule) and target.__name__.startswith("wrap_with_"):
+        index, region = regions[0]
+        operands = node.args[index + 1:]
+        placeholders = region.graph.find_nodes(op="placeholder")
+        written = {inner for inner_node in region.graph.nodes for inner in _written(inner_node)}
+        return [operand for operand, placeholder in zip(operands, placeholders)
+                if isinstance(operand, fx.Node) and placeholder in written]
+    return [arg for arg in node.all_input_nodes if arg.op != "get_attr"]
