@@ -89,6 +89,8 @@ def harmony(gm: fx.GraphModule, example_inputs: Sequence[Any], *, options: dict 
                          f"settings as options={{...}} (any of {', '.join(sorted(option_names()))}).")
     check_option_names(options or {}, option_names(), 'torch.compile(backend="harmony") options')
     options = with_environment(options)  # HARMONY_FX_* variables: a script run under a budget unedited
+    if not any(node.op in ("call_function", "call_method", "call_module") for node in gm.graph.nodes):
+        return gm  # a fragment between graph breaks that computes nothing (it hands values on): as it is
     placeholders = gm.graph.find_nodes(op="placeholder")
     inputs = _sort_inputs(placeholders, example_inputs)
     static = None if "batch_dims" in options else _static_batch_input(placeholders, inputs)
@@ -219,6 +221,11 @@ class _Interpreter(fx.Interpreter):
             forward, backward, *tensors = args
             return autograd_functions.record("autograd_function_apply", functools.partial(
                 target, forward, backward, **kwargs), tuple(tensors), {})
+        if target is getattr(torch.ops.higher_order, "tag_activation_checkpoint", None):
+            # torch.utils.checkpoint's region, run as it is: harmony recomputes each pack itself
+            # (export refuses Dynamo's checkpoint op)
+            body, *operands = args
+            return body(*operands)
         return super().call_function(target, args, kwargs)
 
 

@@ -220,6 +220,50 @@ def test_a_graph_compiled_again_and_again_for_changed_state_warns():
             torch.compile(model, backend="harmony", dynamic=True)(x)
 
 
+class _Checkpointed(nn.Module):
+    def __init__(self, reentrant: bool) -> None:
+        super().__init__()
+        self.first, self.last = nn.Linear(8, 16), nn.Linear(16, 4)
+        self.middle = nn.Sequential(nn.Linear(16, 16), nn.GELU(), nn.Linear(16, 16))
+        self.reentrant = reentrant
+
+    def forward(self, x):
+        hidden = torch.utils.checkpoint.checkpoint(self.middle, torch.tanh(self.first(x)), use_reentrant=self.reentrant)
+        return self.last(torch.tanh(hidden))
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_a_checkpointed_region_runs_as_it_is(reentrant):
+    """Dynamo keeps torch.utils.checkpoint's region as one op, which export refused
+    ("_checkpoint_context_fn"); harmony recomputes each pack itself, so the region just runs."""
+    torch.manual_seed(0)
+    x = torch.randn(4, 8)
+    _train_like_eager(_Checkpointed(reentrant), lambda m: m(x).square().mean(), {"devices": ["host:0"]})
+
+
+class _PackedLSTM(nn.Module):
+    """pack_padded_sequence around an LSTM: Dynamo breaks the graph around the packing, leaving a
+    graph that computes nothing, only hands values on."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.lstm, self.last = nn.Linear(8, 12), nn.LSTM(12, 10, batch_first=True), nn.Linear(10, 4)
+
+    def forward(self, x, lengths):
+        packed = nn.utils.rnn.pack_padded_sequence(torch.tanh(self.first(x)), lengths, batch_first=True,
+                                                   enforce_sorted=False)
+        out, _ = self.lstm(packed)
+        out, _ = nn.utils.rnn.pad_packed_sequence(out, batch_first=True, total_length=x.shape[1])
+        return self.last(out)
+
+
+def test_a_graph_that_computes_nothing_is_passed_through():
+    torch.manual_seed(0)
+    x, lengths = torch.randn(4, 6, 8), torch.tensor([6, 3, 5, 2])
+    with torch._dynamo.config.patch(allow_rnn=True):
+        _train_like_eager(_PackedLSTM(), lambda m: m(x, lengths).square().mean(), {"devices": ["host:0"]})
+
+
 def test_static_batch_with_microbatches_asks_for_dynamic_shapes():
     torch.manual_seed(0)
     compiled = torch.compile(MLPChain(width=8, depth=2), backend="harmony", options={"microbatches": 2})

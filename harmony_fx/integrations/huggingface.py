@@ -91,7 +91,7 @@ class HarmonyTrainer(transformers.Trainer):
         options = dict(harmony_options or {})
         check_option_names(options, [*option_names(), *_TRAINER_OPTIONS], DOOR)
         options = with_environment(options)
-        _refuse_unsupported(training_args, bound, options)
+        _refuse_unsupported(training_args, bound, options, type(self))
         self._harmony_options = _with_training_arguments(options, training_args)
         # one process drives every GPU harmony uses: never nn.DataParallel over them (transformers
         # does the same for a model placed across GPUs); read before Trainer.__init__ sizes batches
@@ -317,8 +317,6 @@ def _refusals(args: transformers.TrainingArguments, trainer_arguments: Mapping[s
     if getattr(args, "use_liger_kernel", False):
         refused.append("use_liger_kernel=True replaces the model's modules with fused kernels harmony cannot "
                        "split into packs; drop it")
-    if args.neftune_noise_alpha is not None:
-        refused.append("neftune_noise_alpha: the noise hook is not part of the graph harmony captures; drop it")
     if args.label_smoothing_factor:
         refused.append("label_smoothing_factor: transformers smooths outside the model, where harmony's step does "
                        "not reach; drop it (or smooth inside the model's loss)")
@@ -340,8 +338,15 @@ def _refusals(args: transformers.TrainingArguments, trainer_arguments: Mapping[s
 
 
 def _refuse_unsupported(args: transformers.TrainingArguments, trainer_arguments: Mapping[str, Any],
-                        options: Mapping[str, Any]) -> None:
+                        options: Mapping[str, Any], trainer_class: type = None) -> None:
     refused = _refusals(args, trainer_arguments, options)
+    owner = next((cls for cls in (trainer_class or HarmonyTrainer).__mro__ if "compute_loss" in vars(cls)), None)
+    if owner is not HarmonyTrainer:
+        # the step trains on the loss the captured model returns: an override would be used only
+        # in evaluation, and training would follow another loss than the one it logs there
+        refused.append(f"{owner.__name__}.compute_loss (an override): harmony's step trains on the loss the model "
+                       "returns; compute that loss in the model (a wrapper module whose forward returns it, or labels=...), "
+                       "or train with harmony_fx.Trainer and a loss_fn")
     if refused:
         raise ValueError("HarmonyTrainer cannot honor " + "; ".join(refused) + ".")
 

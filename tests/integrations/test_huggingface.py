@@ -209,6 +209,30 @@ def test_what_a_harmony_step_cannot_honor_is_refused_with_what_to_do(tmp_path, o
                        train_dataset=_Tokens(8, seed=0))
 
 
+def test_a_compute_loss_override_is_refused_not_left_out_of_training(tmp_path):
+    """The step trains on the loss the captured model returns: an override (class-weighted cross
+    entropy, a loss plus a penalty) was used in evaluation alone, training another loss unsaid."""
+    class Weighted(HarmonyTrainer):
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch) * 2
+
+    with pytest.raises(ValueError, match=r"HarmonyTrainer cannot honor Weighted.compute_loss \(an override\)"):
+        Weighted(model=build_hf_model("llama"), args=_arguments(tmp_path), train_dataset=_Tokens(8, seed=0))
+
+
+def test_neftune_noise_is_drawn_in_the_graph_as_transformers_draws_it(tmp_path):
+    """NEFTune's noise comes from a forward hook on the embeddings, which the capture keeps (it was
+    refused): batches of one length step as transformers' do, the noise included."""
+    arguments = {"eval_strategy": "no", "save_strategy": "no", "max_steps": 3, "neftune_noise_alpha": 5.0}
+    _, eager_steps, _ = _train(transformers.Trainer, build_hf_model("llama"), tmp_path / "eager", arguments=arguments)
+    trainer, steps, _ = _train(HarmonyTrainer, build_hf_model("llama"), tmp_path / "harmony", arguments=arguments,
+                               harmony_options={"memory_budget": "1MiB"})
+    _assert_same_steps(steps, eager_steps)
+    _, quiet_steps, _ = _train(transformers.Trainer, build_hf_model("llama"), tmp_path / "quiet",
+                               arguments={**arguments, "neftune_noise_alpha": None})
+    assert steps[1][0] != pytest.approx(quiet_steps[1][0], rel=1e-6)  # the noise was there
+
+
 def test_an_unknown_harmony_option_names_the_nearest(tmp_path):
     with pytest.raises(TypeError, match=r"'memory_budgt' \(did you mean 'memory_budget'\?\)"):
         HarmonyTrainer(model=build_hf_model("llama"), args=_arguments(tmp_path), train_dataset=_Tokens(8, seed=0),
