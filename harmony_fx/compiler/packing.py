@@ -36,7 +36,7 @@ import itertools
 from typing import Callable, Mapping, Sequence, TypeVar
 
 import torch
-from torch import nn
+from torch import fx, nn
 
 from harmony_fx.compiler.estimate import DeviceEstimate, estimate_device
 from harmony_fx.compiler.held import LayerHeld, measure_held
@@ -279,6 +279,19 @@ def finish_chosen(context: PackingContext, candidate: Candidate, ahead_tried: bo
     return candidate
 
 
+def _receiving_gradients(gm: fx.GraphModule, signature: ProgramSignature) -> set[str]:
+    """The values the backward makes a gradient for: differentiable, and a model output (the
+    caller's gradient) or read by a value that receives one and is differentiable (not by a
+    ``detach`` alone, whose result no gradient reaches). A layer none of whose values receives one
+    runs no backward and gives its weights no gradient."""
+    reached: set[str] = set()
+    for node in reversed(gm.graph.nodes):
+        if node.name in signature.differentiable and (
+                node.name in signature.model_outputs or any(user.name in reached for user in node.users)):
+            reached.add(node.name)
+    return reached
+
+
 class PackingBounds:
     """A lower bound of a packing's peak from shapes alone: the largest, over its packs, of the
     pack's weights and the larger of its largest input (its forward and its recompute hold it with
@@ -315,12 +328,14 @@ class PackingBounds:
         self._first_inputs: list[list[tuple[int, int]]] = []
         self._input_grads: list[dict[str, tuple[int, int]]] = []  # per layer: of its inputs a layer made
         sizes = range(len(context.layout.sizes))
+        reached = _receiving_gradients(variant.captured.gm, context.signature)
+        self._backward_runs = [any(name in reached for name in layer.nodes) for layer in variant.layers]
         for layer in variant.layers:
             names = set(layer.nodes)
             reads = {read for name in layer.nodes for read in nodes[name].meta[meta.READS]}
             self._weights.append({id(masters[read]): shapes.staged_bytes(read) for read in reads if read in masters})
             differentiated = set() if context.signature.forward_only else {
-                read for name in layer.nodes if any(nodes[name].meta.get(meta.REQUIRES_GRAD, ()))
+                read for name in layer.nodes if name in reached
                 for read in nodes[name].meta[meta.READS]
                 if read in masters and masters[read].requires_grad}
             self._grads.append({id(masters[read]): self._weights[-1][id(masters[read])] for read in differentiated})
@@ -364,7 +379,7 @@ class PackingBounds:
         # per layer: (its last reader, bytes of its gradient on the first microbatch) of each
         # differentiable value it makes: a pack ending before that reader holds the gradient
         self._output_grads = [[(self._read_after.get(name, -1), shapes.key_bytes(Key(KeyKind.GRAD, name, 0), ()))
-                               for name in layer.nodes if name in context.signature.differentiable]
+                               for name in layer.nodes if name in reached]
                               for layer in variant.layers] if self._at_backward else []
 
     def __call__(self, boundaries: Sequence[int], limit: int | None = None) -> int:
@@ -408,7 +423,8 @@ class PackingBounds:
                 handed += sum(nbytes for key, nbytes in fetched.items() if key not in weights)
             begins = sum(held[layer].begins.held_until(end) for layer in range(start, end))
             kept = sum(held[layer].during.held_until(end) for layer in range(start, end))
-            during = kept + held[end - 1].backward
+            runs = self._backward_runs[end - 1]  # the last layer's backward, where a gradient reaches it
+            during = kept + (held[end - 1].backward if runs else 0)
             graph = 0  # another microbatch's graph, which a last pack not fused with the loss keeps:
             if last and self._keeps_last_graphs:  # its largest input a layer made (a model input unsplit
                 # along the batch might be one tensor for all) and what its forward left
@@ -429,7 +445,8 @@ class PackingBounds:
                 input_grads = sum({name: nbytes for layer in range(start, end)
                                    for name, (defined, nbytes) in self._input_grads[layer].items()
                                    if defined < start}.values())
-                adds = held[end - 1].accumulating if self._summed_by_autograd else held[end - 1].backward
+                adds = 0 if not runs else held[end - 1].accumulating if self._summed_by_autograd else \
+                    held[end - 1].backward
                 bound = max(bound, handed + (self._alike - 1) * (graph + waiting) + sum(grads.values()) + input_grads
                             + max(begins, kept + adds))
         return bound

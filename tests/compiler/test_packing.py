@@ -351,6 +351,23 @@ def _compile_cnn():
     harmony_fx.compile(SmallCNN(channels=4, depth=2), (torch.randn(4, 3, 8, 8),), devices=["host:0"], microbatches=1)
 
 
+class _Detached(torch.nn.Module):
+    """A layer whose output is only detached: no gradient reaches it, so it runs no backward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.middle, self.last = torch.nn.Linear(8, 16), torch.nn.Linear(16, 16), torch.nn.Linear(16, 4)
+
+    def forward(self, x):
+        hidden = torch.tanh(self.first(x))
+        return self.last(torch.tanh(self.middle(hidden).detach() + hidden))
+
+
+def _compile_detached():  # its bound counted a backward for the detached layer: the named budget was refused
+    torch.manual_seed(0)
+    harmony_fx.compile(_Detached(), (torch.randn(4, 8),), devices=["host:0"], microbatches=1)
+
+
 def _compile_matmul():
     torch.manual_seed(0)
     harmony_fx.compile(_MatMul(), (torch.randn(2, 64),), devices=["host:0"], microbatches=1)
@@ -433,7 +450,7 @@ def _compile_hf(name: str, microbatches: int):
 
 @pytest.mark.parametrize("compile_call", [
     _compile_cnn, _compile_scaled_by, _compile_matmul, _compile_gpt_two_microbatches, _compile_attention,
-    _compile_trainer,
+    _compile_trainer, _compile_detached,
     pytest.param(_compile_gpt_forward_only, marks=pytest.mark.slow),  # the bound it had before: no backward
     pytest.param(_compile_gpt_bf16, marks=pytest.mark.slow), pytest.param(_compile_gpt_autocast, marks=pytest.mark.slow),
     pytest.param(_compile_half_frozen, marks=pytest.mark.slow), pytest.param(_compile_trainer_pipeline, marks=pytest.mark.slow),
