@@ -88,7 +88,7 @@ class _Example:
         return self.args, self.kwargs
 
     def batch_size(self) -> int:
-        return microbatch.batch_size(self.call, self.dims)
+        return microbatch.batch_size(self.call, self.dims, self.model)
 
 
 def compile_program(model: nn.Module, args: tuple, kwargs: dict, options: CompileOptions, *,

@@ -68,13 +68,38 @@ def _batch_dim(tensor: torch.Tensor, dim: int | None) -> int | None:
     return dim % tensor.dim()
 
 
-def batch_size(call: tuple[tuple, dict], dims: tuple[tuple, dict]) -> int:
-    sizes = {x.shape[d] for x, d in zip(pytree.tree_leaves(call), pytree.tree_leaves(dims))
-             if isinstance(x, torch.Tensor) and isinstance(d, int)}
+def batch_size(call: tuple[tuple, dict], dims: tuple[tuple, dict], model: nn.Module | None = None) -> int:
+    """The size of the inputs along their batch dims; where they disagree, a ``ValueError`` naming
+    each input's (by the argument ``model.forward`` binds it to, where ``model`` is given)."""
+    leaves, _ = pytree.tree_flatten_with_path(call)
+    found = [(path, x.shape[d], d) for (path, x), d in zip(leaves, pytree.tree_leaves(dims))
+             if isinstance(x, torch.Tensor) and isinstance(d, int)]
+    sizes = {size for _, size, _ in found}
     if len(sizes) != 1:
-        raise ValueError(f"the inputs split into microbatches disagree on the batch size: {sorted(sizes)}; "
-                         "set batch_dims to say which dim of each input is the batch")
+        named = [(_argument_name(path, call, model), size, dim) for path, size, dim in found]
+        # the size most inputs have, the first input's where tied
+        most = max((s for _, s, _ in named), key=lambda size: sum(s == size for _, s, _ in named))
+        listed = ", ".join(f"{name} has {size} along dim {dim}" for name, size, dim in dict.fromkeys(named))
+        shared = ", ".join(dict.fromkeys(f"{name!r}: None" for name, size, _ in named if size != most))
+        raise ValueError(f"the inputs split into microbatches disagree on the batch size: {listed}. Say which dim of "
+                         "each input is the batch with batch_dims, None for an input every microbatch shares whole "
+                         f"(a [time, time] mask, a bias): e.g. batch_dims={{{shared}}}.")
     return sizes.pop()
+
+
+def _argument_name(path: tuple, call: tuple[tuple, dict], model: nn.Module | None) -> str:
+    """The argument a leaf of ``(args, kwargs)`` at ``path`` belongs to: its keyword, or the
+    positional parameter of ``model.forward`` it binds to (else ``args[i]``)."""
+    where, index = path[0].idx, path[1]
+    if where == 1:
+        return index.key
+    if model is not None:
+        try:
+            names = list(inspect.signature(model.forward).bind(*call[0], **call[1]).arguments)
+            return names[index.idx]
+        except (TypeError, ValueError, IndexError):
+            pass
+    return f"args[{index.idx}]"
 
 
 def split_call(call: tuple[tuple, dict], dims: tuple[tuple, dict], sizes: Sequence[int]) -> list[tuple[tuple, dict]]:

@@ -221,7 +221,8 @@ def test_shared_input_with_batch_dim_none_equals_eager(bias_requires_grad):
 def test_splitting_a_shared_input_along_dim_0_is_refused():
     """Without ``batch_dims`` the (16,)-shaped bias would be cut along dim 0 too: batch sizes disagree."""
     model, _, x, bias, _, _, _ = _shared_bias_setup(False, False)
-    with pytest.raises(ValueError, match="disagree on the batch size"):
+    with pytest.raises(ValueError, match=r"disagree on the batch size: x has 10 along dim 0, bias has 16 along dim 0\."
+                                         r".* batch_dims=\{'bias': None\}"):
         harmony_fx.compile(model, (x, bias), microbatches=2)
 
 
