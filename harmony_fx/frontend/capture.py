@@ -22,10 +22,11 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import inspect
-import re
 import pathlib
 import random
+import re
 import sys
+import traceback
 import warnings
 from typing import Any, Callable
 
@@ -307,7 +308,7 @@ def _capture_failure_message(model: nn.Module, export_error: Exception, trace_er
         f"  torch.export (non-strict) failed with   {first_line(export_error)}\n"
         f"  torch.fx.symbolic_trace failed with     {first_line(trace_error)}\n"
         "What to try: "
-        f"{_cumulative_batch_norm(model) or _random_layer_drop(model, export_error) or _advice(export_error)}"
+        f"{_what_to_try(model, export_error)}"
         f"{_where_and_labels(export_error, kwargs)}"
     )
 
@@ -343,6 +344,27 @@ def _random_layer_drop(model: nn.Module, export_error: Exception) -> str:
     return (f"{branch}: a graph has the same layers every step, so it cannot skip one at random (layer drop). "
             f"Set that probability to 0{held}; randomness computed with tensors (dropout, torch.where on a "
             "draw) stays in the graph.")
+
+
+def _what_to_try(model: nn.Module, export_error: Exception) -> str:
+    return (_cumulative_batch_norm(model) or _random_layer_drop(model, export_error) or _packed_sequence(export_error)
+            or _advice(export_error))
+
+
+def _packed_sequence(export_error: Exception) -> str:
+    """Where export stopped inside torch's RNN code (``nn.LSTM`` given a ``PackedSequence`` sizes
+    its work by the lengths' values): what to do instead, as no graph can hold those sizes."""
+    error: BaseException | None = export_error
+    while error is not None:
+        frames = traceback.extract_tb(error.__traceback__)
+        if any(pathlib.PurePath(frame.filename).match("torch/nn/*/rnn.py") for frame in frames):
+            return ("export stopped in torch's RNN code: an nn.LSTM/GRU/RNN given a PackedSequence "
+                    "(pack_padded_sequence) sizes its work by the lengths' values, which no graph can hold. Run it on "
+                    "the padded batch and mask the padding (in the loss), or use torch.compile(model, "
+                    "backend='harmony') with torch._dynamo.config.allow_rnn = True, where Dynamo runs the packing "
+                    "between its graphs.")
+        error = error.__cause__ or error.__context__
+    return ""
 
 
 def _cumulative_batch_norm(model: nn.Module) -> str:

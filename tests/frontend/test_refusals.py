@@ -67,3 +67,21 @@ def test_a_construct_harmony_cannot_run_is_refused_naming_the_line(model, inputs
     with pytest.raises(ValueError, match=says) as refused:
         harmony_fx.compile(model(), inputs(), devices=["host:0"], microbatches=1)
     assert line in str(refused.value)
+
+
+class _PackedLSTM(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.lstm, self.last = nn.Linear(8, 12), nn.LSTM(12, 10, batch_first=True), nn.Linear(10, 4)
+
+    def forward(self, x, lengths):
+        packed = nn.utils.rnn.pack_padded_sequence(torch.tanh(self.first(x)), lengths, batch_first=True,
+                                                   enforce_sorted=False)
+        out, _ = self.lstm(packed)
+        return self.last(nn.utils.rnn.pad_packed_sequence(out, batch_first=True, total_length=x.shape[1])[0])
+
+
+def test_an_rnn_given_a_packed_sequence_is_refused_saying_what_to_do_instead():
+    """Export stops inside torch's LSTM; the advice was about control flow and caches."""
+    with pytest.raises(harmony_fx.CaptureError, match=r"PackedSequence .* mask the padding .*allow_rnn = True"):
+        harmony_fx.compile(_PackedLSTM(), (torch.randn(4, 6, 8), torch.tensor([6, 3, 5, 2])), devices=["host:0"])
