@@ -91,7 +91,7 @@ class HarmonyTrainer(transformers.Trainer):
         options = dict(harmony_options or {})
         check_option_names(options, [*option_names(), *_TRAINER_OPTIONS], DOOR)
         options = with_environment(options)
-        _refuse_unsupported(training_args, bound, options, type(self))
+        _refuse_unsupported(training_args, bound, options)
         self._harmony_options = _with_training_arguments(options, training_args)
         # one process drives every GPU harmony uses: never nn.DataParallel over them (transformers
         # does the same for a model placed across GPUs); read before Trainer.__init__ sizes batches
@@ -102,6 +102,7 @@ class HarmonyTrainer(transformers.Trainer):
         self._forward_module: HarmonyModule | None = None
         self._window: list[dict] = []  # the batches of the optimizer step under way
         self._reads_num_items: bool | None = None  # whether the model's loss reads num_items_in_batch
+        self._with_compute_loss: _WithComputeLoss | None = None  # the model inside a compute_loss override
         super().__init__(**{**{name: value for name, value in bound.items() if name != "self"}, "args": training_args})
 
     # ------------------------------------------------------------------ the model stays on the host
@@ -138,29 +139,34 @@ class HarmonyTrainer(transformers.Trainer):
         return the whole step's loss (each earlier batch returns 0, so transformers' running sum
         is the step's loss). The model gets ``num_items_in_batch`` where transformers gives it (the
         whole step's labelled tokens, which its loss divides its sum by): every microbatch has it
-        whole, and harmony adds their losses up as the graph says. Where transformers leaves the
-        loss to the model (it takes ``**kwargs``) but the model's loss never reads
-        ``num_items_in_batch`` (a classification head's mean), transformers adds the batches' mean
-        losses: each batch is a microbatch whose loss weighs 1, as there (where the batches are of one
-        size and the microbatches as many: else the whole batch's mean, times the number of batches)."""
+        whole. Where the step's batches are its microbatches, each microbatch's loss weighs as
+        transformers weighs its batch's: 1 where it adds the batches' losses as they are
+        (``loss_is_scaled_for_ga``: it passed ``num_items_in_batch``), else one over their number.
+        Otherwise (an epoch's last, uneven step) the graph's own reduction of the whole batch,
+        times the number of batches where transformers adds losses that ignore ``num_items_in_batch``."""
         self._window.append(inputs)
         if not self.accelerator.sync_gradients:
             return torch.zeros((), device=self.args.device)
         batches, self._window = self._window, []
         batch = _one_batch(batches, self._pad_token_id(), self._padding_side())
-        passed = self.model_accepts_loss_kwargs and num_items_in_batch is not None
+        passed = (self.model_accepts_loss_kwargs or self.compute_loss_func is not None) and num_items_in_batch is not None
         if passed:
             batch["num_items_in_batch"] = torch.as_tensor(num_items_in_batch).detach().cpu()
         self.model.train()
+        decided = getattr(self, "loss_is_scaled_for_ga", None)
+        # transformers' rule; where it is false, it divides each batch's loss by their number
+        adds = passed if decided is None else decided
         with self._autocast(), warnings.catch_warnings():
             # transformers draws each batch's dropout on its own too: the microbatches are its batches
             warnings.simplefilter("ignore", RandomDrawsPerMicrobatch)
-            if not self._adds_batch_losses(passed, batch):
-                loss = self._harmony_for(batch).step(batch)
-            elif self._batches_are_microbatches(batches):
-                loss = self._harmony_for(batch).step(batch, microbatch_weights=[1.0] * len(batches))
+            harmony = self._harmony_for(batch)
+            if self._batches_are_microbatches(batches):
+                weight = 1.0 if adds else 1.0 / len(batches)
+                loss = harmony.step(batch, microbatch_weights=[weight] * len(batches))
+            elif adds and (not passed or not self._reads_num_items_in(batch)):
+                loss = harmony.step(batch, loss_scale=len(batches))
             else:
-                loss = self._harmony_for(batch).step(batch, loss_scale=len(batches))
+                loss = harmony.step(batch)
         return loss.detach().to(self.args.device)
 
     def _batches_are_microbatches(self, batches: list[dict]) -> bool:
@@ -171,18 +177,12 @@ class HarmonyTrainer(transformers.Trainer):
         microbatches = self._harmony_options.get("microbatches", self.args.gradient_accumulation_steps)
         return len(sizes) == 1 and microbatches == len(batches)
 
-    def _adds_batch_losses(self, passed: bool, batch: dict) -> bool:
-        """Whether transformers adds the step's batch losses undivided (its own rule:
-        ``loss_is_scaled_for_ga`` where set, else whether it passes ``num_items_in_batch``) and the
-        model's loss does not divide by ``num_items_in_batch`` (a FakeTensor run of the forward, once)."""
-        decided = getattr(self, "loss_is_scaled_for_ga", None)
-        if not (passed if decided is None else decided):
-            return False  # transformers divides each batch's loss by their number: the mean
-        if not passed:
-            return True
+    def _reads_num_items_in(self, batch: dict) -> bool:
+        """Whether the loss harmony trains on reads ``num_items_in_batch`` (a FakeTensor run of the
+        forward, once)."""
         if self._reads_num_items is None:
-            self._reads_num_items = _forward_reads(self.model, batch, "num_items_in_batch")
-        return not self._reads_num_items
+            self._reads_num_items = _forward_reads(self._trained(), batch, "num_items_in_batch")
+        return self._reads_num_items
 
     def _clip_grad_norm(self, model: nn.Module) -> torch.Tensor:
         """The global gradient norm harmony clipped by (``max_grad_norm``), for the log."""
@@ -195,9 +195,20 @@ class HarmonyTrainer(transformers.Trainer):
             options = dict(self._harmony_options)
             options.setdefault("microbatches", self.args.gradient_accumulation_steps)
             max_grad_norm = self.args.max_grad_norm if self.args.max_grad_norm and self.args.max_grad_norm > 0 else None
-            self.harmony = Trainer(self.model, None, self._host_optimizer, batch, max_grad_norm=max_grad_norm,
+            self.harmony = Trainer(self._trained(), None, self._host_optimizer, batch, max_grad_norm=max_grad_norm,
                                    **options)
         return self.harmony
+
+    def _trained(self) -> nn.Module:
+        """What harmony captures and trains: the model, or with a subclass's ``compute_loss``
+        override, a ``compute_loss_func`` or label smoothing, the model inside ``compute_loss``
+        (``_WithComputeLoss``), so that the loss it computes is the one trained on, as in transformers."""
+        owner = next(cls for cls in type(self).__mro__ if "compute_loss" in vars(cls))
+        if owner is HarmonyTrainer and self.compute_loss_func is None and self.label_smoother is None:
+            return self.model
+        if self._with_compute_loss is None or self._with_compute_loss.model is not self.model:
+            self._with_compute_loss = _WithComputeLoss(self.model, self.compute_loss)
+        return self._with_compute_loss
 
     # ------------------------------------------------------------------ evaluation
     def prediction_step(self, model: nn.Module, inputs: dict[str, Any], prediction_loss_only: bool,
@@ -211,7 +222,8 @@ class HarmonyTrainer(transformers.Trainer):
     def compute_loss(self, model: nn.Module, inputs: dict[str, Any], return_outputs: bool = False,
                      num_items_in_batch: torch.Tensor | int | None = None):
         """transformers' own, with the count of labelled tokens in host memory, where harmony's inputs
-        are. Only ``prediction_step`` calls it (``training_step`` runs harmony's step)."""
+        are. ``prediction_step`` calls it, and the captured step where a subclass overrides it and
+        calls it in turn."""
         if isinstance(num_items_in_batch, torch.Tensor):
             num_items_in_batch = num_items_in_batch.detach().cpu()
         return super().compute_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
@@ -294,6 +306,21 @@ def _with_training_arguments(options: dict[str, Any], args: transformers.Trainin
     return options
 
 
+class _WithComputeLoss(nn.Module):
+    """The model inside the trainer's ``compute_loss`` (a subclass's override: class weights, a
+    penalty on the outputs) as one module whose forward returns that loss: harmony captures the
+    override with the model. ``num_items_in_batch`` reaches it as transformers passes it."""
+
+    def __init__(self, model: nn.Module, compute_loss) -> None:
+        super().__init__()
+        self.model = model
+        self.compute_loss = compute_loss
+
+    def forward(self, **inputs: Any) -> torch.Tensor:
+        num_items_in_batch = inputs.pop("num_items_in_batch", None)
+        return self.compute_loss(self.model, inputs, num_items_in_batch=num_items_in_batch)
+
+
 def _refusals(args: transformers.TrainingArguments, trainer_arguments: Mapping[str, Any],
               options: Mapping[str, Any]) -> list[str]:
     """What a harmony step cannot honor, each with what to do instead."""
@@ -317,9 +344,6 @@ def _refusals(args: transformers.TrainingArguments, trainer_arguments: Mapping[s
     if getattr(args, "use_liger_kernel", False):
         refused.append("use_liger_kernel=True replaces the model's modules with fused kernels harmony cannot "
                        "split into packs; drop it")
-    if args.label_smoothing_factor:
-        refused.append("label_smoothing_factor: transformers smooths outside the model, where harmony's step does "
-                       "not reach; drop it (or smooth inside the model's loss)")
     optim = str(getattr(args.optim, "value", args.optim))  # an OptimizerNames member once parsed
     if any(kind in optim.lower() for kind in ("lomo", "galore", "apollo")):
         refused.append(f"optim={optim!r} updates inside the backward or projects gradients itself; harmony "
@@ -331,22 +355,12 @@ def _refusals(args: transformers.TrainingArguments, trainer_arguments: Mapping[s
         refused.append("nvme_path with checkpoints: transformers' checkpoint files hold the optimizer state in host "
                        "memory, not the NVMe tier's; pass save_strategy='no', or train with harmony_fx.Trainer, whose "
                        "save and load read the tier")
-    if trainer_arguments.get("compute_loss_func") is not None:
-        refused.append("compute_loss_func: harmony's step takes the loss the model returns; compute it in the "
-                       "model (labels=...) instead")
     return refused
 
 
 def _refuse_unsupported(args: transformers.TrainingArguments, trainer_arguments: Mapping[str, Any],
-                        options: Mapping[str, Any], trainer_class: type = None) -> None:
+                        options: Mapping[str, Any]) -> None:
     refused = _refusals(args, trainer_arguments, options)
-    owner = next((cls for cls in (trainer_class or HarmonyTrainer).__mro__ if "compute_loss" in vars(cls)), None)
-    if owner is not HarmonyTrainer:
-        # the step trains on the loss the captured model returns: an override would be used only
-        # in evaluation, and training would follow another loss than the one it logs there
-        refused.append(f"{owner.__name__}.compute_loss (an override): harmony's step trains on the loss the model "
-                       "returns; compute that loss in the model (a wrapper module whose forward returns it, or labels=...), "
-                       "or train with harmony_fx.Trainer and a loss_fn")
     if refused:
         raise ValueError("HarmonyTrainer cannot honor " + "; ".join(refused) + ".")
 

@@ -6,12 +6,14 @@ LoRA model, whose gradient traffic is the adapters' bytes; batches padded to cha
 environment's options; and what the integration refuses."""
 from __future__ import annotations
 
+import functools
 import pathlib
 import subprocess
 import sys
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
@@ -179,28 +181,28 @@ class _Labelled(torch.utils.data.Dataset):
         return {"input_ids": self.ids[index], "labels": self.labels[index]}
 
 
+def _classifier():
+    torch.manual_seed(0)
+    return transformers.BertForSequenceClassification(transformers.BertConfig(
+        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, num_labels=3))
+
+
 def test_a_classifier_whose_loss_ignores_num_items_adds_its_batch_losses_as_transformers_does(tmp_path):
     """BERT's sequence classification head takes ``**kwargs`` (so transformers neither divides its
     loss by the accumulation steps nor has it divided by ``num_items_in_batch``) and computes a
     plain mean: transformers' step adds the two batches' means. Harmony's loss was their mean,
     half of transformers' (and so were the gradients): now the same, step by step."""
-    def classifier():
-        torch.manual_seed(0)
-        return transformers.BertForSequenceClassification(transformers.BertConfig(
-            vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
-            hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, num_labels=3))
-
     arguments = {"eval_strategy": "no", "save_strategy": "no", "max_steps": 3}
-    _, eager_steps, _ = _train(transformers.Trainer, classifier(), tmp_path / "eager", train_data=_Labelled(32),
+    _, eager_steps, _ = _train(transformers.Trainer, _classifier(), tmp_path / "eager", train_data=_Labelled(32),
                                arguments=arguments)
-    _, steps, _ = _train(HarmonyTrainer, classifier(), tmp_path / "harmony", train_data=_Labelled(32),
+    _, steps, _ = _train(HarmonyTrainer, _classifier(), tmp_path / "harmony", train_data=_Labelled(32),
                          arguments=arguments)
     _assert_same_steps(steps, eager_steps)
 
 
 @pytest.mark.parametrize("overrides,match", [
     ({"torch_compile": True}, r"torch_compile=True: HarmonyTrainer compiles the model itself; drop torch_compile"),
-    ({"label_smoothing_factor": 0.1}, r"label_smoothing_factor: transformers smooths outside the model"),
     ({"auto_find_batch_size": True}, r"auto_find_batch_size=True: harmony fits a batch to the memory budget"),
 ])
 def test_what_a_harmony_step_cannot_honor_is_refused_with_what_to_do(tmp_path, overrides, match):
@@ -209,15 +211,88 @@ def test_what_a_harmony_step_cannot_honor_is_refused_with_what_to_do(tmp_path, o
                        train_dataset=_Tokens(8, seed=0))
 
 
-def test_a_compute_loss_override_is_refused_not_left_out_of_training(tmp_path):
-    """The step trains on the loss the captured model returns: an override (class-weighted cross
-    entropy, a loss plus a penalty) was used in evaluation alone, training another loss unsaid."""
-    class Weighted(HarmonyTrainer):
-        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch) * 2
+class _ClassWeighted:
+    """The imbalanced-classes recipe: cross entropy weighing the classes, read from the logits."""
 
-    with pytest.raises(ValueError, match=r"HarmonyTrainer cannot honor Weighted.compute_loss \(an override\)"):
-        Weighted(model=build_hf_model("llama"), args=_arguments(tmp_path), train_dataset=_Tokens(8, seed=0))
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        labels = inputs.pop("labels")
+        outputs = model(**inputs)
+        loss = F.cross_entropy(outputs.logits, labels, weight=torch.tensor([0.2, 1.0, 3.0]))
+        return (loss, outputs) if return_outputs else loss
+
+
+class _Penalised:
+    """transformers' own loss, plus a penalty on the logits (an override calling super())."""
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        loss, outputs = super().compute_loss(model, inputs, True, num_items_in_batch)
+        loss = loss + 0.1 * outputs.logits.logsumexp(-1).square().mean()
+        return (loss, outputs) if return_outputs else loss
+
+
+def _class_weighted_loss(outputs, labels, num_items_in_batch=None):
+    return F.cross_entropy(outputs.logits, labels, weight=torch.tensor([0.2, 1.0, 3.0]))
+
+
+def test_label_smoothing_is_captured_with_the_model(tmp_path):
+    """transformers smooths the labels in compute_loss, outside the model (it was refused)."""
+    arguments = {"eval_strategy": "no", "save_strategy": "no", "max_steps": 3, "label_smoothing_factor": 0.1}
+    _, eager_steps, _ = _train(transformers.Trainer, build_hf_model("llama"), tmp_path / "eager", arguments=arguments)
+    _, steps, _ = _train(HarmonyTrainer, build_hf_model("llama"), tmp_path / "harmony", arguments=arguments,
+                         harmony_options={"memory_budget": "1MiB"})
+    _assert_same_steps(steps, eager_steps)
+
+
+def test_a_compute_loss_func_is_what_the_step_trains_on(tmp_path):
+    """``compute_loss_func`` was refused; it is captured with the model, as an override is."""
+    arguments = {"eval_strategy": "no", "save_strategy": "no", "max_steps": 3}
+    _, eager_steps, _ = _train(transformers.Trainer, _classifier(), tmp_path / "eager", train_data=_Labelled(32),
+                               arguments=arguments, compute_loss_func=_class_weighted_loss)
+    _, steps, _ = _train(HarmonyTrainer, _classifier(), tmp_path / "harmony", train_data=_Labelled(32),
+                         arguments=arguments, compute_loss_func=_class_weighted_loss,
+                         harmony_options={"memory_budget": "1MiB"})
+    _assert_same_steps(steps, eager_steps)
+
+
+@pytest.mark.parametrize("override", ["class-weighted", "penalised"])
+def test_a_compute_loss_override_is_what_the_step_trains_on(tmp_path, override):
+    """The step trained on the model's own loss, ignoring the override (used in evaluation alone):
+    now the override is captured with the model, and the steps are transformers' with it."""
+    arguments = {"eval_strategy": "no", "save_strategy": "no", "max_steps": 3}
+    if override == "class-weighted":
+        mixin, model_of, data = _ClassWeighted, _classifier, {"train_data": _Labelled(32)}
+    else:
+        mixin, model_of, data = _Penalised, functools.partial(build_hf_model, "llama"), {}
+    _, eager_steps, _ = _train(type("Eager", (mixin, transformers.Trainer), {}), model_of(), tmp_path / "eager",
+                               arguments=arguments, **data)
+    _, steps, _ = _train(type("Harmony", (mixin, HarmonyTrainer), {}), model_of(), tmp_path / "harmony",
+                         arguments=arguments, harmony_options={"memory_budget": "1MiB"}, **data)
+    _assert_same_steps(steps, eager_steps)
+    _, plain_steps, _ = _train(transformers.Trainer, model_of(), tmp_path / "plain", arguments=arguments, **data)
+    assert steps[1][0] != pytest.approx(plain_steps[1][0], rel=1e-4)  # the override changed the loss
+
+
+class _NoLossKwargs(torch.nn.Module):
+    """A model whose forward takes no ``**kwargs``: transformers passes it no ``num_items_in_batch``
+    and divides each batch's mean loss by the accumulation steps."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = build_hf_model("llama")
+
+    def forward(self, input_ids, attention_mask, labels):
+        return self.inner(input_ids=input_ids, attention_mask=attention_mask, labels=labels)
+
+
+def test_a_model_without_loss_kwargs_steps_as_transformers_divides_its_batch_means(tmp_path):
+    """Its batches hold different counts of labelled tokens: harmony weighed each by its count (the
+    whole step's mean), where transformers adds each batch's own mean over the accumulation steps."""
+    arguments = {"eval_strategy": "no", "save_strategy": "no", "max_steps": 3}
+    _, eager_steps, _ = _train(transformers.Trainer, _NoLossKwargs(), tmp_path / "eager",
+                               arguments=arguments)
+    _, steps, _ = _train(HarmonyTrainer, _NoLossKwargs(), tmp_path / "harmony", arguments=arguments,
+                         harmony_options={"memory_budget": "1MiB"})
+    _assert_same_steps(steps, eager_steps)
 
 
 def test_neftune_noise_is_drawn_in_the_graph_as_transformers_draws_it(tmp_path):
