@@ -17,7 +17,7 @@ from torch import fx
 
 from harmony_fx.ir import meta
 
-__all__ = ["first_buffer_write"]
+__all__ = ["first_buffer_write", "written_arguments"]
 
 
 def first_buffer_write(gm: fx.GraphModule) -> fx.Node | None:
@@ -28,11 +28,25 @@ def first_buffer_write(gm: fx.GraphModule) -> fx.Node | None:
     return None
 
 
+def written_arguments(node: fx.Node) -> list[fx.Node]:
+    """The arguments an ATen op writes in place, by its schema, given by position or by keyword
+    (``div.out(a, b, out=buffer)``: spectral_norm's power iteration)."""
+    if not isinstance(node.target, torch._ops.OpOverload):
+        return []
+    written = []
+    for index, schema_arg in enumerate(node.target._schema.arguments):
+        if schema_arg.alias_info is None or not schema_arg.alias_info.is_write:
+            continue
+        value = node.args[index] if index < len(node.args) else node.kwargs.get(schema_arg.name)
+        if isinstance(value, fx.Node):
+            written.append(value)
+    return written
+
+
 def _written(node: fx.Node) -> list[fx.Node]:
     target = node.target
     if isinstance(target, torch._ops.OpOverload):
-        return [arg for arg, schema_arg in zip(node.args, target._schema.arguments)
-                if isinstance(arg, fx.Node) and schema_arg.alias_info is not None and schema_arg.alias_info.is_write]
+        return written_arguments(node)
     if not isinstance(target, torch._ops.HigherOrderOperator):
         return []
     root = node.graph.owning_module

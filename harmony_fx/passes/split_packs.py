@@ -26,6 +26,7 @@ import torch
 from torch import fx
 from torch.fx._lazy_graph_module import _make_graph_module, _use_lazy_graph_module
 
+from harmony_fx.analysis.buffer_writes import written_arguments
 from harmony_fx.analysis.random_ops import draws_random
 from harmony_fx.analysis.requires_grad import requires_grad_of
 from harmony_fx.ir import meta
@@ -195,8 +196,7 @@ def _written_args(node: fx.Node) -> list[fx.Node]:
     say (a higher-order op's region, a plain torch function), as ``_mutated_buffers`` takes them."""
     if not isinstance(node.target, torch._ops.OpOverload):
         return list(node.all_input_nodes) if node.op in ("call_function", "call_method") else []
-    return [arg for arg, schema_arg in zip(node.args, node.target._schema.arguments)
-            if isinstance(arg, fx.Node) and schema_arg.alias_info is not None and schema_arg.alias_info.is_write]
+    return written_arguments(node)
 
 
 def _mutated_buffers(members, buffer_names, masters, master_to_buffer) -> tuple[str, ...]:
@@ -206,9 +206,7 @@ def _mutated_buffers(members, buffer_names, masters, master_to_buffer) -> tuple[
     for node in members:
         written = []
         if isinstance(node.target, torch._ops.OpOverload):
-            for arg, schema_arg in zip(node.args, node.target._schema.arguments):
-                if isinstance(arg, fx.Node) and schema_arg.alias_info is not None and schema_arg.alias_info.is_write:
-                    written.append(arg)
+            written += written_arguments(node)
             if ("batch_norm" in _op_name(node) or "instance_norm" in _op_name(node)) and _updates_statistics(node):
                 # aten.batch_norm updates running statistics without saying so in its schema
                 written += list(node.all_input_nodes)

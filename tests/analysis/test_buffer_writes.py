@@ -29,6 +29,8 @@ def _first_write(model: nn.Module):
 
 def test_an_update_inside_a_no_grad_region_is_found_and_a_read_there_is_not():
     assert _first_write(StepCounter(8)) is not None
+    # spectral_norm writes its vectors with div(..., out=buffer), the buffer given by keyword
+    assert _first_write(nn.utils.spectral_norm(nn.Linear(8, 8))) is not None
     assert _first_write(_ReadsUnderNoGrad()) is None
     assert _first_write(nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8))) is not None  # num_batches_tracked
     assert _first_write(nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8)).eval()) is None
