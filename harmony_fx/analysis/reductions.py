@@ -12,7 +12,8 @@ turns it into one coefficient per microbatch):
 * a sum divided by the batch size (``kl_div(reduction="batchmean")``, ``loss.sum() / x.shape[0]``):
   the graph of each microbatch divides by its own size, so it is a mean over samples, weighted by
   them. A divisor is taken to be the batch size when it equals each microbatch's size, or when it
-  differs between microbatches (then it is taken to grow with the batch); a divisor the same for
+  differs between microbatches (then it is taken to grow with the batch); a factor (``0.5 * kl.sum()``)
+  is a constant, unless it is one over each microbatch's size and differs between them; a divisor the same for
   every microbatch size is a constant and commutes with the sum;
 * a linear combination of these (``out[0].pow(2).mean() + 0.1 * out[1].abs().mean()``), possibly
   plus a value computed without the batch (a penalty on the parameters): put back together with
@@ -59,8 +60,11 @@ class ScalarReduction:
     combine: Combine | None
     count: Callable[[Mapping[str, torch.Tensor]], int] | None = None
     why: str = ""
-    # the constant the reduction was divided by on its way to the output (None: it was not scaled)
+    # the constant the reduction was divided by on its way to the output (None: it was not divided)
     divisor: float | None = None
+    # the constant it was multiplied by (None: it was not): a constant factor, unless it differs
+    # between microbatch sizes as one over the size (``loss.sum() * (1 / x.shape[0])``)
+    scale: float | None = None
     terms: tuple[ScalarReduction, ...] = ()
     # LINEAR: it also adds a value computed without the batch (a constant, a penalty on the
     # parameters), which every microbatch computes whole: right only if the weights add up to 1
@@ -101,7 +105,8 @@ def scalar_reduction(gm: fx.GraphModule, node: fx.Node,
             "compute whole; compute it outside the model, or use microbatches=1."))
     if len(terms) == 1:
         return reductions[0]
-    sums = [term.node for term in reductions if term.combine == Combine.SUM and term.divisor is None]
+    # a sum neither divided nor multiplied (a factor may be one over the size: decided at run time)
+    sums = [term.node for term in reductions if term.combine == Combine.SUM and term.divisor is None and term.scale is None]
     means = [term.node for term in reductions if term.combine == Combine.MEAN]
     if sums and (means or len(reductions) < len(terms)):
         # a sum counts each microbatch's value whole, a mean (and a value computed without the
@@ -116,7 +121,7 @@ def scalar_reduction(gm: fx.GraphModule, node: fx.Node,
 
 
 def _terms(gm: fx.GraphModule, node: fx.Node, divisor: float | None, origin: fx.Node,
-           state: Mapping[str, torch.Tensor] | None = None) -> list:
+           state: Mapping[str, torch.Tensor] | None = None, scale: float | None = None) -> list:
     """The reductions ``node`` adds up (each a ``ScalarReduction``, ``combine=None`` where the graph
     does not say), and ``_SHARED`` for each term that does not depend on the batch. ``divisor``:
     what the terms were divided by on the way from ``node`` to the output."""
@@ -132,7 +137,10 @@ def _terms(gm: fx.GraphModule, node: fx.Node, divisor: float | None, origin: fx.
             (node,) = [a for a in node.args[:2] if isinstance(a, fx.Node)]
             if factor == 0:
                 return []  # nothing of it reaches the output
-            divisor = _scaled(divisor, factor if target is aten.div.Tensor else 1 / factor)
+            if target is aten.div.Tensor:
+                divisor = _scaled(divisor, factor)
+            else:  # a factor (beta * kl): not taken for one over the batch size it may happen to equal
+                scale = _scaled(scale, factor)
         elif target is aten.div.Tensor and isinstance(node.args[1], fx.Node):
             inputs, made = _sources(node.args[1])
             if made and not inputs:
@@ -147,19 +155,20 @@ def _terms(gm: fx.GraphModule, node: fx.Node, divisor: float | None, origin: fx.
             left, right = node.args
             alpha = node.kwargs.get("alpha", 1)
             right_terms = [] if alpha == 0 else (
-                _terms(gm, right, _scaled(divisor, 1 / alpha), origin, state) if isinstance(right, fx.Node)
+                _terms(gm, right, divisor, origin, state, _scaled(scale, alpha)) if isinstance(right, fx.Node)
                 else [_SHARED])
-            return (_terms(gm, left, divisor, origin, state) if isinstance(left, fx.Node) else [_SHARED]) + right_terms
+            return (_terms(gm, left, divisor, origin, state, scale) if isinstance(left, fx.Node) else [_SHARED]) \
+                + right_terms
         elif target is operator.getitem and node.args[1] == 0 and node.args[0].target is aten.nll_loss_forward.default:
             node = node.args[0]  # (loss, total_weight)
         else:
             break
-    return [dataclasses.replace(_reduction(gm, node, divisor, origin, state), node=node.name)]
+    return [dataclasses.replace(_reduction(gm, node, divisor, origin, state), node=node.name, scale=scale)]
 
 
-def _scaled(divisor: float | None, factor: float) -> float:
+def _scaled(value: float | None, factor: float) -> float:
     # a sign changes nothing in how microbatches combine
-    return abs(factor) if divisor is None else divisor * abs(factor)
+    return abs(factor) if value is None else value * abs(factor)
 
 
 def _sources(node: fx.Node) -> tuple[list[fx.Node], list[fx.Node]]:

@@ -173,6 +173,11 @@ def _term_weights(reductions: Sequence[ScalarReduction], inputs: Sequence[Mappin
         if divisors[0] is not None and (len(set(divisors)) > 1 or divisors == [size and float(size) for size in sizes]):
             whole = total(sum(divisors))
             return [divisor / whole for divisor in divisors], True  # a sum over the batch / its size
+        scales = [reduction.scale for reduction in reductions]
+        if scales[0] is not None and len(set(scales)) > 1 and all(
+                size and math.isclose(scale * size, 1.0, rel_tol=1e-6) for scale, size in zip(scales, sizes)):
+            whole = total(sum(sizes))
+            return [size / whole for size in sizes], True  # a sum over the batch times one over its size
         return [1.0] * len(reductions), False
     counts = [reduction.count(mb_inputs) for reduction, mb_inputs in zip(reductions, inputs)]
     whole = total(sum(counts))

@@ -431,6 +431,34 @@ def test_a_linear_combination_of_means_and_sums_is_put_back_together(loss):
         torch.testing.assert_close(param.grad, ref.grad, rtol=RTOL, atol=ATOL)
 
 
+@pytest.mark.parametrize("loss,microbatches", [
+    (lambda a, b, m: 0.25 * a.pow(2).sum(), 2),                                  # a constant that is 1 / 4
+    (lambda a, b, m: 0.25 * a.pow(2).sum(), 3),
+    (lambda a, b, m: a.pow(2).sum() + 0.25 * b.abs().sum(), 2),                  # a VAE's sum + beta * KL
+    (lambda a, b, m: a.pow(2).sum() * (1.0 / a.shape[0]) + b.abs().mean(), 3),   # one over the size: a mean
+], ids=["quarter-of-a-sum-2", "quarter-of-a-sum-3", "sum-plus-quarter-sum-2", "times-one-over-size-3"])
+def test_a_factor_is_a_constant_even_where_it_equals_one_over_the_microbatch_size(loss, microbatches):
+    """Eight samples in microbatches of 4: ``0.25 * sum`` was read as a sum over the batch divided
+    by its size, weighted a half each (loss and gradients halved, silently), and a sum plus a
+    quarter sum refused. A factor that is one over each microbatch's size where the sizes differ
+    (3, 3, 2) is still a mean."""
+    torch.manual_seed(0)
+    model = _Heads(loss)
+    reference = copy.deepcopy(model)
+    x = torch.randn(8, 4)
+    trainer = harmony_fx.Trainer(model, None, torch.optim.SGD(model.parameters(), lr=0.0), x,
+                                 microbatches=microbatches)
+    try:
+        got = trainer.step(x)
+    finally:
+        trainer.close()
+    expected = reference(x)
+    expected.backward()
+    torch.testing.assert_close(got, expected.detach(), rtol=RTOL, atol=ATOL)
+    for param, ref in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(param.grad, ref.grad, rtol=RTOL, atol=ATOL)
+
+
 @pytest.mark.parametrize("microbatches", [1, 3])
 def test_the_trainer_puts_a_sum_plus_a_scaled_sum_back_together_whole_or_cut(microbatches):
     """A VAE's loss: a reconstruction sum minus half a KL sum, each microbatch weighing 1. With the
