@@ -50,6 +50,10 @@ from harmony_fx.runtime.probe import Probe
 __all__ = ["TaskRecords", "ReplayingProbe"]
 
 
+_ABSENT = object()  # a key the device did not hold
+_NONE = ("none", ())  # the template of a key a task wrote as None (no items: it views nothing)
+
+
 class _Unreplayable(Exception):
     """What a task left cannot be rebuilt from a record (a view of a storage it did not read or
     make, a dtype its storage cannot be viewed as): the task always runs."""
@@ -62,7 +66,7 @@ class _Record:
     storages: tuple[tuple | None, ...]  # each storage it made that outlives it: ("raw", bytes) or its base's
                                        # ("base", shape, strides, dtype), the tensor the others view; a
                                        # recompute's kept storages are one, of their bytes (the others None)
-    writes: tuple[Any, ...]            # per key it writes, its value's template (None: left as it was)
+    writes: tuple[Any, ...]            # per key it writes, its value's template (None: left as it was; _NONE: None)
     kept: tuple[int, ...] = ()         # recompute: the storages (indices) only its graph keeps
     grads: tuple[int | None, ...] = ()  # backward: per weight, its ``.grad`` as a leaf of dW (None: unset)
 
@@ -212,8 +216,8 @@ class ReplayingProbe(Probe):
                 self.device_values.pop(key, None)
             storages = self._storages(record)
             unused = set(range(len(storages)))  # storages whose base tensor no value has taken yet
-            outputs = {key: _build(template, storages, sources, unused) for key, template in zip(writes, record.writes)
-                       if template is not None}
+            outputs = {key: None if template is _NONE else _build(template, storages, sources, unused)
+                       for key, template in zip(writes, record.writes) if template is not None}
             del sources
             replay(record, storages, outputs)
             self.device_values.update(outputs)
@@ -226,7 +230,7 @@ class ReplayingProbe(Probe):
             run()
             return
         mark = tracker.registrations
-        prior = {key: self.device_values.get(key) for key in writes}
+        prior = {key: self.device_values.get(key, _ABSENT) for key in writes}
         sources = self._sources(read, dropped)
         run()
         try:
@@ -242,9 +246,12 @@ class ReplayingProbe(Probe):
         templates, referenced = [], set()
         bases: dict[int, tuple] = {}  # made storage -> its base's layout, from the first value on it
         for key in writes:
-            value = self.device_values.get(key)
-            if value is None or value is prior[key]:
+            value = self.device_values.get(key, _ABSENT)
+            if value is _ABSENT or value is prior[key]:
                 templates.append(None)  # not written, or added to in place
+                continue
+            if value is None:  # written as None (a backward no gradient reached): a receiver takes that
+                templates.append(_NONE)
                 continue
             if graph:  # a recompute's (inputs, outputs): the inputs are the ones it read
                 value = value[1]

@@ -6,6 +6,8 @@ leaves other bytes than its record makes the run start again without replays; pa
 random numbers replay like the others."""
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from torch import nn
@@ -104,3 +106,28 @@ def test_packs_that_draw_random_numbers_replay_like_the_others():
     assert _estimates(hm, records) == executed
     # the second time round, every task of every pack but the last replays: the random ones' too
     assert records.replayed - replayed == 3 * 2 * (len(hm.packs) - 1)
+
+
+def test_a_backward_that_hands_on_no_gradient_replays_as_none():
+    """A pipeline's pack whose outputs' gradients all come from the other device: run alone in the
+    planning run, its backward gets none and writes its input's gradient as None, which the SEND
+    after it hands on. The replay left the key out, and the SEND raised KeyError (4 microbatches:
+    the third replays the second's record)."""
+    import torch.nn.functional as F
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 4))
+    reference = copy.deepcopy(model)
+    x, y = torch.randn(8, 16), torch.randn(8, 4)
+    trainer = harmony_fx.Trainer(model, F.mse_loss, torch.optim.SGD(model.parameters(), lr=0.0), (x, y),
+                                 devices=["host:0", "host:1"], parallel="pp", microbatches=4,
+                                 pack_boundaries=[0, 5, 6, 7])
+    try:
+        loss = trainer.step((x, y))
+    finally:
+        trainer.close()
+    expected = F.mse_loss(reference(x), y)
+    expected.backward()
+    torch.testing.assert_close(loss, expected.detach(), rtol=1e-5, atol=1e-6)
+    for param, ref in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(param.grad, ref.grad, rtol=1e-5, atol=1e-6)
