@@ -33,6 +33,7 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import itertools
+import operator
 from typing import Callable, Mapping, Sequence, TypeVar
 
 import torch
@@ -119,7 +120,9 @@ def plan_packs(layer_costs: Sequence[int], evaluate: Callable[[list[int]], C], p
                name_smallest: bool | str = True, progress: Callable[[str], None] | None = None) -> tuple[list[int], C]:
     """The fewest packs whose program fits ``budget`` with ``margin`` bytes to spare (kept for
     allocations no shape predicts), by the search of the module docstring; raises
-    ``BudgetTooSmallError`` naming the smallest budget that fits when none does.
+    ``BudgetTooSmallError`` naming the smallest budget that fits when none does (where the most
+    packs, run in full to name it, fit after all, their bound having passed their peak, they are
+    the plan: the named budget always compiles).
     ``bound(boundaries, limit)``: a lower bound of the packing's peak (never above what ``evaluate``
     finds), or any lower bound above ``limit`` where one is (``None``: the bound itself);
     ``cut_short``: the search calls ``evaluate(boundaries, limit)``, which may stop where the peak
@@ -168,7 +171,8 @@ def plan_packs(layer_costs: Sequence[int], evaluate: Callable[[list[int]], C], p
     def count() -> BudgetTooSmallError:
         if progress is not None:
             progress(f"no candidate fits: the peak of {len(candidates[-1])} packs, in full")
-        smallest = peak_of(evaluate(list(candidates[-1]))) + margin
+        tried[candidates[-1]] = evaluate(list(candidates[-1]))
+        smallest = peak_of(tried[candidates[-1]]) + margin
         return BudgetTooSmallError(
             f"plan_packs: no packing fits the memory budget of {budget:,} bytes; the smallest budget that "
             f"fits is {smallest:,} bytes ({format_size(smallest)}). Raise memory_budget to at least that, "
@@ -179,7 +183,12 @@ def plan_packs(layer_costs: Sequence[int], evaluate: Callable[[list[int]], C], p
 
     if name_smallest == "when asked":
         raise CountedWhenAsked(budget, count, bound(candidates[-1], None) + margin if bound is not None else 0)
-    raise count()
+    error = count()
+    if error.smallest_budget <= budget:
+        # its bound passed its peak after all (a value autograd frees sooner than counted): the most
+        # packs, run in full to name the smallest budget, fit. Refusing would name this budget again
+        return list(candidates[-1]), tried[candidates[-1]]
+    raise error
 
 
 def fixed(boundaries: Sequence[int]) -> PackingPolicy:
@@ -292,6 +301,17 @@ def _receiving_gradients(gm: fx.GraphModule, signature: ProgramSignature) -> set
     return reached
 
 
+def _gradient_bytes(node: fx.Node, shapes: Shapes, reached: set[str]) -> int:
+    """Bytes of the gradient the backward makes for ``node``'s value on the first microbatch; of a
+    tuple taken apart by ``getitem`` (an LSTM's output and state), only the parts a gradient reaches
+    (an unused ``h_n`` gets none)."""
+    users = list(node.users)
+    if isinstance(node.meta.get(meta.VAL), (tuple, list)) and users and all(u.target is operator.getitem for u in users):
+        parts = {user.args[1]: user.name for user in users if user.name in reached}
+        return sum(shapes.key_bytes(Key(KeyKind.GRAD, name, 0), ()) for name in parts.values())
+    return shapes.key_bytes(Key(KeyKind.GRAD, node.name, 0), ())
+
+
 class PackingBounds:
     """A lower bound of a packing's peak from shapes alone: the largest, over its packs, of the
     pack's weights and the larger of its largest input (its forward and its recompute hold it with
@@ -378,7 +398,7 @@ class PackingBounds:
         self._keeps_last_graphs = context.layout.parallel != "pp" and not signature.fuse_last
         # per layer: (its last reader, bytes of its gradient on the first microbatch) of each
         # differentiable value it makes: a pack ending before that reader holds the gradient
-        self._output_grads = [[(self._read_after.get(name, -1), shapes.key_bytes(Key(KeyKind.GRAD, name, 0), ()))
+        self._output_grads = [[(self._read_after.get(name, -1), _gradient_bytes(nodes[name], shapes, reached))
                                for name in layer.nodes if name in reached]
                               for layer in variant.layers] if self._at_backward else []
 

@@ -164,6 +164,34 @@ def test_compile_with_the_named_smallest_budget_succeeds(memory_witness):
         harmony_fx.compile(model, (x,), memory_budget=smallest - 1, microbatches=1)
 
 
+class _LSTMStack(nn.Module):
+    """A two-layer LSTM whose state (h_n, c_n) is dropped: a value the bound counted more of than
+    autograd keeps, so it passed the peak of the packing of most packs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.lstm, self.last = nn.Linear(4, 8), nn.LSTM(8, 8, num_layers=2), nn.Linear(8, 3)
+
+    def forward(self, x):
+        out, _ = self.lstm(self.first(x))
+        return self.last(out)
+
+
+@pytest.mark.parametrize("devices,parallel,microbatches", [(["host:0"], "auto", 1), (["host:0", "host:1"], "dp", 2),
+                                                           (["host:0", "host:1"], "pp", 2)])
+def test_the_smallest_budget_named_compiles_where_a_bound_passes_the_peak(devices, parallel, microbatches):
+    """The named budget was refused again, naming itself (a bound above the peak ruled out the one
+    packing that fits): the count that names it runs that packing in full, and where it fits, it is
+    the plan."""
+    torch.manual_seed(0)
+    x = torch.randn(5, 8, 4)
+    options = dict(devices=devices, parallel=parallel, microbatches=microbatches, batch_dims=1)
+    with pytest.raises(BudgetTooSmallError) as info:
+        harmony_fx.compile(_LSTMStack(), (x,), memory_budget=1, **options)
+    hm = harmony_fx.compile(_LSTMStack(), (x,), memory_budget=info.value.smallest_budget, **options)
+    assert max(hm.plan.predicted_peak.values()) <= info.value.smallest_budget
+
+
 class _Chain(nn.Module):
     """Linear layers of the given widths with ReLUs between; ``skip``: the first layer's output
     added back before the last (a value crossing every pack in between); ``wide_head``: the last
