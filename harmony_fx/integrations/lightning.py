@@ -52,6 +52,7 @@ from lightning.pytorch.utilities.enums import GradClipAlgorithmType
 import harmony_fx
 from harmony_fx.config import check_option_names, option_names, with_environment
 from harmony_fx.runtime.devices import visible_gpus
+from harmony_fx.training.checkpoint import get_rng_states, set_rng_states
 
 __all__ = ["HarmonyStrategy"]
 
@@ -153,7 +154,8 @@ class HarmonyStrategy(SingleDeviceStrategy):
                                      **self.trainer_options, **self.compile_options)
         self._step_module.warn_unreplayable_logs()
         if self._resume is not None:
-            harmony.load_state_dict(self._resume)  # the checkpoint's values, step counter and RNG states
+            # the checkpoint's values and step counter; its RNG states were put back at the restore
+            harmony.load_state_dict({**self._resume, "rng": get_rng_states()})
             self._resume = None
         return harmony
 
@@ -216,10 +218,13 @@ class HarmonyStrategy(SingleDeviceStrategy):
 
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         """Lightning's restore (weights, optimizer, schedulers and loops: before the first batch, so
-        before harmony's trainer exists); harmony's step counter and RNG states wait for it."""
+        before harmony's trainer exists); harmony's step counter waits for it. The RNG states are
+        put back now, as at the save, before the resumed epoch's DataLoader draws its seed from them
+        (at the first batch they came after that draw: dropout resumed on other numbers)."""
         super().load_optimizer_state_dict(checkpoint)
         own = checkpoint.get(_CHECKPOINT_KEY)
         if own is not None:
+            set_rng_states(own["rng"])
             self._resume = {**own, "model": _prefixed(checkpoint["state_dict"]),
                             "optimizer": checkpoint["optimizer_states"][0]}
 

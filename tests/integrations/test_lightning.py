@@ -118,9 +118,9 @@ def _data(samples: int = 64):
             DataLoader(TensorDataset(x[:32], y[:32]), batch_size=BATCH))
 
 
-def _fit(strategy, epochs: int, callbacks=(), ckpt_path=None, **trainer_options):
+def _fit(strategy, epochs: int, callbacks=(), ckpt_path=None, module_class=None, **trainer_options):
     torch.manual_seed(0)
-    module = Regressor()
+    module = (module_class or Regressor)()
     train, val = _data()
     trainer = L.Trainer(max_epochs=epochs, strategy=strategy, gradient_clip_val=CLIP, logger=False,
                         enable_checkpointing=any(isinstance(c, L.pytorch.callbacks.ModelCheckpoint) for c in callbacks),
@@ -174,6 +174,22 @@ def test_a_resumed_run_continues_as_the_unbroken_one(tmp_path):
     _fit("auto", 2, callbacks=[L.pytorch.callbacks.ModelCheckpoint(tmp_path / "eager", save_last=True)])
     from_eager, _ = _fit(HarmonyStrategy(), 4, ckpt_path=tmp_path / "eager" / "last.ckpt")
     torch.testing.assert_close(torch.tensor(from_eager.losses), torch.tensor(unbroken.losses[8:]), rtol=RTOL, atol=0)
+
+
+class _DropoutRegressor(Regressor):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net.insert(2, nn.Dropout(0.2))
+
+
+def test_a_resumed_run_with_dropout_draws_as_the_unbroken_one(tmp_path):
+    """The checkpoint's RNG states went back at the first batch, after the resumed epoch's
+    DataLoader had drawn its seed from them: dropout resumed on other numbers."""
+    unbroken, _ = _fit(HarmonyStrategy(), 4, module_class=_DropoutRegressor)
+    first, _ = _fit(HarmonyStrategy(), 2, module_class=_DropoutRegressor,
+                    callbacks=[L.pytorch.callbacks.ModelCheckpoint(tmp_path, save_last=True)])
+    resumed, _ = _fit(HarmonyStrategy(), 4, module_class=_DropoutRegressor, ckpt_path=tmp_path / "last.ckpt")
+    assert first.losses + resumed.losses == unbroken.losses
 
 
 def test_validation_test_and_predict_run_forward_only_through_harmony():
