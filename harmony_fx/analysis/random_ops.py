@@ -45,9 +45,10 @@ def draws_random(node: fx.Node) -> bool:
 
 
 def _switched_off(node: fx.Node) -> bool:
-    """A dropout with probability 0 or not in training: no numbers are drawn."""
+    """A dropout with probability 0 or not in training: no numbers are drawn (an LSTM's ``dropout``
+    between its layers alike)."""
     arguments = _arguments(node)
-    for name in ("p", "dropout_p"):
+    for name in ("p", "dropout_p", "dropout"):
         if arguments.get(name) == 0:
             return True
     return arguments.get("train", arguments.get("training", True)) is False

@@ -39,6 +39,10 @@ def test_ops_that_draw_nothing_are_not_random():
     assert not _random_nodes(_Lambda(lambda x: F.dropout(x, 0.0)), x)
     assert not _random_nodes(_Lambda(lambda x: F.dropout(x, 0.5, training=False)), x)
     assert not _random_nodes(_Lambda(lambda x: x.relu() * 2), x)
+    lstm = nn.LSTM(4, 4, num_layers=2)  # no dropout between its layers (it was said to draw)
+    assert not _random_nodes(_Lambda(lambda x: lstm(x)[0]), torch.randn(3, 2, 4))
+    dropping = nn.LSTM(4, 4, num_layers=2, dropout=0.5)
+    assert _random_nodes(_Lambda(lambda x: dropping(x)[0]), torch.randn(3, 2, 4))
 
 
 def test_a_random_op_inside_a_no_grad_region_makes_the_region_random():
