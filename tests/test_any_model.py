@@ -300,6 +300,19 @@ def test_a_buffer_read_then_updated_trains_like_eager(build, microbatches):
         torch.testing.assert_close(buffer, ref, msg=lambda m: f"{name}: {m}")
 
 
+@pytest.mark.parametrize("parallel", ["auto", "pp"])
+def test_over_two_devices_a_model_that_updates_a_buffer_runs_whole_in_a_pipeline(parallel):
+    """The options' own layout gave each device a microbatch, each updating the counter in turn
+    (its gradients doubled, the count 2 for one step)."""
+    x = torch.randn(6, 8)
+    hm, model, reference, _, _ = _step_both(nn.Sequential(nn.Linear(8, 8), StepCounter(8), nn.Linear(8, 2)), (x,),
+                                            lambda out: out.square().mean(), devices=["host:0", "host:1"],
+                                            parallel=parallel)
+    assert hm.num_microbatches == 1
+    assert_grads_equal(model, reference, RTOL, ATOL)
+    assert model[1].count.item() == reference[1].count.item() == 2.0
+
+
 def test_a_batch_cut_by_hand_in_a_model_that_updates_a_buffer_warns():
     model = nn.Sequential(nn.Linear(8, 8), StepCounter(8), nn.Linear(8, 2))
     with pytest.warns(UserWarning, match="updates a buffer in place .*microbatches=1"):

@@ -20,11 +20,19 @@ from harmony_fx.ir import meta
 __all__ = ["first_buffer_write", "written_arguments"]
 
 
-def first_buffer_write(gm: fx.GraphModule) -> fx.Node | None:
-    """The first node of ``gm`` that writes a buffer placeholder in place (``None``: none does)."""
+# BatchNorm's own buffers: per microbatch, or per device as DDP keeps them, by design
+_NORM_STATISTICS = ("num_batches_tracked", "running_mean", "running_var")
+
+
+def first_buffer_write(gm: fx.GraphModule, statistics: bool = True) -> fx.Node | None:
+    """The first node of ``gm`` that writes a buffer placeholder in place (``None``: none does);
+    ``statistics=False``: not counting a batch norm's statistics."""
     for node in gm.graph.nodes:
-        if any(arg.op == "placeholder" and meta.role_of(arg) == meta.Role.BUFFER for arg in _written(node)):
-            return node
+        for arg in _written(node):
+            if arg.op != "placeholder" or meta.role_of(arg) != meta.Role.BUFFER:
+                continue
+            if statistics or not str(arg.meta.get(meta.TARGET, "")).endswith(_NORM_STATISTICS):
+                return node
     return None
 
 

@@ -137,6 +137,12 @@ def _compile_program(model: nn.Module, args: tuple, kwargs: dict, options: Compi
             schedules = log.run("choose schedule", choose_schedules, whole.captured.gm, model, batch, devices,
                                 devices[0].budget, options, analysis.separable, trainer, decision=_describe_schedules)
             least = _least_memory_options(options, analysis, whole, model, batch, len(devices))
+            if options.microbatches is None and options.parallel != "dp" and \
+                    first_buffer_write(whole.captured.gm, statistics=False) is not None:
+                # the options' own would give each device a microbatch: a buffer the forward
+                # updates (spectral_norm, a step counter) would be updated once per microbatch
+                options = dataclasses.replace(options, microbatches=1,
+                                              parallel="pp" if len(devices) > 1 else options.parallel)
 
     def stages(schedule: Schedule | None, options: CompileOptions = options, why: str = "",
                name_smallest: bool | str = True) -> Compiled:
@@ -705,7 +711,8 @@ def _warn_if_cut_changes_results(layout: Layout, analysis: BatchAnalysis, gm: fx
             f"harmony_fx: microbatches={layout.num_microbatches} cuts the batch of a model that updates a buffer in "
             f"place ({meta.describe(write)}): each microbatch's forward updates it in turn, reading what the one "
             "before left, where eager updates it once for the batch, so the results differ from eager's; "
-            "microbatches=1, or None (the planner keeps such a batch whole), computes eager's.", UserWarning,
+            "microbatches=1, or None (the planner keeps such a batch whole; over several devices, in a pipeline: "
+            "not parallel='dp', which gives each device its own), computes eager's.", UserWarning,
             stacklevel=2)
 
 
