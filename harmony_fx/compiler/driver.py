@@ -690,9 +690,9 @@ def _warn_if_cut_changes_results(layout: Layout, analysis: BatchAnalysis, gm: fx
     an output has no batch dim to join the microbatches' outputs along, a cut would return another
     tensor than the model's: refused."""
     if layout.num_microbatches > 1 and not analysis.joinable:
-        raise ValueError(f"microbatches={layout.num_microbatches} cuts the batch, but {analysis.reason.rstrip('.')}. "
-                         "Return the output before it loses its batch dim (reshape it after the call), or use "
-                         "microbatches=1.")
+        raise ValueError(f"microbatches={layout.num_microbatches} cuts the batch, but {analysis.reason.rstrip('.')}: "
+                         "microbatches' outputs cannot be put back together. Use microbatches=1 (or, for an output "
+                         "reshaped across its batch dim, reshape it after the call).")
     if layout.num_microbatches > 1 and not analysis.separable:
         warnings.warn(
             f"harmony_fx: microbatches={layout.num_microbatches} cuts the batch, but harmony_fx cannot show "
