@@ -134,15 +134,16 @@ def _compile_program(model: nn.Module, args: tuple, kwargs: dict, options: Compi
             whole = log.run("capture whole batch", cached_capture, model, None, args, kwargs,
                             devices[0].torch_device, options.compute_dtype, decision=_describe_variant)
             analysis = log.run("analyze batch", _analyze_batch, whole, batch, flat_dims, decision=_describe_batch)
+            if options.microbatches is None and options.parallel != "dp" and \
+                    first_buffer_write(whole.captured.gm, statistics=False) is not None:
+                # a buffer the forward updates (spectral_norm, a step counter; not BatchNorm's
+                # statistics, per device as in DDP) would be updated once per microbatch, or by each
+                # device in turn: one microbatch, and several devices form a pipeline
+                options = dataclasses.replace(options, microbatches=1,
+                                              parallel="pp" if len(devices) > 1 else options.parallel)
             schedules = log.run("choose schedule", choose_schedules, whole.captured.gm, model, batch, devices,
                                 devices[0].budget, options, analysis.separable, trainer, decision=_describe_schedules)
             least = _least_memory_options(options, analysis, whole, model, batch, len(devices))
-            if options.microbatches is None and options.parallel != "dp" and \
-                    first_buffer_write(whole.captured.gm, statistics=False) is not None:
-                # the options' own would give each device a microbatch: a buffer the forward
-                # updates (spectral_norm, a step counter) would be updated once per microbatch
-                options = dataclasses.replace(options, microbatches=1,
-                                              parallel="pp" if len(devices) > 1 else options.parallel)
 
     def stages(schedule: Schedule | None, options: CompileOptions = options, why: str = "",
                name_smallest: bool | str = True) -> Compiled:

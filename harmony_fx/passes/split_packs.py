@@ -204,14 +204,8 @@ def _mutated_buffers(members, buffer_names, masters, master_to_buffer) -> tuple[
     symbolic_trace path) we cannot tell, so every buffer such a pack reads counts as written."""
     mutated = []
     for node in members:
-        written = []
-        if isinstance(node.target, torch._ops.OpOverload):
-            written += written_arguments(node)
-            if ("batch_norm" in _op_name(node) or "instance_norm" in _op_name(node)) and _updates_statistics(node):
-                # aten.batch_norm updates running statistics without saying so in its schema
-                written += list(node.all_input_nodes)
-        elif node.op in ("call_function", "call_method"):
-            written = list(node.all_input_nodes)
+        # aten.batch_norm updates running statistics without saying so in its schema
+        written = _written_args(node) + sorted(_running_statistics(node), key=lambda arg: arg.name)
         for arg in written:
             name = master_to_buffer.get(id(masters.get(arg.name)))
             if name is not None and name not in mutated:

@@ -53,10 +53,7 @@ def choose_schedules(gm: fx.GraphModule, model: nn.Module, batch_size: int, devi
     microbatches = options.microbatches
     parallel = None if options.parallel == "auto" or len(devices) == 1 else options.parallel
     changes_results = cutting_changes_results(gm, model)
-    # a buffer the forward updates (spectral_norm, a step counter; not BatchNorm's statistics, per
-    # device as in DDP) would be updated once per microbatch, or by each device in turn: one
-    # microbatch, and several devices form a pipeline
-    if microbatches is None and (not separable or first_buffer_write(gm, statistics=False) is not None):
+    if microbatches is None and not separable:
         microbatches = 1
         if parallel is None and len(devices) > 1:
             parallel = "pp"
