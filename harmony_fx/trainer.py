@@ -37,6 +37,7 @@ import torch.distributed as dist
 from torch import nn
 
 from harmony_fx.api import HarmonyModule
+from harmony_fx.compiler.driver import refuse_meta_state
 from harmony_fx.compiler.host_memory import OptimizerFacts
 from harmony_fx.config import CompileOptions, check_option_names, option_names
 from harmony_fx.distributed.cluster import Cluster
@@ -110,6 +111,7 @@ class Trainer:
         if foreign:
             raise ValueError(f"the optimizer holds {len(foreign)} parameter(s) that are not the model's; build it "
                              "over model.parameters() (harmony_fx updates the model's own host parameters).")
+        refuse_meta_state(model)  # named as the user names it, before the loss wraps it
         self.model = model
         self.optimizer = optimizer
         self.max_grad_norm = max_grad_norm

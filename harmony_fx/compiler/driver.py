@@ -70,7 +70,7 @@ from harmony_fx.program.codegen import generate_program
 from harmony_fx.program.verify import check_peak, verify_packs
 from harmony_fx.runtime.devices import CudaDevice, HostDevice, resolve_devices
 
-__all__ = ["compile_program"]
+__all__ = ["compile_program", "refuse_meta_state"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -394,20 +394,27 @@ def _from_layout(log: StageLog, example: _Example, devices: list, options: Compi
 # ----------------------------------------------------------------------------------- the stages
 
 
+def refuse_meta_state(model: nn.Module) -> None:
+    """A model with a parameter or buffer on the meta device is refused, naming it as the model names it
+    (``harmony_fx.Trainer`` asks before wrapping the model with its loss)."""
+    for kind, named in (("parameter", model.named_parameters()), ("buffer", model.named_buffers())):
+        for name, tensor in named:
+            if tensor.device.type == "meta":
+                raise ValueError(
+                    f"the model's {kind} {name!r} is on the meta device, which holds no values: make the model on "
+                    "the CPU (or model.to_empty(device='cpu') and load its weights) before compiling it; "
+                    "`harmony-fx plan` plans a model built on the meta device without its values.")
+
+
 def _weights_resident(model: nn.Module, devices: list, options: CompileOptions) -> bool:
     """Where the masters (the model's own tensors) live: in host memory (``False``), each pack's
     weights copied to the devices once per iteration, or resident on the one device that computes
     (``True``: ``CompileOptions.resident_weights``). A model on a GPU is resident only where that is
     the one GPU named: anywhere else its weights would go from the GPU to the host and back every
     iteration, and its gradients land on the host beside parameters that live on the GPU."""
+    refuse_meta_state(model)
     state = [("parameter", *item) for item in model.named_parameters()] + [
         ("buffer", *item) for item in model.named_buffers()]
-    for kind, name, tensor in state:
-        if tensor.device.type == "meta":
-            raise ValueError(
-                f"the model's {kind} {name!r} is on the meta device, which holds no values: make the model on "
-                "the CPU (or model.to_empty(device='cpu') and load its weights) before compiling it; "
-                "`harmony-fx plan` plans a model built on the meta device without its values.")
     off_host = next(((kind, name, tensor) for kind, name, tensor in state if tensor.device.type != "cpu"), None)
     wanted = options.resident_weights
     if wanted is False or (wanted is None and (off_host is None or len(devices) != 1)):
