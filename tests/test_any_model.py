@@ -234,6 +234,31 @@ def test_an_in_place_write_into_an_activation_stays_in_the_pack_that_made_it():
     assert_grads_equal(model, reference, RTOL, ATOL, inputs=inputs, ref_inputs=ref_inputs)
 
 
+class _WritesASlice(nn.Module):
+    """A layer's output written into a slice of a tensor made without grad (``torch.zeros``): the
+    tensor requires grad from the write on, so the next pack must take it as differentiable."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.second = nn.Linear(16, 16), nn.Linear(16, 16)
+
+    def forward(self, x):
+        buffer = torch.zeros(x.shape[0], 32)
+        buffer[:, 8:24] = self.first(x)
+        return self.second(buffer[:, 4:20])
+
+
+def test_a_layer_written_into_a_slice_of_zeros_gets_its_gradients_across_packs():
+    """The pack after the write took the written tensor as a leaf without grad: the first layer's
+    gradients and the input's were None."""
+    torch.manual_seed(0)
+    x = torch.randn(8, 16, requires_grad=True)
+    hm, model, reference, inputs, ref_inputs = _step_both(_WritesASlice(), (x,), lambda out: out.square().sum(),
+                                                          pack_boundaries=(0, 1, 2), microbatches=2)
+    assert len(hm.packs) == 3
+    assert_grads_equal(model, reference, RTOL, ATOL, inputs=inputs, ref_inputs=ref_inputs)
+
+
 def test_compile_without_example_inputs_plans_on_the_first_call():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8), nn.GELU(), nn.Linear(8, 1))

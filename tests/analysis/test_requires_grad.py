@@ -95,6 +95,17 @@ def test_a_write_makes_a_value_require_grad_whatever_an_alike_call_gave_before()
     assert reused == ran
 
 
+def test_a_value_written_with_grad_is_flagged_as_the_graph_leaves_it():
+    """``torch.zeros`` made without grad, then a slice of it written from a layer: a later pack
+    reading it (or a view of it) must take it as requiring grad, or the layer gets no gradient."""
+    torch.manual_seed(0)
+    for reuse, flags in zip((True, False), _all_flags(_WritesIntoAValue(), (torch.randn(3, 4),))):
+        by_op = {}
+        for op, flag in flags:
+            by_op.setdefault(op, []).append(flag)
+        assert by_op["aten.zeros_like.default"] == [(True,), (False,)], reuse  # written, kept
+
+
 def _cases(kind: str) -> list:
     if kind == "zoo":
         from harmony_fx.testing.models import zoo
