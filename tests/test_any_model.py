@@ -325,6 +325,38 @@ def test_a_buffer_read_then_updated_trains_like_eager(build, microbatches):
         torch.testing.assert_close(buffer, ref, msg=lambda m: f"{name}: {m}")
 
 
+class _RunningStatistic(nn.Module):
+    """A buffer updated through a view (``self.stats[0] += ...``, as a queue's slice is), then read
+    by a later layer: the write and the read were cut into different packs, each on its own copy of
+    the buffer, so the update was lost and the later layer read the stale value."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.second, self.third = nn.Linear(16, 16), nn.Linear(16, 16), nn.Linear(16, 16)
+        self.register_buffer("stats", torch.zeros(2, 16))
+
+    def forward(self, x):
+        h = self.first(x)
+        self.stats[0] += h.detach().mean(0)
+        return self.third(self.second(h) + self.stats[0])
+
+
+def test_a_buffer_updated_through_a_view_and_read_later_trains_like_eager():
+    x = torch.randn(8, 16)
+    try:  # track_memory: each pack computes on device copies of its weights, as on a GPU
+        harmony_fx.compile(_RunningStatistic(), (x,), memory_budget=1, devices=["host:0"], microbatches=1,
+                           track_memory=True)
+    except harmony_fx.BudgetTooSmallError as error:
+        smallest = error.smallest_budget
+    torch.manual_seed(0)
+    hm, model, reference, _, _ = _step_both(_RunningStatistic(), (x,), lambda out: out.square().mean(),
+                                            memory_budget=smallest, devices=["host:0"], microbatches=1,
+                                            track_memory=True)
+    assert len(hm.packs) >= 3 and [pack.mutated_buffers for pack in hm.packs].count(("b_stats",)) == 1
+    assert_grads_equal(model, reference, RTOL, ATOL)
+    torch.testing.assert_close(model.stats, reference.stats)
+
+
 @pytest.mark.parametrize("parallel", ["auto", "pp"])
 def test_over_two_devices_a_model_that_updates_a_buffer_runs_whole_in_a_pipeline(parallel):
     """The options' own layout gave each device a microbatch, each updating the counter in turn

@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 from torch import fx
 
+from harmony_fx.analysis.aliasing import alias_base
 from harmony_fx.ir import meta
 
 __all__ = ["first_buffer_write", "written_arguments"]
@@ -28,7 +29,7 @@ def first_buffer_write(gm: fx.GraphModule, statistics: bool = True) -> fx.Node |
     """The first node of ``gm`` that writes a buffer placeholder in place (``None``: none does);
     ``statistics=False``: not counting a batch norm's statistics."""
     for node in gm.graph.nodes:
-        for arg in _written(node):
+        for arg in map(alias_base, _written(node)):  # through a view too: self.stats[0] += x
             if arg.op != "placeholder" or meta.role_of(arg) != meta.Role.BUFFER:
                 continue
             if statistics or not str(arg.meta.get(meta.TARGET, "")).endswith(_NORM_STATISTICS):

@@ -3,6 +3,7 @@ compile with what to do instead (not a failure deep in planning, or a wrong resu
 
 * **a write into a model input** (``x.add_(1)``): each pack runs on device copies of its inputs,
   so the write would never reach the caller's tensor, and a recompute would apply it twice;
+  likewise **into a parameter** (``nn.Embedding(max_norm=...)``), whose pack computes on a copy;
 * **a size that depends on the values with no largest value harmony_fx plans for**
   (``repeat_interleave`` by a tensor of repeats, ``bincount``): packs, stash and budget are
   planned for the largest sizes (``passes.bound_sizes`` gives ``x[mask]``, ``nonzero``,
@@ -43,6 +44,13 @@ def first_refused(gm: fx.GraphModule) -> tuple[fx.Node, Callable[[str], str]] | 
                     f"the model modifies its input {name!r} in place at {where}; harmony_fx runs the model on "
                     "copies of its inputs, so the change would not reach your tensor. Compute a new tensor "
                     f"instead (e.g. {name} = {name} + 1 rather than {name}.add_(1)), or clone the input first.")
+            if base.op == "placeholder" and meta.role_of(base) == meta.Role.PARAM:
+                return node, lambda where, name=str(base.meta.get(meta.TARGET, base.name)): (
+                    f"the model modifies its parameter {name!r} in place in its forward, at {where} "
+                    "(nn.Embedding(max_norm=...) renormalises the rows it looks up; a weight clipped or projected "
+                    "under no_grad): harmony_fx computes on a copy of each pack's weights, so the change would not "
+                    "reach the parameter. Do it outside the forward (after optimizer.step(), "
+                    f"with torch.no_grad(): ...), or leave max_norm out.")
         if node.op != "call_function":
             continue
         if getattr(node.target, "__name__", None) in _CONTROL_FLOW and not isinstance(node.target, torch._ops.OpOverload):

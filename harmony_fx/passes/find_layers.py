@@ -7,8 +7,9 @@
 3. A layer is a maximal *contiguous* run of compute nodes (in topological order) with one key, so
    layers tile the compute nodes in order and packs can be contiguous ranges of layers.
 4. An op that writes in place into an activation (``relu_``, ``x[:, 0] = 0``) joins one layer with
-   the node that made that activation, and every layer between: a pack then never writes into
-   one of its inputs, so what it stashes, sends and recomputes is what eager saw (and autograd never
+   the node that made that activation, and every layer between; one that writes a buffer through
+   a view (``self.stats[0] += x``), with the view; and every node that reads a buffer written in
+   place joins one layer with its writes: a pack then never writes into one of its inputs, so what it stashes, sends and recomputes is what eager saw (and autograd never
    meets an in-place write into a leaf).
 
 Placeholders (parameters, buffers, inputs) and the output node belong to no layer; packs reach
@@ -24,7 +25,7 @@ import re
 import torch
 from torch import fx
 
-from harmony_fx.analysis.aliasing import alias_base, written_arguments
+from harmony_fx.analysis.aliasing import alias_chain, written_arguments
 from harmony_fx.analysis.requires_grad import requires_grad_of
 from harmony_fx.ir import meta
 from harmony_fx.ir.values import leaves
@@ -69,10 +70,15 @@ def _merge_in_place_writes(gm: fx.GraphModule, layers: list[Layer]) -> list[Laye
     reach = list(range(len(layers)))  # reach[i]: the last layer that layer i must share a pack with
     for node in gm.graph.nodes:
         for written in written_arguments(node):
-            base = alias_base(written)
-            if base.op != "placeholder" and base.meta[meta.LAYER] < node.meta[meta.LAYER]:
-                start = base.meta[meta.LAYER]
+            # the activation's producer; for a buffer written through a view (self.stats[0] += x),
+            # the view, so the pack that writes holds the buffer it writes
+            made = [alias for alias in alias_chain(written) if alias.op != "placeholder"]
+            if made and made[-1].meta[meta.LAYER] < node.meta[meta.LAYER]:
+                start = made[-1].meta[meta.LAYER]
                 reach[start] = max(reach[start], node.meta[meta.LAYER])
+    for accesses in _written_state_accesses(gm).values():
+        start = min(accesses)
+        reach[start] = max(reach[start], max(accesses))
     merged: list[Layer] = []
     start = 0
     while start < len(layers):
@@ -90,6 +96,23 @@ def _merge_in_place_writes(gm: fx.GraphModule, layers: list[Layer]) -> list[Laye
             for name in layer.nodes:
                 nodes[name].meta[meta.LAYER] = layer.index
     return merged
+
+
+def _written_state_accesses(gm: fx.GraphModule) -> dict[fx.Node, set[int]]:
+    """For each parameter or buffer the graph writes in place, the layers of every node that reads
+    it or a view of it. They form one layer: the pack that writes a buffer holds its own copy, which
+    another pack reading it would fetch before the write came back to the host."""
+    written = {base for node in gm.graph.nodes for arg in written_arguments(node)
+               for base in [alias_chain(arg)[-1]] if base.op == "placeholder" and meta.role_of(base) != meta.Role.INPUT}
+    accesses: dict[fx.Node, set[int]] = {}
+    for node in gm.graph.nodes:
+        if meta.LAYER not in node.meta:
+            continue
+        for arg in node.all_input_nodes:
+            base = alias_chain(arg)[-1]
+            if base in written:
+                accesses.setdefault(base, set()).add(node.meta[meta.LAYER])
+    return accesses
 
 
 def _block_path(node: fx.Node) -> str | None:

@@ -26,6 +26,7 @@ import torch
 from torch import fx
 from torch.fx._lazy_graph_module import _make_graph_module, _use_lazy_graph_module
 
+from harmony_fx.analysis.aliasing import alias_base
 from harmony_fx.analysis.buffer_writes import written_arguments
 from harmony_fx.analysis.random_ops import draws_random
 from harmony_fx.analysis.requires_grad import requires_grad_of
@@ -175,8 +176,9 @@ def _read_before_written(members, outputs, mutated, masters, master_to_buffer) -
         read = frozenset().union(*(reaches.get(arg, frozenset()) for arg in node.all_input_nodes
                                    if arg not in statistics))
         reaches[node] = read
-        for arg in _written_args(node):  # later readers of what it writes read what it read
-            reaches[arg] = reaches.get(arg, frozenset()) | read
+        for arg in _written_args(node):  # later readers of what it writes read what it read, through views
+            for written in {arg, alias_base(arg)}:
+                reaches[written] = reaches.get(written, frozenset()) | read
     found = frozenset().union(*(reaches.get(node, frozenset()) for node in outputs))
     return tuple(name for name in mutated if name in found)
 
@@ -206,8 +208,8 @@ def _mutated_buffers(members, buffer_names, masters, master_to_buffer) -> tuple[
     for node in members:
         # aten.batch_norm updates running statistics without saying so in its schema
         written = _written_args(node) + sorted(_running_statistics(node), key=lambda arg: arg.name)
-        for arg in written:
-            name = master_to_buffer.get(id(masters.get(arg.name)))
+        for arg in written:  # through a view: self.stats[0] += x writes the buffer
+            name = master_to_buffer.get(id(masters.get(alias_base(arg).name)))
             if name is not None and name not in mutated:
                 mutated.append(name)
     return tuple(mutated)

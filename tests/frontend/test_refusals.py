@@ -54,6 +54,16 @@ class _SparseEmbedding(nn.Module):
         return self.linear(self.embedding(ids))
 
 
+class _RenormedEmbedding(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embedding = nn.Embedding(20, 8, max_norm=1.0)
+        self.linear = nn.Linear(8, 2)
+
+    def forward(self, ids):
+        return self.linear(self.embedding(ids))
+
+
 @pytest.mark.parametrize("model,inputs,says,line", [
     (_Repeated, lambda: (torch.randn(4, 8), torch.tensor([1, 3, 0, 2])), r"size depends on its values, with no "
      r"largest.*torch\.where", "torch.repeat_interleave(x, repeats, dim=0)"),
@@ -61,7 +71,9 @@ class _SparseEmbedding(nn.Module):
     (_Branches, lambda: (torch.randn(4, 8),), r"runs torch\.cond.*torch\.where", "return torch.cond("),
     (_SparseEmbedding, lambda: (torch.randint(0, 20, (4, 5)),), r"sparse gradients.*sparse=False",
      "self.linear(self.embedding(ids))"),
-], ids=["unbounded size", "bincount", "torch.cond", "sparse gradients"])
+    (_RenormedEmbedding, lambda: (torch.randint(0, 20, (4, 5)),), r"parameter 'embedding\.weight' in place.*"
+     r"max_norm.*outside the forward", "self.linear(self.embedding(ids))"),
+], ids=["unbounded size", "bincount", "torch.cond", "sparse gradients", "a parameter written"])
 def test_a_construct_harmony_cannot_run_is_refused_naming_the_line(model, inputs, says, line):
     torch.manual_seed(0)
     with pytest.raises(ValueError, match=says) as refused:
