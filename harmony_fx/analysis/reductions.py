@@ -9,12 +9,14 @@ turns it into one coefficient per microbatch):
   microbatch has that are not ``ignore_index`` (counted on the host from the labels input);
 * a mean over all elements (``mean``, ``mse_loss``, ...): weighted by the number of elements;
 * a sum: every coefficient is 1;
-* a sum divided by the batch size (``kl_div(reduction="batchmean")``, ``loss.sum() / x.shape[0]``):
-  the graph of each microbatch divides by its own size, so it is a mean over samples, weighted by
-  them. A divisor is taken to be the batch size when it equals each microbatch's size, or when it
-  differs between microbatches (then it is taken to grow with the batch); a factor (``0.5 * kl.sum()``)
-  is a constant, unless it is one over each microbatch's size and differs between them; a divisor the same for
-  every microbatch size is a constant and commutes with the sum;
+* a mean or sum scaled by a number (``kl_div(reduction="batchmean")``, ``loss.sum() / x.numel()``,
+  ``0.5 * kl.sum()``): each graph holds the number at its own size, which may be the batch's size,
+  grow with it, or be a constant. Where the batch is cut, the whole batch's graph is captured beside
+  the microbatches' and its number weighs them exactly (``multiplier``: microbatch i weighs the
+  whole's number over its own, times its share). Only across processes, where no graph holds the
+  whole batch, is it guessed: a divisor is the batch size when it equals each microbatch's size or
+  differs between them, a factor a constant unless it is one over each microbatch's differing size;
+* a sum or mean of a number already reduced (``loss.sum()`` of a mean) is that number;
 * a linear combination of these (``out[0].pow(2).mean() + 0.1 * out[1].abs().mean()``), possibly
   plus a value computed without the batch (a penalty on the parameters): put back together with
   one weight per microbatch when every term weighs the microbatches alike (means of per-sample
@@ -71,11 +73,23 @@ class ScalarReduction:
     shared: bool = False
     node: str = ""  # the node that reduces, for messages
 
+    @property
+    def multiplier(self) -> float:
+        """The number the reduction was multiplied by on its way to the output (1 where none was)."""
+        return (1.0 if self.scale is None else self.scale) / (1.0 if self.divisor is None else self.divisor)
+
+    @property
+    def scaled(self) -> bool:
+        """Whether a number multiplies or divides a term, which may be the batch's size (or a count
+        that grows with it): then only the whole batch's graph says how it weighs the microbatches."""
+        return any(term.scale is not None or term.divisor is not None for term in (self.terms or (self,)))
+
 
 # ops a scalar passes through unchanged in kind: a mean stays a mean, a sum a sum
 _PASS_THROUGH = {aten.alias.default, aten.clone.default, aten.view.default, aten.reshape.default,
                  aten.squeeze.default, aten.to.dtype, aten._to_copy.default, aten.contiguous.default,
                  aten.detach.default, aten.neg.default}
+_REDUCTIONS = {aten.sum.default, aten.sum.dim_IntList, aten.mean.default, aten.mean.dim}
 _LABELLED_LOSSES = {aten.cross_entropy_loss.default, aten.nll_loss_nd.default, aten.nll_loss.default,
                     aten.nll_loss2d.default, aten.nll_loss_forward.default}
 _MEAN_REDUCTION, _SUM_REDUCTION = 1, 2  # at::Reduction
@@ -130,8 +144,8 @@ def _terms(gm: fx.GraphModule, node: fx.Node, divisor: float | None, origin: fx.
         return [_unknown_size(origin, made[0], "adds")] if made else [_SHARED]
     while node.op == "call_function":
         target = node.target
-        if target in _PASS_THROUGH:
-            node = node.args[0]
+        if target in _PASS_THROUGH or (target in _REDUCTIONS and _is_scalar(node.args[0])):
+            node = node.args[0]  # a sum or mean of one number is that number (loss.sum() of a mean)
         elif target in (aten.mul.Tensor, aten.div.Tensor) and any(isinstance(a, (int, float)) for a in node.args[:2]):
             (factor,) = [a for a in node.args[:2] if isinstance(a, (int, float))]
             (node,) = [a for a in node.args[:2] if isinstance(a, fx.Node)]
@@ -155,7 +169,8 @@ def _terms(gm: fx.GraphModule, node: fx.Node, divisor: float | None, origin: fx.
             left, right = node.args
             alpha = node.kwargs.get("alpha", 1)
             right_terms = [] if alpha == 0 else (
-                _terms(gm, right, divisor, origin, state, _scaled(scale, alpha)) if isinstance(right, fx.Node)
+                _terms(gm, right, divisor, origin, state, scale if alpha == 1 else _scaled(scale, alpha))
+                if isinstance(right, fx.Node)
                 else [_SHARED])
             return (_terms(gm, left, divisor, origin, state, scale) if isinstance(left, fx.Node) else [_SHARED]) \
                 + right_terms
@@ -163,7 +178,10 @@ def _terms(gm: fx.GraphModule, node: fx.Node, divisor: float | None, origin: fx.
             node = node.args[0]  # (loss, total_weight)
         else:
             break
-    return [dataclasses.replace(_reduction(gm, node, divisor, origin, state), node=node.name, scale=scale)]
+    reduction = _reduction(gm, node, divisor, origin, state)
+    if reduction.combine is None:
+        return [reduction]
+    return [dataclasses.replace(reduction, node=node.name, scale=scale, divisor=divisor)]
 
 
 def _scaled(value: float | None, factor: float) -> float:
@@ -192,6 +210,11 @@ def _sources(node: fx.Node) -> tuple[list[fx.Node], list[fx.Node]]:
     return inputs, made
 
 
+def _is_scalar(node: object) -> bool:
+    value = node.meta.get(meta.VAL) if isinstance(node, fx.Node) else None
+    return isinstance(value, torch.Tensor) and value.dim() == 0
+
+
 def _sized(node: fx.Node) -> bool:
     value = node.meta.get(meta.VAL)
     return isinstance(value, torch.Tensor) and value.dim() > 0
@@ -215,7 +238,7 @@ def _reduction(gm: fx.GraphModule, node: fx.Node, divisor: float | None, origin:
     target = node.target
     if target in (aten.sum.default, aten.sum.dim_IntList):
         return ScalarReduction(Combine.SUM, divisor=divisor)
-    if target in (aten.mean.default, aten.mean.dim):
+    if target in _REDUCTIONS:
         return _mean_over_elements(node.args[0])
     reduction = _argument(node, "reduction") if isinstance(target, torch._ops.OpOverload) else None
     if reduction == _SUM_REDUCTION:

@@ -13,6 +13,7 @@ import torch
 from torch import fx, nn
 
 from harmony_fx.analysis.batch_dims import BatchAnalysis
+from harmony_fx.analysis.reductions import ScalarReduction
 from harmony_fx.compiler.host_memory import HostMemoryPlan
 from harmony_fx.compiler.layout import Layout
 from harmony_fx.compiler.packing import Candidate, update_groups
@@ -52,6 +53,9 @@ class Compiled:
     passes: StageLog
     host_memory: HostMemoryPlan | None = None  # host memory and the NVMe tier (Trainer(host_memory=, nvme_path=))
     resident_weights: bool = False  # the masters stay on the one device (``CompileOptions.resident_weights``)
+    # how each scalar output reduces the whole batch in its own graph, where a number scales a loss
+    # cut into microbatches (``loss.sum() / x.numel()``): what that number is at the batch's size
+    batch_reductions: Mapping[str, ScalarReduction] | None = None
 
     def decisions(self) -> CompileOptions:
         """The options with this compile's decisions fixed (packs, microbatch counts, parallelism,

@@ -384,11 +384,16 @@ def _from_layout(log: StageLog, example: _Example, devices: list, options: Compi
                    policy_name, batch_note, memory, options.nvme_path, resident, decision=lambda p: f"{format_size(p.bytes_h2d)} in, "
                    f"{format_size(p.bytes_d2h)} out per iteration")
     input_specs = tuple((x.shape, x.dtype, x.requires_grad) for x in example_flat)
+    batch_reductions = None
+    if layout.num_microbatches > 1 and any(r.scaled for r in primary.captured.reductions.values()):
+        batch_reductions = log.run("capture whole batch", _batch_reductions, example, whole, devices[0].torch_device,
+                                   options.compute_dtype, decision=lambda _: "a number scales a loss cut into "
+                                   "microbatches: its value at the whole batch's size weighs them")
     return Compiled(options=options, devices=tuple(devices), trainer=trainer, updates=updates, schedule=schedule,
                     layout=layout, variants=variants, batch_analysis=analysis, flat_dims=example.flat_dims,
                     input_specs=input_specs, signature=candidate.signature, shapes=shapes, candidate=candidate,
                     device_programs=tuple(device_programs), plan=plan, passes=log, host_memory=memory,
-                    resident_weights=resident)
+                    resident_weights=resident, batch_reductions=batch_reductions)
 
 
 # ----------------------------------------------------------------------------------- the stages
@@ -489,6 +494,13 @@ def _capture_microbatches(example: _Example, layout: Layout, whole: Variant | No
                     example.model, size, mb_args, mb_kwargs, target, dtype)
     check_same_layers(variants, backward_sizes, forward_sizes)
     return variants
+
+
+def _batch_reductions(example: _Example, whole: Variant | None, target, dtype: torch.dtype | None) -> dict:
+    """How the whole batch's graph reduces each scalar output (captured here where the planner did
+    not: the batch cut by hand)."""
+    whole = whole or cached_capture(example.model, None, example.args, example.kwargs, target, dtype)
+    return whole.captured.reductions
 
 
 def _plan_packs(log: StageLog, context: PackingContext, primary: Variant, device, policy,

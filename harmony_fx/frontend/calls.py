@@ -189,7 +189,8 @@ class Calls:
         inputs = [dict(zip(self.inputs, flat)) for flat in per_mb]
         # one microbatch (size None) is the whole batch, of the size compiled: a divisor may be it
         sizes = self.mb_sizes if self.mb_sizes[0] is not None else [self.batch_size]
-        return microbatch.scalar_weights(reductions, inputs, sizes, total)
+        whole = (self.compiled.batch_reductions or {}).get(name)
+        return microbatch.scalar_weights(reductions, inputs, sizes, total, whole)
 
     def output_like(self, name: str) -> torch.Tensor:
         """An empty tensor shaped as the model's output ``name`` on the whole batch (a scalar, such

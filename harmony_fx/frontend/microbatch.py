@@ -130,24 +130,31 @@ def merge(chunks: Sequence[Any], dim: int | None) -> Any:
 # ------------------------------------------------------------------------------ scalar outputs
 
 def scalar_weights(reductions: Sequence[ScalarReduction], inputs: Sequence[Mapping[str, torch.Tensor]],
-                   sizes: Sequence[int | None], total: Callable[[float], float] | None = None) -> list[float]:
+                   sizes: Sequence[int | None], total: Callable[[float], float] | None = None,
+                   whole: ScalarReduction | None = None) -> list[float]:
     """One coefficient per microbatch (``reductions[i]``, ``inputs[i]`` and ``sizes[i]`` are
     microbatch i's): the batch's value is ``sum(coefficient_i * value_i)``, and so microbatch i's
     gradient is the batch's times ``coefficient_i``. ``total(local)``: the normaliser of the whole
-    batch when these microbatches are only part of it (other processes hold the rest)."""
+    batch when these microbatches are only part of it (other processes hold the rest). ``whole``:
+    the same output's reduction in the whole batch's graph, whose numbers (``loss.sum() / x.numel()``,
+    ``0.5 * kl``) say exactly what each microbatch's would have been at the batch's size."""
     for reduction in reductions:
         if reduction.combine is None:
             raise ValueError(reduction.why)
+    if whole is not None and total is not None:
+        whole = None  # the whole batch spans processes: no graph holds its numbers
     total = total or (lambda local: local)
     first = reductions[0]
     if first.combine != Combine.LINEAR:
-        return _term_weights(reductions, inputs, sizes, total)[0]
-    if any(reduction.combine != Combine.LINEAR or len(reduction.terms) != len(first.terms) for reduction in reductions):
+        return _term_weights(reductions, inputs, sizes, total, whole)[0]
+    if any(reduction.combine != Combine.LINEAR or len(reduction.terms) != len(first.terms)
+           for reduction in (*reductions, *([whole] if whole is not None else []))):
         raise ValueError(f"the loss {first.node!r} is made of other terms at different microbatch sizes (the graphs "
                          "differ); use microbatches that cut the batch into equal sizes, or microbatches=1.")
     # a_i = sum_t c_t * term_t(microbatch i), and the batch's term_t = sum_i w_ti * term_t(microbatch i):
     # the batch's value is sum_i w_i * a_i exactly when w_ti = w_i for every term t
-    per_term = [_term_weights([reduction.terms[t] for reduction in reductions], inputs, sizes, total)
+    per_term = [_term_weights([reduction.terms[t] for reduction in reductions], inputs, sizes, total,
+                              whole.terms[t] if whole is not None else None)
                 for t in range(len(first.terms))]
     weights, normalised = per_term[0]
     for t, (other, _) in enumerate(per_term[1:], 1):
@@ -165,9 +172,23 @@ def scalar_weights(reductions: Sequence[ScalarReduction], inputs: Sequence[Mappi
 
 
 def _term_weights(reductions: Sequence[ScalarReduction], inputs: Sequence[Mapping[str, torch.Tensor]],
-                  sizes: Sequence[int | None], total: Callable[[float], float]) -> tuple[list[float], bool]:
+                  sizes: Sequence[int | None], total: Callable[[float], float],
+                  whole: ScalarReduction | None) -> tuple[list[float], bool]:
     """The weights of one mean or sum, and whether they are shares of the batch (adding up to 1
     over the whole batch) rather than 1 each."""
+    if whole is not None and any(reduction.combine != whole.combine for reduction in reductions):
+        raise ValueError(f"the loss {whole.node!r} reduces the batch otherwise in the whole batch's graph than in "
+                         "the microbatches' (the graphs differ at these sizes); use microbatches=1.")
+    if whole is not None:
+        # term_i = m(b_i) * r_i and the batch's term = m(B) * r, where r = sum_i share_i * r_i (a
+        # sum's shares are 1): microbatch i weighs m(B) / m(b_i) times its share, whatever m is
+        if whole.combine == Combine.SUM:
+            shares = [1.0] * len(reductions)
+        else:
+            counts = [reduction.count(mb_inputs) for reduction, mb_inputs in zip(reductions, inputs)]
+            shares = [count / sum(counts) if sum(counts) else float("nan") for count in counts]
+        weights = [share * whole.multiplier / reduction.multiplier for share, reduction in zip(shares, reductions)]
+        return weights, math.isclose(sum(weights), 1.0, rel_tol=1e-9)
     if reductions[0].combine == Combine.SUM:
         divisors = [reduction.divisor for reduction in reductions]
         if divisors[0] is not None and (len(set(divisors)) > 1 or divisors == [size and float(size) for size in sizes]):

@@ -445,6 +445,41 @@ def test_a_factor_is_a_constant_even_where_it_equals_one_over_the_microbatch_siz
     _assert_the_trainers_step_is_eagers(loss, torch.randn(8, 4), microbatches)
 
 
+@pytest.mark.parametrize("loss", [
+    lambda a, b, m: a.pow(2).sum() / a.numel(),                       # a count that grows with the batch
+    lambda a, b, m: a.pow(2).sum() * (1.0 / a.shape[0]),              # one over the size, microbatches alike
+    lambda a, b, m: a.pow(2).sum() / a.shape[1],                      # a width that equals the microbatch's size
+    lambda a, b, m: a.pow(2).mean() * a.shape[0],                     # a mean times the size: a sum over samples
+    lambda a, b, m: F.mse_loss(a, b.repeat(1, 2)).sum(),              # the sum of a mean is that mean
+    lambda a, b, m: F.kl_div(F.log_softmax(a.reshape(-1, 2), -1), F.softmax(b.repeat(1, 2).reshape(-1, 2), -1),
+                             reduction="batchmean"),                  # per token: divides by batch x tokens
+], ids=["over-numel", "times-one-over-size", "over-a-width-equal-to-the-size", "mean-times-size", "sum-of-a-mean",
+        "token-batchmean"])
+def test_a_number_scaling_a_loss_weighs_the_microbatches_as_the_whole_batchs_graph_says(loss):
+    """Each microbatch's graph holds its own number (its size, its element count); whether that
+    number is the batch's size, grows with it or is a constant was guessed from the microbatch's size
+    (2x, 4x or half the loss, silently). The whole batch's graph says what it is there."""
+    torch.manual_seed(0)
+    model = _Heads(loss)
+    reference = copy.deepcopy(model)
+    x = torch.randn(8, 4)
+    hm = harmony_fx.compile(model, x, microbatches=2)
+    out, expected = hm(x), reference(x)
+    torch.testing.assert_close(out, expected, rtol=RTOL, atol=ATOL)
+    out.backward()
+    expected.backward()
+    for param, ref in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(param.grad, ref.grad, rtol=RTOL, atol=ATOL)
+    _assert_the_trainers_step_is_eagers(loss, x, 4)
+
+
+def test_the_whole_batch_is_captured_beside_the_microbatches_only_where_a_number_scales_the_loss():
+    for loss, scaled in ((lambda a, b, m: a.pow(2).mean() + b.abs().mean(), False),
+                         (lambda a, b, m: a.pow(2).mean() + b.abs().sum() / 3, True)):
+        hm = harmony_fx.compile(_Heads(loss), torch.randn(8, 4), microbatches=2)
+        assert ("capture whole batch" in [stage.name for stage in hm.passes]) == scaled
+
+
 def _assert_the_trainers_step_is_eagers(loss, x: torch.Tensor, microbatches: int) -> None:
     """One Trainer step of ``_Heads(loss)`` (learning rate 0): eager's loss and every gradient."""
     torch.manual_seed(0)
