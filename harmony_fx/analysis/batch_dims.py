@@ -122,6 +122,8 @@ def analyze_batch_dims(gm: fx.GraphModule, input_dims: Mapping[str, int | None],
             reduction = (reductions or {}).get(arg.name) or scalar_reduction(gm, arg)
             if reduction.combine is None:
                 return BatchAnalysis(False, reduction.why)
+            if reduction.weighed_by_labels:
+                return BatchAnalysis(False, reduction.weighed_by_labels)
         output_dims[arg.name] = None if dim == _REDUCED else dim
     indices = tuple(node.name for node in context.iota if context.is_batch_index(node) is not None)
     return BatchAnalysis(True, output_dims=output_dims, batch_indices=indices)

@@ -72,11 +72,27 @@ class ScalarReduction:
     # parameters), which every microbatch computes whole: right only if the weights add up to 1
     shared: bool = False
     node: str = ""  # the node that reduces, for messages
+    # MEAN over labelled items: what its count reads (the labels' node, ignore_index, class weights),
+    # so terms over the same labels are known to weigh the microbatches alike whatever the labels
+    labels: tuple | None = None
 
     @property
     def multiplier(self) -> float:
         """The number the reduction was multiplied by on its way to the output (1 where none was)."""
         return (1.0 if self.scale is None else self.scale) / (1.0 if self.divisor is None else self.divisor)
+
+    @property
+    def weighed_by_labels(self) -> str:
+        """Why one weight per microbatch may not serve every term, depending on the batch's labels
+        (a mean over labelled tokens plus a mean over every element: alike until a microbatch has
+        more ignored labels than another); ``""`` where the terms weigh alike whatever the labels."""
+        labelled = [term for term in self.terms if term.labels is not None]
+        if not labelled or all(term.labels == labelled[0].labels for term in self.terms):
+            return ""
+        other = next(term for term in self.terms if term.labels != labelled[0].labels)
+        return (f"the loss {self.node!r} adds the mean over labelled items {labelled[0].node!r} to {other.node!r}, "
+                "which microbatches weigh alike only while each holds as many ignored labels as its share of the "
+                "batch: the batch is kept whole (cut by hand, a call where they differ raises)")
 
     @property
     def scaled(self) -> bool:
@@ -263,6 +279,10 @@ def _mean_over_labels(gm: fx.GraphModule, loss: fx.Node, state: Mapping[str, tor
     """A cross entropy's mean is over the targets that are not ``ignore_index``, each counted by its
     class's weight where the loss weighs its classes (``weight=``: torch divides by the weights of
     the targets it kept, so a microbatch's share is the weight of its own)."""
+    target = loss.args[1].meta.get(meta.VAL)
+    if isinstance(target, torch.Tensor) and target.is_floating_point():
+        # class probabilities (soft targets): torch's mean is over every sample, whatever the weights
+        return _mean_over_elements(loss.args[1])
     ignore_index = _argument(loss, "ignore_index")
     try:
         labels = _function_of(gm, loss.args[1], "labels")
@@ -270,15 +290,16 @@ def _mean_over_labels(gm: fx.GraphModule, loss: fx.Node, state: Mapping[str, tor
         class_weights = None if weight is None else _function_of(gm, weight, "class weights", state, inputs=False)
     except ValueError as error:
         return ScalarReduction(None, why=str(error))
+    read = (loss.args[1].name, ignore_index, None if weight is None else weight.name)
     if class_weights is None:
-        return ScalarReduction(Combine.MEAN, lambda inputs: int((labels(inputs) != ignore_index).sum()))
+        return ScalarReduction(Combine.MEAN, lambda inputs: int((labels(inputs) != ignore_index).sum()), labels=read)
 
     def weight_of_kept(inputs: Mapping[str, torch.Tensor]) -> float:
         kept = labels(inputs)
         kept = kept[kept != ignore_index]
         return float(class_weights({}).detach().to("cpu", torch.float64)[kept.to("cpu")].sum())
 
-    return ScalarReduction(Combine.MEAN, weight_of_kept)
+    return ScalarReduction(Combine.MEAN, weight_of_kept, labels=read)
 
 
 def _function_of(gm: fx.GraphModule, node: fx.Node, what: str, state: Mapping[str, torch.Tensor] | None = None,

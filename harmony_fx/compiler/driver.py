@@ -330,6 +330,14 @@ def _from_layout(log: StageLog, example: _Example, devices: list, options: Compi
                         layout.num_microbatches, options.grouping, trainer, forward_only, decision=_describe_signature)
     if layout.forward_parts:
         _check_forward_parts(trainer, analysis)
+    batch_reductions = None
+    if layout.num_microbatches > 1 and any(r.scaled for r in primary.captured.reductions.values()):
+        batch_reductions = log.run("capture whole batch", _batch_reductions, example, whole, devices[0].torch_device,
+                                   options.compute_dtype, decision=lambda _: "a number scales a loss cut into "
+                                   "microbatches: its value at the whole batch's size weighs them")
+    if layout.num_microbatches > 1:
+        log.run("weigh the loss", _weigh_the_loss, example, variants, layout, batch_reductions,
+                decision=lambda _: "every scalar output put back together from the example's microbatches")
     shapes = Shapes(variants, layout.sizes, primary.masters, options.compute_dtype)
     context = PackingContext(variants, layout, signature, shapes, [d.torch_device for d in devices], updates,
                              options.verify, devices[0].budget, devices[0].margin)
@@ -384,11 +392,6 @@ def _from_layout(log: StageLog, example: _Example, devices: list, options: Compi
                    policy_name, batch_note, memory, options.nvme_path, resident, decision=lambda p: f"{format_size(p.bytes_h2d)} in, "
                    f"{format_size(p.bytes_d2h)} out per iteration")
     input_specs = tuple((x.shape, x.dtype, x.requires_grad) for x in example_flat)
-    batch_reductions = None
-    if layout.num_microbatches > 1 and any(r.scaled for r in primary.captured.reductions.values()):
-        batch_reductions = log.run("capture whole batch", _batch_reductions, example, whole, devices[0].torch_device,
-                                   options.compute_dtype, decision=lambda _: "a number scales a loss cut into "
-                                   "microbatches: its value at the whole batch's size weighs them")
     return Compiled(options=options, devices=tuple(devices), trainer=trainer, updates=updates, schedule=schedule,
                     layout=layout, variants=variants, batch_analysis=analysis, flat_dims=example.flat_dims,
                     input_specs=input_specs, signature=candidate.signature, shapes=shapes, candidate=candidate,
@@ -501,6 +504,20 @@ def _batch_reductions(example: _Example, whole: Variant | None, target, dtype: t
     not: the batch cut by hand)."""
     whole = whole or cached_capture(example.model, None, example.args, example.kwargs, target, dtype)
     return whole.captured.reductions
+
+
+def _weigh_the_loss(example: _Example, variants: dict, layout: Layout, batch_reductions: dict | None) -> None:
+    """Each scalar output's microbatch weights on the example batch: a loss they cannot put back
+    together (a sum plus a scaled sum that is a mean) fails here, where a planner's cut falls back to
+    the next choice, rather than on the first call."""
+    sizes = layout.mb_sizes
+    calls = microbatch.split_call(example.call, example.dims, sizes)
+    captured = [variants[size].captured for size in sizes]
+    inputs = [dict(zip(c.inputs, c.flatten_inputs(*call))) for c, call in zip(captured, calls)]
+    for name in captured[0].reductions:
+        reductions = [c.reductions[name] for c in captured]
+        if all(reduction.combine is not None for reduction in reductions):  # else the call says why
+            microbatch.scalar_weights(reductions, inputs, sizes, None, (batch_reductions or {}).get(name))
 
 
 def _plan_packs(log: StageLog, context: PackingContext, primary: Variant, device, policy,

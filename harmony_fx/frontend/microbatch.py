@@ -161,9 +161,9 @@ def scalar_weights(reductions: Sequence[ScalarReduction], inputs: Sequence[Mappi
         if not all(math.isclose(a, b, rel_tol=1e-9) for a, b in zip(weights, other)):
             raise ValueError(
                 f"the loss {first.node!r} adds {first.terms[0].node!r} and {first.terms[t].node!r}, which these "
-                f"microbatches weigh differently ({_rounded(weights)} and {_rounded(other)}: e.g. a mean over labelled "
-                "tokens and a mean over every element), so one weight per microbatch cannot put it back together; "
-                "reduce the terms over the same items, or use microbatches=1.")
+                f"microbatches weigh differently ({_rounded(weights)} and {_rounded(other)}: a mean weighs each by its "
+                "share of the items it is over, a sum by 1), so one weight per microbatch cannot put it back "
+                "together; reduce the terms the same way over the same items, or use microbatches=1.")
     if first.shared and not normalised:
         raise ValueError(f"the loss {first.node!r} adds a value computed without the batch to sums over the batch: "
                          "each microbatch computes that value whole and the sums add them up; divide the sums by "

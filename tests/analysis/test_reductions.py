@@ -121,3 +121,26 @@ def test_a_linear_combination_of_means_keeps_its_terms() -> None:
                               torch.randn(6, 3))
     assert reduction.combine == Combine.LINEAR
     assert [term.combine for term in reduction.terms] == [Combine.MEAN, Combine.MEAN] and not reduction.shared
+
+
+def test_a_cross_entropy_against_class_probabilities_is_a_mean_over_samples() -> None:
+    """Soft targets (distillation) are no labels to count: the class weights were indexed by them."""
+    weight = torch.tensor([1.0, 2.0, 4.0])
+    reduction, _ = _reduction(lambda out, target: F.cross_entropy(out, target, weight=weight),
+                              torch.randn(6, 3).softmax(-1))
+    assert reduction.combine == Combine.MEAN and reduction.labels is None and reduction.count({}) == 18
+
+
+def test_a_mean_over_labels_beside_another_mean_is_cut_only_by_hand() -> None:
+    """The two weigh the microbatches alike only while the ignored labels spread evenly: the
+    planner keeps such a batch whole (it cut it, then a later batch raised)."""
+    from harmony_fx.analysis.batch_dims import analyze_batch_dims
+
+    torch.manual_seed(0)
+    for loss, cut in ((lambda out, target: F.cross_entropy(out, target) + 0.01 * out.pow(2).mean(), False),
+                      (lambda out, target: F.cross_entropy(out, target) + 0.5 * F.nll_loss(out, target), True)):
+        captured = capture(Loss(loss), (torch.randn(6, 4), torch.tensor([0, 1, -100, 2, 1, 0])))
+        analysis = analyze_batch_dims(captured.gm, dict.fromkeys(captured.inputs, 0), 6, captured.reductions)
+        assert analysis.separable == cut, analysis.reason
+        if not cut:
+            assert "mean over labelled items" in analysis.reason

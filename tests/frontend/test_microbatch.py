@@ -475,7 +475,7 @@ def test_a_number_scaling_a_loss_weighs_the_microbatches_as_the_whole_batchs_gra
 
 def test_the_whole_batch_is_captured_beside_the_microbatches_only_where_a_number_scales_the_loss():
     for loss, scaled in ((lambda a, b, m: a.pow(2).mean() + b.abs().mean(), False),
-                         (lambda a, b, m: a.pow(2).mean() + b.abs().sum() / 3, True)):
+                         (lambda a, b, m: a.pow(2).mean() + b.abs().mean() / 3, True)):
         hm = harmony_fx.compile(_Heads(loss), torch.randn(8, 4), microbatches=2)
         assert ("capture whole batch" in [stage.name for stage in hm.passes]) == scaled
 
@@ -517,6 +517,30 @@ def test_a_loss_the_microbatches_cannot_weigh_alike_says_what_to_do(loss, match)
     hm = harmony_fx.compile(_Heads(loss), x, microbatches=3)
     with pytest.raises(ValueError, match=match):
         hm(x)
+
+
+def test_a_planners_cut_that_cannot_weigh_the_loss_falls_back_at_compile():
+    """A mean plus a scaled sum: the planner cut the batch (0.01 might have been one over a
+    microbatch's size), then the first call refused, telling the user to pass microbatches=1."""
+
+    class MeanPlusScaledSum(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.first, self.second = nn.Linear(16, 16), nn.Linear(16, 6)
+
+        def forward(self, x, y):
+            out = self.second(torch.tanh(self.first(x)))
+            return F.l1_loss(out, y) + 0.01 * F.mse_loss(out, y, reduction="sum")
+
+    torch.manual_seed(0)
+    x, y = torch.randn(8, 16), torch.randn(8, 6)
+    model = MeanPlusScaledSum()
+    reference = copy.deepcopy(model)
+    hm = harmony_fx.compile(model, (x, y), devices=["host:0"], memory_budget=3904)  # one microbatch fits too
+    assert hm.num_microbatches == 1 and "fall back" in [stage.name for stage in hm.passes]
+    torch.testing.assert_close(hm(x, y), reference(x, y), rtol=RTOL, atol=ATOL)
+    with pytest.raises(ValueError, match="weigh differently .*a sum by 1"):  # cut by hand: said at compile
+        harmony_fx.compile(model, (x, y), devices=["host:0"], microbatches=2)
 
 
 def test_terms_weighed_differently_only_at_run_time_are_refused_then():
