@@ -806,8 +806,10 @@ def _argument(node: fx.Node, name: str, default: Any = None) -> Any:
 
 
 def _acted_dims(node: fx.Node) -> list[int] | None:
-    """The dims an op acts along (its ``dim`` argument), normalised; ``None``: every dim."""
-    value = _argument(node, "dim")
+    """The dims an op acts along (its ``dim`` argument, ``dims`` for ``flip`` and ``roll``),
+    normalised; ``None``: every dim."""
+    names = [argument.name for argument in node.target._schema.arguments]
+    value = _argument(node, "dim" if "dim" in names else "dims")
     rank = len(_shape(node.args[0]))
     if value is None or value == []:
         return None
@@ -970,6 +972,8 @@ def _embedding(node: fx.Node, c: _Context) -> _Dims:
     weight, indices = node.args[:2]
     if c.dim(weight) is not None:
         raise _mixed(node, "looks up a batched table")
+    if _argument(node, "scale_grad_by_freq"):
+        raise _mixed(node, "scales each row's gradient by how often the batch looks it up (scale_grad_by_freq)")
     return [c.dim(indices)]
 
 
@@ -1185,7 +1189,7 @@ _SIZE_QUERIES = {"sym_size", "sym_numel", "sym_stride", "sym_storage_offset", "_
 _ELEMENTWISE = {"dropout", "native_dropout", "feature_dropout", "alpha_dropout", "feature_alpha_dropout",
                 "hardswish", "alias", "detach", "_to_copy", "to", "type_as", "copy", "copy_", "fill_", "fill",
                 "exponential_", "bernoulli", "bernoulli_", "rrelu_with_noise", "masked_fill", "masked_fill_",
-                "_prelu_kernel", "prelu", "log_sigmoid_forward", "zero_", "lift_fresh_copy", "contiguous",
+                "_prelu_kernel", "prelu", "log_sigmoid", "log_sigmoid_forward", "zero_", "lift_fresh_copy", "contiguous",
                 "uniform_", "normal_", "clamp_", "relu_", "hardtanh_", "gelu_", "silu_", "leaky_relu_", "elu_",
                 "threshold_", "sigmoid_", "tanh_", "add_", "mul_", "div_", "sub_", "clone", "zeros_like",
                 "ones_like", "empty_like", "full_like", "rand_like", "randn_like", "dropout_", "hardswish_",

@@ -180,6 +180,10 @@ def test_writes_in_place_that_mix_samples_are_found(fn, why):
     (lambda h, m: h.repeat_interleave(2, dim=0), "acts along the batch dim"),
     (lambda h, m: torch.zeros(6, 4).scatter(0, (h > 0).long(), h), "scatters along the batch dim"),
     (lambda h, m: h + torch.floor_divide(torch.arange(6)[:, None], 1), "varies along the batch dim"),
+    (lambda h, m: h.roll(1, 0) + h.flip(0), "acts along the batch dim"),
+    (lambda h, m: h + torch.roll(h, 1), "acts along the batch dim"),  # no dims: over the flattened tensor
+    (lambda h, m: h + F.embedding((h > 0).long(), torch.ones(2, 4), scale_grad_by_freq=True).sum(1),
+     "scale_grad_by_freq"),  # counts of the whole batch's indices
 ])
 def test_ops_that_mix_samples_are_found(fn, why):
     analysis = _analysis(_Fn(fn), torch.randn(6, 4))
@@ -221,6 +225,7 @@ def test_ops_that_mix_samples_are_found(fn, why):
     # each broadcast to the shape of both, as mse_loss does with its input and target
     lambda h, m: sum(torch.broadcast_tensors(h[:, :1], torch.arange(4.0)))
     + F.mse_loss(h[:, :1], h, reduction="none"),
+    lambda h, m: h.roll(1, 1) + h.flip(-1) + F.logsigmoid(h),  # dims named ``dims``; DPO's log-sigmoid
 ])
 def test_ops_that_keep_samples_apart_are_separable(fn):
     analysis = _analysis(_Fn(fn), torch.randn(6, 4))
