@@ -29,6 +29,7 @@ from typing import Mapping
 import torch
 from torch import fx
 from torch._guards import detect_fake_mode
+from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
 
 from harmony_fx.analysis.aliasing import alias_base, written_arguments
 from harmony_fx.ir import meta
@@ -75,7 +76,13 @@ def annotate_requires_grad(gm: fx.GraphModule, placeholder_requires_grad: Mappin
                 node.meta[meta.REQUIRES_GRAD] = seen[key]
                 continue
             args, kwargs = fx.node.map_arg((node.args, node.kwargs), value_of)
-            result = env[node] = run_node(gm, node, args, kwargs)
+            try:
+                result = env[node] = run_node(gm, node, args, kwargs)
+            except (DataDependentOutputException, DynamicOutputShapeException) as error:
+                raise ValueError(
+                    f"{meta.describe(node)} reads its input's values when run on FakeTensors (shapes, no values: "
+                    f"{type(error).__name__}: {error}), and harmony_fx plans every pack on them (torch.istft checks "
+                    "its window so). Compute it outside the model, on the outputs of the compiled module.") from error
             del args, kwargs
             _record(node, result)
             if key is not None:

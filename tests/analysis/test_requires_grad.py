@@ -128,3 +128,23 @@ def test_calls_alike_take_the_flags_every_node_run_gives(kind):
     for name, model, args, kwargs in _cases(kind):
         reused, ran = _all_flags(model, args, kwargs)
         assert reused == ran, name
+
+
+class _InverseSTFT(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(64, 64)
+        self.register_buffer("window", torch.hann_window(16), persistent=False)
+
+    def forward(self, x):
+        spectrum = torch.stft(self.linear(x), n_fft=16, hop_length=4, window=self.window, return_complex=True)
+        return torch.istft(spectrum, n_fft=16, hop_length=4, window=self.window, length=64)
+
+
+def test_an_op_that_reads_values_on_fake_tensors_is_refused_saying_so():
+    """``istft`` checks its window's values, which a FakeTensor does not have: torch's own
+    DataDependentOutputException came out of the compile, naming nothing of the model."""
+    import harmony_fx
+
+    with pytest.raises(ValueError, match=r"istft.*reads its input's values.*outside the model"):
+        harmony_fx.compile(_InverseSTFT(), (torch.randn(4, 64),), devices=["host:0"])
