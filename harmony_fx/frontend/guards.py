@@ -11,7 +11,9 @@ A graph captured from ``model(*args, **kwargs)`` holds, besides the batch size:
   of every other input (a flag such as ``use_cache=False`` is baked in as a constant);
 - each module's forward and backward hooks and torch's global ones (a hook added after compiling,
   to read a layer's output, or PEFT's hook that makes the embeddings' output require grad, runs
-  in the forward the graph was captured from; a backward hook is refused at capture).
+  in the forward the graph was captured from; a backward hook is refused at capture), and a
+  ``forward`` set on the instance (accelerate's ``prepare`` wraps it in autocast);
+- the default dtype, which every factory without a dtype makes (``torch.arange(1.0)``, ``ones``).
 
 ``CallKey.of(model, args, kwargs)`` reads all of it; ``HarmonyModule`` keeps one compiled program
 per key, so a change captures and plans again once, and switching back finds the earlier program.
@@ -53,16 +55,17 @@ class CallKey:
     autocast: Autocast
     module_state: tuple   # per module, depth first: training, then (id, dtype, shape[, requires_grad]) per tensor
     inputs: tuple         # the inputs' structure, then per leaf its facts (tensors) or its value
+    default_dtype: torch.dtype = torch.float32  # what torch.arange(1.0), torch.ones(n), ... make
 
     @classmethod
     def of(cls, model: nn.Module, args: tuple, kwargs: dict) -> "CallKey":
         return cls(torch.is_grad_enabled(), torch.is_inference_mode_enabled(), Autocast.current(),
-                   module_state(model), input_facts(args, kwargs))
+                   module_state(model), input_facts(args, kwargs), torch.get_default_dtype())
 
     def same_but_shapes(self, other: "CallKey") -> bool:
         """The same state and input structure, with only tensor shapes different (or none)."""
-        if (self.grad, self.inference, self.autocast, self.module_state) != (
-                other.grad, other.inference, other.autocast, other.module_state):
+        if (self.grad, self.inference, self.autocast, self.module_state, self.default_dtype) != (
+                other.grad, other.inference, other.autocast, other.module_state, other.default_dtype):
             return False
         if len(self.inputs) != len(other.inputs) or self.inputs[0] != other.inputs[0]:
             return False
@@ -81,6 +84,8 @@ class CallKey:
                            else "the modules' training flags, parameters, buffers or hooks")
         if self.inputs != other.inputs:
             changes.append("the inputs' shapes, dtypes or structure")
+        if self.default_dtype != other.default_dtype:
+            changes.append(f"the default dtype ({self.default_dtype})")
         return changes
 
 
@@ -102,6 +107,9 @@ def module_state(model: nn.Module) -> tuple:
     while stack:
         module = stack.pop()
         facts.append(module.training)
+        forward = module.__dict__.get("forward")  # the instance's own (accelerate's autocast wrapper)
+        if forward is not None:
+            facts.append(("forward", id(forward)))
         if module._forward_hooks or module._forward_pre_hooks or module._backward_hooks or module._backward_pre_hooks:
             facts.append(_hook_ids(module._forward_hooks, module._forward_pre_hooks, module._backward_hooks,
                                    module._backward_pre_hooks))

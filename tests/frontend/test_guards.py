@@ -290,6 +290,12 @@ def test_the_key_sees_what_the_graph_bakes_in():
         changed.append(CallKey.of(model, (x,), {}))
     changed.append(CallKey.of(model, (torch.randn(4, 16, dtype=torch.float64),), {}))
     changed.append(CallKey.of(model, (x,), {"flag": True}))
+    previous = torch.get_default_dtype()
+    try:  # torch.arange(1.0) makes float64 now
+        torch.set_default_dtype(torch.float64)
+        changed.append(CallKey.of(model, (x,), {}))
+    finally:
+        torch.set_default_dtype(previous)
     model[1].running_mean = torch.zeros(32)
     changed.append(CallKey.of(model, (x,), {}))
     assert all(k != key for k in changed) and len(set(changed)) == len(changed)
@@ -389,6 +395,20 @@ def test_a_forward_hook_added_after_compiling_runs_and_removed_stops():
         torch.testing.assert_close(hm(x), reference(x), rtol=RTOL, atol=ATOL)
         for handle in handles:
             handle.remove()
+        torch.testing.assert_close(hm(x), reference(x), rtol=RTOL, atol=ATOL)
+    assert len(hm.variants) == 2
+
+
+def test_a_forward_set_on_the_instance_after_compiling_runs():
+    """accelerate's ``prepare`` sets ``model.forward`` to an autocast wrapper (here: one that halves
+    the output): the graph captured before ran on, silently."""
+    model, reference, hm = _pair()
+    model.eval(), reference.eval()
+    x, _ = _batch()
+    with torch.no_grad():
+        hm(x)
+        for m in (model, reference):
+            m.forward = lambda *args, m=m: type(m).forward(m, *args) * 0.5
         torch.testing.assert_close(hm(x), reference(x), rtol=RTOL, atol=ATOL)
     assert len(hm.variants) == 2
 
