@@ -91,6 +91,7 @@ def harmony(gm: fx.GraphModule, example_inputs: Sequence[Any], *, options: dict 
     options = with_environment(options)  # HARMONY_FX_* variables: a script run under a budget unedited
     if not any(node.op in ("call_function", "call_method", "call_module") for node in gm.graph.nodes):
         return gm  # a fragment between graph breaks that computes nothing (it hands values on): as it is
+    _warn_at_dynamos_last_compile()
     placeholders = gm.graph.find_nodes(op="placeholder")
     inputs = _sort_inputs(placeholders, example_inputs)
     static = None if "batch_dims" in options else _static_batch_input(placeholders, inputs)
@@ -104,6 +105,22 @@ def harmony(gm: fx.GraphModule, example_inputs: Sequence[Any], *, options: dict 
         # the planner may not cut what Dynamo fixed; a refusal says that dynamic=True would let it
         options = {**options, "microbatches": 1}
     return _Compiled(gm, inputs, options, static_batch=static is not None)
+
+
+def _warn_at_dynamos_last_compile() -> None:
+    """Past ``torch._dynamo.config.recompile_limit`` compiles of one frame, Dynamo runs it eagerly
+    without calling the backend: outside harmony, and past its memory budget. Said at the last one."""
+    from torch._dynamo import config
+    from torch._guards import CompileContext
+
+    compile_id = CompileContext.current_compile_id()
+    limit = getattr(config, "recompile_limit", None) or getattr(config, "cache_size_limit", None)
+    if compile_id is None or limit is None or compile_id.frame_compile_id != limit - 1:
+        return
+    warnings.warn(f"harmony_fx: Dynamo has now compiled this function {limit} times, its limit (torch._dynamo."
+                  "config.recompile_limit): a call in a new state after this one (a new sequence length, a new batch size) "
+                  "runs eagerly, outside harmony and its memory budget. Compile with dynamic=True (shapes that change "
+                  "do not compile again), pad the inputs to a few lengths, or raise the limit.", stacklevel=3)
 
 
 def _num_microbatches(options: dict) -> int:

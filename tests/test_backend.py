@@ -220,6 +220,16 @@ def test_a_graph_compiled_again_and_again_for_changed_state_warns():
             torch.compile(model, backend="harmony", dynamic=True)(x)
 
 
+def test_dynamos_last_compile_of_a_function_warns_that_later_states_run_outside_harmony():
+    """Past the recompile limit Dynamo runs the function eagerly, never asking the backend: the
+    memory budget no longer holds, which only Dynamo's log said, without naming harmony."""
+    torch.manual_seed(0)
+    compiled = torch.compile(MLPChain(width=8, depth=2), backend="harmony", dynamic=False)
+    with torch._dynamo.config.patch(recompile_limit=2), pytest.warns(UserWarning, match="compiled this function 2 times, its limit.*dynamic=True"):
+        for batch in (2, 3):
+            compiled(torch.randn(batch, 8))
+
+
 class _Checkpointed(nn.Module):
     def __init__(self, reentrant: bool) -> None:
         super().__init__()
