@@ -290,6 +290,7 @@ def _scalar_reductions(gm: fx.GraphModule, state: dict[str, torch.Tensor]) -> di
 
 _CACHE_IN_OUTPUT = re.compile(r"Found <class '([\w.]*Cache)'> in output")
 _UNKNOWN_OUTPUT = re.compile(r"Found <class '([\w.]+)'> in output")
+_CACHE_IN_INPUT = re.compile(r"Unsupported input type <class '([\w.]*Cache)'>")
 _DATA_DEPENDENT = ("data-dependent", "data dependent", "GuardOnDataDependentSymNode")
 # export names the user frame it stopped in: "Caused by: (path/model.py:1062 in forward)"
 _CAUSED_BY = re.compile(r"Caused by: \(([^()\n]+?:\d+ in \w+)\)")
@@ -404,7 +405,14 @@ def _advice(export_error: Exception) -> str:
     if match := _CACHE_IN_OUTPUT.search(text):
         return (f"the model returns a key/value cache ({match.group(1)}), which is inference state, not a "
                 "tensor: pass use_cache=False in the call, or leave use_cache out (harmony_fx then captures "
-                "the model with its cache off).")
+                "the model with its cache off). Where the cache was passed in (past_key_values: PEFT's prefix "
+                "tuning passes its prompts so, a decode step the previous step's), the model returns it whatever "
+                "use_cache says: train with LoRA or prompt tuning, and decode with the model itself.")
+    if match := _CACHE_IN_INPUT.search(text):
+        return (f"the call passes a key/value cache ({match.group(1)}), which is inference state, not a tensor: "
+                "decode with the model itself (model.generate, or model(...) step by step) or through "
+                "torch.compile(model, backend='harmony'), or recompute without a cache (the whole sequence each "
+                "step, use_cache=False).")
     if match := _UNKNOWN_OUTPUT.search(text):
         return (f"the model returns a {match.group(1)}, which harmony_fx cannot take apart into tensors; return "
                 "tensors, tuples, lists, dicts or dataclasses, or register the type with "

@@ -84,3 +84,20 @@ def test_a_call_asking_for_the_cache_is_refused_with_what_to_do():
     model = _Cached(types.SimpleNamespace(use_cache=False))
     with pytest.raises(CaptureError, match="use_cache=False"):
         harmony_fx.compile(model, (torch.randn(2, 4),), {"use_cache": True}, devices=["host:0"])
+
+
+def test_a_call_passing_a_cache_in_is_refused_saying_to_decode_with_the_model():
+    """A decode step (the previous step's cache as ``past_key_values``) got the advice about
+    control flow on values, which says nothing of the cache."""
+    pytest.importorskip("transformers")
+    from transformers import DynamicCache
+
+    from harmony_fx.testing.hf_models import build_hf_model
+
+    model = build_hf_model("gpt2").eval()
+    ids = torch.randint(0, 100, (1, 4))
+    with torch.no_grad():
+        cache = model(input_ids=ids, use_cache=True).past_key_values
+    assert isinstance(cache, DynamicCache)
+    with torch.no_grad(), pytest.raises(CaptureError, match="passes a key/value cache.*decode with the model itself"):
+        harmony_fx.compile(model, (), {"input_ids": ids[:, -1:], "past_key_values": cache}, devices=["host:0"])
