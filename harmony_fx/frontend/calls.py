@@ -120,8 +120,10 @@ class Calls:
                 iteration.scalar_weights[name] = self.scalar_weights(name, per_mb)
                 outputs.append(microbatch.merge_scalars(chunks, iteration.scalar_weights[name]).to(home, dtype))
                 continue
-            outputs.append(microbatch.merge([chunk.to(home, dtype) for chunk in chunks],
-                                            self.compiled.output_dims.get(name, 0)))
+            dim = self.compiled.output_dims.get(name, 0)
+            if dim is not None and len(chunks) > 1 and all(chunk is not None for chunk in chunks):
+                iteration.output_parts[name] = [chunk.shape[dim] for chunk in chunks]
+            outputs.append(microbatch.merge([chunk.to(home, dtype) for chunk in chunks], dim))
         return tuple(outputs)
 
     @property
@@ -158,7 +160,8 @@ class Calls:
                 chunks = [grad * weight for weight in iteration.scalar_weights[name]]
             else:
                 dim = self.compiled.output_dims.get(name, 0)
-                chunks = torch.split(grad, sizes, dim) if len(sizes) > 1 else (grad,)
+                parts = iteration.output_parts.get(name, sizes)  # rows picked by a mask: as many as each gave
+                chunks = torch.split(grad, parts, dim) if len(sizes) > 1 else (grad,)
             for mb, chunk in enumerate(chunks):
                 iteration.host_values[Key(KeyKind.GRAD, name, mb)] = self._in_graph_dtype(name, chunk)
 

@@ -37,6 +37,8 @@ class Iteration:
         self.host_values = runtimes[0].host_values
         self.host_grads = runtimes[0].host_grads
         self.scalar_weights: dict[str, list[float]] = {}  # per scalar output: each microbatch's share
+        # per joined output: each microbatch's part along its batch dim (x[mask]'s rows: not the input's)
+        self.output_parts: dict[str, list[int]] = {}
 
     def run(self, programs: Sequence[Sequence[fx.GraphModule]]) -> None:
         """Run each device's programs, in order; the first error is raised once every device has
