@@ -57,7 +57,7 @@ from harmony_fx.compiler.shapes import Shapes
 from harmony_fx.compiler.signature import program_signature
 from harmony_fx.compiler.stages import StageLog, progress_to_stderr
 from harmony_fx.compiler.capture_cache import cached_capture
-from harmony_fx.compiler.variants import GraphsDiffer, Variant, check_same_layers
+from harmony_fx.compiler.variants import GraphsDiffer, Variant, check_computes_alike, check_same_layers
 from harmony_fx.config import CompileOptions, format_size
 from harmony_fx.frontend import microbatch
 from harmony_fx.ir import meta
@@ -331,11 +331,15 @@ def _from_layout(log: StageLog, example: _Example, devices: list, options: Compi
     if layout.forward_parts:
         _check_forward_parts(trainer, analysis)
     batch_reductions = None
-    if layout.num_microbatches > 1 and any(r.scaled for r in primary.captured.reductions.values()):
-        batch_reductions = log.run("capture whole batch", _batch_reductions, example, whole, devices[0].torch_device,
-                                   options.compute_dtype, decision=lambda _: "a number scales a loss cut into "
-                                   "microbatches: its value at the whole batch's size weighs them")
     if layout.num_microbatches > 1:
+        if whole is None and any(r.scaled for r in primary.captured.reductions.values()):
+            whole = log.run("capture whole batch", cached_capture, example.model, None, example.args, example.kwargs,
+                            devices[0].torch_device, options.compute_dtype, decision=lambda _: "a number scales a "
+                            "loss cut into microbatches: its value at the whole batch's size weighs them")
+        if whole is not None:
+            log.run("compare with the whole batch", _check_cut_computes_alike, whole, variants, layout,
+                    decision=lambda _: "each microbatch's graph computes as the whole batch's")
+            batch_reductions = whole.captured.reductions
         log.run("weigh the loss", _weigh_the_loss, example, variants, layout, batch_reductions,
                 decision=lambda _: "every scalar output put back together from the example's microbatches")
     shapes = Shapes(variants, layout.sizes, primary.masters, options.compute_dtype)
@@ -499,11 +503,9 @@ def _capture_microbatches(example: _Example, layout: Layout, whole: Variant | No
     return variants
 
 
-def _batch_reductions(example: _Example, whole: Variant | None, target, dtype: torch.dtype | None) -> dict:
-    """How the whole batch's graph reduces each scalar output (captured here where the planner did
-    not: the batch cut by hand)."""
-    whole = whole or cached_capture(example.model, None, example.args, example.kwargs, target, dtype)
-    return whole.captured.reductions
+def _check_cut_computes_alike(whole: Variant, variants: dict, layout: Layout) -> None:
+    for size in dict.fromkeys(layout.mb_sizes):
+        check_computes_alike(whole, variants[size], sum(layout.mb_sizes))
 
 
 def _weigh_the_loss(example: _Example, variants: dict, layout: Layout, batch_reductions: dict | None) -> None:

@@ -10,6 +10,7 @@ choice that meets it.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 from typing import Sequence
 
 import torch
@@ -18,10 +19,11 @@ from torch import fx, nn
 from harmony_fx.analysis.requires_grad import annotate_requires_grad
 from harmony_fx.analysis.sizes import annotate_sizes
 from harmony_fx.frontend.capture import Captured, capture
+from harmony_fx.ir import meta
 from harmony_fx.passes.find_layers import Layer, find_layers
 from harmony_fx.passes.retarget_device import retarget_device
 
-__all__ = ["Variant", "GraphsDiffer", "capture_variant", "check_same_layers"]
+__all__ = ["Variant", "GraphsDiffer", "capture_variant", "check_same_layers", "check_computes_alike"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,3 +107,54 @@ def _same_size_advice(a: int | None, b: int | None, backward_sizes: Sequence[int
     if 1 in (a, b):
         advice += " Microbatches of one sample capture differently most often: prefer at least 2 samples each."
     return advice
+
+
+def check_computes_alike(whole: Variant, part: Variant, batch: int) -> None:
+    """A microbatch's graph computes what the whole batch's (of ``batch`` samples) does on its
+    samples: the same ops, each op on the samples' values taking the same numbers. A number that
+    differs there (``h * x.shape[0]``) or an op one graph runs and the other does not (``if
+    x.shape[0] > 4: h = h * 2``) means the model computes with its batch size, and microbatches would
+    compute something else than the batch: a ``ValueError`` (a planner's cut then falls back). Ops
+    that make sizes (``view``, ``arange``, ``expand``) take other numbers by design, export drops a
+    ``contiguous`` on a size-1 dim, and a scaled loss (a 0-dim value) is weighed by
+    ``analysis.reductions``."""
+    ours = [node for node in whole.captured.gm.graph.nodes if node.op == "call_function"]
+    theirs = [node for node in part.captured.gm.graph.nodes if node.op == "call_function"]
+    matcher = difflib.SequenceMatcher(a=[n.target for n in ours], b=[n.target for n in theirs], autojunk=False)
+    pairs = []
+    for tag, start, stop, other_start, other_stop in matcher.get_opcodes():
+        if tag == "equal":
+            pairs.extend(zip(ours[start:stop], theirs[other_start:other_stop]))
+            continue
+        computing = [node for node in ours[start:stop] + theirs[other_start:other_stop]
+                     if node.target not in _LAYOUT_ONLY]
+        if computing:
+            raise ValueError(
+                f"the model runs {meta.describe(computing[0])} on {'the whole batch' if computing[0] in ours else 'a microbatch'} "
+                f"only (a batch of {batch}, microbatches of {part.size}: Python control flow on the batch size, as in "
+                "`if x.shape[0] > 4:`), so microbatches would compute something else than the batch. Use "
+                "microbatches=1, or make the forward not depend on the batch size.")
+    for node, other in pairs:
+        if not _on_samples(node):
+            continue
+        for value, given in zip(node.args, other.args):
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and value != given:
+                raise ValueError(
+                    f"the model computes {meta.describe(node)} with the number {value!r} on the whole batch of "
+                    f"{batch} and {given!r} on a microbatch of {part.size} (its batch size as a value, as in "
+                    "`h * x.shape[0]`), so microbatches would compute something else than the batch. Use "
+                    "microbatches=1, or make the forward not depend on the batch size.")
+
+
+# ops that only lay values out, which export keeps or drops by the sizes it sees
+_LAYOUT_ONLY = {torch.ops.aten.contiguous.default, torch.ops.aten.clone.default, torch.ops.aten.alias.default,
+                torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default, torch.ops.aten.reshape.default,
+                torch.ops.aten.expand.default, torch.ops.aten.squeeze.dim, torch.ops.aten.squeeze.dims,
+                torch.ops.aten.squeeze.default, torch.ops.aten.unsqueeze.default}
+
+
+def _on_samples(node: fx.Node) -> bool:
+    """An element-wise op on values that are not a scalar (where a number is arithmetic, not a size)."""
+    value = node.meta.get(meta.VAL)
+    return (isinstance(node.target, torch._ops.OpOverload) and torch.Tag.pointwise in node.target.tags
+            and isinstance(value, torch.Tensor) and value.dim() > 0)

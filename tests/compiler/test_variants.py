@@ -1,0 +1,72 @@
+"""``compiler.variants.check_computes_alike``: a microbatch's graph computes what the whole batch's
+does, or the cut is refused (a planner's falls back to the batch whole)."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import harmony_fx
+from harmony_fx.compiler.variants import capture_variant, check_computes_alike
+
+
+class _ReadsItsBatchSize(nn.Module):
+    """Computes with its batch size: as a branch, or as a value."""
+
+    def __init__(self, as_value: bool) -> None:
+        super().__init__()
+        self.first, self.second = nn.Linear(16, 16), nn.Linear(16, 4)
+        self.as_value = as_value
+
+    def forward(self, x, y):
+        h = torch.tanh(self.first(x))
+        if self.as_value:
+            h = h * x.shape[0]
+        elif x.shape[0] > 4:
+            h = h * 2
+        return F.mse_loss(self.second(h), y)
+
+
+@pytest.mark.parametrize("as_value", [False, True], ids=["branch", "value"])
+def test_a_planner_cut_of_a_model_reading_its_batch_size_falls_back_to_the_batch_whole(as_value):
+    """The planner cut the batch into microbatches, each computing with its own size: the loss
+    and every gradient were off (0.62 against 0.96), silently."""
+    torch.manual_seed(0)
+    x, y = torch.randn(8, 16), torch.randn(8, 4)
+    model = _ReadsItsBatchSize(as_value)
+    reference = copy.deepcopy(model)
+    hm = harmony_fx.compile(model, (x, y), devices=["host:0"], memory_budget=4096)
+    names = [stage.name for stage in hm.passes]
+    assert hm.num_microbatches == 1 and "fall back" in names, names
+    loss, expected = hm(x, y), reference(x, y)
+    torch.testing.assert_close(loss, expected)
+    loss.backward()
+    expected.backward()
+    for param, ref in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(param.grad, ref.grad)
+
+
+def test_hugging_face_models_compute_alike_at_every_microbatch_size():
+    """Export drops a ``contiguous`` on a size-1 dim (GPT-2, Llama): not a difference in what is computed."""
+    pytest.importorskip("transformers")
+    from harmony_fx.testing.hf_models import build_hf_model, hf_batch
+
+    for name in ("gpt2", "llama"):
+        model, batch = build_hf_model(name), hf_batch(name, batch=4)
+        whole = capture_variant(model, None, (), batch, torch.device("cpu"))
+        for size in (1, 2):
+            part = capture_variant(model, size, (), {k: v[:size] for k, v in batch.items()}, torch.device("cpu"))
+            check_computes_alike(whole, part, 4)
+
+
+def test_a_number_that_differs_on_the_samples_is_named():
+    torch.manual_seed(0)
+    model = _ReadsItsBatchSize(as_value=True)
+    x, y = torch.randn(8, 16), torch.randn(8, 4)
+    whole = capture_variant(model, None, (x, y), {}, torch.device("cpu"))
+    part = capture_variant(model, 4, (x[:4], y[:4]), {}, torch.device("cpu"))
+    with pytest.raises(ValueError, match=r"with the number 8 on the whole batch of 8 and 4 on a microbatch of 4"):
+        check_computes_alike(whole, part, 8)
