@@ -56,6 +56,9 @@ class Compiled:
     # how each scalar output reduces the whole batch in its own graph, where a number scales a loss
     # cut into microbatches (``loss.sum() / x.numel()``): what that number is at the batch's size
     batch_reductions: Mapping[str, ScalarReduction] | None = None
+    # the whole batch's graph's output args, where the batch is cut: a number the model returns
+    # (``x.shape[0]``) is the batch's, not a microbatch's
+    batch_outputs: tuple | None = None
 
     def decisions(self) -> CompileOptions:
         """The options with this compile's decisions fixed (packs, microbatch counts, parallelism,

@@ -332,10 +332,12 @@ def _from_layout(log: StageLog, example: _Example, devices: list, options: Compi
         _check_forward_parts(trainer, analysis)
     batch_reductions = None
     if layout.num_microbatches > 1:
-        if whole is None and any(r.scaled for r in primary.captured.reductions.values()):
+        if whole is None and (any(r.scaled for r in primary.captured.reductions.values())
+                              or _returns_numbers(primary)):
             whole = log.run("capture whole batch", cached_capture, example.model, None, example.args, example.kwargs,
                             devices[0].torch_device, options.compute_dtype, decision=lambda _: "a number scales a "
-                            "loss cut into microbatches: its value at the whole batch's size weighs them")
+                            "loss cut into microbatches, or the model returns one: its value at the whole batch's "
+                            "size is what the batch computes")
         if whole is not None:
             log.run("compare with the whole batch", _check_cut_computes_alike, whole, variants, layout,
                     decision=lambda _: "each microbatch's graph computes as the whole batch's")
@@ -400,7 +402,9 @@ def _from_layout(log: StageLog, example: _Example, devices: list, options: Compi
                     layout=layout, variants=variants, batch_analysis=analysis, flat_dims=example.flat_dims,
                     input_specs=input_specs, signature=candidate.signature, shapes=shapes, candidate=candidate,
                     device_programs=tuple(device_programs), plan=plan, passes=log, host_memory=memory,
-                    resident_weights=resident, batch_reductions=batch_reductions)
+                    resident_weights=resident, batch_reductions=batch_reductions,
+                    batch_outputs=whole.captured.gm.graph.find_nodes(op="output")[0].args[0]
+                    if whole is not None and layout.num_microbatches > 1 else None)
 
 
 # ----------------------------------------------------------------------------------- the stages
@@ -501,6 +505,13 @@ def _capture_microbatches(example: _Example, layout: Layout, whole: Variant | No
                     example.model, size, mb_args, mb_kwargs, target, dtype)
     check_same_layers(variants, backward_sizes, forward_sizes)
     return variants
+
+
+def _returns_numbers(variant: Variant) -> bool:
+    """Whether the model returns a Python number (``x.shape[0]``, a token count), which each graph
+    holds at its own size."""
+    returned = variant.captured.gm.graph.find_nodes(op="output")[0].args[0]
+    return any(isinstance(value, (int, float)) and not isinstance(value, bool) for value in returned)
 
 
 def _check_cut_computes_alike(whole: Variant, variants: dict, layout: Layout) -> None:

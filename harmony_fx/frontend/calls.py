@@ -37,6 +37,10 @@ class Calls:
         self._dtypes = {**{name: self._caller_dtype(self._graph_dtypes[name]) for name in self.outputs},
                         **{name: spec[1] for name, spec in zip(self.inputs, compiled.input_specs)}}
         self._output_args = compiled.captured.gm.graph.find_nodes(op="output")[0].args[0]
+        if compiled.batch_outputs is not None and len(compiled.batch_outputs) == len(self._output_args):
+            # a number the model returns, as the whole batch's graph holds it (x.shape[0]: the batch's)
+            self._output_args = tuple(arg if isinstance(arg, fx.Node) else whole
+                                      for arg, whole in zip(self._output_args, compiled.batch_outputs))
         # what the model returns unchanged (an input, a parameter, a buffer): handed back as it is
         self._returned_unchanged = {arg.name for arg in self._output_args
                                     if isinstance(arg, fx.Node) and arg.op == "placeholder"}

@@ -103,3 +103,24 @@ def test_rows_picked_by_a_mask_get_their_gradients_back_per_microbatch():
     (a.sum() + b.pow(2).sum()).backward()
     (ref_a.sum() + ref_b.pow(2).sum()).backward()
     assert_grads_equal(model, reference, rtol=1e-5, atol=1e-6)
+
+
+class _CountsItsBatch(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.second = nn.Linear(16, 16), nn.Linear(16, 4)
+
+    def forward(self, x):
+        out = self.second(torch.tanh(self.first(x)))
+        return {"logits": out, "samples": x.shape[0], "elements": out.numel()}
+
+
+@pytest.mark.parametrize("options", [{"microbatches": 2}, {"memory_budget": 4544}], ids=["by hand", "planner"])
+def test_a_number_the_model_returns_is_the_whole_batchs(options):
+    """``x.shape[0]`` came back as a microbatch's size (4, or 2 where the planner cut 4 microbatches)."""
+    torch.manual_seed(0)
+    x = torch.randn(8, 16)
+    hm = harmony_fx.compile(_CountsItsBatch(), (x,), devices=["host:0"], **options)
+    assert hm.num_microbatches > 1
+    got = hm(x)
+    assert (got["samples"], got["elements"]) == (8, 32)
