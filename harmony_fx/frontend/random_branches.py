@@ -7,8 +7,8 @@ probability is zero, and branches on it::
         continue
 
 ``torch.export`` cannot trace ``bool()`` of a value it does not know (a data-dependent guard), so
-such a model would not capture at all. A draw of ``torch.rand``/``torch.rand_like`` lies in [0, 1]:
-compared with a number outside that range its outcome is the same every call, and ``bool()`` (or
+such a model would not capture at all. A draw of ``torch.rand``/``torch.rand_like`` lies in [0, 1):
+compared with a number outside (0, 1) its outcome is the same every call, and ``bool()`` (or
 ``.item()``) of that comparison is answered here with it. The draw and the comparison stay in the
 graph, so the program consumes the random numbers eager consumes (a dropout after it gets eager's
 mask). A comparison whose outcome really is random (a layer drop of 0.3) cannot be a graph, whose
@@ -33,12 +33,14 @@ from torch.overrides import TorchFunctionMode
 __all__ = ["certain_random_branches", "RandomBranchError"]
 
 _DRAWS = (torch.rand, torch.rand_like)  # uniform on [0, 1)
-# a comparison's outcome for every draw in [0, 1], from the number it is compared with (None: random)
+# a comparison's outcome for every draw in [0, 1), from the number it is compared with (None:
+# random); a draw of exactly 0 (one in 2**24 in float32) is taken as never drawn, so that
+# ``rand > 0.0`` (PEFT's LoHa and LoKr with module_dropout=0: never dropped) is certain too
 _OUTCOMES: dict[str, Callable[[float], bool | None]] = {
-    "lt": lambda c: False if c <= 0 else True if c > 1 else None,
-    "le": lambda c: False if c < 0 else True if c >= 1 else None,
-    "gt": lambda c: True if c < 0 else False if c >= 1 else None,
-    "ge": lambda c: True if c <= 0 else False if c > 1 else None,
+    "lt": lambda c: False if c <= 0 else True if c >= 1 else None,
+    "le": lambda c: False if c <= 0 else True if c >= 1 else None,
+    "gt": lambda c: True if c <= 0 else False if c >= 1 else None,
+    "ge": lambda c: True if c <= 0 else False if c >= 1 else None,
 }
 _OUTCOMES.update({f"__{name}__": outcome for name, outcome in list(_OUTCOMES.items())})
 _SYMBOLS = {"lt": "<", "le": "<=", "gt": ">", "ge": ">="}

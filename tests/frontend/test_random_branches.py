@@ -56,6 +56,8 @@ def test_layer_drop_at_zero_trains_like_eager_with_eager_random_numbers():
     (lambda draw: draw < 0.0, False), (lambda draw: draw <= -0.5, False), (lambda draw: draw < 1.5, True),
     (lambda draw: draw >= 0, True), (lambda draw: draw > 1, False), (lambda draw: 2 > draw, True),
     (lambda draw: torch.lt(draw, 0.0), False), (lambda draw: (draw.ge(-1)).item(), True),
+    # a draw is below 1 (torch.rand is on [0, 1)); PEFT's LoHa drops a module where rand > 0.0 fails
+    (lambda draw: draw < 1.0, True), (lambda draw: draw >= 1.0, False), (lambda draw: draw > 0.0, True),
 ])
 def test_each_certain_comparison_takes_eager_branch(compare, expected):
     class Branch(nn.Module):
