@@ -9,7 +9,9 @@ thread issues the program). An iteration owns a ``Runtime`` per device, sharing 
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import traceback
+import weakref
 from typing import Callable, Sequence
 
 import torch
@@ -18,6 +20,7 @@ from torch import fx
 from harmony_fx.ir.pack import Pack
 from harmony_fx.lowering.tasks import grad_inputs
 from harmony_fx.passes.retarget_device import packs_on
+from harmony_fx.runtime.devices import DeviceOutOfMemoryError
 from harmony_fx.program.actions import Key, KeyKind
 from harmony_fx.runtime.executor import Runtime
 from harmony_fx.runtime.host import GradientBuffers, HostState
@@ -106,6 +109,8 @@ class Session:
         self.pack_compiler = PackCompiler() if compile_packs else None
         self.recording = False  # the timeline (``HarmonyModule.record_timeline``)
         self._graphs_logged, self._seconds_logged = 0, 0.0  # compiles already in ``log``
+        # calls whose forward ran and whose backward has not: each holds its last pack on the device
+        self._waiting: weakref.WeakSet[Iteration] = weakref.WeakSet()
 
     def begin(self, per_mb: Sequence[Sequence[torch.Tensor]], on_update: Callable[[Runtime, int, Sequence], None] | None = None,
               output_grads: dict[Key, torch.Tensor] | None = None, on_tier: Callable | None = None,
@@ -138,16 +143,38 @@ class Session:
         """Run the forward programs (one per device, side by side); the returned iteration holds
         what the backward programs need."""
         iteration = self.begin(per_mb, on_update, output_grads)
-        iteration.run([[programs["forward"]] for programs in self.compiled.device_programs])
+        with self._noting_calls_waiting(iteration):
+            iteration.run([[programs["forward"]] for programs in self.compiled.device_programs])
+        if not self.compiled.signature.forward_only:
+            self._waiting.add(iteration)
         return iteration
 
     def finish(self, iteration: Iteration) -> None:
         """Run the backward programs (output gradients already in ``iteration.host_values``)."""
         try:
-            iteration.run([[programs["backward"]] for programs in self.compiled.device_programs])
+            with self._noting_calls_waiting(iteration):
+                iteration.run([[programs["backward"]] for programs in self.compiled.device_programs])
         finally:
+            self._waiting.discard(iteration)
             iteration.release()
         self.finish_stats(iteration_ended=True)
+
+    @contextlib.contextmanager
+    def _noting_calls_waiting(self, iteration: Iteration):
+        """An out-of-memory error while other calls' forwards wait for their backward says so: each
+        keeps its last pack's weights and graph on the device, which the plan (one call at a time)
+        does not count."""
+        try:
+            yield
+        except DeviceOutOfMemoryError as error:
+            others = [waiting for waiting in self._waiting if waiting is not iteration]
+            if others:
+                error.add_note(f"harmony_fx: {len(others)} other call(s) of this module wait for their backward, each "
+                               "keeping its last pack's weights and graph on the device; the plan counts one call "
+                               "at a time. Call backward before the next call where you can; for a loss of several "
+                               "calls (a siamese pair), pass their inputs as one batch in one call and split its "
+                               "output, or give a budget with room for each call's last pack.")
+            raise
 
     def run_iteration(self, per_mb: Sequence[Sequence[torch.Tensor]], on_update: Callable[[Runtime, int, Sequence], None],
                       output_grads: dict[Key, torch.Tensor], on_tier: Callable | None = None,

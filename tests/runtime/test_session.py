@@ -99,3 +99,21 @@ def test_the_first_error_of_any_device_is_raised_and_every_device_is_emptied(mon
     monkeypatch.undo()
     hm(x).sum().backward()  # the session runs on
     assert all(hm.stats.peak_bytes[device.name] > 0 for device in hm.devices)
+
+
+def test_running_out_of_memory_beside_calls_waiting_for_their_backward_says_so():
+    """Two calls before one backward hold two last packs, which the plan (one call at a time) does
+    not count: at the smallest budget the second's backward runs out, and the error said only to
+    raise the budget."""
+    torch.manual_seed(0)
+    model, x = MLPChain(width=16, depth=4), torch.randn(6, 16)
+    try:
+        harmony_fx.compile(model, x, devices=["host:0"], memory_budget=1, microbatches=1, track_memory=True)
+    except harmony_fx.BudgetTooSmallError as error:
+        smallest = error.smallest_budget
+    hm = harmony_fx.compile(model, x, devices=["host:0"], memory_budget=smallest, microbatches=1, track_memory=True)
+    hm(x).square().sum().backward()  # one call at a time fits
+    first, second = hm(x), hm(torch.randn(6, 16))
+    with pytest.raises(harmony_fx.DeviceOutOfMemoryError) as raised:
+        (first - second).square().sum().backward()
+    assert "1 other call(s) of this module wait for their backward" in "\n".join(getattr(raised.value, "__notes__", []))
