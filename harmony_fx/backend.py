@@ -58,7 +58,8 @@ from torch.utils import _pytree as pytree
 
 from harmony_fx.api import HarmonyModule, compile as harmony_compile
 from harmony_fx.compiler.packing import BudgetTooSmallError
-from harmony_fx.config import check_option_names, option_names, with_environment
+from harmony_fx.config import CompileOptions, check_option_names, option_names, with_environment
+from harmony_fx.frontend.capture import CaptureError
 from harmony_fx.frontend.refusals import model_line
 from harmony_fx.ir import autograd_functions, meta
 
@@ -274,6 +275,11 @@ class _Compiled:
                 hm = harmony_compile(module, tuple(activations), **self.options)
             except BudgetTooSmallError as error:
                 raise self._remembered(key, error)
+            except CaptureError as error:
+                baked = _wide_casts_dynamo_baked(self.gm, self.options)
+                if baked is None:
+                    raise
+                raise self._remembered(key, baked) from error
             baked = _dtypes_dynamo_baked(hm)
             if baked is not None:
                 raise self._remembered(key, baked)
@@ -321,6 +327,31 @@ class _Compiled:
 _STATE_CHANGES_WARNED = 4
 
 
+def _wide_casts_dynamo_baked(gm: fx.GraphModule, options: dict) -> ValueError | None:
+    """Where capturing Dynamo's graph at a compute dtype failed, a node of it that names a wider
+    float dtype (a cache or a cast Dynamo made in float32: the capture met it as a dtype mismatch),
+    said as ``_dtypes_dynamo_baked`` says it; ``None`` without one."""
+    dtype = CompileOptions(**options).compute_dtype
+    if dtype is None:
+        return None
+    for node in gm.graph.nodes:
+        named = [a for a in pytree.tree_leaves((node.args, node.kwargs)) if isinstance(a, torch.dtype)]
+        if any(d.is_floating_point and d.itemsize > dtype.itemsize for d in named):
+            return _baked_refusal(options.get("precision"), node, next(d for d in named if d.itemsize > dtype.itemsize))
+    return None
+
+
+def _baked_refusal(precision: str | None, node: fx.Node, wide: torch.dtype) -> ValueError:
+    line = model_line(node)
+    return ValueError(
+        f"precision={precision!r} through torch.compile: Dynamo's graph computes "
+        f"{meta.describe(node)} in {wide}" + (f" (the model's `{line}`)" if line else "") + ". Dynamo "
+        "bakes in the dtypes it saw (x.to(query.dtype) becomes a cast to float32), and that value would "
+        "meet bf16 weights. Compile the model with harmony_fx.compile(model, ..., precision='bf16'), "
+        "which captures it as it runs in bf16, or keep precision='fp32' and train under "
+        "torch.autocast(device_type, dtype=torch.bfloat16).")
+
+
 def _dtypes_dynamo_baked(hm: HarmonyModule) -> ValueError | None:
     """Under ``precision="bf16"`` harmony captures a model as it runs on bf16 tensors, so the casts
     that follow a tensor's dtype follow bf16 (``frontend.compute_dtype``). Dynamo's graph has them
@@ -334,14 +365,7 @@ def _dtypes_dynamo_baked(hm: HarmonyModule) -> ValueError | None:
         wide = [leaf.dtype for leaf in pytree.tree_leaves(node.meta.get("val"))
                 if isinstance(leaf, torch.Tensor) and leaf.is_floating_point() and leaf.dtype.itemsize > dtype.itemsize]
         if node.op == "call_function" and wide:
-            line = model_line(node)
-            return ValueError(
-                f"precision={hm.options.precision!r} through torch.compile: Dynamo's graph computes "
-                f"{meta.describe(node)} in {wide[0]}" + (f" (the model's `{line}`)" if line else "") + ". Dynamo "
-                "bakes in the dtypes it saw (x.to(query.dtype) becomes a cast to float32), and that value would "
-                "meet bf16 weights. Compile the model with harmony_fx.compile(model, ..., precision='bf16'), "
-                "which captures it as it runs in bf16, or keep precision='fp32' and train under "
-                "torch.autocast(device_type, dtype=torch.bfloat16).")
+            return _baked_refusal(hm.options.precision, node, wide[0])
     return None
 
 

@@ -422,6 +422,18 @@ def test_bf16_refuses_a_graph_in_which_dynamo_baked_a_wider_float_naming_the_lin
     assert compiles == [1]
 
 
+def test_bf16_refuses_a_graph_whose_capture_meets_a_float32_value_dynamo_made():
+    """GPT-2 with its key/value cache on: Dynamo's graph makes the cache in float32, which the
+    capture at bf16 met as a dtype mismatch inside attention; the error advised about control flow."""
+    pytest.importorskip("transformers")
+    model = build_hf_model("gpt2")
+    model.config.use_cache = True
+    batch = hf_batch("gpt2")
+    compiled = torch.compile(model, backend="harmony", options={"precision": "bf16", "devices": ["host:0"]})
+    with pytest.raises(ValueError, match=r"in torch.float32 \(the model's `.*dtype.*`\).*precision='bf16'"):
+        compiled(**batch)
+
+
 class _ReversesGradients(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x):
