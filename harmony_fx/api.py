@@ -340,11 +340,13 @@ class HarmonyModule:
             module = self._by_key[key] = self._compile_for(key, args, kwargs, roles)
             self._by_key[module._key] = module
             if len(self._by_key) == _MANY_VARIANTS + 1:
+                changed = "; ".join(key.changes_from(self._key, self.model)) or "nothing it can name"
                 warnings.warn(
                     f"harmony_fx: this module has compiled for {len(self._by_key)} call states (train/eval, no_grad, "
-                    "autocast, parameters, input shapes), each kept with its graphs and buffers. If the sequence "
-                    "length changes with every batch, pad to a multiple (DataCollatorWithPadding(..., "
-                    "pad_to_multiple_of=64)) to bound how many lengths are compiled.", stacklevel=3)
+                    "autocast, parameters, input shapes, values passed in), each kept with its graphs and buffers; "
+                    f"this call differs from the first in: {changed}. If the sequence length changes with every "
+                    "batch, pad to a multiple (DataCollatorWithPadding(..., pad_to_multiple_of=64)) to bound how "
+                    "many lengths are compiled.", stacklevel=3)
         return module
 
     def _compile_for(self, key: CallKey, args: tuple, kwargs: dict, roles: dict) -> "HarmonyModule":

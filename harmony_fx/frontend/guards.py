@@ -83,7 +83,14 @@ class CallKey:
             changes.append("train mode" if training == {True} else "eval mode" if training == {False}
                            else "the modules' training flags, parameters, buffers or hooks")
         if self.inputs != other.inputs:
-            changes.append("the inputs' shapes, dtypes or structure")
+            values = [(a, b) for a, b in zip(self.inputs[1:], other.inputs[1:]) if a != b]
+            if self.inputs[0] == other.inputs[0] and values and not any(
+                    isinstance(a, tuple) and len(a) == 4 and isinstance(a[0], torch.Size) for pair in values for a in pair):
+                changes.append(f"the value of an input that is not a tensor ({values[0][1]!r} -> {values[0][0]!r}; "
+                               "the graph holds it as a constant: pass a number that changes every call as a "
+                               "0-dim tensor)")
+            else:
+                changes.append("the inputs' shapes, dtypes or structure")
         if self.default_dtype != other.default_dtype:
             changes.append(f"the default dtype ({self.default_dtype})")
         return changes

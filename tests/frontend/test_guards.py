@@ -312,6 +312,26 @@ def test_many_call_states_warn_once_with_what_to_do():
     hm.close()
 
 
+class _Scaled(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+
+    def forward(self, x, scale):
+        return self.linear(x) * scale
+
+
+def test_a_number_passed_in_that_changes_every_call_is_named_in_the_warning():
+    """A Python number (a token count as an int) is a constant of the graph: each value compiles
+    anew, and the warning blamed the sequence length."""
+    hm = harmony_fx.compile(_Scaled(), devices=["host:0"])
+    x = torch.randn(2, 4)
+    with torch.no_grad(), pytest.warns(UserWarning, match=r"the value of an input that is not a tensor.*0-dim tensor"):
+        for scale in range(1, 11):
+            hm(x, scale)
+    hm.close()
+
+
 def test_the_module_methods_act_on_the_wrapped_model():
     model, _, hm = _pair()
     assert hm.eval() is hm and not model.training and not hm.training
