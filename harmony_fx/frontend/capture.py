@@ -393,6 +393,11 @@ def _where_and_labels(export_error: Exception, kwargs: dict) -> str:
              if not pathlib.Path(path).is_relative_to(torch_dir)]
     where += [w for w in _CAUSED_BY.findall(message) if not (torch_dir / w.split(":")[0]).exists()]
     text = f" The model's code at {where[0]}." if where else ""
+    inside = [w for w in _CAUSED_BY.findall(message) if (torch_dir / w.split(":")[0]).exists()]
+    if inside:
+        text += (f" Export stopped inside torch's own code (torch/{inside[0]}: a check of its inputs' values, as "
+                 "gaussian_nll_loss makes of its variance), which no option changes: call that function outside "
+                 "the model, on the outputs of the compiled module.")
     if "labels" in kwargs and _random_branch(export_error) is None:
         text += (" If that is the loss computed from labels, call the model without labels and compute the loss "
                  "from its logits outside (harmony_fx.Trainer's loss_fn(output, target)).")

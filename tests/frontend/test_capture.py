@@ -141,6 +141,23 @@ class LabelledLoss(nn.Module):
         return {"logits": logits, "loss": logits.sum() * 0}
 
 
+class _GaussianLikelihood(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.mean, self.log_variance = nn.Linear(4, 2), nn.Linear(4, 2)
+
+    def forward(self, x, y):
+        return F.gaussian_nll_loss(self.mean(x), y, self.log_variance(x).exp())
+
+
+def test_a_check_of_values_inside_torchs_own_function_says_to_call_it_outside():
+    """gaussian_nll_loss checks ``torch.any(var < 0)``: the advice was to rewrite control flow the
+    user cannot edit."""
+    with pytest.raises(harmony_fx.CaptureError, match=r"inside torch's own code \(torch/nn/functional\.py:\d+ in "
+                                                       r"gaussian_nll_loss.*outside the model"):
+        harmony_fx.compile(_GaussianLikelihood(), (torch.randn(3, 4), torch.randn(3, 2)), devices=["host:0"])
+
+
 def test_a_loss_export_cannot_trace_names_its_line_and_the_way_around_it():
     model, x, labels = LabelledLoss(), torch.randn(6, 4), torch.tensor([0, 2, 1, -100, 1, 0])
     with pytest.raises(harmony_fx.CaptureError, match=r"test_capture.py:\d+ in forward.*call the model without labels"):
