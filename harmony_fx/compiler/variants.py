@@ -120,9 +120,11 @@ def check_computes_alike(whole: Variant, part: Variant, batch: int) -> None:
     ``analysis.reductions``."""
     ours = [node for node in whole.captured.gm.graph.nodes if node.op == "call_function"]
     theirs = [node for node in part.captured.gm.graph.nodes if node.op == "call_function"]
-    matcher = difflib.SequenceMatcher(a=[n.target for n in ours], b=[n.target for n in theirs], autojunk=False)
+    targets, other_targets = [n.target for n in ours], [n.target for n in theirs]
+    opcodes = ([("equal", 0, len(ours), 0, len(theirs))] if targets == other_targets else
+               difflib.SequenceMatcher(a=targets, b=other_targets, autojunk=False).get_opcodes())
     pairs = []
-    for tag, start, stop, other_start, other_stop in matcher.get_opcodes():
+    for tag, start, stop, other_start, other_stop in opcodes:
         if tag == "equal":
             pairs.extend(zip(ours[start:stop], theirs[other_start:other_stop]))
             continue
