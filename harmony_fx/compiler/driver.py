@@ -342,8 +342,11 @@ def _from_layout(log: StageLog, example: _Example, devices: list, options: Compi
             log.run("compare with the whole batch", _check_cut_computes_alike, whole, variants, layout,
                     decision=lambda _: "each microbatch's graph computes as the whole batch's")
             batch_reductions = whole.captured.reductions
-        log.run("weigh the loss", _weigh_the_loss, example, variants, layout, batch_reductions,
-                decision=lambda _: "every scalar output put back together from the example's microbatches")
+        if schedule is not None:
+            # the planner's own cut only: one by hand is weighed at each call, or by the caller
+            # (HarmonyTrainer weighs a step's batches as transformers does)
+            log.run("weigh the loss", _weigh_the_loss, example, variants, layout, batch_reductions,
+                    decision=lambda _: "every scalar output put back together from the example's microbatches")
     shapes = Shapes(variants, layout.sizes, primary.masters, options.compute_dtype)
     context = PackingContext(variants, layout, signature, shapes, [d.torch_device for d in devices], updates,
                              options.verify, devices[0].budget, devices[0].margin)
@@ -521,8 +524,8 @@ def _check_cut_computes_alike(whole: Variant, variants: dict, layout: Layout) ->
 
 def _weigh_the_loss(example: _Example, variants: dict, layout: Layout, batch_reductions: dict | None) -> None:
     """Each scalar output's microbatch weights on the example batch: a loss they cannot put back
-    together (a sum plus a scaled sum that is a mean) fails here, where a planner's cut falls back to
-    the next choice, rather than on the first call."""
+    together (a mean plus a scaled sum) fails a planner's cut here, which falls back to the next
+    choice, rather than on the first call."""
     sizes = layout.mb_sizes
     calls = microbatch.split_call(example.call, example.dims, sizes)
     captured = [variants[size].captured for size in sizes]

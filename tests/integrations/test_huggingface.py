@@ -420,3 +420,39 @@ def test_a_masked_lm_whose_loss_ignores_num_items_adds_its_batch_means_over_thei
     _, steps, _ = _train(HarmonyTrainer, masked_lm(), tmp_path / "harmony", arguments=arguments,
                          harmony_options={"memory_budget": "1MiB"})
     _assert_same_steps(steps, eager_steps)
+
+
+class _Answers(torch.utils.data.Dataset):
+    """Question answering: a start or end position past the sequence is ignored (transformers
+    clamps it to ignore_index), so the start and end losses are means over different counts."""
+
+    def __init__(self, count: int) -> None:
+        generator = torch.Generator().manual_seed(0)
+        self.items = [{"input_ids": torch.randint(2, VOCAB, (SEQ,), generator=generator),
+                       "start_positions": torch.tensor([3, 20, 5, 1][i % 4]),
+                       "end_positions": torch.tensor([6, 8, 30, 2][i % 4])} for i in range(count)]
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, index: int) -> dict:
+        return self.items[index]
+
+
+def _answerer():
+    torch.manual_seed(0)
+    return transformers.BertForQuestionAnswering(transformers.BertConfig(
+        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0))
+
+
+def test_a_loss_of_two_means_over_different_counts_steps_as_transformers_weighs_its_batches(tmp_path):
+    """The step's batches are weighed as transformers weighs them, whatever the graph's loss adds:
+    the compile refused the question-answering head, whose two means one weight per batch cannot
+    put back together (and the advice, microbatches=1, trains on another loss)."""
+    arguments = {"eval_strategy": "no", "save_strategy": "no", "max_steps": 3}
+    _, eager_steps, _ = _train(transformers.Trainer, _answerer(), tmp_path / "eager", train_data=_Answers(32),
+                               arguments=arguments)
+    _, steps, _ = _train(HarmonyTrainer, _answerer(), tmp_path / "harmony", train_data=_Answers(32),
+                         arguments=arguments, harmony_options={"memory_budget": "600KiB"})
+    _assert_same_steps(steps, eager_steps)
