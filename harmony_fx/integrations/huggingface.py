@@ -185,8 +185,10 @@ class HarmonyTrainer(transformers.Trainer):
         return self._reads_num_items
 
     def _clip_grad_norm(self, model: nn.Module) -> torch.Tensor:
-        """The global gradient norm harmony clipped by (``max_grad_norm``), for the log."""
-        return torch.tensor(self.harmony.stats.grad_norm)
+        """The global gradient norm harmony clipped by (``max_grad_norm``), for the log; NaN for a
+        step ``skip_nonfinite`` skipped (no gradients were taken)."""
+        norm = self.harmony.stats.grad_norm
+        return torch.tensor(float("nan") if norm is None else norm)
 
     def _harmony_for(self, batch: dict) -> Trainer:
         if self.harmony is None:

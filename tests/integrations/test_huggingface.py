@@ -6,6 +6,7 @@ LoRA model, whose gradient traffic is the adapters' bytes; batches padded to cha
 environment's options; and what the integration refuses."""
 from __future__ import annotations
 
+import math
 import functools
 import pathlib
 import subprocess
@@ -456,3 +457,31 @@ def test_a_loss_of_two_means_over_different_counts_steps_as_transformers_weighs_
     _, steps, _ = _train(HarmonyTrainer, _answerer(), tmp_path / "harmony", train_data=_Answers(32),
                          arguments=arguments, harmony_options={"memory_budget": "600KiB"})
     _assert_same_steps(steps, eager_steps)
+
+
+class _UnlabelledAfterTheFirst(torch.utils.data.Dataset):
+    """Batches after the first have no labelled token: their loss is 0/0, NaN."""
+
+    def __init__(self) -> None:
+        generator = torch.Generator().manual_seed(0)
+        self.ids = [torch.randint(2, VOCAB, (SEQ,), generator=generator) for _ in range(12)]
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, index: int) -> dict:
+        labels = self.ids[index].clone() if index < 4 else torch.full((SEQ,), IGNORE_INDEX)
+        return {"input_ids": self.ids[index], "labels": labels}
+
+
+def test_skip_nonfinite_skips_the_steps_it_says_and_the_run_goes_on(tmp_path):
+    """transformers reads the clipped norm after every step (max_grad_norm=1.0 by default): a step
+    harmony skipped has none, and the run died on torch.tensor(None)."""
+    arguments = _arguments(tmp_path, gradient_accumulation_steps=1, max_steps=3, eval_strategy="no",
+                           save_strategy="no", train_sampling_strategy="sequential")
+    trainer = HarmonyTrainer(model=build_hf_model("llama"), args=arguments, train_dataset=_UnlabelledAfterTheFirst(),
+                             harmony_options={"memory_budget": "1MiB", "skip_nonfinite": True})
+    trainer.train()
+    assert trainer.harmony.skipped_steps == [1, 2]
+    norms = [entry["grad_norm"] for entry in trainer.state.log_history if "grad_norm" in entry]
+    assert norms[0] > 0 and all(math.isnan(norm) for norm in norms[1:])
