@@ -125,7 +125,8 @@ def analyze_batch_dims(gm: fx.GraphModule, input_dims: Mapping[str, int | None],
             if reduction.weighed_by_labels:
                 return BatchAnalysis(False, reduction.weighed_by_labels)
         output_dims[arg.name] = None if dim == _REDUCED else dim
-    indices = tuple(node.name for node in context.iota if context.is_batch_index(node) is not None)
+    indices = tuple(node.name for node in context.iota
+                    if context.is_batch_index(node) is not None or node in context.full_ranges)
     return BatchAnalysis(True, output_dims=output_dims, batch_indices=indices)
 
 
@@ -246,6 +247,9 @@ class _Context:
     tiled: dict[fx.Node, dict[int, int]] = dataclasses.field(default_factory=dict)
     # values made by sorting the batch's rows (``tokens sorted by expert``): node -> (what it is, the sort)
     sorted: dict[fx.Node, tuple[str, fx.Node]] = dataclasses.field(default_factory=dict)
+    # aranges over the whole of a batched dim the batch is merged into (``[B * C]``: multiple choice),
+    # which index it as arange(B) does
+    full_ranges: set[fx.Node] = dataclasses.field(default_factory=set)
 
     def dim(self, node: Any) -> int | None:
         return _dim(self.env, node)
@@ -891,6 +895,12 @@ def _index(node: fx.Node, c: _Context) -> _Dims:
     # the batch dim is indexed: only by arange(B), with the index tensors broadcast together
     rank = max(len(_shape(t)) for t in tensors)
     batch_index = c.is_batch_index(indices[dim])
+    index = indices[dim]
+    if batch_index is None and isinstance(index, fx.Node) and index in c.iota and \
+            _shape(index)[c.iota[index]] == _shape(source)[dim] and c.outer.get(source, 1) == 1:
+        # arange over the whole dim the batch is merged into, as its outer factor: the identity
+        batch_index = c.iota[index]
+        c.full_ranges.add(index)
     if batch_index is None:
         raise _mixed(node, "indexes the batch dim")
     found = batch_index + rank - len(_shape(indices[dim]))
