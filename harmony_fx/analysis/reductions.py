@@ -285,7 +285,7 @@ def _mean_over_labels(gm: fx.GraphModule, loss: fx.Node, state: Mapping[str, tor
         return _mean_over_elements(loss.args[1])
     ignore_index = _argument(loss, "ignore_index")
     try:
-        labels = _function_of(gm, loss.args[1], "labels")
+        labels = _function_of(gm, loss.args[1], "labels", state)
         weight = _argument(loss, "weight")
         class_weights = None if weight is None else _function_of(gm, weight, "class weights", state, inputs=False)
     except ValueError as error:
@@ -317,11 +317,11 @@ def _function_of(gm: fx.GraphModule, node: fx.Node, what: str, state: Mapping[st
             stack.extend(current.all_input_nodes)
     placeholders = [n for n in gm.graph.nodes if n in needed and n.op == "placeholder"]
     if inputs:
-        state_names = [n.name for n in placeholders if meta.role_of(n) != meta.Role.INPUT]
-        if state_names:
-            raise ValueError(f"the {what} of {node.name!r} are computed from the model's parameters or buffers "
-                             f"{state_names}; harmony_fx counts each microbatch's {what} from its inputs alone. "
-                             "Use microbatches=1.")
+        parameters = [str(n.meta.get(meta.TARGET, n.name)) for n in placeholders if meta.role_of(n) == meta.Role.PARAM]
+        if parameters:
+            raise ValueError(f"the {what} of {node.name!r} are computed from the model's parameters {parameters} "
+                             f"(labels the model predicts); harmony_fx counts each microbatch's {what} from its "
+                             "inputs, buffers and constants. Use microbatches=1.")
     else:
         batch = [n.name for n in placeholders if meta.role_of(n) == meta.Role.INPUT]
         if batch:
@@ -336,8 +336,9 @@ def _function_of(gm: fx.GraphModule, node: fx.Node, what: str, state: Mapping[st
     graph.output(copies[node])
     function = fx.GraphModule(gm, graph)
     names = [n.name for n in placeholders]
-    if inputs:
-        return lambda values: function(*[values[name] for name in names])
+    if inputs:  # and buffers or constants (tt[tt < 0] = -100 reads a constant export lifted), from state
+        kept = {n.name: (state or {}).get(n.name) for n in placeholders if meta.role_of(n) != meta.Role.INPUT}
+        return lambda values: function(*[kept[name] if name in kept else values[name] for name in names])
 
     if state is None:  # only whether the loss can be cut is asked
         return lambda _: _raise(AssertionError(f"the {what} of {node.name!r} read the model's state, not given"))

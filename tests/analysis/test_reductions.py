@@ -144,3 +144,20 @@ def test_a_mean_over_labels_beside_another_mean_is_cut_only_by_hand() -> None:
         assert analysis.separable == cut, analysis.reason
         if not cut:
             assert "mean over labelled items" in analysis.reason
+
+
+def test_labels_made_with_a_constant_are_counted_from_the_inputs_and_the_constant() -> None:
+    """``target[target < 0] = -100`` reads a constant export lifts to a placeholder: the labels were
+    refused as "computed from the model's parameters or buffers ['c_lifted_tensor_0']"."""
+
+    def loss(out, target):
+        target = target.clone()
+        target[target < 0] = -100
+        return F.cross_entropy(out, target)
+
+    torch.manual_seed(0)
+    labels = torch.tensor([0, 1, -1, 2, -3, 1])
+    captured = capture(Loss(loss), (torch.randn(6, 4), labels))
+    (reduction,) = captured.reductions.values()
+    assert reduction.combine == Combine.MEAN
+    assert reduction.count({"target": labels}) == 4
