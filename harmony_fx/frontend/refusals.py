@@ -32,6 +32,8 @@ from harmony_fx.passes.bound_sizes import unbacked_symbols
 __all__ = ["first_refused", "refusal", "model_line"]
 
 _CONTROL_FLOW = {"cond", "while_loop"}
+# ops that hand a tensor's value to Python as a number
+_READ_INTO_PYTHON = {torch.ops.aten.item.default, torch.ops.aten._local_scalar_dense.default}
 
 
 def first_refused(gm: fx.GraphModule) -> tuple[fx.Node, Callable[[str], str]] | None:
@@ -64,6 +66,11 @@ def first_refused(gm: fx.GraphModule) -> tuple[fx.Node, Callable[[str], str]] | 
         # num_classes, tagged too, makes a fixed size: not bounded, not refused)
         unsized = (node.meta.get(meta.BOUNDED) and torch.Tag.dynamic_output_shape in node.target.tags
                    and node.target not in SIZED_AT_MOST)
+        if node.target in _READ_INTO_PYTHON and unbacked_symbols(node.meta.get(meta.VAL)):
+            return node, lambda where: (
+                f"the model reads a tensor's value into Python (.item(), .tolist(), int(x)) at {where}: harmony_fx "
+                "plans every pack on tensors without values, so that number is unknown when it plans. Keep it a "
+                "tensor (h * (h > 0).sum() rather than h * (h > 0).sum().item()), or compute it outside the model.")
         if unsized or unbacked_symbols(node.meta.get(meta.VAL)):
             return node, lambda where: (
                 f"the model makes a tensor whose size depends on its values, with no largest size harmony_fx can "

@@ -64,6 +64,17 @@ class _RenormedEmbedding(nn.Module):
         return self.linear(self.embedding(ids))
 
 
+class _CountsInPython(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+
+    def forward(self, x):
+        hidden = self.linear(x)
+        positive = (hidden > 0).sum().tolist()
+        return hidden * positive
+
+
 @pytest.mark.parametrize("model,inputs,says,line", [
     (_Repeated, lambda: (torch.randn(4, 8), torch.tensor([1, 3, 0, 2])), r"size depends on its values, with no "
      r"largest.*torch\.where", "torch.repeat_interleave(x, repeats, dim=0)"),
@@ -73,7 +84,9 @@ class _RenormedEmbedding(nn.Module):
      "self.linear(self.embedding(ids))"),
     (_RenormedEmbedding, lambda: (torch.randint(0, 20, (4, 5)),), r"parameter 'embedding\.weight' in place.*"
      r"max_norm.*outside the forward", "self.linear(self.embedding(ids))"),
-], ids=["unbounded size", "bincount", "torch.cond", "sparse gradients", "a parameter written"])
+    (_CountsInPython, lambda: (torch.randn(4, 8),), r"reads a tensor's value into Python.*Keep it a tensor",
+     "positive = (hidden > 0).sum().tolist()"),
+], ids=["unbounded size", "bincount", "torch.cond", "sparse gradients", "a parameter written", "a value read"])
 def test_a_construct_harmony_cannot_run_is_refused_naming_the_line(model, inputs, says, line):
     torch.manual_seed(0)
     with pytest.raises(ValueError, match=says) as refused:
