@@ -32,6 +32,7 @@ from typing import Any, Callable
 
 import torch
 from torch import fx, nn
+from torch._subclasses.fake_tensor import DynamicOutputShapeException
 from torch.fx._lazy_graph_module import _use_lazy_graph_module
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 from torch.utils import _pytree as pytree
@@ -422,6 +423,10 @@ def _advice(export_error: Exception) -> str:
         return (f"the model returns a {match.group(1)}, which harmony_fx cannot take apart into tensors; return "
                 "tensors, tuples, lists, dicts or dataclasses, or register the type with "
                 "torch.utils._pytree.register_pytree_node.")
+    if isinstance(export_error, DynamicOutputShapeException):
+        return (f"{text.strip()} makes a tensor whose size depends on its inputs' values (ctc_loss's, on the "
+                "target lengths), which export cannot capture: compute it outside the model, on the outputs of "
+                "the compiled module (harmony_fx.Trainer: in loss_fn).")
     if any(marker in text for marker in _DATA_DEPENDENT):
         return ("Python control flow depends on a tensor's values (if x.sum() > 0: ...); compute both branches "
                 "and pick with torch.where, or move the choice out of forward.")

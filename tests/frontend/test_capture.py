@@ -158,6 +158,24 @@ def test_a_check_of_values_inside_torchs_own_function_says_to_call_it_outside():
         harmony_fx.compile(_GaussianLikelihood(), (torch.randn(3, 4), torch.randn(3, 2)), devices=["host:0"])
 
 
+class _ConnectionistLoss(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 5)
+
+    def forward(self, x, targets, input_lengths, target_lengths):
+        return F.ctc_loss(self.linear(x).log_softmax(-1), targets, input_lengths, target_lengths)
+
+
+def test_an_op_whose_size_depends_on_values_says_to_compute_it_outside():
+    """ctc_loss with tensor lengths: export cannot make its intermediate's size; the advice was
+    about control flow and caches."""
+    x, targets = torch.randn(6, 2, 4), torch.randint(1, 5, (2, 3))
+    lengths, target_lengths = torch.tensor([6, 5]), torch.tensor([3, 2])
+    with pytest.raises(harmony_fx.CaptureError, match=r"_ctc_loss.*size depends on its inputs' values.*outside"):
+        harmony_fx.compile(_ConnectionistLoss(), (x, targets, lengths, target_lengths), devices=["host:0"])
+
+
 def test_a_loss_export_cannot_trace_names_its_line_and_the_way_around_it():
     model, x, labels = LabelledLoss(), torch.randn(6, 4), torch.tensor([0, 2, 1, -100, 1, 0])
     with pytest.raises(harmony_fx.CaptureError, match=r"test_capture.py:\d+ in forward.*call the model without labels"):
