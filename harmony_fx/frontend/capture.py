@@ -392,7 +392,7 @@ def _where_and_labels(export_error: Exception, kwargs: dict) -> str:
     message = str(export_error)
     where = [f"{path}:{line} in {function}: {code.strip()}" for path, line, function, code in _RAISED_BY.findall(message)
              if not pathlib.Path(path).is_relative_to(torch_dir)]
-    where += [w for w in _CAUSED_BY.findall(message) if not (torch_dir / w.split(":")[0]).exists()]
+    where += [_full_path(w) for w in _CAUSED_BY.findall(message) if not (torch_dir / w.split(":")[0]).exists()]
     text = f" The model's code at {where[0]}." if where else ""
     inside = [w for w in _CAUSED_BY.findall(message) if (torch_dir / w.split(":")[0]).exists()]
     if inside:
@@ -403,6 +403,17 @@ def _where_and_labels(export_error: Exception, kwargs: dict) -> str:
         text += (" If that is the loss computed from labels, call the model without labels and compute the loss "
                  "from its logits outside (harmony_fx.Trainer's loss_fn(output, target)).")
     return text
+
+
+def _full_path(frame: str) -> str:
+    """``path:line in function`` with the path whole: export shortens it (``mp/model.py`` for
+    ``/tmp/model.py``); the loaded module or script whose file ends with it, where one does."""
+    path, rest = frame.split(":", 1)
+    if pathlib.Path(path).exists():
+        return frame
+    files = [getattr(module, "__file__", None) for module in list(sys.modules.values())] + [sys.argv[0]]
+    found = next((f for f in files if isinstance(f, str) and f.endswith(path)), None)
+    return f"{found}:{rest}" if found else frame
 
 
 def _advice(export_error: Exception) -> str:

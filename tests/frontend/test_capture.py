@@ -266,3 +266,11 @@ def test_a_cumulative_batch_norm_is_named_with_what_to_do():
     message = str(info.value)
     assert "module 1 (a BatchNorm1d) has momentum=None" in message and "momentum=0.1" in message
     assert "torch.where" not in message
+
+
+def test_a_path_export_shortened_is_named_whole():
+    """Export names a frame's file by a shortened path (``mp/sweep/t13.py`` for ``/tmp/sweep/t13.py``)."""
+    from harmony_fx.frontend.capture import _full_path
+
+    assert _full_path(f"{__file__[3:]}:12 in forward") == f"{__file__}:12 in forward"
+    assert _full_path("no/such/file.py:3 in forward") == "no/such/file.py:3 in forward"
