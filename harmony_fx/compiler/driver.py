@@ -5,7 +5,11 @@
    microbatches or the parallelism open, the planner chooses (``planner.choose``), on the whole
    batch's graph, cutting the batch only where ``analysis.batch_dims`` proves it safe.
 3. ``lay out``: microbatches, their sizes and the devices that run them (``compiler.layout``).
-4. ``capture microbatches``: the graph at every microbatch size (``compiler.variants``).
+4. ``capture microbatches``: the graph at every microbatch size (``compiler.variants``); where
+   the batch is cut, ``compare with the whole batch`` (each microbatch computes what the batch does
+   on its samples: ``variants.check_computes_alike``; the whole batch's graph captured where a number
+   scales the loss or is returned, whose value there weighs the microbatches exactly) and, for the
+   planner's cut, ``weigh the loss`` (its microbatch weights on the example).
 5. ``signature``: inputs, outputs, what is differentiable (``compiler.signature``).
 6. ``plan packs``: the fewest packs that fit (``compiler.packing.plan_packs``: bounds first, then a
    monotone search), each candidate evaluated apart (split, lower, FakeTensor peak replaying the
@@ -330,23 +334,7 @@ def _from_layout(log: StageLog, example: _Example, devices: list, options: Compi
                         layout.num_microbatches, options.grouping, trainer, forward_only, decision=_describe_signature)
     if layout.forward_parts:
         _check_forward_parts(trainer, analysis)
-    batch_reductions = None
-    if layout.num_microbatches > 1:
-        if whole is None and (any(r.scaled for r in primary.captured.reductions.values())
-                              or _returns_numbers(primary)):
-            whole = log.run("capture whole batch", cached_capture, example.model, None, example.args, example.kwargs,
-                            devices[0].torch_device, options.compute_dtype, decision=lambda _: "a number scales a "
-                            "loss cut into microbatches, or the model returns one: its value at the whole batch's "
-                            "size is what the batch computes")
-        if whole is not None:
-            log.run("compare with the whole batch", _check_cut_computes_alike, whole, variants, layout,
-                    decision=lambda _: "each microbatch's graph computes as the whole batch's")
-            batch_reductions = whole.captured.reductions
-        if schedule is not None:
-            # the planner's own cut only: one by hand is weighed at each call, or by the caller
-            # (HarmonyTrainer weighs a step's batches as transformers does)
-            log.run("weigh the loss", _weigh_the_loss, example, variants, layout, batch_reductions,
-                    decision=lambda _: "every scalar output put back together from the example's microbatches")
+    whole = _beside_the_whole_batch(log, example, variants, layout, whole, schedule, devices[0], options)
     shapes = Shapes(variants, layout.sizes, primary.masters, options.compute_dtype)
     context = PackingContext(variants, layout, signature, shapes, [d.torch_device for d in devices], updates,
                              options.verify, devices[0].budget, devices[0].margin)
@@ -405,9 +393,8 @@ def _from_layout(log: StageLog, example: _Example, devices: list, options: Compi
                     layout=layout, variants=variants, batch_analysis=analysis, flat_dims=example.flat_dims,
                     input_specs=input_specs, signature=candidate.signature, shapes=shapes, candidate=candidate,
                     device_programs=tuple(device_programs), plan=plan, passes=log, host_memory=memory,
-                    resident_weights=resident, batch_reductions=batch_reductions,
-                    batch_outputs=whole.captured.gm.graph.find_nodes(op="output")[0].args[0]
-                    if whole is not None and layout.num_microbatches > 1 else None)
+                    resident_weights=resident, batch_reductions=whole and whole.captured.reductions,
+                    batch_outputs=whole and whole.captured.gm.graph.find_nodes(op="output")[0].args[0])
 
 
 # ----------------------------------------------------------------------------------- the stages
@@ -508,6 +495,30 @@ def _capture_microbatches(example: _Example, layout: Layout, whole: Variant | No
                     example.model, size, mb_args, mb_kwargs, target, dtype)
     check_same_layers(variants, backward_sizes, forward_sizes)
     return variants
+
+
+def _beside_the_whole_batch(log: StageLog, example: _Example, variants: dict, layout: Layout, whole: Variant | None,
+                            schedule: Schedule | None, device, options: CompileOptions) -> Variant | None:
+    """Where the batch is cut, the whole batch's graph (the planner's, else captured where a
+    number scales the loss or is returned: what it is at the batch's size), each microbatch's graph
+    compared with it, and for the planner's cut the loss weighed on the example's microbatches;
+    ``None`` where the batch is whole or its graph was not needed."""
+    if layout.num_microbatches == 1:
+        return None
+    primary = variants[layout.mb_sizes[0]]
+    if whole is None and (any(r.scaled for r in primary.captured.reductions.values()) or _returns_numbers(primary)):
+        whole = log.run("capture whole batch", cached_capture, example.model, None, example.args, example.kwargs,
+                        device.torch_device, options.compute_dtype, decision=lambda _: "a number scales a loss cut "
+                        "into microbatches, or the model returns one: its value at the whole batch's size")
+    if whole is not None:
+        log.run("compare with the whole batch", _check_cut_computes_alike, whole, variants, layout,
+                decision=lambda _: "each microbatch's graph computes as the whole batch's")
+    if schedule is not None:
+        # the planner's own cut only: one by hand is weighed at each call, or by the caller
+        # (HarmonyTrainer weighs a step's batches as transformers does)
+        log.run("weigh the loss", _weigh_the_loss, example, variants, layout, whole and whole.captured.reductions,
+                decision=lambda _: "every scalar output put back together from the example's microbatches")
+    return whole
 
 
 def _returns_numbers(variant: Variant) -> bool:
