@@ -62,13 +62,17 @@ class LossModel(nn.Module):
 
 
 def loss_of(output: Any) -> torch.Tensor:
-    """The loss a model returns: the output itself, its ``.loss`` (Hugging Face), or its ``"loss"``."""
+    """The loss a model returns: the output itself, its ``.loss`` (Hugging Face), its ``"loss"``, or
+    the first item of a tuple that is a number (a Hugging Face model with ``return_dict=False``,
+    as transformers' Trainer takes it)."""
     if isinstance(output, torch.Tensor):
         loss = output
     elif isinstance(output, dict) and "loss" in output:
         loss = output["loss"]
     elif getattr(output, "loss", None) is not None:
         loss = output.loss
+    elif isinstance(output, (tuple, list)) and output and isinstance(output[0], torch.Tensor) and output[0].dim() == 0:
+        loss = output[0]
     else:
         raise ValueError(
             f"loss_fn=None means the model returns its loss, but it returned a {type(output).__name__}; name the "

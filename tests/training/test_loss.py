@@ -153,6 +153,27 @@ def test_a_model_returning_a_tuple_without_a_loss_fn_is_refused_with_what_to_do(
         harmony_fx.Trainer(model, None, torch.optim.SGD(model.parameters(), lr=0.1), _token_batch(1))
 
 
+def test_loss_fn_none_takes_the_first_item_of_a_tuple_that_is_a_number():
+    """A Hugging Face model with ``return_dict=False`` returns ``(loss, logits)``: transformers'
+    Trainer takes ``outputs[0]``; harmony refused it."""
+
+    class LossFirst(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = nn.Linear(4, 3)
+
+        def forward(self, features, labels):
+            logits = self.linear(features)
+            return F.cross_entropy(logits, labels), logits
+
+    torch.manual_seed(0)
+    batch = {"features": torch.randn(8, 4), "labels": torch.randint(0, 3, (8,))}
+    _, _, losses, ref_losses = _train(
+        LossFirst(), None, [batch], lambda m: torch.optim.SGD(m.parameters(), lr=0.1), lambda m, b: m(**b)[0],
+        steps=2, microbatches=2)
+    assert losses == pytest.approx(ref_losses, rel=RTOL, abs=ATOL)
+
+
 def test_a_loss_scale_multiplies_the_steps_loss_and_every_gradient():
     """``step(batch, loss_scale=3)``: three times the loss eager computes, and three times each
     gradient (what a caller adding its batches' losses asks for)."""
