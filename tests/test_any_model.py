@@ -234,6 +234,36 @@ def test_an_in_place_write_into_an_activation_stays_in_the_pack_that_made_it():
     assert_grads_equal(model, reference, RTOL, ATOL, inputs=inputs, ref_inputs=ref_inputs)
 
 
+class _WritesThroughDropout(nn.Module):
+    """``nn.Dropout(0.0)`` hands back its input itself: adding into its result in place writes that
+    input, which a pack boundary between them made a leaf (autograd refused the write)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.second, self.third = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8)
+        self.drop = nn.Dropout(0.0)
+
+    def forward(self, x):
+        h = self.first(x)
+        v = self.second(h) * 2
+        w = self.drop(v)
+        w += h
+        return self.third(v).mean() + w.mean()
+
+
+def test_a_write_into_what_dropout_handed_back_stays_in_one_pack_with_its_input():
+    x = torch.randn(4, 8, requires_grad=True)
+    try:
+        harmony_fx.compile(_WritesThroughDropout(), (x,), memory_budget=1, devices=["host:0"])
+    except harmony_fx.BudgetTooSmallError as error:
+        smallest = error.smallest_budget
+    torch.manual_seed(0)
+    hm, model, reference, inputs, ref_inputs = _step_both(_WritesThroughDropout(), (x,), lambda out: out,
+                                                          memory_budget=smallest, devices=["host:0"])
+    assert len(hm.packs) >= 3
+    assert_grads_equal(model, reference, RTOL, ATOL, inputs=inputs, ref_inputs=ref_inputs)
+
+
 class _WritesASlice(nn.Module):
     """A layer's output written into a slice of a tensor made without grad (``torch.zeros``): the
     tensor requires grad from the write on, so the next pack must take it as differentiable."""

@@ -7,7 +7,8 @@
 3. A layer is a maximal *contiguous* run of compute nodes (in topological order) with one key, so
    layers tile the compute nodes in order and packs can be contiguous ranges of layers.
 4. An op that writes in place into an activation (``relu_``, ``x[:, 0] = 0``) joins one layer with
-   the node that made that activation, and every layer between; one that writes a buffer through
+   the node that made that activation (through an op that may hand back its input: ``nn.Dropout(0.0)``),
+   and every layer between; one that writes a buffer through
    a view (``self.stats[0] += x``), with the view; and every node that reads a buffer written in
    place joins one layer with its writes: a pack then never writes into one of its inputs, so what it stashes, sends and recomputes is what eager saw (and autograd never
    meets an in-place write into a leaf).
@@ -72,7 +73,7 @@ def _merge_in_place_writes(gm: fx.GraphModule, layers: list[Layer]) -> list[Laye
         for written in written_arguments(node):
             # the activation's producer; for a buffer written through a view (self.stats[0] += x),
             # the view, so the pack that writes holds the buffer it writes
-            made = [alias for alias in alias_chain(written) if alias.op != "placeholder"]
+            made = [alias for alias in _writes_through(written) if alias.op != "placeholder"]
             if made and made[-1].meta[meta.LAYER] < node.meta[meta.LAYER]:
                 start = made[-1].meta[meta.LAYER]
                 reach[start] = max(reach[start], node.meta[meta.LAYER])
@@ -96,6 +97,24 @@ def _merge_in_place_writes(gm: fx.GraphModule, layers: list[Layer]) -> list[Laye
             for name in layer.nodes:
                 nodes[name].meta[meta.LAYER] = layer.index
     return merged
+
+
+# ops that hand back their input itself where they have nothing to do: dropout at p=0 or in eval,
+# a cast to the dtype it has, contiguous of a contiguous tensor
+_MAY_RETURN_INPUT = {torch.ops.aten.dropout.default, torch.ops.aten.alpha_dropout.default,
+                     torch.ops.aten.feature_dropout.default, torch.ops.aten.feature_alpha_dropout.default,
+                     torch.ops.aten.type_as.default, torch.ops.aten.to.dtype, torch.ops.aten.to.dtype_layout,
+                     torch.ops.aten.to.other, torch.ops.aten.to.device, torch.ops.aten.contiguous.default}
+
+
+def _writes_through(written: fx.Node) -> list[fx.Node]:
+    """What a write into ``written`` may write: its views' chain, and past an op that may hand back
+    its own input (``nn.Dropout(0.0)(v) += h`` writes ``v``), that input's chain too."""
+    chain = alias_chain(written)
+    while chain[-1].op == "call_function" and chain[-1].target in _MAY_RETURN_INPUT and \
+            isinstance(chain[-1].args[0], fx.Node):
+        chain += alias_chain(chain[-1].args[0])
+    return chain
 
 
 def _written_state_accesses(gm: fx.GraphModule) -> dict[fx.Node, set[int]]:
