@@ -18,7 +18,7 @@ from torch import fx
 from harmony_fx.analysis.aliasing import alias_base
 from harmony_fx.ir import meta
 
-__all__ = ["first_buffer_write", "written_arguments"]
+__all__ = ["first_buffer_write", "written_arguments", "written_by"]
 
 
 # BatchNorm's own buffers: per microbatch, or per device as DDP keeps them, by design
@@ -29,7 +29,7 @@ def first_buffer_write(gm: fx.GraphModule, statistics: bool = True) -> fx.Node |
     """The first node of ``gm`` that writes a buffer placeholder in place (``None``: none does);
     ``statistics=False``: not counting a batch norm's statistics."""
     for node in gm.graph.nodes:
-        for arg in map(alias_base, _written(node)):  # through a view too: self.stats[0] += x
+        for arg in map(alias_base, written_by(node)):  # through a view too: self.stats[0] += x
             if arg.op != "placeholder" or meta.role_of(arg) != meta.Role.BUFFER:
                 continue
             if statistics or not str(arg.meta.get(meta.TARGET, "")).endswith(_NORM_STATISTICS):
@@ -52,7 +52,10 @@ def written_arguments(node: fx.Node) -> list[fx.Node]:
     return written
 
 
-def _written(node: fx.Node) -> list[fx.Node]:
+def written_by(node: fx.Node, unknown_writes_all: bool = True) -> list[fx.Node]:
+    """What ``node`` writes in place: an ATen op's written arguments, or the operands a region
+    (``torch.no_grad()``'s ``wrap_with_set_grad_enabled``) writes, through views; of another
+    higher-order op, every operand (``unknown_writes_all``) or none."""
     target = node.target
     if isinstance(target, torch._ops.OpOverload):
         return written_arguments(node)
@@ -65,7 +68,8 @@ def _written(node: fx.Node) -> list[fx.Node]:
         index, region = regions[0]
         operands = node.args[index + 1:]
         placeholders = region.graph.find_nodes(op="placeholder")
-        written = {inner for inner_node in region.graph.nodes for inner in _written(inner_node)}
+        written = {alias_base(inner) for inner_node in region.graph.nodes
+                   for inner in written_by(inner_node, unknown_writes_all)}
         return [operand for operand, placeholder in zip(operands, placeholders)
                 if isinstance(operand, fx.Node) and placeholder in written]
-    return [arg for arg in node.all_input_nodes if arg.op != "get_attr"]
+    return [arg for arg in node.all_input_nodes if arg.op != "get_attr"] if unknown_writes_all else []

@@ -24,7 +24,8 @@ from typing import Callable
 import torch
 from torch import fx
 
-from harmony_fx.analysis.aliasing import alias_base, written_arguments
+from harmony_fx.analysis.aliasing import alias_base
+from harmony_fx.analysis.buffer_writes import written_by
 from harmony_fx.ir import meta
 from harmony_fx.ir.tracking import SIZED_AT_MOST
 from harmony_fx.passes.bound_sizes import unbacked_symbols
@@ -39,7 +40,7 @@ _READ_INTO_PYTHON = {torch.ops.aten.item.default, torch.ops.aten._local_scalar_d
 def first_refused(gm: fx.GraphModule) -> tuple[fx.Node, Callable[[str], str]] | None:
     """The first node of a construct above, and the message for it given where it is."""
     for node in gm.graph.nodes:
-        for written in written_arguments(node):
+        for written in written_by(node, unknown_writes_all=False):  # inside a no_grad region too
             base = alias_base(written)
             if base.op == "placeholder" and meta.role_of(base) == meta.Role.INPUT:
                 return node, lambda where, name=base.name: (

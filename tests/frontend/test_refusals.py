@@ -75,6 +75,27 @@ class _CountsInPython(nn.Module):
         return hidden * positive
 
 
+class _ClipsUnderNoGrad(nn.Module):
+    def __init__(self, what: str) -> None:
+        super().__init__()
+        self.linear = nn.Linear(8, 4)
+        self.what = what
+
+    def forward(self, x):
+        with torch.no_grad():
+            (x if self.what == "input" else self.linear.weight).clamp_(-0.5, 0.5)
+        return self.linear(x * 2)
+
+
+@pytest.mark.parametrize("what,says", [("input", r"modifies its input 'x' in place"),
+                                       ("parameter", r"modifies its parameter 'linear\.weight' in place")])
+def test_a_write_inside_no_grad_is_refused_as_one_outside(what, says):
+    """Inside ``torch.no_grad()`` export puts the write in a region of its own, which the refusal did
+    not look into: the caller's tensor kept its old values, silently."""
+    with pytest.raises(ValueError, match=says):
+        harmony_fx.compile(_ClipsUnderNoGrad(what), (torch.randn(4, 8),), devices=["host:0"])
+
+
 @pytest.mark.parametrize("model,inputs,says,line", [
     (_Repeated, lambda: (torch.randn(4, 8), torch.tensor([1, 3, 0, 2])), r"size depends on its values, with no "
      r"largest.*torch\.where", "torch.repeat_interleave(x, repeats, dim=0)"),
