@@ -91,9 +91,18 @@ class _AttentionStack(nn.Module):
         return x
 
 
+def _in_place_on_sequences() -> tuple[nn.Module, torch.Tensor]:
+    """ReLU(inplace=True) after a Linear over [B, T, F]: the Linear's output is a view of its matmul,
+    which real tensors differentiated through as_strided (one more matmul-sized tensor in backward
+    than the plan's FakeTensors held: out of memory at the tightest budget)."""
+    return (nn.Sequential(nn.Linear(16, 64), nn.ReLU(inplace=True), nn.Linear(64, 16), nn.Linear(16, 64),
+                          nn.ReLU(inplace=True), nn.Linear(64, 16)), torch.randn(4, 8, 16))
+
+
 @pytest.mark.parametrize("mode", list(DEVICES))
 @pytest.mark.parametrize("build", [lambda: (LSTMStack(head=4), torch.randn(4, 5, 8)),
-                                   lambda: (_AttentionStack(), torch.randn(4, 6, 16))], ids=["lstm", "attention"])
+                                   lambda: (_AttentionStack(), torch.randn(4, 6, 16)), _in_place_on_sequences],
+                         ids=["lstm", "attention", "in-place-on-a-view"])
 def test_lstm_and_attention_stacks_at_their_tightest_budget(build, mode):
     torch.manual_seed(0)
     model, x = build()

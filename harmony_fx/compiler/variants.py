@@ -16,6 +16,7 @@ from typing import Sequence
 import torch
 from torch import fx, nn
 
+from harmony_fx.analysis.aliasing import aliased, written_arguments
 from harmony_fx.analysis.requires_grad import annotate_requires_grad
 from harmony_fx.analysis.sizes import annotate_sizes
 from harmony_fx.frontend.capture import Captured, capture
@@ -78,6 +79,15 @@ def check_same_layers(variants: dict[int | None, Variant], backward_sizes: Seque
     for variant in others:
         if [layer.nodes for layer in variant.layers] == [layer.nodes for layer in first.layers]:
             continue
+        written = [node for v in (first, variant) for node in v.nodes.values()
+                   if node.name not in variant.nodes or node.name not in first.nodes if _copy_written_into(node)]
+        if written:
+            raise ValueError(
+                f"at a microbatch of {min(s or 0 for s in (first.size, variant.size))} sample(s) export drops "
+                f"{written[0].name!r} ({written[0].target}), a copy the model then writes into in place (`t = "
+                "h.transpose(0, 1).contiguous(); t.relu_()`: at one sample the copy is the tensor itself, and the "
+                "write reaches h): such a microbatch computes something else than the batch. Use microbatches "
+                "of at least 2 samples each, or microbatches=1.")
         where = next(((a, b) for a, b in zip(first.layers, variant.layers) if a.nodes != b.nodes), None)
         detail = ""
         if where is not None:
@@ -129,7 +139,7 @@ def check_computes_alike(whole: Variant, part: Variant, batch: int) -> None:
             pairs.extend(zip(ours[start:stop], theirs[other_start:other_stop]))
             continue
         computing = [node for node in ours[start:stop] + theirs[other_start:other_stop]
-                     if node.target not in _LAYOUT_ONLY]
+                     if node.target not in _LAYOUT_ONLY or _copy_written_into(node)]
         if computing:
             raise ValueError(
                 f"the model runs {meta.describe(computing[0])} on {'the whole batch' if computing[0] in ours else 'a microbatch'} "
@@ -153,6 +163,26 @@ _LAYOUT_ONLY = {torch.ops.aten.contiguous.default, torch.ops.aten.clone.default,
                 torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default, torch.ops.aten.reshape.default,
                 torch.ops.aten.expand.default, torch.ops.aten.squeeze.dim, torch.ops.aten.squeeze.dims,
                 torch.ops.aten.squeeze.default, torch.ops.aten.unsqueeze.default}
+
+
+def _copy_written_into(node: fx.Node) -> bool:
+    """Whether ``node`` copies (``contiguous``, ``clone``) into a tensor an op then writes in place,
+    directly or through a view: where export drops the copy (at a size-1 dim it is the tensor
+    itself), the write reaches the tensor it was copied from."""
+    if node.target not in (torch.ops.aten.contiguous.default, torch.ops.aten.clone.default):
+        return False
+    views, seen = [node], set()
+    while views:
+        current = views.pop()
+        if current in seen:
+            continue
+        seen.add(current)
+        for user in current.users:
+            if current in written_arguments(user):
+                return True
+            if aliased(user) is current:
+                views.append(user)
+    return False
 
 
 def _on_samples(node: fx.Node) -> bool:

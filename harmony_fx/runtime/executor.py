@@ -431,8 +431,11 @@ class Runtime:
         as the task's own (its in-place updates go nowhere), in place of the device's copies."""
         weights = self.device_values[Key(KeyKind.WEIGHTS, pack.name)]
         state = [weights[slot] for slot in pack.state_slot]
+        # views replayed as the plan's FakeTensor run replays them: on real tensors an in-place op on
+        # a view torch made inside an op (ReLU(inplace) after a Linear over [B, T, F]) would go through
+        # as_strided, whose backward holds one more tensor of the base's size than was planned
         with (self.device.compute_scope(), self._context(pack, what), torch.set_grad_enabled(grad),
-              ambient.scope(self.autocast)):
+              ambient.scope(self.autocast), torch.autograd._force_original_view_tracking(True)):
             if buffers:
                 copies = {slot: value.to(weights[slot].device, copy=True) for slot, value in buffers.items()}
                 state = [copies.get(slot, value) for slot, value in zip(pack.state_slot, state)]
