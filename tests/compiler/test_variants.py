@@ -70,3 +70,26 @@ def test_a_number_that_differs_on_the_samples_is_named():
     part = capture_variant(model, 4, (x[:4], y[:4]), {}, torch.device("cpu"))
     with pytest.raises(ValueError, match=r"with the number 8 on the whole batch of 8 and 4 on a microbatch of 4"):
         check_computes_alike(whole, part, 8)
+
+
+class _WritesIntoACopy(nn.Module):
+    """``contiguous()`` copies a transposed batch of two or more samples; of one, it is the tensor
+    itself (export drops it), and the in-place ReLU then writes ``h``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.second = nn.Linear(12, 12), nn.Linear(12, 16)
+
+    def forward(self, x):
+        h = self.first(x)
+        t = h.transpose(0, 1).contiguous()
+        t.relu_()
+        return self.second(h) + t.sum(0, keepdim=True).t()
+
+
+def test_a_microbatch_of_one_whose_graph_drops_a_copy_written_into_is_refused():
+    """A batch of 3 in microbatches of 2 and 1: the one-sample microbatch wrote h through the
+    dropped copy (gradients off by 2), silently."""
+    with pytest.raises(ValueError, match=r"microbatch of 1 sample.*drops 'contiguous'.*at least 2 samples"):
+        harmony_fx.compile(_WritesIntoACopy(), (torch.randn(3, 12),), devices=["host:0"], microbatches=2)
+    harmony_fx.compile(_WritesIntoACopy(), (torch.randn(4, 12),), devices=["host:0"], microbatches=2)  # 2 and 2
