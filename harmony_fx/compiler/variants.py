@@ -130,10 +130,10 @@ def check_computes_alike(whole: Variant, part: Variant, batch: int) -> None:
     ``analysis.reductions``."""
     ours = [node for node in whole.captured.gm.graph.nodes if node.op == "call_function"]
     theirs = [node for node in part.captured.gm.graph.nodes if node.op == "call_function"]
-    targets, other_targets = [n.target for n in ours], [n.target for n in theirs]
-    opcodes = ([("equal", 0, len(ours), 0, len(theirs))] if targets == other_targets else
-               difflib.SequenceMatcher(a=targets, b=other_targets, autojunk=False).get_opcodes())
-    pairs = []
+    pairs = _paired_past_layout_ops(ours, theirs)
+    opcodes = [] if pairs is not None else difflib.SequenceMatcher(
+        a=[n.target for n in ours], b=[n.target for n in theirs], autojunk=False).get_opcodes()
+    pairs = pairs or []
     for tag, start, stop, other_start, other_stop in opcodes:
         if tag == "equal":
             pairs.extend(zip(ours[start:stop], theirs[other_start:other_stop]))
@@ -163,6 +163,24 @@ _LAYOUT_ONLY = {torch.ops.aten.contiguous.default, torch.ops.aten.clone.default,
                 torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default, torch.ops.aten.reshape.default,
                 torch.ops.aten.expand.default, torch.ops.aten.squeeze.dim, torch.ops.aten.squeeze.dims,
                 torch.ops.aten.squeeze.default, torch.ops.aten.unsqueeze.default}
+
+
+def _paired_past_layout_ops(ours: list[fx.Node], theirs: list[fx.Node]) -> list[tuple[fx.Node, fx.Node]] | None:
+    """The two graphs' ops paired in order, stepping over an op only one runs where it only lays
+    values out (the usual difference: a ``contiguous`` export drops at a size-1 dim), in one pass;
+    ``None`` where that does not pair them (a diff then says what differs)."""
+    pairs, i, j = [], 0, 0
+    while i < len(ours) or j < len(theirs):
+        if i < len(ours) and j < len(theirs) and ours[i].target == theirs[j].target:
+            pairs.append((ours[i], theirs[j]))
+            i, j = i + 1, j + 1
+        elif i < len(ours) and ours[i].target in _LAYOUT_ONLY and not _copy_written_into(ours[i]):
+            i += 1
+        elif j < len(theirs) and theirs[j].target in _LAYOUT_ONLY and not _copy_written_into(theirs[j]):
+            j += 1
+        else:
+            return None
+    return pairs
 
 
 def _copy_written_into(node: fx.Node) -> bool:
