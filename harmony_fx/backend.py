@@ -119,9 +119,10 @@ def _warn_at_dynamos_last_compile() -> None:
     if compile_id is None or limit is None or compile_id.frame_compile_id != limit - 1:
         return
     warnings.warn(f"harmony_fx: Dynamo has now compiled this function {limit} times, its limit (torch._dynamo."
-                  "config.recompile_limit): a call in a new state after this one (a new sequence length, a new batch size) "
-                  "runs eagerly, outside harmony and its memory budget. Compile with dynamic=True (shapes that change "
-                  "do not compile again), pad the inputs to a few lengths, or raise the limit.", stacklevel=3)
+                  "config.recompile_limit): a call in a new state after this one (a new sequence length, a new "
+                  "batch size) runs eagerly, outside harmony and its memory budget. Compile with dynamic=True "
+                  "(shapes that change do not compile again), pad the inputs to a few lengths, or raise the limit.",
+                  stacklevel=3)
 
 
 def _num_microbatches(options: dict) -> int:

@@ -225,7 +225,8 @@ def test_dynamos_last_compile_of_a_function_warns_that_later_states_run_outside_
     memory budget no longer holds, which only Dynamo's log said, without naming harmony."""
     torch.manual_seed(0)
     compiled = torch.compile(MLPChain(width=8, depth=2), backend="harmony", dynamic=False)
-    with torch._dynamo.config.patch(recompile_limit=2), pytest.warns(UserWarning, match="compiled this function 2 times, its limit.*dynamic=True"):
+    warned = pytest.warns(UserWarning, match="compiled this function 2 times, its limit.*dynamic=True")
+    with torch._dynamo.config.patch(recompile_limit=2), warned:
         for batch in (2, 3):
             compiled(torch.randn(batch, 8))
 

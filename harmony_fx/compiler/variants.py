@@ -79,8 +79,9 @@ def check_same_layers(variants: dict[int | None, Variant], backward_sizes: Seque
     for variant in others:
         if [layer.nodes for layer in variant.layers] == [layer.nodes for layer in first.layers]:
             continue
-        written = [node for v in (first, variant) for node in v.nodes.values()
-                   if node.name not in variant.nodes or node.name not in first.nodes if _copy_written_into(node)]
+        only_one = set(first.nodes) ^ set(variant.nodes)
+        written = [node for v in (first, variant) for name, node in v.nodes.items()
+                   if name in only_one and _copy_written_into(node)]
         if written:
             raise ValueError(
                 f"at a microbatch of {min(s or 0 for s in (first.size, variant.size))} sample(s) export drops "
@@ -141,8 +142,9 @@ def check_computes_alike(whole: Variant, part: Variant, batch: int) -> None:
         computing = [node for node in ours[start:stop] + theirs[other_start:other_stop]
                      if node.target not in _LAYOUT_ONLY or _copy_written_into(node)]
         if computing:
+            where = "the whole batch" if computing[0] in ours else "a microbatch"
             raise ValueError(
-                f"the model runs {meta.describe(computing[0])} on {'the whole batch' if computing[0] in ours else 'a microbatch'} "
+                f"the model runs {meta.describe(computing[0])} on {where} "
                 f"only (a batch of {batch}, microbatches of {part.size}: Python control flow on the batch size, as in "
                 "`if x.shape[0] > 4:`), so microbatches would compute something else than the batch. Use "
                 "microbatches=1, or make the forward not depend on the batch size.")

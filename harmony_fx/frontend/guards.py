@@ -84,8 +84,9 @@ class CallKey:
                            else "the modules' training flags, parameters, buffers or hooks")
         if self.inputs != other.inputs:
             values = [(a, b) for a, b in zip(self.inputs[1:], other.inputs[1:]) if a != b]
-            if self.inputs[0] == other.inputs[0] and values and not any(
-                    isinstance(a, tuple) and len(a) == 4 and isinstance(a[0], torch.Size) for pair in values for a in pair):
+            tensors = [fact for pair in values for fact in pair
+                       if isinstance(fact, tuple) and len(fact) == 4 and isinstance(fact[0], torch.Size)]
+            if self.inputs[0] == other.inputs[0] and values and not tensors:
                 changes.append(f"the value of an input that is not a tensor ({values[0][1]!r} -> {values[0][0]!r}; "
                                "the graph holds it as a constant: pass a number that changes every call as a "
                                "0-dim tensor)")

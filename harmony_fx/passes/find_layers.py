@@ -7,11 +7,12 @@
 3. A layer is a maximal *contiguous* run of compute nodes (in topological order) with one key, so
    layers tile the compute nodes in order and packs can be contiguous ranges of layers.
 4. An op that writes in place into an activation (``relu_``, ``x[:, 0] = 0``) joins one layer with
-   the node that made that activation (through an op that may hand back its input: ``nn.Dropout(0.0)``),
-   and every layer between; one that writes a buffer through
-   a view (``self.stats[0] += x``), with the view; and every node that reads a buffer written in
-   place joins one layer with its writes: a pack then never writes into one of its inputs, so what it stashes, sends and recomputes is what eager saw (and autograd never
-   meets an in-place write into a leaf).
+   the node that made that activation (through an op that may hand back its input:
+   ``nn.Dropout(0.0)``), and every layer between; one that writes a buffer through a view
+   (``self.stats[0] += x``), with the view; and every node that reads a buffer written in place
+   joins one layer with its writes: a pack then never writes into one of its inputs, so what it
+   stashes, sends and recomputes is what eager saw (and autograd never meets an in-place write into
+   a leaf).
 
 Placeholders (parameters, buffers, inputs) and the output node belong to no layer; packs reach
 them through their inputs.
