@@ -330,6 +330,9 @@ def _follow_shared(node: fx.Node, c: _Context) -> None:
         constant = {j for j, size in enumerate(out_shape) if any(
             i in was and in_shape[i] == size and math.prod(in_shape[:i]) == math.prod(out_shape[:j])
             for i in range(len(in_shape)))}
+    elif name in ("linear", "mm", "addmm"):  # rows to rows: the same along the rows' dims it is the same along
+        rows = node.args[1] if name == "addmm" else source
+        constant = {d for d in c.constant.get(rows, ()) if d < rank - 1}
     elif name in ("transpose", "t", "swapaxes", "permute"):  # each dim is one of the source's, moved
         constant = {d for d in range(rank) if _parent_dim(node, d, c) in c.constant.get(source, ())}
     elif _RULES.get(name) in (_along, _reduction) and _acted_dims(node) is not None:

@@ -35,6 +35,7 @@ from typing import Any, Callable, Mapping
 import torch
 from torch import fx
 
+from harmony_fx.analysis.aliasing import aliased, written_arguments
 from harmony_fx.ir import meta
 
 __all__ = ["Combine", "ScalarReduction", "scalar_reduction"]
@@ -217,6 +218,8 @@ def _sources(node: fx.Node) -> tuple[list[fx.Node], list[fx.Node]]:
         if current in seen:
             continue
         seen.add(current)
+        # what writes into it in place, or into a view of it, adds to its value (z[:, :16] = v)
+        stack.extend(user for user in current.users if current in written_arguments(user) or aliased(user) is current)
         if current.op == "placeholder" and meta.role_of(current) == meta.Role.INPUT:
             inputs.append(current)
         elif current.op == "call_function" and _sized(current) and (

@@ -226,6 +226,8 @@ def test_ops_that_mix_samples_are_found(fn, why):
     lambda h, m: sum(torch.broadcast_tensors(h[:, :1], torch.arange(4.0)))
     + F.mse_loss(h[:, :1], h, reduction="none"),
     lambda h, m: h.roll(1, 1) + h.flip(-1) + F.logsigmoid(h),  # dims named ``dims``; DPO's log-sigmoid
+    # an RNN's initial state: zeros at the batch size through a layer, the same for every sample
+    lambda h, m: h + m.linear(torch.zeros(6, 4)) + torch.addmm(torch.ones(4), torch.zeros(6, 4), torch.eye(4)),
     # multiple choice: [B, C] flattened to [B * C], each row picked by arange(B * C), the identity
     lambda h, m: h + h.reshape(12, 2)[torch.arange(12), torch.zeros(12, dtype=torch.long)].reshape(6, 2).repeat(1, 2),
 ])

@@ -161,3 +161,16 @@ def test_labels_made_with_a_constant_are_counted_from_the_inputs_and_the_constan
     (reduction,) = captured.reductions.values()
     assert reduction.combine == Combine.MEAN
     assert reduction.count({"target": labels}) == 4
+
+
+def test_a_tensor_made_at_the_batchs_size_and_written_with_the_batch_is_a_mean_over_its_elements() -> None:
+    """``z = torch.zeros(B, 5); z[:, :3] = out``: the mean read ``z``, whose inputs the write adds;
+    it was refused as a number computed from a tensor made inside the model."""
+
+    def loss(out, target):
+        padded = torch.zeros(out.shape[0], 5)
+        padded[:, :3] = out - target
+        return padded.pow(2).mean()
+
+    reduction, _ = _reduction(loss, torch.randn(6, 3))
+    assert reduction.combine == Combine.MEAN and reduction.count({}) == 30
