@@ -800,6 +800,22 @@ def _unchanged_leading(node: fx.Node, c: _Context) -> _Dims:
     return [dim]
 
 
+def _entrywise_then_new_dims(node: fx.Node, c: _Context) -> _Dims:
+    """An op on each entry of its first argument that may add dims after the others (``one_hot``'s
+    classes; ``bucketize``'s boundaries, which must be the same for every sample)."""
+    if any(c.dim(arg) is not None for arg in _tensor_args(node)[1:]):
+        raise _mixed(node, "takes a second tensor batched along the batch dim")
+    return [_first_dim(node, c)]
+
+
+def _per_leading_sample(node: fx.Node, c: _Context) -> _Dims:
+    """An op that makes each sample's result from that sample's slice along dim 0 alone
+    (``affine_grid``: a grid per theta)."""
+    if _first_dim(node, c) != 0:
+        raise _mixed(node, "is batched along another dim than its first")
+    return [0]
+
+
 def _argument(node: fx.Node, name: str, default: Any = None) -> Any:
     """The ATen op's argument ``name`` at ``node``: given, or its schema default."""
     for index, argument in enumerate(node.target._schema.arguments):
@@ -1247,6 +1263,14 @@ _RULES = {
         "_upsample_nearest_exact2d", "_upsample_nearest_exact3d", "max_unpool2d", "max_unpool3d",
         "pixel_shuffle", "pixel_unshuffle", "channel_shuffle")},
     **{name: _spatial(lambda node: 2) for name in ("triu", "tril")},
+    # per matrix (the last two dims), per image (F.unfold, F.fold: the batch dim leads)
+    **{name: _spatial(lambda node: 2) for name in ("linalg_cholesky", "linalg_cholesky_ex", "cholesky", "linalg_inv",
+                                                   "linalg_inv_ex", "inverse", "linalg_det", "_linalg_det", "det",
+                                                   "linalg_slogdet", "_linalg_slogdet", "logdet", "linalg_eigh",
+                                                   "_linalg_eigh", "linalg_qr", "linalg_svd", "_linalg_svd",
+                                                   "im2col", "col2im")},
+    "one_hot": _entrywise_then_new_dims, "bucketize": _entrywise_then_new_dims,
+    "affine_grid_generator": _per_leading_sample,
     **{name: _padding for name in ("constant_pad_nd", "pad", "reflection_pad1d", "reflection_pad2d",
                                    "reflection_pad3d", "replication_pad1d", "replication_pad2d", "replication_pad3d",
                                    "_pad_circular")},

@@ -226,6 +226,11 @@ def test_ops_that_mix_samples_are_found(fn, why):
     lambda h, m: sum(torch.broadcast_tensors(h[:, :1], torch.arange(4.0)))
     + F.mse_loss(h[:, :1], h, reduction="none"),
     lambda h, m: h.roll(1, 1) + h.flip(-1) + F.logsigmoid(h),  # dims named ``dims``; DPO's log-sigmoid
+    # per sample: one_hot, bucketize, a matrix op per sample's matrix, F.unfold / F.fold, affine_grid
+    lambda h, m: h + F.one_hot((h > 0).long().sum(1) % 4, 4) + torch.bucketize(h, torch.tensor([0.0]))
+    + torch.linalg.det(h.view(6, 2, 2) @ h.view(6, 2, 2).transpose(1, 2) + torch.eye(2))[:, None],
+    lambda h, m: h + F.fold(F.unfold(h.view(6, 1, 2, 2), 1), (2, 2), 1).view(6, 4)
+    + F.affine_grid(h[:, :3].repeat(1, 2).view(6, 2, 3), [6, 1, 2, 2], align_corners=False).sum((1, 2, 3))[:, None],
     # an RNN's initial state: zeros at the batch size through a layer, the same for every sample
     lambda h, m: h + m.linear(torch.zeros(6, 4)) + torch.addmm(torch.ones(4), torch.zeros(6, 4), torch.eye(4)),
     # multiple choice: [B, C] flattened to [B * C], each row picked by arange(B * C), the identity
