@@ -251,6 +251,36 @@ class _WritesThroughDropout(nn.Module):
         return self.third(v).mean() + w.mean()
 
 
+class _ClampsUnderNoGrad(nn.Module):
+    """An activation clamped in place inside ``torch.no_grad()`` (a region of its own in the graph),
+    then passed through an in-place ReLU: a pack boundary between its producer and the region made
+    it a leaf, which autograd refused to write."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.randn(12))
+        self.linear = nn.Linear(12, 16)
+
+    def forward(self, x):
+        scaled = x * self.scale
+        h = self.linear(scaled)
+        with torch.no_grad():
+            h.clamp_(-2.0, 2.0)
+        return torch.relu_(h).square().sum() + (x + scaled).square().sum()
+
+
+def test_a_write_inside_no_grad_stays_in_one_pack_with_what_it_writes():
+    x = torch.randn(6, 12, requires_grad=True)
+    try:
+        harmony_fx.compile(_ClampsUnderNoGrad(), (x,), memory_budget=1, devices=["host:0"], microbatches=2)
+    except harmony_fx.BudgetTooSmallError as error:
+        smallest = error.smallest_budget
+    torch.manual_seed(0)
+    hm, model, reference, inputs, ref_inputs = _step_both(_ClampsUnderNoGrad(), (x,), lambda out: out,
+                                                          memory_budget=smallest, devices=["host:0"], microbatches=2)
+    assert_grads_equal(model, reference, RTOL, ATOL, inputs=inputs, ref_inputs=ref_inputs)
+
+
 def test_a_write_into_what_dropout_handed_back_stays_in_one_pack_with_its_input():
     x = torch.randn(4, 8, requires_grad=True)
     try:
@@ -371,15 +401,25 @@ class _RunningStatistic(nn.Module):
         return self.third(self.second(h) + self.stats[0])
 
 
-def test_a_buffer_updated_through_a_view_and_read_later_trains_like_eager():
+class _RunningStatisticWithoutGrad(_RunningStatistic):
+    """The same update under ``torch.no_grad()``: export puts it in a region of its own."""
+
+    def forward(self, x):
+        h = self.first(x)
+        with torch.no_grad():
+            self.stats[0] += h.mean(0)
+        return self.third(self.second(h) + self.stats[0])
+
+
+@pytest.mark.parametrize("build", [_RunningStatistic, _RunningStatisticWithoutGrad], ids=["grad", "no_grad"])
+def test_a_buffer_updated_through_a_view_and_read_later_trains_like_eager(build):
     x = torch.randn(8, 16)
     try:  # track_memory: each pack computes on device copies of its weights, as on a GPU
-        harmony_fx.compile(_RunningStatistic(), (x,), memory_budget=1, devices=["host:0"], microbatches=1,
-                           track_memory=True)
+        harmony_fx.compile(build(), (x,), memory_budget=1, devices=["host:0"], microbatches=1, track_memory=True)
     except harmony_fx.BudgetTooSmallError as error:
         smallest = error.smallest_budget
     torch.manual_seed(0)
-    hm, model, reference, _, _ = _step_both(_RunningStatistic(), (x,), lambda out: out.square().mean(),
+    hm, model, reference, _, _ = _step_both(build(), (x,), lambda out: out.square().mean(),
                                             memory_budget=smallest, devices=["host:0"], microbatches=1,
                                             track_memory=True)
     assert len(hm.packs) >= 3 and [pack.mutated_buffers for pack in hm.packs].count(("b_stats",)) == 1

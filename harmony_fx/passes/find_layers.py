@@ -8,7 +8,8 @@
    layers tile the compute nodes in order and packs can be contiguous ranges of layers.
 4. An op that writes in place into an activation (``relu_``, ``x[:, 0] = 0``) joins one layer with
    the node that made that activation (through an op that may hand back its input:
-   ``nn.Dropout(0.0)``), and every layer between; one that writes a buffer through a view
+   ``nn.Dropout(0.0)``, a ``torch.no_grad()`` region's result), and every layer between, writes
+   inside such a region included; one that writes a buffer through a view
    (``self.stats[0] += x``), with the view; and every node that reads a buffer written in place
    joins one layer with its writes: a pack then never writes into one of its inputs, so what it
    stashes, sends and recomputes is what eager saw (and autograd never meets an in-place write into
@@ -22,12 +23,14 @@ Writes ``LAYER`` and ``LAYER_NAME`` on every compute node.
 from __future__ import annotations
 
 import dataclasses
+import operator
 import re
 
 import torch
 from torch import fx
 
-from harmony_fx.analysis.aliasing import alias_chain, written_arguments
+from harmony_fx.analysis.aliasing import alias_base, alias_chain
+from harmony_fx.analysis.buffer_writes import written_by
 from harmony_fx.analysis.requires_grad import requires_grad_of
 from harmony_fx.ir import meta
 from harmony_fx.ir.values import leaves
@@ -71,7 +74,7 @@ def _merge_in_place_writes(gm: fx.GraphModule, layers: list[Layer]) -> list[Laye
     an op writing into it."""
     reach = list(range(len(layers)))  # reach[i]: the last layer that layer i must share a pack with
     for node in gm.graph.nodes:
-        for written in written_arguments(node):
+        for written in written_by(node, unknown_writes_all=False):  # inside a no_grad region too
             # the activation's producer; for a buffer written through a view (self.stats[0] += x),
             # the view, so the pack that writes holds the buffer it writes
             made = [alias for alias in _writes_through(written) if alias.op != "placeholder"]
@@ -110,26 +113,51 @@ _MAY_RETURN_INPUT = {torch.ops.aten.dropout.default, torch.ops.aten.alpha_dropou
 
 def _writes_through(written: fx.Node) -> list[fx.Node]:
     """What a write into ``written`` may write: its views' chain, and past an op that may hand back
-    its own input (``nn.Dropout(0.0)(v) += h`` writes ``v``), that input's chain too."""
+    its own input (``nn.Dropout(0.0)(v) += h`` writes ``v``) or a region's result that is one of its
+    operands (``with torch.no_grad(): h.clamp_(...)`` returns ``h``), that input's chain too."""
     chain = alias_chain(written)
-    while chain[-1].op == "call_function" and chain[-1].target in _MAY_RETURN_INPUT and \
-            isinstance(chain[-1].args[0], fx.Node):
-        chain += alias_chain(chain[-1].args[0])
+    while (source := _handed_back(chain[-1])) is not None:
+        chain += alias_chain(source)
     return chain
+
+
+def _handed_back(node: fx.Node) -> fx.Node | None:
+    """The input ``node`` may be at run time: an op's that may hand it back, or the operand a
+    ``wrap_with_*`` region returns (written in place inside it)."""
+    if node.op != "call_function" or not node.args or not isinstance(node.args[0], fx.Node):
+        return None
+    if node.target in _MAY_RETURN_INPUT:
+        return node.args[0]
+    region_call = node.args[0]
+    if node.target is not operator.getitem or not getattr(region_call.target, "__name__", "").startswith("wrap_with_"):
+        return None
+    root = node.graph.owning_module
+    position = next((i for i, arg in enumerate(region_call.args) if isinstance(arg, fx.Node) and arg.op == "get_attr"),
+                    None)
+    region = getattr(root, region_call.args[position].target, None) if position is not None else None
+    if not isinstance(region, fx.GraphModule):
+        return None
+    returned = region.graph.find_nodes(op="output")[0].args[0][node.args[1]]
+    placeholders = region.graph.find_nodes(op="placeholder")
+    base = alias_base(returned) if isinstance(returned, fx.Node) else None
+    if base not in placeholders:
+        return None
+    operand = region_call.args[position + 1 + placeholders.index(base)]
+    return operand if isinstance(operand, fx.Node) else None
 
 
 def _written_state_accesses(gm: fx.GraphModule) -> dict[fx.Node, set[int]]:
     """For each parameter or buffer the graph writes in place, the layers of every node that reads
     it or a view of it. They form one layer: the pack that writes a buffer holds its own copy, which
     another pack reading it would fetch before the write came back to the host."""
-    written = {base for node in gm.graph.nodes for arg in written_arguments(node)
-               for base in [alias_chain(arg)[-1]] if base.op == "placeholder" and meta.role_of(base) != meta.Role.INPUT}
+    written = {base for node in gm.graph.nodes for arg in written_by(node, unknown_writes_all=False)
+               for base in [alias_base(arg)] if base.op == "placeholder" and meta.role_of(base) != meta.Role.INPUT}
     accesses: dict[fx.Node, set[int]] = {}
     for node in gm.graph.nodes:
         if meta.LAYER not in node.meta:
             continue
         for arg in node.all_input_nodes:
-            base = alias_chain(arg)[-1]
+            base = alias_base(arg)
             if base in written:
                 accesses.setdefault(base, set()).add(node.meta[meta.LAYER])
     return accesses
