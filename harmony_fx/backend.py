@@ -336,9 +336,10 @@ def _wide_casts_dynamo_baked(gm: fx.GraphModule, options: dict) -> ValueError | 
     if dtype is None:
         return None
     for node in gm.graph.nodes:
-        named = [a for a in pytree.tree_leaves((node.args, node.kwargs)) if isinstance(a, torch.dtype)]
-        if any(d.is_floating_point and d.itemsize > dtype.itemsize for d in named):
-            return _baked_refusal(options.get("precision"), node, next(d for d in named if d.itemsize > dtype.itemsize))
+        wide = [a for a in pytree.tree_leaves((node.args, node.kwargs))
+                if isinstance(a, torch.dtype) and a.is_floating_point and a.itemsize > dtype.itemsize]
+        if wide:
+            return _baked_refusal(options.get("precision"), node, wide[0])
     return None
 
 

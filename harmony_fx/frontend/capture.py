@@ -392,9 +392,10 @@ def _where_and_labels(export_error: Exception, kwargs: dict) -> str:
     message = str(export_error)
     where = [f"{path}:{line} in {function}: {code.strip()}" for path, line, function, code in _RAISED_BY.findall(message)
              if not pathlib.Path(path).is_relative_to(torch_dir)]
-    where += [_full_path(w) for w in _CAUSED_BY.findall(message) if not (torch_dir / w.split(":")[0]).exists()]
+    caused_by = _CAUSED_BY.findall(message)
+    inside = [frame for frame in caused_by if (torch_dir / frame.split(":")[0]).exists()]
+    where += [_full_path(frame) for frame in caused_by if frame not in inside]
     text = f" The model's code at {where[0]}." if where else ""
-    inside = [w for w in _CAUSED_BY.findall(message) if (torch_dir / w.split(":")[0]).exists()]
     if inside:
         text += (f" Export stopped inside torch's own code (torch/{inside[0]}: a check of its inputs' values, as "
                  "gaussian_nll_loss makes of its variance), which no option changes: call that function outside "

@@ -182,27 +182,29 @@ def _term_weights(reductions: Sequence[ScalarReduction], inputs: Sequence[Mappin
     if whole is not None:
         # term_i = m(b_i) * r_i and the batch's term = m(B) * r, where r = sum_i share_i * r_i (a
         # sum's shares are 1): microbatch i weighs m(B) / m(b_i) times its share, whatever m is
-        if whole.combine == Combine.SUM:
-            shares = [1.0] * len(reductions)
-        else:
-            counts = [reduction.count(mb_inputs) for reduction, mb_inputs in zip(reductions, inputs)]
-            shares = [count / sum(counts) if sum(counts) else float("nan") for count in counts]
+        shares = [1.0] * len(reductions) if whole.combine == Combine.SUM else _shares(reductions, inputs, total)
         weights = [share * whole.multiplier / reduction.multiplier for share, reduction in zip(shares, reductions)]
         return weights, math.isclose(sum(weights), 1.0, rel_tol=1e-9)
     if reductions[0].combine == Combine.SUM:
         divisors = [reduction.divisor for reduction in reductions]
         if divisors[0] is not None and (len(set(divisors)) > 1 or divisors == [size and float(size) for size in sizes]):
-            whole = total(sum(divisors))
-            return [divisor / whole for divisor in divisors], True  # a sum over the batch / its size
+            whole_divisor = total(sum(divisors))
+            return [divisor / whole_divisor for divisor in divisors], True  # a sum over the batch / its size
         scales = [reduction.scale for reduction in reductions]
         if scales[0] is not None and len(set(scales)) > 1 and all(
                 size and math.isclose(scale * size, 1.0, rel_tol=1e-6) for scale, size in zip(scales, sizes)):
-            whole = total(sum(sizes))
-            return [size / whole for size in sizes], True  # a sum over the batch times one over its size
+            whole_size = total(sum(sizes))
+            return [size / whole_size for size in sizes], True  # a sum over the batch times one over its size
         return [1.0] * len(reductions), False
+    return _shares(reductions, inputs, total), True
+
+
+def _shares(reductions: Sequence[ScalarReduction], inputs: Sequence[Mapping[str, torch.Tensor]],
+            total: Callable[[float], float]) -> list[float]:
+    """Each microbatch's share of a mean: its count over the whole batch's (NaN where nothing counts)."""
     counts = [reduction.count(mb_inputs) for reduction, mb_inputs in zip(reductions, inputs)]
     whole = total(sum(counts))
-    return [count / whole if whole else float("nan") for count in counts], True
+    return [count / whole if whole else float("nan") for count in counts]
 
 
 def _rounded(weights: Sequence[float]) -> str:
