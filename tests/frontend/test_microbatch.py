@@ -418,17 +418,7 @@ class _Heads(nn.Module):
 def test_a_linear_combination_of_means_and_sums_is_put_back_together(loss):
     """One weight per microbatch serves every term that weighs the microbatches alike; uneven
     microbatches (4, 3, 3) make the weights differ."""
-    torch.manual_seed(0)
-    model = _Heads(loss)
-    reference = copy.deepcopy(model)
-    x = torch.randn(10, 4)
-    hm = harmony_fx.compile(model, x, microbatches=3)
-    out, expected = hm(x), reference(x)
-    torch.testing.assert_close(out, expected, rtol=RTOL, atol=ATOL)
-    out.backward()
-    expected.backward()
-    for param, ref in zip(model.parameters(), reference.parameters()):
-        torch.testing.assert_close(param.grad, ref.grad, rtol=RTOL, atol=ATOL)
+    _assert_the_compiled_call_is_eagers(loss, torch.randn(10, 4), 3)
 
 
 @pytest.mark.parametrize("loss,microbatches", [
@@ -459,17 +449,8 @@ def test_a_number_scaling_a_loss_weighs_the_microbatches_as_the_whole_batchs_gra
     """Each microbatch's graph holds its own number (its size, its element count); whether that
     number is the batch's size, grows with it or is a constant was guessed from the microbatch's size
     (2x, 4x or half the loss, silently). The whole batch's graph says what it is there."""
-    torch.manual_seed(0)
-    model = _Heads(loss)
-    reference = copy.deepcopy(model)
     x = torch.randn(8, 4)
-    hm = harmony_fx.compile(model, x, microbatches=2)
-    out, expected = hm(x), reference(x)
-    torch.testing.assert_close(out, expected, rtol=RTOL, atol=ATOL)
-    out.backward()
-    expected.backward()
-    for param, ref in zip(model.parameters(), reference.parameters()):
-        torch.testing.assert_close(param.grad, ref.grad, rtol=RTOL, atol=ATOL)
+    _assert_the_compiled_call_is_eagers(loss, x, 2)
     _assert_the_trainers_step_is_eagers(loss, x, 4)
 
 
@@ -478,6 +459,21 @@ def test_the_whole_batch_is_captured_beside_the_microbatches_only_where_a_number
                          (lambda a, b, m: a.pow(2).mean() + b.abs().mean() / 3, True)):
         hm = harmony_fx.compile(_Heads(loss), torch.randn(8, 4), microbatches=2)
         assert ("capture whole batch" in [stage.name for stage in hm.passes]) == scaled
+
+
+def _assert_the_compiled_call_is_eagers(loss, x: torch.Tensor, microbatches: int) -> None:
+    """One call of ``_Heads(loss)`` compiled with ``microbatches``, and its backward: eager's loss
+    and every gradient."""
+    torch.manual_seed(0)
+    model = _Heads(loss)
+    reference = copy.deepcopy(model)
+    hm = harmony_fx.compile(model, x, microbatches=microbatches)
+    out, expected = hm(x), reference(x)
+    torch.testing.assert_close(out, expected, rtol=RTOL, atol=ATOL)
+    out.backward()
+    expected.backward()
+    for param, ref in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(param.grad, ref.grad, rtol=RTOL, atol=ATOL)
 
 
 def _assert_the_trainers_step_is_eagers(loss, x: torch.Tensor, microbatches: int) -> None:
