@@ -48,7 +48,9 @@ def bound_sizes(gm: fx.GraphModule) -> fx.GraphModule:
 
 def unbacked_symbols(value) -> set:
     """The symbols of sizes that depend on the values in ``value`` (a node's ``meta["val"]``)."""
-    return {symbol for leaf in leaves(value) if isinstance(leaf, (torch.Tensor, torch.SymInt, torch.SymBool))
+    # a tensor whose sizes and strides are all ints (nearly every node) has none: the flag is C's, the walk is not
+    return {symbol for leaf in leaves(value) if isinstance(leaf, (torch.SymInt, torch.SymBool))
+            or isinstance(leaf, torch.Tensor) and leaf._has_symbolic_sizes_strides
             for symbol in free_unbacked_symbols(leaf)}
 
 
