@@ -151,6 +151,43 @@ def test_fewer_microbatches_than_devices_is_refused():
         harmony_fx.compile(model, x, devices=["host:0", "host:1"], microbatches=1, parallel="dp")
 
 
+class _SoftmaxOverTheBatch(torch.nn.Module):
+    """Its samples are computed together: no microbatch computes what the whole batch does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = torch.nn.Linear(16, 16), torch.nn.Linear(16, 16), torch.nn.Linear(16, 4)
+
+    def forward(self, x):
+        return self.c(torch.relu(self.b(torch.softmax(torch.relu(self.a(x)), dim=0))))
+
+
+@pytest.mark.parametrize("parallel", ["auto", "pp"])
+@pytest.mark.parametrize("name", ["softmax over the batch", "batchnorm"])
+def test_a_batch_kept_whole_on_several_devices_runs_as_a_pipeline_like_eager(name, parallel):
+    """microbatches=None: the planner keeps such a batch whole, and the devices take turns on it.
+    (It was cut into one microbatch per device, which changes the loss, every gradient and
+    BatchNorm's running statistics.)"""
+    torch.manual_seed(0)
+    generator = torch.Generator().manual_seed(1)
+    if name == "batchnorm":
+        model, x = SmallCNN(channels=8, depth=4), torch.randn(8, 3, 8, 8, generator=generator)
+    else:
+        model, x = _SoftmaxOverTheBatch(), torch.randn(8, 16, generator=generator)
+    reference = copy.deepcopy(model)
+    options = dict(devices=["host:0", "host:1"], parallel=parallel)
+    with pytest.raises(harmony_fx.BudgetTooSmallError) as refusal:
+        harmony_fx.compile(model, x, memory_budget=1, **options)
+    hm = harmony_fx.compile(model, x, memory_budget=refusal.value.smallest_budget, **options)
+    hm(x).square().mean().backward()
+    reference(x).square().mean().backward()
+    assert hm.device_microbatches == [(0,), (0,)] and len(hm.packs) > 1
+    for (param_name, param), expected in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(param.grad, expected.grad, rtol=RTOL, atol=ATOL, msg=param_name)
+    for buffer, expected in zip(model.buffers(), reference.buffers()):
+        torch.testing.assert_close(buffer, expected, rtol=RTOL, atol=ATOL)
+
+
 @pytest.mark.parametrize("num_devices", [2, 3])
 @pytest.mark.parametrize("name", ["mlp_chain", "residual_mlp", "tiny_gpt"])
 @pytest.mark.parametrize("chaos", [None, 0, pytest.param(1, marks=pytest.mark.slow)],

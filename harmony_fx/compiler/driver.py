@@ -138,11 +138,12 @@ def _compile_program(model: nn.Module, args: tuple, kwargs: dict, options: Compi
             whole = log.run("capture whole batch", cached_capture, model, None, args, kwargs,
                             devices[0].torch_device, options.compute_dtype, decision=_describe_variant)
             analysis = log.run("analyze batch", _analyze_batch, whole, batch, flat_dims, decision=_describe_batch)
-            if options.microbatches is None and options.parallel != "dp" and \
-                    first_buffer_write(whole.captured.gm, statistics=False) is not None:
-                # a buffer the forward updates (spectral_norm, a step counter; not BatchNorm's
-                # statistics, per device as in DDP) would be updated once per microbatch, or by each
-                # device in turn: one microbatch, and several devices form a pipeline
+            if options.microbatches is None and options.parallel != "dp" and (
+                    not analysis.separable or first_buffer_write(whole.captured.gm, statistics=False) is not None):
+                # samples computed together (a softmax over the batch, BatchNorm in training), or a
+                # buffer the forward updates (spectral_norm, a step counter; not BatchNorm's statistics,
+                # per device as in DDP) updated once per microbatch or by each device in turn: one
+                # microbatch, and several devices form a pipeline, whatever the planner's search finds
                 options = dataclasses.replace(options, microbatches=1,
                                               parallel="pp" if len(devices) > 1 else options.parallel)
             schedules = log.run("choose schedule", choose_schedules, whole.captured.gm, model, batch, devices,

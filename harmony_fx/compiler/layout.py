@@ -62,8 +62,9 @@ def decide_layout(schedule: Schedule | None, options: CompileOptions, num_device
     if num_microbatches > 1:  # a batch of fewer samples than microbatches (a loader's last): one sample each
         num_microbatches = min(num_microbatches, max(batch_size(), 1))
     # where those are fewer than the devices, data parallelism would leave a device without work:
-    # every device runs its packs on each, as a pipeline
-    short = num_microbatches < min(asked, num_devices)
+    # every device runs its packs on each, as a pipeline (unless data parallelism was asked for by name,
+    # with that many microbatches: then it is refused, saying so)
+    short = num_microbatches < min(asked, num_devices) or (parallel == "auto" and num_microbatches < num_devices)
     parallel = "single" if num_devices == 1 else ("pp" if parallel == "pp" or short else "dp")
     parts = forward_parts(num_microbatches, options.forward_microbatches if schedule is None
                           else schedule.forward_microbatches)

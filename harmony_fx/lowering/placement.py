@@ -43,7 +43,8 @@ def data_parallel_microbatches(num_microbatches: int, num_devices: int) -> list[
     """The microbatches each device runs: contiguous shares, as even as they can be."""
     if num_microbatches < num_devices:
         raise ValueError(f"microbatches={num_microbatches} is fewer than the {num_devices} devices: "
-                         "data-parallel needs at least one microbatch per device.")
+                         "data-parallel needs at least one microbatch per device; pass parallel='pp' (the "
+                         "devices run every microbatch in turn, as a pipeline) or at least that many microbatches.")
     shares, start = [], 0
     for device in range(num_devices):
         count = num_microbatches // num_devices + (1 if device < num_microbatches % num_devices else 0)

@@ -375,7 +375,8 @@ def _settings(batch_size: int, max_devices: int, parallel: str | None, microbatc
             counts = [microbatches] if microbatches else sorted(
                 {batch_size // size for size in _powers_of_two(batch_size)} | {devices})
             for count in counts:
-                if count >= devices and count <= batch_size:
+                # data parallelism needs a microbatch per device; a pipeline's devices take turns on each
+                if (count >= devices or mode == "pp") and count <= batch_size:
                     yield count, mode, devices
 
 

@@ -145,8 +145,17 @@ def test_a_batch_smaller_than_the_microbatches_runs_one_sample_each(batch, num_d
 
 def test_microbatches_fewer_than_the_devices_asked_for_are_still_refused():
     """Not a short batch: the user's own setting, which data parallelism cannot run."""
-    with pytest.raises(ValueError, match="fewer than the 2 devices"):
+    with pytest.raises(ValueError, match="fewer than the 2 devices.*parallel='pp'"):
         decide_layout(None, CompileOptions(microbatches=1, parallel="dp"), 2, lambda: 8)
+
+
+@pytest.mark.parametrize("num_devices, num", [(2, 1), (3, 2)])
+def test_fewer_microbatches_than_devices_with_parallel_left_to_choose_run_as_a_pipeline(num_devices, num):
+    """parallel="auto" (a Trainer's gradient accumulation of 1 on two devices): not data parallelism,
+    which would leave a device without a microbatch."""
+    layout = decide_layout(None, CompileOptions(microbatches=num), num_devices, lambda: 8)
+    assert layout.parallel == "pp" and layout.num_microbatches == num
+    assert layout.device_microbatches == (tuple(range(num)),) * num_devices
 
 
 @pytest.mark.parametrize("devices", [1, 2])

@@ -105,6 +105,17 @@ def test_each_step_equals_transformers_trainer(runs):
     assert not trainer.accelerator.device_placement
 
 
+def test_two_devices_without_gradient_accumulation_step_as_transformers_trainer(tmp_path):
+    """The default gradient_accumulation_steps=1 is one microbatch: the two devices run it as a
+    pipeline (it was refused as data parallelism, which needs a microbatch per device)."""
+    arguments = {"gradient_accumulation_steps": 1, "per_device_train_batch_size": 8, "max_steps": 3}
+    _, expected, _ = _train(transformers.Trainer, build_hf_model("llama"), tmp_path / "eager", arguments=arguments)
+    trainer, steps, _ = _train(HarmonyTrainer, build_hf_model("llama"), tmp_path / "harmony", arguments=arguments,
+                               harmony_options={"memory_budget": "1MiB", "devices": ["host:0", "host:1"]})
+    _assert_same_steps(steps, expected)
+    assert trainer.harmony.hm.device_microbatches == [(0,), (0,)]
+
+
 def test_a_resumed_run_continues_as_the_unbroken_one(runs):
     """Resumed from step 5 in a new trainer over a differently seeded model: the checkpoint's
     weights, optimizer, scheduler and RNG states make steps 6-10 (and the evaluation at 10) those

@@ -371,3 +371,14 @@ def test_a_pipeline_is_also_simulated_handing_on_through_the_host():
     fixed = search(_ISSUE_BOUND, _ISSUE_SPEC, host, handoff="peer", **options)
     assert not [policy for policy in fixed.compared if "through the host" in policy]
     assert fixed.schedule.handoff == "peer"
+
+
+def test_one_microbatch_on_several_devices_is_searched_as_a_pipeline():
+    """A batch the planner keeps whole (its samples computed together) on two devices: the devices
+    take turns on it; data parallelism, which needs a microbatch each, is not among the candidates."""
+    host = HostSpec(update_params_per_second=1e9)
+    choice = search(_ISSUE_BOUND, _ISSUE_SPEC, host, batch_size=16, microbatches=1, devices=2, all_devices=True)
+    assert choice.schedule.parallel == "pp" and choice.schedule.microbatches == 1
+    with pytest.raises(PlanningError):
+        search(_ISSUE_BOUND, _ISSUE_SPEC, host, batch_size=16, microbatches=1, devices=2, parallel="dp",
+               all_devices=True)
