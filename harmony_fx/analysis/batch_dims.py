@@ -286,7 +286,7 @@ def _follow_shared(node: fx.Node, c: _Context) -> None:
         inserted = _norm(node.args[1], rank)
         constant = {d + (d >= inserted) for d in c.constant.get(source, ())} | {inserted}
         iota = None if source not in c.iota else c.iota[source] + (c.iota[source] >= inserted)
-    elif name == "expand":
+    elif name in ("expand", "expand_as"):
         offset = rank - len(_shape(source))
         constant = set(range(offset)) | {d + offset for d in c.constant.get(source, ())}
         constant |= {i + offset for i, (was, now) in enumerate(zip(_shape(source), _shape(node)[offset:]))
@@ -410,9 +410,16 @@ def _written(node: fx.Node) -> fx.Node | None:
     """The tensor an in-place op (``copy_``, ``fill_``, ``masked_fill_``, ...) writes into: its first argument."""
     if not isinstance(node.target, torch._ops.OpOverload) or not node.args or not isinstance(node.args[0], fx.Node):
         return None
+    if node.target._schema.name.split("::")[-1] in _IN_PLACE_VIEWS:  # a new shape for the same values
+        return None
     arguments = node.target._schema.arguments
     info = arguments[0].alias_info if arguments else None
     return node.args[0] if info is not None and info.is_write else None
+
+
+# views that change their input's shape in place (``h.squeeze_(1)``; functorch's batching rules
+# make them too): named as the view (its rule), and writing no value
+_IN_PLACE_VIEWS = {"squeeze_", "unsqueeze_", "transpose_", "t_", "swapdims_", "swapaxes_"}
 
 
 def _write(node: fx.Node, c: _Context) -> None:
@@ -539,7 +546,8 @@ _FILL = {"zeros", "ones", "full", "empty", "empty_strided", "new_zeros", "new_on
 def _name(node: fx.Node) -> str:
     target = node.target
     if isinstance(target, torch._ops.OpOverload):
-        return target._schema.name.split("::")[-1]
+        name = target._schema.name.split("::")[-1]
+        return name[:-1] if name in _IN_PLACE_VIEWS else name
     return getattr(target, "__name__", str(target))
 
 
@@ -1287,7 +1295,7 @@ _RULES = {
     **{name: _loss for name in _CLASS_LOSSES | _ELEMENT_LOSSES},
     **{name: _select for name in ("select", "index_select", "slice", "narrow")},
     **{name: _split for name in ("split", "split_with_sizes", "chunk", "unbind", "tensor_split")},
-    "expand": _expand, "broadcast_tensors": _broadcast_tensors, "transpose": _transpose, "t": _transpose,
+    "expand": _expand, "expand_as": _expand, "broadcast_tensors": _broadcast_tensors, "transpose": _transpose, "t": _transpose,
     "swapaxes": _transpose, "permute": _permute,
     "unsqueeze": _unsqueeze, "cat": _cat, "concat": _cat, "concatenate": _cat, "stack": _cat, "index": _index,
     "gather": _gather,

@@ -293,7 +293,7 @@ def _mean_over_labels(gm: fx.GraphModule, loss: fx.Node, state: Mapping[str, tor
         class_weights = None if weight is None else _function_of(gm, weight, "class weights", state, inputs=False)
     except ValueError as error:
         return ScalarReduction(None, why=str(error))
-    read = (loss.args[1].name, ignore_index, None if weight is None else weight.name)
+    read = (_reshaped_from(loss.args[1]).name, ignore_index, None if weight is None else weight.name)
     if class_weights is None:
         return ScalarReduction(Combine.MEAN, lambda inputs: int((labels(inputs) != ignore_index).sum()), labels=read)
 
@@ -303,6 +303,19 @@ def _mean_over_labels(gm: fx.GraphModule, loss: fx.Node, state: Mapping[str, tor
         return float(class_weights({}).detach().to("cpu", torch.float64)[kept.to("cpu")].sum())
 
     return ScalarReduction(Combine.MEAN, weight_of_kept, labels=read)
+
+
+# ops whose result holds its input's values, each once: labels reshaped by each term of a loss
+# (``labels.view(-1)`` at every depth of a deeply supervised model) are the same labels
+_SAME_VALUES_RESHAPED = frozenset({"view", "reshape", "_unsafe_view", "_reshape_alias", "flatten", "contiguous",
+                                   "clone", "alias", "detach", "squeeze", "unsqueeze"})
+
+
+def _reshaped_from(node: fx.Node) -> fx.Node:
+    while (node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload)
+           and node.target._schema.name.split("::")[-1] in _SAME_VALUES_RESHAPED and isinstance(node.args[0], fx.Node)):
+        node = node.args[0]
+    return node
 
 
 def _function_of(gm: fx.GraphModule, node: fx.Node, what: str, state: Mapping[str, torch.Tensor] | None = None,

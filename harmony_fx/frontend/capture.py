@@ -48,6 +48,7 @@ from harmony_fx.frontend.backward_hooks import (
 from harmony_fx.frontend.compute_dtype import fake_in, in_compute_dtype
 from harmony_fx.frontend.causal_masks import causal_masks_applied
 from harmony_fx.frontend.decomposition_fixes import decomposition_fixes
+from harmony_fx.frontend.functorch_regions import inline_vmap_regions
 from harmony_fx.frontend.key_value_caches import key_value_caches_off
 from harmony_fx.frontend.random_branches import RandomBranchError, certain_random_branches
 from harmony_fx.frontend.refusals import first_refused, refusal
@@ -490,7 +491,7 @@ def _capture_with_export(model: nn.Module, args: tuple, kwargs: dict, stack_trac
         raise NotImplementedError(f"exported graph has non-user outputs {unsupported}")
     named_params = dict(model.named_parameters(remove_duplicate=False))
     named_buffers = dict(model.named_buffers(remove_duplicate=False))
-    gm = exported.graph_module
+    gm = inline_vmap_regions(exported.graph_module)
     placeholders = {node.name: node for node in gm.graph.find_nodes(op="placeholder")}
     params, buffers, inputs = {}, {}, []
     for spec in signature.input_specs:

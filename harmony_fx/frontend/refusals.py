@@ -26,6 +26,7 @@ from torch import fx
 
 from harmony_fx.analysis.aliasing import alias_base
 from harmony_fx.analysis.buffer_writes import written_by
+from harmony_fx.frontend.functorch_regions import functorch_call
 from harmony_fx.ir import meta
 from harmony_fx.ir.tracking import SIZED_AT_MOST
 from harmony_fx.passes.bound_sizes import unbacked_symbols
@@ -56,6 +57,11 @@ def first_refused(gm: fx.GraphModule) -> tuple[fx.Node, Callable[[str], str]] | 
                     f"with torch.no_grad(): ...), or leave max_norm out.")
         if node.op != "call_function":
             continue
+        if functorch_call(node):
+            return node, lambda where, call=node.target.__name__: (
+                f"the model runs a torch.func transform other than torch.vmap in its forward ({call} at {where}): "
+                "forward-mode derivatives computed inside the forward are not something harmony_fx's packs replay "
+                "in backward. Compute them outside the compiled model, or write the derivative as ops.")
         if getattr(node.target, "__name__", None) in _CONTROL_FLOW and not isinstance(node.target, torch._ops.OpOverload):
             return node, lambda where, op=node.target.__name__: (
                 f"the model runs torch.{op} at {where}: harmony_fx plans each pack by running it on FakeTensors, "

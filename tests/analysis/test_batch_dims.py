@@ -233,6 +233,10 @@ def test_ops_that_mix_samples_are_found(fn, why):
     + F.affine_grid(h[:, :3].repeat(1, 2).view(6, 2, 3), [6, 1, 2, 2], align_corners=False).sum((1, 2, 3))[:, None],
     # an RNN's initial state: zeros at the batch size through a layer, the same for every sample
     lambda h, m: h + m.linear(torch.zeros(6, 4)) + torch.addmm(torch.ones(4), torch.zeros(6, 4), torch.eye(4)),
+    # views that change their input's shape in place (functorch's batching rules make them too)
+    lambda h, m: h.unsqueeze(1).squeeze_(1).t_().t_() + h.unsqueeze(0).transpose_(0, 1).squeeze_(1),
+    # F.normalize: x / norm.clamp_min(eps).expand_as(x)
+    lambda h, m: F.normalize(h, dim=-1),
     # multiple choice: [B, C] flattened to [B * C], each row picked by arange(B * C), the identity
     lambda h, m: h + h.reshape(12, 2)[torch.arange(12), torch.zeros(12, dtype=torch.long)].reshape(6, 2).repeat(1, 2),
 ])

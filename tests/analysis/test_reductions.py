@@ -138,7 +138,10 @@ def test_a_mean_over_labels_beside_another_mean_is_cut_only_by_hand() -> None:
 
     torch.manual_seed(0)
     for loss, cut in ((lambda out, target: F.cross_entropy(out, target) + 0.01 * out.pow(2).mean(), False),
-                      (lambda out, target: F.cross_entropy(out, target) + 0.5 * F.nll_loss(out, target), True)):
+                      (lambda out, target: F.cross_entropy(out, target) + 0.5 * F.nll_loss(out, target), True),
+                      # each term reshaping the labels itself (a deeply supervised model's heads): the same labels
+                      (lambda out, target: F.cross_entropy(out.view(-1, 3), target.view(-1))
+                       + 0.5 * F.cross_entropy(out.reshape(-1, 3), target.reshape(-1)), True)):
         captured = capture(Loss(loss), (torch.randn(6, 4), torch.tensor([0, 1, -100, 2, 1, 0])))
         analysis = analyze_batch_dims(captured.gm, dict.fromkeys(captured.inputs, 0), 6, captured.reductions)
         assert analysis.separable == cut, analysis.reason
