@@ -4,8 +4,9 @@ Every float32 training sample of ``torch.testing._internal.common_modules.module
 trains and ``torch.export`` captures (harmony_fx falls back to ``symbolic_trace`` for the others;
 they are outside this walk) is compiled twice, with no budget and at the smallest budget
 that fits (from ``BudgetTooSmallError.smallest_budget``), and each run is compared with eager on a
-copy: every output, every parameter gradient and every input gradient (a fixed random weighting of
-the outputs is the loss, so each output's gradient is exercised).
+copy: every output, every parameter gradient, every input gradient (a fixed random weighting of
+the outputs is the loss, so each output's gradient is exercised) and every floating buffer (running
+statistics).
 
 The default run takes the first sample of each module; ``-m walk`` walks every sample (hours).
 ``python -m tests.test_module_db [first module] [last module]`` walks every sample (of the modules
@@ -118,6 +119,9 @@ def check_sample(name: str, index: int) -> str:
             _assert_equal(param.grad, ref.grad, f"{where}: gradient of {param_name}")
         for i, (x, ref) in enumerate(zip(_float_leaves((call_args, call_kwargs)), _float_leaves((ref_args, ref_kwargs)))):
             _assert_equal(x.grad, ref.grad, f"{where}: gradient of input {i}")
+        for (buffer_name, buffer), ref in zip(model.named_buffers(), reference.buffers()):  # running statistics
+            if buffer.is_floating_point():
+                _assert_equal(buffer, ref, f"{where}: buffer {buffer_name}")
         # the peak by a count apart from the runtime's, equal to it, and within the budget
         assert witness.peak_of(hm.device) == hm.stats.peak_bytes[hm.device.name], where
         if "memory_budget" in options:

@@ -1103,6 +1103,11 @@ def _per_sample_norm(node: fx.Node, c: _Context) -> _Dims:
     name = _name(node)
     if name in _BATCH_STATISTICS and (name == "_batch_norm_with_update" or _argument(node, "training", False)):
         raise _mixed(node, "normalises with statistics of the whole batch (BatchNorm in training)")
+    if name == "instance_norm" and _argument(node, "use_input_stats") and _argument(node, "running_mean") is not None:
+        # each sample's output is its own, but the running statistics take the batch's mean of them once
+        # a step: each microbatch would apply the momentum in turn
+        raise _mixed(node, "updates its running statistics with the mean over the batch (InstanceNorm with "
+                           "track_running_stats in training)")
     if _first_dim(node, c) != 0 or len(_shape(node.args[0])) < 2:
         raise _mixed(node, "normalises a value whose batch dim is not its dim 0")
     return [0] + [None] * (len(leaves(_val(node))) - 1)

@@ -184,6 +184,9 @@ def test_writes_in_place_that_mix_samples_are_found(fn, why):
     (lambda h, m: h + torch.roll(h, 1), "acts along the batch dim"),  # no dims: over the flattened tensor
     (lambda h, m: h + F.embedding((h > 0).long(), torch.ones(2, 4), scale_grad_by_freq=True).sum(1),
      "scale_grad_by_freq"),  # counts of the whole batch's indices
+    # each sample normalised apart, but the running statistics take the batch's mean (once a step)
+    (lambda h, m: F.instance_norm(h.view(6, 2, 2), torch.zeros(2), torch.ones(2), use_input_stats=True).view(6, 4),
+     "InstanceNorm with track_running_stats"),
 ])
 def test_ops_that_mix_samples_are_found(fn, why):
     analysis = _analysis(_Fn(fn), torch.randn(6, 4))
