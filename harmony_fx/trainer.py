@@ -49,7 +49,7 @@ from harmony_fx.training.checkpoint import TrainingState, load_file, save_file
 from harmony_fx.training.loss import BatchLoss, LossModel
 from harmony_fx.training.stats import StepStats
 from harmony_fx.training.transaction import PendingStep, StepTransaction, Undo
-from harmony_fx.training.updates import PackUpdates, StepHooks, Updater
+from harmony_fx.training.updates import PackUpdates, StepHooks, Updater, steps_per_parameter
 
 __all__ = ["Trainer", "NonFiniteLossError"]
 
@@ -115,6 +115,9 @@ class Trainer:
         self.model = model
         self.optimizer = optimizer
         self.max_grad_norm = max_grad_norm
+        # each pack updated as its gradients arrive: not with a global norm to clip by, nor with an
+        # optimizer whose step is more than each parameter's own update (stepped once, at the end)
+        self._per_pack = max_grad_norm is None and steps_per_parameter(optimizer)
         self.skip_nonfinite = skip_nonfinite
         self.atomic = atomic
         self.skipped_steps: list[int] = []  # the step numbers skipped for a non-finite loss
@@ -125,16 +128,20 @@ class Trainer:
             # the user names the model's own arguments; the loss model takes them as *args, **kwargs
             options = {**options, "batch_dims": self._loss_model.batch_dims(options["batch_dims"], args, kwargs)}
         compile_options = CompileOptions(**options)
+        if compile_options.nvme_path is not None and not steps_per_parameter(optimizer):
+            raise ValueError(f"nvme_path= streams the optimizer state through each parameter's own update, one "
+                             f"parameter at a time, which {type(optimizer).__name__} (not one of torch.optim's) may not "
+                             "be: use a torch.optim optimizer with the tier, or train without nvme_path")
         if compile_options.nvme_path is not None and shard_optimizer is None:
             shard_optimizer = False  # the tier takes each rank's whole state (sharded state on it: not yet)
         self.cluster = _cluster(process_group, shard_optimizer, collective_timeout)
         if compile_options.nvme_path is not None and self.cluster is not None:
-            _check_tier_across(self.cluster, max_grad_norm)
+            _check_tier_across(self.cluster, self._per_pack)
         facts = None
         if compile_options.nvme_path is not None or compile_options.host_memory is not None:
             facts = OptimizerFacts(_state_bytes(optimizer), keeps_copies=atomic, masters_may_move=self.cluster is None)
         self.hm = HarmonyModule(self._loss_model, args, kwargs, compile_options,
-                                trainer=True, updates=max_grad_norm is None, optimizer=facts)
+                                trainer=True, updates=self._per_pack, optimizer=facts)
         self._groups = self.hm.update_groups()
         # the undo copies' memory, kept from step to step: copying into it costs half of cloning,
         # which faults in fresh pages for every parameter and optimizer state every step
@@ -253,7 +260,7 @@ class Trainer:
                     "or pass skip_nonfinite=True to skip such steps.")
             # the programs update nothing with clipping (the norm is global), nor with the tier on a
             # batch cut into other packs than its files
-            if self.max_grad_norm is not None or (self._tier is not None and hm is not self.hm):
+            if not self._per_pack or (self._tier is not None and hm is not self.hm):
                 started = time.perf_counter()
                 stats.grad_norm = self._updater.update_all(groups, runtime.host_grads, undo)
                 stats.update_seconds = stats.update_exposed_seconds = time.perf_counter() - started
@@ -264,7 +271,7 @@ class Trainer:
             hooks.release(done=False)
             updates.shutdown()
             # with clipping no pack took its turn in the backward: the ranks' collectives start after they agree
-            transaction.fail(error, updates.turns if self.max_grad_norm is None else None, len(per_mb))
+            transaction.fail(error, updates.turns if self._per_pack else None, len(per_mb))
             previous_undone = self._settle_pending(error)
             if isinstance(error, NonFiniteLossError) and self.skip_nonfinite and not previous_undone:
                 self.skipped_steps.append(self.step_count)
@@ -395,15 +402,15 @@ def _state_bytes(optimizer: torch.optim.Optimizer) -> Callable[[nn.Parameter], i
     return lambda param: int(per_element.get(group_of.get(id(param)), 0.0) * param.numel())
 
 
-def _check_tier_across(cluster: Cluster, max_grad_norm: float | None) -> None:
+def _check_tier_across(cluster: Cluster, per_pack: bool) -> None:
     """Across processes, the NVMe tier takes replicated optimizer state, updated per pack."""
     if cluster.shard_optimizer:
         raise ValueError("nvme_path= across processes keeps each rank's whole optimizer state on its own tier: "
                          "pass shard_optimizer=False, or leave it out (sharded state on the tier is not supported yet)")
-    if max_grad_norm is not None:
-        raise ValueError("nvme_path= across processes needs the per-pack updates, which max_grad_norm turns off "
-                         "(in one process the tier then streams through the final update); clip without the "
-                         "tier, or train in one process")
+    if not per_pack:
+        raise ValueError("nvme_path= across processes needs the per-pack updates, which max_grad_norm (or an "
+                         "optimizer other than torch's own) turns off (in one process the tier then streams through "
+                         "the final update); clip without the tier, or train in one process")
 
 
 def _cluster(process_group, shard_optimizer: bool | None, timeout: float | None) -> Cluster | None:

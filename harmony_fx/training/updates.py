@@ -12,8 +12,13 @@ Three axes, each answered in one place:
   streams one parameter at a time (``runtime.tier``).
 
 The updates are the user's own ``torch.optim`` optimizer, stepped over one group of parameters at
-a time, so the results and ``optimizer.state_dict()`` equal a plain ``optimizer.step()``. Before a
-parameter is stepped, the step's ``Undo`` keeps what the update changes (``transaction``).
+a time, so the results and ``optimizer.state_dict()`` equal a plain ``optimizer.step()``: that holds
+for optimizers whose step is each parameter's own update (``steps_per_parameter``: torch's); any
+other (timm's ``Lookahead`` counts its steps in each param group) is stepped once, after the
+backward. Each gradient is set as autograd would leave it: the parameter's own hooks
+(``register_hook``, ``register_post_accumulate_grad_hook``: a pruning mask) run on it, and a
+parameter that got none this step (frozen, unused) has none. Before a parameter is stepped, the
+step's ``Undo`` keeps what the update changes (``transaction``).
 """
 from __future__ import annotations
 
@@ -32,7 +37,16 @@ from harmony_fx.runtime.host import GradientBuffers, land
 from harmony_fx.runtime.tier import StateTier
 from harmony_fx.tier_policy import PACKS_READ_AHEAD
 
-__all__ = ["Updater", "PackUpdates", "StepHooks", "step_subset"]
+__all__ = ["Updater", "PackUpdates", "StepHooks", "step_subset", "steps_per_parameter"]
+
+
+def steps_per_parameter(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer.step()`` over some parameters then over the others equals one step over
+    all: torch's own optimizers (state in ``optimizer.state[p]``, one update per parameter), not a
+    subclass or wrapper whose step may count steps, or sum over a group, outside that state, unless
+    it says so (``harmony_steps_per_parameter = True``, on its class or itself)."""
+    said = getattr(optimizer, "harmony_steps_per_parameter", None)
+    return type(optimizer).__module__.startswith("torch.optim.") if said is None else bool(said)
 
 
 class Updater:
@@ -56,7 +70,7 @@ class Updater:
         cross = self.cross
         if cross is not None and pack in cross.buffers:
             cross.step(pack, [grads.get(id(p)) for p in cross.buffers[pack].params],
-                       lambda stepped: self._step(pack, stepped, undo))
+                       lambda stepped: self._step(pack, _run_gradient_hooks(stepped), undo))
         else:
             _set_grads(params, grads, self.grad_buffers)
             self._step(pack, params, undo)
@@ -69,6 +83,7 @@ class Updater:
         figure a training log shows."""
         cross = self.cross
         norm = None
+        _clear_stale_grads(self.optimizer, groups)
         if cross is None:
             params = [p for group in groups.values() for p in group]
             _set_grads(params, grads, self.grad_buffers)
@@ -77,6 +92,7 @@ class Updater:
         else:
             for pack in cross.order:
                 cross.reduce(pack, [grads.get(id(p)) for p in cross.buffers[pack].params])
+                _run_gradient_hooks(cross.buffers[pack].params)
             if self.max_grad_norm is not None:
                 norm = cross.clip_grad_norm_(self.max_grad_norm)
         if self.tier is None:
@@ -178,6 +194,33 @@ def _set_grads(params: Sequence[nn.Parameter], grads: dict, buffers: GradientBuf
         grad = param.grad = grads.get(id(param))
         if grad is not None and buffers is not None:
             buffers.keep(id(param), grad)  # the next step's copy of this gradient lands in it
+    _run_gradient_hooks(params)
+
+
+def _run_gradient_hooks(params: Sequence[nn.Parameter]) -> Sequence[nn.Parameter]:
+    """The hooks autograd runs on a leaf's gradient as it accumulates it: ``register_hook``'s (each
+    may return a new gradient), then ``register_post_accumulate_grad_hook``'s, on the step's gradient
+    summed over its microbatches, as on eager's one backward's."""
+    for param in params:
+        if param.grad is None:
+            continue
+        for hook in (getattr(param, "_backward_hooks", None) or {}).values():
+            changed = hook(param.grad)
+            if changed is not None:
+                param.grad = changed
+        for hook in (getattr(param, "_post_accumulate_grad_hooks", None) or {}).values():
+            hook(param)
+    return params
+
+
+def _clear_stale_grads(optimizer: torch.optim.Optimizer, groups: dict[int, list[nn.Parameter]]) -> None:
+    """A parameter no pack gave a gradient this step (frozen since, or unused in this call's mode) has
+    none, as after eager's ``zero_grad()`` and backward: the last step's would be stepped again."""
+    given = {id(p) for group in groups.values() for p in group}
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            if id(param) not in given:
+                param.grad = None
 
 
 def _update(optimizer: torch.optim.Optimizer, params: Sequence[nn.Parameter] | None, undo) -> None:

@@ -300,7 +300,10 @@ def test_step_lr_scheduler_matches_eager(clip):
 
 
 class RecordingSGD(torch.optim.SGD):
-    """Records, for every ``step``, the parameters it was given and the thread it ran on."""
+    """Records, for every ``step``, the parameters it was given and the thread it ran on; its step is
+    SGD's, each parameter's own update, as it says."""
+
+    harmony_steps_per_parameter = True
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)

@@ -137,3 +137,87 @@ def test_an_optimizer_that_steps_with_a_closure_is_refused_with_what_to_use():
     with pytest.raises(TypeError, match="closure.*SGD, Adam"):
         harmony_fx.Trainer(model, F.mse_loss, torch.optim.LBFGS(model.parameters()),
                            (torch.randn(2, 4), torch.randn(2, 2)))
+
+
+class _CountingSGD(torch.optim.SGD):
+    """An optimizer outside torch that counts its steps in each param group (timm's ``Lookahead``,
+    schedule-free optimizers): one count a step, however many packs the step updates."""
+
+    def step(self, closure=None):
+        for group in self.param_groups:
+            group["steps"] = group.get("steps", 0) + 1
+            group["lr"] = 0.1 / group["steps"]  # what the count decides
+        return super().step(closure)
+
+
+def _mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 4))
+
+
+def _steps(make_optimizer, before_step=lambda i, model: None, steps: int = 3, **options):
+    """The Trainer's parameters and eager's (zero_grad, forward, backward, step) after each step."""
+    model = _mlp()
+    reference = copy.deepcopy(model)
+    batches = [(torch.randn(8, 16), torch.randint(0, 4, (8,))) for _ in range(steps)]
+    optimizer, reference_optimizer = make_optimizer(model), make_optimizer(reference)
+    trainer = harmony_fx.Trainer(model, F.cross_entropy, optimizer, batches[0], pack_boundaries=[0, 2, 4],
+                                 devices=["host:0"], microbatches=2, **options)
+    for i, (x, y) in enumerate(batches):
+        before_step(i, model)
+        before_step(i, reference)
+        trainer.step((x, y))
+        reference_optimizer.zero_grad()
+        loss = F.cross_entropy(reference(x), y)
+        loss.backward()
+        if options.get("max_grad_norm"):
+            torch.nn.utils.clip_grad_norm_(reference.parameters(), options["max_grad_norm"])
+        reference_optimizer.step()
+        for (name, param), expected in zip(model.named_parameters(), reference.parameters()):
+            torch.testing.assert_close(param.detach(), expected.detach(), rtol=1e-5, atol=1e-6, msg=f"step {i}: {name}")
+    return optimizer, reference_optimizer
+
+
+def test_an_optimizer_whose_step_counts_in_its_groups_is_stepped_once_a_step():
+    """It was stepped once a pack (three here): its count ran three times as fast, and so its lr fell."""
+    optimizer, reference_optimizer = _steps(lambda model: _CountingSGD(model.parameters(), lr=0.1))
+    assert optimizer.param_groups[0]["steps"] == reference_optimizer.param_groups[0]["steps"] == 3
+
+
+@pytest.mark.parametrize("max_grad_norm", [None, 1.0])
+def test_a_layer_frozen_mid_training_is_not_stepped_with_its_last_gradient(max_grad_norm):
+    """With the final update (clipping), every optimizer parameter was stepped: a layer frozen since
+    the last step moved on with the gradient that step left it."""
+    def freeze_from_the_second_step(i, model):
+        if i == 1:
+            model[0].requires_grad_(False)
+
+    _steps(lambda model: torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), freeze_from_the_second_step,
+           max_grad_norm=max_grad_norm)
+
+
+@pytest.mark.parametrize("max_grad_norm", [None, 1.0])
+def test_a_parameters_own_gradient_hooks_run_as_autograd_runs_them(max_grad_norm):
+    """A pruning mask as a tensor hook, and a post-accumulate hook: the Trainer set each ``.grad``
+    itself, past both (the pruned weights grew back)."""
+    calls = []
+
+    def prune(i, model):
+        if i == 0:
+            mask = (torch.arange(model[2].weight.numel()) % 3 != 0).view_as(model[2].weight).float()
+            with torch.no_grad():
+                model[2].weight.mul_(mask)
+            model[2].weight.register_hook(lambda grad: grad * mask)
+            model[4].weight.register_post_accumulate_grad_hook(lambda param: calls.append(param.grad.norm()))
+
+    _steps(lambda model: torch.optim.SGD(model.parameters(), lr=0.1), prune, max_grad_norm=max_grad_norm)
+    assert len(calls) == 6  # three steps each, the Trainer's and eager's
+    torch.testing.assert_close(calls[0::2], calls[1::2], rtol=1e-5, atol=1e-6)
+
+
+def test_the_tier_refuses_an_optimizer_whose_step_is_not_per_parameter(tmp_path):
+    """The tier streams the state through one parameter's update at a time."""
+    model = _mlp()
+    with pytest.raises(ValueError, match="nvme_path= streams.*_CountingSGD"):
+        harmony_fx.Trainer(model, F.cross_entropy, _CountingSGD(model.parameters(), lr=0.1),
+                           (torch.randn(8, 16), torch.randint(0, 4, (8,))), nvme_path=str(tmp_path), devices=["host:0"])
