@@ -33,7 +33,7 @@ from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicO
 
 from harmony_fx.analysis.aliasing import alias_base, written_arguments
 from harmony_fx.ir import meta
-from harmony_fx.ir.values import empty_fake, leaves, map_tensors
+from harmony_fx.ir.values import differentiable, empty_fake, leaves, map_tensors
 
 __all__ = ["annotate_requires_grad", "requires_grad_of", "any_requires_grad", "run_node"]
 
@@ -150,7 +150,7 @@ def any_requires_grad(node: fx.Node) -> bool:
 
 def _fresh(value: torch.Tensor, requires_grad: bool) -> torch.Tensor:
     copy = empty_fake(value.shape, value.stride(), value.dtype, value.device)
-    return copy.requires_grad_(requires_grad and (value.is_floating_point() or value.is_complex()))
+    return copy.requires_grad_(requires_grad and differentiable(value))
 
 
 def _record(node: fx.Node, result: object) -> None:

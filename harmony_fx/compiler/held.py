@@ -42,7 +42,7 @@ from torch._subclasses import FakeTensorMode
 from harmony_fx.analysis.requires_grad import requires_grad_of, run_node
 from harmony_fx.ir import meta
 from harmony_fx.ir.tracking import AllocationTracker, storage_key
-from harmony_fx.ir.values import empty_fake, map_tensors, tensors
+from harmony_fx.ir.values import differentiable, empty_fake, map_tensors, tensors
 from harmony_fx.passes.find_layers import Layer, layer_inputs, layer_signature
 
 __all__ = ["ByReach", "LayerHeld", "measure_held"]
@@ -288,7 +288,7 @@ def _fresh(node: fx.Node, device: torch.device) -> object:
 
     def fresh(t: torch.Tensor) -> torch.Tensor:
         wants = next(flags, False)
-        return empty_fake(t.shape, t.stride(), t.dtype, device).requires_grad_(bool(wants) and t.is_floating_point())
+        return empty_fake(t.shape, t.stride(), t.dtype, device).requires_grad_(bool(wants) and differentiable(t))
 
     return map_tensors(fresh, value)
 

@@ -17,6 +17,7 @@ from harmony_fx.ir import meta
 from harmony_fx.ir import values as pytrees
 from harmony_fx.ir.pack import Pack
 from harmony_fx.program.actions import Key, KeyKind
+from harmony_fx.ir.values import differentiable
 from harmony_fx.runtime.probe import empty_fake
 
 __all__ = ["Shapes", "fake_like"]
@@ -107,4 +108,4 @@ def fake_like(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     """A FakeTensor (inside a FakeTensorMode) shaped like ``tensor``, on the device packs run on, so
     factory ops retargeted to that device meet tensors of the same device."""
     fake = empty_fake(tensor.shape, tensor.stride(), tensor.dtype, device)
-    return fake.requires_grad_(tensor.requires_grad) if tensor.is_floating_point() else fake
+    return fake.requires_grad_(tensor.requires_grad) if differentiable(tensor) else fake

@@ -37,6 +37,8 @@ import torch.utils.checkpoint
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from harmony_fx.ir.values import differentiable
+
 __all__ = ["custom_backwards", "recording", "record", "AUTOGRAD_FUNCTION", "draws_random"]
 
 _LIBRARY = torch.library.Library("harmony_fx", "FRAGMENT")
@@ -144,7 +146,7 @@ def traced(key: str, inputs: list[torch.Tensor], outputs: list[torch.Tensor],
         return _kernel(key, list(tensors))
 
     def joint(*tensors_and_grads):
-        tensors = [t.detach().requires_grad_(t.is_floating_point()) for t in tensors_and_grads[:len(inputs)]]
+        tensors = [t.detach().requires_grad_(differentiable(t)) for t in tensors_and_grads[:len(inputs)]]
         with torch.enable_grad():
             outputs = _kernel(key, tensors)
             wanted = [t for t in tensors if t.requires_grad]

@@ -20,7 +20,14 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils import _pytree as pytree
 from torch.utils._mode_utils import no_dispatch
 
-__all__ = ["map_tensors", "tensors", "leaves", "with_leaves", "add_grads", "value_bytes", "empty_fake", "fakes_of"]
+__all__ = ["map_tensors", "tensors", "leaves", "with_leaves", "add_grads", "value_bytes", "empty_fake", "fakes_of",
+           "differentiable"]
+
+
+def differentiable(tensor: torch.Tensor) -> bool:
+    """Whether autograd lets ``tensor`` require grad: floating and complex dtypes (a complex weight's
+    gradient and what autograd saves for it count as a float one's do)."""
+    return tensor.is_floating_point() or tensor.is_complex()
 
 
 def map_tensors(fn: Callable[[torch.Tensor], Any], value: Any) -> Any:
