@@ -73,22 +73,66 @@ def first_refused(gm: fx.GraphModule) -> tuple[fx.Node, Callable[[str], str]] | 
         # num_classes, tagged too, makes a fixed size: not bounded, not refused)
         unsized = (node.meta.get(meta.BOUNDED) and torch.Tag.dynamic_output_shape in node.target.tags
                    and node.target not in SIZED_AT_MOST)
-        if node.target in _READ_INTO_PYTHON and unbacked_symbols(node.meta.get(meta.VAL)):
+        if node.target in _READ_INTO_PYTHON and (unbacked_symbols(node.meta.get(meta.VAL))
+                                                 or _unsized_without_values(node)):
             return node, lambda where: (
                 f"the model reads a tensor's value into Python (.item(), .tolist(), int(x)) at {where}: harmony_fx "
                 "plans every pack on tensors without values, so that number is unknown when it plans. Keep it a "
                 "tensor (h * (h > 0).sum() rather than h * (h > 0).sum().item()), or compute it outside the model.")
-        if unsized or unbacked_symbols(node.meta.get(meta.VAL)):
-            return node, lambda where: (
-                f"the model makes a tensor whose size depends on its values, with no largest size harmony_fx can "
-                f"plan for, at {where}: harmony_fx plans packs, stash and budget for the largest sizes. Keep the "
-                "size fixed or bounded: mask instead of selecting (torch.where(mask, x, 0) or x * mask), or select "
-                "with a boolean mask (x[mask]), nonzero, masked_select or unique, whose largest sizes it knows.")
+        # export may have fixed such a size from a later use (bincount(ids, minlength=n) broadcast with
+        # n values): the planning run, on FakeTensors without a shape environment, still cannot size it
+        if unsized or unbacked_symbols(node.meta.get(meta.VAL)) or (
+                node.target not in _READ_INTO_PYTHON and _unsized_without_values(node)):
+            return node, lambda where, op=node.target._schema.name.split("::")[-1]: (
+                f"the model makes a tensor whose size depends on its values ({op}), with no largest size "
+                f"harmony_fx can plan for, at {where}: harmony_fx plans packs, stash and budget for the largest "
+                "sizes, on tensors without values. " + _FIXED_SIZE_ADVICE.get(op, _SELECT_ADVICE))
         if _sparse_gradient(node):
             return node, lambda where: (
                 f"the model asks for sparse gradients at {where} (sparse=True): harmony_fx moves dense "
                 "gradients between the host and the devices. Use sparse=False (and a dense optimizer).")
     return None
+
+
+_SELECT_ADVICE = ("Keep the size fixed or bounded: mask instead of selecting (torch.where(mask, x, 0) or x * mask), "
+                  "or select with a boolean mask (x[mask]), nonzero, masked_select or unique, whose largest sizes it "
+                  "knows.")
+_FIXED_SIZE_ADVICE = {
+    "bincount": "Count into a fixed number of bins n: F.one_hot(ids, n).sum(0), or "
+                "torch.zeros(n).scatter_add_(0, ids, torch.ones(ids.shape)) (the same numbers where every id is below n).",
+    "repeat_interleave": "Repeat by a Python int or a tuple of ints, or gather with a fixed-size index; or "
+                         + _SELECT_ADVICE[0].lower() + _SELECT_ADVICE[1:],
+}
+
+
+def _unsized_without_values(node: fx.Node) -> bool:
+    """Whether ``node``'s op, tagged as sizing its result by its values, cannot be run on
+    FakeTensors without a shape environment (the planning run's): ``bincount`` whose size export
+    fixed from a later broadcast, say. ``ir.tracking.SIZED_AT_MOST`` sizes its own; an op that
+    sizes its result from an argument (``one_hot`` with its ``num_classes``) runs."""
+    from torch._subclasses.fake_tensor import (DataDependentOutputException, DynamicOutputShapeException,
+                                               FakeTensorMode)
+
+    tags = node.target.tags
+    if node.target in SIZED_AT_MOST or (torch.Tag.dynamic_output_shape not in tags
+                                        and torch.Tag.data_dependent_output not in tags):
+        return False
+
+    def fake(value):
+        if isinstance(value, fx.Node) and isinstance(value.meta.get(meta.VAL), torch.Tensor):
+            real = value.meta[meta.VAL]
+            return torch.empty_strided(real.shape, real.stride(), dtype=real.dtype, device=real.device)
+        return value
+
+    try:
+        with FakeTensorMode():
+            args, kwargs = fx.map_arg((node.args, node.kwargs), fake)
+            node.target(*args, **kwargs)
+    except (DynamicOutputShapeException, DataDependentOutputException):
+        return True
+    except Exception:  # noqa: BLE001 - anything else is the planning run's to meet, with its own words
+        return False
+    return False
 
 
 def refusal(found: tuple[fx.Node, Callable[[str], str]]) -> ValueError:

@@ -34,6 +34,21 @@ class _Counted(nn.Module):
         return self.linear(x).sum() * torch.bincount(ids).sum()
 
 
+class _CountedPerExpert(nn.Module):
+    """``bincount`` with ``minlength``, its size fixed by a later broadcast (a mixture of experts'
+    tokens per expert): export knows the size, the planning run on FakeTensors does not (it failed
+    there, blaming a custom op)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = nn.Linear(8, 4)
+
+    def forward(self, x, ids):
+        logits = self.gate(x)
+        counts = torch.bincount(logits.argmax(-1), minlength=4).float()
+        return (counts / counts.sum() * logits.softmax(-1).mean(0)).sum()
+
+
 class _Branches(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -97,9 +112,11 @@ def test_a_write_inside_no_grad_is_refused_as_one_outside(what, says):
 
 
 @pytest.mark.parametrize("model,inputs,says,line", [
-    (_Repeated, lambda: (torch.randn(4, 8), torch.tensor([1, 3, 0, 2])), r"size depends on its values, with no "
-     r"largest.*torch\.where", "torch.repeat_interleave(x, repeats, dim=0)"),
-    (_Counted, lambda: (torch.randn(4, 8), torch.tensor([0, 3, 3])), r"size depends on its values", "torch.bincount(ids)"),
+    (_Repeated, lambda: (torch.randn(4, 8), torch.tensor([1, 3, 0, 2])), r"size depends on its values \(repeat_interleave\), "
+     r"with no largest.*torch\.where", "torch.repeat_interleave(x, repeats, dim=0)"),
+    (_Counted, lambda: (torch.randn(4, 8), torch.tensor([0, 3, 3])), r"size depends on its values \(bincount\).*one_hot", "torch.bincount(ids)"),
+    (_CountedPerExpert, lambda: (torch.randn(4, 8), None), r"depends on its values \(bincount\).*F\.one_hot\(ids, n\)\.sum\(0\)",
+     "counts = torch.bincount(logits.argmax(-1), minlength=4).float()"),
     (_Branches, lambda: (torch.randn(4, 8),), r"runs torch\.cond.*torch\.where", "return torch.cond("),
     (_SparseEmbedding, lambda: (torch.randint(0, 20, (4, 5)),), r"sparse gradients.*sparse=False",
      "self.linear(self.embedding(ids))"),
@@ -107,7 +124,7 @@ def test_a_write_inside_no_grad_is_refused_as_one_outside(what, says):
      r"max_norm.*outside the forward", "self.linear(self.embedding(ids))"),
     (_CountsInPython, lambda: (torch.randn(4, 8),), r"reads a tensor's value into Python.*Keep it a tensor",
      "positive = (hidden > 0).sum().tolist()"),
-], ids=["unbounded size", "bincount", "torch.cond", "sparse gradients", "a parameter written", "a value read"])
+], ids=["unbounded size", "bincount", "bincount of a fixed size", "torch.cond", "sparse gradients", "a parameter written", "a value read"])
 def test_a_construct_harmony_cannot_run_is_refused_naming_the_line(model, inputs, says, line):
     torch.manual_seed(0)
     with pytest.raises(ValueError, match=says) as refused:
