@@ -89,6 +89,24 @@ def test_a_model_whose_weights_are_not_in_host_memory_is_refused_saying_what_to_
         harmony_fx.Trainer(model, F.cross_entropy, torch.optim.SGD(model.parameters(), lr=0.1), _batch())
 
 
+def test_a_lazy_module_not_run_yet_is_refused_and_left_as_it_was():
+    """Capturing runs the forward on FakeTensors, which made a lazy module's parameters on the meta
+    device, in the user's own module: it crashed, and the model no longer ran eagerly."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.LazyLinear(8), nn.ReLU(), nn.LazyLinear(3))
+    x = torch.randn(4, 5)
+    with pytest.raises(ValueError, match=r"module '0' \(LazyLinear\).*run the model once before compiling"):
+        harmony_fx.compile(model, x, devices=["host:0"])
+    assert isinstance(model[0].weight, nn.parameter.UninitializedParameter)
+    with torch.no_grad():
+        model(x)  # as the refusal says: the parameters made, on the CPU
+    reference = copy.deepcopy(model)
+    harmony_fx.compile(model, x, devices=["host:0"])(x).sum().backward()
+    reference(x).sum().backward()
+    for param, expected in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(param.grad, expected.grad)
+
+
 def test_optimizer_over_parameters_that_are_not_the_models_is_refused():
     model, other = _mlp(0), _mlp(1)
     with pytest.raises(ValueError, match=r"not the model's.*model\.parameters\(\)"):

@@ -403,7 +403,15 @@ def _from_layout(log: StageLog, example: _Example, devices: list, options: Compi
 
 def refuse_meta_state(model: nn.Module) -> None:
     """A model with a parameter or buffer on the meta device is refused, naming it as the model names it
-    (``harmony_fx.Trainer`` asks before wrapping the model with its loss)."""
+    (``harmony_fx.Trainer`` asks before wrapping the model with its loss); so is a lazy module not
+    run yet, whose parameters its first call makes: capturing runs the forward on FakeTensors, which
+    would make them on the meta device, in the user's own module, for good."""
+    for name, module in model.named_modules():
+        if isinstance(module, nn.modules.lazy.LazyModuleMixin) and module.has_uninitialized_params():
+            raise ValueError(
+                f"{f'the module {name!r}' if name else 'the model'} ({type(module).__name__}) makes its parameters "
+                "on its first call, which has not run yet: run the model once before compiling it "
+                "(with torch.no_grad(): model(example_batch)), so that they exist with their values.")
     for kind, named in (("parameter", model.named_parameters()), ("buffer", model.named_buffers())):
         for name, tensor in named:
             if tensor.device.type == "meta":
