@@ -8,6 +8,7 @@ until the first call; a batch of another size is compiled on its first call and 
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import warnings
 from typing import Any, Callable, Sequence
@@ -84,6 +85,19 @@ class HarmonyModule:
         self._timeline_memory = True  # a recorded timeline counts a HostDevice's memory (``record_timeline``)
         if example_args is not None:
             self._compile(example_args, example_kwargs or {})
+
+    def __deepcopy__(self, memo: dict) -> "HarmonyModule":
+        """A copy of the model, compiled with the same options on its first call (an EMA or teacher
+        copy: ``copy.deepcopy(hm)``, ``torch.optim.swa_utils.AveragedModel(hm)``); the devices'
+        threads and plans are this module's own."""
+        return HarmonyModule(copy.deepcopy(self.model, memo), None, None, self.options, **self._roles)
+
+    def __reduce__(self):
+        """Pickled (``torch.save(hm)``) as its model and options: loaded, it compiles on its first call."""
+        return HarmonyModule, (self.model, None, None, self.options), {"_roles": self._roles}
+
+    def __setstate__(self, state: dict) -> None:
+        self._roles = state["_roles"]
 
     def _compile(self, args: tuple, kwargs: dict, key: CallKey | None = None,
                  reuse: Compiled | None = None) -> None:

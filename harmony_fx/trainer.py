@@ -106,12 +106,15 @@ class Trainer:
                             "(optimizer.step(closure)); harmony_fx.Trainer runs the forward and backward once a "
                             "step and updates each pack as its gradients arrive: use an optimizer whose step "
                             "takes no closure (SGD, Adam, AdamW, ...), or harmony_fx.compile with your own loop.")
-        model_params = {id(p) for p in model.parameters()}
-        foreign = [i for group in optimizer.param_groups for i, p in enumerate(group["params"]) if id(p) not in model_params]
-        if foreign:
-            raise ValueError(f"the optimizer holds {len(foreign)} parameter(s) that are not the model's; build it "
-                             "over model.parameters() (harmony_fx updates the model's own host parameters).")
         refuse_meta_state(model)  # named as the user names it, before the loss wraps it
+        # what is captured and trained: the model, and a loss_fn that is a module (learnable loss weights)
+        captured = {id(p) for p in LossModel(model, loss_fn).parameters()}
+        foreign = [i for group in optimizer.param_groups for i, p in enumerate(group["params"]) if id(p) not in captured]
+        if foreign:
+            raise ValueError(f"the optimizer holds {len(foreign)} parameter(s) that are neither the model's nor its "
+                             "loss_fn's (an nn.Module); build it over model.parameters() (and the loss module's), or "
+                             "make what they belong to part of the model (harmony_fx updates the host parameters "
+                             "of what it captures).")
         self.model = model
         self.optimizer = optimizer
         self.max_grad_norm = max_grad_norm

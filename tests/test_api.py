@@ -393,3 +393,32 @@ def test_explain_says_nothing_of_the_budget_where_the_plan_uses_most_of_it():
     hm = harmony_fx.compile(model, (idx,), memory_budget=need // 4)
     assert 2 * max(hm.plan.predicted_peak.values()) > hm.budget
     assert not [line for line in hm.explain().splitlines() if line.startswith("budget:")]
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "torch.save", "AveragedModel"])
+def test_a_copy_of_a_compiled_module_is_its_models_copy_compiled_the_same_way(how, tmp_path):
+    """An EMA or teacher copy made from the compiled module (as from torch.compile's): it failed on
+    the devices' locks. The copy holds its own weights and computes as the model's copy."""
+    import copy as copying
+    import io
+
+    torch.manual_seed(0)
+    model = MLPChain(width=16, depth=4)
+    x = torch.randn(8, 16)
+    hm = harmony_fx.compile(model, x, devices=["host:0"], pack_boundaries=[0, 2])
+    if how == "deepcopy":
+        copied = copying.deepcopy(hm)
+    elif how == "torch.save":
+        buffer = io.BytesIO()
+        torch.save(hm, buffer)
+        buffer.seek(0)
+        copied = torch.load(buffer, weights_only=False)
+    else:
+        copied = torch.optim.swa_utils.AveragedModel(hm).module
+    assert copied.model is not model and copied.options == hm.options
+    copied(x).square().mean().backward()
+    hm(x).square().mean().backward()
+    assert len(copied.packs) == len(hm.packs) == 2
+    for param, original in zip(copied.model.parameters(), model.parameters()):
+        assert param.data_ptr() != original.data_ptr()
+        torch.testing.assert_close(param.grad, original.grad)

@@ -109,7 +109,7 @@ def test_a_lazy_module_not_run_yet_is_refused_and_left_as_it_was():
 
 def test_optimizer_over_parameters_that_are_not_the_models_is_refused():
     model, other = _mlp(0), _mlp(1)
-    with pytest.raises(ValueError, match=r"not the model's.*model\.parameters\(\)"):
+    with pytest.raises(ValueError, match=r"neither the model's nor its loss_fn's.*model\.parameters\(\)"):
         harmony_fx.Trainer(model, F.cross_entropy, torch.optim.SGD(other.parameters(), lr=0.1), _batch())
 
 

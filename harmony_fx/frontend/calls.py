@@ -127,7 +127,11 @@ class Calls:
             dim = self.compiled.output_dims.get(name, 0)
             if dim is not None and len(chunks) > 1 and all(chunk is not None for chunk in chunks):
                 iteration.output_parts[name] = [chunk.shape[dim] for chunk in chunks]
-            outputs.append(microbatch.merge([chunk.to(home, dtype) for chunk in chunks], dim))
+            merged = microbatch.merge([chunk.to(home, dtype) for chunk in chunks], dim)
+            # not the object the iteration holds (one microbatch's output, merged as itself): autograd
+            # gives the returned tensor a grad_fn holding the iteration, and that cycle would keep the
+            # last pack on the device past a forward whose backward never comes (a metric without no_grad)
+            outputs.append(merged.detach() if any(merged is chunk for chunk in chunks) else merged)
         return tuple(outputs)
 
     @property

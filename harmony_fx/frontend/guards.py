@@ -13,7 +13,9 @@ A graph captured from ``model(*args, **kwargs)`` holds, besides the batch size:
   to read a layer's output, or PEFT's hook that makes the embeddings' output require grad, runs
   in the forward the graph was captured from; a backward hook is refused at capture), and a
   ``forward`` set on the instance (accelerate's ``prepare`` wraps it in autocast);
-- the default dtype, which every factory without a dtype makes (``torch.arange(1.0)``, ``ones``).
+- the default dtype, which every factory without a dtype makes (``torch.arange(1.0)``, ``ones``);
+- what the module itself says its graph bakes in (``_harmony_guarded_values()``): the Trainer's
+  loss function's plain Python values (an annealed loss weight in a schedule dict).
 
 ``CallKey.of(model, args, kwargs)`` reads all of it; ``HarmonyModule`` keeps one compiled program
 per key, so a change captures and plans again once, and switching back finds the earlier program.
@@ -56,16 +58,22 @@ class CallKey:
     module_state: tuple   # per module, depth first: training, then (id, dtype, shape[, requires_grad]) per tensor
     inputs: tuple         # the inputs' structure, then per leaf its facts (tensors) or its value
     default_dtype: torch.dtype = torch.float32  # what torch.arange(1.0), torch.ones(n), ... make
+    # what else the module says its graph bakes in (``_harmony_guarded_values()``: the Trainer's loss
+    # function's Python numbers, ``training.loss.python_values``)
+    guarded_values: tuple = ()
 
     @classmethod
     def of(cls, model: nn.Module, args: tuple, kwargs: dict) -> "CallKey":
+        guarded = getattr(model, "_harmony_guarded_values", None)
         return cls(torch.is_grad_enabled(), torch.is_inference_mode_enabled(), Autocast.current(),
-                   module_state(model), input_facts(args, kwargs), torch.get_default_dtype())
+                   module_state(model), input_facts(args, kwargs), torch.get_default_dtype(),
+                   guarded() if guarded is not None else ())
 
     def same_but_shapes(self, other: "CallKey") -> bool:
         """The same state and input structure, with only tensor shapes different (or none)."""
-        if (self.grad, self.inference, self.autocast, self.module_state, self.default_dtype) != (
-                other.grad, other.inference, other.autocast, other.module_state, other.default_dtype):
+        if (self.grad, self.inference, self.autocast, self.module_state, self.default_dtype, self.guarded_values) != (
+                other.grad, other.inference, other.autocast, other.module_state, other.default_dtype,
+                other.guarded_values):
             return False
         if len(self.inputs) != len(other.inputs) or self.inputs[0] != other.inputs[0]:
             return False
@@ -94,6 +102,9 @@ class CallKey:
                 changes.append("the inputs' shapes, dtypes or structure")
         if self.default_dtype != other.default_dtype:
             changes.append(f"the default dtype ({self.default_dtype})")
+        if self.guarded_values != other.guarded_values:
+            changes.append("a Python value the loss function reads (the graph holds it as a constant: pass a number "
+                           "that changes every step as a tensor, updated in place)")
         return changes
 
 

@@ -124,3 +124,31 @@ def test_a_number_the_model_returns_is_the_whole_batchs(options):
     assert hm.num_microbatches > 1
     got = hm(x)
     assert (got["samples"], got["elements"]) == (8, 32)
+
+
+@pytest.mark.parametrize("microbatches", [1, 2])
+def test_a_call_whose_backward_never_comes_frees_the_device_when_its_output_dies(microbatches):
+    """A metric computed without no_grad (``hm(x).argmax(-1)``): with one microbatch the returned
+    tensor was the one the iteration held, so its grad_fn (holding the iteration) made a cycle,
+    and the last pack stayed on the device until the cyclic collector ran (the next step: out of
+    memory at a tight budget). The garbage collector is off here: only reference counts free it."""
+    import gc
+
+    from tests.memory_witness import DeviceMemoryWitness
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 4))
+    x = torch.randn(4, 8)
+    hm = harmony_fx.compile(model, x, devices=["host:0"], microbatches=microbatches, pack_boundaries=[0, 2, 4])
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        with DeviceMemoryWitness() as witness:
+            output = hm(x)
+            assert witness.live_of(hm.device) > 0  # the last pack, kept for a backward
+            predictions = output.argmax(-1)
+            del output
+        assert witness.live_of(hm.device) == 0 and predictions.shape == (4,)
+    finally:
+        if was_enabled:
+            gc.enable()

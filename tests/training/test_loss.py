@@ -203,3 +203,59 @@ def test_a_microbatch_whose_every_label_is_ignored_adds_nothing_to_the_steps_los
         lambda m, b: m(*b)[1], steps=2, microbatches=3)
     assert losses == pytest.approx(ref_losses, rel=RTOL, abs=ATOL)
     _assert_params_equal(model, reference)
+
+
+class _Annealed(nn.Module):
+    """A loss module whose plain attribute a schedule moves (a KL warm-up)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = 0.0
+
+    def forward(self, out, y):
+        return F.cross_entropy(out, y) + self.weight * out.pow(2).mean()
+
+
+@pytest.mark.parametrize("form", ["closure", "module"])
+def test_a_python_number_the_loss_reads_is_the_steps_own(form):
+    """An annealed aux-loss weight and a label-smoothing schedule: the graph captured at the first
+    step held their first values, and every later step trained on them (loss 1.73 where eager's was
+    19.2). The loss's Python values are part of the call's key: a change compiles again."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 4))
+    reference = copy.deepcopy(model)
+    schedule = {"aux": 0.0, "smoothing": 0.0}
+    module_loss = _Annealed()
+
+    def closure_loss(out, y):
+        return F.cross_entropy(out, y, label_smoothing=schedule["smoothing"]) + schedule["aux"] * out.pow(2).mean()
+
+    loss_fn = closure_loss if form == "closure" else module_loss
+    batches = [(torch.randn(8, 16), torch.randint(0, 4, (8,))) for _ in range(3)]
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    reference_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+    trainer = harmony_fx.Trainer(model, loss_fn, optimizer, batches[0], devices=["host:0"], microbatches=1)
+    for step, (x, y) in enumerate(batches + batches[:1]):
+        schedule.update(aux=0.5 * (step % 3), smoothing=0.05 * (step % 3))
+        module_loss.weight = 0.5 * (step % 3)
+        loss = trainer.step((x, y))
+        reference_optimizer.zero_grad()
+        expected = loss_fn(reference(x), y)
+        expected.backward()
+        reference_optimizer.step()
+        torch.testing.assert_close(loss, expected.detach(), rtol=1e-5, atol=1e-6, msg=f"step {step}")
+    for param, expected in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(param.detach(), expected.detach(), rtol=1e-5, atol=1e-6)
+    assert len({*trainer.hm._by_key.values(), trainer.hm}) == 3  # one graph per value, the fourth step the first's
+
+
+def test_a_loss_whose_python_values_stay_compiles_once():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 4))
+    smoothing = 0.1
+    trainer = harmony_fx.Trainer(model, lambda out, y: F.cross_entropy(out, y, label_smoothing=smoothing),
+                                 torch.optim.SGD(model.parameters(), lr=0.1),
+                                 (torch.randn(8, 16), torch.randint(0, 4, (8,))), devices=["host:0"])
+    for _ in range(3):
+        trainer.step((torch.randn(8, 16), torch.randint(0, 4, (8,))))
+    assert set(trainer.hm._by_key.values()) <= {trainer.hm}  # its own key, if any: nothing compiled again

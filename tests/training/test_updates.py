@@ -221,3 +221,34 @@ def test_the_tier_refuses_an_optimizer_whose_step_is_not_per_parameter(tmp_path)
     with pytest.raises(ValueError, match="nvme_path= streams.*_CountingSGD"):
         harmony_fx.Trainer(model, F.cross_entropy, _CountingSGD(model.parameters(), lr=0.1),
                            (torch.randn(8, 16), torch.randint(0, 4, (8,))), nvme_path=str(tmp_path), devices=["host:0"])
+
+
+class _UncertaintyWeighted(nn.Module):
+    """A loss with learnable weights (Kendall et al.'s log-variances per task): its parameters are
+    captured with the model and trained by the same optimizer (it was refused as not the model's)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.log_var = nn.Parameter(torch.zeros(2))
+
+    def forward(self, out, y):
+        return (torch.exp(-self.log_var[0]) * F.cross_entropy(out, y) + self.log_var[0]
+                + torch.exp(-self.log_var[1]) * out.pow(2).mean() + self.log_var[1])
+
+
+def test_a_loss_modules_own_parameters_train_with_the_model_as_in_eager():
+    model, loss = _mlp(), _UncertaintyWeighted()
+    reference, reference_loss = copy.deepcopy(model), copy.deepcopy(loss)
+    optimizer = torch.optim.AdamW([*model.parameters(), *loss.parameters()], lr=1e-2)
+    reference_optimizer = torch.optim.AdamW([*reference.parameters(), *reference_loss.parameters()], lr=1e-2)
+    batches = [(torch.randn(8, 16), torch.randint(0, 4, (8,))) for _ in range(3)]
+    trainer = harmony_fx.Trainer(model, loss, optimizer, batches[0], pack_boundaries=[0, 2, 4], devices=["host:0"])
+    for x, y in batches:
+        trainer.step((x, y))
+        reference_optimizer.zero_grad()
+        reference_loss(reference(x), y).backward()
+        reference_optimizer.step()
+    torch.testing.assert_close(loss.log_var.detach(), reference_loss.log_var.detach(), rtol=1e-5, atol=1e-6)
+    assert loss.log_var.abs().min() > 0  # it moved
+    for param, expected in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(param.detach(), expected.detach(), rtol=1e-5, atol=1e-6)
