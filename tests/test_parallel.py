@@ -300,3 +300,24 @@ def test_verifier_refuses_devices_that_wait_for_each_other():
     programs[receiver].insert(0, last_recv)
     with pytest.raises(ProgramError, match="cycle"):
         verify_devices(programs)
+
+
+@pytest.mark.parametrize("chaos", [None, 0, 1, 2])
+def test_data_parallel_keeps_the_first_devices_running_statistics_whatever_the_timing(chaos):
+    """Each device updates its own copy of the one host master; every device wrote it back, and the
+    last writer won (under chaos one microbatch's update was lost in most runs). As DDP's
+    broadcast_buffers: device 0's, its microbatches in order."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.BatchNorm1d(32), torch.nn.ReLU(),
+                                torch.nn.Linear(32, 4))
+    expected = copy.deepcopy(model)
+    x = torch.randn(16, 16, generator=torch.Generator().manual_seed(1))
+    for part in x[:4], x[4:8]:  # device 0's two microbatches of the four
+        expected(part)
+    with pytest.warns(UserWarning, match="BatchNorm in training"):
+        hm = harmony_fx.compile(model, x, devices=["host:0", "host:1"], parallel="dp", microbatches=4, chaos=chaos,
+                                pack_boundaries=[0, 2])
+    hm(x).sum().backward()
+    assert hm.device_microbatches == [(0, 1), (2, 3)]
+    for buffer, want in zip(model.buffers(), expected.buffers()):
+        torch.testing.assert_close(buffer, want)

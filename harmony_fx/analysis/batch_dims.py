@@ -72,12 +72,13 @@ _REDUCED = "reduced"  # a sum or mean over the batch (a loss), valid only on its
 @dataclasses.dataclass(frozen=True)
 class BatchAnalysis:
     """``separable``: cutting the batch computes what the whole batch does; ``reason``: why not
-    (naming the node); ``output_dims``: per model output node name, its batch dim (``None`` for a
-    scalar reduced over the batch)."""
+    (naming the node); ``output_dims``: per model output, by its position among the graph's outputs
+    (the same in every capture of the model, whatever its nodes are named at another batch size),
+    its batch dim (``None`` for a scalar reduced over the batch)."""
 
     separable: bool
     reason: str = ""
-    output_dims: Mapping[str, int | None] = dataclasses.field(default_factory=dict)
+    output_dims: Mapping[int, int | None] = dataclasses.field(default_factory=dict)
     # False where an output has no one batch dim to join microbatches' outputs along (it holds the
     # batch interleaved or sorted, or does not depend on it): a cut would return another tensor
     joinable: bool = True
@@ -98,7 +99,7 @@ def analyze_batch_dims(gm: fx.GraphModule, input_dims: Mapping[str, int | None],
     except _Mixed as mixed:
         return BatchAnalysis(False, str(mixed))
     output_dims = {}
-    for arg in gm.graph.find_nodes(op="output")[0].args[0]:
+    for position, arg in enumerate(gm.graph.find_nodes(op="output")[0].args[0]):
         if not isinstance(arg, fx.Node):
             continue
         (dim,) = env[arg][:1] or [None]
@@ -124,7 +125,7 @@ def analyze_batch_dims(gm: fx.GraphModule, input_dims: Mapping[str, int | None],
                 return BatchAnalysis(False, reduction.why)
             if reduction.weighed_by_labels:
                 return BatchAnalysis(False, reduction.weighed_by_labels)
-        output_dims[arg.name] = None if dim == _REDUCED else dim
+        output_dims[position] = None if dim == _REDUCED else dim
     indices = tuple(node.name for node in context.iota
                     if context.is_batch_index(node) is not None or node in context.full_ranges)
     return BatchAnalysis(True, output_dims=output_dims, batch_indices=indices)

@@ -112,8 +112,16 @@ class Compiled:
 
     @property
     def output_dims(self) -> Mapping[str, int | None]:
-        """The dim each output's microbatches are joined along (an LSTM's output along dim 1, say)."""
-        return self.batch_analysis.output_dims if self.batch_analysis.separable else {}
+        """The dim each output's microbatches are joined along (an LSTM's output along dim 1, say), by
+        this graph's output names: the analysis keys them by position, the same in the whole batch's
+        graph and a sample's (where export may name a node otherwise: at one sample it drops a
+        ``contiguous`` after a transpose, and the output is the ``transpose``)."""
+        if not self.batch_analysis.separable:
+            return {}
+        dims = self.batch_analysis.output_dims
+        outputs = self.captured.gm.graph.find_nodes(op="output")[0].args[0]
+        return {arg.name: dims[position] for position, arg in enumerate(outputs)
+                if isinstance(arg, fx.Node) and position in dims}
 
     @property
     def budget(self) -> int | None:

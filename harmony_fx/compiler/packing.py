@@ -571,7 +571,8 @@ def lower_devices(packs: Sequence[Pack], signature: ProgramSignature, layout: La
                                                          forward_parts=layout.device_forward_parts(0)),
                               len(layout.device_microbatches))
     return [lower_program(packs, dataclasses.replace(signature, microbatches=mbs, forward_groups=groups,
-                                                     forward_parts=layout.device_forward_parts(device)))
+                                                     forward_parts=layout.device_forward_parts(device),
+                                                     writes_buffers=device == 0))
             for device, mbs in enumerate(layout.device_microbatches)]
 
 

@@ -59,6 +59,11 @@ class ProgramSignature:
     # a forward with no backward after it (a call under ``no_grad`` or ``inference_mode``): no
     # stash for a recompute, no graph kept by the last pack, and the backward program is empty
     forward_only: bool = False
+    # the buffers the forward updates in place (BatchNorm statistics) go back to the host masters.
+    # Data-parallel: only the first device's (each device updates its own copy from the one
+    # master; every device writing back, the last writer would win, by timing): DDP's
+    # broadcast_buffers, rank 0's statistics
+    writes_buffers: bool = True
 
     @property
     def forward_microbatches(self) -> tuple[int, ...]:
@@ -331,6 +336,8 @@ def update(b: Builder, pack: Pack) -> None:
 
 def buffers_out(b: Builder, pack: Pack, after: int) -> None:
     """Buffers the forward updated in place (BatchNorm statistics) back to the host masters."""
+    if not b.facts.signature.writes_buffers:
+        return
     b.wait(after, Stream.D2H)  # after the last microbatch's forward updated them
     event = b.emit(K.OFFLOAD, Stream.D2H, key=Key(KeyKind.BUFFERS, pack.name), reads=(weights(pack.index),))
     b.readers.setdefault(weights(pack.index), []).append(event)

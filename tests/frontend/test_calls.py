@@ -152,3 +152,33 @@ def test_a_call_whose_backward_never_comes_frees_the_device_when_its_output_dies
     finally:
         if was_enabled:
             gc.enable()
+
+
+class _BatchOnDimOne(nn.Module):
+    """Returns its output with the batch moved to dim 1 (a sequence-first output); at one sample
+    export drops the ``contiguous`` (a [4, 1, 5] transpose already is), so that sample's graph
+    names its output otherwise than the whole batch's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 16), nn.Linear(16, 5)
+
+    def forward(self, x):
+        return self.b(torch.relu(self.a(x))).transpose(0, 1).contiguous()
+
+
+@pytest.mark.parametrize("devices, microbatches", [(1, 3), (2, None)])
+def test_an_output_is_joined_along_its_batch_dim_in_one_sample_microbatches(devices, microbatches):
+    """It was joined along dim 0 where the sample's output name missed the analysis's: [12, 1, 5]
+    for [4, 3, 5], silently."""
+    torch.manual_seed(0)
+    model = _BatchOnDimOne()
+    reference = copy.deepcopy(model)
+    x = torch.randn(3, 4, 8)
+    hm = harmony_fx.compile(model, devices=[f"host:{i}" for i in range(devices)], microbatches=microbatches)
+    out = hm(x)
+    expected = reference(x)
+    torch.testing.assert_close(out, expected)  # shape [4, 3, 5] and values
+    out.square().mean().backward()
+    expected.square().mean().backward()
+    assert_grads_equal(model, reference)
