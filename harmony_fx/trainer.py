@@ -267,6 +267,11 @@ class Trainer:
                 started = time.perf_counter()
                 stats.grad_norm = self._updater.update_all(groups, runtime.host_grads, undo)
                 stats.update_seconds = stats.update_exposed_seconds = time.perf_counter() - started
+            if self.cluster is not None:
+                # each rank updated its buffers (BatchNorm statistics) from its own share: rank 0's
+                # everywhere, as DDP's broadcast_buffers, so that the replicas stay one model
+                for buffer in hm.compiled.written_buffers():
+                    self.cluster.broadcast(buffer, "rank 0's buffers the forward updated")
             stats.undo_seconds = undo.seconds
             self._pending = transaction.commit(stats)
             hooks.release(done=True)

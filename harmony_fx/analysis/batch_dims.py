@@ -136,7 +136,8 @@ def analyze_batch_dims(gm: fx.GraphModule, input_dims: Mapping[str, int | None],
 _Dims = list  # one entry per leaf of a node's value: an int, None (shared), or _REDUCED
 
 
-def _propagate(gm: fx.GraphModule, env_inputs: Mapping[str, _Dims], batch_size: int) -> tuple[dict[fx.Node, _Dims], _Context]:
+def _propagate(gm: fx.GraphModule, env_inputs: Mapping[str, _Dims],
+               batch_size: int) -> tuple[dict[fx.Node, _Dims], _Context]:
     env: dict[fx.Node, _Dims] = {}
     c = _Context(env, {}, {}, batch_size)
     placeholders = gm.graph.find_nodes(op="placeholder")
@@ -1055,13 +1056,21 @@ def _convolution(node: fx.Node, c: _Context) -> _Dims:
     return [0]
 
 
-def _spatial(count_of) -> Any:
-    """Pooling, padding, upsampling: per channel, along the last ``count_of(node)`` dims."""
+def _spatial(count_of, channels: bool = False) -> Any:
+    """Pooling, padding, upsampling: per channel, along the last ``count_of(node)`` dims;
+    ``channels``: a channel dim comes before them (an input of one more dim is unbatched: its dim 0
+    is the channels). Every other tensor the op reads (max_unpool's indices, fractional max
+    pooling's random samples) is per sample too, batched along the input's dim."""
 
     def rule(node: fx.Node, c: _Context) -> _Dims:
         dim, rank = _first_dim(node, c), len(_shape(node.args[0]))
         if dim >= rank - count_of(node):
             raise _mixed(node, "acts along the batch dim (one of its spatial dims)")
+        if channels and rank == count_of(node) + 1:
+            raise _mixed(node, "takes its input as unbatched (its dim 0 is the channels)")
+        for arg in _tensor_args(node)[1:]:
+            if arg is not node.args[0] and c.dim(arg) != dim:
+                raise _mixed(node, f"reads {arg.name} per sample, which is not batched as its input is")
         return [dim if isinstance(leaf, torch.Tensor) else None for leaf in leaves(_val(node))]
 
     return rule
@@ -1267,7 +1276,7 @@ _RULES = {
     **{name: _matmul for name in ("mm", "bmm", "matmul", "linear", "addmm", "baddbmm")},
     **{name: _convolution for name in ("convolution", "conv1d", "conv2d", "conv3d", "conv_transpose1d",
                                        "conv_transpose2d", "conv_transpose3d", "_convolution")},
-    **{name: _spatial(_kernel_dims) for name in (
+    **{name: _spatial(_kernel_dims, channels=True) for name in (
         "max_pool1d", "max_pool2d", "max_pool3d", "max_pool2d_with_indices", "max_pool3d_with_indices",
         "avg_pool1d", "avg_pool2d", "avg_pool3d", "adaptive_avg_pool1d", "adaptive_avg_pool2d",
         "adaptive_avg_pool3d", "_adaptive_avg_pool2d", "_adaptive_avg_pool3d", "adaptive_max_pool1d",
@@ -1301,7 +1310,8 @@ _RULES = {
     **{name: _loss for name in _CLASS_LOSSES | _ELEMENT_LOSSES},
     **{name: _select for name in ("select", "index_select", "slice", "narrow")},
     **{name: _split for name in ("split", "split_with_sizes", "chunk", "unbind", "tensor_split")},
-    "expand": _expand, "expand_as": _expand, "broadcast_tensors": _broadcast_tensors, "transpose": _transpose, "t": _transpose,
+    "expand": _expand, "expand_as": _expand, "broadcast_tensors": _broadcast_tensors, "transpose": _transpose,
+    "t": _transpose,
     "swapaxes": _transpose, "permute": _permute,
     "unsqueeze": _unsqueeze, "cat": _cat, "concat": _cat, "concatenate": _cat, "stack": _cat, "index": _index,
     "gather": _gather,

@@ -121,6 +121,10 @@ class Cluster:
         if differing:
             raise ValueError(f"Trainer: rank(s) {', '.join(map(str, differing))} differ from rank 0 in {what}")
 
+    def broadcast(self, tensor: torch.Tensor, what: str) -> None:
+        """Rank 0's ``tensor`` on every rank, in place."""
+        self._collective(lambda: dist.broadcast(tensor, src=0, group=self.control_group), what)
+
     # ------------------------------------------------------------------ the update thread's
     def all_reduce(self, tensor: torch.Tensor, what: str) -> None:
         self._collective(lambda: dist.all_reduce(tensor, group=self.worker_group), what)

@@ -184,6 +184,11 @@ def test_writes_in_place_that_mix_samples_are_found(fn, why):
     (lambda h, m: h + torch.roll(h, 1), "acts along the batch dim"),  # no dims: over the flattened tensor
     (lambda h, m: h + F.embedding((h > 0).long(), torch.ones(2, 4), scale_grad_by_freq=True).sum(1),
      "scale_grad_by_freq"),  # counts of the whole batch's indices
+    # an unbatched input's dim 0 is its channels; random samples shared whole by every sample
+    (lambda h, m: F.max_pool1d(h, 2).repeat(1, 2), "takes its input as unbatched"),
+    (lambda h, m: F.fractional_max_pool2d(h.view(6, 1, 2, 2), 1, output_size=1,
+                                          _random_samples=torch.arange(12.0).view(6, 1, 2) / 12).view(6, 1) + h,
+     "per sample, which is not batched as its input is"),
     # each sample normalised apart, but the running statistics take the batch's mean (once a step)
     (lambda h, m: F.instance_norm(h.view(6, 2, 2), torch.zeros(2), torch.ones(2), use_input_stats=True).view(6, 4),
      "InstanceNorm with track_running_stats"),

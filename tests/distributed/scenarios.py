@@ -341,6 +341,25 @@ def uneven(rank: int, world: int, out: pathlib.Path) -> dict:
     return {"losses": losses, "params": [p.detach().clone() for p in model.parameters()]}
 
 
+def batch_norm(rank: int, world: int, out: pathlib.Path) -> dict:
+    """A BatchNorm model, two steps on each rank's own share: the running statistics each rank holds
+    after each step."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.BatchNorm1d(32), torch.nn.ReLU(),
+                                torch.nn.Linear(32, 4))
+    generator = torch.Generator().manual_seed(rank)
+    shares = [(torch.randn(4, 16, generator=generator), torch.randint(0, 4, (4,), generator=generator))
+              for _ in range(2)]
+    trainer = harmony_fx.Trainer(model, torch.nn.functional.cross_entropy, torch.optim.SGD(model.parameters(), lr=0.1),
+                                 shares[0], devices=["host:0"], pack_boundaries=(0, 2), shard_optimizer=False)
+    buffers = []
+    for share in shares:
+        trainer.step(share)
+        buffers.append([b.clone() for b in model.buffers()])
+    trainer.close()
+    return {"buffers": buffers}
+
+
 def uneven_one_process() -> dict:
     model, batches = model_and_batches(2, steps=3)
     trainer = harmony_fx.Trainer(model, loss_fn, optimizer_of(model), batches[0], devices=["host:0", "host:1"],

@@ -220,3 +220,22 @@ def test_bf16_parameters_are_summed_in_fp32_and_get_a_bf16_grad(one_rank_group):
         assert torch.equal(mine.grad, theirs.grad) and torch.equal(mine, theirs)
     flats = [flat.data_ptr() for flat in trainer._cross.flats.values()]
     assert [p.grad.untyped_storage().data_ptr() in flats for p in cross_params] == [True, True, False, False]
+
+
+
+def test_the_buffers_the_forward_updates_are_rank_0s_on_every_rank(tmp_path, one_thread):
+    """Each rank updated BatchNorm's running statistics from its own share, and the replicas drifted
+    apart (0.136 after one step): after each step every rank holds rank 0's, as under DDP's
+    broadcast_buffers."""
+    ranks = launch.run("batch_norm", 2, tmp_path)
+    for step in range(2):
+        for buffer, other in zip(ranks[0]["buffers"][step], ranks[1]["buffers"][step]):
+            torch.testing.assert_close(buffer, other, msg=f"step {step}")
+    # after the first step, rank 0's statistics: its first share through the initial weights
+    torch.manual_seed(0)
+    reference = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.BatchNorm1d(32), torch.nn.ReLU(),
+                                    torch.nn.Linear(32, 4))
+    reference(torch.randn(4, 16, generator=torch.Generator().manual_seed(0)))
+    for buffer, expected in zip(ranks[0]["buffers"][0], reference.buffers()):
+        torch.testing.assert_close(buffer, expected)
+    assert int(ranks[0]["buffers"][1][2]) == 2  # num_batches_tracked: one update a step

@@ -482,7 +482,7 @@ def _small():
 def test_optimizer_over_another_models_parameters_is_refused():
     model, x, target = _small()
     other = MLPChain(width=8, depth=2)
-    with pytest.raises(ValueError, match="not the model's"):
+    with pytest.raises(ValueError, match="neither the model.s nor its loss_fn.s"):
         harmony_fx.Trainer(model, F.cross_entropy, torch.optim.SGD(other.parameters(), lr=0.1), (x, target))
 
 
