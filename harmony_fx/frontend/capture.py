@@ -396,6 +396,9 @@ def _where_and_labels(export_error: Exception, kwargs: dict) -> str:
     caused_by = _CAUSED_BY.findall(message)
     inside = [frame for frame in caused_by if (torch_dir / frame.split(":")[0]).exists()]
     where += [_full_path(frame) for frame in caused_by if frame not in inside]
+    # torch's tracing machinery (export's own __torch_function__, fx, Dynamo) is where every such
+    # stop is seen from, not a function of torch's the model called
+    inside = [frame for frame in inside if not frame.startswith(_TRACING_MACHINERY)]
     text = f" The model's code at {where[0]}." if where else ""
     if inside:
         text += (f" Export stopped inside torch's own code (torch/{inside[0]}: a check of its inputs' values, as "
@@ -405,6 +408,10 @@ def _where_and_labels(export_error: Exception, kwargs: dict) -> str:
         text += (" If that is the loss computed from labels, call the model without labels and compute the loss "
                  "from its logits outside (harmony_fx.Trainer's loss_fn(output, target)).")
     return text
+
+
+_TRACING_MACHINERY = ("_export/", "export/", "fx/", "_dynamo/", "_subclasses/", "utils/_python_dispatch",
+                      "_functorch/", "_higher_order_ops/", "_library/")
 
 
 def _full_path(frame: str) -> str:

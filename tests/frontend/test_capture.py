@@ -158,6 +158,29 @@ def test_a_check_of_values_inside_torchs_own_function_says_to_call_it_outside():
         harmony_fx.compile(_GaussianLikelihood(), (torch.randn(3, 4), torch.randn(3, 2)), devices=["host:0"])
 
 
+class _BranchesOnValues(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 2)
+
+    def forward(self, x):
+        y = self.linear(x)
+        if y.sum() > 0:
+            return y * 2
+        return y
+
+
+def test_a_branch_on_values_names_the_models_line_and_no_function_of_torchs():
+    """Export's own interposer (torch/_export/non_strict_utils.py) is where every such stop is seen
+    from: the message named it as a function of torch's to call outside the model, after the right
+    advice."""
+    with pytest.raises(harmony_fx.CaptureError) as refused:
+        harmony_fx.compile(_BranchesOnValues(), torch.randn(3, 4), devices=["host:0"])
+    message = str(refused.value)
+    assert "if y.sum() > 0:" in message and "torch.where" in message
+    assert "torch's own code" not in message
+
+
 class _ConnectionistLoss(nn.Module):
     def __init__(self) -> None:
         super().__init__()
