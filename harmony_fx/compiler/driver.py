@@ -64,6 +64,7 @@ from harmony_fx.compiler.capture_cache import cached_capture
 from harmony_fx.compiler.variants import GraphsDiffer, Variant, check_computes_alike, check_same_layers
 from harmony_fx.config import CompileOptions, format_size
 from harmony_fx.frontend import microbatch
+from harmony_fx.frontend.capture import CaptureError, raised_when_run
 from harmony_fx.ir import meta
 from harmony_fx.lowering.tier_io import insert_tier_io
 from harmony_fx.passes.split_packs import annotate_packs
@@ -500,8 +501,21 @@ def _capture_microbatches(example: _Example, layout: Layout, whole: Variant | No
         calls = microbatch.split_call(example.call, example.dims, [s for s in sizes if s] or [0])
         for size, (mb_args, mb_kwargs) in zip(sizes, calls):
             if size not in variants:
-                variants[size] = whole if size is None and whole is not None else cached_capture(
-                    example.model, size, mb_args, mb_kwargs, target, dtype)
+                try:
+                    variants[size] = whole if size is None and whole is not None else cached_capture(
+                        example.model, size, mb_args, mb_kwargs, target, dtype)
+                except CaptureError as error:
+                    if size is None or not error.raised_by_model or raised_when_run(
+                            example.model, example.args, example.kwargs) is not None:
+                        raise  # the model's own error: the whole batch raises too
+                    raise CaptureError(
+                        f"{type(example.model).__name__} raises on a microbatch of {size} sample(s), cut from the "
+                        "batch along each input's batch dim (dim 0 unless batch_dims says otherwise), though not on "
+                        f"the whole batch: {str(error).splitlines()[0].split(': ', 1)[-1]}\nAn input whose first "
+                        "dim is not "
+                        "a batch of samples (an unbatched sample, an edge list, offsets) is cut wrongly: name its "
+                        "batch dim, or None for one every microbatch shares (batch_dims={'name': None}), or pass "
+                        "microbatches=1.") from error
     check_same_layers(variants, backward_sizes, forward_sizes)
     return variants
 

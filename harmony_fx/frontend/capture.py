@@ -54,11 +54,14 @@ from harmony_fx.frontend.random_branches import RandomBranchError, certain_rando
 from harmony_fx.frontend.refusals import first_refused, refusal
 from harmony_fx.passes.bound_sizes import bound_sizes
 
-__all__ = ["Captured", "capture", "CaptureError"]
+__all__ = ["Captured", "capture", "CaptureError", "raised_when_run"]
 
 
 class CaptureError(ValueError):
-    """The model could not be turned into a graph."""
+    """The model could not be turned into a graph; ``raised_by_model``: the model's own forward
+    raises on those inputs (as it would called eagerly)."""
+
+    raised_by_model = False
 
 
 @dataclasses.dataclass
@@ -179,17 +182,19 @@ def _capture(model: nn.Module, args: tuple, kwargs: dict, stack_traces: bool, dt
         try:
             captured = _capture_with_symbolic_trace(model, args, kwargs, dtype)
         except Exception as trace_error:  # noqa: BLE001
-            own = _raised_when_run(model, args, kwargs)
+            own = raised_when_run(model, args, kwargs)
             if own is not None:
-                raise CaptureError(
+                refused = CaptureError(
                     f"{type(model).__name__} raises on these inputs, as it would called eagerly: "
                     f"{type(own).__name__}: {(str(own).strip().splitlines() or [''])[0]}\nCheck the inputs' dtypes "
-                    "(token ids are integers), shapes and devices against what the model expects.") from own
+                    "(token ids are integers), shapes and devices against what the model expects.")
+                refused.raised_by_model = True
+                raise refused from own
             raise CaptureError(_capture_failure_message(model, export_error, trace_error, kwargs)) from export_error
     return captured
 
 
-def _raised_when_run(model: nn.Module, args: tuple, kwargs: dict) -> Exception | None:
+def raised_when_run(model: nn.Module, args: tuple, kwargs: dict) -> Exception | None:
     """What the model's forward raises on FakeTensors of the inputs (nothing computed), if anything:
     where both captures failed because the model itself fails on these inputs (float token ids),
     that is the error to show, not advice about tracing."""

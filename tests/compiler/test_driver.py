@@ -463,3 +463,13 @@ def test_a_batch_whose_microbatches_capture_other_graphs_is_cut_into_microbatche
     with pytest.raises(ValueError, match=r"differs from the graph at size") as refused:
         harmony_fx.compile(_OtherGraphForOneSample(), (torch.randn(3, 8),), microbatches=2, devices=["host:0"])
     assert re.search(r"^  - 3 microbatches of 1: ValueError: no graph of one sample$", str(refused.value), re.M)
+
+
+def test_a_model_failing_on_a_microbatch_alone_is_told_so_not_that_eager_fails():
+    """An unbatched sample ([features]) cut into microbatches by hand: the refusal said the model
+    raised on these inputs "as it would called eagerly", which runs them fine."""
+    model, x = torch.nn.Linear(3, 5), torch.randn(3)
+    model(x)  # eager runs it
+    with pytest.raises(harmony_fx.CaptureError, match=r"raises on a microbatch of \d sample\(s\).*not on the whole "
+                                                      r"batch(.|\n)*batch_dims=(.|\n)*microbatches=1"):
+        harmony_fx.compile(model, x, devices=["host:0"], microbatches=2)
