@@ -187,7 +187,9 @@ def _propagate(gm: fx.GraphModule, env_inputs: Mapping[str, _Dims],
         except _Mixed:
             raise
         except Exception as error:  # noqa: BLE001 - an op we cannot read is one we cannot prove safe
-            raise _Mixed(f"{meta.describe(node)}: cannot tell how it treats the batch ({error})") from error
+            # (the rule's own failure, a Python error, is not the user's to read: its type, for a report)
+            raise _Mixed(f"{meta.describe(node)}: has no rule that applies to these arguments "
+                         f"({type(error).__name__} in the rule)") from error
     return env, c
 
 
@@ -711,6 +713,11 @@ def _rule(node: fx.Node, c: _Context) -> _Dims:
         raise _mixed(node, "is not an ATen op; the batch cannot be followed through it")
     name = _name(node)
     rule = _RULES.get(name)
+    if (rule is None and torch.Tag.dynamic_output_shape in target.tags) or (name == "where" and len(node.args) == 1):
+        # nonzero, torch.where(mask) with one argument (nonzero as a tuple), unique: as many results
+        # as the batch's values say, each from whichever sample holds it
+        raise _mixed(node, "lists entries the batch's values pick (torch.where(mask), nonzero, unique): how many, "
+                           "and from which samples, depends on them")
     if rule is not None:
         return rule(node, c)
     if torch.Tag.pointwise in target.tags or name in _ELEMENTWISE:

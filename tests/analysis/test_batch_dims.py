@@ -184,6 +184,8 @@ def test_writes_in_place_that_mix_samples_are_found(fn, why):
     (lambda h, m: h + torch.roll(h, 1), "acts along the batch dim"),  # no dims: over the flattened tensor
     (lambda h, m: h + F.embedding((h > 0).long(), torch.ones(2, 4), scale_grad_by_freq=True).sum(1),
      "scale_grad_by_freq"),  # counts of the whole batch's indices
+    # positions the values pick (a mixture of experts' torch.where(expert_mask[i])): said, not a Python error
+    (lambda h, m: h[torch.where(h > 0)[0][:1]].sum() + h, "lists entries the batch's values pick"),
     # an unbatched input's dim 0 is its channels; random samples shared whole by every sample
     (lambda h, m: F.max_pool1d(h, 2).repeat(1, 2), "takes its input as unbatched"),
     (lambda h, m: F.fractional_max_pool2d(h.view(6, 1, 2, 2), 1, output_size=1,
