@@ -74,6 +74,10 @@ def batch_size(call: tuple[tuple, dict], dims: tuple[tuple, dict], model: nn.Mod
     leaves, _ = pytree.tree_flatten_with_path(call)
     found = [(path, x.shape[d], d) for (path, x), d in zip(leaves, pytree.tree_leaves(dims))
              if isinstance(x, torch.Tensor) and isinstance(d, int)]
+    if not found:
+        raise ValueError("no input is cut along a batch dim (batch_dims gives None for every one), so there is "
+                         "nothing to cut into microbatches: pass microbatches=1, or None (the planner keeps a batch "
+                         "it cannot cut whole).")
     sizes = {size for _, size, _ in found}
     if len(sizes) != 1:
         named = [(_argument_name(path, call, model), size, dim) for path, size, dim in found]
@@ -81,9 +85,11 @@ def batch_size(call: tuple[tuple, dict], dims: tuple[tuple, dict], model: nn.Mod
         most = max((s for _, s, _ in named), key=lambda size: sum(s == size for _, s, _ in named))
         listed = ", ".join(f"{name} has {size} along dim {dim}" for name, size, dim in dict.fromkeys(named))
         shared = ", ".join(dict.fromkeys(f"{name!r}: None" for name, size, _ in named if size != most))
-        raise ValueError(f"the inputs split into microbatches disagree on the batch size: {listed}. Say which dim of "
-                         "each input is the batch with batch_dims, None for an input every microbatch shares whole "
-                         f"(a [time, time] mask, a bias): e.g. batch_dims={{{shared}}}.")
+        raise ValueError(f"the inputs split into microbatches disagree on the batch size: {listed}. Where the batch "
+                         "is not a dim of each input (a graph batch's edge_index, EmbeddingBag offsets, a list of "
+                         "samples), no dim cuts it: pass microbatches=None (the planner keeps such a batch whole) or "
+                         "1. Otherwise say which dim of each input is the batch with batch_dims, None for an input "
+                         f"every microbatch shares whole (a [time, time] mask, a bias): e.g. batch_dims={{{shared}}}.")
     return sizes.pop()
 
 

@@ -226,6 +226,13 @@ def test_splitting_a_shared_input_along_dim_0_is_refused():
         harmony_fx.compile(model, (x, bias), microbatches=2)
 
 
+def test_no_input_left_to_cut_is_said_so():
+    """Every input shared (the advice above followed for each): a Python error (max() of nothing)."""
+    model, _, x, bias, _, _, _ = _shared_bias_setup(False, False)
+    with pytest.raises(ValueError, match=r"no input is cut along a batch dim.*microbatches=1, or None"):
+        harmony_fx.compile(model, (x, bias), microbatches=2, batch_dims={"x": None, "bias": None})
+
+
 def test_input_that_requires_grad_gets_eager_grad_with_microbatches():
     model, reference, x, bias, target, x_ref, bias_ref = _shared_bias_setup(True, True)
     hm = harmony_fx.compile(model, (x, bias), microbatches=3, batch_dims={"bias": None}, pack_boundaries=(0, 2, 4))
