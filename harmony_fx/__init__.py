@@ -7,10 +7,10 @@ from harmony_fx.compiler.capture_cache import reset
 from harmony_fx.compiler.driver import RandomDrawsPerMicrobatch
 from harmony_fx.runtime.devices import CudaDevice, DeviceOutOfMemoryError, HostDevice
 from harmony_fx.program.verify import ProgramError
-from harmony_fx.trainer import Trainer
+from harmony_fx.trainer import NonFiniteLossError, Trainer
 
 __all__ = [
     "compile", "HarmonyModule", "Trainer", "CompileOptions", "HostDevice", "CudaDevice",
     "CaptureError", "BudgetTooSmallError", "DeviceOutOfMemoryError", "ProgramError", "reset",
-    "RandomDrawsPerMicrobatch",
+    "RandomDrawsPerMicrobatch", "NonFiniteLossError",
 ]

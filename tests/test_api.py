@@ -247,6 +247,13 @@ def test_unknown_device_kind_is_refused():
         harmony_fx.compile(model, (torch.randn(4, 8),), devices=["gpu:0"])
 
 
+def test_a_host_device_named_twice_is_refused():
+    """It made two HostDevices of one name, each with the whole budget, and one key for their peaks."""
+    model = MLPChain(width=8, depth=2)
+    with pytest.raises(ValueError, match="'host:0' is named twice.*host:0, host:1"):
+        harmony_fx.compile(model, (torch.randn(4, 8),), devices=["host:0", "host:0"])
+
+
 # ---------------------------------------------------------------------- microbatches
 
 

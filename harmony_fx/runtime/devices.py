@@ -532,6 +532,10 @@ def resolve_devices(devices: object, budget: int | None, track_memory: bool = Tr
     for name in names:
         kind, _, index = name.partition(":")
         if kind == "host" and (index == "" or index.isdigit()):
+            if any(d.name == f"host:{index or 0}" for d in result):
+                raise ValueError(f"{name!r} is named twice: each HostDevice stands for a GPU of its own, with its own "
+                                 "budget; name them host:0, host:1, ... (several devices on one GPU are cuda:0 twice, "
+                                 "which share its budget)")
             seed = None if chaos is None else chaos + len(result)
             result.append(HostDevice(f"host:{index or 0}", budget, track_memory, seed))
         elif kind == "cuda" and (index == "" or index.isdigit()):
