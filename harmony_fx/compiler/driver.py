@@ -785,7 +785,7 @@ def _warn_if_cut_changes_results(layout: Layout, analysis: BatchAnalysis, gm: fx
             f"harmony_fx: microbatches={layout.num_microbatches} cuts the batch, but harmony_fx cannot show "
             f"that microbatches compute what the whole batch does: {analysis.reason.rstrip('.')}. The results "
             "(loss and gradients) may differ from eager's; microbatches=1, or None (the planner keeps such a "
-            "batch whole), computes eager's.", UserWarning, stacklevel=2)
+            "batch whole), computes eager's.", MicrobatchesComputeApart, stacklevel=2)
     elif layout.num_microbatches > 1 and (draw := next((n for n in gm.graph.nodes if draws_random(n)), None)):
         warnings.warn(
             f"harmony_fx: microbatches={layout.num_microbatches} cuts the batch of a model that draws random "
@@ -799,9 +799,16 @@ def _warn_if_cut_changes_results(layout: Layout, analysis: BatchAnalysis, gm: fx
             f"place ({meta.describe(write)}): each microbatch's forward updates it in turn, reading what the one "
             "before left, where eager updates it once for the batch, so the results differ from eager's; "
             "microbatches=1, or None (the planner keeps such a batch whole; over several devices, in a pipeline: "
-            "not parallel='dp', which gives each device its own), computes eager's.", UserWarning,
+            "not parallel='dp', which gives each device its own), computes eager's.", MicrobatchesComputeApart,
             stacklevel=2)
 
 
-class RandomDrawsPerMicrobatch(UserWarning):
+class MicrobatchesComputeApart(UserWarning):
+    """Microbatches set by hand where the whole batch would compute otherwise: a graph that mixes
+    samples (a contrastive loss over the batch), BatchNorm's statistics, a buffer each microbatch
+    updates in turn. Where the microbatches are the caller's own batches (transformers' gradient
+    accumulation), that is what it computes: filtered there."""
+
+
+class RandomDrawsPerMicrobatch(MicrobatchesComputeApart):
     """Microbatches set by hand on a model that draws random numbers (dropout): each draws its own."""

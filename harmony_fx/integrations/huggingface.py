@@ -54,7 +54,7 @@ except ImportError as error:  # an optional extra: say how to get it
                       "pip install 'harmony-fx[hf]'") from error
 
 from harmony_fx.api import HarmonyModule, compile as harmony_compile
-from harmony_fx.compiler.driver import RandomDrawsPerMicrobatch
+from harmony_fx.compiler.driver import MicrobatchesComputeApart
 from harmony_fx.config import check_option_names, option_names, with_environment
 from harmony_fx.ir.values import fakes_of
 from harmony_fx.trainer import Trainer
@@ -157,8 +157,9 @@ class HarmonyTrainer(transformers.Trainer):
         # transformers' rule; where it is false, it divides each batch's loss by their number
         adds = passed if decided is None else decided
         with self._autocast(), warnings.catch_warnings():
-            # transformers draws each batch's dropout on its own too: the microbatches are its batches
-            warnings.simplefilter("ignore", RandomDrawsPerMicrobatch)
+            # the microbatches are transformers' own batches, each computed apart as it computes them (its
+            # dropout draws, a contrastive loss over each batch, BatchNorm's statistics): nothing to warn of
+            warnings.simplefilter("ignore", MicrobatchesComputeApart)
             harmony = self._harmony_for(batch)
             if self._batches_are_microbatches(batches):
                 weight = 1.0 if adds else 1.0 / len(batches)

@@ -200,6 +200,37 @@ def _classifier():
         hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, num_labels=3))
 
 
+class _InBatchNegatives(torch.nn.Module):
+    """A contrastive loss over each batch (every sample scored against every other): a batch of
+    transformers' gradient accumulation is computed apart, and so is each harmony microbatch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed, self.project = torch.nn.Embedding(VOCAB, 16), torch.nn.Linear(16, 16)
+
+    def forward(self, input_ids, attention_mask=None, labels=None):
+        z = F.normalize(self.project(self.embed(input_ids).mean(1)), dim=-1)
+        return {"loss": F.cross_entropy(z @ z.T / 0.1, torch.arange(len(z)))}
+
+
+def test_batches_computed_apart_step_as_transformers_and_warn_of_nothing(tmp_path):
+    """The microbatches are transformers' own batches: the warning that a cut may differ from the
+    whole batch (true of harmony_fx.compile's microbatches) said something false here."""
+    import warnings
+
+    import harmony_fx
+
+    arguments = {"eval_strategy": "no", "save_strategy": "no", "max_steps": 3}
+    _, eager_steps, _ = _train(transformers.Trainer, _InBatchNegatives(), tmp_path / "eager", arguments=arguments)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _, steps, _ = _train(HarmonyTrainer, _InBatchNegatives(), tmp_path / "harmony", arguments=arguments,
+                             harmony_options={"memory_budget": "64KiB"})
+    _assert_same_steps(steps, eager_steps)
+    assert not [w for w in caught if issubclass(w.category, harmony_fx.MicrobatchesComputeApart)]
+
+
 def test_a_classifier_whose_loss_ignores_num_items_adds_its_batch_losses_as_transformers_does(tmp_path):
     """BERT's sequence classification head takes ``**kwargs`` (so transformers neither divides its
     loss by the accumulation steps nor has it divided by ``num_items_in_batch``) and computes a
