@@ -127,7 +127,13 @@ class Calls:
             dim = self.compiled.output_dims.get(name, 0)
             if dim is not None and len(chunks) > 1 and all(chunk is not None for chunk in chunks):
                 iteration.output_parts[name] = [chunk.shape[dim] for chunk in chunks]
-            merged = microbatch.merge([chunk.to(home, dtype) for chunk in chunks], dim)
+            try:
+                merged = microbatch.merge([chunk.to(home, dtype) for chunk in chunks], dim)
+            except RuntimeError as error:  # chunks of other sizes than along ``dim``: its batch is not there
+                raise ValueError(
+                    f"the microbatches' output {name!r} ({', '.join(str(tuple(c.shape)) for c in chunks)}) cannot be "
+                    f"joined along its dim {dim}: that dim is not its batch (an unbatched input, a sequence-first "
+                    "value: name each input's batch dim with batch_dims), or pass microbatches=1.") from error
             # not the object the iteration holds (one microbatch's output, merged as itself): autograd
             # gives the returned tensor a grad_fn holding the iteration, and that cycle would keep the
             # last pack on the device past a forward whose backward never comes (a metric without no_grad)
