@@ -103,8 +103,11 @@ class CallKey:
         if self.default_dtype != other.default_dtype:
             changes.append(f"the default dtype ({self.default_dtype})")
         if self.guarded_values != other.guarded_values:
-            changes.append("a Python value the loss function reads (the graph holds it as a constant: pass a number "
-                           "that changes every step as a tensor, updated in place)")
+            named = next((f"{now[0]}: {was[1]!r} -> {now[1]!r}" for now, was in zip(self.guarded_values,
+                                                                                    other.guarded_values)
+                          if now != was and isinstance(now, tuple) and len(now) == 2), "")
+            changes.append(f"a Python value the loss function reads ({named or 'its reads'}; the graph holds it as a "
+                           "constant: a number that changes every step is cheaper as a tensor, updated in place)")
         return changes
 
 

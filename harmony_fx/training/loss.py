@@ -7,15 +7,15 @@ forward, loss and backward as one task per microbatch without its weights leavin
 from __future__ import annotations
 
 import inspect
-import types
 from typing import Any, Callable, Sequence
 
 import torch
 from torch import nn
 
 from harmony_fx.program.actions import Key, KeyKind
+from harmony_fx.training.python_values import python_values
 
-__all__ = ["LossModel", "loss_of", "as_call", "python_values"]
+__all__ = ["LossModel", "loss_of", "as_call"]
 
 
 class LossModel(nn.Module):
@@ -65,58 +65,6 @@ class LossModel(nn.Module):
         if kwargs:
             ours["kwargs"] = {name: dims.get(name, 0) for name in kwargs}
         return ours
-
-
-def python_values(loss_fn: Callable | None) -> tuple:
-    """The plain Python values ``loss_fn`` reads that its graph bakes in as constants, as of now:
-    what its closure, defaults and the globals its code names hold (numbers, strings, flags, and
-    the dicts, lists and plain objects holding them, a few levels deep: an annealed weight in a
-    schedule dict), or an ``nn.Module`` loss's own plain attributes. Tensors are not among them (the
-    graph reads them at every call), nor modules or classes. A few microseconds for a loss
-    function: ``Trainer.step`` compares them with the compile's."""
-    if loss_fn is None:
-        return ()
-    if isinstance(loss_fn, nn.Module):
-        return tuple((name, _plain(value)) for module in loss_fn.modules() for name, value in vars(module).items()
-                     if not name.startswith("_") and name != "training")
-    function = getattr(loss_fn, "__func__", loss_fn)  # a bound method: its object's own numbers too
-    facts: list = [_plain(getattr(loss_fn, "__self__", None), depth=2)]
-    code = getattr(function, "__code__", None)
-    if code is None:  # a callable object: its attributes
-        return (_plain(loss_fn),)
-    facts += [_plain(cell.cell_contents) for cell in function.__closure__ or () if _filled(cell)]
-    facts += [_plain(function.__defaults__), _plain(function.__kwdefaults__)]
-    names = set(code.co_names)
-    names.update(name for const in code.co_consts if isinstance(const, types.CodeType) for name in const.co_names)
-    facts += [(name, _plain(function.__globals__[name])) for name in sorted(names) if name in function.__globals__]
-    return tuple(facts)
-
-
-_PLAIN_ITEMS = 64  # a container is read this far: a schedule, not a dataset
-
-
-def _plain(value: Any, depth: int = 3) -> Any:
-    if value is None or isinstance(value, (bool, int, float, complex, str, bytes)):
-        return value
-    if depth == 0 or isinstance(value, (torch.Tensor, nn.Module, type, types.ModuleType, types.FunctionType,
-                                        types.BuiltinFunctionType, types.MethodType)):
-        return type(value).__name__
-    if isinstance(value, dict):
-        return tuple((_plain(k, 0), _plain(v, depth - 1)) for k, v in list(value.items())[:_PLAIN_ITEMS])
-    if isinstance(value, (list, tuple)):
-        return tuple(_plain(v, depth - 1) for v in value[:_PLAIN_ITEMS])
-    attributes = getattr(value, "__dict__", None)
-    if isinstance(attributes, dict):
-        return (type(value).__name__, _plain(attributes, depth - 1))
-    return type(value).__name__
-
-
-def _filled(cell) -> bool:
-    try:
-        cell.cell_contents
-    except ValueError:  # a closure cell not yet assigned
-        return False
-    return True
 
 
 def loss_of(output: Any) -> torch.Tensor:

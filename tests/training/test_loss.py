@@ -4,6 +4,8 @@ trained next to eager with the same optimizer."""
 from __future__ import annotations
 
 import copy
+import functools
+import types
 
 import pytest
 import torch
@@ -216,46 +218,96 @@ class _Annealed(nn.Module):
         return F.cross_entropy(out, y) + self.weight * out.pow(2).mean()
 
 
-@pytest.mark.parametrize("form", ["closure", "module"])
-def test_a_python_number_the_loss_reads_is_the_steps_own(form):
-    """An annealed aux-loss weight and a label-smoothing schedule: the graph captured at the first
-    step held their first values, and every later step trained on them (loss 1.73 where eager's was
-    19.2). The loss's Python values are part of the call's key: a change compiles again."""
+class _Schedule:
+    """What a training script keeps its knobs in: a class attribute, an instance's, a counter."""
+
+    aux = 0.0
+
+    def __init__(self) -> None:
+        self.smoothing, self.weight, self.step = 0.0, torch.tensor(0.0), 0
+
+
+_SCHEDULE = _Schedule()
+_CONFIG = types.ModuleType("config")  # `import config; config.AUX`
+_CONFIG.AUX = 0.0
+_GLOBAL_AUX = 0.0
+_SETTINGS = {"aux": 0.0, "smoothing": 0.0}
+
+
+def _aux_weight():
+    return _GLOBAL_AUX
+
+
+def _with_settings(out, y, settings):
+    return F.cross_entropy(out, y, label_smoothing=settings["smoothing"]) + settings["aux"] * out.pow(2).mean()
+
+
+def _set(value: float) -> None:
+    global _GLOBAL_AUX
+    _SETTINGS.update(aux=value, smoothing=value / 10)
+    _Schedule.aux = _CONFIG.AUX = _GLOBAL_AUX = _SCHEDULE.smoothing = value
+    _SCHEDULE.weight = torch.tensor(value)  # a tensor put in the old one's place, not updated in it
+    _ANNEALED.weight = _CRITERION.label_smoothing = value / 10
+
+
+_ANNEALED = _Annealed()
+_CRITERION = nn.CrossEntropyLoss()
+_LOSSES = {
+    "a dict in the closure": lambda out, y: _with_settings(out, y, _SETTINGS),
+    "functools.partial": functools.partial(_with_settings, settings=_SETTINGS),
+    "a loss module's attribute": _ANNEALED,
+    "a criterion the loss calls": lambda out, y: _CRITERION(out, y) + out.pow(2).mean(),
+    "a class attribute": lambda out, y: F.cross_entropy(out, y) + _Schedule.aux * out.pow(2).mean(),
+    "a module's attribute": lambda out, y: F.cross_entropy(out, y) + _CONFIG.AUX * out.pow(2).mean(),
+    "a helper's global": lambda out, y: F.cross_entropy(out, y) + _aux_weight() * out.pow(2).mean(),
+    "an object's attribute": lambda out, y: F.cross_entropy(out, y, label_smoothing=_SCHEDULE.smoothing),
+    "a tensor replaced": lambda out, y: F.cross_entropy(out, y) + _SCHEDULE.weight * out.pow(2).mean(),
+}
+
+
+@pytest.mark.parametrize("form", list(_LOSSES))
+def test_a_python_value_the_loss_reads_is_the_steps_own(form):
+    """An annealed aux-loss weight and a label-smoothing schedule, read however a script reads them:
+    the graph captured at the first step held their first values, and every later step trained on
+    them (loss 1.73 where eager's was 19.2). What the loss reads is part of the call's key: a change
+    compiles again, and a value that comes back finds its graph."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 4))
     reference = copy.deepcopy(model)
-    schedule = {"aux": 0.0, "smoothing": 0.0}
-    module_loss = _Annealed()
-
-    def closure_loss(out, y):
-        return F.cross_entropy(out, y, label_smoothing=schedule["smoothing"]) + schedule["aux"] * out.pow(2).mean()
-
-    loss_fn = closure_loss if form == "closure" else module_loss
+    loss_fn = _LOSSES[form]
     batches = [(torch.randn(8, 16), torch.randint(0, 4, (8,))) for _ in range(3)]
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     reference_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+    _set(0.0)
     trainer = harmony_fx.Trainer(model, loss_fn, optimizer, batches[0], devices=["host:0"], microbatches=1)
-    for step, (x, y) in enumerate(batches + batches[:1]):
-        schedule.update(aux=0.5 * (step % 3), smoothing=0.05 * (step % 3))
-        module_loss.weight = 0.5 * (step % 3)
-        loss = trainer.step((x, y))
-        reference_optimizer.zero_grad()
-        expected = loss_fn(reference(x), y)
-        expected.backward()
-        reference_optimizer.step()
-        torch.testing.assert_close(loss, expected.detach(), rtol=1e-5, atol=1e-6, msg=f"step {step}")
+    try:
+        for step, (x, y) in enumerate(batches + batches[:1]):
+            _set(0.5 * (step % 3))
+            loss = trainer.step((x, y))
+            reference_optimizer.zero_grad()
+            expected = loss_fn(reference(x), y)
+            expected.backward()
+            reference_optimizer.step()
+            torch.testing.assert_close(loss, expected.detach(), rtol=1e-5, atol=1e-6, msg=f"step {step}")
+    finally:
+        _set(0.0)
     for param, expected in zip(model.parameters(), reference.parameters()):
         torch.testing.assert_close(param.detach(), expected.detach(), rtol=1e-5, atol=1e-6)
-    assert len({*trainer.hm._by_key.values(), trainer.hm}) == 3  # one graph per value, the fourth step the first's
+    if form != "a tensor replaced":  # a new tensor each step: a graph each
+        assert len({*trainer.hm._by_key.values(), trainer.hm}) == 3  # one graph per value, the fourth step the first's
 
 
 def test_a_loss_whose_python_values_stay_compiles_once():
+    """Nor does a counter on an object the loss reads, which its code does not name (``run.step``
+    beside ``run.smoothing``): it compiled the step again every time."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 4))
-    smoothing = 0.1
-    trainer = harmony_fx.Trainer(model, lambda out, y: F.cross_entropy(out, y, label_smoothing=smoothing),
+    run = _Schedule()
+    run.smoothing = 0.1
+    trainer = harmony_fx.Trainer(model, lambda out, y: F.cross_entropy(out, y, label_smoothing=run.smoothing),
                                  torch.optim.SGD(model.parameters(), lr=0.1),
                                  (torch.randn(8, 16), torch.randint(0, 4, (8,))), devices=["host:0"])
     for _ in range(3):
+        run.step += 1
         trainer.step((torch.randn(8, 16), torch.randint(0, 4, (8,))))
     assert set(trainer.hm._by_key.values()) <= {trainer.hm}  # its own key, if any: nothing compiled again
