@@ -87,9 +87,9 @@ class HarmonyModule:
             self._compile(example_args, example_kwargs or {})
 
     def __deepcopy__(self, memo: dict) -> "HarmonyModule":
-        """A copy of the model, compiled with the same options on its first call (an EMA or teacher
-        copy: ``copy.deepcopy(hm)``, ``torch.optim.swa_utils.AveragedModel(hm)``); the devices'
-        threads and plans are this module's own."""
+        """A copy of the model, compiled with the same options on its first call (a teacher copy:
+        ``copy.deepcopy(hm)``); the devices' threads and plans are this module's own. Not an
+        ``nn.Module``: an EMA (``AveragedModel``) or a parent module holds ``hm.model``."""
         return HarmonyModule(copy.deepcopy(self.model, memo), None, None, self.options, **self._roles)
 
     def __reduce__(self):

@@ -49,7 +49,7 @@ from harmony_fx.training.checkpoint import TrainingState, load_file, save_file
 from harmony_fx.training.loss import BatchLoss, LossModel
 from harmony_fx.training.stats import StepStats
 from harmony_fx.training.transaction import PendingStep, StepTransaction, Undo
-from harmony_fx.training.updates import PackUpdates, StepHooks, Updater, steps_per_parameter
+from harmony_fx.training.updates import PackUpdates, StepHooks, Updater, clear_stale_grads, steps_per_parameter
 
 __all__ = ["Trainer", "NonFiniteLossError"]
 
@@ -244,6 +244,7 @@ class Trainer:
         transaction = StepTransaction(self.step_count, undo, self._tier, self.cluster, self._cross)
         batch_loss = BatchLoss(hm, per_mb, self.loss_reduction, transaction.total, loss_scale, microbatch_weights)
         updates = PackUpdates(self._updater, groups, hm.update_arrivals, undo)
+        clear_stale_grads(self.optimizer, groups)  # frozen since the last step: no gradient, as eager's
         self._last_hm, self._stats = hm, None
         loss = None
         hooks = StepHooks(self.optimizer)
@@ -327,6 +328,17 @@ class Trainer:
         return error
 
     # ------------------------------------------------------------------ checkpoints
+    def __reduce__(self):
+        """A Trainer owns devices' threads and host buffers: it is not copied or pickled (``copy.deepcopy``,
+        ``torch.save``); its state is."""
+        raise TypeError("a harmony_fx.Trainer is not copied or pickled (it owns the devices' threads and its host "
+                        "buffers): save its state with trainer.save(path) (or trainer.state_dict()), and restore it "
+                        "into a new Trainer with trainer.load(path); copy the model itself (trainer.model) for an "
+                        "EMA or a teacher.")
+
+    def __deepcopy__(self, memo: dict):
+        self.__reduce__()
+
     def state_dict(self) -> dict[str, Any]:
         """A copy of everything the next steps depend on; later steps do not change it."""
         self.flush()

@@ -113,11 +113,27 @@ class _SpectralFilter(nn.Module):
         return torch.tanh(x + self.linear(torch.fft.irfft(spectrum, n=x.shape[1], dim=1, norm="ortho")))
 
 
+class _TransposedOutput(nn.Module):
+    """Returns a transposed view (as ``torch.vmap(f, in_dims=1)(x).transpose(0, 1)`` captures): the
+    plan ran its backward with a gradient of the output's strides, the caller's is contiguous, and
+    the backward copied it where the plan did not (out of memory at the smallest budget)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.second = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = x.transpose(0, 1).reshape(-1, 8) @ self.first.weight.t()
+        h = self.second(torch.relu(h.view(x.shape[1], x.shape[0], 8) + self.first.bias))
+        return (h * 2).transpose(0, 1)
+
+
 @pytest.mark.parametrize("mode", list(DEVICES))
 @pytest.mark.parametrize("build", [lambda: (LSTMStack(head=4), torch.randn(4, 5, 8)),
                                    lambda: (_AttentionStack(), torch.randn(4, 6, 16)), _in_place_on_sequences,
-                                   lambda: (nn.Sequential(*[_SpectralFilter() for _ in range(3)]), torch.randn(4, 8, 16))],
-                         ids=["lstm", "attention", "in-place-on-a-view", "complex-weights"])
+                                   lambda: (nn.Sequential(*[_SpectralFilter() for _ in range(3)]), torch.randn(4, 8, 16)),
+                                   lambda: (_TransposedOutput(), torch.randn(4, 6, 8))],
+                         ids=["lstm", "attention", "in-place-on-a-view", "complex-weights", "transposed-output"])
 def test_lstm_and_attention_stacks_at_their_tightest_budget(build, mode):
     torch.manual_seed(0)
     model, x = build()

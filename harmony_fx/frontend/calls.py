@@ -177,7 +177,19 @@ class Calls:
                 parts = iteration.output_parts.get(name, sizes)  # rows picked by a mask: as many as each gave
                 chunks = torch.split(grad, parts, dim) if len(sizes) > 1 else (grad,)
             for mb, chunk in enumerate(chunks):
-                iteration.host_values[Key(KeyKind.GRAD, name, mb)] = self._in_graph_dtype(name, chunk)
+                iteration.host_values[Key(KeyKind.GRAD, name, mb)] = self._as_planned(
+                    Key(KeyKind.GRAD, name, mb), self._in_graph_dtype(name, chunk))
+
+    def _as_planned(self, key: Key, grad: torch.Tensor) -> torch.Tensor:
+        """An output's gradient laid out as the plan ran the backward with it (the output's own strides):
+        the caller's (contiguous from a weighted sum, an expand from ``.sum()``) would make a
+        transposed output's backward copy it where the plan did not (out of memory at the smallest
+        budget). A copy on the host, only where the layouts differ."""
+        planned = self.compiled.shapes.value_of(key)
+        if (not isinstance(planned, torch.Tensor) or grad.shape != planned.shape
+                or grad.stride() == planned.stride()):
+            return grad
+        return torch.empty_strided(planned.shape, planned.stride(), dtype=grad.dtype, device=grad.device).copy_(grad)
 
     def _in_graph_dtype(self, name: str, value: torch.Tensor) -> torch.Tensor:
         dtype = self._graph_dtypes[name]

@@ -37,7 +37,7 @@ from harmony_fx.runtime.host import GradientBuffers, land
 from harmony_fx.runtime.tier import StateTier
 from harmony_fx.tier_policy import PACKS_READ_AHEAD
 
-__all__ = ["Updater", "PackUpdates", "StepHooks", "step_subset", "steps_per_parameter"]
+__all__ = ["Updater", "PackUpdates", "StepHooks", "step_subset", "steps_per_parameter", "clear_stale_grads"]
 
 
 def steps_per_parameter(optimizer: torch.optim.Optimizer) -> bool:
@@ -83,7 +83,7 @@ class Updater:
         figure a training log shows."""
         cross = self.cross
         norm = None
-        _clear_stale_grads(self.optimizer, groups)
+        clear_stale_grads(self.optimizer, groups)
         if cross is None:
             params = [p for group in groups.values() for p in group]
             _set_grads(params, grads, self.grad_buffers)
@@ -213,7 +213,7 @@ def _run_gradient_hooks(params: Sequence[nn.Parameter]) -> Sequence[nn.Parameter
     return params
 
 
-def _clear_stale_grads(optimizer: torch.optim.Optimizer, groups: dict[int, list[nn.Parameter]]) -> None:
+def clear_stale_grads(optimizer: torch.optim.Optimizer, groups: dict[int, list[nn.Parameter]]) -> None:
     """A parameter no pack gave a gradient this step (frozen since, or unused in this call's mode) has
     none, as after eager's ``zero_grad()`` and backward: the last step's would be stepped again."""
     given = {id(p) for group in groups.values() for p in group}

@@ -134,6 +134,20 @@ def test_state_dict_round_trip():
         trainer.close()
 
 
+@pytest.mark.parametrize("how", ["deepcopy", "torch.save"])
+def test_a_trainer_is_not_copied_and_says_what_to_save_instead(how, tmp_path):
+    """It failed deep inside on its threads' locks ("cannot pickle '_thread.lock' object")."""
+    import copy
+
+    trainer, batch = _mlp_trainer()
+    try:
+        trainer.step(batch)
+        with pytest.raises(TypeError, match=r"not copied or pickled.*trainer\.save\(path\).*trainer\.load\(path\)"):
+            copy.deepcopy(trainer) if how == "deepcopy" else torch.save(trainer, tmp_path / "trainer.pt")
+    finally:
+        trainer.close()
+
+
 def test_save_is_atomic(tmp_path, monkeypatch):
     trainer, batch = _mlp_trainer()
     path = tmp_path / "ckpt.pt"

@@ -175,12 +175,12 @@ def _steps(make_optimizer, before_step=lambda i, model: None, steps: int = 3, **
         reference_optimizer.step()
         for (name, param), expected in zip(model.named_parameters(), reference.parameters()):
             torch.testing.assert_close(param.detach(), expected.detach(), rtol=1e-5, atol=1e-6, msg=f"step {i}: {name}")
-    return optimizer, reference_optimizer
+    return optimizer, reference_optimizer, model, reference
 
 
 def test_an_optimizer_whose_step_counts_in_its_groups_is_stepped_once_a_step():
     """It was stepped once a pack (three here): its count ran three times as fast, and so its lr fell."""
-    optimizer, reference_optimizer = _steps(lambda model: _CountingSGD(model.parameters(), lr=0.1))
+    optimizer, reference_optimizer, _, _ = _steps(lambda model: _CountingSGD(model.parameters(), lr=0.1))
     assert optimizer.param_groups[0]["steps"] == reference_optimizer.param_groups[0]["steps"] == 3
 
 
@@ -192,8 +192,9 @@ def test_a_layer_frozen_mid_training_is_not_stepped_with_its_last_gradient(max_g
         if i == 1:
             model[0].requires_grad_(False)
 
-    _steps(lambda model: torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), freeze_from_the_second_step,
-           max_grad_norm=max_grad_norm)
+    _, _, model, reference = _steps(lambda model: torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                                    freeze_from_the_second_step, max_grad_norm=max_grad_norm)
+    assert model[0].weight.grad is None and reference[0].weight.grad is None  # not the last step's
 
 
 @pytest.mark.parametrize("max_grad_norm", [None, 1.0])
