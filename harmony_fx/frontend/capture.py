@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import inspect
+import os
 import pathlib
 import random
 import re
@@ -199,7 +200,8 @@ def raised_when_run(model: nn.Module, args: tuple, kwargs: dict) -> Exception | 
     where both captures failed because the model itself fails on these inputs (float token ids),
     that is the error to show, not advice about tracing."""
     try:
-        with fakes_of((args, kwargs)) as (fake_args, fake_kwargs):
+        # with grad, as the caller's training call: a forward that takes a derivative needs it
+        with fakes_of((args, kwargs)) as (fake_args, fake_kwargs), torch.enable_grad():
             model(*fake_args, **fake_kwargs)
     except Exception as error:  # noqa: BLE001 - the model's own error, shown to the user
         # not FakeTensors' own refusals (a value read by Python control flow, an op with no fake kernel)
@@ -293,6 +295,20 @@ def _scalar_reductions(gm: fx.GraphModule, state: dict[str, torch.Tensor]) -> di
     return {node.name: scalar_reduction(gm, node, state) for node in outputs
             if isinstance(node, fx.Node) and isinstance(node.meta.get(meta.VAL), torch.Tensor)
             and node.meta[meta.VAL].dim() == 0}
+
+
+# export's words for a value it could not trace through, left as a constant: autograd.grad in the
+# forward, vmap's out_dims (torch 2.11-2.13)
+_FAKE_CONSTANT = "found a fake tensor in the exported program constant"
+
+
+def _raised_in(error: BaseException | None, path_part: str) -> bool:
+    """Whether ``error`` or what caused it passed through a file whose path holds ``path_part``."""
+    while error is not None:
+        if any(path_part in frame.filename for frame in traceback.extract_tb(error.__traceback__)):
+            return True
+        error = error.__cause__ or error.__context__
+    return False
 
 
 _CACHE_IN_OUTPUT = re.compile(r"Found <class '([\w.]*Cache)'> in output")
@@ -433,6 +449,11 @@ def _full_path(frame: str) -> str:
 def _advice(export_error: Exception) -> str:
     """The construct export stopped at, and the option that avoids it, where the error says which."""
     text = str(export_error)
+    if _raised_in(export_error, f"_functorch{os.sep}eager_transforms.py") or _FAKE_CONSTANT in text:
+        return ("the model computes a derivative inside its forward (torch.autograd.grad, torch.func.grad, jacrev, "
+                "vjp), or maps with torch.vmap(out_dims=...) other than 0, which torch.export cannot trace: compute "
+                "the derivative outside the compiled model (on its outputs, or as a second model), and for vmap map "
+                "with out_dims=0 and move the dim afterwards (.movedim(0, d)).")
     if match := _CACHE_IN_OUTPUT.search(text):
         return (f"the model returns a key/value cache ({match.group(1)}), which is inference state, not a "
                 "tensor: pass use_cache=False in the call, or leave use_cache out (harmony_fx then captures "

@@ -297,3 +297,32 @@ def test_a_path_export_shortened_is_named_whole():
 
     assert _full_path(f"{__file__[3:]}:12 in forward") == f"{__file__}:12 in forward"
     assert _full_path("no/such/file.py:3 in forward") == "no/such/file.py:3 in forward"
+
+
+class _InputGradient(nn.Module):
+    """A derivative taken inside the forward (a gradient penalty, score matching)."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.how, self.linear, self.out = how, nn.Linear(8, 8), nn.Linear(8, 1)
+
+    def forward(self, x):
+        energy = lambda sample: self.out(torch.tanh(self.linear(sample))).sum()  # noqa: E731
+        if self.how == "torch.func.grad":
+            return torch.vmap(torch.func.grad(energy))(x)
+        if self.how == "torch.autograd.grad":
+            x = x if x.requires_grad else x.requires_grad_(True)
+            return torch.autograd.grad(energy(x), x, create_graph=True)[0]
+        return torch.vmap(lambda sample: torch.relu(self.linear(sample)), out_dims=1)(x)  # vmap's out_dims
+
+
+@pytest.mark.parametrize("how", ["torch.func.grad", "torch.autograd.grad", "vmap out_dims=1"])
+def test_a_derivative_in_the_forward_is_refused_in_words(how):
+    """torch.export cannot trace them: the refusal gave the generic advice (control flow, caches), or
+    said the model raised as it would called eagerly (it does not: the run that said so had no grad)."""
+    model, x = _InputGradient(how), torch.randn(4, 6, 8) if how.startswith("vmap") else torch.randn(4, 8)
+    model(x.clone())  # eager runs it
+    with pytest.raises(harmony_fx.CaptureError, match=r"computes a derivative inside its forward.*outside the compiled "
+                                                      r"model.*out_dims=0") as refused:
+        harmony_fx.compile(model, x, devices=["host:0"])
+    assert "as it would called eagerly" not in str(refused.value)
