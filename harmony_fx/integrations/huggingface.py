@@ -121,7 +121,9 @@ class HarmonyTrainer(transformers.Trainer):
         """transformers' optimizer (from ``TrainingArguments``, or the one passed in ``optimizers``),
         kept for harmony; transformers gets a stand-in that harmony has already stepped."""
         optimizer = super().create_optimizer(model)
-        if not isinstance(optimizer, _SteppedByHarmony):
+        # a second train() gets back what the first left: accelerate's wrapper around the stand-in,
+        # whose step does nothing (taken for the real one, no parameter moved again)
+        if not any(isinstance(link, _SteppedByHarmony) for link in _optimizer_chain(optimizer)):
             self._host_optimizer = optimizer
             self.optimizer = _SteppedByHarmony(optimizer)
         return self.optimizer
@@ -264,6 +266,15 @@ class HarmonyTrainer(transformers.Trainer):
             if compiled is not None:
                 compiled.close()
         self.harmony, self._forward_module, self._window = None, None, []
+
+
+def _optimizer_chain(optimizer: Any) -> list:
+    """``optimizer`` and each optimizer it wraps (accelerate's ``AcceleratedOptimizer.optimizer``)."""
+    chain = []
+    while optimizer is not None and optimizer not in chain:
+        chain.append(optimizer)
+        optimizer = getattr(optimizer, "optimizer", None)
+    return chain
 
 
 class _SteppedByHarmony(torch.optim.Optimizer):

@@ -527,3 +527,26 @@ def test_skip_nonfinite_skips_the_steps_it_says_and_the_run_goes_on(tmp_path):
     assert trainer.harmony.skipped_steps == [1, 2]
     norms = [entry["grad_norm"] for entry in trainer.state.log_history if "grad_norm" in entry]
     assert norms[0] > 0 and all(math.isnan(norm) for norm in norms[1:])
+
+
+def test_training_again_on_the_same_trainer_moves_the_parameters_as_transformers_does(tmp_path):
+    """A second train() (more epochs, a second phase): transformers hands back accelerate's wrapper
+    around harmony's stand-in optimizer, which was taken for the real one: every step of the second
+    run logged a loss and moved no parameter."""
+    def twice(trainer_class, folder, **kwargs):
+        model = build_hf_model("llama")
+        trainer = trainer_class(model=model, args=_arguments(folder, eval_strategy="no", save_strategy="no",
+                                                             max_steps=3),
+                                train_dataset=_Tokens(64, seed=0), **kwargs)
+        trainer.train()
+        before = [p.detach().clone() for p in model.parameters()]
+        trainer.train()
+        moved = max((p - q).abs().max().item() for p, q in zip(model.parameters(), before))
+        steps = [(entry["loss"], entry["learning_rate"], entry["grad_norm"])
+                 for entry in trainer.state.log_history if "loss" in entry]
+        return moved, dict(enumerate(steps))
+
+    eager_moved, eager_steps = twice(transformers.Trainer, tmp_path / "eager")
+    moved, steps = twice(HarmonyTrainer, tmp_path / "harmony", harmony_options={"memory_budget": "1MiB"})
+    assert moved > 0 and eager_moved > 0
+    _assert_same_steps(steps, eager_steps)
