@@ -255,18 +255,19 @@ class _Compiled:
     def __init__(self, gm: fx.GraphModule, inputs: Sequence[_Input], options: dict, static_batch: bool = False) -> None:
         self.gm, self.inputs, self.options = gm, list(inputs), options
         self.static_batch = static_batch  # Dynamo fixed the batch size: one microbatch
-        self.modules: dict[tuple, tuple[_DynamoGraph, HarmonyModule]] = {}
-        self.refusals: dict[tuple, Exception] = {}  # activation shapes -> the compile's refusal
-        self.state_changes = 0  # compiles again because the model's tensors or numbers changed
+        # (activation shapes, the state's identity) -> its program, least recently used first
+        self.modules: dict[tuple, tuple[_DynamoGraph, HarmonyModule, int]] = {}
+        self.refusals: dict[tuple, Exception] = {}  # the same key -> the compile's refusal
+        self.states_dropped = 0  # programs let go for the bound (compiled again if their state comes back)
 
     @property
     def harmony_modules(self) -> list[HarmonyModule]:
         """The harmony modules compiled so far (one per activation shape): ``plan``, ``code``, ``stats``."""
-        return [hm for _, hm in self.modules.values()]
+        return [hm for _, hm, _ in self.modules.values()]
 
     def __call__(self, *args: Any) -> Any:
         activations = [arg for arg, item in zip(args, self.inputs) if item.kind == _Kind.ACTIVATION]
-        key = tuple((tuple(x.shape), x.dtype, x.requires_grad) for x in activations)
+        key = (tuple((tuple(x.shape), x.dtype, x.requires_grad) for x in activations), self._state_key(args))
         if key not in self.modules:
             refusal = self.refusals.get(key)
             if refusal is not None:
@@ -284,21 +285,37 @@ class _Compiled:
             baked = _dtypes_dynamo_baked(hm)
             if baked is not None:
                 raise self._remembered(key, baked)
-            self.modules[key] = module, hm
-        module, hm = self.modules[key]
-        changed = self._changed_state(module, args)
-        if changed is not None:
-            # Dynamo runs one graph for every instance of a class (another model, one loaded from a
-            # checkpoint) and for new values of a number it passes in: harmony's program holds the
-            # first's, so it compiles anew, in place of the old one (which would keep its weights alive)
-            del self.modules[key]
-            self.state_changes += 1
-            if self.state_changes == _STATE_CHANGES_WARNED:
-                warnings.warn(f"harmony_fx: a graph was compiled again {self.state_changes} times because {changed}; "
-                              "each change plans anew. Compile each model instance separately, or keep the number "
-                              "out of the forward.", stacklevel=2)
-            return self(*args)
-        return hm(*activations)
+            self.modules[key] = module, hm, _state_bytes(args, self.inputs)
+            self._bound(key)
+        self.modules[key] = self.modules.pop(key)  # the most recently used last
+        return self.modules[key][1](*activations)
+
+    def _state_key(self, args: Sequence[Any]) -> tuple:
+        """The identity of the tensors and the numbers harmony's program is planned around: Dynamo
+        runs one graph for every instance of a class (each layer of a model where a graph break
+        sits in the layer, another model, weights loaded with ``assign=True``) and for new values of
+        a number it passes in, where each program holds the first's."""
+        return tuple(id(arg) if item.kind in (_Kind.PARAM, _Kind.BUFFER) else _constant_key(arg)
+                     for arg, item in zip(args, self.inputs) if item.kind != _Kind.ACTIVATION)
+
+    def _bound(self, newest: tuple) -> None:
+        """Each program holds its state's tensors: the least recently used are let go past
+        ``_PROGRAMS_KEPT`` programs or ``_STATE_BYTES_KEPT`` bytes of their state (weights loaded
+        again and again would otherwise stay alive), and said once."""
+        while len(self.modules) > 1 and (len(self.modules) > _PROGRAMS_KEPT or sum(
+                nbytes for _, _, nbytes in self.modules.values()) > _STATE_BYTES_KEPT):
+            oldest = next(iter(self.modules))
+            if oldest == newest:
+                break
+            del self.modules[oldest]
+            self.states_dropped += 1
+            if self.states_dropped == 1:
+                warnings.warn(
+                    f"harmony_fx: Dynamo runs this graph for more states (model instances, layers, weights loaded "
+                    f"with assign=True, numbers passed in) than the {_PROGRAMS_KEPT} programs or "
+                    f"{_STATE_BYTES_KEPT >> 30} GiB of their tensors harmony keeps for it; the least recently used "
+                    "are let go and compiled again if they come back. A number that changes every call is cheaper as "
+                    "a tensor.", stacklevel=3)
 
     def _remembered(self, key: tuple, error: Exception) -> Exception:
         """``error``, kept to be raised again at the next call with ``key``: it cannot change for the
@@ -312,20 +329,29 @@ class _Compiled:
         self.refusals[key] = error
         return error
 
-    def _changed_state(self, module: _DynamoGraph, args: Sequence[Any]) -> str | None:
-        """What differs from the tensors and numbers harmony's program was planned around (``None``:
-        nothing): Dynamo hands over another model's tensors, or a number's new value, without
-        compiling again."""
-        for index, item in enumerate(self.inputs):
-            if item.kind in (_Kind.PARAM, _Kind.BUFFER) and args[index] is not getattr(module, item.name):
-                return f"the model's tensor {item.name!r} is another than at the last compile"
-            if item.kind == _Kind.CONSTANT and not _same(args[index], module.constants[index]):
-                return f"the graph input {item.name!r} is {args[index]!r}, {module.constants[index]!r} at the last compile"
-        return None
+
+# programs one graph keeps for the states Dynamo runs it for, and the bytes of those states' tensors
+_PROGRAMS_KEPT = 64
+_STATE_BYTES_KEPT = 4 << 30
 
 
-# compiles again for changed state past which the backend warns (a number that changes every call)
-_STATE_CHANGES_WARNED = 4
+def _state_bytes(args: Sequence[Any], inputs: Sequence[_Input]) -> int:
+    return sum(arg.numel() * arg.element_size() for arg, item in zip(args, inputs)
+               if item.kind in (_Kind.PARAM, _Kind.BUFFER) and isinstance(arg, torch.Tensor))
+
+
+def _constant_key(value: Any) -> Any:
+    """A number Dynamo passes in, as a key: a 0-dim tensor (an unspecialized float) by its value."""
+    if isinstance(value, torch.Tensor):
+        return ("tensor", value.dtype, tuple(value.shape), tuple(value.flatten().tolist()) if value.numel() <= 16
+                else id(value))
+    if isinstance(value, (list, tuple)):
+        return tuple(_constant_key(item) for item in value)
+    try:
+        hash(value)
+    except TypeError:
+        return ("unhashable", repr(value))
+    return value
 
 
 def _wide_casts_dynamo_baked(gm: fx.GraphModule, options: dict) -> ValueError | None:
@@ -369,9 +395,3 @@ def _dtypes_dynamo_baked(hm: HarmonyModule) -> ValueError | None:
         if node.op == "call_function" and wide:
             return _baked_refusal(hm.options.precision, node, wide[0])
     return None
-
-
-def _same(a: Any, b: Any) -> bool:
-    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
-        return a.shape == b.shape and bool((a == b).all())
-    return a == b

@@ -211,13 +211,71 @@ def test_another_instance_of_the_class_runs_on_its_own_weights():
                                assign=True)
 
 
-def test_a_graph_compiled_again_and_again_for_changed_state_warns():
+class _Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return torch.tanh(self.linear(x))
+
+
+class _LoggedBlocks(nn.Module):
+    """A graph break in each block (activation logging with .item(), as a monitoring hook does):
+    Dynamo compiles the block's forward once and runs it for every block, each with its own
+    weights; harmony compiled again at every block of every step (50-80x slower)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(_Block() for _ in range(3))
+        self.seen: list[float] = []
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+            self.seen.append(x.abs().max().item())
+        return x
+
+
+def test_a_graph_run_for_more_states_than_it_keeps_lets_the_oldest_go_and_says_so(monkeypatch):
+    """Each program holds its state's tensors (weights loaded again and again with assign=True would
+    stay alive): past the bound the least recently used go, and the results stay eager's."""
+    from harmony_fx import backend
+
+    monkeypatch.setattr(backend, "_PROGRAMS_KEPT", 1)
     torch.manual_seed(0)
-    models = [MLPChain(width=8, depth=2) for _ in range(5)]
+    model = _LoggedBlocks()
+    reference = copy.deepcopy(model)
+    compiled: list = []
     x = torch.randn(4, 8)
-    with pytest.warns(UserWarning, match="compiled again 4 times because the model's tensor"):
-        for model in models:
-            torch.compile(model, backend="harmony", dynamic=True)(x)
+    with pytest.warns(UserWarning, match="more states .* than the 1 programs"):
+        out = torch.compile(model, backend=_recording_backend(compiled))(x)
+    torch.testing.assert_close(out, reference(x), rtol=RTOL, atol=ATOL)
+    assert max(len(program.modules) for program in compiled) == 1
+    assert sum(program.states_dropped for program in compiled) >= 1
+
+
+def test_a_graph_dynamo_runs_for_every_layer_keeps_a_program_per_layer(monkeypatch):
+    from harmony_fx import api
+
+    compiles = []
+    original = api.HarmonyModule._compile
+    monkeypatch.setattr(api.HarmonyModule, "_compile", lambda self, *a, **k: (compiles.append(1), original(self, *a, **k))[1])
+    torch.manual_seed(0)
+    model = _LoggedBlocks()
+    reference = copy.deepcopy(model)
+    compiled = torch.compile(model, backend="harmony")
+    x = torch.randn(4, 8)
+    for step in range(3):
+        out, expected = compiled(x), reference(x)
+        torch.testing.assert_close(out, expected, rtol=RTOL, atol=ATOL)
+        out.sum().backward()
+        expected.sum().backward()
+        if step == 0:
+            first = len(compiles)
+    assert len(compiles) == first  # the later steps compiled nothing
+    for param, ref in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(param.grad, ref.grad, rtol=RTOL, atol=ATOL)
 
 
 def test_dynamos_last_compile_of_a_function_warns_that_later_states_run_outside_harmony():

@@ -111,9 +111,25 @@ def capture(model: nn.Module, args: tuple, kwargs: dict | None = None, stack_tra
     refuse_tensor_hooks(hooks)
     if found is not None:
         raise refusal(found)
+    _refuse_state_requiring_grad(captured)
     captured.reductions = _scalar_reductions(captured.gm, {**captured.params, **captured.buffers})
     captured.caches_off = caches_off
     return captured
+
+
+def _refuse_state_requiring_grad(captured: Captured) -> None:
+    """A tensor the forward reads that requires grad but is neither a parameter nor an input (a
+    learnable scale kept as a plain attribute, a global weight): eager differentiates it, but the
+    graph holds it as a buffer, which harmony never gives a gradient (it would silently not train)."""
+    for name, tensor in captured.buffers.items():
+        if tensor.requires_grad:
+            target = captured.gm.graph.find_nodes(op="placeholder")
+            where = next((str(node.meta.get(meta.TARGET, name)) for node in target if node.name == name), name)
+            raise CaptureError(
+                f"the model reads the tensor {where!r}, which requires grad but is not an nn.Parameter (a plain "
+                "attribute, a buffer or a global): eager gives it a gradient, harmony_fx trains parameters only. "
+                "Register it as one (self.scale = nn.Parameter(...)), or call requires_grad_(False) on it if it is "
+                "not meant to train.")
 
 
 def _refuse_script_modules(model: nn.Module) -> None:

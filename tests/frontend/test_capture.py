@@ -326,3 +326,25 @@ def test_a_derivative_in_the_forward_is_refused_in_words(how):
                                                       r"model.*out_dims=0") as refused:
         harmony_fx.compile(model, x, devices=["host:0"])
     assert "as it would called eagerly" not in str(refused.value)
+
+
+class _LearnedScaleAttribute(nn.Module):
+    """A learnable scale kept as a plain tensor attribute: eager differentiates it; harmony held it
+    as a buffer and it silently never trained."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(16, 8)
+        self.scale = torch.ones(8, requires_grad=True)
+
+    def forward(self, x):
+        return self.linear(x) * self.scale
+
+
+def test_a_tensor_requiring_grad_that_is_not_a_parameter_is_refused_naming_it():
+    with pytest.raises(harmony_fx.CaptureError, match=r"tensor 'scale', which requires grad but is not an "
+                                                      r"nn\.Parameter.*nn\.Parameter\(.*requires_grad_\(False\)"):
+        harmony_fx.compile(_LearnedScaleAttribute(), torch.randn(4, 16), devices=["host:0"])
+    frozen = _LearnedScaleAttribute()
+    frozen.scale.requires_grad_(False)  # a constant: compiles
+    harmony_fx.compile(frozen, torch.randn(4, 16), devices=["host:0"])
