@@ -95,6 +95,11 @@ def harmony(gm: fx.GraphModule, example_inputs: Sequence[Any], *, options: dict 
     _warn_at_dynamos_last_compile()
     placeholders = gm.graph.find_nodes(op="placeholder")
     inputs = _sort_inputs(placeholders, example_inputs)
+    if _updates_parameters(gm, placeholders, inputs):
+        # not a forward to train: an optimizer's step (a whole training step compiled, or optimizer.step
+        # itself), an EMA or a clip writing the parameters in place. They live in host memory, where
+        # harmony keeps them: the graph runs as it is, on them
+        return gm
     static = None if "batch_dims" in options else _static_batch_input(placeholders, inputs)
     if static is not None and _num_microbatches(options) > 1:
         raise ValueError(
@@ -106,6 +111,28 @@ def harmony(gm: fx.GraphModule, example_inputs: Sequence[Any], *, options: dict 
         # the planner may not cut what Dynamo fixed; a refusal says that dynamic=True would let it
         options = {**options, "microbatches": 1}
     return _Compiled(gm, inputs, options, static_batch=static is not None)
+
+
+def _updates_parameters(gm: fx.GraphModule, placeholders: Sequence[fx.Node], inputs: Sequence[_Input]) -> bool:
+    """Whether the graph writes a parameter in place (``p.add_(...)``, ``torch._foreach_mul_(params,
+    ...)``: Dynamo's graphs are of torch functions and methods, in-place ones named with a trailing
+    underscore)."""
+    params = {node for node, item in zip(placeholders, inputs) if item.kind == _Kind.PARAM}
+
+    def is_parameter(arg: Any) -> bool:  # lifted to an input, or held by the graph (an optimizer's)
+        if arg in params:
+            return True
+        return (isinstance(arg, fx.Node) and arg.op == "get_attr"
+                and isinstance(getattr(gm, str(arg.target), None), nn.Parameter))
+
+    for node in gm.graph.nodes:
+        name = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", "")
+        if node.op not in ("call_function", "call_method") or not name.endswith("_") or name.endswith("__"):
+            continue
+        written = node.args[0] if node.args else None
+        if any(is_parameter(arg) for arg in (written if isinstance(written, (list, tuple)) else [written])):
+            return True
+    return False
 
 
 def _warn_at_dynamos_last_compile() -> None:

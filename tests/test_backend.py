@@ -523,3 +523,27 @@ def test_an_autograd_function_dynamo_kept_whole_keeps_its_own_backward():
 class _ApplyingFunction(nn.Module):
     def forward(self, x):
         return _ReversesGradients.apply(x)
+
+
+def test_a_whole_training_step_compiled_trains_like_eager():
+    """forward, backward and optimizer.step under one torch.compile (PyTorch's pattern): Dynamo hands
+    over the optimizer's graph too, which writes the parameters in place; harmony took it for a
+    model to train and failed to capture it. It runs as it is, on the host parameters."""
+    torch.manual_seed(0)
+    model = MLPChain(width=8, depth=2)
+    reference = copy.deepcopy(model)
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (model, reference)]
+    x, y = torch.randn(8, 8), torch.randint(0, 8, (8,))
+
+    def step(m, optimizer):
+        loss = torch.nn.functional.cross_entropy(m(x), y)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        return loss
+
+    compiled = torch.compile(lambda: step(model, optimizers[0]), backend="harmony", options={"devices": ["host:0"]})
+    for _ in range(3):
+        torch.testing.assert_close(compiled(), step(reference, optimizers[1]), rtol=RTOL, atol=ATOL)
+    for param, ref in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(param, ref, rtol=RTOL, atol=ATOL)
