@@ -95,6 +95,7 @@ def harmony(gm: fx.GraphModule, example_inputs: Sequence[Any], *, options: dict 
     _warn_at_dynamos_last_compile()
     placeholders = gm.graph.find_nodes(op="placeholder")
     inputs = _sort_inputs(placeholders, example_inputs)
+    inputs = _numbers_as_tensors(gm, placeholders, inputs)
     if _updates_parameters(gm, placeholders, inputs):
         # not a forward to train: an optimizer's step (a whole training step compiled, or optimizer.step
         # itself), an EMA or a clip writing the parameters in place. They live in host memory, where
@@ -111,6 +112,39 @@ def harmony(gm: fx.GraphModule, example_inputs: Sequence[Any], *, options: dict 
         # the planner may not cut what Dynamo fixed; a refusal says that dynamic=True would let it
         options = {**options, "microbatches": 1}
     return _Compiled(gm, inputs, options, static_batch=static is not None)
+
+
+def _numbers_as_tensors(gm: fx.GraphModule, placeholders: Sequence[fx.Node], inputs: list[_Input]) -> list[_Input]:
+    """A float Dynamo stopped specializing (a temperature annealed every step) comes as a 0-dim tensor,
+    so that a new value compiles nothing, read with ``.item()`` where the graph computes with it.
+    Where every use of that number is arithmetic with tensors, the graph computes with the 0-dim
+    tensor itself (a 0-dim float does not change the other operand's dtype) and it is an input,
+    read at every call, not a constant baked into harmony's program."""
+    import operator
+
+    arithmetic = {operator.mul, operator.truediv, operator.add, operator.sub, operator.neg, operator.pow,
+                  torch.mul, torch.div, torch.add, torch.sub}
+    changed = list(inputs)
+    for index, (node, item) in enumerate(zip(placeholders, inputs)):
+        grapharg = node.meta.get("grapharg")
+        value = node.meta.get("example_value")
+        if item.kind != _Kind.CONSTANT or not getattr(grapharg, "pass_arg_as_tensor", False) \
+                or not isinstance(value, torch.Tensor) or value.dim() != 0 or not value.is_floating_point():
+            continue
+        reads = [user for user in node.users if user.op == "call_method" and user.target == "item"]
+        if len(reads) != len(node.users) or not all(
+                use.op == "call_function" and use.target in arithmetic and any(
+                    isinstance(arg, fx.Node) and arg is not read and isinstance(arg.meta.get("example_value"),
+                                                                                torch.Tensor) for arg in use.args)
+                for read in reads for use in read.users):
+            continue
+        for read in reads:
+            read.replace_all_uses_with(node)
+            gm.graph.erase_node(read)
+        changed[index] = _Input(item.name, _Kind.ACTIVATION)
+    if changed != inputs:
+        gm.recompile()
+    return changed
 
 
 def _updates_parameters(gm: fx.GraphModule, placeholders: Sequence[fx.Node], inputs: Sequence[_Input]) -> bool:

@@ -547,3 +547,36 @@ def test_a_whole_training_step_compiled_trains_like_eager():
         torch.testing.assert_close(compiled(), step(reference, optimizers[1]), rtol=RTOL, atol=ATOL)
     for param, ref in zip(model.parameters(), reference.parameters()):
         torch.testing.assert_close(param, ref, rtol=RTOL, atol=ATOL)
+
+
+class _Tempered(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.last = nn.Linear(8, 16), nn.Linear(16, 4)
+
+    def forward(self, x, temperature):
+        return torch.log_softmax(self.last(torch.relu(self.first(x))) / temperature, -1)
+
+
+def test_a_number_dynamo_stops_specializing_is_an_input_not_a_new_program_each_value(monkeypatch):
+    """A temperature annealed every step: Dynamo passes it as a 0-dim tensor so that a new value
+    compiles nothing, and harmony baked it in and planned a program for every value (57x slower)."""
+    from harmony_fx import api
+
+    compiles = []
+    original = api.HarmonyModule._compile
+    monkeypatch.setattr(api.HarmonyModule, "_compile", lambda self, *a, **k: (compiles.append(1), original(self, *a, **k))[1])
+    torch.manual_seed(0)
+    model = _Tempered()
+    reference = copy.deepcopy(model)
+    compiled = torch.compile(model, backend="harmony", options={"devices": ["host:0"]})
+    x = torch.randn(4, 8)
+    for step in range(6):
+        temperature = 1.0 - 0.1 * step
+        out, expected = compiled(x, temperature), reference(x, temperature)
+        torch.testing.assert_close(out, expected, rtol=RTOL, atol=ATOL)
+        out.sum().backward()
+        expected.sum().backward()
+    for param, ref in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(param.grad, ref.grad, rtol=RTOL, atol=ATOL)
+    assert len(compiles) <= 2  # the first value's graph, then the one for every value
