@@ -129,6 +129,16 @@ class HarmonyTrainer(transformers.Trainer):
         return self.optimizer
 
     def train(self, *args: Any, **kwargs: Any):
+        # a callback may change the gradients between the backward and the step, where transformers
+        # calls on_pre_optimizer_step: harmony updated each pack during its backward, before that
+        editing = [type(c).__name__ for c in self.callback_handler.callbacks
+                   if type(c).on_pre_optimizer_step is not transformers.TrainerCallback.on_pre_optimizer_step]
+        if editing:
+            raise ValueError(f"HarmonyTrainer cannot honor the callback {editing[0]}.on_pre_optimizer_step: harmony "
+                             "updates each pack during the backward, before transformers calls it, so a change it "
+                             "makes to the gradients would not reach the update. Change them with a hook on the "
+                             "parameter instead (param.register_hook(lambda grad: ...)), which harmony runs on each "
+                             "step's gradient before the update, or remove the callback.")
         # each train() captures the model anew: resume_from_checkpoint (or model_init) replaces
         # what the last one's programs were made from
         self._close_harmony()

@@ -44,6 +44,7 @@ except ImportError as error:  # an optional extra: say how to get it
     raise ImportError("harmony_fx.integrations.lightning needs Lightning: pip install 'harmony-fx[lightning]' "
                       "(or pip install lightning)") from error
 from lightning.pytorch.accelerators import CPUAccelerator
+from lightning.pytorch.callbacks import GradientAccumulationScheduler
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.strategies import SingleDeviceStrategy
 from lightning.pytorch.trainer.states import TrainerFn
@@ -132,6 +133,11 @@ class HarmonyStrategy(SingleDeviceStrategy):
     # ------------------------------------------------------------------ training
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         """One whole step (forward, backward, clipping, update) through harmony; returns the loss."""
+        trainer = self.lightning_module.trainer
+        if trainer.accumulate_grad_batches != 1:  # set since setup, by GradientAccumulationScheduler
+            _refuse([f"accumulate_grad_batches={trainer.accumulate_grad_batches} (a GradientAccumulationScheduler sets "
+                     "it during fit): harmony steps every batch it is given; give each step the whole batch instead "
+                     "and let harmony split it: HarmonyStrategy(microbatches=...) gives the same update"])
         leaves, spec = _flatten_batch(batch, "training_step")
         with self._autocast():
             if self._harmony is None:
@@ -429,6 +435,12 @@ def _training_problems(trainer: "pl.Trainer", strategy: HarmonyStrategy) -> list
     if not module.automatic_optimization:
         problems.append("manual optimization (automatic_optimization = False): harmony's step runs the backward and "
                         "the update itself; use automatic optimization (return the loss from training_step)")
+    scheduled = [callback for callback in trainer.callbacks if isinstance(callback, GradientAccumulationScheduler)]
+    if scheduled:
+        problems.append(f"a GradientAccumulationScheduler ({scheduled[0].scheduling}) sets accumulate_grad_batches "
+                        "during fit: harmony steps every batch it is given; give each step the whole batch instead "
+                        "(a DataLoader batch that many times larger) and let harmony split it "
+                        "(HarmonyStrategy(microbatches=...))")
     if trainer.accumulate_grad_batches != 1:
         problems.append(f"accumulate_grad_batches={trainer.accumulate_grad_batches}: give each step the whole batch "
                         "instead (a DataLoader batch that many times larger) and let harmony split it: "

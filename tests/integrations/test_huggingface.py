@@ -550,3 +550,21 @@ def test_training_again_on_the_same_trainer_moves_the_parameters_as_transformers
     moved, steps = twice(HarmonyTrainer, tmp_path / "harmony", harmony_options={"memory_budget": "1MiB"})
     assert moved > 0 and eager_moved > 0
     _assert_same_steps(steps, eager_steps)
+
+
+class _ZeroTheFirstLayersGradients(transformers.TrainerCallback):
+    def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+        for param in model.parameters():
+            param.grad = None
+            break
+
+
+def test_a_callback_changing_gradients_before_the_step_is_refused_with_the_hook_to_use(tmp_path):
+    """Harmony updates each pack during the backward, before transformers calls it: the change it made
+    was silently not honored (a block meant to stay fixed moved)."""
+    trainer = HarmonyTrainer(model=build_hf_model("llama"), args=_arguments(tmp_path, eval_strategy="no",
+                                                                           save_strategy="no", max_steps=1),
+                             train_dataset=_Tokens(16, seed=0), harmony_options={"memory_budget": "1MiB"})
+    trainer.add_callback(_ZeroTheFirstLayersGradients())
+    with pytest.raises(ValueError, match=r"_ZeroTheFirstLayersGradients\.on_pre_optimizer_step.*register_hook"):
+        trainer.train()

@@ -252,6 +252,8 @@ class _Hooked(Regressor):
 @pytest.mark.parametrize("module_class,trainer_options,expected", [
     (_Manual, {}, "manual optimization"),
     (Regressor, {"accumulate_grad_batches": 2}, r"accumulate_grad_batches=2: .* HarmonyStrategy\(microbatches=2\)"),
+    # the same accumulation from a callback, set during fit (every batch became an update)
+    (Regressor, {"callbacks": "GradientAccumulationScheduler"}, r"GradientAccumulationScheduler .* let harmony split it"),
     (Regressor, {"gradient_clip_val": CLIP, "gradient_clip_algorithm": "value"},
      "gradient_clip_algorithm='value': harmony clips by the global"),
     (Regressor, {"precision": "16-mixed"}, r"precision='16-mixed': float16 autocast needs a gradient scaler"),
@@ -261,6 +263,10 @@ class _Hooked(Regressor):
     (_Hooked, {}, "_Hooked.on_after_backward is overridden but is never called"),
 ])
 def test_what_a_harmony_step_cannot_do_is_refused_before_training(module_class, trainer_options, expected):
+    if trainer_options.get("callbacks") == "GradientAccumulationScheduler":
+        from lightning.pytorch.callbacks import GradientAccumulationScheduler
+
+        trainer_options = {"callbacks": [GradientAccumulationScheduler(scheduling={0: 1, 1: 2})]}
     _assert_refused(module_class(), HarmonyStrategy(), trainer_options, expected)
 
 
