@@ -512,10 +512,9 @@ def _capture_microbatches(example: _Example, layout: Layout, whole: Variant | No
                         f"{type(example.model).__name__} raises on a microbatch of {size} sample(s), cut from the "
                         "batch along each input's batch dim (dim 0 unless batch_dims says otherwise), though not on "
                         f"the whole batch: {str(error).splitlines()[0].split(': ', 1)[-1]}\nAn input whose first "
-                        "dim is not "
-                        "a batch of samples (an unbatched sample, an edge list, offsets) is cut wrongly: name its "
-                        "batch dim, or None for one every microbatch shares (batch_dims={'name': None}), or pass "
-                        "microbatches=1.") from error
+                        "dim is not a batch of samples (an unbatched sample, an edge list, offsets) is cut wrongly: "
+                        "name its batch dim, or None for one every microbatch shares (batch_dims={'name': None}), or "
+                        "pass microbatches=1.") from error
     check_same_layers(variants, backward_sizes, forward_sizes)
     return variants
 

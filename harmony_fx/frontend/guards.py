@@ -59,7 +59,7 @@ class CallKey:
     inputs: tuple         # the inputs' structure, then per leaf its facts (tensors) or its value
     default_dtype: torch.dtype = torch.float32  # what torch.arange(1.0), torch.ones(n), ... make
     # what else the module says its graph bakes in (``_harmony_guarded_values()``: the Trainer's loss
-    # function's Python numbers, ``training.loss.python_values``)
+    # function's Python values, ``training.python_values``)
     guarded_values: tuple = ()
 
     @classmethod

@@ -11,7 +11,10 @@ compile with what to do instead (not a failure deep in planning, or a wrong resu
 * **control flow on values as an operator** (``torch.cond``, ``while_loop``): planning runs each
   pack on FakeTensors, which cannot choose the branch;
 * **sparse gradients** (``nn.Embedding(sparse=True)``): the runtime moves dense gradients between
-  the host and the devices.
+  the host and the devices;
+* **a functorch transform other than vmap** left in the graph (``torch.func.jvp``'s forward-mode
+  nesting): derivatives inside the forward, which the packs' backward does not replay
+  (``frontend.functorch_regions`` turns a ``torch.vmap`` into the batched ops it computes).
 
 ``first_refused(gm)`` finds the first such node; ``refusal(found)`` is its ``ValueError``, naming the
 model's line where the graph has stack traces (``capture`` takes them again to say it).

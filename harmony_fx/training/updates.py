@@ -83,7 +83,6 @@ class Updater:
         figure a training log shows."""
         cross = self.cross
         norm = None
-        clear_stale_grads(self.optimizer, groups)
         if cross is None:
             params = [p for group in groups.values() for p in group]
             _set_grads(params, grads, self.grad_buffers)
