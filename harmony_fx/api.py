@@ -353,7 +353,7 @@ class HarmonyModule:
         if module is None:
             module = self._by_key[key] = self._compile_for(key, args, kwargs, roles)
             self._by_key[module._key] = module
-            if len(self._by_key) == _MANY_VARIANTS + 1:
+            if len(self._by_key) == MANY_VARIANTS + 1:
                 changed = "; ".join(key.changes_from(self._key, self.model)) or "nothing it can name"
                 warnings.warn(
                     f"harmony_fx: this module has compiled for {len(self._by_key)} call states (train/eval, no_grad, "
@@ -419,7 +419,7 @@ class HarmonyModule:
 
 
 # past this many compiled call states a module warns (as Dynamo's recompile limit): each holds its graphs
-_MANY_VARIANTS = 8
+MANY_VARIANTS = 8
 
 
 def _outside_inference_mode(args: tuple, kwargs: dict) -> tuple[tuple, dict]:

@@ -56,7 +56,7 @@ from torch import fx, nn
 from torch.fx import traceback as fx_traceback
 from torch.utils import _pytree as pytree
 
-from harmony_fx.api import HarmonyModule, compile as harmony_compile
+from harmony_fx.api import MANY_VARIANTS, HarmonyModule, compile as harmony_compile
 from harmony_fx.compiler.packing import BudgetTooSmallError
 from harmony_fx.config import CompileOptions, check_option_names, option_names, with_environment
 from harmony_fx.frontend.capture import CaptureError
@@ -348,6 +348,13 @@ class _Compiled:
                 raise self._remembered(key, baked)
             self.modules[key] = module, hm, _state_bytes(args, self.inputs)
             self._bound(key)
+            if sum(other[1] == key[1] for other in self.modules) == MANY_VARIANTS + 1:
+                warnings.warn(
+                    f"harmony_fx: this graph has been compiled for {MANY_VARIANTS + 1} input shapes (a program each, "
+                    "planned anew, its graphs and buffers kept); dynamic=True spares Dynamo's recompiles, not "
+                    "harmony's plans. If the sequence length changes with every batch, pad to a multiple "
+                    "(DataCollatorWithPadding(..., pad_to_multiple_of=64)) to bound how many lengths are compiled.",
+                    stacklevel=2)
         self.modules[key] = self.modules.pop(key)  # the most recently used last
         return self.modules[key][1](*activations)
 
@@ -357,7 +364,8 @@ class _Compiled:
         sits in the layer, another model, weights loaded with ``assign=True``) and for new values of
         a number it passes in, where each program holds the first's."""
         return tuple(id(arg) if item.kind in (_Kind.PARAM, _Kind.BUFFER) else _constant_key(arg)
-                     for arg, item in zip(args, self.inputs) if item.kind != _Kind.ACTIVATION)
+                     for arg, item in zip(args, self.inputs)
+                     if item.kind in (_Kind.PARAM, _Kind.BUFFER, _Kind.CONSTANT))  # sizes: the activations
 
     def _bound(self, newest: tuple) -> None:
         """Each program holds its state's tensors: the least recently used are let go past

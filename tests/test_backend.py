@@ -580,3 +580,15 @@ def test_a_number_dynamo_stops_specializing_is_an_input_not_a_new_program_each_v
     for param, ref in zip(model.parameters(), reference.parameters()):
         torch.testing.assert_close(param.grad, ref.grad, rtol=RTOL, atol=ATOL)
     assert len(compiles) <= 2  # the first value's graph, then the one for every value
+
+
+def test_a_graph_compiled_for_many_input_shapes_says_to_pad():
+    """dynamic=True spares Dynamo's recompiles, but each new sequence length is a harmony program
+    of its own: nothing said so (harmony_fx.compile warns at its ninth)."""
+    from harmony_fx.api import MANY_VARIANTS
+
+    torch.manual_seed(0)
+    compiled = torch.compile(_Tempered(), backend="harmony", dynamic=True, options={"devices": ["host:0"]})
+    with pytest.warns(UserWarning, match=rf"compiled for {MANY_VARIANTS + 1} input shapes.*pad_to_multiple_of"):
+        for length in range(1, MANY_VARIANTS + 3):
+            compiled(torch.randn(2, length, 8), 1.0)
