@@ -8,6 +8,7 @@ until the first call; a batch of another size is compiled on its first call and 
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import warnings
@@ -109,7 +110,7 @@ class HarmonyModule:
         # the graph is captured with grad on whatever the caller's mode (a forward-only program is
         # the lowering's choice, not the graph's), under the caller's autocast and training flags;
         # frozen_to_bf16 converts the frozen weights first, and puts them back if compiling fails
-        with torch.inference_mode(False), torch.enable_grad(), frozen_in_compute_dtype(
+        with torch.inference_mode(False), torch.enable_grad(), _outside_the_callers_autograd(), frozen_in_compute_dtype(
                 self.model, self.options.compute_dtype, self.options.frozen_to_bf16):
             options = self.options if reuse is None else reuse.decisions()
             self.compiled: Compiled = compile_program(self.model, args, kwargs, options, **self._roles,
@@ -431,6 +432,20 @@ def _outside_inference_mode(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
                 return x.clone()
         return x
     return microbatch.pytree.tree_map(usable, (args, kwargs))
+
+
+@contextlib.contextmanager
+def _outside_the_callers_autograd():
+    """Compiling runs the forward on FakeTensors, many times: not under the caller's anomaly mode
+    (its checks need values: every compile failed) nor its saved-tensor hooks (a non-reentrant
+    ``torch.utils.checkpoint`` around the call counted those runs' saved tensors as the call's, and
+    its recompute raised). Both are the caller's again when the compile ends."""
+    with torch.autograd.set_detect_anomaly(False), torch.autograd.graph.saved_tensors_hooks(_same, _same):
+        yield
+
+
+def _same(value: Any) -> Any:
+    return value
 
 
 def _needs_grad(key: CallKey, model: nn.Module, args: tuple, kwargs: dict) -> bool:

@@ -1,6 +1,7 @@
 """Integration: ``harmony_fx.compile`` end to end against eager PyTorch (the public API and the numbers it promises)."""
 from __future__ import annotations
 
+import copy
 import functools
 import gc
 import re
@@ -427,3 +428,37 @@ def test_a_copy_of_a_compiled_module_is_its_models_copy_compiled_the_same_way(ho
     for param, original in zip(copied.model.parameters(), model.parameters()):
         assert param.data_ptr() != original.data_ptr()
         torch.testing.assert_close(param.grad, original.grad)
+
+
+class _Small(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.second = nn.Linear(16, 32), nn.Linear(32, 4)
+
+    def forward(self, x):
+        return self.second(torch.relu(self.first(x)))
+
+
+@pytest.mark.parametrize("around", ["set_detect_anomaly", "non-reentrant checkpoint"])
+def test_a_call_that_compiles_inside_the_callers_autograd_contexts_trains_like_eager(around):
+    """Compiling runs the forward on FakeTensors many times: under anomaly mode every compile failed
+    (its checks read values), and a non-reentrant checkpoint around the call counted those runs'
+    saved tensors as the call's (its recompute raised CheckpointError)."""
+    from torch.utils.checkpoint import checkpoint
+
+    torch.manual_seed(0)
+    pre, model = nn.Linear(16, 16), _Small()
+    reference_pre, reference = copy.deepcopy(pre), copy.deepcopy(model)
+    hm = harmony_fx.compile(model, devices=["host:0"])  # compiled on its first call, inside the context
+    for length in (8, 12):  # the second length compiles again
+        x = torch.randn(length, 16)
+        if around == "set_detect_anomaly":
+            with torch.autograd.set_detect_anomaly(True):
+                hm(pre(x)).pow(2).mean().backward()
+            assert torch.is_anomaly_enabled() is False
+        else:
+            checkpoint(hm, pre(x), use_reentrant=False).pow(2).mean().backward()
+        reference(reference_pre(x)).pow(2).mean().backward()
+    for param, expected in zip([*pre.parameters(), *model.parameters()],
+                               [*reference_pre.parameters(), *reference.parameters()]):
+        torch.testing.assert_close(param.grad, expected.grad, rtol=1e-5, atol=1e-6)
