@@ -440,7 +440,11 @@ def _outside_the_callers_autograd():
     (its checks need values: every compile failed) nor its saved-tensor hooks (a non-reentrant
     ``torch.utils.checkpoint`` around the call counted those runs' saved tensors as the call's, and
     its recompute raised). Both are the caller's again when the compile ends."""
-    with torch.autograd.set_detect_anomaly(False), torch.autograd.graph.saved_tensors_hooks(_same, _same):
+    callers = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    # only where the caller has some: functorch's grad refuses to run under any (a model using it is
+    # refused in words at capture)
+    hooks = torch.autograd.graph.saved_tensors_hooks(_same, _same) if callers is not None else contextlib.nullcontext()
+    with torch.autograd.set_detect_anomaly(False), hooks:
         yield
 
 

@@ -592,3 +592,34 @@ def test_a_graph_compiled_for_many_input_shapes_says_to_pad():
     with pytest.warns(UserWarning, match=rf"compiled for {MANY_VARIANTS + 1} input shapes.*pad_to_multiple_of"):
         for length in range(1, MANY_VARIANTS + 3):
             compiled(torch.randn(2, length, 8), 1.0)
+
+
+class _Counting(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(8, 4)
+        self.register_buffer("calls", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x):
+        self.calls += 1  # Dynamo returns the update, to set the attribute again
+        return self.linear(x)
+
+
+def test_a_buffer_updated_in_the_forward_is_returned_as_the_buffer_under_torch_compile():
+    """Dynamo's graph returns the in-place update of the counter: with microbatches it was refused as
+    an output that does not depend on the batch (naming an output 'add_' the model does not have);
+    it is the buffer, and the cut warns as harmony_fx.compile's does."""
+    import harmony_fx
+
+    torch.manual_seed(0)
+    model, reference = _Counting(), _Counting()
+    reference.load_state_dict(model.state_dict())
+    compiled = torch.compile(model, backend="harmony", options={"devices": ["host:0"]})
+    x = torch.randn(8, 8)
+    for _ in range(3):
+        torch.testing.assert_close(compiled(x), reference(x), rtol=RTOL, atol=ATOL)
+    assert int(model.calls) == int(reference.calls) == 3
+    torch._dynamo.reset()
+    cut = torch.compile(_Counting(), backend="harmony", dynamic=True, options={"devices": ["host:0"], "microbatches": 2})
+    with pytest.warns(harmony_fx.MicrobatchesComputeApart, match="updates a buffer in place"):
+        cut(x).sum().backward()

@@ -540,7 +540,7 @@ def _capture_with_export(model: nn.Module, args: tuple, kwargs: dict, stack_trac
         raise NotImplementedError(f"exported graph has non-user outputs {unsupported}")
     named_params = dict(model.named_parameters(remove_duplicate=False))
     named_buffers = dict(model.named_buffers(remove_duplicate=False))
-    gm = inline_vmap_regions(exported.graph_module)
+    gm = _return_written_state(inline_vmap_regions(exported.graph_module), exported.graph_signature)
     placeholders = {node.name: node for node in gm.graph.find_nodes(op="placeholder")}
     params, buffers, inputs = {}, {}, []
     for spec in signature.input_specs:
@@ -587,6 +587,38 @@ def _capture_with_export(model: nn.Module, args: tuple, kwargs: dict, stack_trac
         return pytree.tree_unflatten(flat, out_spec)
 
     return Captured(gm, params, buffers, inputs, flatten_inputs, unflatten_outputs, "torch.export")
+
+
+def _return_written_state(gm: fx.GraphModule, signature) -> fx.GraphModule:
+    """An output that is an in-place update of a parameter or buffer (``self.calls += 1`` whose
+    result Dynamo returns to set the attribute again) is that tensor itself: returned as the
+    placeholder, the caller gets the model's own buffer back, as eager does (not a value each
+    microbatch would compute)."""
+    from torch.export.graph_signature import InputKind
+
+    state = {spec.arg.name for spec in signature.input_specs
+             if spec.kind in (InputKind.PARAMETER, InputKind.BUFFER) and hasattr(spec.arg, "name")}
+    output = gm.graph.find_nodes(op="output")[0]
+
+    def itself(value):
+        while (isinstance(value, fx.Node) and isinstance(value.target, torch._ops.OpOverload) and value.args
+               and isinstance(value.args[0], fx.Node) and _returns_its_first_argument(value.target)):
+            value = value.args[0]
+        return value if isinstance(value, fx.Node) and value.op == "placeholder" and value.name in state else None
+
+    returned = tuple(itself(arg) or arg for arg in output.args[0])
+    if returned != tuple(output.args[0]):
+        output.args = (type(output.args[0])(returned),)
+        gm.recompile()
+    return gm
+
+
+def _returns_its_first_argument(op: torch._ops.OpOverload) -> bool:
+    """An in-place op (``add_``): its result is its first argument, written (the schema's ``a!``)."""
+    arguments, returns = op._schema.arguments, op._schema.returns
+    return (len(returns) == 1 and bool(arguments) and returns[0].alias_info is not None
+            and arguments[0].alias_info is not None and returns[0].alias_info.is_write
+            and returns[0].alias_info.before_set == arguments[0].alias_info.before_set)
 
 
 def _reorder_kwargs(args: tuple, kwargs: dict, in_spec: pytree.TreeSpec):
