@@ -348,7 +348,7 @@ def _capture_failure_message(model: nn.Module, export_error: Exception, trace_er
         f"  torch.export (non-strict) failed with   {first_line(export_error)}\n"
         f"  torch.fx.symbolic_trace failed with     {first_line(trace_error)}\n"
         "What to try: "
-        f"{_what_to_try(model, export_error)}"
+        f"{_what_to_try(model, export_error, trace_error)}"
         f"{_where_and_labels(export_error, kwargs)}"
     )
 
@@ -386,9 +386,9 @@ def _random_layer_drop(model: nn.Module, export_error: Exception) -> str:
             "draw) stays in the graph.")
 
 
-def _what_to_try(model: nn.Module, export_error: Exception) -> str:
+def _what_to_try(model: nn.Module, export_error: Exception, trace_error: Exception | None = None) -> str:
     return (_cumulative_batch_norm(model) or _random_layer_drop(model, export_error) or _packed_sequence(export_error)
-            or _advice(export_error))
+            or _advice(export_error, trace_error))
 
 
 def _packed_sequence(export_error: Exception) -> str:
@@ -462,14 +462,16 @@ def _full_path(frame: str) -> str:
     return f"{found}:{rest}" if found else frame
 
 
-def _advice(export_error: Exception) -> str:
-    """The construct export stopped at, and the option that avoids it, where the error says which."""
+def _advice(export_error: Exception, trace_error: Exception | None = None) -> str:
+    """The construct export stopped at, and the option that avoids it, where the error says which
+    (or where tracing stopped: torch 2.11's export fails on a derivative before the model runs)."""
     text = str(export_error)
-    if _raised_in(export_error, f"_functorch{os.sep}eager_transforms.py") or _FAKE_CONSTANT in text:
+    derivative = f"_functorch{os.sep}eager_transforms.py"  # torch.func.grad, vjp, jvp, jacrev, hessian
+    if _raised_in(export_error, derivative) or _raised_in(trace_error, derivative) or _FAKE_CONSTANT in text:
         return ("the model computes a derivative inside its forward (torch.autograd.grad, torch.func.grad, jacrev, "
-                "vjp), or maps with torch.vmap(out_dims=...) other than 0, which torch.export cannot trace: compute "
-                "the derivative outside the compiled model (on its outputs, or as a second model), and for vmap map "
-                "with out_dims=0 and move the dim afterwards (.movedim(0, d)).")
+                "vjp, jvp), or maps with torch.vmap(out_dims=...) other than 0, which torch.export cannot trace: "
+                "compute the derivative outside the compiled model (on its outputs, or as a second model), and for "
+                "vmap map with out_dims=0 and move the dim afterwards (.movedim(0, d)).")
     if match := _CACHE_IN_OUTPUT.search(text):
         return (f"the model returns a key/value cache ({match.group(1)}), which is inference state, not a "
                 "tensor: pass use_cache=False in the call, or leave use_cache out (harmony_fx then captures "

@@ -309,7 +309,7 @@ class _InputGradient(nn.Module):
     def forward(self, x):
         energy = lambda sample: self.out(torch.tanh(self.linear(sample))).sum()  # noqa: E731
         if self.how == "torch.func.grad":
-            return torch.vmap(torch.func.grad(energy))(x)
+            return torch.func.grad(energy)(x)
         if self.how == "torch.autograd.grad":
             x = x if x.requires_grad else x.requires_grad_(True)
             return torch.autograd.grad(energy(x), x, create_graph=True)[0]

@@ -100,7 +100,9 @@ def test_a_vmap_in_the_forward_trains_like_eager_in_several_packs(name, microbat
 
 def test_a_forward_mode_transform_is_refused_and_leaves_no_level_pushed():
     x = torch.randn(4, 8)
-    with pytest.raises(ValueError, match="torch.func transform other than torch.vmap.*jvp"):
+    # torch 2.13's export keeps the jvp in the graph (refused there); 2.11's fails on it (said at capture)
+    with pytest.raises(ValueError, match=r"(torch\.func transform other than torch\.vmap|derivative inside its "
+                                         r"forward).*jvp"):
         harmony_fx.compile(_ForwardMode(), x, devices=["host:0"])
     assert torch._C._functorch.maybe_current_level() is None
     torch.ones(2).requires_grad_()  # raised inside a transform before
