@@ -96,7 +96,7 @@ def harmony(gm: fx.GraphModule, example_inputs: Sequence[Any], *, options: dict 
     placeholders = gm.graph.find_nodes(op="placeholder")
     inputs = _sort_inputs(placeholders, example_inputs)
     inputs = _numbers_as_tensors(gm, placeholders, inputs)
-    if _updates_parameters(gm, placeholders, inputs):
+    if _updates_parameters(gm, placeholders, inputs) or _returns_only_state(gm, placeholders, inputs):
         # not a forward to train: an optimizer's step (a whole training step compiled, or optimizer.step
         # itself), an EMA or a clip writing the parameters in place. They live in host memory, where
         # harmony keeps them: the graph runs as it is, on them
@@ -145,6 +145,26 @@ def _numbers_as_tensors(gm: fx.GraphModule, placeholders: Sequence[fx.Node], inp
     if changed != inputs:
         gm.recompile()
     return changed
+
+
+_IN_PLACE_OPERATORS = frozenset({"iadd", "isub", "imul", "itruediv", "ifloordiv", "imod", "ipow", "iand", "ior", "ixor"})
+
+
+def _returns_only_state(gm: fx.GraphModule, placeholders: Sequence[fx.Node], inputs: Sequence[_Input]) -> bool:
+    """Whether everything the graph returns is a parameter or buffer, as it is or updated in place
+    (a graph of ``self.calls += 1`` alone, split from the forward by a graph break): nothing for a
+    program to compute, it runs as it is."""
+    state = {node for node, item in zip(placeholders, inputs) if item.kind in (_Kind.PARAM, _Kind.BUFFER)}
+
+    def is_state(value: Any) -> bool:
+        while isinstance(value, fx.Node) and value.op in ("call_function", "call_method") and value.args:
+            name = value.target if isinstance(value.target, str) else getattr(value.target, "__name__", "")
+            if not (name.endswith("_") and not name.endswith("__")) and name not in _IN_PLACE_OPERATORS:
+                return False
+            value = value.args[0]
+        return not isinstance(value, fx.Node) or value in state
+
+    return all(is_state(value) for value in pytree.tree_leaves(gm.graph.find_nodes(op="output")[0].args))
 
 
 def _updates_parameters(gm: fx.GraphModule, placeholders: Sequence[fx.Node], inputs: Sequence[_Input]) -> bool:
