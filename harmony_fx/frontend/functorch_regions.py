@@ -38,6 +38,8 @@ def functorch_call(node: fx.Node) -> bool:
 
 
 def inline_vmap_regions(gm: fx.GraphModule) -> fx.GraphModule:
+    if not gm.graph.find_nodes(op="call_function", target=_ENTER):
+        return gm  # nearly every model: the graph as export left it (its code not made again)
     for node in list(gm.graph.find_nodes(op="call_function", target=_NO_OP)):
         if not node.users:
             gm.graph.erase_node(node)
