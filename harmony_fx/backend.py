@@ -103,11 +103,13 @@ def harmony(gm: fx.GraphModule, example_inputs: Sequence[Any], *, options: dict 
         return gm
     static = None if "batch_dims" in options else _static_batch_input(placeholders, inputs)
     if static is not None and _num_microbatches(options) > 1:
-        raise ValueError(
+        # raised by the graph when called, not here: Dynamo's suppress_errors would swallow a backend's
+        # error and run the function eagerly, outside harmony and its budget, with only a log line
+        return _refusing(ValueError(
             f"Dynamo baked the batch size into the graph (its input {static.name} has the fixed shape "
             f"{tuple(static.meta['example_value'].shape)}), so harmony cannot run it on microbatches. Compile with "
             "torch.compile(model, backend='harmony', dynamic=True, options=...) (or call "
-            "torch._dynamo.mark_dynamic(x, 0) on each batched input before the first call), or use microbatches=1.")
+            "torch._dynamo.mark_dynamic(x, 0) on each batched input before the first call), or use microbatches=1."))
     if static is not None and options.get("microbatches") is None:
         # the planner may not cut what Dynamo fixed; a refusal says that dynamic=True would let it
         options = {**options, "microbatches": 1}
@@ -187,6 +189,13 @@ def _updates_parameters(gm: fx.GraphModule, placeholders: Sequence[fx.Node], inp
         if any(is_parameter(arg) for arg in (written if isinstance(written, (list, tuple)) else [written])):
             return True
     return False
+
+
+def _refusing(error: Exception) -> Callable[..., Any]:
+    def refused(*args: Any) -> Any:
+        raise error.with_traceback(None)
+
+    return refused
 
 
 def _warn_at_dynamos_last_compile() -> None:
