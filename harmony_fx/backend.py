@@ -149,7 +149,16 @@ def _numbers_as_tensors(gm: fx.GraphModule, placeholders: Sequence[fx.Node], inp
     return changed
 
 
-_IN_PLACE_OPERATORS = frozenset({"iadd", "isub", "imul", "itruediv", "ifloordiv", "imod", "ipow", "iand", "ior", "ixor"})
+_IN_PLACE_OPERATORS = frozenset({"iadd", "isub", "imul", "itruediv", "ifloordiv", "imod", "ipow", "iand", "ior",
+                                 "ixor"})
+
+
+def _in_place(node: fx.Node, augmented: bool = True) -> bool:
+    """Whether a node of Dynamo's graph (torch functions and methods, not ATen ops) writes its first
+    argument: named with a trailing underscore (``add_``, ``torch._foreach_mul_``), or (``augmented``)
+    an augmented assignment (``+=``)."""
+    name = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", "")
+    return (name.endswith("_") and not name.endswith("__")) or (augmented and name in _IN_PLACE_OPERATORS)
 
 
 def _returns_only_state(gm: fx.GraphModule, placeholders: Sequence[fx.Node], inputs: Sequence[_Input]) -> bool:
@@ -160,10 +169,9 @@ def _returns_only_state(gm: fx.GraphModule, placeholders: Sequence[fx.Node], inp
 
     def is_state(value: Any) -> bool:
         while isinstance(value, fx.Node) and value.op in ("call_function", "call_method") and value.args:
-            name = value.target if isinstance(value.target, str) else getattr(value.target, "__name__", "")
-            if not (name.endswith("_") and not name.endswith("__")) and name not in _IN_PLACE_OPERATORS:
+            if not _in_place(value):
                 return False
-            value = value.args[0]
+            value = value.args[0]  # what an in-place op returns: what it wrote into
         return not isinstance(value, fx.Node) or value in state
 
     return all(is_state(value) for value in pytree.tree_leaves(gm.graph.find_nodes(op="output")[0].args))
@@ -182,8 +190,7 @@ def _updates_parameters(gm: fx.GraphModule, placeholders: Sequence[fx.Node], inp
                 and isinstance(getattr(gm, str(arg.target), None), nn.Parameter))
 
     for node in gm.graph.nodes:
-        name = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", "")
-        if node.op not in ("call_function", "call_method") or not name.endswith("_") or name.endswith("__"):
+        if node.op not in ("call_function", "call_method") or not _in_place(node, augmented=False):
             continue
         written = node.args[0] if node.args else None
         if any(is_parameter(arg) for arg in (written if isinstance(written, (list, tuple)) else [written])):

@@ -256,12 +256,23 @@ def test_a_graph_run_for_more_states_than_it_keeps_lets_the_oldest_go_and_says_s
     assert sum(program.states_dropped for program in compiled) >= 1
 
 
-def test_a_graph_dynamo_runs_for_every_layer_keeps_a_program_per_layer(monkeypatch):
+def _harmony_compiles(monkeypatch) -> list:
+    """A list that gets an item at every harmony compile (a call state planned), from now on."""
     from harmony_fx import api
 
-    compiles = []
+    compiles: list = []
     original = api.HarmonyModule._compile
-    monkeypatch.setattr(api.HarmonyModule, "_compile", lambda self, *a, **k: (compiles.append(1), original(self, *a, **k))[1])
+
+    def counted(self, *args, **kwargs):
+        compiles.append(1)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(api.HarmonyModule, "_compile", counted)
+    return compiles
+
+
+def test_a_graph_dynamo_runs_for_every_layer_keeps_a_program_per_layer(monkeypatch):
+    compiles = _harmony_compiles(monkeypatch)
     torch.manual_seed(0)
     model = _LoggedBlocks()
     reference = copy.deepcopy(model)
@@ -565,11 +576,7 @@ class _Tempered(nn.Module):
 def test_a_number_dynamo_stops_specializing_is_an_input_not_a_new_program_each_value(monkeypatch):
     """A temperature annealed every step: Dynamo passes it as a 0-dim tensor so that a new value
     compiles nothing, and harmony baked it in and planned a program for every value (57x slower)."""
-    from harmony_fx import api
-
-    compiles = []
-    original = api.HarmonyModule._compile
-    monkeypatch.setattr(api.HarmonyModule, "_compile", lambda self, *a, **k: (compiles.append(1), original(self, *a, **k))[1])
+    compiles = _harmony_compiles(monkeypatch)
     torch.manual_seed(0)
     model = _Tempered()
     reference = copy.deepcopy(model)
@@ -624,7 +631,8 @@ def test_a_buffer_updated_in_the_forward_is_returned_as_the_buffer_under_torch_c
         torch.testing.assert_close(compiled(x), reference(x), rtol=RTOL, atol=ATOL)
     assert int(model.calls) == int(reference.calls) == 3
     torch._dynamo.reset()
-    cut = torch.compile(_Counting(), backend="harmony", dynamic=True, options={"devices": ["host:0"], "microbatches": 2})
+    cut = torch.compile(_Counting(), backend="harmony", dynamic=True,
+                        options={"devices": ["host:0"], "microbatches": 2})
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         cut(x).sum().backward()  # runs (it was refused)

@@ -44,6 +44,7 @@ class Calls:
         # what the model returns unchanged (an input, a parameter, a buffer): handed back as it is
         self._returned_unchanged = {arg.name for arg in self._output_args
                                     if isinstance(arg, fx.Node) and arg.op == "placeholder"}
+        self._grad_layouts: dict[tuple, tuple] = {}  # (output, microbatch size) -> its gradient's planned layout
 
     def _caller_dtype(self, dtype: torch.dtype | None) -> torch.dtype | None:
         """An output computed in the compute dtype comes back in the masters' (their widest
@@ -185,11 +186,19 @@ class Calls:
         the caller's (contiguous from a weighted sum, an expand from ``.sum()``) would make a
         transposed output's backward copy it where the plan did not (out of memory at the smallest
         budget). A copy on the host, only where the layouts differ."""
-        planned = self.compiled.shapes.value_of(key)
-        if (not isinstance(planned, torch.Tensor) or grad.shape != planned.shape
-                or grad.stride() == planned.stride()):
+        shape, stride = self._planned_layout(key.name, self.mb_sizes[key.mb])
+        if shape is None or tuple(grad.shape) != shape or grad.stride() == stride:
             return grad
-        return torch.empty_strided(planned.shape, planned.stride(), dtype=grad.dtype, device=grad.device).copy_(grad)
+        return torch.empty_strided(shape, stride, dtype=grad.dtype, device=grad.device).copy_(grad)
+
+    def _planned_layout(self, name: str, mb_size: int | None) -> tuple[tuple | None, tuple | None]:
+        """The shape and strides the plan gave output ``name``'s gradient at a microbatch of ``mb_size``
+        (read from the graph once, not at every call)."""
+        if (name, mb_size) not in self._grad_layouts:
+            planned = self.compiled.shapes.value_of(Key(KeyKind.GRAD, name, self.mb_sizes.index(mb_size)))
+            self._grad_layouts[name, mb_size] = ((tuple(planned.shape), tuple(planned.stride()))
+                                                 if isinstance(planned, torch.Tensor) else (None, None))
+        return self._grad_layouts[name, mb_size]
 
     def _in_graph_dtype(self, name: str, value: torch.Tensor) -> torch.Tensor:
         dtype = self._graph_dtypes[name]

@@ -103,12 +103,17 @@ class CallKey:
         if self.default_dtype != other.default_dtype:
             changes.append(f"the default dtype ({self.default_dtype})")
         if self.guarded_values != other.guarded_values:
-            named = next((f"{now[0]}: {was[1]!r} -> {now[1]!r}" for now, was in zip(self.guarded_values,
-                                                                                    other.guarded_values)
+            named = next((f"{now[0]}: {_short(was[1])} -> {_short(now[1])}" for now, was in zip(self.guarded_values,
+                                                                                                other.guarded_values)
                           if now != was and isinstance(now, tuple) and len(now) == 2), "")
             changes.append(f"a Python value the loss function reads ({named or 'its reads'}; the graph holds it as a "
                            "constant: a number that changes every step is cheaper as a tensor, updated in place)")
         return changes
+
+
+def _short(value: object, limit: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 def _without_shape(fact: object) -> object:

@@ -30,6 +30,8 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from harmony_fx.frontend.guards import attribute_facts
+
 __all__ = ["python_values"]
 
 _ITEMS = 64       # a container is read this far: a schedule, not a dataset
@@ -56,11 +58,8 @@ def _read_callable(fn: Any, what: str, facts: list, depth: int, seen: set) -> No
         facts.append((f"{what}'s bound arguments", _value((fn.args, fn.keywords))))
         _read_callable(fn.func, what, facts, depth - 1, seen)
         return
-    if isinstance(fn, nn.Module):
-        for name, module in fn.named_modules():
-            facts.extend((f"{what}.{name + '.' if name else ''}{attribute}", _value(value))
-                         for attribute, value in vars(module).items()
-                         if not attribute.startswith("_") and attribute != "training")
+    if isinstance(fn, nn.Module):  # its modules' plain attributes, as a capture of it is keyed on them
+        facts.append((f"{what}'s attributes", attribute_facts(fn)))
         _read_callable(fn.forward, what, facts, depth - 1, seen)
         return
     owner, function = (fn.__self__, fn.__func__) if isinstance(fn, types.MethodType) else (None, fn)
