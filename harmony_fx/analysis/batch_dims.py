@@ -1023,6 +1023,34 @@ def _embedding(node: fx.Node, c: _Context) -> _Dims:
     return [c.dim(indices)]
 
 
+def _embedding_bag(node: fx.Node, c: _Context) -> _Dims:
+    """``nn.EmbeddingBag`` on a ``[B, L]`` input: torch flattens the indices and bags every ``L`` of
+    them (offsets ``arange(0, B * L, L)``), so bag ``b`` is sample ``b``'s row and the output's dim 0
+    is the batch's. Bags the caller delimits with offsets over one flat list of indices, or indices
+    not cut along their dim 0, are left to the rule's refusal (the microbatches' offsets would be
+    the whole batch's)."""
+    weight, indices, offsets = node.args[:3]
+    if c.dim(weight) is not None:
+        raise _mixed(node, "looks up a batched table")
+    if _argument(node, "scale_grad_by_freq"):
+        raise _mixed(node, "scales each row's gradient by how often the batch looks it up (scale_grad_by_freq)")
+    weights = _argument(node, "per_sample_weights")
+    for values in (indices, weights) if isinstance(weights, fx.Node) else (indices,):
+        shared_per_sample = values is weights and c.dim(values) is None and (
+            not c.varies_along(values, 0) or c.tiled.get(values, {}).get(0, 1) % c.batch_size == 0)
+        if not shared_per_sample and (c.dim(values) != 0 or values in c.outer):
+            raise _mixed(node, f"bags {values.name}, whose dim 0 is not the batch's samples one after another")
+    rows = _shape(indices)[0]
+    one_bag_a_sample = list(range(0, rows, rows // c.batch_size)) + [rows] * bool(_argument(node, "include_last_offset"))
+    if c.dim(offsets) is not None or offsets.target is not aten.arange.start_step \
+            or list(range(*offsets.args[:3])) != one_bag_a_sample:
+        raise _mixed(node, "bags the batch's indices by offsets other than one bag per sample")
+    for user in node.users:  # offset2bag, bag_size, max_indices: read by its backward only
+        if user.target is operator.getitem and user.args[1] > 0 and user.users:
+            raise _mixed(node, "has its bookkeeping outputs (offset2bag, bag_size, max_indices) read")
+    return [0] + [None] * (len(leaves(_val(node))) - 1)
+
+
 def _matmul(node: fx.Node, c: _Context) -> _Dims:
     """``a @ b`` (``mm``, ``bmm``, ``matmul``, ``linear``, ``addmm``, ``baddbmm``): a batch dim in
     the broadcast dims or the rows (columns) kept; never a contracted one."""
@@ -1324,7 +1352,8 @@ _RULES = {
     "gather": _gather,
     **{name: _scatter for name in ("scatter", "scatter_", "scatter_add", "scatter_add_", "scatter_reduce",
                                    "scatter_reduce_")},
-    "embedding": _embedding, "repeat": _repeat, "einsum": _einsum, "type_as": _dtype_of_second,
+    "embedding": _embedding, "embedding_bag": _embedding_bag, "_embedding_bag": _embedding_bag, "repeat": _repeat,
+    "einsum": _einsum, "type_as": _dtype_of_second,
     "autograd_function": _autograd_function,
     # complex values seen as pairs of reals and back: a trailing dim of 2 added or removed
     "view_as_real": _unchanged_leading, "view_as_complex": _unchanged_leading,

@@ -184,6 +184,9 @@ def test_writes_in_place_that_mix_samples_are_found(fn, why):
     (lambda h, m: h + torch.roll(h, 1), "acts along the batch dim"),  # no dims: over the flattened tensor
     (lambda h, m: h + F.embedding((h > 0).long(), torch.ones(2, 4), scale_grad_by_freq=True).sum(1),
      "scale_grad_by_freq"),  # counts of the whole batch's indices
+    # bags of two samples each: a microbatch would bag other rows together
+    (lambda h, m: F.embedding_bag((h > 0).long().flatten(), torch.ones(2, 4), torch.arange(0, 24, 8)).repeat(2, 1),
+     "offsets other than one bag per sample"),
     # positions the values pick (a mixture of experts' torch.where(expert_mask[i])): said, not a Python error
     (lambda h, m: h[torch.where(h > 0)[0][:1]].sum() + h, "lists entries the batch's values pick"),
     # an unbatched input's dim 0 is its channels; random samples shared whole by every sample
@@ -384,6 +387,28 @@ def _assert_cut_as_eager(model: nn.Module, x: torch.Tensor, microbatches: int, *
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)
     for (name, param), ref in zip(model.named_parameters(), reference.parameters()):
         torch.testing.assert_close(param.grad, ref.grad, rtol=1e-5, atol=1e-6, msg=name)
+
+
+class _Bags(nn.Module):
+    def __init__(self, mode: str, weighted: bool) -> None:
+        super().__init__()
+        self.bags = nn.EmbeddingBag(20, 6, mode=mode)
+        self.weighted = weighted
+        self.linear = nn.Linear(6, 3)
+
+    def forward(self, ids):
+        weights = ids.float().div(20) if self.weighted else None  # each index's weight, from the data
+        return self.linear(self.bags(ids, per_sample_weights=weights))
+
+
+@pytest.mark.parametrize("mode,weighted", [("mean", False), ("max", False), ("sum", True)])
+def test_embedding_bags_one_a_sample_are_cut_as_eager(mode, weighted):
+    """nn.EmbeddingBag on a [B, L] input bags each sample's row (torch's own offsets, one bag every
+    L indices): each microbatch bags its own rows."""
+    torch.manual_seed(0)
+    ids = torch.randint(0, 20, (8, 5))
+    assert _analysis(_Bags(mode, weighted), ids).separable
+    _assert_cut_as_eager(_Bags(mode, weighted), ids, microbatches=4)
 
 
 def test_an_unbatched_sequence_is_not_a_batch():
