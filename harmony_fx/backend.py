@@ -48,6 +48,9 @@ from __future__ import annotations
 import dataclasses
 import enum
 import functools
+import inspect
+import keyword
+import re
 import warnings
 from typing import Any, Callable, Sequence
 
@@ -106,7 +109,7 @@ def harmony(gm: fx.GraphModule, example_inputs: Sequence[Any], *, options: dict 
         # raised by the graph when called, not here: Dynamo's suppress_errors would swallow a backend's
         # error and run the function eagerly, outside harmony and its budget, with only a log line
         return _refusing(ValueError(
-            f"Dynamo baked the batch size into the graph (its input {static.name} has the fixed shape "
+            f"Dynamo baked the batch size into the graph (its input {_users_name(static)} has the fixed shape "
             f"{tuple(static.meta['example_value'].shape)}), so harmony cannot run it on microbatches. Compile with "
             "torch.compile(model, backend='harmony', dynamic=True, options=...) (or call "
             "torch._dynamo.mark_dynamic(x, 0) on each batched input before the first call), or use microbatches=1."))
@@ -260,7 +263,7 @@ def _sort_inputs(placeholders: Sequence[fx.Node], example_inputs: Sequence[Any])
             # from one tensor, source[i:i + bptt]) whether or not the graph computes with them
             inputs.append(_Input(node.name, _Kind.UNREAD))
         else:
-            inputs.append(_Input(node.name, kind))
+            inputs.append(_Input(_users_name(node) if kind == _Kind.ACTIVATION else node.name, kind))
     return inputs
 
 
@@ -288,6 +291,17 @@ def _static_batch_input(placeholders: Sequence[fx.Node], inputs: Sequence[_Input
     return None
 
 
+def _users_name(node: fx.Node) -> str:
+    """The name the user's code gives the value Dynamo made the placeholder ``node`` of, as an
+    identifier (``L['batch']['input_ids']``: ``batch_input_ids``), so that harmony's messages and
+    graphs say ``x`` where Dynamo's graph says ``l_x_``; Dynamo's name where it has no source (it
+    drops its record of sources once its compile is done: read while the backend is called)."""
+    source = getattr(node.meta.get("grapharg"), "source", None)
+    words = re.findall(r"[A-Za-z_]\w*|\d+", str(getattr(source, "name", "")))
+    name = "_".join(words[1:] if words[:1] in (["L"], ["G"]) else words)
+    return name if name.isidentifier() and not keyword.iskeyword(name) else node.name
+
+
 class _DynamoGraph(nn.Module):
     """Dynamo's graph as a module: the model's parameters and buffers are this module's own (the
     same tensor objects), and ``forward`` takes the activations only."""
@@ -305,8 +319,21 @@ class _DynamoGraph(nn.Module):
             elif item.kind == _Kind.CONSTANT:
                 self.constants[index] = value
         self.activation_indices = [i for i, item in enumerate(inputs) if item.kind == _Kind.ACTIVATION]
+        # export names the graph's inputs after forward's parameters: the user's names, not inputs_0
+        names: list[str] = []
+        for index in self.activation_indices:
+            names.append(inputs[index].name if inputs[index].name not in names else f"{inputs[index].name}_{index}")
+        self.signature = inspect.Signature([inspect.Parameter(name, inspect.Parameter.POSITIONAL_ONLY)
+                                            for name in names])
 
-    def forward(self, *inputs: torch.Tensor) -> Any:
+    @property
+    def forward(self) -> Callable[..., Any]:
+        """``run`` on this module (a copy's own, as capture in bf16 makes), signed with the names."""
+        run = functools.partial(_DynamoGraph.run, self)
+        run.__signature__ = self.signature
+        return run
+
+    def run(self, *inputs: torch.Tensor) -> Any:
         by_index = dict(zip(self.activation_indices, inputs))
         args = []
         for index, item in enumerate(self.inputs):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import inspect
 import warnings
 from importlib.metadata import entry_points
 from typing import Any, Callable
@@ -342,6 +343,32 @@ def test_static_batch_with_microbatches_asks_for_dynamic_shapes(suppress_errors)
     compiled = torch.compile(MLPChain(width=8, depth=2), backend="harmony", options={"microbatches": 2})
     with torch._dynamo.config.patch(suppress_errors=suppress_errors), pytest.raises(Exception, match="dynamic=True"):
         compiled(torch.randn(4, 8))
+
+
+class _WritesItsInput(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+
+    def forward(self, features):
+        features.mul_(2)
+        return self.linear(features)
+
+
+def test_messages_and_graphs_name_the_inputs_as_the_users_code_does():
+    """Dynamo's graph calls the input ``l_features_``; harmony's graph and its refusals say
+    ``features``, as the model's code does (not ``inputs_0``)."""
+    with pytest.raises(ValueError, match=r"modifies its input 'features' in place.*features = features \+ 1"):
+        torch.compile(_WritesItsInput(), backend="harmony", dynamic=True)(torch.randn(4, 4))
+    model = MLPChain(width=8, depth=2)
+    compiled = torch.compile(model, backend="harmony", options={"microbatches": 2})
+    parameter = next(iter(inspect.signature(model.forward).parameters))
+    with pytest.raises(ValueError, match=f"its input {parameter} has the fixed shape"):
+        compiled(torch.randn(4, 8))
+    made: list = []
+    torch.compile(model, backend=_recording_backend(made), dynamic=True)(torch.randn(4, 8))
+    (hm,) = made[0].harmony_modules
+    assert f"'act[{parameter}@0]'" in hm.code  # the user's name; Dynamo's is l_{parameter}_
 
 
 def test_a_batch_of_one_dynamo_fixed_runs_as_one_microbatch():
