@@ -766,7 +766,8 @@ def _batch_note(analysis: BatchAnalysis, num_microbatches: int) -> str:
     if num_microbatches > 1:
         return (f"cut into {num_microbatches} microbatches as microbatches= asks, although microbatches may "
                 f"change the result: {analysis.reason}")
-    return f"kept whole (microbatches would change the result): {analysis.reason}"
+    # the reason may be an op that mixes the samples or one the analysis has no rule for: not proven either way
+    return f"kept whole (harmony_fx cannot show that microbatches compute what the whole batch does): {analysis.reason}"
 
 
 def _warn_if_cut_changes_results(layout: Layout, analysis: BatchAnalysis, gm: fx.GraphModule) -> None:
