@@ -61,6 +61,13 @@ def compile(model: nn.Module, example_inputs: tuple | torch.Tensor | None = None
     return HarmonyModule(model, example_inputs, dict(example_kwargs or {}), opts)
 
 
+def _warn_weights_stay_on_the_host(call: str) -> None:
+    warnings.warn(
+        f"harmony_fx: {call} on a compiled model leaves its weights in host memory, where harmony_fx keeps "
+        "them: each pack goes onto the devices compile(devices=...) named, as the plan says (a model larger than "
+        "the device would not fit there whole). Inputs may be on the host or on a device.", stacklevel=3)
+
+
 class HarmonyModule:
     """A compiled model: call it like the model; ``loss.backward()`` runs the harmony backward.
 
@@ -135,8 +142,42 @@ class HarmonyModule:
                 "once (hm(*inputs)), or pass example inputs: harmony_fx.compile(model, (x,)).")
         model = self.__dict__.get("model")
         if model is not None and not name.startswith("__"):
-            return getattr(model, name)
+            attribute = getattr(model, name)
+            if callable(attribute) and getattr(attribute, "__self__", None) is model:
+                return self._chained(attribute)
+            return attribute
         raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+    def _chained(self, method: Callable[..., Any]) -> Callable[..., Any]:
+        """A method of the model that returns the model for chaining (``float()``, ``apply(fn)``,
+        ``requires_grad_()``) returns this module instead: ``hm = hm.float()`` keeps harmony (it
+        returned the bare model, which then trained eagerly, outside the budget)."""
+        model = self.model
+
+        def chained(*args: Any, **kwargs: Any) -> Any:
+            result = method(*args, **kwargs)
+            return self if result is model else result
+
+        return chained
+
+    def to(self, *args: Any, **kwargs: Any) -> "HarmonyModule":
+        """``model.to(dtype)`` converts the model's weights (the next call compiles for them); a
+        device is not the weights' to move: they stay in host memory, and each pack goes onto the
+        devices ``compile(devices=...)`` named, as the plan says. A script's ``model.to("cuda")``
+        keeps working (said once)."""
+        device, dtype, non_blocking, _ = torch._C._nn._parse_to(*args, **kwargs)
+        if device is not None and device.type != "cpu":
+            _warn_weights_stay_on_the_host(f"to({str(device)!r})")
+        if dtype is not None:
+            self.model.to(dtype=dtype, non_blocking=non_blocking)
+        return self
+
+    def cuda(self, device: Any = None) -> "HarmonyModule":
+        _warn_weights_stay_on_the_host("cuda()")
+        return self
+
+    def cpu(self) -> "HarmonyModule":
+        return self
 
     # ------------------------------------------------------------------ the wrapped model, as nn.Module's
     # A call after any of these finds the graph for the new state (``frontend.guards``).

@@ -462,3 +462,48 @@ def test_a_call_that_compiles_inside_the_callers_autograd_contexts_trains_like_e
     for param, expected in zip([*pre.parameters(), *model.parameters()],
                                [*reference_pre.parameters(), *reference.parameters()]):
         torch.testing.assert_close(param.grad, expected.grad, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("chain", [
+    lambda m: m.to("cpu"), lambda m: m.cpu(), lambda m: m.float(), lambda m: m.requires_grad_(True),
+    lambda m: m.apply(lambda module: None), lambda m: m.to(torch.device("cpu"), non_blocking=True),
+], ids=["to(cpu)", "cpu()", "float()", "requires_grad_()", "apply(fn)", "to(device, non_blocking)"])
+def test_a_models_chained_method_returns_the_compiled_module(chain):
+    """``model = model.to(device)`` (minGPT's Trainer) and ``hm.float()`` returned the bare model,
+    which then trained eagerly, outside harmony and its budget; they return the compiled module."""
+    torch.manual_seed(0)
+    model = MLPChain(width=16, depth=4)
+    reference = copy.deepcopy(model)
+    x = torch.randn(8, 16)
+    hm = harmony_fx.compile(model, devices=["host:0"], pack_boundaries=[0, 2])
+    assert chain(hm) is hm
+    hm(x).square().mean().backward()
+    assert len(hm.packs) == 2  # harmony ran it
+    reference(x).square().mean().backward()
+    assert_grads_equal(model, reference)
+
+
+def test_moving_a_compiled_model_to_a_device_keeps_its_weights_on_the_host_and_says_so():
+    torch.manual_seed(0)
+    model = MLPChain(width=16, depth=4)
+    hm = harmony_fx.compile(model, devices=["host:0"])
+    for move in (lambda: hm.to("cuda:0"), lambda: hm.cuda(), lambda: hm.to("cuda", torch.float64)):
+        with pytest.warns(UserWarning, match="leaves its weights in host memory"):
+            assert move() is hm
+        assert all(param.device.type == "cpu" for param in model.parameters())
+    assert all(param.dtype == torch.float64 for param in model.parameters())  # the dtype part is done
+
+
+def test_a_dtype_conversion_compiles_again_for_the_new_weights():
+    torch.manual_seed(0)
+    model = MLPChain(width=16, depth=4)
+    reference = copy.deepcopy(model).double()
+    x = torch.randn(8, 16)
+    hm = harmony_fx.compile(model, x, devices=["host:0"])
+    hm = hm.to(torch.float64)
+    assert hm.model is model
+    out = hm(x.double())
+    assert out.dtype == torch.float64
+    out.square().mean().backward()
+    reference(x.double()).square().mean().backward()
+    assert_grads_equal(model, reference)
