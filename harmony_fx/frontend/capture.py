@@ -46,6 +46,7 @@ from harmony_fx.ir.values import fakes_of
 from harmony_fx.frontend.backward_hooks import (
     hooks_registered_in_forward, refuse_module_backward_hooks, refuse_tensor_hooks,
 )
+from harmony_fx.frontend.attribute_writes import tensor_attribute_writes_said
 from harmony_fx.frontend.compute_dtype import fake_in, in_compute_dtype
 from harmony_fx.frontend.causal_masks import causal_masks_applied
 from harmony_fx.frontend.decomposition_fixes import decomposition_fixes
@@ -103,7 +104,8 @@ def capture(model: nn.Module, args: tuple, kwargs: dict | None = None, stack_tra
     kwargs = dict(kwargs or {})
     refuse_module_backward_hooks(model)
     _refuse_script_modules(model)
-    with _grads_set_aside(model), _python_draws_noted(model), hooks_registered_in_forward() as hooks, \
+    with _grads_set_aside(model), _python_draws_noted(model), tensor_attribute_writes_said(model), \
+            hooks_registered_in_forward() as hooks, \
             key_value_caches_off(model, kwargs) as caches_off:
         captured, found = _bounded_capture(model, args, kwargs, stack_traces, dtype)
         if found is not None and not stack_traces:  # again with traces, to name the line it is on
