@@ -507,3 +507,35 @@ def test_a_dtype_conversion_compiles_again_for_the_new_weights():
     out.square().mean().backward()
     reference(x.double()).square().mean().backward()
     assert_grads_equal(model, reference)
+
+
+class _PaddedConvs(nn.Module):
+    """Its first op (a pad) saves nothing of the input: eager's backward never reads it again."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.second, self.third = nn.Conv2d(3, 8, 3), nn.Conv2d(8, 8, 3, padding=1), nn.Conv2d(8, 3, 1)
+
+    def forward(self, x):
+        return self.third(torch.relu(self.second(torch.relu(self.first(F.pad(x, (1, 1, 1, 1), mode="reflect"))))))
+
+
+def test_an_input_changed_in_place_between_the_forward_and_backward_is_refused_not_read_again():
+    """fast_neural_style's loop divides its batch in place after the forward (``x.div_(255)``):
+    harmony's backward recomputes the first pack from the caller's tensor, and computed gradients of
+    the divided values, silently. Refused as autograd refuses a saved tensor changed in place; a
+    change after backward() is the caller's own."""
+    torch.manual_seed(0)
+    model = _PaddedConvs()
+    reference = copy.deepcopy(model)
+    hm = harmony_fx.compile(model, devices=["host:0"], pack_boundaries=[0, 2, 4])
+    x = torch.rand(2, 3, 8, 8)
+    out = hm(x)
+    x.div_(255.0)
+    with pytest.raises(RuntimeError, match=r"input 'x' was modified by an in-place operation after the forward"):
+        out.square().mean().backward()
+    model.zero_grad()
+    hm(x).square().mean().backward()
+    x.mul_(255.0)  # after backward: nothing reads it again
+    reference(x / 255.0).square().mean().backward()
+    assert_grads_equal(model, reference)

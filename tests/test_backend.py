@@ -666,3 +666,14 @@ def test_a_buffer_updated_in_the_forward_is_returned_as_the_buffer_under_torch_c
     # where Dynamo keeps the update in the forward's graph (torch 2.13; 2.11 splits it off), the cut warns
     said = [str(w.message) for w in caught if issubclass(w.category, harmony_fx.MicrobatchesComputeApart)]
     assert all("updates a buffer in place" in message for message in said)
+
+
+def test_an_input_changed_in_place_before_the_backward_is_refused_through_torch_compile():
+    torch.manual_seed(0)
+    model = MLPChain(width=8, depth=4)
+    compiled = torch.compile(model, backend="harmony", dynamic=True, options={"pack_boundaries": [0, 2]})
+    x = torch.randn(4, 8)
+    out = compiled(x)
+    x.add_(1.0)
+    with pytest.raises(RuntimeError, match="modified by an in-place operation after the forward"):
+        out.square().mean().backward()

@@ -21,7 +21,7 @@ from harmony_fx.ir.pack import Pack
 from harmony_fx.lowering.tasks import grad_inputs
 from harmony_fx.passes.retarget_device import packs_on
 from harmony_fx.runtime.devices import DeviceOutOfMemoryError
-from harmony_fx.program.actions import Key, KeyKind
+from harmony_fx.program.actions import ActionKind, Key, KeyKind
 from harmony_fx.runtime.executor import Runtime
 from harmony_fx.runtime.host import GradientBuffers, HostState
 from harmony_fx.runtime.inductor import PackCompiler
@@ -42,6 +42,8 @@ class Iteration:
         self.scalar_weights: dict[str, list[float]] = {}  # per scalar output: each microbatch's share
         # per joined output: each microbatch's part along its batch dim (x[mask]'s rows: not the input's)
         self.output_parts: dict[str, list[int]] = {}
+        # the caller's inputs the backward reads again (a recompute's), as the forward read them
+        self.input_versions: dict[Key, int] = {}
 
     def run(self, programs: Sequence[Sequence[fx.GraphModule]]) -> None:
         """Run each device's programs, in order; the first error is raised once every device has
@@ -103,6 +105,10 @@ class Session:
             [packs_on(compiled.packs_by_size[size], first, device.torch_device) for size in compiled.layout.sizes]
             for device in self.devices]
         self._grad_inputs = [grad_inputs(pack, compiled.signature) for pack in compiled.packs]
+        inputs = set(compiled.captured.inputs)
+        self._inputs_read_again = {action.key for _, backward in compiled.device_actions for action in backward
+                                   if action.kind == ActionKind.PREFETCH and action.key.kind == KeyKind.ACT
+                                   and action.key.name in inputs}
         compile_packs = compiled.options.compile_packs
         if compile_packs is None:
             compile_packs = all(device.torch_device.type == "cuda" for device in self.devices)
@@ -134,7 +140,10 @@ class Session:
         joined = [_join(compiled.flat_dims, [per_mb[j] for j in parts]) for parts in layout.forward_parts]
         for mb, flat in enumerate([*per_mb, *joined]):  # the larger forward microbatches after the backward's
             for name, value in zip(compiled.captured.inputs, flat):
-                iteration.host_values[Key(KeyKind.ACT, name, mb)] = value.detach()
+                key = Key(KeyKind.ACT, name, mb)
+                iteration.host_values[key] = value.detach()  # the caller's tensor, not a copy
+                if key in self._inputs_read_again:
+                    iteration.input_versions[key] = value._version
         iteration.host_values.update(output_grads or {})
         return iteration
 
@@ -152,6 +161,7 @@ class Session:
     def finish(self, iteration: Iteration) -> None:
         """Run the backward programs (output gradients already in ``iteration.host_values``)."""
         try:
+            _refuse_inputs_changed_since_the_forward(iteration)
             with self._noting_calls_waiting(iteration):
                 iteration.run([[programs["backward"]] for programs in self.compiled.device_programs])
         finally:
@@ -238,3 +248,18 @@ def _pin_in_place(masters) -> None:
     for master in masters:
         if master.device.type == "cpu" and not master.is_pinned():
             master.data = master.data.pin_memory()
+
+
+def _refuse_inputs_changed_since_the_forward(iteration: Iteration) -> None:
+    """The backward recomputes packs from the caller's own input tensors (kept, not copied: inputs
+    may be large), as ``torch.utils.checkpoint`` does; one changed in place since the forward
+    (``x.div_(255)`` between the call and ``backward()``) would give gradients of other values.
+    Refused as autograd refuses a saved tensor changed in place."""
+    for key, version in iteration.input_versions.items():
+        now = iteration.host_values[key]._version
+        if now != version:
+            raise RuntimeError(
+                f"harmony_fx: the model's input '{key.name}' was modified by an in-place operation after the "
+                f"forward (its version {version} is now {now}), and the backward reads it again: harmony_fx "
+                "recomputes each pack from its inputs, as torch.utils.checkpoint does. Change a copy "
+                f"({key.name} = {key.name}.clone() before changing it), or change it after backward().")
