@@ -182,6 +182,7 @@ def _propagate(gm: fx.GraphModule, env_inputs: Mapping[str, _Dims],
             raise _mixed(node, "turns batched values into a Python number")
         try:
             env[node] = _apply(node, c)
+            _check_in_range(node, env[node], c.batch_size)
             if _written(node) is not None and node not in c.sorted:
                 _write(node, c)
         except _Mixed:
@@ -191,6 +192,16 @@ def _propagate(gm: fx.GraphModule, env_inputs: Mapping[str, _Dims],
             raise _Mixed(f"{meta.describe(node)}: has no rule that applies to these arguments "
                          f"({type(error).__name__} in the rule)") from error
     return env, c
+
+
+def _check_in_range(node: fx.Node, dims: _Dims, batch_size: int) -> None:
+    """Every batch dim a rule gives is one of its value's dims, holding whole samples: a rule that
+    misreads an op's shape (a rank it drops) is caught here, not where outputs are joined."""
+    for dim, value in zip(dims, leaves(_val(node))):
+        if isinstance(dim, int) and not (isinstance(value, torch.Tensor) and 0 <= dim < value.dim()
+                                         and value.shape[dim] % batch_size == 0):
+            raise _Mixed(f"{meta.describe(node)}: has no rule that applies to these arguments (its rule gives "
+                         f"the batch dim {dim} to a value shaped {list(getattr(value, 'shape', []))})")
 
 
 # draws of independent numbers, each entry its own (not ``randperm``, whose entries depend on each other)
@@ -337,7 +348,12 @@ def _follow_shared(node: fx.Node, c: _Context) -> None:
     elif name in ("linear", "mm", "addmm"):  # rows to rows: the same along the rows' dims it is the same along
         rows = node.args[1] if name == "addmm" else source
         constant = {d for d in c.constant.get(rows, ()) if d < rank - 1}
-    elif name in ("transpose", "t", "swapaxes", "permute"):  # each dim is one of the source's, moved
+        bias = node.args[0] if name == "addmm" else _argument(node, "bias") if name == "linear" else None
+        if isinstance(bias, fx.Node):  # added to every row: the same along a dim only where it is too
+            offset = rank - len(_shape(bias))
+            constant = {d for d in constant if d < offset or _shape(bias)[d - offset] == 1
+                        or d - offset in c.constant.get(bias, ())}
+    elif name in _TRANSPOSES | {"permute"}:  # each dim is one of the source's, moved
         constant = {d for d in range(rank) if _parent_dim(node, d, c) in c.constant.get(source, ())}
     elif _RULES.get(name) in (_along, _reduction) and _acted_dims(node) is not None:
         # a cumsum, diff or softmax along other dims (the mask helpers' running counts over positions),
@@ -516,9 +532,8 @@ def _parent_dim(view: fx.Node, dim: int, c: _Context) -> int | None:
         return None if along == dim and in_shape[dim] != out_shape[dim] else dim
     if name == "select":
         return dim + (dim >= _norm(view.args[1], len(in_shape)))
-    if name in ("transpose", "t", "swapaxes"):
-        first, second = (0, 1) if name == "t" else (_norm(view.args[1], len(in_shape)),
-                                                      _norm(view.args[2], len(in_shape)))
+    if name in _TRANSPOSES:
+        first, second = _swapped(view, len(in_shape))
         return second if dim == first else first if dim == second else dim
     if name == "permute":
         return [_norm(d, len(in_shape)) for d in view.args[1]][dim]
@@ -532,7 +547,8 @@ def _parent_dim(view: fx.Node, dim: int, c: _Context) -> int | None:
     raise _mixed(view, "is a view written into in place that this analysis cannot follow back to its buffer")
 
 
-_VIEWS = {"view", "_unsafe_view", "reshape", "flatten", "unflatten", "squeeze", "view_as", "_reshape_alias"}
+_VIEWS = {"view", "_unsafe_view", "reshape", "flatten", "unflatten", "squeeze", "view_as", "_reshape_alias", "ravel",
+          "reshape_as"}
 
 
 def _arange_from_zero(node: fx.Node) -> bool:
@@ -793,9 +809,22 @@ def _expand(node: fx.Node, c: _Context) -> _Dims:
     return [aligned]
 
 
+_TRANSPOSES = {"transpose", "t", "swapaxes", "swapdims", "mT", "mH", "adjoint"}
+
+
+def _swapped(node: fx.Node, rank: int) -> tuple[int, int]:
+    """The two dims a transpose swaps: ``t()`` of a vector none, ``x.mT`` (``q @ k.mT``) the last two."""
+    name = _name(node)
+    if name == "t" or rank < 2:
+        return (0, 1) if rank >= 2 else (0, 0)
+    if name in ("mT", "mH", "adjoint"):
+        return rank - 2, rank - 1
+    return _norm(node.args[1], rank), _norm(node.args[2], rank)
+
+
 def _transpose(node: fx.Node, c: _Context) -> _Dims:
-    dim, rank = _first_dim(node, c), len(_shape(node.args[0]))
-    first, second = (0, 1) if _name(node) == "t" else (_norm(node.args[1], rank), _norm(node.args[2], rank))
+    dim = _first_dim(node, c)
+    first, second = _swapped(node, len(_shape(node.args[0])))
     return [second if dim == first else first if dim == second else dim]
 
 
@@ -869,10 +898,13 @@ def _reduction(node: fx.Node, c: _Context) -> _Dims:
 
 
 def _along(node: fx.Node, c: _Context) -> _Dims:
-    """softmax, cumsum, sort, glu, ...: along ``dim``, keeping the rank; never the batch dim."""
+    """softmax, cumsum, sort, glu, kthvalue, ...: along ``dim``; never the batch dim. An op that
+    drops the dims it acts along (kthvalue with keepdim=False) moves the batch dim down past them."""
     dim, acted = _first_dim(node, c), _acted_dims(node)
     if acted is None or dim in acted:
         raise _mixed(node, "acts along the batch dim")
+    if leaves(_val(node))[0].dim() < len(_shape(node.args[0])):
+        dim -= sum(1 for d in acted if d < dim)
     return [dim] * len(leaves(_val(node)))
 
 
@@ -882,6 +914,9 @@ def _select(node: fx.Node, c: _Context) -> _Dims:
     removes = _name(node) == "select"
     if along == dim and (removes or _shape(node)[dim] != _shape(node.args[0])[dim]):
         raise _mixed(node, "picks some samples of the batch")
+    if along == dim and _name(node) == "index_select" and c.is_batch_index(node.args[2]) != 0:
+        # as many rows as the batch, but which: a permutation or a flip mixes the samples
+        raise _mixed(node, "picks the batch's samples by an index other than each sample's own")
     return [dim - 1 if removes and along < dim else dim]
 
 
@@ -1064,15 +1099,19 @@ def _matmul(node: fx.Node, c: _Context) -> _Dims:
     rank = len(_shape(node))
     found = set()
     dim_a, rank_a = c.dim(a), len(_shape(a))
+    dim_b, rank_b = c.dim(b), len(_shape(b))
     if dim_a is not None:
         if rank_a == 1 or dim_a == rank_a - 1:
             raise _mixed(node, "contracts the batch dim")
-        found.add(dim_a + rank - rank_a)
-    dim_b, rank_b = c.dim(b), len(_shape(b))
+        # by a vector (``h @ v``: a's dims but its last), else a's rows and broadcast dims aligned right
+        found.add(dim_a if rank_b == 1 else dim_a + rank - rank_a)
     if dim_b is not None:
         if name == "linear" or rank_b == 1 or dim_b == rank_b - 2:
             raise _mixed(node, "contracts the batch dim (or multiplies by a batched weight)")
-        found.add(rank - 1 if dim_b == rank_b - 1 else dim_b + rank - rank_b)
+        if rank_a == 1:  # a vector by b: b's dims but its rows
+            found.add(dim_b if dim_b < rank_b - 2 else dim_b - 1)
+        else:
+            found.add(rank - 1 if dim_b == rank_b - 1 else dim_b + rank - rank_b)
     if len(found) != 1:
         raise _mixed(node, "multiplies values batched along different dims")
     (dim,) = found
@@ -1297,8 +1336,7 @@ _ROW_WISE = {_along, _reduction, _matmul, _einsum, _normalized, _attention, _los
              _padding, _dtype_of_second}
 
 _RULES = {
-    **{name: _reshape for name in ("view", "_unsafe_view", "reshape", "flatten", "unflatten", "squeeze",
-                                   "view_as", "_reshape_alias")},
+    **{name: _reshape for name in _VIEWS},
     **{name: _along for name in ("softmax", "_softmax", "log_softmax", "_log_softmax", "cumsum", "cumprod",
                                  "logcumsumexp", "flip", "roll", "sort", "topk", "kthvalue", "glu", "_safe_softmax",
                                  "cummax", "cummin", "diff", "repeat_interleave", "fft_fft", "fft_ifft", "fft_rfft",
@@ -1318,8 +1356,10 @@ _RULES = {
         "adaptive_max_pool2d", "adaptive_max_pool3d", "fractional_max_pool2d", "fractional_max_pool3d",
         "upsample_nearest1d", "upsample_nearest2d", "upsample_nearest3d", "upsample_bilinear2d",
         "upsample_linear1d", "upsample_trilinear3d", "upsample_bicubic2d", "_upsample_nearest_exact1d",
-        "_upsample_nearest_exact2d", "_upsample_nearest_exact3d", "max_unpool2d", "max_unpool3d",
-        "pixel_shuffle", "pixel_unshuffle", "channel_shuffle")},
+        "_upsample_nearest_exact2d", "_upsample_nearest_exact3d", "max_unpool2d", "max_unpool3d")},
+    # channels and space moved into each other: the last three dims; channel_shuffle: [N, C, *]
+    **{name: _spatial(lambda node: 3) for name in ("pixel_shuffle", "pixel_unshuffle")},
+    "channel_shuffle": _per_leading_sample, "native_channel_shuffle": _per_leading_sample,
     **{name: _spatial(lambda node: 2) for name in ("triu", "tril")},
     # per matrix (the last two dims), per image (F.unfold, F.fold: the batch dim leads)
     **{name: _spatial(lambda node: 2) for name in ("linalg_cholesky", "linalg_cholesky_ex", "cholesky", "linalg_inv",
@@ -1345,9 +1385,8 @@ _RULES = {
     **{name: _loss for name in _CLASS_LOSSES | _ELEMENT_LOSSES},
     **{name: _select for name in ("select", "index_select", "slice", "narrow")},
     **{name: _split for name in ("split", "split_with_sizes", "chunk", "unbind", "tensor_split")},
-    "expand": _expand, "expand_as": _expand, "broadcast_tensors": _broadcast_tensors, "transpose": _transpose,
-    "t": _transpose,
-    "swapaxes": _transpose, "permute": _permute,
+    "expand": _expand, "expand_as": _expand, "broadcast_tensors": _broadcast_tensors,
+    **{name: _transpose for name in _TRANSPOSES}, "permute": _permute,
     "unsqueeze": _unsqueeze, "cat": _cat, "concat": _cat, "concatenate": _cat, "stack": _cat, "index": _index,
     "gather": _gather,
     **{name: _scatter for name in ("scatter", "scatter_", "scatter_add", "scatter_add_", "scatter_reduce",

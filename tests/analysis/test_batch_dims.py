@@ -184,6 +184,18 @@ def test_writes_in_place_that_mix_samples_are_found(fn, why):
     (lambda h, m: h + torch.roll(h, 1), "acts along the batch dim"),  # no dims: over the flattened tensor
     (lambda h, m: h + F.embedding((h > 0).long(), torch.ones(2, 4), scale_grad_by_freq=True).sum(1),
      "scale_grad_by_freq"),  # counts of the whole batch's indices
+    # the batch reversed: as many rows as samples, but each another sample's
+    (lambda h, m: torch.index_select(h, 0, torch.arange(5, -1, -1)), "by an index other than each sample's own"),
+    # rules that get an op's rank wrong: a product by a vector drops a's last dim (not its first),
+    # kthvalue without keepdim drops the dim it acts along (the batch, at dim 1, moves to 0)
+    (lambda h, m: F.softmax(h.view(6, 2, 2) @ torch.ones(2), dim=0), "acts along the batch dim"),
+    (lambda h, m: F.softmax(torch.kthvalue(h.view(6, 2, 2).transpose(0, 1), 1, dim=0).values, dim=0),
+     "acts along the batch dim"),
+    # a per-sample value through addmm's bias; channels shuffled where the batch is the channel dim
+    (lambda h, m: h * torch.addmm(torch.arange(6.0)[:, None].expand(6, 4), torch.ones(6, 3), torch.ones(3, 4)),
+     "varies along the batch dim"),
+    (lambda h, m: F.channel_shuffle(h.view(6, 4, 1, 1).transpose(0, 1), 2).transpose(0, 1).reshape(6, 4),
+     "is batched along another dim than its first"),
     # bags of two samples each: a microbatch would bag other rows together
     (lambda h, m: F.embedding_bag((h > 0).long().flatten(), torch.ones(2, 4), torch.arange(0, 24, 8)).repeat(2, 1),
      "offsets other than one bag per sample"),
@@ -252,6 +264,11 @@ def test_ops_that_mix_samples_are_found(fn, why):
     lambda h, m: F.normalize(h, dim=-1),
     # multiple choice: [B, C] flattened to [B * C], each row picked by arange(B * C), the identity
     lambda h, m: h + h.reshape(12, 2)[torch.arange(12), torch.zeros(12, dtype=torch.long)].reshape(6, 2).repeat(1, 2),
+    # each sample's own row by arange(B); a vector's t() is itself; a product by a vector; pixel_shuffle per image
+    lambda h, m: torch.index_select(h, 0, torch.arange(6)) + h.sum(1).t()[:, None] + (h @ torch.ones(4))[:, None],
+    lambda h, m: F.pixel_shuffle(h.view(6, 4, 1, 1), 2).reshape(6, 4) + torch.kthvalue(h, 2, dim=1).values[:, None],
+    # attention scores as q @ k.mT; ravel and reshape_as
+    lambda h, m: (h.view(6, 2, 2) @ h.view(6, 2, 2).mT).reshape(6, 4) + h.ravel().reshape_as(h),
 ])
 def test_ops_that_keep_samples_apart_are_separable(fn):
     analysis = _analysis(_Fn(fn), torch.randn(6, 4))
