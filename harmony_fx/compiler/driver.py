@@ -6,10 +6,12 @@
    batch's graph, cutting the batch only where ``analysis.batch_dims`` proves it safe.
 3. ``lay out``: microbatches, their sizes and the devices that run them (``compiler.layout``).
 4. ``capture microbatches``: the graph at every microbatch size (``compiler.variants``); where
-   the batch is cut, ``compare with the whole batch`` (each microbatch computes what the batch does
-   on its samples: ``variants.check_computes_alike``; the whole batch's graph captured where a number
-   scales the loss or is returned, whose value there weighs the microbatches exactly) and, for the
-   planner's cut, ``weigh the loss`` (its microbatch weights on the example).
+   the batch is cut, the whole batch's graph too (a cut by hand is analysed on it: a microbatch's
+   graph has its own sizes baked in), ``compare with the whole batch`` (each microbatch computes
+   what the batch does on its samples: ``variants.check_computes_alike``, for the planner's cut and
+   where a number scales the loss or is returned, whose value there weighs the microbatches
+   exactly; for another cut by hand, only that each output has the whole batch's dims) and, for
+   the planner's cut, ``weigh the loss`` (its microbatch weights on the example).
 5. ``signature``: inputs, outputs, what is differentiable (``compiler.signature``).
 6. ``plan packs``: the fewest packs that fit (``compiler.packing.plan_packs``: bounds first, then a
    monotone search), each candidate evaluated apart (split, lower, FakeTensor peak replaying the
@@ -61,7 +63,7 @@ from harmony_fx.compiler.shapes import Shapes
 from harmony_fx.compiler.signature import program_signature
 from harmony_fx.compiler.stages import StageLog, progress_to_stderr
 from harmony_fx.compiler.capture_cache import cached_capture
-from harmony_fx.compiler.variants import GraphsDiffer, Variant, check_computes_alike, check_same_layers
+from harmony_fx.compiler.variants import GraphsDiffer, Variant, check_computes_alike, check_outputs_alike, check_same_layers
 from harmony_fx.config import CompileOptions, format_size
 from harmony_fx.frontend import microbatch
 from harmony_fx.frontend.capture import CaptureError, raised_when_run
@@ -326,8 +328,9 @@ def _from_layout(log: StageLog, example: _Example, devices: list, options: Compi
                        devices[0].torch_device, options.compute_dtype, decision=_describe_microbatches)
     primary = variants[layout.mb_sizes[0]]
     if analysis is None:
-        analysis = log.run("analyze batch", _analyze_largest, example, variants, layout, devices[0].torch_device,
-                           options.compute_dtype, decision=_describe_batch)
+        whole = whole or _whole_batch_for_a_cut(log, example, variants, layout, devices[0], options)
+        analysis = log.run("analyze batch", _analyze_the_cut, example, variants, layout, whole,
+                           decision=_describe_batch)
     if schedule is None:
         _warn_if_cut_changes_results(layout, analysis, primary.captured.gm)
     example_flat = primary.captured.flatten_inputs(*microbatch.split_call(
@@ -369,7 +372,7 @@ def _from_layout(log: StageLog, example: _Example, devices: list, options: Compi
             policy_name = "balanced at the planner's microbatches"
             candidate = plan_packs_by(balanced, policy_name)
     if layout.forward_parts:
-        _refuse_stashed_batch_indices(candidate, analysis)
+        _refuse_stashed_batch_indices(candidate, primary, example.flat_dims)
     log.run("annotate packs", _annotate, variants, candidate.boundaries, options.verify,
             decision=lambda _: "the chosen packs and liveness written on the graph" + (", verified" if options.verify else ""))
     if options.verify:
@@ -528,13 +531,18 @@ def _beside_the_whole_batch(log: StageLog, example: _Example, variants: dict, la
     if layout.num_microbatches == 1:
         return None
     primary = variants[layout.mb_sizes[0]]
-    if whole is None and (any(r.scaled for r in primary.captured.reductions.values()) or _returns_numbers(primary)):
+    numbers = any(r.scaled for r in primary.captured.reductions.values()) or _returns_numbers(primary)
+    if whole is None and numbers:
         whole = log.run("capture whole batch", cached_capture, example.model, None, example.args, example.kwargs,
                         device.torch_device, options.compute_dtype, decision=lambda _: "a number scales a loss cut "
                         "into microbatches, or the model returns one: its value at the whole batch's size")
-    if whole is not None:
+    if whole is not None and (schedule is not None or numbers):
         log.run("compare with the whole batch", _check_cut_computes_alike, whole, variants, layout,
                 decision=lambda _: "each microbatch's graph computes as the whole batch's")
+    elif whole is not None:
+        # a cut by hand: what it computes is judged by the analysis (and said); its outputs must join
+        log.run("compare outputs with the whole batch", _check_cut_outputs_alike, whole, variants, layout,
+                decision=lambda _: "each microbatch's outputs have the whole batch's dims")
     if schedule is not None:
         # the planner's own cut only: one by hand is weighed at each call, or by the caller
         # (HarmonyTrainer weighs a step's batches as transformers does)
@@ -553,6 +561,11 @@ def _returns_numbers(variant: Variant) -> bool:
 def _check_cut_computes_alike(whole: Variant, variants: dict, layout: Layout) -> None:
     for size in dict.fromkeys(layout.mb_sizes):
         check_computes_alike(whole, variants[size], sum(layout.mb_sizes))
+
+
+def _check_cut_outputs_alike(whole: Variant, variants: dict, layout: Layout) -> None:
+    for size in dict.fromkeys(layout.mb_sizes):
+        check_outputs_alike(whole, variants[size], sum(layout.mb_sizes))
 
 
 def _weigh_the_loss(example: _Example, variants: dict, layout: Layout, batch_reductions: dict | None) -> None:
@@ -584,11 +597,14 @@ def _plan_packs(log: StageLog, context: PackingContext, primary: Variant, device
     return finish_chosen(context, candidate, ahead_tried=single)
 
 
-def _refuse_stashed_batch_indices(candidate: Candidate, analysis: BatchAnalysis) -> None:
+def _refuse_stashed_batch_indices(candidate: Candidate, primary: Variant, flat_dims) -> None:
     """Larger forward microbatches cut their stash for the backward's: a sample's index in the batch
     (``arange`` over it, e.g. to pick each sample's row of a mask) crossing packs would keep the
-    forward microbatch's numbers, and the second part would index past its own microbatch."""
-    crossing = sorted({v for pack in candidate.packs for v in pack.act_inputs} & set(analysis.batch_indices))
+    forward microbatch's numbers, and the second part would index past its own microbatch. Read on
+    the packs' own graph (at the whole batch's size, an ``arange`` over positions as many as the
+    samples would look like one)."""
+    indices = _analyze_batch(primary, primary.size, flat_dims).batch_indices
+    crossing = sorted({v for pack in candidate.packs for v in pack.act_inputs} & set(indices))
     if crossing:
         raise ValueError(f"microbatches={{'forward': ..., 'backward': ...}}: {crossing[0]} is each sample's index in "
                          "the batch (arange over it) and crosses packs: stashed at the forward's size and cut for the "
@@ -633,18 +649,34 @@ def _analyze_batch(variant: Variant, batch: int, flat_dims) -> BatchAnalysis:
                                                 "say batch_dims=1")
 
 
-def _analyze_largest(example: _Example, variants: dict, layout: Layout, target,
-                     dtype: torch.dtype | None) -> BatchAnalysis:
-    """The analysis of the largest microbatch's graph; of the whole batch's where each microbatch is
-    one sample (whose graph cannot show samples apart), captured for it."""
-    if layout.mb_sizes != (None,) and max(layout.mb_sizes) > 1:
-        largest = max(layout.mb_sizes)
-        return _analyze_batch(variants[largest], largest, example.flat_dims)
+def _whole_batch_for_a_cut(log: StageLog, example: _Example, variants: dict, layout: Layout, device,
+                           options: CompileOptions) -> Variant | None:
+    """The whole batch's graph where the options cut the batch (``None`` where the batch has no one
+    size): what the analysis judges and the microbatches' graphs are compared with."""
+    if variants.get(None) is not None:
+        return variants[None]
+    try:
+        example.batch_size()
+    except ValueError:
+        return None
+    return log.run("capture whole batch", cached_capture, example.model, None, example.args, example.kwargs,
+                   device.torch_device, options.compute_dtype,
+                   decision=lambda _: "what the microbatches must compute, at the batch's own sizes")
+
+
+def _analyze_the_cut(example: _Example, variants: dict, layout: Layout, whole: Variant | None) -> BatchAnalysis:
+    """The analysis of the whole batch's graph: a microbatch's graph has its own sizes baked in
+    (``x[:3]`` of a batch of 4 keeps every sample of a microbatch of 2, ``unflatten(0, (-1, 3))``
+    groups none of them), and one sample's cannot show samples apart. Where the batch has no one
+    size, the largest microbatch's."""
     try:
         batch = example.batch_size()
     except ValueError as error:
+        if layout.mb_sizes != (None,) and max(layout.mb_sizes) > 1:
+            largest = max(layout.mb_sizes)
+            return _analyze_batch(variants[largest], largest, example.flat_dims)
         return BatchAnalysis(False, str(error))
-    whole = variants.get(None) or cached_capture(example.model, None, example.args, example.kwargs, target, dtype)
+    assert whole is not None, "a batch with one size has its whole graph"
     return _analyze_batch(whole, batch, example.flat_dims)
 
 

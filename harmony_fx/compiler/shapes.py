@@ -23,6 +23,15 @@ from harmony_fx.runtime.probe import empty_fake
 __all__ = ["Shapes", "fake_like"]
 
 
+def _dense(value: object) -> object:
+    """A gradient's layout: an expanded value (stride 0 along a dim of more than one entry) has a
+    gradient with an entry for each of its elements, as large as its shape."""
+    if isinstance(value, torch.Tensor) and any(stride == 0 and size > 1 for stride, size in
+                                               zip(value.stride(), value.shape)):
+        return value.new_empty(value.shape)
+    return value
+
+
 class Shapes:
     def __init__(self, variants: Mapping[int | None, Variant], mb_sizes: Sequence[int | None],
                  masters: Mapping[str, torch.Tensor], compute_dtype: torch.dtype | None) -> None:
@@ -38,7 +47,7 @@ class Shapes:
         value = node.meta[meta.VAL]
         if key.kind == KeyKind.GRAD:
             flags = requires_grad_of(node)
-            value = pytrees.with_leaves(value, [leaf if flag else None
+            value = pytrees.with_leaves(value, [_dense(leaf) if flag else None
                                                 for leaf, flag in zip(pytrees.leaves(value), flags, strict=True)])
         return value
 

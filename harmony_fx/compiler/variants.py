@@ -24,7 +24,8 @@ from harmony_fx.ir import meta
 from harmony_fx.passes.find_layers import Layer, find_layers
 from harmony_fx.passes.retarget_device import retarget_device
 
-__all__ = ["Variant", "GraphsDiffer", "capture_variant", "check_same_layers", "check_computes_alike"]
+__all__ = ["Variant", "GraphsDiffer", "capture_variant", "check_same_layers", "check_computes_alike",
+           "check_outputs_alike"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,6 +130,7 @@ def check_computes_alike(whole: Variant, part: Variant, batch: int) -> None:
     that make sizes (``view``, ``arange``, ``expand``) take other numbers by design, export drops a
     ``contiguous`` on a size-1 dim, and a scaled loss (a 0-dim value) is weighed by
     ``analysis.reductions``."""
+    check_outputs_alike(whole, part, batch)
     ours = [node for node in whole.captured.gm.graph.nodes if node.op == "call_function"]
     theirs = [node for node in part.captured.gm.graph.nodes if node.op == "call_function"]
     pairs = _paired_past_layout_ops(ours, theirs)
@@ -158,6 +160,21 @@ def check_computes_alike(whole: Variant, part: Variant, batch: int) -> None:
                     f"{batch} and {given!r} on a microbatch of {part.size} (its batch size as a value, as in "
                     "`h * x.shape[0]`), so microbatches would compute something else than the batch. Use "
                     "microbatches=1, or make the forward not depend on the batch size.")
+
+
+def check_outputs_alike(whole: Variant, part: Variant, batch: int) -> None:
+    """Each output has as many dims on a microbatch as on the whole batch: an op that drops or adds
+    dims by their sizes (``squeeze()`` drops a one-sample microbatch's batch dim) makes outputs
+    that cannot be joined as the batch's."""
+    outputs = [graph.find_nodes(op="output")[0].args[0] for graph in (whole.captured.gm.graph, part.captured.gm.graph)]
+    for position, (ours, theirs) in enumerate(zip(*outputs)):
+        a, b = (node.meta.get(meta.VAL) if isinstance(node, fx.Node) else None for node in (ours, theirs))
+        if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dim() != b.dim():
+            raise ValueError(
+                f"the model's output {position} ({ours.name}) is {list(a.shape)} on the whole batch of {batch} and "
+                f"{list(b.shape)} on a microbatch of {part.size}: an op drops or adds dims by their sizes (squeeze() "
+                "without a dim drops a one-sample microbatch's batch dim), so the microbatches' outputs cannot be "
+                "joined as the batch's. Name the dim (squeeze(-1)), or use microbatches of more than one sample.")
 
 
 # ops that only lay values out, which export keeps or drops by the sizes it sees

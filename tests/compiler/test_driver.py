@@ -53,8 +53,10 @@ def test_fixed_options_skip_the_search_stages():
     model = MLPChain(width=16, depth=4)
     hm = harmony_fx.compile(model, torch.randn(8, 16), microbatches=2, pack_boundaries=(0, 2))
     names = [stage.name for stage in hm.passes]
-    assert "choose schedule" not in names and "capture whole batch" not in names
-    assert names.index("capture microbatches") < names.index("analyze batch") < names.index("plan packs")
+    assert "choose schedule" not in names
+    # the whole batch's graph is what a cut by hand is judged and compared by (its sizes, not a microbatch's)
+    assert names.index("capture microbatches") < names.index("capture whole batch") < names.index("analyze batch")
+    assert names.index("analyze batch") < names.index("compare outputs with the whole batch") < names.index("plan packs")
     assert "fixed: 2 pack(s)" in dict((s.name, s.decision) for s in hm.passes)["plan packs"]
 
 
@@ -473,3 +475,42 @@ def test_a_model_failing_on_a_microbatch_alone_is_told_so_not_that_eager_fails()
     with pytest.raises(harmony_fx.CaptureError, match=r"raises on a microbatch of \d sample\(s\).*not on the whole "
                                                       r"batch(.|\n)*batch_dims=(.|\n)*microbatches=1"):
         harmony_fx.compile(model, x, devices=["host:0"], microbatches=2)
+
+
+class _FirstThree(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(5, 5)
+
+    def forward(self, x):
+        return (self.linear(x)[:3] ** 2).mean()  # three samples of the batch, whatever its size
+
+
+def test_a_cut_by_hand_is_judged_on_the_whole_batchs_sizes():
+    """A microbatch's graph has its own sizes baked in: on a microbatch of 2, ``h[:3]`` keeps every
+    sample, so the analysis of it called the cut separable, silently (loss 1.67 where eager's is
+    0.30). The whole batch's graph is judged, and the cut by hand said to compute otherwise."""
+    torch.manual_seed(0)
+    with pytest.warns(harmony_fx.MicrobatchesComputeApart, match="picks some samples of the batch"):
+        hm = harmony_fx.compile(_FirstThree(), torch.randn(4, 5), devices=["host:0"], microbatches=2)
+    assert not hm.compiled.batch_analysis.separable
+
+
+class _Squeezed(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.head = torch.nn.Linear(5, 1)
+
+    def forward(self, x):
+        return self.head(x).squeeze()  # [B, 1] -> [B]; a microbatch of one sample: a number
+
+
+def test_an_output_whose_dims_a_microbatch_changes_is_refused_naming_the_op():
+    """squeeze() drops a one-sample microbatch's batch dim: its outputs were joined into another
+    shape ([20] for [4, 5]) or refused as "one number per microbatch"."""
+    torch.manual_seed(0)
+    with pytest.raises(ValueError, match=r"output 0 \(squeeze\) is \[4\] on the whole batch of 4 and \[\] on a "
+                                         r"microbatch of 1.*squeeze\(\) without a dim"):
+        harmony_fx.compile(_Squeezed(), torch.randn(4, 5), devices=["host:0"], microbatches=4)
+    hm = harmony_fx.compile(_Squeezed(), torch.randn(4, 5), devices=["host:0"], microbatches=2)
+    assert hm(torch.randn(4, 5)).shape == (4,)

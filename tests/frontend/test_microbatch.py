@@ -461,11 +461,17 @@ def test_a_number_scaling_a_loss_weighs_the_microbatches_as_the_whole_batchs_gra
     _assert_the_trainers_step_is_eagers(loss, x, 4)
 
 
-def test_the_whole_batch_is_captured_beside_the_microbatches_only_where_a_number_scales_the_loss():
+def test_a_cut_by_hand_is_compared_with_the_whole_batch_op_by_op_only_where_a_number_scales_the_loss():
+    """The whole batch's graph is captured for every cut by hand (its analysis is judged there);
+    the op-by-op comparison runs where its numbers weigh the microbatches, else only each output's
+    dims are compared."""
     for loss, scaled in ((lambda a, b, m: a.pow(2).mean() + b.abs().mean(), False),
                          (lambda a, b, m: a.pow(2).mean() + b.abs().mean() / 3, True)):
         hm = harmony_fx.compile(_Heads(loss), torch.randn(8, 4), microbatches=2)
-        assert ("capture whole batch" in [stage.name for stage in hm.passes]) == scaled
+        names = [stage.name for stage in hm.passes]
+        assert "capture whole batch" in names
+        assert ("compare with the whole batch" in names) == scaled
+        assert ("compare outputs with the whole batch" in names) != scaled
 
 
 def _assert_the_compiled_call_is_eagers(loss, x: torch.Tensor, microbatches: int) -> None:
