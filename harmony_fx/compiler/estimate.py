@@ -84,8 +84,10 @@ def estimate_device(forward: Sequence[Action], backward: Sequence[Action], micro
                 f"planning runs every pack on FakeTensors (shapes, no values), and {device.context or 'a task'} "
                 f"reads a tensor's values ({type(error).__name__}: {error}): most often a custom op whose backward "
                 "calls .tolist() or .item() (transformers 5.17's grouped matmul for a mixture of experts, "
-                "as in Mixtral). Give that code a fake implementation (torch.library.register_fake) or keep "
-                "its sizes fixed.") from error
+                "as in Mixtral), or a built-in op whose backward sizes a tensor by values (index_fill with a "
+                "tensor value: its backward finds the unique indices). Give that code a fake implementation "
+                "(torch.library.register_fake), keep its sizes fixed, or compute it outside the compiled "
+                "model.") from error
     if isinstance(probe, ReplayingProbe) and probe.replay_failed:
         return estimate_device(forward, backward, microbatches, packs_by_size, shapes, signature, target, cap=cap)
     peak = probe.peak

@@ -200,6 +200,7 @@ def _capture(model: nn.Module, args: tuple, kwargs: dict, stack_traces: bool, dt
     except Exception as export_error:  # noqa: BLE001 - every failure falls back to tracing
         try:
             captured = _capture_with_symbolic_trace(model, args, kwargs, dtype)
+            _refuse_derivatives_traced(captured.gm, model)
         except Exception as trace_error:  # noqa: BLE001
             own = raised_when_run(model, args, kwargs)
             if own is not None:
@@ -211,6 +212,25 @@ def _capture(model: nn.Module, args: tuple, kwargs: dict, stack_traces: bool, dt
                 raise refused from own
             raise CaptureError(_capture_failure_message(model, export_error, trace_error, kwargs)) from export_error
     return captured
+
+
+def _refuse_derivatives_traced(gm: fx.GraphModule, model: nn.Module) -> None:
+    """``torch.fx.symbolic_trace`` records ``torch.autograd.grad(y, x)`` in the forward as one call,
+    which a pack would run on its own inputs alone: cut into packs, it differentiates only the part
+    of the model in its pack (wrong outputs and gradients, silently), or runs without grad. Refused
+    as export refuses it, by the functions that take a derivative (not ``Function.apply``)."""
+    for node in gm.graph.nodes:
+        module = getattr(node.target, "__module__", None) or ""
+        if (node.op == "call_function" and (node.target in (torch.autograd.grad, torch.autograd.backward)
+                                            or module == "torch.autograd.functional"
+                                            or module.startswith("torch._functorch"))) \
+                or (node.op == "call_method" and node.target == "backward"):
+            name = node.target if node.op == "call_method" else f"{module}.{node.target.__name__}"
+            raise _DerivativeInForward(f"the forward calls {name}")
+
+
+class _DerivativeInForward(CaptureError):
+    """A derivative the trace recorded as one call (``_refuse_derivatives_traced``)."""
 
 
 def raised_when_run(model: nn.Module, args: tuple, kwargs: dict) -> Exception | None:
@@ -469,11 +489,18 @@ def _advice(export_error: Exception, trace_error: Exception | None = None) -> st
     (or where tracing stopped: torch 2.11's export fails on a derivative before the model runs)."""
     text = str(export_error)
     derivative = f"_functorch{os.sep}eager_transforms.py"  # torch.func.grad, vjp, jvp, jacrev, hessian
-    if _raised_in(export_error, derivative) or _raised_in(trace_error, derivative) or _FAKE_CONSTANT in text:
-        return ("the model computes a derivative inside its forward (torch.autograd.grad, torch.func.grad, jacrev, "
-                "vjp, jvp), or maps with torch.vmap(out_dims=...) other than 0, which torch.export cannot trace: "
-                "compute the derivative outside the compiled model (on its outputs, or as a second model), and for "
-                "vmap map with out_dims=0 and move the dim afterwards (.movedim(0, d)).")
+    derivative_advice = (
+        "the model computes a derivative inside its forward (torch.autograd.grad, torch.func.grad, jacrev, vjp, jvp), "
+        "or maps with torch.vmap(out_dims=...) other than 0, which torch.export cannot trace: compute the derivative "
+        "outside the compiled model (on its outputs, or as a second model), and for vmap map with out_dims=0 and move "
+        "the dim afterwards (.movedim(0, d)).")
+    if _raised_in(export_error, derivative) or _raised_in(trace_error, derivative) \
+            or isinstance(trace_error, _DerivativeInForward):
+        return derivative_advice
+    if _FAKE_CONSTANT in text:  # export's symptom of both
+        return (f"{derivative_advice} Or the forward writes a tensor it holds in place once (a data-dependent "
+                "initialisation, as ActNorm's param.data.copy_(...) on the first batch): call the model once eagerly "
+                "before compiling, so that the write is done.")
     if match := _CACHE_IN_OUTPUT.search(text):
         return (f"the model returns a key/value cache ({match.group(1)}), which is inference state, not a "
                 "tensor: pass use_cache=False in the call, or leave use_cache out (harmony_fx then captures "
@@ -638,10 +665,22 @@ def _reorder_kwargs(args: tuple, kwargs: dict, in_spec: pytree.TreeSpec):
 
 
 class _EnterEveryModuleTracer(fx.Tracer):
-    """Traces down to torch functions so parameters show up as ``get_attr`` nodes we can lift."""
+    """Traces down to torch functions so parameters show up as ``get_attr`` nodes we can lift. A
+    trace runs the forward's ``with torch.no_grad():`` and ``torch.autocast`` at trace time and
+    records neither: the graph would differentiate a frozen teacher's branch, or compute in another
+    dtype. Refused where the forward changes either (export, which records them, failed first)."""
 
     def is_leaf_module(self, module: nn.Module, qualname: str) -> bool:
         return False
+
+    def create_node(self, *args, **kwargs) -> fx.Node:
+        state = (torch.is_grad_enabled(), torch.is_autocast_enabled("cpu"), torch.is_autocast_enabled("cuda"))
+        if not hasattr(self, "_state"):
+            self._state = state
+        elif state != self._state:
+            raise TypeError("the forward changes grad mode or autocast inside (with torch.no_grad(): ..., "
+                            "torch.autocast), which symbolic tracing cannot record")
+        return super().create_node(*args, **kwargs)
 
 
 class _NoDrawsAtTrace(TorchDispatchMode):

@@ -259,6 +259,28 @@ def test_symbolic_trace_fallback_trains_like_eager(monkeypatch, name):
     assert result.hm.stats.as_dict()["bytes_by_kind"] == result.hm.plan.predicted_bytes
 
 
+class _FrozenTeacher(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.teacher, self.student = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x):
+        with torch.no_grad():  # the teacher's branch: eager gives its weights no gradient
+            target = self.teacher(x)
+        return torch.tanh(self.student(x) + target)
+
+
+def test_the_symbolic_trace_fallback_refuses_a_forward_that_changes_grad_mode(monkeypatch):
+    """A trace runs the no_grad block at trace time and records nothing of it: the teacher's weights
+    were trained with the student's (and a forward under autocast computed in fp32), silently."""
+    def export_fails(*args, **kwargs):
+        raise RuntimeError("torch.export is switched off for this test")
+
+    monkeypatch.setattr(torch.export, "export", export_fails)
+    with pytest.raises(harmony_fx.CaptureError, match="changes grad mode or autocast inside"):
+        harmony_fx.compile(_FrozenTeacher(), torch.randn(4, 8), devices=["host:0"])
+
+
 def test_a_bf16_weight_with_fp32_gradients_captures_and_keeps_its_gradient():
     """A parameter whose gradient has another dtype (``Tensor.grad_dtype``, as with the fp32 masters
     on the NVMe tier) captures with export, and keeps its gradient object."""
@@ -326,6 +348,28 @@ def test_a_derivative_in_the_forward_is_refused_in_words(how):
                                                       r"model.*out_dims=0") as refused:
         harmony_fx.compile(model, x, devices=["host:0"])
     assert "as it would called eagerly" not in str(refused.value)
+
+
+class _ForcesOfAnEnergy(nn.Module):
+    """forces = -dE/dx of an input that requires grad: torch.fx.symbolic_trace records the call whole."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.second, self.out = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 1)
+
+    def forward(self, x):
+        energy = self.out(torch.tanh(self.second(torch.tanh(self.first(x))))).sum()
+        return -torch.autograd.grad(energy, x, create_graph=True)[0]
+
+
+@pytest.mark.parametrize("budget", [None, "9KB"])
+def test_a_derivative_the_trace_records_as_one_call_is_refused_in_words(budget):
+    """Cut into packs, the call differentiated only its own pack's part of the model: wrong outputs
+    and gradients at one budget, a bare autograd error at another, silently right at none."""
+    with pytest.raises(harmony_fx.CaptureError, match=r"the forward calls torch\.autograd\.grad(.|\n)*computes a "
+                                                      r"derivative inside its forward"):
+        harmony_fx.compile(_ForcesOfAnEnergy(), torch.randn(4, 8, requires_grad=True), devices=["host:0"],
+                           memory_budget=budget)
 
 
 class _LearnedScaleAttribute(nn.Module):
