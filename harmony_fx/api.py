@@ -360,11 +360,21 @@ class HarmonyModule:
         return list(self._by_key.items())
 
     # ------------------------------------------------------------------ running
+    # harmony is its own compiler: a torch.compile around the module (nanoGPT's compile=True, a
+    # compiled training step) runs it as it is, where Dynamo would trace into harmony's compile
+    @torch.compiler.disable
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if "compiled" not in self.__dict__:
             self._compile(args, kwargs)
         module = self._last = self.for_batch(args, kwargs)
         return module._run(args, kwargs)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """The call (a script's ``model.forward(x)`` runs harmony, not the bare model eagerly)."""
+        return self(*args, **kwargs)
+
+    def __repr__(self) -> str:
+        return f"HarmonyModule(\n  (model): {repr(self.model).replace(chr(10), chr(10) + '  ')}\n)"
 
     def _run(self, args: tuple, kwargs: dict) -> Any:
         """Run the call on this module's program (its key is the call's)."""

@@ -464,6 +464,19 @@ def test_a_call_that_compiles_inside_the_callers_autograd_contexts_trains_like_e
         torch.testing.assert_close(param.grad, expected.grad, rtol=1e-5, atol=1e-6)
 
 
+def test_forward_is_the_compiled_call_and_the_module_prints_its_model():
+    torch.manual_seed(0)
+    model = MLPChain(width=16, depth=4)
+    reference = copy.deepcopy(model)
+    hm = harmony_fx.compile(model, devices=["host:0"], pack_boundaries=[0, 2])
+    x = torch.randn(8, 16)
+    hm.forward(x).square().mean().backward()  # a script's model.forward(x): it ran the bare model eagerly
+    assert len(hm.packs) == 2
+    reference(x).square().mean().backward()
+    assert_grads_equal(model, reference)
+    assert repr(hm).startswith("HarmonyModule(\n  (model): MLPChain(") and "Linear(in_features=16" in repr(hm)
+
+
 @pytest.mark.parametrize("chain", [
     lambda m: m.to("cpu"), lambda m: m.cpu(), lambda m: m.float(), lambda m: m.requires_grad_(True),
     lambda m: m.apply(lambda module: None), lambda m: m.to(torch.device("cpu"), non_blocking=True),
@@ -539,3 +552,56 @@ def test_an_input_changed_in_place_between_the_forward_and_backward_is_refused_n
     x.mul_(255.0)  # after backward: nothing reads it again
     reference(x / 255.0).square().mean().backward()
     assert_grads_equal(model, reference)
+
+
+class _ExpandedOutput(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.second = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.second(torch.relu(self.first(x)))[:, None].expand(-1, 3, -1)  # stride 0 along dim 1
+
+
+@pytest.mark.parametrize("microbatches", [1, 2])
+def test_an_expanded_output_trains_like_eager(microbatches):
+    """The output's gradient was laid out with the output's own strides, 0 along the expanded dim:
+    a tensor copy_ refuses to write ("more than one element ... refers to a single memory
+    location"). A gradient has an entry for each element: laid out dense."""
+    torch.manual_seed(0)
+    model = _ExpandedOutput()
+    reference = copy.deepcopy(model)
+    x, weights = torch.randn(4, 4), torch.randn(4, 3, 4)
+    hm = harmony_fx.compile(model, devices=["host:0"], pack_boundaries=[0, 1], microbatches=microbatches)
+    (hm(x) * weights).sum().backward()
+    (reference(x) * weights).sum().backward()
+    assert_grads_equal(model, reference)
+
+
+def test_torch_compile_around_a_compiled_module_runs_it_as_it_is():
+    """nanoGPT's compile=True after harmony_fx.compile: Dynamo traced into harmony's own compile and
+    failed on a FakeTensor device mismatch; it runs the module as it is, in a compiled step too."""
+    torch.manual_seed(0)
+    model = MLPChain(width=16, depth=4)
+    reference = copy.deepcopy(model)
+    hm = harmony_fx.compile(model, devices=["host:0"], pack_boundaries=[0, 2])
+    step = torch.compile(lambda x: hm(x).square().mean())
+    x = torch.randn(8, 16)
+    step(x).backward()
+    reference(x).square().mean().backward()
+    assert_grads_equal(model, reference)
+    assert len(hm.packs) == 2
+
+
+def test_a_parameter_changed_in_place_between_the_forward_and_backward_is_refused():
+    """An EMA or optimizer step before backward(): a recomputed pack reads the new weights, and the
+    gradient was of another function than the forward's (eager keeps what exp saved), silently."""
+    torch.manual_seed(0)
+    model = MLPChain(width=16, depth=4)
+    hm = harmony_fx.compile(model, devices=["host:0"], pack_boundaries=[0, 2])
+    out = hm(torch.randn(8, 16)).square().mean()
+    with torch.no_grad():
+        model.blocks[0][0].weight.mul_(0.5)
+    with pytest.raises(RuntimeError, match=r"parameter 'blocks\.0\.0\.weight' was modified by an in-place operation"):
+        out.backward()
+    hm(torch.randn(8, 16)).square().mean().backward()  # the next call is unaffected

@@ -677,3 +677,19 @@ def test_an_input_changed_in_place_before_the_backward_is_refused_through_torch_
     x.add_(1.0)
     with pytest.raises(RuntimeError, match="modified by an in-place operation after the forward"):
         out.square().mean().backward()
+
+
+def test_run_from_a_checkout_without_an_install_the_backend_is_registered_on_import(monkeypatch):
+    """``PYTHONPATH=.`` has no entry point: ``backend="harmony"`` was unknown to Dynamo even after
+    ``import harmony_fx``."""
+    import importlib.metadata
+
+    from torch._dynamo.backends import registry
+
+    import harmony_fx
+
+    monkeypatch.setattr(importlib.metadata, "entry_points", lambda **_: [])
+    monkeypatch.setattr(registry, "_COMPILER_FNS", {k: v for k, v in registry._COMPILER_FNS.items() if k != "harmony"})
+    monkeypatch.setattr(registry, "_BACKENDS", {k: v for k, v in registry._BACKENDS.items() if k != "harmony"})
+    harmony_fx._register_the_backend_without_an_install()
+    assert registry.lookup_backend("harmony") is harmony

@@ -17,6 +17,7 @@ from typing import Callable, Sequence
 import torch
 from torch import fx
 
+from harmony_fx.ir import meta
 from harmony_fx.ir.pack import Pack
 from harmony_fx.lowering.tasks import grad_inputs
 from harmony_fx.passes.retarget_device import packs_on
@@ -42,8 +43,10 @@ class Iteration:
         self.scalar_weights: dict[str, list[float]] = {}  # per scalar output: each microbatch's share
         # per joined output: each microbatch's part along its batch dim (x[mask]'s rows: not the input's)
         self.output_parts: dict[str, list[int]] = {}
-        # the caller's inputs the backward reads again (a recompute's), as the forward read them
+        # the caller's inputs the backward reads again (a recompute's), as the forward read them; and
+        # the parameters, as the forward's end left them (name, tensor, version)
         self.input_versions: dict[Key, int] = {}
+        self.param_versions: list[tuple[str, torch.Tensor, int]] = []
 
     def run(self, programs: Sequence[Sequence[fx.GraphModule]]) -> None:
         """Run each device's programs, in order; the first error is raised once every device has
@@ -106,6 +109,10 @@ class Session:
             for device in self.devices]
         self._grad_inputs = [grad_inputs(pack, compiled.signature) for pack in compiled.packs]
         inputs = set(compiled.captured.inputs)
+        captured = compiled.captured
+        self._params = list({id(captured.params[node.name]): (node.meta[meta.TARGET], captured.params[node.name])
+                             for node in captured.gm.graph.find_nodes(op="placeholder")
+                             if node.name in captured.params}.values())
         self._inputs_read_again = {action.key for _, backward in compiled.device_actions for action in backward
                                    if action.kind == ActionKind.PREFETCH and action.key.kind == KeyKind.ACT
                                    and action.key.name in inputs}
@@ -156,6 +163,7 @@ class Session:
             iteration.run([[programs["forward"]] for programs in self.compiled.device_programs])
         if not self.compiled.signature.forward_only:
             self._waiting.add(iteration)
+            iteration.param_versions = [(name, param, param._version) for name, param in self._params]
         return iteration
 
     def finish(self, iteration: Iteration) -> None:
@@ -252,9 +260,17 @@ def _pin_in_place(masters) -> None:
 
 def _refuse_inputs_changed_since_the_forward(iteration: Iteration) -> None:
     """The backward recomputes packs from the caller's own input tensors (kept, not copied: inputs
-    may be large), as ``torch.utils.checkpoint`` does; one changed in place since the forward
-    (``x.div_(255)`` between the call and ``backward()``) would give gradients of other values.
-    Refused as autograd refuses a saved tensor changed in place."""
+    may be large) and the model's parameters, as ``torch.utils.checkpoint`` does; one changed in
+    place since the forward (``x.div_(255)``, an optimizer step or an EMA update between the call
+    and ``backward()``) would give gradients of another function. Refused as autograd refuses a
+    saved tensor changed in place."""
+    for name, param, version in iteration.param_versions:
+        if param._version != version:
+            raise RuntimeError(
+                f"harmony_fx: the parameter '{name}' was modified by an in-place operation after the forward (its "
+                f"version {version} is now {param._version}), and the backward recomputes packs from it: harmony_fx "
+                "recomputes each pack from the parameters, as torch.utils.checkpoint does. Change parameters (an "
+                "optimizer step, an EMA or a clamp) after backward().")
     for key, version in iteration.input_versions.items():
         now = iteration.host_values[key]._version
         if now != version:
