@@ -149,6 +149,7 @@ class CompileOptions:
         return torch.bfloat16 if self.precision == "bf16" else None
 
     def __post_init__(self) -> None:
+        self._check_flags_and_counts()
         object.__setattr__(self, "memory_budget", parse_size(self.memory_budget))
         object.__setattr__(self, "host_memory", parse_size(self.host_memory))
         if self.nvme_path is not None and not isinstance(self.nvme_path, (str, os.PathLike)):
@@ -160,7 +161,7 @@ class CompileOptions:
         if isinstance(self.microbatches, Mapping):
             self._split_microbatches(dict(self.microbatches))
         if self.microbatches is not None and (
-            not isinstance(self.microbatches, int) or self.microbatches < 1
+            not isinstance(self.microbatches, int) or isinstance(self.microbatches, bool) or self.microbatches < 1
         ):
             raise ValueError(f"microbatches must be a positive int, {{'forward': Mf, 'backward': Mb}} or None, "
                              f"got {self.microbatches!r}")
@@ -176,6 +177,18 @@ class CompileOptions:
             raise ValueError(f"handoff must be 'peer', 'host' or None, got {self.handoff!r}")
         if self.parallel not in ("auto", "dp", "pp"):
             raise ValueError(f"parallel must be 'auto', 'dp' or 'pp', got {self.parallel!r}")
+
+    def _check_flags_and_counts(self) -> None:
+        """A flag must be a bool (``grouping="no"`` is a true string: grouping on, silently) and a
+        seed an int; ``None`` where the option allows it."""
+        for name in ("verify", "grouping", "frozen_to_bf16", "timeline", "track_memory", "compile_packs",
+                     "resident_weights"):
+            value = getattr(self, name)
+            optional = name in ("track_memory", "compile_packs", "resident_weights")
+            if not isinstance(value, bool) and not (optional and value is None):
+                raise TypeError(f"{name} must be True or False{' (or None)' if optional else ''}, got {value!r}")
+        if self.chaos is not None and (not isinstance(self.chaos, int) or isinstance(self.chaos, bool)):
+            raise TypeError(f"chaos must be an int seed (or None), got {self.chaos!r}")
 
     def _split_microbatches(self, given: dict) -> None:
         forward, backward = given.pop("forward", None), given.pop("backward", None)
@@ -212,15 +225,28 @@ def option_names() -> tuple[str, ...]:
     return tuple(field.name for field in dataclasses.fields(CompileOptions) if not _is_internal(field.name))
 
 
-def check_option_names(given: Iterable[str], valid: Iterable[str], door: str) -> None:
+# ``harmony_fx.Trainer``'s own options (it steps the optimizer): at a door that does not, where they go
+TRAINER_OPTIONS = ("max_grad_norm", "loss_reduction", "skip_nonfinite", "atomic", "process_group", "shard_optimizer",
+                   "collective_timeout")
+_WHERE_TRAINER_OPTIONS_GO = ("an option of harmony_fx.Trainer, which steps the optimizer: where your loop steps it, "
+                             "do it there (torch.nn.utils.clip_grad_norm_ for max_grad_norm)")
+
+
+def check_option_names(given: Iterable[str], valid: Iterable[str], door: str,
+                       elsewhere: Mapping[str, str] | None = None) -> None:
     """Refuse the names in ``given`` that are not in ``valid`` (internal fields never are) with a
     ``TypeError`` that names ``door`` (where the options were passed), suggests the nearest valid
     name of each, and lists the valid ones: a typo would otherwise get Python's bare "unexpected
-    keyword argument", from a dataclass the user never called."""
+    keyword argument", from a dataclass the user never called. ``elsewhere``: a right name at
+    the wrong door, and where it goes (by default, the Trainer's own options)."""
     valid = sorted({name for name in valid if not _is_internal(name)})
     unknown = [name for name in given if name not in valid]
     if not unknown:
         return
+    elsewhere = {**{name: _WHERE_TRAINER_OPTIONS_GO for name in TRAINER_OPTIONS}, **(elsewhere or {})}
+    misplaced = [name for name in unknown if name in elsewhere]
+    if misplaced:
+        raise TypeError(f"{door} does not take {misplaced[0]!r}: it is {elsewhere[misplaced[0]]}.")
     described = []
     for name in unknown:
         nearest = difflib.get_close_matches(str(name), valid, n=1)

@@ -20,7 +20,7 @@ def test_demo_trains_and_writes_its_pictures(tmp_path, capsys) -> None:
                  "--out", str(out)]) == 0
     assert _flushes_denormals() == flushing  # the CPU's mode put back as it was
     printed = capsys.readouterr().out
-    assert "summary" in printed and "losses match eager" in printed
+    assert "summary" in printed and "losses match eager's" in printed
     assert "1 intra-op thread(s) for harmony and eager alike" in printed
     if torch.set_flush_denormal(flushing):  # the CPU can flush them: the demo did, and says so
         assert "denormals flushed to zero for both" in printed

@@ -12,12 +12,24 @@ from harmony_fx.planner.search import host_bytes
 from harmony_fx.planner.specs import PRESETS, HostSpec
 
 
+def _refused(constant: str):
+    raise AssertionError(f"{constant} is not JSON")
+
+
+def test_a_packing_that_does_not_fit_is_null_in_the_json_not_infinity() -> None:
+    from harmony_fx.commands.plan import _finite
+
+    report = {"compared_seconds": {"largest packs": 894.3, "one layer per pack": float("inf")}, "nan": [float("nan")]}
+    assert json.loads(json.dumps(_finite(report), allow_nan=False)) == {
+        "compared_seconds": {"largest packs": 894.3, "one layer per pack": None}, "nan": [None]}
+
+
 def test_plan_json_and_trace(tmp_path, capsys) -> None:
     trace = tmp_path / "plan.json"
     code = main(["plan", "gpt2-xl", "--devices", "2", "--device-spec", "v100-32gb", "--json", "--trace", str(trace)])
     out, err = capsys.readouterr()
     assert code == 0, err
-    report = json.loads(out)  # stdout is the JSON alone: progress goes to stderr
+    report = json.loads(out, parse_constant=_refused)  # stdout is the JSON alone: progress goes to stderr
     assert {"iteration_seconds", "packs", "bytes_moved", "peak_bytes", "bound_by"} <= set(report)
     assert report["model"] == "gpt2-xl" and report["device_spec"] == "v100-32gb"
     assert report["iteration_seconds"] >= report["lower_bound_seconds"] > 0
@@ -103,3 +115,26 @@ def test_plan_across_servers_reports_the_network_and_picks_a_layout(capsys) -> N
 def test_plan_network_speed_must_be_readable(capsys) -> None:
     assert main(["plan", "gpt2-xl", "--nodes", "2", "--network", "fast"]) == 2
     assert "--network" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv,says", [
+    (["plan", "llama-7b", "--devices", "0"], "--devices: must be a positive whole number, got 0"),
+    (["plan", "llama-7b", "--batch-size", "0"], "--batch-size: must be a positive whole number"),
+    (["demo", "--budget-fraction", "0"], "--budget-fraction: must be a fraction in (0, 1], got 0"),
+    (["demo", "--steps", "-1"], "--steps: must be a positive whole number"),
+])
+def test_a_number_out_of_range_is_refused_by_the_command_line(argv, says, capsys):
+    """--devices 0 ended in a ZeroDivisionError's traceback, --batch-size 0 was ignored silently."""
+    with pytest.raises(SystemExit) as exited:
+        main(argv)
+    assert exited.value.code == 2
+    assert says in capsys.readouterr().err
+
+
+def test_measuring_this_machines_layers_for_another_device_is_refused(tmp_path, capsys) -> None:
+    """--measure with --device-spec h100-80gb predicted an H100 from this CPU's layer times."""
+    model_file = tmp_path / "model.py"
+    model_file.write_text("import torch\n\ndef build():\n    return torch.nn.Linear(4, 4), (torch.randn(2, 4),)\n")
+    code = main(["plan", f"{model_file}:build", "--measure", "--device-spec", "h100-80gb"])
+    assert code == 2
+    assert "--measure times every layer on this machine, which is not a h100-80gb" in capsys.readouterr().err

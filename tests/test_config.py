@@ -2,8 +2,10 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import pytest
+import torch
 
 from harmony_fx.config import CompileOptions, format_size, options_from_environment, parse_size, with_environment
 
@@ -81,6 +83,24 @@ def test_compile_options_refuse_bad_values(kwargs):
         CompileOptions(**kwargs)
 
 
+@pytest.mark.parametrize("kwargs,message", [
+    ({"grouping": "no"}, "grouping must be True or False, got 'no'"),
+    ({"precision": "bf16", "frozen_to_bf16": "no"}, "frozen_to_bf16 must be True or False"),
+    ({"verify": 0}, "verify must be True or False"), ({"timeline": None}, "timeline must be True or False"),
+    ({"compile_packs": "yes"}, "compile_packs must be True or False (or None)"),
+    ({"chaos": "x"}, "chaos must be an int seed"),
+])
+def test_a_flag_that_is_not_a_bool_is_refused(kwargs, message):
+    """A string is true: grouping="no" turned grouping on, frozen_to_bf16="no" converted the weights."""
+    with pytest.raises(TypeError, match=re.escape(message)):
+        CompileOptions(**kwargs)
+
+
+def test_microbatches_true_is_not_one_microbatch():
+    with pytest.raises(ValueError, match="microbatches must be a positive int"):
+        CompileOptions(microbatches=True)
+
+
 def test_memory_tracking_is_off_by_default_outside_the_tests(monkeypatch):
     monkeypatch.setattr("harmony_fx.config.TRACK_MEMORY_BY_DEFAULT", False)
     assert not CompileOptions().tracks_memory
@@ -108,3 +128,18 @@ def test_options_the_code_passes_win_over_the_environment(monkeypatch):
     monkeypatch.setenv("HARMONY_FX_MEMORY_BUDGET", "2GiB")
     monkeypatch.setenv("HARMONY_FX_MICROBATCHES", "4")
     assert with_environment({"microbatches": 2}) == {"memory_budget": "2GiB", "microbatches": 2}
+
+
+def test_a_trainer_option_at_a_door_that_does_not_step_the_optimizer_says_where_it_goes():
+    """compile(max_grad_norm=1.0) was told to "correct the name", which is right."""
+    import inspect
+
+    import harmony_fx
+    from harmony_fx.config import TRAINER_OPTIONS
+
+    own = [name for name, p in inspect.signature(harmony_fx.Trainer.__init__).parameters.items()
+           if p.kind is p.KEYWORD_ONLY]
+    assert sorted(own) == sorted(TRAINER_OPTIONS)
+    with pytest.raises(TypeError, match=r"harmony_fx.compile does not take 'max_grad_norm': it is an option of "
+                                        r"harmony_fx.Trainer.*clip_grad_norm_"):
+        harmony_fx.compile(torch.nn.Linear(2, 2), max_grad_norm=1.0)

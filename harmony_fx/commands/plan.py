@@ -5,10 +5,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import re
 import sys
 import time
+from typing import Any
 
+from harmony_fx.commands.arguments import positive_float, positive_int
 from harmony_fx.config import format_size, parse_size
 from harmony_fx.program.format import format_table
 
@@ -22,7 +25,7 @@ def add_parser(commands) -> None:
                                description=__doc__)
     plan.add_argument("model", help="gpt2-xl, bert-large, llama-7b, gpt3-175b, or path/to/file.py:function "
                                     "returning (model, example_inputs)")
-    plan.add_argument("--devices", type=int, default=1)
+    plan.add_argument("--devices", type=positive_int, default=1)
     plan.add_argument("--device-spec", default="a100-80gb", help="a GPU preset, or 'host' (this machine, measured)")
     plan.add_argument("--memory-budget", help="bytes per device (default: the device's memory), e.g. 40GiB")
     plan.add_argument("--host-memory", help="host memory for masters, optimizer state and stash, e.g. 2TB")
@@ -34,15 +37,15 @@ def add_parser(commands) -> None:
                                           "(default: 4 devices' links)")
     plan.add_argument("--optimizer", choices=sorted(_OPTIMIZER_STATE), default="adam",
                       help="sizes the optimizer state kept on the host (adam: 8 bytes per parameter)")
-    plan.add_argument("--update-rate", type=float, default=2e9,
+    plan.add_argument("--update-rate", type=positive_float, default=2e9,
                       help="host optimizer throughput, parameters/s (default: a two-socket server)")
-    plan.add_argument("--batch-size", type=int, help="samples per iteration (default: the preset's)")
-    plan.add_argument("--microbatches", type=int, help="fix the number of microbatches (default: searched)")
+    plan.add_argument("--batch-size", type=positive_int, help="samples per iteration (default: the preset's)")
+    plan.add_argument("--microbatches", type=positive_int, help="fix the number of microbatches (default: searched)")
     plan.add_argument("--parallel", choices=["auto", "dp", "pp"], default="auto")
     plan.add_argument("--precision", choices=["bf16", "fp32"], default="bf16")
     plan.add_argument("--measure", action="store_true",
                       help="file.py models: time every layer on this machine (for --device-spec host)")
-    plan.add_argument("--nodes", type=int, default=1,
+    plan.add_argument("--nodes", type=positive_int, default=1,
                       help="servers training together (one process each, torchrun); --devices is per server")
     plan.add_argument("--network", default="100Gbit",
                       help="each server's network link, each way: 100Gbit, 400Gbit, 25GB (bytes/s)")
@@ -66,11 +69,15 @@ def run(args: argparse.Namespace) -> int:
         spec = get_spec(args.device_spec)
         if args.model in PRESETS and args.measure:
             raise ValueError("--measure needs a model you can run: presets are built on the meta device")
+        if args.measure and args.device_spec != "host":
+            raise ValueError(f"--measure times every layer on this machine, which is not a {args.device_spec}: "
+                             "use it with --device-spec host, or leave it out to predict from the layers' FLOPs "
+                             "and bytes")
         if args.model in PRESETS:
             profile, batch_size = preset_profile(args.model, args.precision)
         else:
             profile, batch_size = load_profile(args.model, args.precision, measure=args.measure)
-        batch_size = args.batch_size or batch_size
+        batch_size = batch_size if args.batch_size is None else args.batch_size
         link = parse_size(args.host_link) if args.host_link else 4 * spec.host_bandwidth
         host = HostSpec(memory=parse_size(args.host_memory), link_bandwidth=link,
                         update_params_per_second=args.update_rate, optimizer_state_bytes=_OPTIMIZER_STATE[args.optimizer],
@@ -121,7 +128,7 @@ def run(args: argparse.Namespace) -> int:
         write_trace(args.trace, choice.simulation.trace_events())
         report["trace"] = args.trace
     if args.json:
-        print(json.dumps(report, indent=2))
+        print(json.dumps(_finite(report), indent=2, allow_nan=False))
     else:
         print(_table(profile, choice))
         print(_summary(report))
@@ -271,3 +278,15 @@ def _network_line(network: dict) -> str:
     return (f"across {network['nodes']} servers (global batch {network['global_batch_size']}): optimizer state "
             f"{network['optimizer']}; {format_size(network['bytes_per_server'])} sent per server per iteration "
             f"({compared})")
+
+
+def _finite(value: Any) -> Any:
+    """``value`` with every infinite or NaN float as ``null`` (a compared packing that does not fit
+    takes forever): JSON has no Infinity, and strict parsers refuse Python's."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {key: _finite(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(item) for item in value]
+    return value

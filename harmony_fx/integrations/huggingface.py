@@ -89,7 +89,9 @@ class HarmonyTrainer(transformers.Trainer):
         bound = inspect.signature(transformers.Trainer.__init__).bind(self, *args, **kwargs).arguments
         training_args = bound.get("args") or transformers.TrainingArguments(output_dir="tmp_trainer")
         options = dict(harmony_options or {})
-        check_option_names(options, [*option_names(), *_TRAINER_OPTIONS], DOOR)
+        check_option_names(options, [*option_names(), *_TRAINER_OPTIONS], DOOR, elsewhere={
+            "max_grad_norm": "transformers' own: set TrainingArguments(max_grad_norm=...)",
+            "loss_reduction": "decided by transformers, which weighs a step's batches itself"})
         options = with_environment(options)
         _refuse_unsupported(training_args, bound, options)
         self._harmony_options = _with_training_arguments(options, training_args)
