@@ -50,6 +50,7 @@ from typing import Any, Mapping, Sequence
 
 import torch
 from torch import fx
+from torch.utils import _pytree as pytree
 
 from harmony_fx.analysis.aliasing import alias_chain, aliased
 from harmony_fx.analysis.random_ops import draws_random
@@ -728,7 +729,8 @@ def _rule(node: fx.Node, c: _Context) -> _Dims:
     if not isinstance(target, torch._ops.OpOverload):
         raise _mixed(node, "is not an ATen op; the batch cannot be followed through it")
     name = _name(node)
-    rule = _RULES.get(name)
+    # by name, but an entrywise overload is entrywise (torch.max(a, b) is max.other, not a reduction)
+    rule = None if torch.Tag.pointwise in target.tags else _RULES.get(name)
     if (rule is None and torch.Tag.dynamic_output_shape in target.tags) or (name == "where" and len(node.args) == 1):
         # nonzero, torch.where(mask) with one argument (nonzero as a tuple), unique: as many results
         # as the batch's values say, each from whichever sample holds it
@@ -738,7 +740,67 @@ def _rule(node: fx.Node, c: _Context) -> _Dims:
         return rule(node, c)
     if torch.Tag.pointwise in target.tags or name in _ELEMENTWISE:
         return [_broadcast(node, _tensor_args(node), c)]
-    raise _mixed(node, "has no rule saying how it treats the batch dim")
+    return _decomposed(node, c)
+
+
+def _decomposed(node: fx.Node, c: _Context) -> _Dims:
+    """An op with no rule that torch defines by other ops (a CompositeImplicitAutograd kernel, which
+    export keeps whole: ``cosine_similarity``, ``pairwise_distance``, ``outer``, ``mv``,
+    ``tensordot``, ``take_along_dim``, ``bilinear``, ...): traced into those ops on fakes, as its
+    kernel computes, and read by these rules."""
+    graph = _decomposition(node)
+    if graph is None:
+        raise _mixed(node, "has no rule saying how it treats the batch dim")
+    tensors = [arg for arg in _flat_arguments(node) if isinstance(arg, fx.Node)]
+    inner = {p.name: list(c.env[t]) for p, t in zip(graph.graph.find_nodes(op="placeholder"), tensors)}
+    try:
+        inner_env, inner_c = _propagate(graph, inner, c.batch_size)
+    except _Mixed as mixed:
+        raise _mixed(node, f"mixes the samples in the ops it is made of: {mixed}") from mixed
+    results = [r for r in leaves(graph.graph.find_nodes(op="output")[0].args[0])]
+    if any(isinstance(r, fx.Node) and (r in inner_c.outer or r in inner_c.sorted) for r in results):
+        raise _mixed(node, "returns the batch interleaved or sorted by the ops it is made of")
+    return [inner_env[r][0] if isinstance(r, fx.Node) else None for r in results]
+
+
+def _flat_arguments(node: fx.Node) -> list[Any]:
+    return pytree.tree_leaves((node.args, node.kwargs), is_leaf=lambda x: isinstance(x, fx.Node))
+
+
+_DECOMPOSITIONS: dict[tuple, fx.GraphModule | None] = {}
+
+
+def _decomposition(node: fx.Node) -> fx.GraphModule | None:
+    """``node``'s op as the ATen ops its CompositeImplicitAutograd kernel runs, traced on fakes of
+    its arguments' shapes (``None``: it has none, or it reads values); traced once per op and shapes."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    target = node.target
+    if not torch._C._dispatch_has_kernel_for_dispatch_key(target.name(), "CompositeImplicitAutograd"):
+        return None
+    flat, spec = pytree.tree_flatten((node.args, node.kwargs), is_leaf=lambda x: isinstance(x, fx.Node))
+    positions = [i for i, arg in enumerate(flat) if isinstance(arg, fx.Node)]
+    if not all(isinstance(_val(flat[i]), torch.Tensor) for i in positions):
+        return None
+    key = (target, spec, tuple(None if i in positions else repr(a) for i, a in enumerate(flat)),
+           tuple((tuple(_val(flat[i]).shape), tuple(_val(flat[i]).stride()), _val(flat[i]).dtype) for i in positions))
+    if key not in _DECOMPOSITIONS:
+        def run(*tensors):
+            given = list(flat)
+            for i, tensor in zip(positions, tensors):
+                given[i] = tensor
+            args, kwargs = pytree.tree_unflatten(given, spec)
+            return target.decompose(*args, **kwargs)
+
+        examples = [torch.empty_strided(_val(flat[i]).shape, _val(flat[i]).stride(), dtype=_val(flat[i]).dtype,
+                                        device="meta") for i in positions]
+        if len(_DECOMPOSITIONS) >= 256:  # the shapes of many models in one process: bounded
+            _DECOMPOSITIONS.clear()
+        try:
+            _DECOMPOSITIONS[key] = make_fx(run, tracing_mode="fake")(*examples)
+        except Exception:  # noqa: BLE001 - a kernel that reads values, or cannot run on fakes: no rule
+            _DECOMPOSITIONS[key] = None
+    return _DECOMPOSITIONS[key]
 
 
 def _tensor_args(node: fx.Node) -> list[fx.Node]:

@@ -196,6 +196,8 @@ def test_writes_in_place_that_mix_samples_are_found(fn, why):
      "varies along the batch dim"),
     (lambda h, m: F.channel_shuffle(h.view(6, 4, 1, 1).transpose(0, 1), 2).transpose(0, 1).reshape(6, 4),
      "is batched along another dim than its first"),
+    # made of ops that act along the batch: a similarity over it
+    (lambda h, m: F.cosine_similarity(h, h, dim=0)[None] + h, "mixes the samples in the ops it is made of"),
     # bags of two samples each: a microbatch would bag other rows together
     (lambda h, m: F.embedding_bag((h > 0).long().flatten(), torch.ones(2, 4), torch.arange(0, 24, 8)).repeat(2, 1),
      "offsets other than one bag per sample"),
@@ -267,6 +269,11 @@ def test_ops_that_mix_samples_are_found(fn, why):
     # each sample's own row by arange(B); a vector's t() is itself; a product by a vector; pixel_shuffle per image
     lambda h, m: torch.index_select(h, 0, torch.arange(6)) + h.sum(1).t()[:, None] + (h @ torch.ones(4))[:, None],
     lambda h, m: F.pixel_shuffle(h.view(6, 4, 1, 1), 2).reshape(6, 4) + torch.kthvalue(h, 2, dim=1).values[:, None],
+    # ops torch defines by others (kept whole by export), read as the ops they are made of
+    lambda h, m: F.cosine_similarity(h, h.flip(1), dim=1)[:, None] + F.pairwise_distance(h, 2 * h)[:, None]
+    + torch.take_along_dim(h, (h > 0).long(), dim=1) + torch.tensordot(h, torch.ones(4, 4), dims=1),
+    # torch.max(a, b), entrywise (max.other), not the reduction its name has a rule for
+    lambda h, m: torch.max(h, torch.zeros(4)) + torch.min(h, h.flip(1)),
     # attention scores as q @ k.mT; ravel and reshape_as
     lambda h, m: (h.view(6, 2, 2) @ h.view(6, 2, 2).mT).reshape(6, 4) + h.ravel().reshape_as(h),
 ])
