@@ -1138,7 +1138,8 @@ def _embedding_bag(node: fx.Node, c: _Context) -> _Dims:
         if not shared_per_sample and (c.dim(values) != 0 or values in c.outer):
             raise _mixed(node, f"bags {values.name}, whose dim 0 is not the batch's samples one after another")
     rows = _shape(indices)[0]
-    one_bag_a_sample = list(range(0, rows, rows // c.batch_size)) + [rows] * bool(_argument(node, "include_last_offset"))
+    last = [rows] if _argument(node, "include_last_offset") else []
+    one_bag_a_sample = list(range(0, rows, rows // c.batch_size)) + last
     if c.dim(offsets) is not None or offsets.target is not aten.arange.start_step \
             or list(range(*offsets.args[:3])) != one_bag_a_sample:
         raise _mixed(node, "bags the batch's indices by offsets other than one bag per sample")

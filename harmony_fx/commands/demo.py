@@ -46,7 +46,8 @@ def add_parser(commands) -> None:
     demo.add_argument("--batch", type=positive_int, default=16)
     demo.add_argument("--microbatches", type=positive_int, default=None, help="default: chosen by the planner")
     demo.add_argument("--lr", type=float, default=1e-2)
-    demo.add_argument("--check-steps", type=count, default=3, help="steps compared with eager training (a few: over many, AdamW's "
+    demo.add_argument("--check-steps", type=count, default=3,
+                      help="steps compared with eager training (a few: over many, AdamW's "
                       "normalised steps grow float rounding past the check's 1e-5)")
     demo.add_argument("--out", default="harmony_demo_out", help="where the trace and the memory plot go")
     demo.add_argument("--quick", action="store_true", help="a smaller model, for CI")

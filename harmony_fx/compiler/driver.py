@@ -63,7 +63,9 @@ from harmony_fx.compiler.shapes import Shapes
 from harmony_fx.compiler.signature import program_signature
 from harmony_fx.compiler.stages import StageLog, progress_to_stderr
 from harmony_fx.compiler.capture_cache import cached_capture
-from harmony_fx.compiler.variants import GraphsDiffer, Variant, check_computes_alike, check_outputs_alike, check_same_layers
+from harmony_fx.compiler.variants import (
+    GraphsDiffer, Variant, check_computes_alike, check_outputs_alike, check_same_layers,
+)
 from harmony_fx.config import CompileOptions, format_size
 from harmony_fx.frontend import microbatch
 from harmony_fx.frontend.capture import CaptureError, raised_when_run

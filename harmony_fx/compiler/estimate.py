@@ -88,6 +88,15 @@ def estimate_device(forward: Sequence[Action], backward: Sequence[Action], micro
                 "tensor value: its backward finds the unique indices). Give that code a fake implementation "
                 "(torch.library.register_fake), keep its sizes fixed, or compute it outside the compiled "
                 "model.") from error
+        except RuntimeError as error:
+            if shapes.mb_sizes != (None,):
+                sizes = sorted(set(shapes.mb_sizes))
+                error.add_note(
+                    f"harmony_fx: raised running the packs on FakeTensors at microbatches of {sizes} "
+                    "sample(s): a model that fails on a microbatch alone (a parameter or an input sized for the "
+                    "whole batch, which some ops check only in their backward) fails here. Name each input's batch "
+                    "dim (batch_dims=...), size what the model holds per sample, or pass microbatches=1.")
+            raise
     if isinstance(probe, ReplayingProbe) and probe.replay_failed:
         return estimate_device(forward, backward, microbatches, packs_by_size, shapes, signature, target, cap=cap)
     peak = probe.peak

@@ -56,7 +56,8 @@ def test_fixed_options_skip_the_search_stages():
     assert "choose schedule" not in names
     # the whole batch's graph is what a cut by hand is judged and compared by (its sizes, not a microbatch's)
     assert names.index("capture microbatches") < names.index("capture whole batch") < names.index("analyze batch")
-    assert names.index("analyze batch") < names.index("compare outputs with the whole batch") < names.index("plan packs")
+    compared = names.index("compare outputs with the whole batch")
+    assert names.index("analyze batch") < compared < names.index("plan packs")
     assert "fixed: 2 pack(s)" in dict((s.name, s.decision) for s in hm.passes)["plan packs"]
 
 
@@ -514,3 +515,21 @@ def test_an_output_whose_dims_a_microbatch_changes_is_refused_naming_the_op():
         harmony_fx.compile(_Squeezed(), torch.randn(4, 5), devices=["host:0"], microbatches=4)
     hm = harmony_fx.compile(_Squeezed(), torch.randn(4, 5), devices=["host:0"], microbatches=2)
     assert hm(torch.randn(4, 5)).shape == (4,)
+
+
+class _ScatterSizedForTheBatch(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w, self.src = torch.nn.Parameter(torch.randn(1, 5, 5)), torch.nn.Parameter(torch.randn(5, 5))
+
+    def forward(self, x):
+        return torch.select_scatter(x * self.w, self.src, 1, 0)  # src sized for a batch of 5, not a microbatch
+
+
+def test_a_model_failing_on_a_microbatch_only_in_its_backward_is_told_what_to_do():
+    """select_scatter's fake kernel does not check src's size: the failure came from autograd inside
+    'plan packs' with nothing about microbatches."""
+    with pytest.raises(RuntimeError) as raised:
+        harmony_fx.compile(_ScatterSizedForTheBatch(), torch.randn(5, 5, 5), devices=["host:0"], microbatches=2)
+    assert "raised running the packs on FakeTensors at microbatches of [2, 3]" in "\n".join(raised.value.__notes__)
+    assert "batch_dims" in "\n".join(raised.value.__notes__)
