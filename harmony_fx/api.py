@@ -362,7 +362,8 @@ class HarmonyModule:
     # ------------------------------------------------------------------ running
     # harmony is its own compiler: a torch.compile around the module (nanoGPT's compile=True, a
     # compiled training step) runs it as it is, where Dynamo would trace into harmony's compile
-    @torch.compiler.disable
+    @torch.compiler.disable(reason="a harmony_fx module runs its own compiled program: call it outside "
+                                   "fullgraph=True, or compile the model with torch.compile(model, backend='harmony')")
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if "compiled" not in self.__dict__:
             self._compile(args, kwargs)

@@ -5,10 +5,12 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
+import numbers
 import os
 import re
 from typing import Any, Callable, Iterable, Literal, Mapping
 
+import numpy
 import torch
 
 __all__ = ["CompileOptions", "parse_size", "format_size", "cuda_reserve", "option_names", "check_option_names",
@@ -180,13 +182,20 @@ class CompileOptions:
 
     def _check_flags_and_counts(self) -> None:
         """A flag must be a bool (``grouping="no"`` is a true string: grouping on, silently) and a
-        seed an int; ``None`` where the option allows it."""
+        seed or a count an int; ``None`` where the option allows it. NumPy's are taken (a sweep's
+        table hands them over), as Python's."""
         for name in ("verify", "grouping", "frozen_to_bf16", "timeline", "track_memory", "compile_packs",
                      "resident_weights"):
             value = getattr(self, name)
             optional = name in ("track_memory", "compile_packs", "resident_weights")
-            if not isinstance(value, bool) and not (optional and value is None):
+            if isinstance(value, numpy.bool_):
+                object.__setattr__(self, name, bool(value))
+            elif not isinstance(value, bool) and not (optional and value is None):
                 raise TypeError(f"{name} must be True or False{' (or None)' if optional else ''}, got {value!r}")
+        for name in ("chaos", "microbatches"):
+            value = getattr(self, name)
+            if isinstance(value, numbers.Integral) and not isinstance(value, (bool, numpy.bool_)):
+                object.__setattr__(self, name, int(value))
         if self.chaos is not None and (not isinstance(self.chaos, int) or isinstance(self.chaos, bool)):
             raise TypeError(f"chaos must be an int seed (or None), got {self.chaos!r}")
 
@@ -228,6 +237,9 @@ def option_names() -> tuple[str, ...]:
 # ``harmony_fx.Trainer``'s own options (it steps the optimizer): at a door that does not, where they go
 TRAINER_OPTIONS = ("max_grad_norm", "loss_reduction", "skip_nonfinite", "atomic", "process_group", "shard_optimizer",
                    "collective_timeout")
+_PROCESS_OPTIONS = ("process_group", "shard_optimizer", "collective_timeout")
+_WHERE_PROCESS_OPTIONS_GO = ("an option of harmony_fx.Trainer, which trains across processes: run it under torchrun "
+                             "(examples/torchrun_train.py)")
 _WHERE_TRAINER_OPTIONS_GO = ("an option of harmony_fx.Trainer, which steps the optimizer: where your loop steps it, "
                              "do it there (torch.nn.utils.clip_grad_norm_ for max_grad_norm)")
 
@@ -243,7 +255,8 @@ def check_option_names(given: Iterable[str], valid: Iterable[str], door: str,
     unknown = [name for name in given if name not in valid]
     if not unknown:
         return
-    elsewhere = {**{name: _WHERE_TRAINER_OPTIONS_GO for name in TRAINER_OPTIONS}, **(elsewhere or {})}
+    elsewhere = {**{name: _WHERE_TRAINER_OPTIONS_GO for name in TRAINER_OPTIONS},
+                 **{name: _WHERE_PROCESS_OPTIONS_GO for name in _PROCESS_OPTIONS}, **(elsewhere or {})}
     misplaced = [name for name in unknown if name in elsewhere]
     if misplaced:
         raise TypeError(f"{door} does not take {misplaced[0]!r}: it is {elsewhere[misplaced[0]]}.")

@@ -602,6 +602,27 @@ def test_a_parameter_changed_in_place_between_the_forward_and_backward_is_refuse
     out = hm(torch.randn(8, 16)).square().mean()
     with torch.no_grad():
         model.blocks[0][0].weight.mul_(0.5)
-    with pytest.raises(RuntimeError, match=r"parameter 'blocks\.0\.0\.weight' was modified by an in-place operation"):
+    with pytest.raises(RuntimeError, match=r"model's 'blocks\.0\.0\.weight' was modified by an in-place operation"):
         out.backward()
     hm(torch.randn(8, 16)).square().mean().backward()  # the next call is unaffected
+
+
+class _AnnealedScale(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.second = nn.Linear(8, 8), nn.Linear(8, 8)
+        self.register_buffer("scale", torch.ones(8))
+
+    def forward(self, x):
+        return self.second(torch.tanh(self.first(x) * self.scale))
+
+
+def test_a_buffer_changed_in_place_between_the_forward_and_backward_is_refused():
+    """An annealed buffer changed before backward(): the recomputed pack read the new value."""
+    torch.manual_seed(0)
+    model = _AnnealedScale()
+    hm = harmony_fx.compile(model, devices=["host:0"], pack_boundaries=[0, 1])
+    out = hm(torch.randn(4, 8)).square().mean()
+    model.scale.mul_(0.5)
+    with pytest.raises(RuntimeError, match=r"model's 'scale' was modified by an in-place operation"):
+        out.backward()

@@ -96,6 +96,15 @@ def test_a_flag_that_is_not_a_bool_is_refused(kwargs, message):
         CompileOptions(**kwargs)
 
 
+def test_numpys_flags_and_counts_are_taken_as_pythons():
+    """Options read from a sweep's table arrive as NumPy scalars, which mean what Python's do."""
+    import numpy
+
+    options = CompileOptions(verify=numpy.True_, grouping=numpy.False_, chaos=numpy.int64(3), microbatches=numpy.int64(2))
+    assert (options.verify, options.grouping, options.chaos, options.microbatches) == (True, False, 3, 2)
+    assert type(options.grouping) is bool and type(options.microbatches) is int
+
+
 def test_microbatches_true_is_not_one_microbatch():
     with pytest.raises(ValueError, match="microbatches must be a positive int"):
         CompileOptions(microbatches=True)

@@ -134,6 +134,7 @@ def _compile_program(model: nn.Module, args: tuple, kwargs: dict, options: Compi
     flat_dims = tuple(d for x, d in zip(microbatch.pytree.tree_leaves((args, kwargs)), microbatch.pytree.tree_leaves(dims))
                       if isinstance(x, torch.Tensor))
     example = _Example(model, args, kwargs, dims, flat_dims)
+    by_hand = options.microbatches is not None  # the caller's cut: warned where unsure, not refused
     whole = analysis = least = None
     schedules: tuple[Schedule, ...] = ()
     if options.pack_boundaries is None and (
@@ -159,7 +160,7 @@ def _compile_program(model: nn.Module, args: tuple, kwargs: dict, options: Compi
                name_smallest: bool | str = True) -> Compiled:
         return _from_layout(log, example, devices, options, trainer, updates, optimizer, whole, analysis, schedule,
                             forward_only=forward_only, reuse=reuse, resident=resident, why=why,
-                            name_smallest=name_smallest)
+                            name_smallest=name_smallest, by_hand=by_hand)
 
     return _first_that_compiles(log, stages, schedules, options, len(devices), least, devices[0].budget)
 
@@ -269,7 +270,12 @@ def _of_one_size(options: CompileOptions, error: GraphsDiffer) -> CompileOptions
     sizes = [size for size in error.sizes if size]
     batch = sum(sizes)
     size = max(d for d in range(1, max(sizes) + 1) if batch % d == 0)
-    return None if batch // size == options.microbatches else dataclasses.replace(options, microbatches=batch // size)
+    count, forward = batch // size, options.forward_microbatches
+    if count == options.microbatches:
+        return None
+    # larger forward microbatches only where they still group the new count whole (else one size for both)
+    grouped = forward is not None and count % forward == 0 and count > forward
+    return dataclasses.replace(options, microbatches=count, forward_microbatches=forward if grouped else None)
 
 
 def _with_one_size(log: StageLog, stages, one_size: CompileOptions, error: GraphsDiffer, options: CompileOptions,
@@ -277,6 +283,8 @@ def _with_one_size(log: StageLog, stages, one_size: CompileOptions, error: Graph
     """``one_size``'s compile, the plan saying why; where that fails too, ``error`` stands, saying so."""
     batch = sum(size for size in error.sizes if size)
     what = f"{one_size.microbatches} microbatches of {batch // one_size.microbatches}"
+    if options.forward_microbatches is not None and one_size.forward_microbatches is None:
+        what += f" (the forward's too: {options.forward_microbatches} forward microbatches cannot group them)"
     cut = ", ".join(map(str, sorted({s for s in error.sizes if s}, reverse=True)))
     why = f"microbatches={options.microbatches} cuts the batch of {batch} into sizes {cut}, whose graphs differ"
     log.run("fall back", lambda: None, decision=lambda _: f"{why}; trying {what}")
@@ -320,10 +328,12 @@ def _say_what_was_tried(error: Exception, tried: list[tuple[str, Exception]]) ->
 def _from_layout(log: StageLog, example: _Example, devices: list, options: CompileOptions, trainer: bool,
                  updates: bool, optimizer: OptimizerFacts | None, whole: Variant | None, analysis: BatchAnalysis | None,
                  schedule: Schedule | None, forward_only: bool = False, reuse: Compiled | None = None,
-                 resident: bool = False, why: str = "", name_smallest: bool | str = True) -> Compiled:
+                 resident: bool = False, why: str = "", name_smallest: bool | str = True,
+                 by_hand: bool = True) -> Compiled:
     """Stages 3-9 of the module docstring, for ``schedule`` (``None``: the options' own; ``why``:
     what the plan says of them where the compile chose them; ``name_smallest``: how their refusal
-    names the smallest budget, ``compiler.packing.plan_packs``)."""
+    names the smallest budget, ``compiler.packing.plan_packs``; ``by_hand``: the caller set the
+    microbatches, whose cut is said where it may compute otherwise, not refused)."""
     layout = log.run("lay out", decide_layout, schedule, options, len(devices), example.batch_size,
                      decision=Layout.describe)
     variants = log.run("capture microbatches", _capture_microbatches, example, layout, whole,
@@ -341,7 +351,8 @@ def _from_layout(log: StageLog, example: _Example, devices: list, options: Compi
                         layout.num_microbatches, options.grouping, trainer, forward_only, decision=_describe_signature)
     if layout.forward_parts:
         _check_forward_parts(trainer, analysis)
-    whole = _beside_the_whole_batch(log, example, variants, layout, whole, schedule, devices[0], options)
+    whole = _beside_the_whole_batch(log, example, variants, layout, whole, schedule, devices[0], options, analysis,
+                                    by_hand)
     shapes = Shapes(variants, layout.sizes, primary.masters, options.compute_dtype)
     context = PackingContext(variants, layout, signature, shapes, [d.torch_device for d in devices], updates,
                              options.verify, devices[0].budget, devices[0].margin)
@@ -374,7 +385,7 @@ def _from_layout(log: StageLog, example: _Example, devices: list, options: Compi
             policy_name = "balanced at the planner's microbatches"
             candidate = plan_packs_by(balanced, policy_name)
     if layout.forward_parts:
-        _refuse_stashed_batch_indices(candidate, primary, example.flat_dims)
+        _refuse_stashed_batch_indices(candidate, variants[max(s for s in layout.sizes if s)], example.flat_dims)
     log.run("annotate packs", _annotate, variants, candidate.boundaries, options.verify,
             decision=lambda _: "the chosen packs and liveness written on the graph" + (", verified" if options.verify else ""))
     if options.verify:
@@ -525,11 +536,13 @@ def _capture_microbatches(example: _Example, layout: Layout, whole: Variant | No
 
 
 def _beside_the_whole_batch(log: StageLog, example: _Example, variants: dict, layout: Layout, whole: Variant | None,
-                            schedule: Schedule | None, device, options: CompileOptions) -> Variant | None:
-    """Where the batch is cut, the whole batch's graph (the planner's, else captured where a
-    number scales the loss or is returned: what it is at the batch's size), each microbatch's graph
-    compared with it, and for the planner's cut the loss weighed on the example's microbatches;
-    ``None`` where the batch is whole or its graph was not needed."""
+                            schedule: Schedule | None, device, options: CompileOptions,
+                            analysis: BatchAnalysis, by_hand: bool) -> Variant | None:
+    """Where the batch is cut, the whole batch's graph (the planner's or the analysis's, else
+    captured where a number scales the loss or is returned: what it is at the batch's size), each
+    microbatch's graph compared with it (a difference refuses the compile's own cut and is said of
+    one by hand, ``by_hand``), and for the planner's cut the loss weighed on the example's
+    microbatches; ``None`` where the batch is whole or its graph was not needed."""
     if layout.num_microbatches == 1:
         return None
     primary = variants[layout.mb_sizes[0]]
@@ -538,13 +551,13 @@ def _beside_the_whole_batch(log: StageLog, example: _Example, variants: dict, la
         whole = log.run("capture whole batch", cached_capture, example.model, None, example.args, example.kwargs,
                         device.torch_device, options.compute_dtype, decision=lambda _: "a number scales a loss cut "
                         "into microbatches, or the model returns one: its value at the whole batch's size")
-    if whole is not None and (schedule is not None or numbers):
+    if whole is not None and not by_hand:
         log.run("compare with the whole batch", _check_cut_computes_alike, whole, variants, layout,
                 decision=lambda _: "each microbatch's graph computes as the whole batch's")
     elif whole is not None:
-        # a cut by hand: what it computes is judged by the analysis (and said); its outputs must join
-        log.run("compare outputs with the whole batch", _check_cut_outputs_alike, whole, variants, layout,
-                decision=lambda _: "each microbatch's outputs have the whole batch's dims")
+        log.run("compare with the whole batch", _compare_a_cut_by_hand, whole, variants, layout, analysis,
+                decision=lambda _: "each microbatch's outputs have the whole batch's dims; where its graph computes "
+                                   "otherwise, said")
     if schedule is not None:
         # the planner's own cut only: one by hand is weighed at each call, or by the caller
         # (HarmonyTrainer weighs a step's batches as transformers does)
@@ -565,9 +578,24 @@ def _check_cut_computes_alike(whole: Variant, variants: dict, layout: Layout) ->
         check_computes_alike(whole, variants[size], sum(layout.mb_sizes))
 
 
-def _check_cut_outputs_alike(whole: Variant, variants: dict, layout: Layout) -> None:
+def _compare_a_cut_by_hand(whole: Variant, variants: dict, layout: Layout, analysis: BatchAnalysis) -> None:
+    """A cut by hand is the user's: where a microbatch's graph computes otherwise than the whole
+    batch's (control flow on the batch size, a size read from it), it is said, as an analysis that
+    cannot show the samples apart is (once: not again where that was said); outputs that cannot be
+    joined are refused."""
+    batch = sum(layout.mb_sizes)
     for size in dict.fromkeys(layout.mb_sizes):
-        check_outputs_alike(whole, variants[size], sum(layout.mb_sizes))
+        check_outputs_alike(whole, variants[size], batch)
+    if not analysis.separable:
+        return
+    try:
+        _check_cut_computes_alike(whole, variants, layout)
+    except ValueError as error:
+        reason = str(error).split(", so microbatches would")[0]
+        warnings.warn(
+            f"harmony_fx: microbatches={layout.num_microbatches} cuts the batch, but {reason}: the results (loss "
+            "and gradients) may differ from eager's; microbatches=1, or None (the planner keeps such a batch "
+            "whole), computes eager's.", MicrobatchesComputeApart, stacklevel=2)
 
 
 def _weigh_the_loss(example: _Example, variants: dict, layout: Layout, batch_reductions: dict | None) -> None:
@@ -599,13 +627,13 @@ def _plan_packs(log: StageLog, context: PackingContext, primary: Variant, device
     return finish_chosen(context, candidate, ahead_tried=single)
 
 
-def _refuse_stashed_batch_indices(candidate: Candidate, primary: Variant, flat_dims) -> None:
+def _refuse_stashed_batch_indices(candidate: Candidate, forward: Variant, flat_dims) -> None:
     """Larger forward microbatches cut their stash for the backward's: a sample's index in the batch
     (``arange`` over it, e.g. to pick each sample's row of a mask) crossing packs would keep the
     forward microbatch's numbers, and the second part would index past its own microbatch. Read on
-    the packs' own graph (at the whole batch's size, an ``arange`` over positions as many as the
-    samples would look like one)."""
-    indices = _analyze_batch(primary, primary.size, flat_dims).batch_indices
+    the forward microbatch's graph, the one that stashes (of more than one sample; at the whole
+    batch's size an ``arange`` over positions as many as the samples would look like one)."""
+    indices = _analyze_batch(forward, forward.size, flat_dims).batch_indices
     crossing = sorted({v for pack in candidate.packs for v in pack.act_inputs} & set(indices))
     if crossing:
         raise ValueError(f"microbatches={{'forward': ..., 'backward': ...}}: {crossing[0]} is each sample's index in "

@@ -20,6 +20,7 @@ from harmony_fx.analysis.aliasing import aliased, written_arguments
 from harmony_fx.analysis.requires_grad import annotate_requires_grad
 from harmony_fx.analysis.sizes import annotate_sizes
 from harmony_fx.frontend.capture import Captured, capture
+from harmony_fx.ir.values import leaves
 from harmony_fx.ir import meta
 from harmony_fx.passes.find_layers import Layer, find_layers
 from harmony_fx.passes.retarget_device import retarget_device
@@ -150,7 +151,11 @@ def check_computes_alike(whole: Variant, part: Variant, batch: int) -> None:
                 f"only (a batch of {batch}, microbatches of {part.size}: Python control flow on the batch size, as in "
                 "`if x.shape[0] > 4:`), so microbatches would compute something else than the batch. Use "
                 "microbatches=1, or make the forward not depend on the batch size.")
+    _check_constants_alike(whole, part, batch)
     for node, other in pairs:
+        _check_scaled_along_one_dim(node, other, batch, part.size)
+        if node.target in _FILLS:  # the value a number is made into (a mean by hand: / torch.full((), B))
+            _check_numbers_alike(node, other, batch, part.size)
         if not _on_samples(node):
             continue
         for value, given in zip(node.args, other.args):
@@ -162,6 +167,53 @@ def check_computes_alike(whole: Variant, part: Variant, batch: int) -> None:
                     "microbatches=1, or make the forward not depend on the batch size.")
 
 
+_FILLS = {torch.ops.aten.full.default, torch.ops.aten.new_full.default, torch.ops.aten.full_like.default,
+          torch.ops.aten.scalar_tensor.default, torch.ops.aten.fill.Scalar, torch.ops.aten.fill_.Scalar}
+
+
+def _check_numbers_alike(node: fx.Node, other: fx.Node, batch: int, size: int | None) -> None:
+    """The numbers an op takes as values (not sizes: those come in lists) are the same in both graphs."""
+    for value, given in zip(node.args, other.args):
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and value != given:
+            raise ValueError(
+                f"the model computes {meta.describe(node)} with the number {value!r} on the whole batch of {batch} and "
+                f"{given!r} on a microbatch of {size} (its batch size as a value, as in `h.sum() / "
+                "torch.full((), x.shape[0])`), so microbatches would compute something else than the batch. Use "
+                "microbatches=1, or make the forward not depend on the batch size.")
+
+
+def _check_constants_alike(whole: Variant, part: Variant, batch: int) -> None:
+    """A small tensor the forward makes from numbers (``torch.tensor(float(x.shape[0]))``, lifted to a
+    constant) holds the same values in both graphs; the model's own buffers are the same tensors."""
+    theirs = part.captured.buffers
+    for name, ours in whole.captured.buffers.items():
+        other = theirs.get(name)
+        if other is None or other is ours or ours.shape != other.shape or ours.numel() > 16:
+            continue
+        if not torch.equal(ours, other):
+            raise ValueError(
+                f"the model makes the constant {name} as {ours.tolist()} on the whole batch of {batch} and "
+                f"{other.tolist()} on a microbatch of {part.size} (its batch size as a value, as in `h.sum() / "
+                "torch.tensor(float(x.shape[0]))`), so microbatches would compute something else than the batch. "
+                "Use microbatches=1, or make the forward not depend on the batch size.")
+
+
+def _check_scaled_along_one_dim(node: fx.Node, other: fx.Node, batch: int, size: int | None) -> None:
+    """A value the batch's samples make apart differs between the whole batch and a microbatch along
+    its batch dim alone: one that differs along two (``h ** torch.arange(x.shape[0])``: [B, B]) is
+    sized by the batch where each sample's own values should be."""
+    for ours, theirs in zip(leaves(node.meta.get(meta.VAL)), leaves(other.meta.get(meta.VAL))):
+        if not (isinstance(ours, torch.Tensor) and isinstance(theirs, torch.Tensor)) or ours.dim() != theirs.dim():
+            continue
+        if sum(a != b for a, b in zip(ours.shape, theirs.shape)) > 1:
+            raise ValueError(
+                f"the model computes {meta.describe(node)} as {list(ours.shape)} on the whole batch of {batch} and "
+                f"{list(theirs.shape)} on a microbatch of {size}: more than its batch dim follows the batch size (a "
+                "size read from the batch, as torch.arange(x.shape[0]) along another dim), so microbatches would "
+                "compute something else than the batch. Use microbatches=1, or make the forward not depend on the "
+                "batch size.")
+
+
 def check_outputs_alike(whole: Variant, part: Variant, batch: int) -> None:
     """Each output has as many dims on a microbatch as on the whole batch: an op that drops or adds
     dims by their sizes (``squeeze()`` drops a one-sample microbatch's batch dim) makes outputs
@@ -169,12 +221,15 @@ def check_outputs_alike(whole: Variant, part: Variant, batch: int) -> None:
     outputs = [graph.find_nodes(op="output")[0].args[0] for graph in (whole.captured.gm.graph, part.captured.gm.graph)]
     for position, (ours, theirs) in enumerate(zip(*outputs)):
         a, b = (node.meta.get(meta.VAL) if isinstance(node, fx.Node) else None for node in (ours, theirs))
-        if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dim() != b.dim():
+        if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and (
+                a.dim() != b.dim() or sum(x != y for x, y in zip(a.shape, b.shape)) > 1):
             raise ValueError(
                 f"the model's output {position} ({ours.name}) is {list(a.shape)} on the whole batch of {batch} and "
                 f"{list(b.shape)} on a microbatch of {part.size}: an op drops or adds dims by their sizes (squeeze() "
-                "without a dim drops a one-sample microbatch's batch dim), so the microbatches' outputs cannot be "
-                "joined as the batch's. Name the dim (squeeze(-1)), or use microbatches of more than one sample.")
+                "without a dim drops a one-sample microbatch's batch dim), or sizes another dim by the batch (an "
+                "input whose dim 0 is not a batch of samples, cut as one: name its batch dim with batch_dims=...), so "
+                "the microbatches' outputs cannot be joined as the batch's. Name the dim (squeeze(-1)), use "
+                "microbatches of more than one sample, or microbatches=1.")
 
 
 # ops that only lay values out, which export keeps or drops by the sizes it sees

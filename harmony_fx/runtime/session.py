@@ -109,10 +109,12 @@ class Session:
             for device in self.devices]
         self._grad_inputs = [grad_inputs(pack, compiled.signature) for pack in compiled.packs]
         inputs = set(compiled.captured.inputs)
-        captured = compiled.captured
-        self._params = list({id(captured.params[node.name]): (node.meta[meta.TARGET], captured.params[node.name])
-                             for node in captured.gm.graph.find_nodes(op="placeholder")
-                             if node.name in captured.params}.values())
+        # the parameters and buffers packs read again in a recompute (not the buffers the forward
+        # itself writes: BatchNorm's statistics in training, which a second call changes)
+        captured, written = compiled.captured, {name for pack in compiled.packs for name in pack.mutated_buffers}
+        state = {**captured.params, **{name: t for name, t in captured.buffers.items() if name not in written}}
+        self._params = list({id(state[node.name]): (node.meta[meta.TARGET], state[node.name])
+                             for node in captured.gm.graph.find_nodes(op="placeholder") if node.name in state}.values())
         self._inputs_read_again = {action.key for _, backward in compiled.device_actions for action in backward
                                    if action.kind == ActionKind.PREFETCH and action.key.kind == KeyKind.ACT
                                    and action.key.name in inputs}
@@ -267,10 +269,10 @@ def _refuse_inputs_changed_since_the_forward(iteration: Iteration) -> None:
     for name, param, version in iteration.param_versions:
         if param._version != version:
             raise RuntimeError(
-                f"harmony_fx: the parameter '{name}' was modified by an in-place operation after the forward (its "
+                f"harmony_fx: the model's '{name}' was modified by an in-place operation after the forward (its "
                 f"version {version} is now {param._version}), and the backward recomputes packs from it: harmony_fx "
-                "recomputes each pack from the parameters, as torch.utils.checkpoint does. Change parameters (an "
-                "optimizer step, an EMA or a clamp) after backward().")
+                "recomputes each pack from the parameters and buffers, as torch.utils.checkpoint does. Change them "
+                "(an optimizer step, an EMA, a clamp, an annealed buffer) after backward().")
     for key, version in iteration.input_versions.items():
         now = iteration.host_values[key]._version
         if now != version:

@@ -56,7 +56,7 @@ def test_fixed_options_skip_the_search_stages():
     assert "choose schedule" not in names
     # the whole batch's graph is what a cut by hand is judged and compared by (its sizes, not a microbatch's)
     assert names.index("capture microbatches") < names.index("capture whole batch") < names.index("analyze batch")
-    compared = names.index("compare outputs with the whole batch")
+    compared = names.index("compare with the whole batch")
     assert names.index("analyze batch") < compared < names.index("plan packs")
     assert "fixed: 2 pack(s)" in dict((s.name, s.decision) for s in hm.passes)["plan packs"]
 
@@ -533,3 +533,120 @@ def test_a_model_failing_on_a_microbatch_only_in_its_backward_is_told_what_to_do
         harmony_fx.compile(_ScatterSizedForTheBatch(), torch.randn(5, 5, 5), devices=["host:0"], microbatches=2)
     assert "raised running the packs on FakeTensors at microbatches of [2, 3]" in "\n".join(raised.value.__notes__)
     assert "batch_dims" in "\n".join(raised.value.__notes__)
+
+
+class _PooledAtPositions(torch.nn.Module):
+    """Each sample's index made before the body and used after it: it crosses packs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Linear(8, 64)
+        self.body = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Tanh())
+                                          for _ in range(5)])
+        self.head = torch.nn.Linear(64, 3)
+
+    def forward(self, x, pos, y):
+        rows = torch.arange(x.shape[0])
+        h = self.body(self.embed(x))
+        return torch.nn.functional.cross_entropy(self.head(h[rows, pos]), y)
+
+
+def test_forward_microbatches_over_one_sample_backward_ones_refuse_a_batch_index_crossing_packs():
+    """Read on a one-sample graph, no arange was a batch index: the step failed in the runtime with an
+    IndexError where it was refused in words."""
+    torch.manual_seed(0)
+    model = _PooledAtPositions()
+    batch = (torch.randn(4, 6, 8), torch.randint(0, 6, (4,)), torch.randint(0, 3, (4,)))
+    with pytest.raises(ValueError, match="is each sample's index in the batch .* and crosses packs"):
+        harmony_fx.Trainer(model, None, torch.optim.SGD(model.parameters(), lr=0.5), batch, devices=["host:0"],
+                           memory_budget="80KiB", microbatches={"forward": 2, "backward": 4})
+
+
+def test_an_epochs_last_batch_cut_into_one_size_drops_forward_microbatches_that_cannot_group_it():
+    """{'forward': 2, 'backward': 4} on a last batch of 6 whose sizes 2, 2, 1, 1 capture other graphs:
+    the fallback to 3 microbatches of 2 kept 2 forward microbatches, which cannot group 3, and failed
+    splitting the batch."""
+    torch.manual_seed(0)
+    model = _OtherGraphForOneSample()
+    reference = copy.deepcopy(model)
+    trainer = harmony_fx.Trainer(model, lambda out, y: (out - y).square().mean(),
+                                 torch.optim.SGD(model.parameters(), lr=0.0), (torch.randn(8, 8), torch.randn(8, 8)),
+                                 devices=["host:0"],
+                                 microbatches={"forward": 2, "backward": 4})
+    try:
+        x, y = torch.randn(6, 8), torch.randn(6, 8)
+        loss = trainer.step((x, y))
+        torch.testing.assert_close(loss, (reference(x) - y).square().mean())
+        assert "the forward's too" in str(trainer.hm.for_batch((x, y), {}).plan)
+    finally:
+        trainer.close()
+
+
+class _PowersUpToTheBatch(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(4, 1)
+
+    def forward(self, x):
+        return (self.a(x) ** torch.arange(x.shape[0])).sum(1)  # [B, B]: a dim sized by the batch, not per sample
+
+
+class _CentredWhenSmall(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = self.a(x)
+        if x.shape[0] < 4:  # only a microbatch runs it
+            h = h - h.mean(0, keepdim=True)
+        return h
+
+
+def test_a_dim_sized_by_the_batch_is_not_cut_by_the_planner_and_is_said_for_a_cut_by_hand():
+    """Each op's shapes on a microbatch differ from the whole batch's along one dim at most: [8, 8]
+    against [2, 2] is sized by the batch where each sample's own values should be. The planner's cut
+    returned outputs off by 1.6, silently; it is kept whole (here: refused, naming the budget that
+    fits whole), and a cut by hand is said."""
+    torch.manual_seed(0)
+    with pytest.raises(harmony_fx.BudgetTooSmallError, match=r"more than its batch dim follows the batch size"):
+        harmony_fx.compile(_PowersUpToTheBatch(), torch.randn(8, 4), devices=["host:0"], memory_budget="1KiB")
+    with pytest.warns(harmony_fx.MicrobatchesComputeApart, match=r"as \[8, 8\] on the whole batch of 8 and \[4, 4\]"):
+        harmony_fx.compile(_PowersUpToTheBatch(), torch.randn(8, 4), devices=["host:0"], microbatches=2)
+
+
+def test_a_cut_by_hand_whose_microbatches_run_other_ops_is_said():
+    """Judged on the whole batch's graph alone, a branch only microbatches take went unsaid."""
+    torch.manual_seed(0)
+    with pytest.warns(harmony_fx.MicrobatchesComputeApart, match=r"runs mean.* on a microbatch only"):
+        harmony_fx.compile(_CentredWhenSmall(), torch.randn(8, 4), devices=["host:0"], microbatches=4)
+
+
+class _MeanByHand(torch.nn.Module):
+    def __init__(self, through: str) -> None:
+        super().__init__()
+        self.a, self.through = torch.nn.Linear(4, 4), through
+
+    def forward(self, x):
+        size = torch.tensor(float(x.shape[0])) if self.through == "tensor" else torch.full((), x.shape[0])
+        return self.a(x).pow(2).sum() / size  # the batch size made a tensor: a microbatch's, cut
+
+
+@pytest.mark.parametrize("through", ["tensor", "full"])
+def test_a_mean_by_hand_over_the_batch_size_made_a_tensor_is_not_cut_and_is_said_when_cut_by_hand(through):
+    """Each microbatch divided by its own size and the runtime added them up: loss and gradients
+    twice eager's for two microbatches, from the planner's own cut."""
+    torch.manual_seed(0)
+    model = _MeanByHand(through)
+    reference = copy.deepcopy(model)
+    x = torch.randn(8, 4)
+    hm = harmony_fx.compile(model, x, devices=["host:0"], memory_budget="1KiB")
+    assert hm.num_microbatches == 1
+    loss = hm(x)
+    loss.backward()
+    expected = reference(x)
+    expected.backward()
+    torch.testing.assert_close(loss, expected)
+    assert_grads_equal(model, reference)
+    with pytest.warns(harmony_fx.MicrobatchesComputeApart, match="its batch size as a value"):
+        harmony_fx.compile(_MeanByHand(through), x, devices=["host:0"], microbatches=2)
