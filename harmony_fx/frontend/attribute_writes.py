@@ -4,11 +4,12 @@ model then runs its graph, which assigns nothing, and torch.export puts the attr
 was. Said in harmony's words (export's own warning asks to register a buffer, which would not help):
 return the tensor as an output instead. Python numbers and flags a forward sets (a call counter,
 Funnel's ``seq_len``) are not said: libraries set them as scratch state, and README says a forward's
-Python side effects run once."""
+Python side effects run once; nor is a weight ``weight_norm`` or ``spectral_norm`` computes each call."""
 from __future__ import annotations
 
 import contextlib
 import warnings
+import weakref
 from typing import Iterator
 
 import torch
@@ -21,6 +22,15 @@ __all__ = ["tensor_attribute_writes_said"]
 _EXPORTS_WARNING = r"The tensor attributes? .* (was|were) assigned during export"
 
 
+_TOLD: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
+
+
+def _derived_from_parameters(module: nn.Module, key: str) -> bool:
+    """The weight ``weight_norm`` or ``spectral_norm`` computes from ``weight_g``/``weight_v`` or
+    ``weight_orig`` in a forward pre-hook at every call: a value of each call, nothing kept."""
+    return any(isinstance(getattr(module, key + suffix, None), nn.Parameter) for suffix in ("_orig", "_g", "_v"))
+
+
 @contextlib.contextmanager
 def tensor_attribute_writes_said(model: nn.Module) -> Iterator[None]:
     """Around the capture of ``model``: warns once naming each attribute its forward set to a tensor."""
@@ -31,7 +41,8 @@ def tensor_attribute_writes_said(model: nn.Module) -> Iterator[None]:
         for name, module in model.named_modules():
             seen = before.get(name, {})
             assigned.extend(f"{name}.{key}" if name else key for key, value in module.__dict__.items()
-                            if isinstance(value, torch.Tensor) and seen.get(key) is not value)
+                            if isinstance(value, torch.Tensor) and seen.get(key) is not value
+                            and not _derived_from_parameters(module, key))
 
     handle = model.register_forward_hook(after_forward)
     try:
@@ -40,7 +51,8 @@ def tensor_attribute_writes_said(model: nn.Module) -> Iterator[None]:
             yield
     finally:
         handle.remove()
-    if assigned:
+    if assigned and model not in _TOLD:
+        _TOLD.add(model)  # once a model: each capture (the whole batch, a microbatch) would say it again
         names = ", ".join(sorted(set(assigned)))
         warnings.warn(
             f"harmony_fx: the model's forward assigns a tensor to the attribute {names} at each call; the compiled "

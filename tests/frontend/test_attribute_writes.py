@@ -42,3 +42,20 @@ def test_a_forward_that_assigns_no_tensor_is_not_warned_about():
     model = _KeepsItsAttention()
     model.forward = lambda x: model.inner(x).sum(-1)
     assert not [message for message in _warnings_of_compile(model) if "assigns a tensor" in message]
+
+
+def test_a_weight_that_weight_norm_or_spectral_norm_computes_each_call_is_not_warned_about():
+    """Their pre-hooks set module.weight from weight_g/weight_v (weight_orig) at every call: nothing
+    is lost, and the warning said so twice a compile."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # torch.nn.utils.weight_norm's own deprecation
+        model = nn.Sequential(torch.nn.utils.weight_norm(nn.Linear(4, 4)), nn.Tanh(),
+                              torch.nn.utils.spectral_norm(nn.Linear(4, 4)))
+    assert not [message for message in _warnings_of_compile(model) if "assigns a tensor" in message]
+
+
+def test_a_model_is_told_once_whatever_its_captures():
+    model = _KeepsItsAttention()
+    assert len([m for m in _warnings_of_compile(model) if "assigns a tensor" in m]) == 1
+    harmony_fx.reset()  # captured anew
+    assert not [m for m in _warnings_of_compile(model) if "assigns a tensor" in m]
