@@ -310,3 +310,20 @@ def test_bf16_stages_a_constant_the_model_makes_in_its_own_dtype():
         assert torch.equal(param.grad, ref.grad.float())
     # the constant's copy moves its 4-byte elements, the weights' 2: as the plan counted
     assert hm.stats.as_dict()["bytes_by_kind"] == hm.plan.predicted_bytes
+
+
+@pytest.mark.parametrize("track_memory", [True, False])
+def test_bf16_two_calls_before_one_backward_train_as_the_model_in_bf16(track_memory):
+    """A siamese pair: an untracked HostDevice hands its bf16 staging buffer to the last pack, whose
+    graph the first call keeps; the second call cast into that buffer again, and the first call's
+    backward failed in autograd ("modified by an inplace operation")."""
+    torch.manual_seed(0)
+    model = MLPChain(width=32, depth=4)
+    reference = copy.deepcopy(model).to(torch.bfloat16)
+    x1, x2 = torch.randn(8, 32), torch.randn(8, 32)
+    hm = harmony_fx.compile(model, devices=["host:0"], precision="bf16", pack_boundaries=[0, 2],
+                            track_memory=track_memory)
+    (hm(x1).float() - hm(x2).float()).pow(2).mean().backward()
+    (reference(x1.bfloat16()).float() - reference(x2.bfloat16()).float()).pow(2).mean().backward()
+    for param, expected in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(param.grad, expected.grad.float(), rtol=2e-2, atol=2e-4)

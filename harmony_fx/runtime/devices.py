@@ -487,6 +487,9 @@ class StagingBuffers:
 
     def __init__(self, pin: bool) -> None:
         self.pin = pin
+        # a fresh buffer for every slot staged while set: a call waiting for its backward may have
+        # saved the last one (a HostDevice hands its buffer to the pack), whose copy_ would change it
+        self.fresh = False
         self.allocations = 0  # buffers allocated so far (each once)
         self.nbytes = 0
         self._buffers: dict[object, torch.Tensor] = {}
@@ -494,7 +497,7 @@ class StagingBuffers:
 
     def stage(self, slot: object, source: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         buffer = self._buffers.get(slot)
-        if buffer is None or buffer.shape != source.shape or buffer.dtype != dtype:
+        if buffer is None or buffer.shape != source.shape or buffer.dtype != dtype or self.fresh:
             buffer = torch.empty(source.shape, dtype=dtype, pin_memory=self.pin)
             self._buffers[slot] = buffer
             self.allocations += 1

@@ -161,8 +161,16 @@ class Session:
         """Run the forward programs (one per device, side by side); the returned iteration holds
         what the backward programs need."""
         iteration = self.begin(per_mb, on_update, output_grads)
-        with self._noting_calls_waiting(iteration):
-            iteration.run([[programs["forward"]] for programs in self.compiled.device_programs])
+        # a HostDevice hands its staged weights to the packs: another call's kept graph may hold them
+        sharing = [device for device in self.devices if getattr(device, "shares_host_memory", False)]
+        for device in sharing:
+            device.staging.fresh = bool(self._waiting)
+        try:
+            with self._noting_calls_waiting(iteration):
+                iteration.run([[programs["forward"]] for programs in self.compiled.device_programs])
+        finally:
+            for device in sharing:
+                device.staging.fresh = False
         if not self.compiled.signature.forward_only:
             self._waiting.add(iteration)
             iteration.param_versions = [(name, param, param._version) for name, param in self._params]
