@@ -7,11 +7,12 @@
 3. ``lay out``: microbatches, their sizes and the devices that run them (``compiler.layout``).
 4. ``capture microbatches``: the graph at every microbatch size (``compiler.variants``); where
    the batch is cut, the whole batch's graph too (a cut by hand is analysed on it: a microbatch's
-   graph has its own sizes baked in), ``compare with the whole batch`` (each microbatch computes
-   what the batch does on its samples: ``variants.check_computes_alike``, for the planner's cut and
-   where a number scales the loss or is returned, whose value there weighs the microbatches
-   exactly; for another cut by hand, only that each output has the whole batch's dims) and, for
-   the planner's cut, ``weigh the loss`` (its microbatch weights on the example).
+   graph has its own sizes baked in; where a number scales the loss, its value there weighs the
+   microbatches exactly), ``compare with the whole batch`` (each microbatch computes what the batch
+   does on its samples, each value shaped as the batch's but along its batch dim:
+   ``variants.check_computes_alike``; a difference refuses the planner's cut and is said of one by
+   hand, whose outputs must still join) and, for the planner's cut, ``weigh the loss`` (its
+   microbatch weights on the example).
 5. ``signature``: inputs, outputs, what is differentiable (``compiler.signature``).
 6. ``plan packs``: the fewest packs that fit (``compiler.packing.plan_packs``: bounds first, then a
    monotone search), each candidate evaluated apart (split, lower, FakeTensor peak replaying the

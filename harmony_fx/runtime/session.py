@@ -44,9 +44,9 @@ class Iteration:
         # per joined output: each microbatch's part along its batch dim (x[mask]'s rows: not the input's)
         self.output_parts: dict[str, list[int]] = {}
         # the caller's inputs the backward reads again (a recompute's), as the forward read them; and
-        # the parameters, as the forward's end left them (name, tensor, version)
+        # the parameters and buffers, as the forward's end left them (name, tensor, version)
         self.input_versions: dict[Key, int] = {}
-        self.param_versions: list[tuple[str, torch.Tensor, int]] = []
+        self.state_versions: list[tuple[str, torch.Tensor, int]] = []
 
     def run(self, programs: Sequence[Sequence[fx.GraphModule]]) -> None:
         """Run each device's programs, in order; the first error is raised once every device has
@@ -113,7 +113,7 @@ class Session:
         # itself writes: BatchNorm's statistics in training, which a second call changes)
         captured, written = compiled.captured, {name for pack in compiled.packs for name in pack.mutated_buffers}
         state = {**captured.params, **{name: t for name, t in captured.buffers.items() if name not in written}}
-        self._params = list({id(state[node.name]): (node.meta[meta.TARGET], state[node.name])
+        self._state = list({id(state[node.name]): (node.meta[meta.TARGET], state[node.name])
                              for node in captured.gm.graph.find_nodes(op="placeholder") if node.name in state}.values())
         self._inputs_read_again = {action.key for _, backward in compiled.device_actions for action in backward
                                    if action.kind == ActionKind.PREFETCH and action.key.kind == KeyKind.ACT
@@ -173,7 +173,7 @@ class Session:
                 device.staging.fresh = False
         if not self.compiled.signature.forward_only:
             self._waiting.add(iteration)
-            iteration.param_versions = [(name, param, param._version) for name, param in self._params]
+            iteration.state_versions = [(name, tensor, tensor._version) for name, tensor in self._state]
         return iteration
 
     def finish(self, iteration: Iteration) -> None:
@@ -270,15 +270,15 @@ def _pin_in_place(masters) -> None:
 
 def _refuse_inputs_changed_since_the_forward(iteration: Iteration) -> None:
     """The backward recomputes packs from the caller's own input tensors (kept, not copied: inputs
-    may be large) and the model's parameters, as ``torch.utils.checkpoint`` does; one changed in
-    place since the forward (``x.div_(255)``, an optimizer step or an EMA update between the call
-    and ``backward()``) would give gradients of another function. Refused as autograd refuses a
-    saved tensor changed in place."""
-    for name, param, version in iteration.param_versions:
-        if param._version != version:
+    may be large) and the model's parameters and buffers, as ``torch.utils.checkpoint`` does; one
+    changed in place since the forward (``x.div_(255)``, an optimizer step or an EMA update between
+    the call and ``backward()``) would give gradients of another function. Refused as autograd
+    refuses a saved tensor changed in place."""
+    for name, tensor, version in iteration.state_versions:
+        if tensor._version != version:
             raise RuntimeError(
                 f"harmony_fx: the model's '{name}' was modified by an in-place operation after the forward (its "
-                f"version {version} is now {param._version}), and the backward recomputes packs from it: harmony_fx "
+                f"version {version} is now {tensor._version}), and the backward recomputes packs from it: harmony_fx "
                 "recomputes each pack from the parameters and buffers, as torch.utils.checkpoint does. Change them "
                 "(an optimizer step, an EMA, a clamp, an annealed buffer) after backward().")
     for key, version in iteration.input_versions.items():
