@@ -86,6 +86,9 @@ class BatchAnalysis:
     # the values that are ``arange(B)`` along a dim (each sample's own index, step 3): separable
     # when every microbatch computes its own, wrong if a larger forward microbatch's is cut apart
     batch_indices: tuple[str, ...] = ()
+    # where separable, each batched value's batch dim (by node name): a microbatch's graph must
+    # hold the same value with that dim scaled by its share of the batch
+    value_dims: Mapping[str, int] = dataclasses.field(default_factory=dict)
 
 
 def analyze_batch_dims(gm: fx.GraphModule, input_dims: Mapping[str, int | None], batch_size: int,
@@ -129,7 +132,9 @@ def analyze_batch_dims(gm: fx.GraphModule, input_dims: Mapping[str, int | None],
         output_dims[position] = None if dim == _REDUCED else dim
     indices = tuple(node.name for node in context.iota
                     if context.is_batch_index(node) is not None or node in context.full_ranges)
-    return BatchAnalysis(True, output_dims=output_dims, batch_indices=indices)
+    value_dims = {node.name: dims[0] for node, dims in env.items()
+                  if len(dims) == 1 and isinstance(dims[0], int) and node.op != "placeholder"}
+    return BatchAnalysis(True, output_dims=output_dims, batch_indices=indices, value_dims=value_dims)
 
 
 # ----------------------------------------------------------------------------------- propagation

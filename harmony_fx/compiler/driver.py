@@ -145,6 +145,14 @@ def _compile_program(model: nn.Module, args: tuple, kwargs: dict, options: Compi
             whole = log.run("capture whole batch", cached_capture, model, None, args, kwargs,
                             devices[0].torch_device, options.compute_dtype, decision=_describe_variant)
             analysis = log.run("analyze batch", _analyze_batch, whole, batch, flat_dims, decision=_describe_batch)
+            if options.microbatches is None and options.parallel == "dp" and len(devices) > 1 \
+                    and not analysis.separable:
+                raise ValueError(
+                    f"parallel='dp' gives each device its own part of the batch, but harmony_fx cannot show that "
+                    f"the parts compute what the whole batch does: {analysis.reason.rstrip('.')}. Use "
+                    "parallel='pp' or 'auto' (the devices take turns on the whole batch), or set microbatches to "
+                    "cut it anyway (BatchNorm then normalises each microbatch apart, as DDP does each device's "
+                    "share; said at compile).")
             if options.microbatches is None and options.parallel != "dp" and (
                     not analysis.separable or first_buffer_write(whole.captured.gm, statistics=False) is not None):
                 # samples computed together (a softmax over the batch, BatchNorm in training), or a
@@ -553,7 +561,7 @@ def _beside_the_whole_batch(log: StageLog, example: _Example, variants: dict, la
                         device.torch_device, options.compute_dtype, decision=lambda _: "a number scales a loss cut "
                         "into microbatches, or the model returns one: its value at the whole batch's size")
     if whole is not None and not by_hand:
-        log.run("compare with the whole batch", _check_cut_computes_alike, whole, variants, layout,
+        log.run("compare with the whole batch", _check_cut_computes_alike, whole, variants, layout, analysis,
                 decision=lambda _: "each microbatch's graph computes as the whole batch's")
     elif whole is not None:
         log.run("compare with the whole batch", _compare_a_cut_by_hand, whole, variants, layout, analysis,
@@ -574,9 +582,9 @@ def _returns_numbers(variant: Variant) -> bool:
     return any(isinstance(value, (int, float)) and not isinstance(value, bool) for value in returned)
 
 
-def _check_cut_computes_alike(whole: Variant, variants: dict, layout: Layout) -> None:
+def _check_cut_computes_alike(whole: Variant, variants: dict, layout: Layout, analysis: BatchAnalysis) -> None:
     for size in dict.fromkeys(layout.mb_sizes):
-        check_computes_alike(whole, variants[size], sum(layout.mb_sizes))
+        check_computes_alike(whole, variants[size], sum(layout.mb_sizes), analysis.value_dims)
 
 
 def _compare_a_cut_by_hand(whole: Variant, variants: dict, layout: Layout, analysis: BatchAnalysis) -> None:
@@ -586,11 +594,11 @@ def _compare_a_cut_by_hand(whole: Variant, variants: dict, layout: Layout, analy
     joined are refused."""
     batch = sum(layout.mb_sizes)
     for size in dict.fromkeys(layout.mb_sizes):
-        check_outputs_alike(whole, variants[size], batch)
+        check_outputs_alike(whole, variants[size], batch, analysis.output_dims)
     if not analysis.separable:
         return
     try:
-        _check_cut_computes_alike(whole, variants, layout)
+        _check_cut_computes_alike(whole, variants, layout, analysis)
     except ValueError as error:
         reason = str(error).split(", so microbatches would")[0]
         warnings.warn(

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import torch
 from torch import fx, nn
@@ -122,7 +122,7 @@ def _same_size_advice(a: int | None, b: int | None, backward_sizes: Sequence[int
     return advice
 
 
-def check_computes_alike(whole: Variant, part: Variant, batch: int) -> None:
+def check_computes_alike(whole: Variant, part: Variant, batch: int, value_dims: Mapping[str, int] | None = None) -> None:
     """A microbatch's graph computes what the whole batch's (of ``batch`` samples) does on its
     samples: the same ops, each op on the samples' values taking the same numbers. A number that
     differs there (``h * x.shape[0]``) or an op one graph runs and the other does not (``if
@@ -130,7 +130,9 @@ def check_computes_alike(whole: Variant, part: Variant, batch: int) -> None:
     compute something else than the batch: a ``ValueError`` (a planner's cut then falls back). Ops
     that make sizes (``view``, ``arange``, ``expand``) take other numbers by design, export drops a
     ``contiguous`` on a size-1 dim, and a scaled loss (a 0-dim value) is weighed by
-    ``analysis.reductions``."""
+    ``analysis.reductions``. ``value_dims``: the whole graph's batched values' batch dims (the
+    analysis's), each of which must shrink to the microbatch's share: a value that keeps the whole
+    batch's size there (``h.expand(5, 5, 5)`` of one sample) computes the batch from one sample."""
     check_outputs_alike(whole, part, batch)
     ours = [node for node in whole.captured.gm.graph.nodes if node.op == "call_function"]
     theirs = [node for node in part.captured.gm.graph.nodes if node.op == "call_function"]
@@ -154,6 +156,8 @@ def check_computes_alike(whole: Variant, part: Variant, batch: int) -> None:
     _check_constants_alike(whole, part, batch)
     for node, other in pairs:
         _check_scaled_along_one_dim(node, other, batch, part.size)
+        if value_dims and node.name in value_dims and part.size:
+            _check_batch_dim_scaled(node, other, value_dims[node.name], batch, part.size)
         if node.target in _FILLS:  # the value a number is made into (a mean by hand: / torch.full((), B))
             _check_numbers_alike(node, other, batch, part.size)
         if not _on_samples(node):
@@ -165,6 +169,18 @@ def check_computes_alike(whole: Variant, part: Variant, batch: int) -> None:
                     f"{batch} and {given!r} on a microbatch of {part.size} (its batch size as a value, as in "
                     "`h * x.shape[0]`), so microbatches would compute something else than the batch. Use "
                     "microbatches=1, or make the forward not depend on the batch size.")
+
+
+def _check_batch_dim_scaled(node: fx.Node, other: fx.Node, dim: int, batch: int, size: int) -> None:
+    ours, theirs = node.meta.get(meta.VAL), other.meta.get(meta.VAL)
+    if not (isinstance(ours, torch.Tensor) and isinstance(theirs, torch.Tensor)) or ours.dim() != theirs.dim():
+        return
+    if theirs.shape[dim] * batch != ours.shape[dim] * size:
+        raise ValueError(
+            f"the model computes {meta.describe(node)} as {list(ours.shape)} on the whole batch of {batch} and "
+            f"{list(theirs.shape)} on a microbatch of {size}: its batch dim ({dim}) does not follow the batch size (a "
+            "size written as a number, as h.expand(5, 5, 5) of a batch of 5), so microbatches would compute "
+            "something else than the batch. Use microbatches=1, or make the forward not depend on the batch size.")
 
 
 _FILLS = {torch.ops.aten.full.default, torch.ops.aten.new_full.default, torch.ops.aten.full_like.default,
@@ -214,22 +230,27 @@ def _check_scaled_along_one_dim(node: fx.Node, other: fx.Node, batch: int, size:
                 "batch size.")
 
 
-def check_outputs_alike(whole: Variant, part: Variant, batch: int) -> None:
-    """Each output has as many dims on a microbatch as on the whole batch: an op that drops or adds
-    dims by their sizes (``squeeze()`` drops a one-sample microbatch's batch dim) makes outputs
-    that cannot be joined as the batch's."""
+def check_outputs_alike(whole: Variant, part: Variant, batch: int,
+                        output_dims: Mapping[int, int | None] | None = None) -> None:
+    """Each output has as many dims on a microbatch as on the whole batch, and its batch dim (by
+    position, ``output_dims``: the analysis's) the microbatch's share of it: an op that drops or
+    adds dims by their sizes (``squeeze()`` drops a one-sample microbatch's batch dim), or writes a
+    size as a number (``h.expand(5, 5, 5)``), makes outputs that cannot be joined as the batch's."""
     outputs = [graph.find_nodes(op="output")[0].args[0] for graph in (whole.captured.gm.graph, part.captured.gm.graph)]
     for position, (ours, theirs) in enumerate(zip(*outputs)):
         a, b = (node.meta.get(meta.VAL) if isinstance(node, fx.Node) else None for node in (ours, theirs))
+        dim = (output_dims or {}).get(position)
         if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and (
-                a.dim() != b.dim() or sum(x != y for x, y in zip(a.shape, b.shape)) > 1):
+                a.dim() != b.dim() or sum(x != y for x, y in zip(a.shape, b.shape)) > 1
+                or (dim is not None and part.size and b.shape[dim] * batch != a.shape[dim] * part.size)):
             raise ValueError(
                 f"the model's output {position} ({ours.name}) is {list(a.shape)} on the whole batch of {batch} and "
                 f"{list(b.shape)} on a microbatch of {part.size}: an op drops or adds dims by their sizes (squeeze() "
-                "without a dim drops a one-sample microbatch's batch dim), or sizes another dim by the batch (an "
-                "input whose dim 0 is not a batch of samples, cut as one: name its batch dim with batch_dims=...), so "
-                "the microbatches' outputs cannot be joined as the batch's. Name the dim (squeeze(-1)), use "
-                "microbatches of more than one sample, or microbatches=1.")
+                "without a dim drops a one-sample microbatch's batch dim), writes the batch size as a number "
+                "(h.expand(5, 5, 5)), or sizes another dim by the batch (an input whose dim 0 is not a batch of "
+                "samples, cut as one: name its batch dim with batch_dims=...), so the microbatches' outputs cannot "
+                "be joined as the batch's. Name the dim (squeeze(-1)), use microbatches of more than one sample, or "
+                "microbatches=1.")
 
 
 # ops that only lay values out, which export keeps or drops by the sizes it sees

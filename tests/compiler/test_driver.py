@@ -650,3 +650,48 @@ def test_a_mean_by_hand_over_the_batch_size_made_a_tensor_is_not_cut_and_is_said
     assert_grads_equal(model, reference)
     with pytest.warns(harmony_fx.MicrobatchesComputeApart, match="its batch size as a value"):
         harmony_fx.compile(_MeanByHand(through), x, devices=["host:0"], microbatches=2)
+
+
+class _ExpandedToFive(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.second = torch.nn.Linear(1, 1), torch.nn.Linear(5, 5)
+
+    def forward(self, x):
+        return self.second(self.first(x).expand(5, 5, 5))  # the batch of 5 written as a number
+
+
+def test_a_batch_dim_written_as_a_number_is_not_cut():
+    """One sample expanded to the whole batch's literal shape computed the batch from one sample: the
+    Trainer's one-sample microbatches gave 5x eager's loss, a cut by hand (25, 5, 5) for (5, 5, 5)."""
+    torch.manual_seed(0)
+    model = _ExpandedToFive()
+    reference = copy.deepcopy(model)
+    x = torch.randn(5, 1, 1)
+    y = torch.zeros(5)
+    trainer = harmony_fx.Trainer(model, lambda out, y: out.sin().sum() + y.sum(),
+                                 torch.optim.SGD(model.parameters(), lr=0.0), (x, y), devices=["host:0"],
+                                 memory_budget="1GiB")
+    try:
+        torch.testing.assert_close(trainer.step((x, y)), reference(x).sin().sum())
+    finally:
+        trainer.close()
+    with pytest.raises(ValueError, match=r"output 0 \(\w+\) is \[5, 5, 5\] on the whole batch of 5 and \[5, 5, 5\] "
+                                         r"on a microbatch of 1.*h\.expand\(5, 5, 5\)"):
+        harmony_fx.compile(_ExpandedToFive(), x, devices=["host:0"], microbatches=5)
+
+
+class _Diagonal(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(5, 5)
+
+    def forward(self, x):
+        return torch.diagonal(self.linear(x))  # entry i of sample i
+
+
+def test_data_parallel_over_a_batch_it_cannot_show_apart_is_refused_where_the_microbatches_are_not_given():
+    """It cut the batch into one part per device, and warned about "microbatches=2", which nobody set."""
+    with pytest.raises(ValueError, match=r"parallel='dp' gives each device its own part of the batch.*diagonal"
+                                         r".*parallel='pp' or 'auto'"):
+        harmony_fx.compile(_Diagonal(), torch.randn(5, 5), devices=["host:0", "host:1"], parallel="dp")
