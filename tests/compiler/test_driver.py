@@ -695,3 +695,14 @@ def test_data_parallel_over_a_batch_it_cannot_show_apart_is_refused_where_the_mi
     with pytest.raises(ValueError, match=r"parallel='dp' gives each device its own part of the batch.*diagonal"
                                          r".*parallel='pp' or 'auto'"):
         harmony_fx.compile(_Diagonal(), torch.randn(5, 5), devices=["host:0", "host:1"], parallel="dp")
+
+
+def test_the_smallest_budget_a_refusal_names_compiles():
+    """The options' own packing, counted after one sample per microbatch failed, fitted the budget
+    its bound had refused: the compile at the named budget was refused again, naming it again."""
+    torch.manual_seed(0)
+    x = torch.randn(5, 1, 1)
+    with pytest.raises(harmony_fx.BudgetTooSmallError) as refused:
+        harmony_fx.compile(_ExpandedToFive(), x, devices=["host:0"], memory_budget=1)
+    hm = harmony_fx.compile(_ExpandedToFive(), x, devices=["host:0"], memory_budget=refused.value.smallest_budget)
+    assert max(hm.plan.predicted_peak.values()) <= refused.value.smallest_budget
