@@ -39,6 +39,7 @@ seconds says on stderr which stage it is in, and which candidate packing it runs
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import warnings
@@ -254,7 +255,8 @@ def _with_least_memory(log: StageLog, stages, least: CompileOptions, refusal: Bu
                               decision=lambda counted: f"{batch} needs {format_size(counted.smallest_budget)}")
             whole = refusal.smallest_budget
             if budget is not None and whole <= budget:  # the bound that refused them was above what they hold
-                return stages(None, name_smallest=True)
+                with contextlib.suppress(BudgetTooSmallError):  # else named below, as counted
+                    return stages(None, name_smallest=True)
             smallest = min(each, whole)
             which, other = (what, f"{batch} needs {format_size(whole)}") if each < whole else \
                 (batch, f"{what} needs {format_size(each)}")
@@ -266,7 +268,8 @@ def _with_least_memory(log: StageLog, stages, least: CompileOptions, refusal: Bu
     except Exception as error:  # noqa: BLE001 - the options' own refusal stands, saying what was tried
         refusal = _counted(refusal)
         if budget is not None and refusal.smallest_budget <= budget:
-            return stages(None, name_smallest=True)
+            with contextlib.suppress(BudgetTooSmallError):
+                return stages(None, name_smallest=True)
         replacement = _say_what_was_tried(refusal, [*tried, (what, error)])
         if replacement is refusal:
             raise refusal from error
