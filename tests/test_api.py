@@ -555,23 +555,29 @@ def test_an_input_changed_in_place_between_the_forward_and_backward_is_refused_n
 
 
 class _ExpandedOutput(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, frames: bool = False) -> None:
         super().__init__()
         self.first, self.second = nn.Linear(4, 4), nn.Linear(4, 4)
+        self.frames = frames
 
     def forward(self, x):
-        return self.second(torch.relu(self.first(x)))[:, None].expand(-1, 3, -1)  # stride 0 along dim 1
+        h = self.second(torch.relu(self.first(x)))
+        if self.frames:  # frames of 2 with a hop of 1: neighbours share an element
+            return h.unfold(1, 2, 1)
+        return h[:, None].expand(-1, 3, -1)  # stride 0 along dim 1
 
 
 @pytest.mark.parametrize("microbatches", [1, 2])
-def test_an_expanded_output_trains_like_eager(microbatches):
-    """The output's gradient was laid out with the output's own strides, 0 along the expanded dim:
-    a tensor copy_ refuses to write ("more than one element ... refers to a single memory
-    location"). A gradient has an entry for each element: laid out dense."""
+@pytest.mark.parametrize("frames", [False, True], ids=["expand", "unfold"])
+def test_an_output_whose_elements_share_memory_trains_like_eager(microbatches, frames):
+    """The output's gradient was laid out with the output's own strides: stride 0 made copy_ refuse
+    to write ("more than one element ... refers to a single memory location"), and overlapping
+    frames kept one write of each shared element (gradients off by 6, silently). A gradient has an
+    entry for each element: laid out dense."""
     torch.manual_seed(0)
-    model = _ExpandedOutput()
+    model = _ExpandedOutput(frames)
     reference = copy.deepcopy(model)
-    x, weights = torch.randn(4, 4), torch.randn(4, 3, 4)
+    x, weights = torch.randn(4, 4), torch.randn(4, 3, 2 if frames else 4)
     hm = harmony_fx.compile(model, devices=["host:0"], pack_boundaries=[0, 1], microbatches=microbatches)
     (hm(x) * weights).sum().backward()
     (reference(x) * weights).sum().backward()

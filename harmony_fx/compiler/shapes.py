@@ -24,12 +24,24 @@ __all__ = ["Shapes", "fake_like"]
 
 
 def _dense(value: object) -> object:
-    """A gradient's layout: an expanded value (stride 0 along a dim of more than one entry) has a
-    gradient with an entry for each of its elements, as large as its shape."""
-    if isinstance(value, torch.Tensor) and any(stride == 0 and size > 1 for stride, size in
-                                               zip(value.stride(), value.shape)):
+    """A gradient's layout: a value whose elements share memory (an ``expand``, stride 0; frames
+    ``unfold`` cuts with a hop shorter than the frame) has a gradient with an entry of its own for
+    each element, laid out dense (the caller's gradient copied into the value's layout would keep
+    one write of the elements they share)."""
+    if isinstance(value, torch.Tensor) and _overlapping(value.shape, value.stride()):
         return value.new_empty(value.shape)
     return value
+
+
+def _overlapping(shape: Sequence[int], stride: Sequence[int]) -> bool:
+    """Whether two indices of a tensor of this shape and strides reach the same element: each dim,
+    by increasing stride, must step past all that the smaller-strided dims span."""
+    span = 0
+    for step, size in sorted((step, size) for size, step in zip(shape, stride) if size > 1):
+        if step <= span:
+            return True
+        span += (size - 1) * step
+    return False
 
 
 class Shapes:
