@@ -22,6 +22,7 @@ from harmony_fx.ir.values import leaves
 __all__ = ["bound_sizes", "unbacked_symbols", "PASS_NAME"]
 
 PASS_NAME = "bound_sizes"
+_NO_BOUND = 2**62  # a bound at least this large is a default, not one the graph's values give
 
 
 def bound_sizes(gm: fx.GraphModule) -> fx.GraphModule:
@@ -36,7 +37,8 @@ def bound_sizes(gm: fx.GraphModule) -> fx.GraphModule:
     tops: dict[sympy.Symbol, int] = {}
     for symbol in set().union(*symbols.values()):
         top = shape_env.bound_sympy(symbol).upper
-        if isinstance(top, sympy.Integer):  # not torch's int_oo, a sympy.Number
+        # not torch's int_oo (a sympy.Number), nor the bound every size-like symbol gets (2**63 - 2)
+        if isinstance(top, sympy.Integer) and int(top) < _NO_BOUND:
             tops[symbol] = int(top)
     with fake_mode:
         for node, found in symbols.items():

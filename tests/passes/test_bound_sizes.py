@@ -106,3 +106,19 @@ def test_values_of_data_dependent_size_train_like_eager_within_the_budget(model,
         for param, eager in zip(module.parameters(), reference.parameters()):
             torch.testing.assert_close(param.grad, eager.grad)
         assert memory_witness.peak_of(hm.device) == hm.stats.peak_bytes[hm.device.name] <= budget
+
+
+class _Combinations(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale, self.linear = nn.Parameter(torch.tensor(1.5)), nn.Linear(1, 1)
+
+    def forward(self, x):
+        return self.linear(torch.combinations(x * self.scale, r=1))  # masked_select inside: no bound but 2**63 - 2
+
+
+def test_a_size_whose_only_bound_is_torchs_default_for_sizes_is_refused_in_words():
+    """It was planned at 2**63 - 2 rows: a raw autograd shape mismatch inside planning."""
+    with pytest.raises(ValueError, match=r"makes a tensor whose size depends on its values \(combinations\), with no "
+                                         r"largest size"):
+        harmony_fx.compile(_Combinations(), (torch.randn(2).requires_grad_(),), devices=["host:0"])
