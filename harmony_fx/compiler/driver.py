@@ -172,7 +172,14 @@ def _compile_program(model: nn.Module, args: tuple, kwargs: dict, options: Compi
                             forward_only=forward_only, reuse=reuse, resident=resident, why=why,
                             name_smallest=name_smallest, by_hand=by_hand)
 
-    return _first_that_compiles(log, stages, schedules, options, len(devices), least, devices[0].budget)
+    try:
+        return _first_that_compiles(log, stages, schedules, options, len(devices), least, devices[0].budget)
+    except BudgetTooSmallError as refused:
+        if options.pack_boundaries is not None and options.microbatches is None:
+            refused.add_note("harmony_fx: with pack_boundaries fixed the planner chooses nothing, microbatches "
+                             "included (one per device): pass microbatches=N to cut the batch into fewer activations "
+                             "at a time, or leave pack_boundaries out for the planner to choose both.")
+        raise
 
 
 # the stages a compile past two seconds says it starts (the others take milliseconds)

@@ -706,3 +706,12 @@ def test_the_smallest_budget_a_refusal_names_compiles():
         harmony_fx.compile(_ExpandedToFive(), x, devices=["host:0"], memory_budget=1)
     hm = harmony_fx.compile(_ExpandedToFive(), x, devices=["host:0"], memory_budget=refused.value.smallest_budget)
     assert max(hm.plan.predicted_peak.values()) <= refused.value.smallest_budget
+
+
+def test_a_refusal_with_fixed_packs_says_the_planner_chose_no_microbatches():
+    """With pack_boundaries the planner's search does not run: a budget that microbatches would fit
+    was refused with nothing about them."""
+    with pytest.raises(harmony_fx.BudgetTooSmallError) as refused:
+        harmony_fx.compile(MLPChain(width=32, depth=4), torch.randn(16, 32), devices=["host:0"], memory_budget=1,
+                           pack_boundaries=[0, 2])
+    assert "pass microbatches=N to cut the batch" in "\n".join(refused.value.__notes__)
