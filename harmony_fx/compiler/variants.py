@@ -122,7 +122,8 @@ def _same_size_advice(a: int | None, b: int | None, backward_sizes: Sequence[int
     return advice
 
 
-def check_computes_alike(whole: Variant, part: Variant, batch: int, value_dims: Mapping[str, int] | None = None) -> None:
+def check_computes_alike(whole: Variant, part: Variant, batch: int,
+                         value_dims: Mapping[str, int] | None = None) -> None:
     """A microbatch's graph computes what the whole batch's (of ``batch`` samples) does on its
     samples: the same ops, each op on the samples' values taking the same numbers. A number that
     differs there (``h * x.shape[0]``) or an op one graph runs and the other does not (``if
@@ -158,17 +159,9 @@ def check_computes_alike(whole: Variant, part: Variant, batch: int, value_dims: 
         _check_scaled_along_one_dim(node, other, batch, part.size)
         if value_dims and node.name in value_dims and part.size:
             _check_batch_dim_scaled(node, other, value_dims[node.name], batch, part.size)
-        if node.target in _FILLS:  # the value a number is made into (a mean by hand: / torch.full((), B))
+        # arithmetic on the samples' values, or the value a number is made into (/ torch.full((), B))
+        if _on_samples(node) or node.target in _FILLS:
             _check_numbers_alike(node, other, batch, part.size)
-        if not _on_samples(node):
-            continue
-        for value, given in zip(node.args, other.args):
-            if isinstance(value, (int, float)) and not isinstance(value, bool) and value != given:
-                raise ValueError(
-                    f"the model computes {meta.describe(node)} with the number {value!r} on the whole batch of "
-                    f"{batch} and {given!r} on a microbatch of {part.size} (its batch size as a value, as in "
-                    "`h * x.shape[0]`), so microbatches would compute something else than the batch. Use "
-                    "microbatches=1, or make the forward not depend on the batch size.")
 
 
 def _check_batch_dim_scaled(node: fx.Node, other: fx.Node, dim: int, batch: int, size: int) -> None:
@@ -193,9 +186,9 @@ def _check_numbers_alike(node: fx.Node, other: fx.Node, batch: int, size: int | 
         if isinstance(value, (int, float)) and not isinstance(value, bool) and value != given:
             raise ValueError(
                 f"the model computes {meta.describe(node)} with the number {value!r} on the whole batch of {batch} and "
-                f"{given!r} on a microbatch of {size} (its batch size as a value, as in `h.sum() / "
-                "torch.full((), x.shape[0])`), so microbatches would compute something else than the batch. Use "
-                "microbatches=1, or make the forward not depend on the batch size.")
+                f"{given!r} on a microbatch of {size} (its batch size as a value, as in `h * x.shape[0]` or "
+                "`h.sum() / torch.full((), x.shape[0])`), so microbatches would compute something else than the "
+                "batch. Use microbatches=1, or make the forward not depend on the batch size.")
 
 
 def _check_constants_alike(whole: Variant, part: Variant, batch: int) -> None:
