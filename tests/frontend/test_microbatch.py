@@ -464,7 +464,8 @@ def test_a_number_scaling_a_loss_weighs_the_microbatches_as_the_whole_batchs_gra
 def test_a_cut_by_hand_is_compared_with_the_whole_batch_and_said_not_refused_where_it_differs():
     """The whole batch's graph is captured for every cut by hand (its analysis is judged there) and
     each microbatch's compared with it: where one differs, the caller's cut is said, not refused."""
-    for loss in (lambda a, b, m: a.pow(2).mean() + b.abs().mean(), lambda a, b, m: a.pow(2).mean() + b.abs().mean() / 3):
+    for loss in (lambda a, b, m: a.pow(2).mean() + b.abs().mean(),
+                 lambda a, b, m: a.pow(2).mean() + b.abs().mean() / 3):
         hm = harmony_fx.compile(_Heads(loss), torch.randn(8, 4), microbatches=2)
         decisions = {stage.name: stage.decision for stage in hm.passes}
         assert "capture whole batch" in decisions
