@@ -12,7 +12,6 @@ from harmony_fx.runtime.tier import TierCorrupted
 from harmony_fx.trainer import NonFiniteLossError, Trainer
 
 
-
 def _register_the_backend_without_an_install() -> None:
     """``torch.compile(backend="harmony")`` finds harmony through the package's entry point; run
     from a checkout (``PYTHONPATH=.``) there is none, and Dynamo would not know the name. Registered

@@ -756,20 +756,17 @@ def _decomposed(node: fx.Node, c: _Context) -> _Dims:
     graph = _decomposition(node)
     if graph is None:
         raise _mixed(node, "has no rule saying how it treats the batch dim")
-    tensors = [arg for arg in _flat_arguments(node) if isinstance(arg, fx.Node)]
+    tensors = [arg for arg in pytree.tree_leaves((node.args, node.kwargs), is_leaf=lambda x: isinstance(x, fx.Node))
+               if isinstance(arg, fx.Node)]
     inner = {p.name: list(c.env[t]) for p, t in zip(graph.graph.find_nodes(op="placeholder"), tensors)}
     try:
         inner_env, inner_c = _propagate(graph, inner, c.batch_size)
     except _Mixed as mixed:
         raise _mixed(node, f"mixes the samples in the ops it is made of: {mixed}") from mixed
-    results = [r for r in leaves(graph.graph.find_nodes(op="output")[0].args[0])]
+    results = leaves(graph.graph.find_nodes(op="output")[0].args[0])
     if any(isinstance(r, fx.Node) and (r in inner_c.outer or r in inner_c.sorted) for r in results):
         raise _mixed(node, "returns the batch interleaved or sorted by the ops it is made of")
     return [inner_env[r][0] if isinstance(r, fx.Node) else None for r in results]
-
-
-def _flat_arguments(node: fx.Node) -> list[Any]:
-    return pytree.tree_leaves((node.args, node.kwargs), is_leaf=lambda x: isinstance(x, fx.Node))
 
 
 _DECOMPOSITIONS: dict[tuple, fx.GraphModule | None] = {}
@@ -882,8 +879,10 @@ _TRANSPOSES = {"transpose", "t", "swapaxes", "swapdims", "mT", "mH", "adjoint"}
 def _swapped(node: fx.Node, rank: int) -> tuple[int, int]:
     """The two dims a transpose swaps: ``t()`` of a vector none, ``x.mT`` (``q @ k.mT``) the last two."""
     name = _name(node)
-    if name == "t" or rank < 2:
-        return (0, 1) if rank >= 2 else (0, 0)
+    if rank < 2:
+        return 0, 0
+    if name == "t":
+        return 0, 1
     if name in ("mT", "mH", "adjoint"):
         return rank - 2, rank - 1
     return _norm(node.args[1], rank), _norm(node.args[2], rank)

@@ -39,7 +39,6 @@ seconds says on stderr which stage it is in, and which candidate packing it runs
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import warnings
@@ -66,7 +65,7 @@ from harmony_fx.compiler.signature import program_signature
 from harmony_fx.compiler.stages import StageLog, progress_to_stderr
 from harmony_fx.compiler.capture_cache import cached_capture
 from harmony_fx.compiler.variants import (
-    GraphsDiffer, Variant, check_computes_alike, check_outputs_alike, check_same_layers,
+    ComputesOtherwise, GraphsDiffer, Variant, check_computes_alike, check_outputs_alike, check_same_layers,
 )
 from harmony_fx.config import CompileOptions, format_size
 from harmony_fx.frontend import microbatch
@@ -261,9 +260,8 @@ def _with_least_memory(log: StageLog, stages, least: CompileOptions, refusal: Bu
             refusal = log.run("count the smallest budget", _counted, refusal,
                               decision=lambda counted: f"{batch} needs {format_size(counted.smallest_budget)}")
             whole = refusal.smallest_budget
-            if budget is not None and whole <= budget:  # the bound that refused them was above what they hold
-                with contextlib.suppress(BudgetTooSmallError):  # else named below, as counted
-                    return stages(None, name_smallest=True)
+            if (own := _own_where_it_fits(stages, whole, budget)) is not None:
+                return own
             smallest = min(each, whole)
             which, other = (what, f"{batch} needs {format_size(whole)}") if each < whole else \
                 (batch, f"{what} needs {format_size(each)}")
@@ -274,9 +272,8 @@ def _with_least_memory(log: StageLog, stages, least: CompileOptions, refusal: Bu
         raise (_say_what_was_tried(replacement, tried) if tried else replacement) from error
     except Exception as error:  # noqa: BLE001 - the options' own refusal stands, saying what was tried
         refusal = _counted(refusal)
-        if budget is not None and refusal.smallest_budget <= budget:
-            with contextlib.suppress(BudgetTooSmallError):
-                return stages(None, name_smallest=True)
+        if (own := _own_where_it_fits(stages, refusal.smallest_budget, budget)) is not None:
+            return own
         replacement = _say_what_was_tried(refusal, [*tried, (what, error)])
         if replacement is refusal:
             raise refusal from error
@@ -318,6 +315,18 @@ def _with_one_size(log: StageLog, stages, one_size: CompileOptions, error: Graph
         if replacement is error:
             raise error from failure
         raise replacement from failure
+
+
+def _own_where_it_fits(stages, smallest: int, budget: int | None) -> Compiled | None:
+    """The options' own compile where their counted smallest budget is within ``budget`` (the bound
+    that refused them was above what they hold: refusing would name this budget again); ``None``
+    where it is not, or where it fails after all (the counted refusal is named then)."""
+    if budget is None or smallest > budget:
+        return None
+    try:
+        return stages(None, name_smallest=True)
+    except BudgetTooSmallError:
+        return None
 
 
 def _counted(refusal: BudgetTooSmallError) -> BudgetTooSmallError:
@@ -597,6 +606,16 @@ def _returns_numbers(variant: Variant) -> bool:
 
 
 def _check_cut_computes_alike(whole: Variant, variants: dict, layout: Layout, analysis: BatchAnalysis) -> None:
+    _check_cut_outputs_join(whole, variants, layout, analysis)
+    _check_cut_computes_as_the_batch(whole, variants, layout, analysis)
+
+
+def _check_cut_outputs_join(whole: Variant, variants: dict, layout: Layout, analysis: BatchAnalysis) -> None:
+    for size in dict.fromkeys(layout.mb_sizes):
+        check_outputs_alike(whole, variants[size], sum(layout.mb_sizes), analysis.output_dims)
+
+
+def _check_cut_computes_as_the_batch(whole: Variant, variants: dict, layout: Layout, analysis: BatchAnalysis) -> None:
     for size in dict.fromkeys(layout.mb_sizes):
         check_computes_alike(whole, variants[size], sum(layout.mb_sizes), analysis.value_dims)
 
@@ -606,17 +625,14 @@ def _compare_a_cut_by_hand(whole: Variant, variants: dict, layout: Layout, analy
     batch's (control flow on the batch size, a size read from it), it is said, as an analysis that
     cannot show the samples apart is (once: not again where that was said); outputs that cannot be
     joined are refused."""
-    batch = sum(layout.mb_sizes)
-    for size in dict.fromkeys(layout.mb_sizes):
-        check_outputs_alike(whole, variants[size], batch, analysis.output_dims)
+    _check_cut_outputs_join(whole, variants, layout, analysis)
     if not analysis.separable:
         return
     try:
-        _check_cut_computes_alike(whole, variants, layout, analysis)
-    except ValueError as error:
-        reason = str(error).split(", so microbatches would")[0]
+        _check_cut_computes_as_the_batch(whole, variants, layout, analysis)
+    except ComputesOtherwise as error:
         warnings.warn(
-            f"harmony_fx: microbatches={layout.num_microbatches} cuts the batch, but {reason}: the results (loss "
+            f"harmony_fx: microbatches={layout.num_microbatches} cuts the batch, but {error.reason}: the results (loss "
             "and gradients) may differ from eager's; microbatches=1, or None (the planner keeps such a batch "
             "whole), computes eager's.", MicrobatchesComputeApart, stacklevel=2)
 

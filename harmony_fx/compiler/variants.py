@@ -25,8 +25,18 @@ from harmony_fx.ir import meta
 from harmony_fx.passes.find_layers import Layer, find_layers
 from harmony_fx.passes.retarget_device import retarget_device
 
-__all__ = ["Variant", "GraphsDiffer", "capture_variant", "check_same_layers", "check_computes_alike",
-           "check_outputs_alike"]
+__all__ = ["Variant", "GraphsDiffer", "ComputesOtherwise", "capture_variant", "check_same_layers",
+           "check_computes_alike", "check_outputs_alike"]
+
+
+class ComputesOtherwise(ValueError):
+    """A microbatch's graph computes something else than the whole batch's on its samples;
+    ``reason``: what differs, in words (a cut by hand is warned with it)."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(f"{reason}, so microbatches would compute something else than the batch. Use "
+                         "microbatches=1, or make the forward not depend on the batch size.")
+        self.reason = reason
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,13 +138,12 @@ def check_computes_alike(whole: Variant, part: Variant, batch: int,
     samples: the same ops, each op on the samples' values taking the same numbers. A number that
     differs there (``h * x.shape[0]``) or an op one graph runs and the other does not (``if
     x.shape[0] > 4: h = h * 2``) means the model computes with its batch size, and microbatches would
-    compute something else than the batch: a ``ValueError`` (a planner's cut then falls back). Ops
+    compute something else than the batch: ``ComputesOtherwise`` (a planner's cut then falls back). Ops
     that make sizes (``view``, ``arange``, ``expand``) take other numbers by design, export drops a
     ``contiguous`` on a size-1 dim, and a scaled loss (a 0-dim value) is weighed by
     ``analysis.reductions``. ``value_dims``: the whole graph's batched values' batch dims (the
     analysis's), each of which must shrink to the microbatch's share: a value that keeps the whole
     batch's size there (``h.expand(5, 5, 5)`` of one sample) computes the batch from one sample."""
-    check_outputs_alike(whole, part, batch)
     ours = [node for node in whole.captured.gm.graph.nodes if node.op == "call_function"]
     theirs = [node for node in part.captured.gm.graph.nodes if node.op == "call_function"]
     pairs = _paired_past_layout_ops(ours, theirs)
@@ -149,31 +158,15 @@ def check_computes_alike(whole: Variant, part: Variant, batch: int,
                      if node.target not in _LAYOUT_ONLY or _copy_written_into(node)]
         if computing:
             where = "the whole batch" if computing[0] in ours else "a microbatch"
-            raise ValueError(
-                f"the model runs {meta.describe(computing[0])} on {where} "
-                f"only (a batch of {batch}, microbatches of {part.size}: Python control flow on the batch size, as in "
-                "`if x.shape[0] > 4:`), so microbatches would compute something else than the batch. Use "
-                "microbatches=1, or make the forward not depend on the batch size.")
+            raise ComputesOtherwise(
+                f"the model runs {meta.describe(computing[0])} on {where} only (a batch of {batch}, microbatches "
+                f"of {part.size}: Python control flow on the batch size, as in `if x.shape[0] > 4:`)")
     _check_constants_alike(whole, part, batch)
     for node, other in pairs:
-        _check_scaled_along_one_dim(node, other, batch, part.size)
-        if value_dims and node.name in value_dims and part.size:
-            _check_batch_dim_scaled(node, other, value_dims[node.name], batch, part.size)
+        _check_shapes_follow_the_batch(node, other, (value_dims or {}).get(node.name), batch, part.size)
         # arithmetic on the samples' values, or the value a number is made into (/ torch.full((), B))
         if _on_samples(node) or node.target in _FILLS:
             _check_numbers_alike(node, other, batch, part.size)
-
-
-def _check_batch_dim_scaled(node: fx.Node, other: fx.Node, dim: int, batch: int, size: int) -> None:
-    ours, theirs = node.meta.get(meta.VAL), other.meta.get(meta.VAL)
-    if not (isinstance(ours, torch.Tensor) and isinstance(theirs, torch.Tensor)) or ours.dim() != theirs.dim():
-        return
-    if theirs.shape[dim] * batch != ours.shape[dim] * size:
-        raise ValueError(
-            f"the model computes {meta.describe(node)} as {list(ours.shape)} on the whole batch of {batch} and "
-            f"{list(theirs.shape)} on a microbatch of {size}: its batch dim ({dim}) does not follow the batch size (a "
-            "size written as a number, as h.expand(5, 5, 5) of a batch of 5), so microbatches would compute "
-            "something else than the batch. Use microbatches=1, or make the forward not depend on the batch size.")
 
 
 _FILLS = {torch.ops.aten.full.default, torch.ops.aten.new_full.default, torch.ops.aten.full_like.default,
@@ -184,11 +177,10 @@ def _check_numbers_alike(node: fx.Node, other: fx.Node, batch: int, size: int | 
     """The numbers an op takes as values (not sizes: those come in lists) are the same in both graphs."""
     for value, given in zip(node.args, other.args):
         if isinstance(value, (int, float)) and not isinstance(value, bool) and value != given:
-            raise ValueError(
+            raise ComputesOtherwise(
                 f"the model computes {meta.describe(node)} with the number {value!r} on the whole batch of {batch} and "
                 f"{given!r} on a microbatch of {size} (its batch size as a value, as in `h * x.shape[0]` or "
-                "`h.sum() / torch.full((), x.shape[0])`), so microbatches would compute something else than the "
-                "batch. Use microbatches=1, or make the forward not depend on the batch size.")
+                "`h.sum() / torch.full((), x.shape[0])`)")
 
 
 def _check_constants_alike(whole: Variant, part: Variant, batch: int) -> None:
@@ -200,27 +192,32 @@ def _check_constants_alike(whole: Variant, part: Variant, batch: int) -> None:
         if other is None or other is ours or ours.shape != other.shape or ours.numel() > 16:
             continue
         if not torch.equal(ours, other):
-            raise ValueError(
+            raise ComputesOtherwise(
                 f"the model makes the constant {name} as {ours.tolist()} on the whole batch of {batch} and "
                 f"{other.tolist()} on a microbatch of {part.size} (its batch size as a value, as in `h.sum() / "
-                "torch.tensor(float(x.shape[0]))`), so microbatches would compute something else than the batch. "
-                "Use microbatches=1, or make the forward not depend on the batch size.")
+                "torch.tensor(float(x.shape[0]))`)")
 
 
-def _check_scaled_along_one_dim(node: fx.Node, other: fx.Node, batch: int, size: int | None) -> None:
+def _check_shapes_follow_the_batch(node: fx.Node, other: fx.Node, dim: int | None, batch: int,
+                                   size: int | None) -> None:
     """A value the batch's samples make apart differs between the whole batch and a microbatch along
-    its batch dim alone: one that differs along two (``h ** torch.arange(x.shape[0])``: [B, B]) is
-    sized by the batch where each sample's own values should be."""
-    for ours, theirs in zip(leaves(node.meta.get(meta.VAL)), leaves(other.meta.get(meta.VAL))):
+    its batch dim alone (one that differs along two, ``h ** torch.arange(x.shape[0])``: [B, B], is
+    sized by the batch where each sample's own values should be), and there by the microbatch's
+    share (``dim``, the analysis's; one that keeps the whole batch's size, ``h.expand(5, 5, 5)`` of
+    one sample, computes the batch from one sample)."""
+    for index, (ours, theirs) in enumerate(zip(leaves(node.meta.get(meta.VAL)), leaves(other.meta.get(meta.VAL)))):
         if not (isinstance(ours, torch.Tensor) and isinstance(theirs, torch.Tensor)) or ours.dim() != theirs.dim():
             continue
+        shapes = (f"as {list(ours.shape)} on the whole batch of {batch} and {list(theirs.shape)} on a microbatch "
+                  f"of {size}")
         if sum(a != b for a, b in zip(ours.shape, theirs.shape)) > 1:
-            raise ValueError(
-                f"the model computes {meta.describe(node)} as {list(ours.shape)} on the whole batch of {batch} and "
-                f"{list(theirs.shape)} on a microbatch of {size}: more than its batch dim follows the batch size (a "
-                "size read from the batch, as torch.arange(x.shape[0]) along another dim), so microbatches would "
-                "compute something else than the batch. Use microbatches=1, or make the forward not depend on the "
-                "batch size.")
+            raise ComputesOtherwise(
+                f"the model computes {meta.describe(node)} {shapes}: more than its batch dim follows the batch size "
+                "(a size read from the batch, as torch.arange(x.shape[0]) along another dim)")
+        if index == 0 and dim is not None and size and theirs.shape[dim] * batch != ours.shape[dim] * size:
+            raise ComputesOtherwise(
+                f"the model computes {meta.describe(node)} {shapes}: its batch dim ({dim}) does not follow the batch "
+                "size (a size written as a number, as h.expand(5, 5, 5) of a batch of 5)")
 
 
 def check_outputs_alike(whole: Variant, part: Variant, batch: int,

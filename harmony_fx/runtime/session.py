@@ -161,7 +161,8 @@ class Session:
         """Run the forward programs (one per device, side by side); the returned iteration holds
         what the backward programs need."""
         iteration = self.begin(per_mb, on_update, output_grads)
-        # a HostDevice hands its staged weights to the packs: another call's kept graph may hold them
+        # a HostDevice hands its staged weights to the packs (whether it does changes with record_timeline's
+        # tracking): another call's kept graph may hold them
         sharing = [device for device in self.devices if getattr(device, "shares_host_memory", False)]
         for device in sharing:
             device.staging.fresh = bool(self._waiting)
