@@ -188,6 +188,37 @@ def test_a_batch_kept_whole_on_several_devices_runs_as_a_pipeline_like_eager(nam
         torch.testing.assert_close(buffer, expected, rtol=RTOL, atol=ATOL)
 
 
+class _ReshapedToItsBatch(torch.nn.Module):
+    """A reshape to the batch's own size, written as a number: a microbatch cannot be captured."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8), torch.nn.Linear(8, 4)
+
+    def forward(self, x):
+        return self.c(torch.relu(self.b(torch.relu(self.a(x)).reshape(8, -1))))
+
+
+def test_auto_on_several_devices_runs_a_batch_it_cannot_cut_as_a_pipeline_like_eager():
+    """Every cut of the batch failing (a microbatch's graph raises), parallel='auto' has the devices
+    take turns on the whole batch, as 'pp' does. (It raised the CaptureError of one microbatch per
+    device, advising batch_dims, which did not apply.)"""
+    torch.manual_seed(0)
+    model, x = _ReshapedToItsBatch(), torch.randn(8, 8, generator=torch.Generator().manual_seed(1))
+    reference = copy.deepcopy(model)
+    options = dict(devices=["host:0", "host:1"], parallel="auto")
+    with pytest.raises(harmony_fx.BudgetTooSmallError) as refusal:  # the pipeline's, saying the cuts failed
+        harmony_fx.compile(model, x, memory_budget=1, **options)
+    assert "microbatches" in str(refusal.value) and "CaptureError" in str(refusal.value)
+    hm = harmony_fx.compile(model, x, memory_budget=refusal.value.smallest_budget, **options)
+    hm(x).square().mean().backward()
+    reference(x).square().mean().backward()
+    assert hm.device_microbatches == [(0,), (0,)] and len(hm.packs) > 1
+    assert "the devices in turn on the whole batch" in hm.explain()
+    for (param_name, param), expected in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(param.grad, expected.grad, rtol=RTOL, atol=ATOL, msg=param_name)
+
+
 @pytest.mark.parametrize("num_devices", [2, 3])
 @pytest.mark.parametrize("name", ["mlp_chain", "residual_mlp", "tiny_gpt"])
 @pytest.mark.parametrize("chaos", [None, 0, pytest.param(1, marks=pytest.mark.slow)],

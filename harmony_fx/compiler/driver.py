@@ -209,6 +209,9 @@ def _first_that_compiles(log: StageLog, stages, schedules: tuple[Schedule, ...],
                     return _with_one_size(log, stages, one_size, error, options, num_devices)
                 if least is not None and isinstance(error, BudgetTooSmallError):
                     return _with_least_memory(log, stages, least, error, tried, options, num_devices, budget)
+                if (pipeline := _whole_batch_pipeline(options, num_devices, error)) is not None:
+                    return _as_a_pipeline(log, stages, pipeline, error, tried,
+                                          _describe_try(None, options, num_devices))
                 if not tried:
                     raise
                 replacement = _say_what_was_tried(error, tried)
@@ -314,6 +317,36 @@ def _with_one_size(log: StageLog, stages, one_size: CompileOptions, error: Graph
         replacement = _say_what_was_tried(error, [(what, failure)])
         if replacement is error:
             raise error from failure
+        raise replacement from failure
+
+
+# what a failed cut of the batch raises: a microbatch's graph cannot be captured, or computes otherwise
+_CUT_FAILURES = (CaptureError, GraphsDiffer, ComputesOtherwise)
+
+
+def _whole_batch_pipeline(options: CompileOptions, num_devices: int, error: Exception) -> CompileOptions | None:
+    """The options as a pipeline on the whole batch (``parallel="pp"``, one microbatch), where
+    ``parallel="auto"`` over several devices left the microbatches to the planner and every cut of
+    the batch failed (``error``): the devices take turns on it, as they do on a batch the analysis
+    keeps whole; one device already runs it whole as its own settings. ``None`` elsewhere."""
+    if (options.parallel != "auto" or num_devices < 2 or options.microbatches is not None
+            or options.forward_microbatches is not None or not isinstance(error, _CUT_FAILURES)):
+        return None
+    return dataclasses.replace(options, microbatches=1, parallel="pp")
+
+
+def _as_a_pipeline(log: StageLog, stages, pipeline: CompileOptions, error: Exception,
+                   tried: list[tuple[str, Exception]], own: str) -> Compiled:
+    """``pipeline``'s compile, the plan saying why; where it fails too, its error (a refusal names
+    the pipeline's smallest budget: what would run), saying that the cuts tried failed and why."""
+    why = f"the batch cannot be cut into microbatches ({type(error).__name__})"
+    log.run("fall back", lambda: None, decision=lambda _: f"{why}; trying the devices in turn on the whole batch")
+    try:
+        return stages(None, pipeline, f", the devices in turn on the whole batch: {why}")
+    except Exception as failure:  # noqa: BLE001 - said with the cuts that failed before it
+        replacement = _say_what_was_tried(failure, [*tried, (own, error)])
+        if replacement is failure:
+            raise
         raise replacement from failure
 
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import inspect
+import logging
 import os
 import pathlib
 import random
@@ -105,7 +106,7 @@ def capture(model: nn.Module, args: tuple, kwargs: dict | None = None, stack_tra
     refuse_module_backward_hooks(model)
     _refuse_script_modules(model)
     with _grads_set_aside(model), _python_draws_noted(model), tensor_attribute_writes_said(model), \
-            hooks_registered_in_forward() as hooks, \
+            _meta_failures_unlogged(), hooks_registered_in_forward() as hooks, \
             key_value_caches_off(model, kwargs) as caches_off:
         captured, found = _bounded_capture(model, args, kwargs, stack_traces, dtype)
         if found is not None and not stack_traces:  # again with traces, to name the line it is on
@@ -117,6 +118,24 @@ def capture(model: nn.Module, args: tuple, kwargs: dict | None = None, stack_tra
     captured.reductions = _scalar_reductions(captured.gm, {**captured.params, **captured.buffers})
     captured.caches_off = caches_off
     return captured
+
+
+class _MetaFailures(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("failed while attempting to run meta")
+
+
+@contextlib.contextmanager
+def _meta_failures_unlogged():
+    """FakeTensors log every op that fails on them at ERROR, with its traceback (hundreds of lines
+    on stderr), then raise. A capture catches that error: it is the CaptureError's cause, or a
+    microbatch size the compile falls back from, never a failure of the user's run to log."""
+    logger, only_these = logging.getLogger("torch._subclasses.fake_tensor"), _MetaFailures()
+    logger.addFilter(only_these)
+    try:
+        yield
+    finally:
+        logger.removeFilter(only_these)
 
 
 def _refuse_state_requiring_grad(captured: Captured) -> None:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import copy
+import logging
 
 import pytest
 import torch
@@ -122,6 +123,18 @@ def test_inputs_the_model_itself_raises_on_are_named_not_taken_for_a_tracing_pro
     message = str(info.value)
     assert "Sequential raises on these inputs" in message and "shapes" in message and "dtypes" in message
     assert "control flow" not in message
+
+
+def test_an_op_failing_on_fake_tensors_is_raised_not_logged(caplog):
+    """FakeTensors log each op that fails on them at ERROR with its traceback (934 lines on stderr for
+    one failed microbatch capture) before raising; the capture's error is what the user gets, and
+    the logger is left as it was."""
+    logger = logging.getLogger("torch._subclasses.fake_tensor")
+    filters = list(logger.filters)
+    with caplog.at_level(logging.DEBUG), pytest.raises(harmony_fx.CaptureError, match="Sequential raises"):
+        harmony_fx.compile(nn.Sequential(nn.Linear(4, 4), nn.ReLU()), (torch.zeros(2, 3),))
+    assert not [record for record in caplog.records if "failed while attempting" in record.getMessage()]
+    assert logger.filters == filters
 
 
 class LabelledLoss(nn.Module):
