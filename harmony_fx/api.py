@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import sys
 import warnings
 from typing import Any, Callable, Sequence
 
@@ -68,6 +69,27 @@ def _warn_weights_stay_on_the_host(call: str) -> None:
         "the device would not fit there whole). Inputs may be on the host or on a device.", stacklevel=3)
 
 
+def _refuse_a_copy_held_by_a_module() -> None:
+    """``copy.deepcopy(hm)`` called by an ``nn.Module``'s ``__init__`` (the first frame outside
+    ``copy``): a module copying what it is given to hold it, as ``AveragedModel`` and timm's
+    ``ModelEmaV3`` do with the model an EMA averages. A compiled module is not an ``nn.Module``, so it
+    would be a plain attribute of that module: the module's ``eval()`` would leave the copy training
+    (BatchNorm's batch statistics in the EMA's evaluation, its running statistics updated there) and
+    its ``state_dict()`` would save none of its weights, with no error. Refused, saying what to hold."""
+    frame = sys._getframe(2)
+    while frame is not None and frame.f_globals.get("__name__") == "copy":
+        frame = frame.f_back
+    owner = frame.f_locals.get("self") if frame is not None and frame.f_code.co_name == "__init__" else None
+    if isinstance(owner, nn.Module):
+        name = type(owner).__name__
+        raise TypeError(
+            f"{name} copies a harmony_fx compiled module (copy.deepcopy) to hold it, but a compiled module is not an "
+            f"nn.Module: {name}'s eval(), train(), to() and state_dict() would not reach the copy's model (an EMA "
+            "evaluated in training mode, saved without its weights). Give it the model itself, whose weights harmony "
+            f"trains: {name}(hm.model, ...) (torchvision's reference script: model_without_ddp = hm.model; timm: build "
+            "the EMA before compiling, or use torch.compile(model, backend='harmony'), whose module is an nn.Module).")
+
+
 class HarmonyModule:
     """A compiled model: call it like the model; ``loss.backward()`` runs the harmony backward.
 
@@ -97,7 +119,9 @@ class HarmonyModule:
     def __deepcopy__(self, memo: dict) -> "HarmonyModule":
         """A copy of the model, compiled with the same options on its first call (a teacher copy:
         ``copy.deepcopy(hm)``); the devices' threads and plans are this module's own. Not an
-        ``nn.Module``: an EMA (``AveragedModel``) or a parent module holds ``hm.model``."""
+        ``nn.Module``: an EMA (``AveragedModel``) or a parent module holds ``hm.model``, and a module
+        that copies one while it is built, to hold the copy, is refused (``_refuse_a_copy_held_by_a_module``)."""
+        _refuse_a_copy_held_by_a_module()
         return HarmonyModule(copy.deepcopy(self.model, memo), None, None, self.options, **self._roles)
 
     def __reduce__(self):

@@ -430,6 +430,31 @@ def test_a_copy_of_a_compiled_module_is_its_models_copy_compiled_the_same_way(ho
         torch.testing.assert_close(param.grad, original.grad)
 
 
+def test_an_ema_built_from_a_compiled_module_is_refused_and_one_of_its_model_averages_as_eager():
+    """torchvision's reference train.py builds its EMA (an ``AveragedModel``) from the model it
+    trains: from the compiled module, the copy was a plain attribute of the EMA, so ``ema.eval()``
+    left it training (its BatchNorm evaluated on batch statistics: the EMA's loss off by 0.49) and
+    ``ema.state_dict()`` held ``n_averaged`` alone, with no error. Refused, naming ``hm.model``; an
+    EMA of ``hm.model`` averages and evaluates as eager's."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 3))
+    reference = copy.deepcopy(model)
+    hm = harmony_fx.compile(model, devices=["host:0"])
+    with pytest.raises(TypeError, match=r"AveragedModel\(hm\.model, \.\.\.\)"):
+        torch.optim.swa_utils.AveragedModel(hm, use_buffers=True)
+    x = torch.randn(4, 6)
+    emas = []
+    for trained, ema_of in ((hm, hm.model), (reference, reference)):
+        trained(x).square().mean().backward()
+        ema = torch.optim.swa_utils.AveragedModel(ema_of, use_buffers=True)
+        ema.update_parameters(trained)
+        emas.append(ema.eval())
+    assert emas[0].state_dict().keys() == emas[1].state_dict().keys()
+    with torch.no_grad():
+        torch.testing.assert_close(emas[0](x), emas[1](x))
+    assert copy.deepcopy(hm).model is not model  # a copy made outside a module's __init__ is still one
+
+
 class _Small(nn.Module):
     def __init__(self) -> None:
         super().__init__()

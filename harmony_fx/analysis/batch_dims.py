@@ -986,6 +986,15 @@ def _select(node: fx.Node, c: _Context) -> _Dims:
     return [dim - 1 if removes and along < dim else dim]
 
 
+def _unfold(node: fx.Node, c: _Context) -> _Dims:
+    """``Tensor.unfold(dimension, size, step)``: windows along ``dimension`` (a patch of an image, a
+    frame of a signal), each window's entries in a new last dim; never along the batch dim."""
+    dim = _first_dim(node, c)
+    if _norm(node.args[1], len(_shape(node.args[0]))) == dim:
+        raise _mixed(node, "cuts windows along the batch dim")
+    return [dim]
+
+
 def _split(node: fx.Node, c: _Context) -> _Dims:
     dim, (along,) = _first_dim(node, c), _acted_dims(node) or [0]
     if along == dim:
@@ -1400,7 +1409,7 @@ _ELEMENT_LOSSES = {"mse_loss", "l1_loss", "smooth_l1_loss", "huber_loss", "binar
 # the rules that, where they accept a batch dim, compute each of its rows from the same rows
 _ROW_WISE = {_along, _reduction, _matmul, _einsum, _normalized, _attention, _loss, _select, _split, _cat, _gather,
              _scatter, _expand, _broadcast_tensors, _repeat, _transpose, _permute, _unsqueeze, _unchanged_leading,
-             _padding, _dtype_of_second}
+             _padding, _dtype_of_second, _unfold}
 
 _RULES = {
     **{name: _reshape for name in _VIEWS},
@@ -1450,7 +1459,7 @@ _RULES = {
     **{name: _recurrent for name in ("lstm", "gru", "rnn_tanh", "rnn_relu")},
     **{name: _cell for name in ("lstm_cell", "gru_cell", "rnn_tanh_cell", "rnn_relu_cell")},
     **{name: _loss for name in _CLASS_LOSSES | _ELEMENT_LOSSES},
-    **{name: _select for name in ("select", "index_select", "slice", "narrow")},
+    **{name: _select for name in ("select", "index_select", "slice", "narrow")}, "unfold": _unfold,
     **{name: _split for name in ("split", "split_with_sizes", "chunk", "unbind", "tensor_split")},
     "expand": _expand, "expand_as": _expand, "broadcast_tensors": _broadcast_tensors,
     **{name: _transpose for name in _TRANSPOSES}, "permute": _permute,

@@ -211,6 +211,8 @@ def test_writes_in_place_that_mix_samples_are_found(fn, why):
     # each sample normalised apart, but the running statistics take the batch's mean (once a step)
     (lambda h, m: F.instance_norm(h.view(6, 2, 2), torch.zeros(2), torch.ones(2), use_input_stats=True).view(6, 4),
      "InstanceNorm with track_running_stats"),
+    # windows of two samples each (Tensor.unfold along the batch)
+    (lambda h, m: h.unfold(0, 2, 2).sum(-1).repeat(2, 1), "cuts windows along the batch dim"),
 ])
 def test_ops_that_mix_samples_are_found(fn, why):
     analysis = _analysis(_Fn(fn), torch.randn(6, 4))
@@ -276,6 +278,8 @@ def test_ops_that_mix_samples_are_found(fn, why):
     lambda h, m: torch.max(h, torch.zeros(4)) + torch.min(h, h.flip(1)),
     # attention scores as q @ k.mT; ravel and reshape_as
     lambda h, m: (h.view(6, 2, 2) @ h.view(6, 2, 2).mT).reshape(6, 4) + h.ravel().reshape_as(h),
+    # patches of each sample (Tensor.unfold along its other dims: a ViT's patchify, a signal's frames)
+    lambda h, m: h.unfold(1, 2, 2).sum(-1).repeat(1, 2) + h.view(6, 2, 2).unfold(2, 1, 1).reshape(6, 4),
 ])
 def test_ops_that_keep_samples_apart_are_separable(fn):
     analysis = _analysis(_Fn(fn), torch.randn(6, 4))
