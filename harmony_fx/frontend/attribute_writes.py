@@ -5,7 +5,15 @@ model then runs its graph, which assigns nothing, and torch.export puts the attr
 was. Said in harmony's words (export's own warning asks to register a buffer, which would not help):
 return the tensor as an output instead. Python numbers and flags a forward sets (a call counter,
 Funnel's ``seq_len``) are not said: libraries set them as scratch state, and README says a forward's
-Python side effects run once; nor is a weight ``weight_norm`` or ``spectral_norm`` computes each call."""
+Python side effects run once; nor is a weight ``weight_norm`` or ``spectral_norm`` computes each call.
+
+A registered buffer the forward replaces by a new tensor (``self.count = self.count + 1``; ConViT's
+``self.rel_indices = ...``) is said too, apart: torch.export drops the assignment (no buffer
+mutation in its graph), so the model's buffer keeps its value where eager's changes, and the advice
+differs: a write in place (``self.count.add_(1)``, ``copy_``) is kept, as BatchNorm's statistics
+are. Buffers are compared with what they were when the forward began (export has swapped them for
+its own tensors by then); one the captured graph writes all the same (export keeps the root
+module's assignment, as a ``copy_``) is not said."""
 from __future__ import annotations
 
 import collections
@@ -15,8 +23,12 @@ import weakref
 from typing import Iterator
 
 import torch
-from torch import nn
+from torch import fx, nn
 from torch.utils import _pytree as pytree
+
+from harmony_fx.analysis.aliasing import alias_base
+from harmony_fx.analysis.buffer_writes import written_by
+from harmony_fx.ir import meta
 
 __all__ = ["tensor_attribute_writes_said"]
 
@@ -51,13 +63,35 @@ def _holds_new_tensors(container, before: list | None) -> bool:
                for item in _contents(container))
 
 
+class CapturedGraph:
+    """What the capture made, handed back to ``tensor_attribute_writes_said`` (``gm``: ``None``
+    until then): the buffers its graph writes need no word."""
+
+    gm: fx.GraphModule | None = None
+
+
+def _buffers_written(gm: fx.GraphModule | None) -> set[str]:
+    if gm is None:
+        return set()
+    bases = (alias_base(written) for node in gm.graph.nodes for written in written_by(node))
+    return {str(base.meta.get(meta.TARGET, base.name)) for base in bases
+            if base.op == "placeholder" and meta.role_of(base) == meta.Role.BUFFER}
+
+
 @contextlib.contextmanager
-def tensor_attribute_writes_said(model: nn.Module) -> Iterator[None]:
-    """Around the capture of ``model``: warns once naming each attribute its forward set to a tensor."""
+def tensor_attribute_writes_said(model: nn.Module) -> Iterator[CapturedGraph]:
+    """Around the capture of ``model``: warns once naming each attribute its forward set to a tensor
+    (the caller sets the yielded ``CapturedGraph``'s ``gm`` to what it captured)."""
     before = {name: dict(module.__dict__) for name, module in model.named_modules()}
     contents = {(name, key): _contents(value) for name, attributes in before.items()
                 for key, value in attributes.items() if isinstance(value, _CONTAINERS) and key not in _MODULES_OWN}
+    buffers_before: dict[str, dict[str, object]] = {}
     assigned: list[str] = []
+    replaced: list[str] = []
+
+    def before_forward(*_) -> None:
+        buffers_before.clear()
+        buffers_before.update({name: dict(module._buffers) for name, module in model.named_modules()})
 
     def after_forward(*_) -> None:
         for name, module in model.named_modules():
@@ -68,19 +102,34 @@ def tensor_attribute_writes_said(model: nn.Module) -> Iterator[None]:
             assigned.extend(f"{name}.{key}" if name else key for key, value in module.__dict__.items()
                             if isinstance(value, _CONTAINERS) and key not in _MODULES_OWN
                             and _holds_new_tensors(value, contents.get((name, key))))
+            held = buffers_before.get(name, {})
+            replaced.extend(f"{name}.{key}" if name else key for key, value in module._buffers.items()
+                            if isinstance(value, torch.Tensor) and key in held and held[key] is not value)
 
-    handle = model.register_forward_hook(after_forward)
+    handles = [model.register_forward_pre_hook(before_forward), model.register_forward_hook(after_forward)]
+    captured = CapturedGraph()
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=_EXPORTS_WARNING)
-            yield
+            yield captured
     finally:
-        handle.remove()
-    if assigned and model not in _TOLD:
-        _TOLD.add(model)  # once a model: each capture (the whole batch, a microbatch) would say it again
-        names = ", ".join(sorted(set(assigned)))
+        for handle in handles:
+            handle.remove()
+    written = _buffers_written(captured.gm)
+    replaced = [name for name in replaced if name not in written]
+    if not (assigned or replaced) or model in _TOLD:
+        return
+    _TOLD.add(model)  # once a model: each capture (the whole batch, a microbatch) would say it again
+    if replaced:
         warnings.warn(
-            f"harmony_fx: the model's forward keeps a tensor in the attribute {names} at each call (assigns it, or "
+            f"harmony_fx: the model's forward replaces its buffer {', '.join(sorted(set(replaced)))} by a new tensor "
+            "(`self.buf = ...`) when called; the compiled model runs its graph, which does not, so the buffer keeps "
+            "the value it had before compiling where eager's changes. Write into the buffer in place instead "
+            "(`self.buf.copy_(...)`, `self.buf.add_(1)`), which harmony_fx keeps as it keeps BatchNorm's running "
+            "statistics, or return the tensor as one of the model's outputs.", stacklevel=4)
+    if assigned:
+        warnings.warn(
+            f"harmony_fx: the model's forward keeps a tensor in the attribute {', '.join(sorted(set(assigned)))} at each call (assigns it, or "
             "adds it to a list or dict there); the compiled model runs its graph, which does not (after a call the "
             "attribute holds what it held before compiling). Return the tensor as one of the model's outputs "
             "instead, or use torch.compile(model, backend='harmony'), which replays them.", stacklevel=4)

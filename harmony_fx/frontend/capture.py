@@ -105,12 +105,13 @@ def capture(model: nn.Module, args: tuple, kwargs: dict | None = None, stack_tra
     kwargs = dict(kwargs or {})
     refuse_module_backward_hooks(model)
     _refuse_script_modules(model)
-    with _grads_set_aside(model), _python_draws_noted(model), tensor_attribute_writes_said(model), \
+    with _grads_set_aside(model), _python_draws_noted(model), tensor_attribute_writes_said(model) as said, \
             _meta_failures_unlogged(), hooks_registered_in_forward() as hooks, \
             key_value_caches_off(model, kwargs) as caches_off:
         captured, found = _bounded_capture(model, args, kwargs, stack_traces, dtype)
         if found is not None and not stack_traces:  # again with traces, to name the line it is on
             captured, found = _bounded_capture(model, args, kwargs, True, dtype)
+        said.gm = captured.gm if captured is not None else None
     refuse_tensor_hooks(hooks)
     if found is not None:
         raise refusal(found)

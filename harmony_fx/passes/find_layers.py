@@ -1,8 +1,11 @@
 """Find the layers, the units packs are made of.
 
-1. A node's *layer key* is the outermost entry of its ``nn_module_stack`` whose path ends in an
-   integer (``h.3`` for every node inside ``h[3]``, ``blocks.0`` inside ``blocks[0]``): the model's
-   repeated blocks.
+1. A node's *layer key* is the model's repeated block it is in: the innermost entry of its
+   ``nn_module_stack`` whose path ends in an integer and whose siblings (the other entries of its
+   ``nn.Sequential`` or ``nn.ModuleList``) are all of its class (``h.3`` for every node inside
+   ``h[3]``; ``layers.0.blocks.1`` inside a hierarchical model's stage ``layers[0]``, whose
+   blocks would otherwise make one layer of a whole stage); where no entry is such a block, the
+   outermost path ending in an integer (a ``Sequential`` of different layers: ``mlp.0``).
 2. A node with no such entry is a layer of its own (``embedding``, ``ln_f``'s ``layer_norm``, ...).
 3. A layer is a maximal *contiguous* run of compute nodes (in topological order) with one key, so
    layers tile the compute nodes in order and packs can be contiguous ranges of layers.
@@ -50,6 +53,7 @@ class Layer:
 def find_layers(gm: fx.GraphModule) -> list[Layer]:
     layers: list[Layer] = []
     current_key, current_nodes = None, []
+    repeated = _repeated_blocks(gm)
 
     def close() -> None:
         if current_nodes:
@@ -58,7 +62,7 @@ def find_layers(gm: fx.GraphModule) -> list[Layer]:
     for node in gm.graph.nodes:
         if node.op in ("placeholder", "output"):
             continue
-        key = _block_path(node)
+        key = _block_path(node, repeated)
         if key is None or key != current_key:
             close()
             current_key, current_nodes = key, []
@@ -163,13 +167,29 @@ def _written_state_accesses(gm: fx.GraphModule) -> dict[fx.Node, set[int]]:
     return accesses
 
 
-def _block_path(node: fx.Node) -> str | None:
-    stack = node.meta.get(meta.MODULE_STACK) or {}
-    for path, _type in stack.values():
-        path = meta.module_path(path)
-        if _INDEXED_PATH.search(path):
-            return path
-    return None
+def _indexed_paths(node: fx.Node) -> list[tuple[str, str]]:
+    """The entries of ``node``'s module stack whose path ends in an integer, outermost first, with
+    their classes."""
+    stack = (node.meta.get(meta.MODULE_STACK) or {}).values()
+    return [(path, str(type_)) for path, type_ in ((meta.module_path(path), type_) for path, type_ in stack)
+            if _INDEXED_PATH.search(path)]
+
+
+def _repeated_blocks(gm: fx.GraphModule) -> frozenset[str]:
+    """The paths of modules that are one of two or more siblings of one class: a container's
+    repeated blocks (a transformer's ``h.3``, a stage's ``blocks.1``)."""
+    siblings: dict[str, dict[str, str]] = {}
+    for node in gm.graph.nodes:
+        for path, type_ in _indexed_paths(node):
+            siblings.setdefault(path.rpartition(".")[0], {})[path] = type_
+    return frozenset(path for children in siblings.values() if len(children) >= 2 and len(set(children.values())) == 1
+                     for path in children)
+
+
+def _block_path(node: fx.Node, repeated: frozenset[str]) -> str | None:
+    paths = [path for path, _type in _indexed_paths(node)]
+    blocks = [path for path in paths if path in repeated]
+    return blocks[-1] if blocks else (paths[0] if paths else None)
 
 
 def layer_inputs(layer_nodes: list[fx.Node]) -> list[fx.Node]:

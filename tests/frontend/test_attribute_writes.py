@@ -81,3 +81,37 @@ def test_a_tensor_the_forward_adds_to_a_list_or_dict_on_the_module_is_named():
     assert len(said) == 1 and "features, maps at each call" in said[0]
     assert "_parameters" not in said[0] and "sizes" not in said[0]  # torch's own dicts, Python numbers
     assert model.features == [] and model.maps == {}  # as the compiled model leaves them: nothing kept
+
+
+class _CountsItsCalls(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = nn.Linear(4, 4)
+        self.register_buffer("count", torch.zeros(()))
+        self.register_buffer("seen", torch.zeros(()))
+
+    def forward(self, x):
+        self.count = self.count + 1  # a new tensor: torch.export drops the assignment in a submodule
+        self.seen.add_(1)  # in place: kept, as BatchNorm's statistics are
+        return self.inner(x)
+
+
+def test_a_buffer_a_submodule_replaces_by_a_new_tensor_is_named_with_what_to_do():
+    """Eager's buffer changes at each call; the compiled model's keeps its value (sweep-t: timm's ConViT
+    replaces its ``rel_indices`` buffer; a step counter ``self.count = self.count + 1``)."""
+    model, x = nn.Sequential(_CountsItsCalls(), nn.Tanh()), torch.randn(2, 4)
+    said = _warnings_of_compile(model)
+    ours = [message for message in said if "replaces its buffer" in message]
+    assert len(ours) == 1 and "buffer 0.count by a new tensor" in ours[0] and "in place" in ours[0]
+    harmony_fx.compile(model, x, devices=["host:0"])(x).sum().backward()
+    assert model[0].seen.item() == 1 and model[0].count.item() == 0  # what the warning says
+
+
+def test_a_buffer_the_graph_writes_all_the_same_is_not_warned_about():
+    """The root module's assignment export keeps (a ``copy_`` into the buffer), and in-place writes."""
+    model, x = _CountsItsCalls(), torch.randn(2, 4)
+    assert not [message for message in _warnings_of_compile(model) if "replaces its buffer" in message]
+    harmony_fx.compile(model, x, devices=["host:0"])(x).sum().backward()
+    assert model.seen.item() == 1 and model.count.item() == 1
+    batch_norm = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
+    assert not [message for message in _warnings_of_compile(batch_norm) if "replaces its buffer" in message]

@@ -89,3 +89,22 @@ def test_unindexed_modules_are_layers_of_their_own_node():
     gm = _graph_with_stacks([{"a": ("stem", nn.Linear)}, {"a": ("stem", nn.Linear)}])
     layers = find_layers(gm)
     assert [layer.nodes for layer in layers] == [(n,) for n in _compute_nodes(gm)]
+
+
+def test_a_hierarchical_models_blocks_are_layers_not_its_stages():
+    """A stage of blocks (Swin's ``layers.0.blocks.1``, ConvNeXt's ``stages.0.blocks.2``) was one
+    layer, so no pack was smaller than a stage: a ConvNeXt-T's smallest budget was 114 MiB where its
+    blocks fit in 55. A block's own Sequential of different layers (``mlp.0``, ``mlp.1``) stays in it."""
+    def stack(stage: int, block: int | None, inner: str | None = None) -> dict:
+        entries = {"s": (f"layers.{stage}", "Stage")}
+        if block is not None:
+            entries["b"] = (f"layers.{stage}.blocks.{block}", "Block")
+        if inner is not None:
+            entries["i"] = (f"layers.{stage}.blocks.{block}.mlp.{inner[0]}", inner[1:])
+        return entries
+
+    gm = _graph_with_stacks([stack(0, 0, "0Linear"), stack(0, 0, "1GELU"), stack(0, 1), stack(0, None),
+                             stack(1, 0), stack(1, 1, "0Linear")])
+    assert [(layer.name, len(layer.nodes)) for layer in find_layers(gm)] == [
+        ("layers.0.blocks.0", 2), ("layers.0.blocks.1", 1), ("layers.0", 1), ("layers.1.blocks.0", 1),
+        ("layers.1.blocks.1", 1)]
