@@ -57,7 +57,7 @@ from harmony_fx.frontend.random_branches import RandomBranchError, certain_rando
 from harmony_fx.frontend.refusals import first_refused, refusal
 from harmony_fx.passes.bound_sizes import bound_sizes
 
-__all__ = ["Captured", "capture", "CaptureError", "raised_when_run"]
+__all__ = ["Captured", "capture", "CaptureError", "raised_when_run", "buffers_put_back"]
 
 
 class CaptureError(ValueError):
@@ -253,13 +253,35 @@ class _DerivativeInForward(CaptureError):
     """A derivative the trace recorded as one call (``_refuse_derivatives_traced``)."""
 
 
+@contextlib.contextmanager
+def buffers_put_back(model: nn.Module):
+    """The model's buffers as they were before a forward run on FakeTensors of the inputs. Such a
+    run computes nothing on the inputs, but an op whose tensors are all real runs for real: a
+    BatchNorm's ``num_batches_tracked.add_(1)`` (or a step counter) counted a call nobody made, and
+    the next training call started one ahead of eager's (sweep-s F2). A buffer the forward assigns
+    anew (``self.buf = ...``) is set back too, not left a FakeTensor."""
+    owners = {name: (model.get_submodule(name.rpartition(".")[0]), name.rpartition(".")[2], buffer)
+              for name, buffer in model.named_buffers(remove_duplicate=False)}
+    kept = {id(buffer): (buffer._version, buffer.detach().clone()) for _, _, buffer in owners.values()}
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for module, attr, buffer in owners.values():
+                if module._buffers.get(attr) is not buffer:
+                    module._buffers[attr] = buffer
+                version, value = kept[id(buffer)]
+                if buffer._version != version:
+                    buffer.copy_(value)
+
+
 def raised_when_run(model: nn.Module, args: tuple, kwargs: dict) -> Exception | None:
     """What the model's forward raises on FakeTensors of the inputs (nothing computed), if anything:
     where both captures failed because the model itself fails on these inputs (float token ids),
     that is the error to show, not advice about tracing."""
     try:
         # with grad, as the caller's training call: a forward that takes a derivative needs it
-        with fakes_of((args, kwargs)) as (fake_args, fake_kwargs), torch.enable_grad():
+        with buffers_put_back(model), fakes_of((args, kwargs)) as (fake_args, fake_kwargs), torch.enable_grad():
             model(*fake_args, **fake_kwargs)
     except Exception as error:  # noqa: BLE001 - the model's own error, shown to the user
         # not FakeTensors' own refusals (a value read by Python control flow, an op with no fake kernel)
@@ -312,7 +334,7 @@ def _register_output_dataclasses(model: nn.Module, args: tuple, kwargs: dict) ->
     transformers until the run here makes one."""
     known = set(pytree.SUPPORTED_NODES)
     try:
-        with fakes_of((args, kwargs)) as (fake_args, fake_kwargs):
+        with buffers_put_back(model), fakes_of((args, kwargs)) as (fake_args, fake_kwargs):
             output = model(*fake_args, **fake_kwargs)
     except Exception:  # noqa: BLE001 - then export's own error stands
         return False

@@ -56,6 +56,7 @@ except ImportError as error:  # an optional extra: say how to get it
 from harmony_fx.api import HarmonyModule, compile as harmony_compile
 from harmony_fx.compiler.driver import MicrobatchesComputeApart
 from harmony_fx.config import check_option_names, option_names, with_environment
+from harmony_fx.frontend.capture import buffers_put_back
 from harmony_fx.ir.values import fakes_of
 from harmony_fx.trainer import Trainer
 
@@ -404,7 +405,7 @@ def _forward_reads(model: nn.Module, batch: dict[str, Any], key: str) -> bool:
             return func(*args, **(kwargs or {}))
 
     try:
-        with fakes_of(batch) as fake:
+        with buffers_put_back(model), fakes_of(batch) as fake:
             watched = fake[key]
             with _Watch():
                 model(**fake)

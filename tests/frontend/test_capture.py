@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 
 import pytest
@@ -405,3 +406,44 @@ def test_a_tensor_requiring_grad_that_is_not_a_parameter_is_refused_naming_it():
     frozen = _LearnedScaleAttribute()
     frozen.scale.requires_grad_(False)  # a constant: compiles
     harmony_fx.compile(frozen, torch.randn(4, 16), devices=["host:0"])
+
+
+@dataclasses.dataclass
+class _BatchNormOutput:
+    logits: torch.Tensor
+
+
+class _BatchNormToDataclass(nn.Module):
+    """A BatchNorm model returning a plain dataclass: export's first try fails, and the run on
+    FakeTensors that finds the dataclass must not count a BatchNorm call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv, self.bn, self.fc = nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.Linear(8 * 6 * 6, 4)
+
+    def forward(self, x):
+        return _BatchNormOutput(self.fc(self.bn(self.conv(x)).relu().flatten(1)))
+
+
+def test_a_forward_run_on_fake_inputs_leaves_the_buffers_as_they_were():
+    """The runs on FakeTensors of the inputs (finding an output dataclass; whether the model itself
+    raises) ran ``num_batches_tracked.add_(1)`` for real: after one step it was 2 where eager's is 1
+    (sweep-s F2); a refused compile left it changed too, so a BatchNorm(momentum=None) trained
+    afterwards averaged with the wrong count."""
+    torch.manual_seed(0)
+    model = _BatchNormToDataclass()
+    reference = copy.deepcopy(model)
+    x, y = torch.randn(4, 3, 8, 8), torch.randint(0, 4, (4,))
+    hm = harmony_fx.compile(model, (x,), memory_budget="64MiB", devices=["host:0"], microbatches=1)
+    assert model.bn.num_batches_tracked.item() == 0
+    F.cross_entropy(hm(x).logits, y).backward()
+    F.cross_entropy(reference(x).logits, y).backward()
+    for (name, buffer), expected in zip(model.named_buffers(), reference.buffers()):
+        assert torch.equal(buffer, expected), name
+
+    refused = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8, momentum=None))
+    before = copy.deepcopy(refused.state_dict())
+    with pytest.raises(harmony_fx.CaptureError, match="momentum=None"):
+        harmony_fx.compile(refused, (x,), devices=["host:0"], microbatches=1)
+    for name, value in refused.state_dict().items():
+        assert torch.equal(value, before[name]), name
