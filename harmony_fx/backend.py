@@ -104,6 +104,7 @@ def harmony(gm: fx.GraphModule, example_inputs: Sequence[Any], *, options: dict 
         # itself), an EMA or a clip writing the parameters in place. They live in host memory, where
         # harmony keeps them: the graph runs as it is, on them
         return gm
+    _copy_stack_values_written_in_place(gm, placeholders, inputs)
     static = None if "batch_dims" in options else _static_batch_input(placeholders, inputs)
     if static is not None and _num_microbatches(options) > 1:
         # raised by the graph when called, not here: Dynamo's suppress_errors would swallow a backend's
@@ -162,6 +163,25 @@ def _in_place(node: fx.Node, augmented: bool = True) -> bool:
     an augmented assignment (``+=``)."""
     name = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", "")
     return (name.endswith("_") and not name.endswith("__")) or (augmented and name in _IN_PLACE_OPERATORS)
+
+
+def _copy_stack_values_written_in_place(gm: fx.GraphModule, placeholders: Sequence[fx.Node],
+                                        inputs: Sequence[_Input]) -> None:
+    """A value Dynamo held on its stack at a graph break (``___stack0``: a BatchNorm's output where
+    ``momentum=None`` broke the graph inside it, then ``ReLU(inplace=True)``) that the graph writes in
+    place: the graph writes a copy of it instead. Harmony refuses a write into an input (the caller's
+    tensor would not change), with advice a user cannot follow for a value no code of theirs holds:
+    only the frame Dynamo resumes reads it, and from the graph on."""
+    stacked = [node for node, item in zip(placeholders, inputs) if item.kind == _Kind.ACTIVATION
+               and "['___stack" in str(getattr(getattr(node.meta.get("grapharg"), "source", None), "name", ""))]
+    written = [node for node in stacked if any(_in_place(user) or user.kwargs.get("inplace") for user in node.users)]
+    for node in written:
+        with gm.graph.inserting_after(placeholders[-1]):
+            copied = gm.graph.call_method("clone", (node,))
+        copied.meta = {key: value for key, value in node.meta.items() if key == "example_value"}
+        node.replace_all_uses_with(copied, delete_user_cb=lambda user, copied=copied: user is not copied)
+    if written:
+        gm.recompile()
 
 
 def _returns_only_state(gm: fx.GraphModule, placeholders: Sequence[fx.Node], inputs: Sequence[_Input]) -> bool:

@@ -41,9 +41,9 @@ def _recording_backend(compiled: list) -> Callable:
 
 
 def _train_like_eager(model: nn.Module, loss_of: Callable[[Any], torch.Tensor], options: dict,
-                      backend: Any = "harmony") -> None:
+                      backend: Any = "harmony") -> nn.Module:
     """Three SGD steps through torch.compile next to three on an eager copy: losses and every
-    gradient equal."""
+    gradient equal. Returns the eager copy."""
     reference = copy.deepcopy(model)
     compiled = torch.compile(model, backend=backend, dynamic=True, options=options)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -62,6 +62,7 @@ def _train_like_eager(model: nn.Module, loss_of: Callable[[Any], torch.Tensor], 
         optimizer.zero_grad()
         ref_optimizer.step()
         ref_optimizer.zero_grad()
+    return reference
 
 
 def test_backend_is_registered_through_the_entry_point():
@@ -119,6 +120,30 @@ def test_graph_breaks_make_programs_that_train_together_like_eager():
     assert len(modules) >= 2
     # the second graph's input is the first's output: its gradient goes back through autograd
     assert any(hm.signature.inputs_requiring_grad for hm in modules)
+
+
+class _CumulativeBatchNormBlock(nn.Module):
+    """``BatchNorm(momentum=None)`` breaks Dynamo's graph inside it (``float(num_batches_tracked)``);
+    its output is then a value on Dynamo's stack, which ``ReLU(inplace=True)`` writes in place."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv, self.bn = nn.Conv2d(4, 4, 3, padding=1), nn.BatchNorm2d(4, momentum=None)
+        self.relu = nn.ReLU(inplace=True)
+
+    def forward(self, x):
+        return self.relu(self.bn(self.conv(x))) + x
+
+
+def test_a_value_on_dynamos_stack_written_in_place_trains_like_eager():
+    """It was refused as an input modified in place, advising to clone ``___stack0``, which no code of
+    the user's holds; the graph now writes a copy of it. Running statistics as eager's too."""
+    torch.manual_seed(0)
+    model = nn.Sequential(_CumulativeBatchNormBlock(), _CumulativeBatchNormBlock(), nn.Flatten(), nn.Linear(256, 3))
+    x = torch.randn(4, 4, 8, 8)
+    reference = _train_like_eager(model, lambda m: m(x).square().mean(), {"devices": ["host:0"]})
+    for (name, buffer), expected in zip(model.named_buffers(), reference.buffers()):
+        torch.testing.assert_close(buffer, expected, rtol=RTOL, atol=ATOL, msg=name)
 
 
 class CachedMaskTransformer(nn.Module):
