@@ -129,7 +129,8 @@ def tensor_attribute_writes_said(model: nn.Module) -> Iterator[CapturedGraph]:
             "statistics, or return the tensor as one of the model's outputs.", stacklevel=4)
     if assigned:
         warnings.warn(
-            f"harmony_fx: the model's forward keeps a tensor in the attribute {', '.join(sorted(set(assigned)))} at each call (assigns it, or "
-            "adds it to a list or dict there); the compiled model runs its graph, which does not (after a call the "
-            "attribute holds what it held before compiling). Return the tensor as one of the model's outputs "
-            "instead, or use torch.compile(model, backend='harmony'), which replays them.", stacklevel=4)
+            f"harmony_fx: the model's forward keeps a tensor in the attribute {', '.join(sorted(set(assigned)))} at "
+            "each call (assigns it, or adds it to a list or dict there); the compiled model runs its graph, which "
+            "does not (after a call the attribute holds what it held before compiling). Return the tensor as one of "
+            "the model's outputs instead, or use torch.compile(model, backend='harmony'), which replays them.",
+            stacklevel=4)

@@ -258,7 +258,7 @@ def buffers_put_back(model: nn.Module):
     """The model's buffers as they were before a forward run on FakeTensors of the inputs. Such a
     run computes nothing on the inputs, but an op whose tensors are all real runs for real: a
     BatchNorm's ``num_batches_tracked.add_(1)`` (or a step counter) counted a call nobody made, and
-    the next training call started one ahead of eager's (sweep-s F2). A buffer the forward assigns
+    the next training call started one ahead of eager's. A buffer the forward assigns
     anew (``self.buf = ...``) is set back too, not left a FakeTensor."""
     owners = {name: (model.get_submodule(name.rpartition(".")[0]), name.rpartition(".")[2], buffer)
               for name, buffer in model.named_buffers(remove_duplicate=False)}

@@ -97,7 +97,7 @@ class _CountsItsCalls(nn.Module):
 
 
 def test_a_buffer_a_submodule_replaces_by_a_new_tensor_is_named_with_what_to_do():
-    """Eager's buffer changes at each call; the compiled model's keeps its value (sweep-t: timm's ConViT
+    """Eager's buffer changes at each call; the compiled model's keeps its value (timm's ConViT
     replaces its ``rel_indices`` buffer; a step counter ``self.count = self.count + 1``)."""
     model, x = nn.Sequential(_CountsItsCalls(), nn.Tanh()), torch.randn(2, 4)
     said = _warnings_of_compile(model)

@@ -427,9 +427,9 @@ class _BatchNormToDataclass(nn.Module):
 
 def test_a_forward_run_on_fake_inputs_leaves_the_buffers_as_they_were():
     """The runs on FakeTensors of the inputs (finding an output dataclass; whether the model itself
-    raises) ran ``num_batches_tracked.add_(1)`` for real: after one step it was 2 where eager's is 1
-    (sweep-s F2); a refused compile left it changed too, so a BatchNorm(momentum=None) trained
-    afterwards averaged with the wrong count."""
+    raises) ran ``num_batches_tracked.add_(1)`` for real: after one step it was 2 where eager's is 1;
+    a refused compile left it changed too, so a BatchNorm(momentum=None) trained afterwards averaged
+    with the wrong count."""
     torch.manual_seed(0)
     model = _BatchNormToDataclass()
     reference = copy.deepcopy(model)
