@@ -4,8 +4,10 @@
    ``nn_module_stack`` whose path ends in an integer and whose siblings (the other entries of its
    ``nn.Sequential`` or ``nn.ModuleList``) are all of its class (``h.3`` for every node inside
    ``h[3]``; ``layers.0.blocks.1`` inside a hierarchical model's stage ``layers[0]``, whose
-   blocks would otherwise make one layer of a whole stage); where no entry is such a block, the
-   outermost path ending in an integer (a ``Sequential`` of different layers: ``mlp.0``).
+   blocks would otherwise make one layer of a whole stage), or all hold modules of their own (a
+   stage of unlike blocks: NextViT's ``stages.2.blocks.4``, one ``NTB`` among ``NCB`` blocks);
+   where no entry is such a block, the outermost path ending in an integer (a ``Sequential`` of
+   different layers: ``mlp.0``).
 2. A node with no such entry is a layer of its own (``embedding``, ``ln_f``'s ``layer_norm``, ...).
 3. A layer is a maximal *contiguous* run of compute nodes (in topological order) with one key, so
    layers tile the compute nodes in order and packs can be contiguous ranges of layers.
@@ -177,12 +179,20 @@ def _indexed_paths(node: fx.Node) -> list[tuple[str, str]]:
 
 def _repeated_blocks(gm: fx.GraphModule) -> frozenset[str]:
     """The paths of modules that are one of two or more siblings of one class: a container's
-    repeated blocks (a transformer's ``h.3``, a stage's ``blocks.1``)."""
+    repeated blocks (a transformer's ``h.3``, a stage's ``blocks.1``); or one of two or more
+    siblings that all hold modules of their own: a stage of blocks of unlike classes (NextViT's
+    ``NCB`` and ``NTB`` blocks, DaViT's ``(SpatialBlock, ChannelBlock)`` pairs), which would
+    otherwise be one layer of a whole stage (or pair); a Sequential of single layers (``mlp.0``
+    a ``Linear``, ``mlp.1`` a ``GELU``) is not such a stage."""
     siblings: dict[str, dict[str, str]] = {}
+    parents: set[str] = set()  # paths of modules that hold a module a node ran in
     for node in gm.graph.nodes:
         for path, type_ in _indexed_paths(node):
             siblings.setdefault(path.rpartition(".")[0], {})[path] = type_
-    return frozenset(path for children in siblings.values() if len(children) >= 2 and len(set(children.values())) == 1
+        paths = [meta.module_path(path) for path, _type in (node.meta.get(meta.MODULE_STACK) or {}).values()]
+        parents.update(path for path, inner in zip(paths, paths[1:]) if inner.startswith(path + "."))
+    return frozenset(path for children in siblings.values()
+                     if len(children) >= 2 and (len(set(children.values())) == 1 or parents.issuperset(children))
                      for path in children)
 
 

@@ -1,10 +1,14 @@
 """find_layers: layers are the model's repeated blocks, tiling the compute nodes in order."""
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from torch import fx, nn
 
+import harmony_fx
+from harmony_fx.compiler.packing import BudgetTooSmallError
 from harmony_fx.ir import meta
 from harmony_fx.passes.find_layers import find_layers
 from tests.helpers import ZOO, prepared
@@ -108,3 +112,70 @@ def test_a_hierarchical_models_blocks_are_layers_not_its_stages():
     assert [(layer.name, len(layer.nodes)) for layer in find_layers(gm)] == [
         ("layers.0.blocks.0", 2), ("layers.0.blocks.1", 1), ("layers.0", 1), ("layers.1.blocks.0", 1),
         ("layers.1.blocks.1", 1)]
+
+
+def test_a_stage_of_unlike_blocks_is_cut_at_its_blocks():
+    """A stage whose blocks are of two classes (NextViT's NCB and NTB, DaViT's (SpatialBlock,
+    ChannelBlock) pairs) was one layer: its blocks' siblings were not all of one class, so the
+    stage was the innermost repeated module (timm's iformer_s: smallest budget 32.9 MiB where its
+    blocks fit in 6.1). Blocks that hold modules of their own are blocks; a Sequential of single
+    layers (``mlp.0`` a Linear, ``mlp.1`` a GELU) stays one layer."""
+    def stack(stage: int, block: int, kind: str, inner: str | None = None) -> dict:
+        entries = {"s": (f"stages.{stage}", "Stage"), "b": (f"stages.{stage}.blocks.{block}", kind)}
+        entries["c"] = (f"stages.{stage}.blocks.{block}.{inner or 'conv'}", "Conv2d" if inner is None else "Linear")
+        return entries
+
+    stacks = [stack(0, 0, "NCB"), stack(0, 1, "NCB"), stack(0, 2, "NTB"), stack(1, 0, "NCB"), stack(1, 1, "NTB"),
+              {"s": ("stages.1", "Stage"), "m": ("stages.1.mlp.0", "Linear")},
+              {"s": ("stages.1", "Stage"), "m": ("stages.1.mlp.1", "GELU")}]
+    assert [(layer.name, len(layer.nodes)) for layer in find_layers(_graph_with_stacks(stacks))] == [
+        ("stages.0.blocks.0", 1), ("stages.0.blocks.1", 1), ("stages.0.blocks.2", 1), ("stages.1.blocks.0", 1),
+        ("stages.1.blocks.1", 1), ("stages.1", 2)]
+
+
+class _ConvBlock(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(dim, dim, 3, padding=1)
+
+    def forward(self, x):
+        return x + torch.relu(self.conv(x))
+
+
+class _OtherConvBlock(_ConvBlock):
+    """A block of another class, its weights the size of a _ConvBlock's."""
+
+    def forward(self, x):
+        return x + nn.functional.gelu(self.conv(x))
+
+
+class _StagesNet(nn.Module):
+    def __init__(self, last: type, dim: int = 32) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(3, dim, 1)
+        self.stages = nn.Sequential(*[nn.Sequential(_ConvBlock(dim), _ConvBlock(dim), last(dim)) for _ in range(2)])
+        self.head = nn.Linear(dim, 10)
+
+    def forward(self, x):
+        return self.head(self.stages(self.stem(x)).mean((2, 3)))
+
+
+def test_a_stage_of_unlike_blocks_needs_the_budget_of_a_stage_of_like_ones_and_matches_eager():
+    x, y = torch.randn(2, 3, 8, 8), torch.randint(0, 10, (2,))
+
+    def smallest(last: type) -> int:
+        torch.manual_seed(0)
+        with pytest.raises(BudgetTooSmallError) as err:
+            harmony_fx.compile(_StagesNet(last), (x,), memory_budget=1, devices=["host:0"], microbatches=1)
+        return err.value.smallest_budget
+
+    budget = smallest(_OtherConvBlock)
+    assert budget <= 1.05 * smallest(_ConvBlock)  # was a whole stage's: 1.8x
+    torch.manual_seed(0)
+    model = _StagesNet(_OtherConvBlock)
+    reference = copy.deepcopy(model)
+    hm = harmony_fx.compile(model, (x,), memory_budget=budget, devices=["host:0"], microbatches=1, track_memory=True)
+    nn.functional.cross_entropy(hm(x), y).backward()
+    nn.functional.cross_entropy(reference(x), y).backward()
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=name)
