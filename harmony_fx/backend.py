@@ -172,9 +172,9 @@ def _copy_stack_values_written_in_place(gm: fx.GraphModule, placeholders: Sequen
     place: the graph writes a copy of it instead. Harmony refuses a write into an input (the caller's
     tensor would not change), with advice a user cannot follow for a value no code of theirs holds:
     only the frame Dynamo resumes reads it, and from the graph on."""
-    stacked = [node for node, item in zip(placeholders, inputs) if item.kind == _Kind.ACTIVATION
-               and "['___stack" in str(getattr(getattr(node.meta.get("grapharg"), "source", None), "name", ""))]
-    written = [node for node in stacked if any(_in_place(user) or user.kwargs.get("inplace") for user in node.users)]
+    written = [node for node, item in zip(placeholders, inputs)
+               if item.kind == _Kind.ACTIVATION and _users_name(node).startswith("___stack")
+               and any(_in_place(user) or user.kwargs.get("inplace") for user in node.users)]
     for node in written:
         with gm.graph.inserting_after(placeholders[-1]):
             copied = gm.graph.call_method("clone", (node,))

@@ -12,29 +12,39 @@ op is taken to write every tensor it is given.
 """
 from __future__ import annotations
 
+from typing import Iterator
+
 import torch
 from torch import fx
 
 from harmony_fx.analysis.aliasing import alias_base
 from harmony_fx.ir import meta
 
-__all__ = ["first_buffer_write", "written_arguments", "written_by"]
+__all__ = ["first_buffer_write", "written_buffers", "written_arguments", "written_by"]
 
 
 # BatchNorm's own buffers: per microbatch, or per device as DDP keeps them, by design
 _NORM_STATISTICS = ("num_batches_tracked", "running_mean", "running_var")
 
 
+def _buffer_writes(gm: fx.GraphModule) -> Iterator[tuple[fx.Node, fx.Node]]:
+    """Each node of ``gm`` that writes a buffer placeholder in place, with that placeholder."""
+    for node in gm.graph.nodes:
+        for arg in map(alias_base, written_by(node)):  # through a view too: self.stats[0] += x
+            if arg.op == "placeholder" and meta.role_of(arg) == meta.Role.BUFFER:
+                yield node, arg
+
+
 def first_buffer_write(gm: fx.GraphModule, statistics: bool = True) -> fx.Node | None:
     """The first node of ``gm`` that writes a buffer placeholder in place (``None``: none does);
     ``statistics=False``: not counting a batch norm's statistics."""
-    for node in gm.graph.nodes:
-        for arg in map(alias_base, written_by(node)):  # through a view too: self.stats[0] += x
-            if arg.op != "placeholder" or meta.role_of(arg) != meta.Role.BUFFER:
-                continue
-            if statistics or not str(arg.meta.get(meta.TARGET, "")).endswith(_NORM_STATISTICS):
-                return node
-    return None
+    return next((node for node, buffer in _buffer_writes(gm)
+                 if statistics or not str(buffer.meta.get(meta.TARGET, "")).endswith(_NORM_STATISTICS)), None)
+
+
+def written_buffers(gm: fx.GraphModule) -> set[str]:
+    """The model's names (``meta.TARGET``) of the buffers ``gm`` writes in place."""
+    return {str(buffer.meta.get(meta.TARGET, buffer.name)) for _, buffer in _buffer_writes(gm)}
 
 
 def written_arguments(node: fx.Node) -> list[fx.Node]:

@@ -26,9 +26,7 @@ import torch
 from torch import fx, nn
 from torch.utils import _pytree as pytree
 
-from harmony_fx.analysis.aliasing import alias_base
-from harmony_fx.analysis.buffer_writes import written_by
-from harmony_fx.ir import meta
+from harmony_fx.analysis.buffer_writes import written_buffers
 
 __all__ = ["tensor_attribute_writes_said"]
 
@@ -70,14 +68,6 @@ class CapturedGraph:
     gm: fx.GraphModule | None = None
 
 
-def _buffers_written(gm: fx.GraphModule | None) -> set[str]:
-    if gm is None:
-        return set()
-    bases = (alias_base(written) for node in gm.graph.nodes for written in written_by(node))
-    return {str(base.meta.get(meta.TARGET, base.name)) for base in bases
-            if base.op == "placeholder" and meta.role_of(base) == meta.Role.BUFFER}
-
-
 @contextlib.contextmanager
 def tensor_attribute_writes_said(model: nn.Module) -> Iterator[CapturedGraph]:
     """Around the capture of ``model``: warns once naming each attribute its forward set to a tensor
@@ -93,15 +83,16 @@ def tensor_attribute_writes_said(model: nn.Module) -> Iterator[CapturedGraph]:
         buffers_before.clear()
         buffers_before.update({name: dict(module._buffers) for name, module in model.named_modules()})
 
+    def keeps_a_tensor(name: str, module: nn.Module, key: str, value: object) -> bool:
+        if isinstance(value, torch.Tensor):
+            return before.get(name, {}).get(key) is not value and not _derived_from_parameters(module, key)
+        return isinstance(value, _CONTAINERS) and key not in _MODULES_OWN and \
+            _holds_new_tensors(value, contents.get((name, key)))
+
     def after_forward(*_) -> None:
         for name, module in model.named_modules():
-            seen = before.get(name, {})
             assigned.extend(f"{name}.{key}" if name else key for key, value in module.__dict__.items()
-                            if isinstance(value, torch.Tensor) and seen.get(key) is not value
-                            and not _derived_from_parameters(module, key))
-            assigned.extend(f"{name}.{key}" if name else key for key, value in module.__dict__.items()
-                            if isinstance(value, _CONTAINERS) and key not in _MODULES_OWN
-                            and _holds_new_tensors(value, contents.get((name, key))))
+                            if keeps_a_tensor(name, module, key, value))
             held = buffers_before.get(name, {})
             replaced.extend(f"{name}.{key}" if name else key for key, value in module._buffers.items()
                             if isinstance(value, torch.Tensor) and key in held and held[key] is not value)
@@ -115,7 +106,7 @@ def tensor_attribute_writes_said(model: nn.Module) -> Iterator[CapturedGraph]:
     finally:
         for handle in handles:
             handle.remove()
-    written = _buffers_written(captured.gm)
+    written = set() if captured.gm is None else written_buffers(captured.gm)
     replaced = [name for name in replaced if name not in written]
     if not (assigned or replaced) or model in _TOLD:
         return

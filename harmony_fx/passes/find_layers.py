@@ -30,6 +30,7 @@ from __future__ import annotations
 import dataclasses
 import operator
 import re
+from typing import Iterable
 
 import torch
 from torch import fx
@@ -55,7 +56,8 @@ class Layer:
 def find_layers(gm: fx.GraphModule) -> list[Layer]:
     layers: list[Layer] = []
     current_key, current_nodes = None, []
-    repeated = _repeated_blocks(gm)
+    stacks = {node: _module_stack(node) for node in gm.graph.nodes}
+    repeated = _repeated_blocks(stacks.values())
 
     def close() -> None:
         if current_nodes:
@@ -64,7 +66,7 @@ def find_layers(gm: fx.GraphModule) -> list[Layer]:
     for node in gm.graph.nodes:
         if node.op in ("placeholder", "output"):
             continue
-        key = _block_path(node, repeated)
+        key = _block_path(stacks[node], repeated)
         if key is None or key != current_key:
             close()
             current_key, current_nodes = key, []
@@ -169,15 +171,12 @@ def _written_state_accesses(gm: fx.GraphModule) -> dict[fx.Node, set[int]]:
     return accesses
 
 
-def _indexed_paths(node: fx.Node) -> list[tuple[str, str]]:
-    """The entries of ``node``'s module stack whose path ends in an integer, outermost first, with
-    their classes."""
-    stack = (node.meta.get(meta.MODULE_STACK) or {}).values()
-    return [(path, str(type_)) for path, type_ in ((meta.module_path(path), type_) for path, type_ in stack)
-            if _INDEXED_PATH.search(path)]
+def _module_stack(node: fx.Node) -> list[tuple[str, str]]:
+    """``node``'s module stack, outermost first: each module's path (export's spelling) and class."""
+    return [(meta.module_path(path), str(type_)) for path, type_ in (node.meta.get(meta.MODULE_STACK) or {}).values()]
 
 
-def _repeated_blocks(gm: fx.GraphModule) -> frozenset[str]:
+def _repeated_blocks(stacks: Iterable[list[tuple[str, str]]]) -> frozenset[str]:
     """The paths of modules that are one of two or more siblings of one class: a container's
     repeated blocks (a transformer's ``h.3``, a stage's ``blocks.1``); or one of two or more
     siblings that all hold modules of their own: a stage of blocks of unlike classes (NextViT's
@@ -186,20 +185,20 @@ def _repeated_blocks(gm: fx.GraphModule) -> frozenset[str]:
     a ``Linear``, ``mlp.1`` a ``GELU``) is not such a stage."""
     siblings: dict[str, dict[str, str]] = {}
     parents: set[str] = set()  # paths of modules that hold a module a node ran in
-    for node in gm.graph.nodes:
-        for path, type_ in _indexed_paths(node):
-            siblings.setdefault(path.rpartition(".")[0], {})[path] = type_
-        paths = [meta.module_path(path) for path, _type in (node.meta.get(meta.MODULE_STACK) or {}).values()]
-        parents.update(path for path, inner in zip(paths, paths[1:]) if inner.startswith(path + "."))
+    for stack in stacks:
+        for path, type_ in stack:
+            if _INDEXED_PATH.search(path):
+                siblings.setdefault(path.rpartition(".")[0], {})[path] = type_
+        parents.update(path for (path, _), (inner, _) in zip(stack, stack[1:]) if inner.startswith(path + "."))
     return frozenset(path for children in siblings.values()
                      if len(children) >= 2 and (len(set(children.values())) == 1 or parents.issuperset(children))
                      for path in children)
 
 
-def _block_path(node: fx.Node, repeated: frozenset[str]) -> str | None:
-    paths = [path for path, _type in _indexed_paths(node)]
-    blocks = [path for path in paths if path in repeated]
-    return blocks[-1] if blocks else (paths[0] if paths else None)
+def _block_path(stack: list[tuple[str, str]], repeated: frozenset[str]) -> str | None:
+    indexed = [path for path, _type in stack if _INDEXED_PATH.search(path)]
+    blocks = [path for path in indexed if path in repeated]
+    return blocks[-1] if blocks else (indexed[0] if indexed else None)
 
 
 def layer_inputs(layer_nodes: list[fx.Node]) -> list[fx.Node]:
