@@ -12,8 +12,9 @@ whose program fits the budget, without running every candidate:
    of its outputs, the previous pack's weights (fetched ahead) and what its last layer's backward
    adds, and what earlier microbatches leave beside a later one's backward (``PackingBounds``); a
    candidate whose bound passes the budget is never run, and where every candidate's does, the
-   budget is refused with one run: the most packs', whose peak is the smallest budget named (asked
-   for, the search tries that packing second, and it fits).
+   budget is refused with one run, the most packs', and a run of each of the few packings whose
+   bound is below its peak (fewer packs can need less): the least peak is the smallest budget named
+   (asked for, the search finds that packing possible, and it fits).
 2. **A monotone search over the rest.** A packing's peak mostly falls as its packs get more: the
    fewest packs are tried, then the most (the least memory), then bisection between the two for
    the fewest that fit: a handful of runs, where trying every count ran a hundred for a deep
@@ -120,9 +121,9 @@ def plan_packs(layer_costs: Sequence[int], evaluate: Callable[[list[int]], C], p
                name_smallest: bool | str = True, progress: Callable[[str], None] | None = None) -> tuple[list[int], C]:
     """The fewest packs whose program fits ``budget`` with ``margin`` bytes to spare (kept for
     allocations no shape predicts), by the search of the module docstring; raises
-    ``BudgetTooSmallError`` naming the smallest budget that fits when none does (where the most
-    packs, run in full to name it, fit after all, their bound having passed their peak, they are
-    the plan: the named budget always compiles).
+    ``BudgetTooSmallError`` naming the smallest budget that fits when none does (where the packing
+    run in full to name it fits after all, its bound having passed its peak, it is the plan: the
+    named budget always compiles).
     ``bound(boundaries, limit)``: a lower bound of the packing's peak (never above what ``evaluate``
     finds), or any lower bound above ``limit`` where one is (``None``: the bound itself);
     ``cut_short``: the search calls ``evaluate(boundaries, limit)``, which may stop where the peak
@@ -166,29 +167,65 @@ def plan_packs(layer_costs: Sequence[int], evaluate: Callable[[list[int]], C], p
         least = min([peak_of(candidate) for candidate in tried.values()] or [budget - margin + 1]) + margin
         raise BudgetTooSmallError(f"plan_packs: no packing fits the memory budget of {budget:,} bytes; these "
                                   f"packings need at least {least:,} bytes", least)
-    # nothing fits. The smallest budget named is the most packs' peak (run in full): asked for
-    # again, the search finds that packing possible (its bound is below its peak) and tries it second
+    # nothing fits. The smallest budget named is the least peak of the most packs (run in full) and
+    # of the few packings whose bound is below it (asked for again, the search finds that packing
+    # possible, its bound below its peak, and runs it)
     def count() -> BudgetTooSmallError:
         if progress is not None:
             progress(f"no candidate fits: the peak of {len(candidates[-1])} packs, in full")
         tried[candidates[-1]] = evaluate(list(candidates[-1]))
-        smallest = peak_of(tried[candidates[-1]]) + margin
-        return BudgetTooSmallError(
+        least = candidates[-1]
+        for at_least, boundaries in _rivals(candidates, bound, margin):
+            limit = peak_of(tried[least]) - 1
+            if at_least > limit + margin:
+                break
+            # cut short where it passes the least peak so far: only a packing needing less runs to its end
+            if progress is not None:
+                progress(f"the peak of {len(boundaries)} packs, its bound below it")
+            result = evaluate(list(boundaries), limit) if cut_short else evaluate(list(boundaries))
+            if peak_of(result) <= limit:
+                tried[boundaries], least = result, boundaries
+        smallest = peak_of(tried[least]) + margin
+        return _Counted(
             f"plan_packs: no packing fits the memory budget of {budget:,} bytes; the smallest budget that "
             f"fits is {smallest:,} bytes ({format_size(smallest)}). Raise memory_budget to at least that, "
             "or use a smaller batch or shorter inputs (more microbatches hold fewer activations at a time, but keep "
             "more of what each leaves: they need less only where activations dominate).",
-            smallest,
+            smallest, list(least),
         )
 
     if name_smallest == "when asked":
-        raise CountedWhenAsked(budget, count, bound(candidates[-1], None) + margin if bound is not None else 0)
+        at_least = min(bound(c, None) for c in candidates) + margin if bound is not None else 0
+        raise CountedWhenAsked(budget, count, at_least)
     error = count()
     if error.smallest_budget <= budget:
-        # its bound passed its peak after all (a value autograd frees sooner than counted): the most
-        # packs, run in full to name the smallest budget, fit. Refusing would name this budget again
-        return list(candidates[-1]), tried[candidates[-1]]
+        # its bound passed its peak after all (a value autograd frees sooner than counted): the
+        # packing run in full to name the smallest budget fits. Refusing would name this budget again
+        return error.boundaries, tried[tuple(error.boundaries)]
     raise error
+
+
+class _Counted(BudgetTooSmallError):
+    """A refusal naming the smallest budget, and the packing whose peak it is."""
+
+    def __init__(self, message: str, smallest_budget: int, boundaries: list[int]) -> None:
+        super().__init__(message, smallest_budget)
+        self.boundaries = boundaries
+
+
+def _rivals(candidates: Sequence[tuple[int, ...]], bound, margin: int) -> list[tuple[int, tuple[int, ...]]]:
+    """The packings of fewer packs than the last of ``candidates`` (the most) whose bound is below
+    its bound, lowest first, each with its bound (the margin added): memory does not always fall
+    with more packs (one pack per layer recomputes a wide layer alone, in a pack of its own, that
+    fewer packs keep in the last, whose forward graph stays for its backward), and where the
+    bounds say a packing may need less, it is run. A handful at most, as many as the search's
+    bisection runs (a deep model's packings of nearly as many packs share the bound of the most);
+    without a bound, none."""
+    if bound is None:
+        return []
+    most = bound(candidates[-1], None)
+    below = sorted((b, len(c), c) for c in candidates[:-1] if (b := bound(c, None)) < most)
+    return [(b + margin, c) for b, _, c in below[:len(candidates).bit_length()]]
 
 
 def fixed(boundaries: Sequence[int]) -> PackingPolicy:

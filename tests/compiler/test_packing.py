@@ -131,6 +131,38 @@ def test_runs_are_cut_short_at_the_budget_and_the_smallest_is_run_in_full():
     assert "smallest budget that fits is 7 bytes" in str(info.value)
 
 
+def test_a_refusal_names_fewer_packs_where_they_need_less():
+    """Memory need not fall with more packs: after the most packs' run the count runs the packings
+    whose bound is below theirs, lowest bound first, each cut short a byte below the least peak so
+    far, and names the least; a packing whose bound is not below the most packs' (nor below the
+    least peak so far) is never run."""
+    costs = [1] * 4
+    peaks = {(0,): 20, (0, 2): 9, (0, 2, 3): 7, (0, 1, 2, 3): 10}
+    bounds = {(0,): 20, (0, 2): 6, (0, 2, 3): 5, (0, 1, 2, 3): 10}
+    calls = []
+
+    def evaluate(boundaries, limit=None):
+        calls.append((list(boundaries), limit))
+        peak = peaks[tuple(boundaries)]
+        return peak if limit is None or peak <= limit else limit + 1
+
+    with pytest.raises(BudgetTooSmallError) as info:
+        plan_packs(costs, evaluate, lambda peak: peak, 4, bound=lambda b, limit: bounds[tuple(b)], cut_short=True)
+    assert info.value.smallest_budget == 7 and "smallest budget that fits is 7 bytes" in str(info.value)
+    # 3 packs (bound 5) under 10, then 2 packs (bound 6) under 7: cut short, 9 does not name
+    assert calls == [([0, 1, 2, 3], None), ([0, 2, 3], 9), ([0, 2], 6)]
+    calls.clear()
+    boundaries, peak = plan_packs(costs, evaluate, lambda peak: peak, 7, bound=lambda b, limit: bounds[tuple(b)],
+                                  cut_short=True)
+    assert (boundaries, peak) == ([0, 2, 3], 7)  # the named budget compiles
+
+    bounds[(0, 2, 3)], bounds[(0, 1, 2, 3)] = 9, 8  # not below the most packs' bound: never run, its 7 unseen
+    calls.clear()
+    with pytest.raises(BudgetTooSmallError) as info:
+        plan_packs(costs, evaluate, lambda peak: peak, 4, bound=lambda b, limit: bounds[tuple(b)], cut_short=True)
+    assert info.value.smallest_budget == 9 and calls == [([0, 1, 2, 3], None), ([0, 2], 9)]
+
+
 def test_plan_packs_names_the_smallest_budget():
     costs = [3, 9, 4]
     with pytest.raises(BudgetTooSmallError, match=r"smallest budget that fits is 9 bytes") as info:
@@ -236,7 +268,13 @@ def _check_against_the_full_search(costs, evaluate, peak_of, budget, policy, mar
                                                    policy, 0, bound=packing.PackingBounds(at), cut_short=True)
         except BudgetTooSmallError as error:
             assert not accepts, (limit, peaks)
-            assert error.smallest_budget == peaks[candidates[-1]] > limit
+            # a packing's peak, no more than the most packs'; the least of all where the most packs'
+            # bound is their peak and no more packings have a bound below it than the count runs
+            most = candidates[-1]
+            assert error.smallest_budget in peaks.values() and limit < error.smallest_budget <= peaks[most]
+            rivals = [c for c in candidates[:-1] if bounds[c] < bounds[most]]
+            if bounds[most] == peaks[most] and len(rivals) <= len(candidates).bit_length():
+                assert error.smallest_budget == min(peaks.values()), (error.smallest_budget, peaks)
         else:
             assert accepts and peaks[tuple(chosen)] == candidate.peak <= limit, (limit, chosen, peaks)
     return packing.plan_packs(costs, evaluate, peak_of, budget, policy, margin, **options)
@@ -247,7 +285,7 @@ def _check_against_the_full_search(costs, evaluate, peak_of, budget, policy, mar
 @given(widths=st.lists(st.sampled_from([4, 16, 48]), min_size=3, max_size=5), skip=st.booleans(),
        wide_head=st.booleans(), microbatches=st.sampled_from([1, 2]))
 # found by 150 examples: 3 packs peak at 752 B, the most (5) at 848 B, so the search must not refuse
-# 752 on the most packs' word alone
+# 752 on the most packs' word alone, and a refusal names 752
 @example(widths=[4, 4, 4], skip=False, wide_head=True, microbatches=1)
 def test_the_search_never_refuses_a_budget_the_full_search_accepts(monkeypatch, widths, skip, wide_head, microbatches):
     from harmony_fx.compiler import driver
@@ -555,13 +593,15 @@ def test_the_bound_is_the_peak_where_a_pack_is_a_layer(monkeypatch, model_and_in
     most, bound, peak = seen[-1]
     assert bound == peak, (len(most), bound, peak)
 
-    _assert_refused_with_one_run(monkeypatch, model_and_inputs, 1, peak - 1, peak, most)
+    assert _refused_runs(monkeypatch, model_and_inputs, 1, peak - 1, seen) == [list(most)]
 
 
-def _assert_refused_with_one_run(monkeypatch, model_and_inputs, microbatches: int, budget: int, smallest: int,
-                                 most: tuple[int, ...]) -> None:
-    """``budget`` is refused naming ``smallest``, with only the run of the most packs (``most``),
-    the one that names it: the bounds ruled every other packing out."""
+def _refused_runs(monkeypatch, model_and_inputs, microbatches: int, budget: int,
+                  seen: list[tuple[tuple[int, ...], int, int]]) -> list[list[int]]:
+    """The packings run to refuse ``budget``: first the most packs (the least memory where memory
+    falls with more packs), then only packings whose bound is below theirs (fewer packs may need
+    less), a handful at most; the smallest budget named is the least peak of those, as ``seen``
+    (``_bounds_and_peaks``) measured each in full."""
     from harmony_fx.compiler import driver
 
     monkeypatch.setattr(driver, "plan_packs", plan_packs)
@@ -570,8 +610,12 @@ def _assert_refused_with_one_run(monkeypatch, model_and_inputs, microbatches: in
     monkeypatch.setattr(driver, "evaluate", lambda *args, **kwargs: runs.append(args[1]) or evaluate(*args, **kwargs))
     with pytest.raises(BudgetTooSmallError) as refused:
         harmony_fx.compile(*model_and_inputs(), devices=["host:0"], microbatches=microbatches, memory_budget=budget)
-    assert refused.value.smallest_budget == smallest
-    assert runs == [list(most)]
+    bounds, peaks = {b: bound for b, bound, _ in seen}, {b: peak for b, _, peak in seen}
+    most = seen[-1][0]
+    assert runs[0] == list(most)
+    assert all(bounds[tuple(run)] < bounds[most] for run in runs[1:]) and len(runs) <= 1 + len(seen).bit_length()
+    assert refused.value.smallest_budget == min(peaks[tuple(run)] for run in runs)
+    return runs
 
 
 @pytest.mark.parametrize("model_and_inputs,least", [(_tiny_gpt_four_blocks, 0.99), (_conditioned, 0.8)],
@@ -584,7 +628,7 @@ def test_the_bound_counts_what_earlier_microbatches_leave(monkeypatch, model_and
     a last pack not fused with the loss keeps every microbatch's graph from its forward: counted,
     the bound at the most packs is at least ``least`` of the peak (1.0 and 0.82; 0.89 and 0.76
     where the second backward was counted as it begins), and never above it; a budget below every
-    bound is refused with the one run that names the smallest."""
+    bound is refused with the runs that name the smallest."""
     seen = _bounds_and_peaks(monkeypatch, lambda: harmony_fx.compile(*model_and_inputs(), devices=["host:0"],
                                                                      microbatches=2))
     assert all(bound <= peak for _, bound, peak in seen), seen
@@ -592,7 +636,7 @@ def test_the_bound_counts_what_earlier_microbatches_leave(monkeypatch, model_and
     assert least * peak <= bound, (len(most), bound, peak)
 
     lowest = min(bound for _, bound, _ in seen)
-    _assert_refused_with_one_run(monkeypatch, model_and_inputs, 2, lowest - 1, peak, most)
+    _refused_runs(monkeypatch, model_and_inputs, 2, lowest - 1, seen)
 
 
 def test_one_packing_is_run_fetching_ahead_first(monkeypatch):
