@@ -23,7 +23,7 @@ from harmony_fx.calibrate import spec_for
 from harmony_fx.compiler.compiled import Compiled
 from harmony_fx.compiler.driver import compile_program
 from harmony_fx.compiler.host_memory import OptimizerFacts
-from harmony_fx.compiler.packing import verify_programs
+from harmony_fx.compiler.packing import BudgetTooSmallError, verify_programs
 from harmony_fx.compiler.stages import StageLog
 from harmony_fx.config import CompileOptions, check_option_names, format_size, option_names
 from harmony_fx.frontend import microbatch
@@ -457,8 +457,9 @@ class HarmonyModule:
             except Exception as error:  # noqa: BLE001 - the donor's decisions are a shortcut: plan afresh
                 # (it does not fit; or its microbatches cut this batch into sizes whose graphs differ,
                 # a sample's graph having other layers than its packs index)
-                how = (f"{packing} does not serve here ({type(error).__name__}: "
-                       f"{str(error).splitlines()[0][:80]}...): planned afresh")
+                kind = BudgetTooSmallError.__name__ if isinstance(error, BudgetTooSmallError) else type(error).__name__
+                how = f"{packing} does not serve here ({kind}: "
+                how += f"{str(error).splitlines()[0][:80]}...): planned afresh"
                 module.__dict__.pop("compiled", None)
         if "compiled" not in module.__dict__:  # no packing to reuse, or it did not fit
             module._compile(args, kwargs, key)

@@ -170,7 +170,7 @@ def plan_packs(layer_costs: Sequence[int], evaluate: Callable[[list[int]], C], p
     # nothing fits. The smallest budget named is the least peak of the most packs (run in full) and
     # of the few packings whose bound is below it (asked for again, the search finds that packing
     # possible, its bound below its peak, and runs it)
-    def count() -> BudgetTooSmallError:
+    def count_least() -> tuple[BudgetTooSmallError, tuple[int, ...]]:
         if progress is not None:
             progress(f"no candidate fits: the peak of {len(candidates[-1])} packs, in full")
         tried[candidates[-1]] = evaluate(list(candidates[-1]))
@@ -186,31 +186,23 @@ def plan_packs(layer_costs: Sequence[int], evaluate: Callable[[list[int]], C], p
             if peak_of(result) <= limit:
                 tried[boundaries], least = result, boundaries
         smallest = peak_of(tried[least]) + margin
-        return _Counted(
+        return BudgetTooSmallError(
             f"plan_packs: no packing fits the memory budget of {budget:,} bytes; the smallest budget that "
             f"fits is {smallest:,} bytes ({format_size(smallest)}). Raise memory_budget to at least that, "
             "or use a smaller batch or shorter inputs (more microbatches hold fewer activations at a time, but keep "
             "more of what each leaves: they need less only where activations dominate).",
-            smallest, list(least),
-        )
+            smallest,
+        ), least
 
     if name_smallest == "when asked":
         at_least = min(bound(c, None) for c in candidates) + margin if bound is not None else 0
-        raise CountedWhenAsked(budget, count, at_least)
-    error = count()
+        raise CountedWhenAsked(budget, lambda: count_least()[0], at_least)
+    error, least = count_least()
     if error.smallest_budget <= budget:
         # its bound passed its peak after all (a value autograd frees sooner than counted): the
         # packing run in full to name the smallest budget fits. Refusing would name this budget again
-        return error.boundaries, tried[tuple(error.boundaries)]
+        return list(least), tried[least]
     raise error
-
-
-class _Counted(BudgetTooSmallError):
-    """A refusal naming the smallest budget, and the packing whose peak it is."""
-
-    def __init__(self, message: str, smallest_budget: int, boundaries: list[int]) -> None:
-        super().__init__(message, smallest_budget)
-        self.boundaries = boundaries
 
 
 def _rivals(candidates: Sequence[tuple[int, ...]], bound, margin: int) -> list[tuple[int, tuple[int, ...]]]:
