@@ -106,6 +106,7 @@ class HarmonyTrainer(transformers.Trainer):
         self._window: list[dict] = []  # the batches of the optimizer step under way
         self._reads_num_items: bool | None = None  # whether the model's loss reads num_items_in_batch
         self._with_compute_loss: _WithComputeLoss | None = None  # the model inside a compute_loss override
+        self._warned_one_mean = False  # _warn_of_one_mean said it once
         super().__init__(**{**{name: value for name, value in bound.items() if name != "self"}, "args": training_args})
 
     # ------------------------------------------------------------------ the model stays on the host
@@ -179,11 +180,39 @@ class HarmonyTrainer(transformers.Trainer):
             if self._batches_are_microbatches(batches):
                 weight = 1.0 if adds else 1.0 / len(batches)
                 loss = harmony.step(batch, microbatch_weights=[weight] * len(batches))
-            elif adds and (not passed or not self._reads_num_items_in(batch)):
-                loss = harmony.step(batch, loss_scale=len(batches))
             else:
-                loss = harmony.step(batch)
+                own_mean = not passed or not self._reads_num_items_in(batch)
+                if own_mean and len(batches) > 1:
+                    self._warn_of_one_mean(batches)
+                loss = harmony.step(batch, loss_scale=len(batches)) if adds and own_mean else harmony.step(batch)
         return loss.detach().to(self.args.device)
+
+    def _warn_of_one_mean(self, batches: list[dict]) -> None:
+        """Once per trainer: the step's batches ran as one batch and the loss is the model's own mean
+        (it ignores ``num_items_in_batch``), so it is the mean over all the step's samples or labelled
+        tokens where transformers adds each batch's own mean: the two differ where the batches count
+        differently (sizes, labelled tokens). Where every batch counts alike they are the same: no warning."""
+        counts = [_counted(batch) for batch in batches]
+        if self._warned_one_mean or len(set(counts)) == 1:
+            return
+        self._warned_one_mean = True
+        microbatches = self._harmony_options.get("microbatches", self.args.gradient_accumulation_steps)
+        sizes = [len(next(value for value in batch.values() if isinstance(value, torch.Tensor))) for batch in batches]
+        accumulated = self.args.gradient_accumulation_steps
+        if microbatches != accumulated:
+            why, advice = (f"harmony_options microbatches={microbatches!r}, not gradient_accumulation_steps={accumulated}",
+                           "leave microbatches out of harmony_options (it defaults to gradient_accumulation_steps)")
+        elif len(set(sizes)) > 1:
+            why, advice = (f"its batches differ in size ({sizes}: an epoch's last step)",
+                           "pass TrainingArguments(dataloader_drop_last=True) to step only on whole batches")
+        else:
+            why, advice = (f"it holds {len(batches)} of gradient_accumulation_steps={accumulated} batches: an epoch's "
+                           "last step", "give the epoch a multiple of gradient_accumulation_steps batches")
+        warnings.warn(f"HarmonyTrainer: the {len(batches)} batches of a step ran as one batch ({why}), and the model's "
+                      "loss is a mean of its own (it does not read num_items_in_batch): harmony's loss and gradients "
+                      f"are the mean over the step's {sum(counts)} labelled tokens or samples, where transformers.Trainer "
+                      f"adds each batch's own mean (over {counts}), so they differ from transformers'. To step as "
+                      f"transformers does, {advice}.", UserWarning, stacklevel=3)
 
     def _batches_are_microbatches(self, batches: list[dict]) -> bool:
         """Whether harmony cuts the step's batch into exactly its batches: as many microbatches as
@@ -378,6 +407,13 @@ def _refusals(args: transformers.TrainingArguments, trainer_arguments: Mapping[s
     if args.world_size > 1:
         refused.append("several processes (torchrun/accelerate launch): HarmonyTrainer runs in one process and "
                        "spreads it over the GPUs in harmony_options['devices']; launch one process")
+    from transformers.trainer_seq2seq import Seq2SeqTrainer  # the class itself, wherever its name was rebound
+
+    if getattr(args, "predict_with_generate", False) and not isinstance(trainer_arguments.get("self"), Seq2SeqTrainer):
+        refused.append("predict_with_generate=True: HarmonyTrainer is a transformers.Trainer, whose evaluation "
+                       "returns logits, not generated tokens; make a class of both, class HarmonySeq2SeqTrainer("
+                       "HarmonyTrainer, Seq2SeqTrainer): pass (its loss runs through harmony, generate() eagerly "
+                       "on the host model, outside the memory budget), or pass predict_with_generate=False")
     if (args.save_strategy != "no" or args.resume_from_checkpoint) and options.get("nvme_path") is not None:
         refused.append("nvme_path with checkpoints: transformers' checkpoint files hold the optimizer state in host "
                        "memory, not the NVMe tier's; pass save_strategy='no', or train with harmony_fx.Trainer, whose "
@@ -412,6 +448,15 @@ def _forward_reads(model: nn.Module, batch: dict[str, Any], key: str) -> bool:
     except Exception:  # noqa: BLE001 - FakeTensors' refusals; the modes are left by their own exits
         return True
     return read
+
+
+def _counted(batch: dict[str, Any]) -> int:
+    """What a mean loss over ``batch`` divides by, as far as the batch says: its labelled tokens (integer
+    ``labels`` other than -100), else its samples."""
+    labels = batch.get("labels")
+    if isinstance(labels, torch.Tensor) and not labels.is_floating_point():
+        return int((labels != _PAD_VALUES["labels"]).sum())
+    return len(next(value for value in batch.values() if isinstance(value, torch.Tensor)))
 
 
 def _one_batch(batches: list[dict[str, Any]], pad_token_id: int, padding_side: str) -> dict[str, Any]:

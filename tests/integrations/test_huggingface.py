@@ -465,6 +465,87 @@ def test_a_masked_lm_whose_loss_ignores_num_items_adds_its_batch_means_over_thei
     _assert_same_steps(steps, eager_steps)
 
 
+def test_a_step_run_as_one_batch_over_a_mean_of_its_own_warns_where_it_differs_from_transformers(tmp_path):
+    """With microbatches other than gradient_accumulation_steps the step's batches run as one batch:
+    a loss that is the model's own mean (BERT's masked LM, over labelled tokens the two batches count
+    differently) is then the mean over the whole step, not transformers' sum of the batches' means.
+    That was silent; now a warning says so, once, and how to step as transformers does. A classifier
+    whose batches count alike steps as transformers does and is not warned about."""
+    import warnings
+
+    arguments = {"eval_strategy": "no", "save_strategy": "no", "max_steps": 2}
+    torch.manual_seed(0)
+    with pytest.warns(UserWarning, match=r"batches of a step ran as one batch \(harmony_options microbatches=1, not "
+                      r"gradient_accumulation_steps=2\).*leave microbatches out of harmony_options") as caught:
+        _train(HarmonyTrainer, build_hf_model("bert"), tmp_path / "masked", arguments=arguments,
+               harmony_options={"memory_budget": "1MiB", "microbatches": 1})
+    assert len([w for w in caught if "ran as one batch" in str(w.message)]) == 1
+    _, eager_steps, _ = _train(transformers.Trainer, _classifier(), tmp_path / "eager", train_data=_Labelled(32),
+                               arguments=arguments)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _, steps, _ = _train(HarmonyTrainer, _classifier(), tmp_path / "classifier", train_data=_Labelled(32),
+                             arguments=arguments, harmony_options={"microbatches": 1})
+    _assert_same_steps(steps, eager_steps)
+    assert not [w for w in caught if "ran as one batch" in str(w.message)]
+
+
+class _Pairs(torch.utils.data.Dataset):
+    """Source and target token sequences for a sequence-to-sequence model."""
+
+    def __init__(self, size: int) -> None:
+        generator = torch.Generator().manual_seed(0)
+        self.ids = torch.randint(2, VOCAB, (size, SEQ), generator=generator)
+        self.labels = torch.randint(2, VOCAB, (size, 6), generator=generator)
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, index: int) -> dict:
+        return {"input_ids": self.ids[index], "attention_mask": torch.ones(SEQ, dtype=torch.long),
+                "labels": self.labels[index]}
+
+
+def test_predict_with_generate_is_refused_unless_the_trainer_is_also_a_seq2seq_trainer(tmp_path):
+    """HarmonyTrainer alone is a transformers.Trainer: Seq2SeqTrainingArguments(predict_with_generate=True)
+    was ignored and the evaluation handed logits to a compute_metrics that decodes generated tokens.
+    Now refused, naming the class that honors it; that class (HarmonyTrainer and Seq2SeqTrainer)
+    trains and evaluates, generation included, as Seq2SeqTrainer does."""
+    def t5():
+        torch.manual_seed(0)
+        return transformers.T5ForConditionalGeneration(transformers.T5Config(
+            vocab_size=VOCAB, d_model=16, d_kv=8, d_ff=32, num_layers=2, num_decoder_layers=2, num_heads=2,
+            dropout_rate=0.0, pad_token_id=0, eos_token_id=1, decoder_start_token_id=0))
+
+    def arguments(folder):
+        return transformers.Seq2SeqTrainingArguments(
+            output_dir=str(tmp_path / folder), per_device_train_batch_size=4, per_device_eval_batch_size=4,
+            gradient_accumulation_steps=2, max_steps=2, learning_rate=3e-3, predict_with_generate=True,
+            generation_max_length=8, logging_steps=1, eval_strategy="no", save_strategy="no", report_to=[],
+            disable_tqdm=True, use_cpu=True, dataloader_pin_memory=False)
+
+    with pytest.raises(ValueError, match=r"HarmonyTrainer cannot honor predict_with_generate=True: .*"
+                                         r"class HarmonySeq2SeqTrainer\(HarmonyTrainer, Seq2SeqTrainer\)"):
+        HarmonyTrainer(model=t5(), args=arguments("refused"), train_dataset=_Pairs(16))
+
+    class HarmonySeq2SeqTrainer(HarmonyTrainer, transformers.Seq2SeqTrainer):
+        pass
+
+    results = []
+    for trainer_class, options in ((transformers.Seq2SeqTrainer, {}),
+                                   (HarmonySeq2SeqTrainer, {"harmony_options": {"memory_budget": "256KiB"}})):
+        trainer = trainer_class(model=t5(), args=arguments(trainer_class.__name__), train_dataset=_Pairs(16),
+                                eval_dataset=_Pairs(8), **options)
+        trainer.train()
+        prediction = trainer.predict(_Pairs(8))
+        losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+        results.append((losses, prediction.predictions, prediction.metrics["test_loss"]))
+    (eager_losses, eager_tokens, eager_loss), (losses, tokens, loss) = results
+    assert losses == pytest.approx(eager_losses, rel=RTOL)
+    assert loss == pytest.approx(eager_loss, rel=RTOL)
+    assert (tokens == eager_tokens).all()  # generated tokens, not logits
+
+
 class _Answers(torch.utils.data.Dataset):
     """Question answering: a start or end position past the sequence is ignored (transformers
     clamps it to ignore_index), so the start and end losses are means over different counts."""
