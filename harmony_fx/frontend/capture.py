@@ -23,6 +23,7 @@ import contextlib
 import dataclasses
 import inspect
 import logging
+import operator
 import os
 import pathlib
 import random
@@ -365,8 +366,47 @@ def _bounded_capture(model: nn.Module, args: tuple, kwargs: dict, stack_traces: 
     """The capture with its sizes bounded (``passes.bound_sizes``), and the first construct
     ``frontend.refusals`` refuses in it (``None``: none)."""
     captured = _capture(model, args, kwargs, stack_traces, dtype)
+    _drop_value_asserts(captured.gm)
     bound_sizes(captured.gm)
     return captured, first_refused(captured.gm)
+
+
+_COMPARISONS = {operator.le, operator.lt, operator.ge, operator.gt, operator.eq, operator.ne}
+_ASSERT = torch.ops.aten._assert_scalar.default
+
+
+def _drop_value_asserts(gm: fx.GraphModule) -> None:
+    """A value read into Python only to assert on it (XLM's ``assert lengths.max().item() <= slen``,
+    captured as ``item`` -> ``le`` -> ``_assert_scalar``) sizes and computes nothing, but the
+    planning run on FakeTensors cannot read it: the read, its comparisons and the assertion are
+    dropped, and what only the read used. The check is then not made (eager's would raise)."""
+    order = {node: index for index, node in enumerate(gm.graph.nodes)}
+    for read in list(gm.graph.find_nodes(op="call_function", target=torch.ops.aten.item.default)):
+        checks = _asserted_only(read)
+        for node in sorted(checks, key=order.__getitem__, reverse=True):  # users first
+            gm.graph.erase_node(node)
+        unused = [arg for arg in read.all_input_nodes] if checks else []
+        while unused:  # what only the read used (the max it reads)
+            node = unused.pop()
+            if node.op == "call_function" and not node.users and not node.is_impure() and node in order:
+                unused.extend(node.all_input_nodes)
+                gm.graph.erase_node(node)
+                del order[node]
+    gm.recompile()
+
+
+def _asserted_only(read: fx.Node) -> set[fx.Node]:
+    """``read`` and all it reaches, where all of it compares or asserts and an assertion is among
+    it; else none."""
+    reached, frontier = {read}, [read]
+    while frontier:
+        for user in frontier.pop().users:
+            if user.target not in _COMPARISONS and user.target is not _ASSERT:
+                return set()
+            if user not in reached:
+                reached.add(user)
+                frontier.append(user)
+    return reached if any(node.target is _ASSERT for node in reached) else set()
 
 
 def _scalar_reductions(gm: fx.GraphModule, state: dict[str, torch.Tensor]) -> dict[str, ScalarReduction]:
@@ -492,11 +532,14 @@ def _where_and_labels(export_error: Exception, kwargs: dict) -> str:
     # a frame inside torch (export's own __torch_function__) says nothing about the model
     torch_dir = pathlib.Path(torch.__file__).parent
     message = str(export_error)
+    # nor does one of harmony_fx's own (the recorder an autograd Function's forward runs under)
+    ours = pathlib.Path(__file__).resolve().parent.parent
     where = [f"{path}:{line} in {function}: {code.strip()}" for path, line, function, code in _RAISED_BY.findall(message)
-             if not pathlib.Path(path).is_relative_to(torch_dir)]
+             if not pathlib.Path(path).is_relative_to(torch_dir) and not pathlib.Path(path).resolve().is_relative_to(ours)]
     caused_by = _CAUSED_BY.findall(message)
     inside = [frame for frame in caused_by if (torch_dir / frame.split(":")[0]).exists()]
-    where += [_full_path(frame) for frame in caused_by if frame not in inside]
+    where += [full for full in (_full_path(frame) for frame in caused_by if frame not in inside)
+              if not pathlib.Path(full.split(":")[0]).resolve().is_relative_to(ours)]
     # torch's tracing machinery (export's own __torch_function__, fx, Dynamo) is where every such
     # stop is seen from, not a function of torch's the model called
     inside = [frame for frame in inside if not frame.startswith(_TRACING_MACHINERY)]

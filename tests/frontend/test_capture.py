@@ -447,3 +447,70 @@ def test_a_forward_run_on_fake_inputs_leaves_the_buffers_as_they_were():
         harmony_fx.compile(refused, (x,), devices=["host:0"], microbatches=1)
     for name, value in refused.state_dict().items():
         assert torch.equal(value, before[name]), name
+
+
+# a plain assert, as a model's file has it (pytest rewrites the asserts of this file)
+_model_file: dict = {}
+exec(compile("def lengths_fit(ids):\n    assert (ids != 0).sum(dim=1).long().max().item() <= ids.size(1)\n",
+             "<model>", "exec"), _model_file)
+_lengths_fit = _model_file["lengths_fit"]
+
+
+def test_a_value_read_only_to_assert_on_it_is_dropped_not_refused():
+    """XLM's ``assert lengths.max().item() <= slen``: the value read into Python is only asserted on
+    (export: item -> le -> _assert_scalar), so nothing is sized by it: the model compiles, in
+    several packs, and steps as eager does (it was refused as a read into Python)."""
+
+    class Lengths(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed, self.head = nn.Embedding(32, 16), nn.Linear(16, 32)
+
+        def forward(self, ids):
+            _lengths_fit(ids)
+            return F.cross_entropy(self.head(torch.relu(self.embed(ids))).flatten(0, 1), ids.flatten())
+
+    torch.manual_seed(0)
+    model = Lengths()
+    reference = copy.deepcopy(model)
+    ids = torch.randint(1, 32, (4, 8), generator=torch.Generator().manual_seed(1))
+    assert not [n for n in capture(model, (ids,)).gm.graph.nodes if n.target is torch.ops.aten.item.default]
+    with pytest.raises(harmony_fx.BudgetTooSmallError) as refused:
+        harmony_fx.compile(model, (ids,), memory_budget=1, devices=["host:0"], microbatches=1)
+    hm = harmony_fx.compile(model, (ids,), memory_budget=refused.value.smallest_budget, devices=["host:0"],
+                            microbatches=1)
+    assert len(hm.packs) > 1
+    loss = hm(ids)
+    loss.backward()
+    expected = reference(ids)
+    expected.backward()
+    torch.testing.assert_close(loss, expected)
+    assert_grads_equal(model, reference)
+
+
+def test_a_branch_on_values_inside_an_autograd_function_names_the_models_line():
+    """Reformer's reversible layers are an autograd Function: a branch on values in its forward is
+    refused naming the Function's line, not harmony_fx's recorder it runs under (it named
+    ``harmony_fx/ir/autograd_functions.py`` as "the model's code")."""
+
+    class Branchy(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x * 2 if x.sum() > 0 else x * 3  # the line named
+
+        @staticmethod
+        def backward(ctx, grad):
+            return grad * 2
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+        def forward(self, x):
+            return self.b(Branchy.apply(self.a(x))).sum()
+
+    with pytest.raises(CaptureError) as refused:
+        harmony_fx.compile(Model(), (torch.randn(4, 8),), devices=["host:0"])
+    assert "harmony_fx/ir" not in str(refused.value)
+    assert "test_capture.py" in str(refused.value) and "in forward" in str(refused.value)
