@@ -373,6 +373,7 @@ def _bounded_capture(model: nn.Module, args: tuple, kwargs: dict, stack_traces: 
 
 _COMPARISONS = {operator.le, operator.lt, operator.ge, operator.gt, operator.eq, operator.ne}
 _ASSERT = torch.ops.aten._assert_scalar.default
+_METADATA_CHECK = torch.ops.aten._assert_tensor_metadata.default
 
 
 def _drop_value_asserts(gm: fx.GraphModule) -> None:
@@ -380,15 +381,21 @@ def _drop_value_asserts(gm: fx.GraphModule) -> None:
     captured as ``item`` -> ``le`` -> ``_assert_scalar``) sizes and computes nothing, but the
     planning run on FakeTensors cannot read it: the read, its comparisons and the assertion are
     dropped, and what only the read used. The check is then not made (eager's would raise)."""
+    reads = [read for read in gm.graph.find_nodes(op="call_function", target=torch.ops.aten.item.default)
+             if _asserted_only(read)]
+    if not reads:  # most graphs: their code is not made again
+        return
     order = {node: index for index, node in enumerate(gm.graph.nodes)}
-    for read in list(gm.graph.find_nodes(op="call_function", target=torch.ops.aten.item.default)):
-        checks = _asserted_only(read)
-        for node in sorted(checks, key=order.__getitem__, reverse=True):  # users first
+    for read in reads:
+        unused = list(read.all_input_nodes)  # erasing a node forgets its inputs
+        for node in sorted(_asserted_only(read), key=order.__getitem__, reverse=True):  # users first
             gm.graph.erase_node(node)
-        unused = [arg for arg in read.all_input_nodes] if checks else []
-        while unused:  # what only the read used (the max it reads)
+        while unused:  # what only the read used (the max it reads), and export's checks of its dtype
             node = unused.pop()
-            if node.op == "call_function" and not node.users and not node.is_impure() and node in order:
+            if (node.op == "call_function" and node in order and not node.is_impure()
+                    and all(user.target is _METADATA_CHECK for user in node.users)):
+                for check in list(node.users):
+                    gm.graph.erase_node(check)
                 unused.extend(node.all_input_nodes)
                 gm.graph.erase_node(node)
                 del order[node]
