@@ -381,8 +381,8 @@ def _drop_value_asserts(gm: fx.GraphModule) -> None:
     captured as ``item`` -> ``le`` -> ``_assert_scalar``) sizes and computes nothing, but the
     planning run on FakeTensors cannot read it: the read, its comparisons and the assertion are
     dropped, and what only the read used. The check is then not made (eager's would raise)."""
-    reads = [read for read in gm.graph.find_nodes(op="call_function", target=torch.ops.aten.item.default)
-             if _asserted_only(read)]
+    reads = [read for target in (torch.ops.aten.item.default, torch.ops.aten._local_scalar_dense.default)
+             for read in gm.graph.find_nodes(op="call_function", target=target) if _asserted_only(read)]
     if not reads:  # most graphs: their code is not made again
         return
     order = {node: index for index, node in enumerate(gm.graph.nodes)}
