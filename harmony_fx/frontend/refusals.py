@@ -47,17 +47,17 @@ def first_refused(gm: fx.GraphModule) -> tuple[fx.Node, Callable[[str], str]] | 
         for written in written_by(node, unknown_writes_all=False):  # inside a no_grad region too
             base = alias_base(written)
             if base.op == "placeholder" and meta.role_of(base) == meta.Role.INPUT:
-                return node, lambda where, name=base.name: (
+                return _inner_writer(node, written), lambda where, name=base.name: (
                     f"the model modifies its input {name!r} in place at {where}; harmony_fx runs the model on "
                     "copies of its inputs, so the change would not reach your tensor. Compute a new tensor "
                     f"instead (e.g. {name} = {name} + 1 rather than {name}.add_(1)), or clone the input first.")
             if base.op == "placeholder" and meta.role_of(base) == meta.Role.PARAM:
-                return node, lambda where, name=str(base.meta.get(meta.TARGET, base.name)): (
+                return _inner_writer(node, written), lambda where, name=str(base.meta.get(meta.TARGET, base.name)): (
                     f"the model modifies its parameter {name!r} in place in its forward, at {where} "
                     "(nn.Embedding(max_norm=...) renormalises the rows it looks up; a weight clipped or projected "
                     "under no_grad): harmony_fx computes on a copy of each pack's weights, so the change would not "
                     "reach the parameter. Do it outside the forward (after optimizer.step(), "
-                    f"with torch.no_grad(): ...), or leave max_norm out.")
+                    f"with torch.no_grad(): ...), or turn it off (nn.Embedding: leave max_norm out).")
         if node.op != "call_function":
             continue
         if functorch_call(node):
@@ -136,6 +136,22 @@ def _unsized_without_values(node: fx.Node) -> bool:
     except Exception:  # noqa: BLE001 - anything else is the planning run's to meet, with its own words
         return False
     return False
+
+
+def _inner_writer(node: fx.Node, written: fx.Node) -> fx.Node:
+    """The op that writes ``written``: ``node`` itself, or the one inside the ``torch.no_grad()``
+    region ``node`` runs (whose stack trace names the model's line; the region's names none)."""
+    if isinstance(node.target, torch._ops.OpOverload) or node.graph.owning_module is None:
+        return node
+    for index, arg in enumerate(node.args):
+        region = getattr(node.graph.owning_module, arg.target, None) if getattr(arg, "op", None) == "get_attr" else None
+        if not isinstance(region, fx.GraphModule):
+            continue
+        inner = dict(zip(node.args[index + 1:], region.graph.find_nodes(op="placeholder"))).get(written)
+        for inner_node in region.graph.nodes:
+            if inner is not None and any(alias_base(w) is inner for w in written_by(inner_node, unknown_writes_all=False)):
+                return _inner_writer(inner_node, alias_base(inner))
+    return node
 
 
 def refusal(found: tuple[fx.Node, Callable[[str], str]]) -> ValueError:

@@ -106,9 +106,11 @@ class _ClipsUnderNoGrad(nn.Module):
                                        ("parameter", r"modifies its parameter 'linear\.weight' in place")])
 def test_a_write_inside_no_grad_is_refused_as_one_outside(what, says):
     """Inside ``torch.no_grad()`` export puts the write in a region of its own, which the refusal did
-    not look into: the caller's tensor kept its old values, silently."""
-    with pytest.raises(ValueError, match=says):
+    not look into: the caller's tensor kept its old values, silently. The refusal names the model's
+    line that writes, not the region (RWKV's weights rescaled in eval named no line)."""
+    with pytest.raises(ValueError, match=says) as refused:
         harmony_fx.compile(_ClipsUnderNoGrad(what), (torch.randn(4, 8),), devices=["host:0"])
+    assert ".clamp_(-0.5, 0.5)" in str(refused.value)
 
 
 @pytest.mark.parametrize("model,inputs,says,line", [
