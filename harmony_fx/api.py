@@ -457,9 +457,10 @@ class HarmonyModule:
             except Exception as error:  # noqa: BLE001 - the donor's decisions are a shortcut: plan afresh
                 # (it does not fit; or its microbatches cut this batch into sizes whose graphs differ,
                 # a sample's graph having other layers than its packs index)
-                kind = BudgetTooSmallError.__name__ if isinstance(error, BudgetTooSmallError) else type(error).__name__
-                how = f"{packing} does not serve here ({kind}: "
-                how += f"{str(error).splitlines()[0][:80]}...): planned afresh"
+                # a refusal by its public name (CountedWhenAsked is one too)
+                kind = BudgetTooSmallError if isinstance(error, BudgetTooSmallError) else type(error)
+                first_line = str(error).splitlines()[0][:80]
+                how = f"{packing} does not serve here ({kind.__name__}: {first_line}...): planned afresh"
                 module.__dict__.pop("compiled", None)
         if "compiled" not in module.__dict__:  # no packing to reuse, or it did not fit
             module._compile(args, kwargs, key)

@@ -381,14 +381,14 @@ def _drop_value_asserts(gm: fx.GraphModule) -> None:
     captured as ``item`` -> ``le`` -> ``_assert_scalar``) sizes and computes nothing, but the
     planning run on FakeTensors cannot read it: the read, its comparisons and the assertion are
     dropped, and what only the read used. The check is then not made (eager's would raise)."""
-    reads = [read for target in (torch.ops.aten.item.default, torch.ops.aten._local_scalar_dense.default)
-             for read in gm.graph.find_nodes(op="call_function", target=target) if _asserted_only(read)]
+    reads = [(read, checks) for target in (torch.ops.aten.item.default, torch.ops.aten._local_scalar_dense.default)
+             for read in gm.graph.find_nodes(op="call_function", target=target) if (checks := _asserted_only(read))]
     if not reads:  # most graphs: their code is not made again
         return
     order = {node: index for index, node in enumerate(gm.graph.nodes)}
-    for read in reads:
+    for read, checks in reads:
         unused = list(read.all_input_nodes)  # erasing a node forgets its inputs
-        for node in sorted(_asserted_only(read), key=order.__getitem__, reverse=True):  # users first
+        for node in sorted(checks, key=order.__getitem__, reverse=True):  # users first
             gm.graph.erase_node(node)
         while unused:  # what only the read used (the max it reads), and export's checks of its dtype
             node = unused.pop()
@@ -532,6 +532,10 @@ def _cumulative_batch_norm(model: nn.Module) -> str:
             "graphs take that value as an input.")
 
 
+def _is_in(path: str, folder: pathlib.Path) -> bool:
+    return pathlib.Path(path).resolve().is_relative_to(folder)
+
+
 def _where_and_labels(export_error: Exception, kwargs: dict) -> str:
     """The model's line export stopped at, where it says; and, for a call with ``labels`` (a
     Hugging Face head, whose loss code is often what export cannot trace: DeBERTa's checks
@@ -542,11 +546,11 @@ def _where_and_labels(export_error: Exception, kwargs: dict) -> str:
     # nor does one of harmony_fx's own (the recorder an autograd Function's forward runs under)
     ours = pathlib.Path(__file__).resolve().parent.parent
     where = [f"{path}:{line} in {function}: {code.strip()}" for path, line, function, code in _RAISED_BY.findall(message)
-             if not pathlib.Path(path).is_relative_to(torch_dir) and not pathlib.Path(path).resolve().is_relative_to(ours)]
+             if not pathlib.Path(path).is_relative_to(torch_dir) and not _is_in(path, ours)]
     caused_by = _CAUSED_BY.findall(message)
     inside = [frame for frame in caused_by if (torch_dir / frame.split(":")[0]).exists()]
-    where += [full for full in (_full_path(frame) for frame in caused_by if frame not in inside)
-              if not pathlib.Path(full.split(":")[0]).resolve().is_relative_to(ours)]
+    where += [full for full in map(_full_path, [frame for frame in caused_by if frame not in inside])
+              if not _is_in(full.split(":")[0], ours)]
     # torch's tracing machinery (export's own __torch_function__, fx, Dynamo) is where every such
     # stop is seen from, not a function of torch's the model called
     inside = [frame for frame in inside if not frame.startswith(_TRACING_MACHINERY)]

@@ -148,9 +148,9 @@ def _inner_writer(node: fx.Node, written: fx.Node) -> fx.Node:
         if not isinstance(region, fx.GraphModule):
             continue
         inner = dict(zip(node.args[index + 1:], region.graph.find_nodes(op="placeholder"))).get(written)
-        for inner_node in region.graph.nodes:
-            if inner is not None and any(alias_base(w) is inner for w in written_by(inner_node, unknown_writes_all=False)):
-                return _inner_writer(inner_node, alias_base(inner))
+        for inner_node in region.graph.nodes if inner is not None else ():
+            if any(alias_base(w) is inner for w in written_by(inner_node, unknown_writes_all=False)):
+                return _inner_writer(inner_node, inner)
     return node
 
 

@@ -196,11 +196,11 @@ class HarmonyTrainer(transformers.Trainer):
         if self._warned_one_mean or len(set(counts)) == 1:
             return
         self._warned_one_mean = True
-        microbatches = self._harmony_options.get("microbatches", self.args.gradient_accumulation_steps)
-        sizes = [len(next(value for value in batch.values() if isinstance(value, torch.Tensor))) for batch in batches]
-        accumulated = self.args.gradient_accumulation_steps
+        microbatches, accumulated = self._microbatches(), self.args.gradient_accumulation_steps
+        sizes = [_samples(batch) for batch in batches]
         if microbatches != accumulated:
-            why, advice = (f"harmony_options microbatches={microbatches!r}, not gradient_accumulation_steps={accumulated}",
+            why, advice = (f"harmony_options microbatches={microbatches!r}, "
+                           f"not gradient_accumulation_steps={accumulated}",
                            "leave microbatches out of harmony_options (it defaults to gradient_accumulation_steps)")
         elif len(set(sizes)) > 1:
             why, advice = (f"its batches differ in size ({sizes}: an epoch's last step)",
@@ -210,17 +210,19 @@ class HarmonyTrainer(transformers.Trainer):
                            "last step", "give the epoch a multiple of gradient_accumulation_steps batches")
         warnings.warn(f"HarmonyTrainer: the {len(batches)} batches of a step ran as one batch ({why}), and the model's "
                       "loss is a mean of its own (it does not read num_items_in_batch): harmony's loss and gradients "
-                      f"are the mean over the step's {sum(counts)} labelled tokens or samples, where transformers.Trainer "
+                      f"are the mean over the step's {sum(counts)} labelled tokens or samples, where "
+                      "transformers.Trainer "
                       f"adds each batch's own mean (over {counts}), so they differ from transformers'. To step as "
                       f"transformers does, {advice}.", UserWarning, stacklevel=3)
 
     def _batches_are_microbatches(self, batches: list[dict]) -> bool:
         """Whether harmony cuts the step's batch into exactly its batches: as many microbatches as
         batches, all of one size (an even cut). An epoch's last step may hold fewer, or a smaller one."""
-        sizes = {len(next(value for value in batch.values() if isinstance(value, torch.Tensor)))
-                 for batch in batches}
-        microbatches = self._harmony_options.get("microbatches", self.args.gradient_accumulation_steps)
-        return len(sizes) == 1 and microbatches == len(batches)
+        return len({_samples(batch) for batch in batches}) == 1 and self._microbatches() == len(batches)
+
+    def _microbatches(self) -> Any:
+        """harmony's microbatches: harmony_options' own, else gradient_accumulation_steps."""
+        return self._harmony_options.get("microbatches", self.args.gradient_accumulation_steps)
 
     def _reads_num_items_in(self, batch: dict) -> bool:
         """Whether the loss harmony trains on reads ``num_items_in_batch`` (a FakeTensor run of the
@@ -456,6 +458,11 @@ def _counted(batch: dict[str, Any]) -> int:
     labels = batch.get("labels")
     if isinstance(labels, torch.Tensor) and not labels.is_floating_point():
         return int((labels != _PAD_VALUES["labels"]).sum())
+    return _samples(batch)
+
+
+def _samples(batch: dict[str, Any]) -> int:
+    """The samples of ``batch``: the length of its first tensor."""
     return len(next(value for value in batch.values() if isinstance(value, torch.Tensor)))
 
 
