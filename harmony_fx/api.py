@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
-import sys
 import warnings
 from typing import Any, Callable, Sequence
 
@@ -52,6 +51,7 @@ def compile(model: nn.Module, example_inputs: tuple | torch.Tensor | None = None
     a batch of another size is planned on its first call. The options are ``CompileOptions``'."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"harmony_fx.compile expects an nn.Module, got {type(model).__name__}")
+    refuse_compiled_modules(model)
     check_option_names(options, option_names(), "harmony_fx.compile")
     opts = CompileOptions(devices=devices, memory_budget=memory_budget, microbatches=microbatches,
                           parallel=parallel, **options)
@@ -69,29 +69,31 @@ def _warn_weights_stay_on_the_host(call: str) -> None:
         "the device would not fit there whole). Inputs may be on the host or on a device.", stacklevel=3)
 
 
-def _refuse_a_copy_held_by_a_module() -> None:
-    """``copy.deepcopy(hm)`` called by an ``nn.Module``'s ``__init__`` (the first frame outside
-    ``copy``): a module copying what it is given to hold it, as ``AveragedModel`` and timm's
-    ``ModelEmaV3`` do with the model an EMA averages. A compiled module is not an ``nn.Module``, so it
-    would be a plain attribute of that module: the module's ``eval()`` would leave the copy training
-    (BatchNorm's batch statistics in the EMA's evaluation, its running statistics updated there) and
-    its ``state_dict()`` would save none of its weights, with no error. Refused, saying what to hold."""
-    frame = sys._getframe(2)
-    while frame is not None and frame.f_globals.get("__name__") == "copy":
-        frame = frame.f_back
-    owner = frame.f_locals.get("self") if frame is not None and frame.f_code.co_name == "__init__" else None
-    if isinstance(owner, nn.Module):
-        name = type(owner).__name__
-        raise TypeError(
-            f"{name} copies a harmony_fx compiled module (copy.deepcopy) to hold it, but a compiled module is not an "
-            f"nn.Module: {name}'s eval(), train(), to() and state_dict() would not reach the copy's model (an EMA "
-            "evaluated in training mode, saved without its weights). Give it the model itself, whose weights harmony "
-            f"trains: {name}(hm.model, ...) (torchvision's reference script: model_without_ddp = hm.model; timm: build "
-            "the EMA before compiling, or use torch.compile(model, backend='harmony'), whose module is an nn.Module).")
+# the model's dicts a compiled module shares (nn.Module's recursion over them reaches the model's
+# weights and submodules under their own names)
+_SHARED_WITH_THE_MODEL = ("_parameters", "_buffers", "_non_persistent_buffers_set", "_modules")
+
+# HarmonyModule's own attributes: set as plain attributes, never registered in the shared dicts
+_OWN_ATTRIBUTES = frozenset({"model", "options", "_roles", "_by_key", "_last", "_timeline_memory", "compiled",
+                             "session", "calls", "_key", "_stages_after"})
 
 
-class HarmonyModule:
+def _the_models(method: str) -> Callable[..., Any]:
+    """``HarmonyModule.<method>`` as the model's: a hook registered on the compiled module is the model's."""
+    def on_the_model(self: "HarmonyModule", *args: Any, **kwargs: Any) -> Any:
+        return getattr(self.model, method)(*args, **kwargs)
+    on_the_model.__name__ = method
+    return on_the_model
+
+
+class HarmonyModule(nn.Module):
     """A compiled model: call it like the model; ``loss.backward()`` runs the harmony backward.
+
+    An ``nn.Module`` that is its model's view: it shares the model's parameters, buffers and
+    submodules (the same dicts), so a parent module, an optimizer over the parent, ``nn.ModuleList``,
+    an EMA (``AveragedModel``) and ``state_dict()`` see the model's own weights under the model's own
+    names (no prefix), and ``train()``, ``eval()`` and a dtype reach the model. A device does not:
+    the weights stay in host memory (``_apply``).
 
     ``example_args=None``: nothing is captured until the first call, which compiles with its own
     inputs; until then what the plan makes (``plan``, ``code``, ``explain()``, ``stats``, ...) does
@@ -106,7 +108,10 @@ class HarmonyModule:
     def __init__(self, model: nn.Module, example_args: tuple | None, example_kwargs: dict | None,
                  options: CompileOptions, *, trainer: bool = False, updates: bool = False,
                  optimizer: OptimizerFacts | None = None) -> None:
+        super().__init__()
         self.model = model
+        for shared in _SHARED_WITH_THE_MODEL:
+            self.__dict__[shared] = getattr(model, shared)
         self.options = options
         self._roles = dict(trainer=trainer, updates=updates, optimizer=optimizer)
         # every call's ``CallKey`` -> the module compiled for it (this one's own key included)
@@ -116,12 +121,23 @@ class HarmonyModule:
         if example_args is not None:
             self._compile(example_args, example_kwargs or {})
 
+    def __setattr__(self, name: str, value: Any) -> None:
+        # harmony's own attributes are plain ones: nn.Module would register the model, or a module
+        # compiled for another call, as a submodule (in the dicts shared with the model)
+        if name in _OWN_ATTRIBUTES:
+            object.__setattr__(self, name, value)
+        elif name == "forward":
+            raise TypeError(
+                "a forward set on a harmony_fx compiled module would never run: it runs the program it captured from "
+                "the model's forward. Set it on the model (hm.model.forward = ...), whose new forward the next call "
+                "captures; with accelerate, prepare the model first, then compile it (accelerator.prepare sets an "
+                "autocast forward on the module it is given).")
+        else:
+            super().__setattr__(name, value)
+
     def __deepcopy__(self, memo: dict) -> "HarmonyModule":
-        """A copy of the model, compiled with the same options on its first call (a teacher copy:
-        ``copy.deepcopy(hm)``); the devices' threads and plans are this module's own. Not an
-        ``nn.Module``: an EMA (``AveragedModel``) or a parent module holds ``hm.model``, and a module
-        that copies one while it is built, to hold the copy, is refused (``_refuse_a_copy_held_by_a_module``)."""
-        _refuse_a_copy_held_by_a_module()
+        """A copy of the model, compiled with the same options on its first call (a teacher copy,
+        an EMA's: ``AveragedModel(hm)``); the devices' threads and plans are this module's own."""
         return HarmonyModule(copy.deepcopy(self.model, memo), None, None, self.options, **self._roles)
 
     def __reduce__(self):
@@ -203,39 +219,63 @@ class HarmonyModule:
     def cpu(self) -> "HarmonyModule":
         return self
 
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> "HarmonyModule":
+        """What a parent's ``to()``, ``cuda()`` or ``half()`` does to this module's tensors: ``fn``,
+        by the model's own ``_apply`` (an RNN's re-flattens its weights), except a move to a device,
+        which leaves the weights in host memory (said once) and keeps only a change of dtype. What
+        ``fn`` does is read from it on an empty tensor."""
+        probe = fn(torch.empty(0))
+        if probe.device.type == "cpu":
+            self.model._apply(fn, recurse)
+            return self
+        _warn_weights_stay_on_the_host(f"a move to {probe.device}")
+        if probe.dtype != torch.float32:
+            self.model.to(dtype=probe.dtype)
+        return self
+
     # ------------------------------------------------------------------ the wrapped model, as nn.Module's
     # A call after any of these finds the graph for the new state (``frontend.guards``).
     @property
     def training(self) -> bool:
         return self.model.training
 
+    @training.setter
+    def training(self, mode: bool) -> None:
+        if "model" in self.__dict__:  # nn.Module.__init__ sets it before there is a model
+            self.model.training = mode
+
     def train(self, mode: bool = True) -> "HarmonyModule":
         self.model.train(mode)
         return self
 
-    def eval(self) -> "HarmonyModule":
-        return self.train(False)
-
-    def parameters(self, recurse: bool = True):
-        return self.model.parameters(recurse)
-
-    def named_parameters(self, *args: Any, **kwargs: Any):
-        return self.model.named_parameters(*args, **kwargs)
-
-    def buffers(self, recurse: bool = True):
-        return self.model.buffers(recurse)
-
-    def named_buffers(self, *args: Any, **kwargs: Any):
-        return self.model.named_buffers(*args, **kwargs)
+    def apply(self, fn: Callable[[nn.Module], None]) -> "HarmonyModule":
+        self.model.apply(fn)  # the model itself too, not this view of it
+        return self
 
     def state_dict(self, *args: Any, **kwargs: Any):
+        # the model's own (its hooks, its extra state), under the caller's prefix: a parent's
+        # state_dict() holds the model's weights under the names it would without harmony
         return self.model.state_dict(*args, **kwargs)
 
     def load_state_dict(self, *args: Any, **kwargs: Any):
         return self.model.load_state_dict(*args, **kwargs)
 
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        self.model.zero_grad(set_to_none)
+    def _load_from_state_dict(self, *args: Any, **kwargs: Any) -> None:
+        self.model._load_from_state_dict(*args, **kwargs)  # a parent's load_state_dict(): the model's own
+
+    # hooks on the model, where the capture sees them (this module's __call__ runs harmony's
+    # program, not nn.Module's, so a hook kept here would never run)
+    register_forward_pre_hook = _the_models("register_forward_pre_hook")
+    register_forward_hook = _the_models("register_forward_hook")
+    register_full_backward_pre_hook = _the_models("register_full_backward_pre_hook")
+    register_full_backward_hook = _the_models("register_full_backward_hook")
+    register_backward_hook = _the_models("register_backward_hook")
+    register_state_dict_pre_hook = _the_models("register_state_dict_pre_hook")
+    register_state_dict_post_hook = _the_models("register_state_dict_post_hook")
+    register_load_state_dict_pre_hook = _the_models("register_load_state_dict_pre_hook")
+    register_load_state_dict_post_hook = _the_models("register_load_state_dict_post_hook")
+    _register_state_dict_hook = _the_models("_register_state_dict_hook")
+    _register_load_state_dict_pre_hook = _the_models("_register_load_state_dict_pre_hook")
 
     def close(self) -> None:
         """Stop the devices' stream threads (chaos mode) and the controller threads; the module is
@@ -495,6 +535,22 @@ class HarmonyModule:
         """Forward and backward in one go (the Trainer); see ``Session.run_iteration``."""
         self._last = self
         return self.session.run_iteration(per_mb, on_update, output_grads, on_tier, grad_buffers)
+
+
+def refuse_compiled_modules(model: nn.Module) -> None:
+    """A module harmony_fx compiled already, as the model or inside it: it runs its own program,
+    which no capture can trace (export would run it on FakeTensors)."""
+    for name, module in model.named_modules():
+        if not isinstance(module, HarmonyModule):
+            continue
+        if not name:
+            raise TypeError(
+                "harmony_fx was given a module it compiled already (a HarmonyModule): give it that module's model, "
+                "hm.model, with the options you want.")
+        raise TypeError(
+            f"the module {name!r} of {type(model).__name__} is a harmony_fx compiled module, which runs its own "
+            "program where a capture needs the model's Python code: compile the outer model whole, with that part "
+            "as the plain module it compiled (its .model), or keep the outer model eager around the compiled part.")
 
 
 # past this many compiled call states a module warns (as Dynamo's recompile limit): each holds its graphs

@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from harmony_fx.api import HarmonyModule
+from harmony_fx.api import HarmonyModule, refuse_compiled_modules
 from harmony_fx.compiler.driver import refuse_meta_state
 from harmony_fx.compiler.host_memory import OptimizerFacts
 from harmony_fx.config import CompileOptions, check_option_names, option_names
@@ -107,6 +107,7 @@ class Trainer:
                             "step and updates each pack as its gradients arrive: use an optimizer whose step "
                             "takes no closure (SGD, Adam, AdamW, ...), or harmony_fx.compile with your own loop.")
         refuse_meta_state(model)  # named as the user names it, before the loss wraps it
+        refuse_compiled_modules(model)
         # what is captured and trained: the model, and a loss_fn that is a module (learnable loss weights)
         captured = {id(p) for p in LossModel(model, loss_fn).parameters()}
         foreign = [i for group in optimizer.param_groups for i, p in enumerate(group["params"]) if id(p) not in captured]

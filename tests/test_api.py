@@ -430,29 +430,159 @@ def test_a_copy_of_a_compiled_module_is_its_models_copy_compiled_the_same_way(ho
         torch.testing.assert_close(param.grad, original.grad)
 
 
-def test_an_ema_built_from_a_compiled_module_is_refused_and_one_of_its_model_averages_as_eager():
+def test_an_ema_built_from_the_compiled_module_averages_evaluates_and_saves_as_eagers():
     """torchvision's reference train.py builds its EMA (an ``AveragedModel``) from the model it
-    trains: from the compiled module, the copy was a plain attribute of the EMA, so ``ema.eval()``
-    left it training (its BatchNorm evaluated on batch statistics: the EMA's loss off by 0.49) and
-    ``ema.state_dict()`` held ``n_averaged`` alone, with no error. Refused, naming ``hm.model``; an
-    EMA of ``hm.model`` averages and evaluates as eager's."""
+    trains. When the compiled module was not an ``nn.Module``, the EMA's copy of it was a plain
+    attribute: ``ema.eval()`` left it training (its BatchNorm evaluated on batch statistics) and
+    ``ema.state_dict()`` held ``n_averaged`` alone, with no error. Now the copy is the EMA's
+    submodule: it averages, evaluates (through harmony) and saves as an EMA of the eager model."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 3))
     reference = copy.deepcopy(model)
     hm = harmony_fx.compile(model, devices=["host:0"])
-    with pytest.raises(TypeError, match=r"AveragedModel\(hm\.model, \.\.\.\)"):
-        torch.optim.swa_utils.AveragedModel(hm, use_buffers=True)
     x = torch.randn(4, 6)
     emas = []
-    for trained, ema_of in ((hm, hm.model), (reference, reference)):
+    for trained in (hm, reference):
         trained(x).square().mean().backward()
-        ema = torch.optim.swa_utils.AveragedModel(ema_of, use_buffers=True)
+        ema = torch.optim.swa_utils.AveragedModel(trained, use_buffers=True)
         ema.update_parameters(trained)
         emas.append(ema.eval())
+    assert isinstance(emas[0].module, harmony_fx.HarmonyModule) and not emas[0].module.model.training
     assert emas[0].state_dict().keys() == emas[1].state_dict().keys()
+    for key, value in emas[1].state_dict().items():
+        torch.testing.assert_close(emas[0].state_dict()[key], value)
     with torch.no_grad():
         torch.testing.assert_close(emas[0](x), emas[1](x))
-    assert copy.deepcopy(hm).model is not model  # a copy made outside a module's __init__ is still one
+    assert "compiled" in emas[0].module._last.__dict__  # it ran harmony's program, not the model eagerly
+
+
+class _Classifier(nn.Module):
+    """An eager head over an encoder: compiled (``harmony_fx.compile(encoder)``) or not."""
+
+    def __init__(self, compiled: bool) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        encoder = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU())
+        self.encoder = harmony_fx.compile(encoder, devices=["host:0"], pack_boundaries=[0, 3]) if compiled else encoder
+        self.head = nn.Linear(16, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.encoder(x))
+
+
+def test_a_parent_module_trains_saves_and_evaluates_its_compiled_part_as_eager():
+    """A compiled part held by a parent module (``self.encoder = harmony_fx.compile(encoder)``).
+    When the compiled module was not an ``nn.Module`` the parent's ``parameters()``,
+    ``state_dict()`` and ``eval()`` missed the part: an optimizer over the parent never trained it,
+    with no error. Three SGD steps over the parent's parameters: each loss and every gradient as
+    eager's; the parent's state_dict has eager's keys and values; eval reaches the part's BatchNorm;
+    eager's state_dict loads into a compiled parent."""
+    x, y = torch.randn(6, 8), torch.randint(0, 3, (6,))
+    parents = [_Classifier(compiled=True), _Classifier(compiled=False)]
+    assert [name for name, _ in parents[0].named_parameters()] == [name for name, _ in parents[1].named_parameters()]
+    optimizers = [torch.optim.SGD(parent.parameters(), lr=0.1, momentum=0.9) for parent in parents]
+    for _ in range(3):
+        losses = []
+        for parent, optimizer in zip(parents, optimizers):
+            loss = F.cross_entropy(parent(x), y)
+            loss.backward()
+            losses.append(loss.detach())
+        torch.testing.assert_close(losses[0], losses[1])
+        for (name, param), (_, eager) in zip(parents[0].named_parameters(), parents[1].named_parameters()):
+            torch.testing.assert_close(param.grad, eager.grad, msg=name)
+        for optimizer in optimizers:
+            optimizer.step()
+            optimizer.zero_grad()
+    states = [parent.state_dict() for parent in parents]
+    assert list(states[0]) == list(states[1])
+    for key, value in states[1].items():
+        torch.testing.assert_close(states[0][key], value, msg=key)
+    for parent in parents:
+        parent.eval()
+    assert not parents[0].encoder.training and not parents[0].encoder.model[1].training
+    with torch.no_grad():
+        torch.testing.assert_close(parents[0](x), parents[1](x))
+    fresh = _Classifier(compiled=True)
+    fresh.load_state_dict(states[1])
+    torch.testing.assert_close(fresh.encoder.model[3].weight, parents[1].encoder[3].weight)
+    torch.testing.assert_close(fresh.encoder.model[1].running_var, parents[1].encoder[1].running_var)
+
+
+def test_a_parents_dtype_reaches_its_compiled_part_and_a_device_leaves_it_on_the_host():
+    """``parent.double()`` converts the compiled part's weights (its next call compiles for them, as
+    eager's double); ``parent.to(device)`` moves the parent's own weights and leaves the part's in
+    host memory, where harmony keeps them (said)."""
+    x = torch.randn(6, 8, dtype=torch.float64)
+    compiled, eager = _Classifier(compiled=True).double().eval(), _Classifier(compiled=False).double().eval()
+    assert compiled.encoder.model[0].weight.dtype == torch.float64
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x), eager(x))
+    with pytest.warns(UserWarning, match="a move to meta on a compiled model leaves its weights in host memory"):
+        compiled.to("meta")
+    assert compiled.head.weight.is_meta and compiled.encoder.model[0].weight.device.type == "cpu"
+
+
+class _RenamedWeight(nn.Module):
+    """A model that loads checkpoints of an older version, whose weight was called ``w``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(4, 4))
+        self._register_load_state_dict_pre_hook(self._rename)
+
+    @staticmethod
+    def _rename(state_dict: dict, prefix: str, *args) -> None:
+        if prefix + "w" in state_dict:
+            state_dict[prefix + "weight"] = state_dict.pop(prefix + "w")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.weight
+
+
+def test_a_parents_load_state_dict_loads_its_compiled_part_as_the_model_loads_itself():
+    """Through a parent, the compiled part's own loading runs the model's (its hooks, its class's
+    ``_load_from_state_dict``): an old checkpoint's key is renamed as without harmony."""
+    parent = nn.Sequential(harmony_fx.compile(_RenamedWeight(), devices=["host:0"]), nn.Linear(4, 2))
+    old = {"0.w": torch.ones(4, 4), "1.weight": torch.zeros(2, 4), "1.bias": torch.zeros(2)}
+    parent.load_state_dict(old)
+    torch.testing.assert_close(parent[0].model.weight, torch.ones(4, 4))
+
+
+def test_a_hook_registered_on_the_compiled_module_is_the_models():
+    """The compiled module's ``__call__`` runs harmony's program, so a hook kept on it would never
+    run: it goes on the model, where the next call's capture sees it."""
+    torch.manual_seed(0)
+    model = MLPChain(width=8, depth=3)
+    hm, x = harmony_fx.compile(model, devices=["host:0"]), torch.randn(4, 8)
+    before = hm(x).detach()
+    handle = hm.register_forward_hook(lambda module, args, out: out * 2)
+    assert len(model._forward_hooks) == 1
+    torch.testing.assert_close(hm(x), 2 * before)
+    handle.remove()
+    torch.testing.assert_close(hm(x), before)
+
+
+def test_a_forward_set_on_the_compiled_module_is_refused_naming_the_models():
+    """accelerate's ``prepare`` with mixed precision sets an autocast ``forward`` on the module it
+    is given; on the compiled module it would never run (nor the autocast): refused, saying where
+    to set it and in which order to prepare and compile."""
+    hm = harmony_fx.compile(MLPChain(width=8, depth=2), devices=["host:0"])
+    with pytest.raises(TypeError, match=r"hm\.model\.forward = .*prepare the model first, then compile it"):
+        hm.forward = lambda x: x
+
+
+def test_a_compiled_module_given_to_harmony_again_is_refused_naming_its_model():
+    """As the model, or as a part of it, of ``compile`` and ``Trainer``: capturing would run its
+    own program on FakeTensors."""
+    hm = harmony_fx.compile(MLPChain(width=8, depth=2), devices=["host:0"])
+    parent = nn.Sequential(hm, nn.Linear(8, 2))
+    x = torch.randn(4, 8)
+    with pytest.raises(TypeError, match=r"compiled already \(a HarmonyModule\): give it that module's model, hm\.model"):
+        harmony_fx.compile(hm)
+    with pytest.raises(TypeError, match=r"the module '0' of Sequential is a harmony_fx compiled module"):
+        harmony_fx.compile(parent, (x,))
+    with pytest.raises(TypeError, match=r"the module '0' of Sequential is a harmony_fx compiled module"):
+        harmony_fx.Trainer(parent, F.mse_loss, torch.optim.SGD(parent.parameters(), lr=0.1), (x, torch.randn(4, 2)))
 
 
 class _Small(nn.Module):
