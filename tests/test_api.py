@@ -456,6 +456,23 @@ def test_an_ema_built_from_the_compiled_module_averages_evaluates_and_saves_as_e
     assert "compiled" in emas[0].module._last.__dict__  # it ran harmony's program, not the model eagerly
 
 
+def test_update_bn_of_an_ema_of_the_compiled_module_says_to_give_it_the_plain_model():
+    """SWA's recipe after ``AveragedModel(hm)``: ``update_bn`` sets every BatchNorm's momentum to
+    None (a cumulative average no graph holds): refused naming the plain model, which then gets
+    eager's statistics."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 3))
+    reference = copy.deepcopy(model)
+    loader = [torch.randn(4, 6) for _ in range(3)]
+    ema, eager_ema = (torch.optim.swa_utils.AveragedModel(m) for m in (harmony_fx.compile(model), reference))
+    with pytest.raises(harmony_fx.CaptureError, match=r"give update_bn the plain model \(hm\.model, or an "
+                                                      r"AveragedModel's \.module\.model\)"):
+        torch.optim.swa_utils.update_bn(loader, ema)
+    for averaged in (ema.module.model, eager_ema):
+        torch.optim.swa_utils.update_bn(loader, averaged)
+    torch.testing.assert_close(ema.module.model[1].running_var, eager_ema.module[1].running_var)
+
+
 class _Classifier(nn.Module):
     """An eager head over an encoder: compiled (``harmony_fx.compile(encoder)``) or not."""
 

@@ -529,7 +529,8 @@ def _cumulative_batch_norm(model: nn.Module) -> str:
     return (f"module {name or '(the model)'} (a {type(module).__name__}) has momentum=None, a cumulative average: "
             "torch reads float(num_batches_tracked) in Python, which no graph can hold; give it a number "
             "(momentum=0.1, torch's default), or use torch.compile(model, backend='harmony'), whose Dynamo "
-            "graphs take that value as an input.")
+            "graphs take that value as an input. torch.optim.swa_utils.update_bn sets it on every BatchNorm: give "
+            "update_bn the plain model (hm.model, or an AveragedModel's .module.model), which it runs eagerly.")
 
 
 def _is_in(path: str, folder: pathlib.Path) -> bool:
