@@ -291,6 +291,12 @@ class Trainer:
         self.step_count += 1
         return loss
 
+    def microbatch_sizes(self, batch: tuple) -> list[int | None]:
+        """The samples of each microbatch ``step`` cuts ``batch`` into, in order (``[None]``: one, the
+        whole batch); a batch of a size not seen before is planned here, as ``step`` would plan it."""
+        args, kwargs = self._loss_model.call_of(batch)
+        return list(self._module_for(args, kwargs).mb_sizes)
+
     def _module_for(self, args: tuple, kwargs: dict) -> HarmonyModule:
         """The compiled module for this batch: the example's, or one planned for its size. The
         tier's files are the example's packs: a batch of another size, cut into other packs,

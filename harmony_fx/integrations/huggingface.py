@@ -39,6 +39,7 @@ What a harmony step cannot honor is refused when the trainer is made, with what 
 from __future__ import annotations
 
 import inspect
+import itertools
 import warnings
 from typing import Any, Mapping
 
@@ -157,9 +158,11 @@ class HarmonyTrainer(transformers.Trainer):
         whole step's labelled tokens, which its loss divides its sum by): every microbatch has it
         whole. Where the step's batches are its microbatches, each microbatch's loss weighs as
         transformers weighs its batch's: 1 where it adds the batches' losses as they are
-        (``loss_is_scaled_for_ga``: it passed ``num_items_in_batch``), else one over their number.
-        Otherwise (an epoch's last, uneven step) the graph's own reduction of the whole batch,
-        times the number of batches where transformers adds losses that ignore ``num_items_in_batch``."""
+        (``loss_is_scaled_for_ga``: it passed ``num_items_in_batch``), else one over their number;
+        where the microbatches cut each batch further, a mean of the model's own is weighed back
+        into its batch's (``_weights_of_batch_means``). Otherwise (a microbatch spans batches) the
+        graph's own reduction of the whole batch, times the number of batches where transformers
+        adds losses that ignore ``num_items_in_batch``."""
         self._window.append(inputs)
         if not self.accelerator.sync_gradients:
             return torch.zeros((), device=self.args.device)
@@ -182,9 +185,14 @@ class HarmonyTrainer(transformers.Trainer):
                 loss = harmony.step(batch, microbatch_weights=[weight] * len(batches))
             else:
                 own_mean = not passed or not self._reads_num_items_in(batch)
-                if own_mean and len(batches) > 1:
-                    self._warn_of_one_mean(batches)
-                loss = harmony.step(batch, loss_scale=len(batches)) if adds and own_mean else harmony.step(batch)
+                weights = _weights_of_batch_means(harmony.microbatch_sizes(batch), batch, batches, adds) \
+                    if own_mean and len(batches) > 1 else None
+                if weights is not None:
+                    loss = harmony.step(batch, microbatch_weights=weights)
+                else:
+                    if own_mean and len(batches) > 1:
+                        self._warn_of_one_mean(batches)
+                    loss = harmony.step(batch, loss_scale=len(batches)) if adds and own_mean else harmony.step(batch)
         return loss.detach().to(self.args.device)
 
     def _warn_of_one_mean(self, batches: list[dict]) -> None:
@@ -450,6 +458,32 @@ def _forward_reads(model: nn.Module, batch: dict[str, Any], key: str) -> bool:
     except Exception:  # noqa: BLE001 - FakeTensors' refusals; the modes are left by their own exits
         return True
     return read
+
+
+def _weights_of_batch_means(sizes: list[int | None], batch: dict[str, Any], batches: list[dict[str, Any]],
+                            adds: bool) -> list[float] | None:
+    """Each microbatch's weight where harmony's microbatches (``sizes``) cut each of the step's batches
+    further (more microbatches than batches, or an epoch's last step of fewer batches), so that each
+    batch's loss is its own mean as transformers computes it: a microbatch's mean over the ``n``
+    labelled tokens (or samples) it counts weighs ``n`` over its batch's count, divided by the number
+    of batches where transformers divides by it (``adds`` false). ``None`` where a microbatch spans
+    two batches, or counts nothing (its mean is 0/0)."""
+    if None in sizes:
+        return None
+    ends = list(itertools.accumulate(sizes))
+    batch_ends = list(itertools.accumulate(_samples(b) for b in batches))
+    if not set(batch_ends) <= set(ends):
+        return None
+    scale = 1.0 if adds else 1.0 / len(batches)
+    weights = []
+    for start, end in zip([0, *ends], ends):
+        owner = next(j for j, batch_end in enumerate(batch_ends) if end <= batch_end)
+        counted = _counted({key: value[start:end] for key, value in batch.items()
+                            if isinstance(value, torch.Tensor) and value.dim() > 0})
+        if counted == 0:
+            return None
+        weights.append(scale * counted / _counted(batches[owner]))
+    return weights
 
 
 def _counted(batch: dict[str, Any]) -> int:

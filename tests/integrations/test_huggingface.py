@@ -490,6 +490,29 @@ def test_a_step_run_as_one_batch_over_a_mean_of_its_own_warns_where_it_differs_f
     assert not [w for w in caught if "ran as one batch" in str(w.message)]
 
 
+def test_a_mean_of_its_own_over_microbatches_cutting_each_batch_steps_as_transformers_adds_batch_means(tmp_path):
+    """More microbatches than batches (4 for a step of 2 batches of 4): each microbatch lies in one
+    batch, and weighs its labelled tokens over its batch's, so each batch's loss is its own mean as
+    transformers adds them (BERT's masked LM, the batches counting differently). It differed and
+    warned before. A cut across the batches (3 microbatches: 3, 3, 2) still warns."""
+    import warnings
+
+    arguments = {"eval_strategy": "no", "save_strategy": "no", "max_steps": 3}
+    torch.manual_seed(0)
+    _, eager_steps, _ = _train(transformers.Trainer, build_hf_model("bert"), tmp_path / "eager", arguments=arguments)
+    torch.manual_seed(0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _, steps, _ = _train(HarmonyTrainer, build_hf_model("bert"), tmp_path / "four", arguments=arguments,
+                             harmony_options={"memory_budget": "1MiB", "microbatches": 4})
+    _assert_same_steps(steps, eager_steps)
+    assert not [w for w in caught if "ran as one batch" in str(w.message)]
+    torch.manual_seed(0)
+    with pytest.warns(UserWarning, match=r"ran as one batch \(harmony_options microbatches=3"):
+        _train(HarmonyTrainer, build_hf_model("bert"), tmp_path / "three", arguments={**arguments, "max_steps": 1},
+               harmony_options={"memory_budget": "1MiB", "microbatches": 3})
+
+
 class _Pairs(torch.utils.data.Dataset):
     """Source and target token sequences for a sequence-to-sequence model."""
 
