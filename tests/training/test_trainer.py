@@ -645,6 +645,8 @@ def test_microbatch_weights_replace_the_graphs_and_must_be_one_per_microbatch():
         with pytest.raises(ValueError, match=r"microbatch_weights has 3 weight\(s\) for the batch's 2 microbatches"):
             trainer.step((x, target), microbatch_weights=[1.0, 1.0, 1.0])
         assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+        assert trainer.microbatch_sizes((x, target)) == [4, 4]  # what the weights are given for
+        assert trainer.microbatch_sizes((x[:6], target[:6])) == [3, 3]  # a batch of another size, planned
         loss = trainer.step((x, target), microbatch_weights=[1.0, 1.0])
     finally:
         trainer.close()
