@@ -26,6 +26,7 @@ from harmony_fx.compiler.packing import BudgetTooSmallError, verify_programs
 from harmony_fx.compiler.stages import StageLog
 from harmony_fx.config import CompileOptions, check_option_names, format_size, option_names
 from harmony_fx.frontend import microbatch
+from harmony_fx.frontend.attribute_reads import Reads
 from harmony_fx.frontend.calls import Calls
 from harmony_fx.frontend.frozen import frozen_in_compute_dtype
 from harmony_fx.frontend.guards import CallKey
@@ -75,7 +76,7 @@ _SHARED_WITH_THE_MODEL = ("_parameters", "_buffers", "_non_persistent_buffers_se
 
 # HarmonyModule's own attributes: set as plain attributes, never registered in the shared dicts
 _OWN_ATTRIBUTES = frozenset({"model", "options", "_roles", "_by_key", "_last", "_timeline_memory", "compiled",
-                             "session", "calls", "_key", "_stages_after"})
+                             "session", "calls", "_key", "_stages_after", "_reads"})
 
 
 def _the_models(method: str) -> Callable[..., Any]:
@@ -118,6 +119,8 @@ class HarmonyModule(nn.Module):
         self._by_key: dict[CallKey, HarmonyModule] = {}
         self._last: HarmonyModule = self  # the module that ran the last call (its stats are ours)
         self._timeline_memory = True  # a recorded timeline counts a HostDevice's memory (``record_timeline``)
+        # the modules' plain attributes the first capture read, whose values every call's key holds
+        self._reads: Reads | None = None
         if example_args is not None:
             self._compile(example_args, example_kwargs or {})
 
@@ -169,7 +172,9 @@ class HarmonyModule(nn.Module):
         self.record_timeline(self.options.timeline, memory=self._timeline_memory)
         self.calls = Calls(self.compiled, self.model)
         # read again: capturing runs the forward, which materializes a lazy module's parameters
-        self._key = CallKey.of(self.model, args, kwargs)
+        if self._reads is None:
+            self._reads = self.compiled.captured.attribute_reads
+        self._key = CallKey.of(self.model, args, kwargs, self._reads)
         self._by_key[self._key] = self
 
     def __getattr__(self, name: str) -> Any:
@@ -463,7 +468,7 @@ class HarmonyModule(nn.Module):
         the one it was compiled for, else one compiled for the call's key on its first call and
         kept for the next ones. ``roles``: what a module compiled for another key does otherwise
         (``updates=False``)."""
-        key = CallKey.of(self.model, args, kwargs)
+        key = CallKey.of(self.model, args, kwargs, self._reads)
         if key == self._key:
             return self
         module = self._by_key.get(key)
@@ -471,7 +476,7 @@ class HarmonyModule(nn.Module):
             module = self._by_key[key] = self._compile_for(key, args, kwargs, roles)
             self._by_key[module._key] = module
             if len(self._by_key) == MANY_VARIANTS + 1:
-                changed = "; ".join(key.changes_from(self._key, self.model)) or "nothing it can name"
+                changed = "; ".join(key.changes_from(self._key, self.model, self._reads)) or "nothing it can name"
                 warnings.warn(
                     f"harmony_fx: this module has compiled for {len(self._by_key)} call states (train/eval, no_grad, "
                     "autocast, parameters, input shapes, values passed in), each kept with its graphs and buffers; "
@@ -486,7 +491,8 @@ class HarmonyModule(nn.Module):
         is tried first: it is lowered and checked at the new shapes, and kept if it fits, so no new
         plan is searched. Otherwise (or if it does not fit) the call is planned afresh."""
         module = HarmonyModule(self.model, None, None, self.options, **{**self._roles, **roles})
-        changes = ", ".join(key.changes_from(self._key, self.model))
+        module._reads = self._reads  # its key as this module's keys are read
+        changes = ", ".join(key.changes_from(self._key, self.model, self._reads))
         donor = self._largest_same_state(key)
         how = "planned afresh"
         if donor is not None:

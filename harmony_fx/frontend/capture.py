@@ -48,6 +48,7 @@ from harmony_fx.ir.values import fakes_of
 from harmony_fx.frontend.backward_hooks import (
     hooks_registered_in_forward, refuse_module_backward_hooks, refuse_tensor_hooks,
 )
+from harmony_fx.frontend.attribute_reads import Reads, reads_recorded
 from harmony_fx.frontend.attribute_writes import tensor_attribute_writes_said
 from harmony_fx.frontend.compute_dtype import fake_in, in_compute_dtype
 from harmony_fx.frontend.causal_masks import causal_masks_applied
@@ -79,6 +80,8 @@ class Captured:
     structure); ``unflatten_outputs(flat)`` rebuilds the model's output structure.
     ``reductions``: output node name → how that scalar output combines across microbatches.
     ``caches_off``: the model's key/value cache was turned off to capture it.
+    ``attribute_reads``: the modules' plain attributes the forward read, which the graph holds as
+    constants (``frontend.attribute_reads``; ``frontend.guards`` keys the calls on their values).
     """
 
     gm: fx.GraphModule
@@ -90,6 +93,7 @@ class Captured:
     method: str
     reductions: dict[str, ScalarReduction] = dataclasses.field(default_factory=dict)
     caches_off: bool = False  # a config's use_cache was off while capturing (``frontend.key_value_caches``)
+    attribute_reads: Reads = dataclasses.field(default_factory=Reads)
 
 
 def capture(model: nn.Module, args: tuple, kwargs: dict | None = None, stack_traces: bool = False,
@@ -108,7 +112,7 @@ def capture(model: nn.Module, args: tuple, kwargs: dict | None = None, stack_tra
     _refuse_script_modules(model)
     with _grads_set_aside(model), _python_draws_noted(model), tensor_attribute_writes_said(model) as said, \
             _meta_failures_unlogged(), hooks_registered_in_forward() as hooks, \
-            key_value_caches_off(model, kwargs) as caches_off:
+            key_value_caches_off(model, kwargs) as caches_off, reads_recorded(model) as reads:
         captured, found = _bounded_capture(model, args, kwargs, stack_traces, dtype)
         if found is not None and not stack_traces:  # again with traces, to name the line it is on
             captured, found = _bounded_capture(model, args, kwargs, True, dtype)
@@ -119,6 +123,7 @@ def capture(model: nn.Module, args: tuple, kwargs: dict | None = None, stack_tra
     _refuse_state_requiring_grad(captured)
     captured.reductions = _scalar_reductions(captured.gm, {**captured.params, **captured.buffers})
     captured.caches_off = caches_off
+    captured.attribute_reads = reads
     return captured
 
 

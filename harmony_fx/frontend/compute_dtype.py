@@ -24,6 +24,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 from torch.utils import _pytree as pytree
 
+from harmony_fx.frontend.attribute_reads import note_clone
+
 __all__ = ["Retyped", "fake_in", "in_compute_dtype"]
 
 
@@ -68,6 +70,7 @@ def in_compute_dtype(model: nn.Module, args: tuple, kwargs: dict, dtype: torch.d
                                   for name, p in module._parameters.items()}
             copied._buffers = {name: None if b is None else twin(b) for name, b in module._buffers.items()}
             copied._modules = {name: None if m is None else clone(m) for name, m in module._modules.items()}
+            note_clone(copied, module)
         return clones[id(module)]
 
     root = clone(model)

@@ -15,19 +15,22 @@ A graph captured from ``model(*args, **kwargs)`` holds, besides the batch size:
   ``forward`` set on the instance (accelerate's ``prepare`` wraps it in autocast);
 - the default dtype, which every factory without a dtype makes (``torch.arange(1.0)``, ``ones``);
 - what the module itself says its graph bakes in (``_harmony_guarded_values()``): the Trainer's
-  loss function's plain Python values (an annealed loss weight in a schedule dict).
+  loss function's plain Python values (an annealed loss weight in a schedule dict);
+- the values of the modules' plain attributes the forward read while it was captured
+  (``frontend.attribute_reads``: ``self.scale``, PEFT's ``merged_adapters``), given as ``reads``.
 
 ``CallKey.of(model, args, kwargs)`` reads all of it; ``HarmonyModule`` keeps one compiled program
 per key, so a change captures and plans again once, and switching back finds the earlier program.
 Reading the key walks the module tree (no ``named_modules`` bookkeeping): about 0.1 ms for a model
 of a hundred parameters, measured in ``benchmarks/test_guards.py``.
 
-What cannot be seen from here: a Python attribute the forward reads that is neither a module, a
-parameter nor a buffer (``model.scale = 2.0`` after compiling): it is baked in at capture, as in
-``torch.export``. (A tensor held as a plain attribute is not: export lifts it to a placeholder, read
-at every call, so an in-place change to it is seen.) Reading every attribute on every call would
-cost milliseconds, and walk whatever a module holds (a Lightning module's trainer, whose counters
-move every step).
+What cannot be seen from here: a value read from a plain object a module holds (a Hugging Face
+config's ``use_cache``), or an attribute the first capture did not read (a branch it did not take):
+it is baked in at capture, as in ``torch.export``. (A tensor held as a plain attribute is not: export
+lifts it to a placeholder, read at every call, so an in-place change to it is seen.) Reading every
+attribute on every call would cost milliseconds, and walk whatever a module holds (a Lightning
+module's trainer, whose counters move every step): only what the capture read is read again (about
+0.25 ms a call for the thousand reads of a 59-block GPT-2).
 
 ``attribute_facts(model)`` reads those too, once per compile rather than per call (about 10 ms for
 a 59-block GPT-2): every submodule's class and its plain attributes, following plain objects it
@@ -45,6 +48,7 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
+from harmony_fx.frontend.attribute_reads import Reads
 from harmony_fx.runtime.ambient import Autocast
 
 __all__ = ["CallKey", "attribute_facts"]
@@ -61,26 +65,29 @@ class CallKey:
     # what else the module says its graph bakes in (``_harmony_guarded_values()``: the Trainer's loss
     # function's Python values, ``training.python_values``)
     guarded_values: tuple = ()
+    # the values of the modules' plain attributes the capture read (``frontend.attribute_reads``)
+    attributes: tuple = ()
 
     @classmethod
-    def of(cls, model: nn.Module, args: tuple, kwargs: dict) -> "CallKey":
+    def of(cls, model: nn.Module, args: tuple, kwargs: dict, reads: Reads | None = None) -> "CallKey":
         guarded = getattr(model, "_harmony_guarded_values", None)
         return cls(torch.is_grad_enabled(), torch.is_inference_mode_enabled(), Autocast.current(),
                    module_state(model), input_facts(args, kwargs), torch.get_default_dtype(),
-                   guarded() if guarded is not None else ())
+                   guarded() if guarded is not None else (), reads.values() if reads is not None else ())
 
     def same_but_shapes(self, other: "CallKey") -> bool:
         """The same state and input structure, with only tensor shapes different (or none)."""
-        if (self.grad, self.inference, self.autocast, self.module_state, self.default_dtype, self.guarded_values) != (
-                other.grad, other.inference, other.autocast, other.module_state, other.default_dtype,
-                other.guarded_values):
+        if (self.grad, self.inference, self.autocast, self.module_state, self.default_dtype, self.guarded_values,
+                self.attributes) != (other.grad, other.inference, other.autocast, other.module_state,
+                                     other.default_dtype, other.guarded_values, other.attributes):
             return False
         if len(self.inputs) != len(other.inputs) or self.inputs[0] != other.inputs[0]:
             return False
         return all(_without_shape(a) == _without_shape(b) for a, b in zip(self.inputs[1:], other.inputs[1:]))
 
-    def changes_from(self, other: "CallKey", model: nn.Module) -> list[str]:
-        """What differs from ``other``, in words a person reads (for the compile log)."""
+    def changes_from(self, other: "CallKey", model: nn.Module, reads: Reads | None = None) -> list[str]:
+        """What differs from ``other``, in words a person reads (for the compile log); ``reads``:
+        what ``attributes`` were read from."""
         changes = []
         if self.grad != other.grad or self.inference != other.inference:
             changes.append(_mode(self))
@@ -108,6 +115,11 @@ class CallKey:
                           if now != was and isinstance(now, tuple) and len(now) == 2), "")
             changes.append(f"a Python value the loss function reads ({named or 'its reads'}; the graph holds it as a "
                            "constant: a number that changes every step is cheaper as a tensor, updated in place)")
+        if self.attributes != other.attributes:
+            changed = [i for i, (now, was) in enumerate(zip(self.attributes, other.attributes)) if now != was]
+            named = (f"{reads.describe(changed[0])}: {_short(other.attributes[changed[0]][-1])} -> "
+                     f"{_short(self.attributes[changed[0]][-1])}") if changed and reads is not None else "one of them"
+            changes.append(f"a module attribute the forward reads ({named}; the graph holds it as a constant)")
         return changes
 
 

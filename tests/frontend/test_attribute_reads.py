@@ -1,0 +1,112 @@
+"""frontend.attribute_reads: a module attribute the forward read while captured is held by the graph
+as a constant, so a change to it compiles again (as eager computes with the new value), and switching
+back finds the program compiled before; an attribute the forward does not read compiles nothing;
+recording leaves ``nn.Module`` as it was, whatever the capture did."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import harmony_fx
+from harmony_fx.frontend.attribute_reads import reads_recorded
+
+
+class _Settings(nn.Module):
+    """A forward that reads a number, a flag and a function of its own."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+        self.scale = 2.0
+        self.rectify = True
+        self.activation = torch.tanh
+        self.steps_seen = 0  # the training loop's counter: the forward never reads it
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.activation(self.linear(x)) * self.scale
+        return torch.relu(y) if self.rectify else y
+
+
+@pytest.mark.parametrize("change", [{"scale": 3.0}, {"rectify": False}, {"activation": torch.sigmoid}])
+def test_a_changed_attribute_the_forward_read_compiles_again_and_computes_as_eager(change):
+    torch.manual_seed(0)
+    model = _Settings()
+    reference = copy.deepcopy(model)
+    hm, x = harmony_fx.compile(model, devices=["host:0"]), torch.randn(4, 8)
+    torch.testing.assert_close(hm(x), reference(x))
+    before = {name: getattr(model, name) for name in change}
+    for name, value in change.items():
+        setattr(model, name, value)
+        setattr(reference, name, value)
+    out = hm(x)
+    torch.testing.assert_close(out, reference(x))
+    out.sum().backward()
+    reference(x).sum().backward()
+    torch.testing.assert_close(model.linear.weight.grad, reference.linear.weight.grad)
+    assert len(hm.variants) == 2
+    name = next(iter(change))
+    assert f"_Settings.{name}" in list(hm.variants[1][1].passes)[-1].decision
+    for name, value in before.items():  # switching back runs the first program again
+        setattr(model, name, value)
+    hm(x)
+    assert len(hm.variants) == 2
+
+
+def test_an_attribute_the_forward_does_not_read_compiles_nothing():
+    model = _Settings()
+    hm, x = harmony_fx.compile(model, devices=["host:0"]), torch.randn(4, 8)
+    hm(x)
+    model.steps_seen += 1
+    hm(x)
+    assert len(hm.variants) == 1
+
+
+def test_peft_merging_or_disabling_frozen_adapters_computes_as_eager():
+    """PEFT's LoRA layers branch on ``merged_adapters`` and ``_disable_adapters``: after
+    ``merge_adapter()`` the graph captured before added the adapters' product to weights that
+    already held it (logits off by 0.24, silently); under ``disable_adapter()`` frozen adapters
+    (no ``requires_grad`` to change) stayed on."""
+    transformers = pytest.importorskip("transformers")
+    peft = pytest.importorskip("peft")
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=50, n_positions=16)
+    model = peft.get_peft_model(transformers.GPT2LMHeadModel(config),
+                                peft.LoraConfig(r=2, target_modules=["c_attn"], init_lora_weights=False))
+    for param in model.parameters():
+        param.requires_grad_(False)
+    reference = copy.deepcopy(model).eval()
+    hm, ids = harmony_fx.compile(model, devices=["host:0"]).eval(), torch.randint(0, 50, (2, 8))
+    with torch.no_grad():
+        torch.testing.assert_close(hm(input_ids=ids).logits, reference(input_ids=ids).logits)
+        with hm.disable_adapter(), reference.disable_adapter():
+            torch.testing.assert_close(hm(input_ids=ids).logits, reference(input_ids=ids).logits)
+        for merged in (hm, reference):
+            merged.merge_adapter()
+        torch.testing.assert_close(hm(input_ids=ids).logits, reference(input_ids=ids).logits)
+
+
+def test_a_bf16_capture_reads_the_models_own_attributes():
+    """``precision="bf16"`` traces a twin of each module in bf16 (``frontend.compute_dtype``): its
+    reads are the model's."""
+    torch.manual_seed(0)
+    model = _Settings()
+    hm, x = harmony_fx.compile(model, devices=["host:0"], precision="bf16"), torch.randn(4, 8)
+    first = hm(x)
+    model.scale = -1.0
+    assert not torch.allclose(hm(x), first) and len(hm.variants) == 2
+
+
+def test_recording_leaves_nn_module_as_it_was_even_when_the_block_raises():
+    model = _Settings()
+    with pytest.raises(RuntimeError, match="in the block"):
+        with reads_recorded(model):
+            model(torch.randn(2, 8))
+            raise RuntimeError("in the block")
+    assert "__getattribute__" not in vars(nn.Module)
+    with reads_recorded(model) as reads:
+        model(torch.randn(2, 8))
+    assert {name for _, name in reads.pairs} >= {"scale", "rectify", "activation"}
+    assert "steps_seen" not in {name for _, name in reads.pairs}
