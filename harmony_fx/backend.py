@@ -383,13 +383,43 @@ class _Interpreter(fx.Interpreter):
         if target is torch.ops.higher_order.autograd_function_apply and autograd_functions.recording():
             forward, backward, *tensors = args
             return autograd_functions.record("autograd_function_apply", functools.partial(
-                target, forward, backward, **kwargs), tuple(tensors), {})
+                _DynamoFunction.apply, forward, backward, kwargs), tuple(tensors), {})
         if target is getattr(torch.ops.higher_order, "tag_activation_checkpoint", None):
             # torch.utils.checkpoint's region, run as it is: harmony recomputes each pack itself
             # (export refuses Dynamo's checkpoint op)
             body, *operands = args
             return body(*operands)
         return super().call_function(target, args, kwargs)
+
+
+class _DynamoFunction(torch.autograd.Function):
+    """An autograd Function Dynamo kept whole (its forward and backward graphs), applied as
+    ``torch.ops.higher_order.autograd_function_apply`` applies it, but with the values its forward
+    saves held by ``ctx.save_for_backward``: torch's makes a Function class at each call whose
+    backward closes over them, and a class lives in a reference cycle, so they (a pack's weights on
+    the device, the saved input) outlived the backward until the garbage collector ran, counted
+    on the device into the next step (BLOOM's GELU passed its budget)."""
+
+    @staticmethod
+    def forward(ctx, forward: fx.GraphModule, backward: fx.GraphModule, kwargs: dict, *args: Any) -> Any:
+        output, saved = fx.Interpreter(forward).run(*args)
+        ctx.backward_graph = backward
+        ctx.tensor_at = [isinstance(value, torch.Tensor) for value in saved]
+        ctx.others = [None if is_tensor else value for value, is_tensor in zip(saved, ctx.tensor_at)]
+        ctx.save_for_backward(*[value for value in saved if isinstance(value, torch.Tensor)])
+        outputs = list(output) if isinstance(output, (tuple, list)) else [output]
+        if kwargs.get("dirty_idx"):
+            ctx.mark_dirty(*[outputs[i] for i in kwargs["dirty_idx"]])
+        if kwargs.get("non_differentiable_idx"):
+            ctx.mark_non_differentiable(*[outputs[i] for i in kwargs["non_differentiable_idx"]])
+        return output
+
+    @staticmethod
+    def backward(ctx, *grads: Any) -> Any:
+        tensors = iter(ctx.saved_tensors)
+        saved = [next(tensors) if is_tensor else value for value, is_tensor in zip(ctx.others, ctx.tensor_at)]
+        result = fx.Interpreter(ctx.backward_graph).run(*grads, *saved)
+        return (None, None, None, *(result if isinstance(result, (tuple, list)) else (result,)))
 
 
 class _Compiled:

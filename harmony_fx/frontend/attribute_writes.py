@@ -54,10 +54,17 @@ def _contents(container) -> list:
     return list(container.items()) if isinstance(container, dict) else list(container)
 
 
+def _identity(container, item) -> tuple:
+    """An item of ``container`` by identity: a dict's by its key and its value's identity (its
+    items are new tuples at each read), a list's by its own."""
+    return (item[0], id(item[1])) if isinstance(container, dict) else (id(item),)
+
+
 def _holds_new_tensors(container, before: list | None) -> bool:
     """A tensor in ``container`` that was not in it before the forward (by identity)."""
-    known = {id(item) for item in before or ()}
-    return any(id(item) not in known and any(isinstance(leaf, torch.Tensor) for leaf in pytree.tree_leaves(item))
+    known = {_identity(container, item) for item in before or ()}
+    return any(_identity(container, item) not in known
+               and any(isinstance(leaf, torch.Tensor) for leaf in pytree.tree_leaves(item))
                for item in _contents(container))
 
 

@@ -30,6 +30,10 @@ class HarmonyFunction(torch.autograd.Function):
         return outputs
 
     @staticmethod
+    # autograd runs loss.backward() of a compiled training step (forward, backward and
+    # optimizer.step under one torch.compile) at a graph break, with Dynamo's frame callback on:
+    # it would trace harmony's runtime, frame by frame, and hand its pieces to the backend
+    @torch.compiler.disable(reason="harmony_fx's backward runs its own compiled programs")
     def backward(ctx, *grad_outputs):
         if torch.is_grad_enabled():  # autograd runs a backward with grad mode on only for create_graph=True
             raise RuntimeError(

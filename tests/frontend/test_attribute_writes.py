@@ -115,3 +115,29 @@ def test_a_buffer_the_graph_writes_all_the_same_is_not_warned_about():
     assert model.seen.item() == 1 and model.count.item() == 1
     batch_norm = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
     assert not [message for message in _warnings_of_compile(batch_norm) if "replaces its buffer" in message]
+
+
+class _ReadsATable(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = nn.Linear(4, 4)
+        self.table = {"scale": torch.tensor(2.0)}  # read, never written
+
+    def forward(self, x):
+        return self.inner(x) * self.table["scale"]
+
+
+def test_a_dict_of_tensors_the_forward_only_reads_is_not_warned_about():
+    """A dict's items are new tuples at each read: compared by key and value, not by the tuple (the
+    backend keeps Dynamo's 0-dim float inputs, a LayerNorm's eps, in such a dict: every dynamic=True
+    graph with one was warned about an attribute 'constants' the user never wrote)."""
+    model = _ReadsATable()
+    assert not [m for m in _warnings_of_compile(model) if "keeps a tensor in the attribute" in m]
+    torch._dynamo.reset()
+    compiled = torch.compile(nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8)), backend="harmony", dynamic=True,
+                             options={"devices": ["host:0"]})
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        compiled(torch.randn(4, 8)).sum().backward()
+    torch._dynamo.reset()
+    assert not [w for w in caught if "keeps a tensor in the attribute" in str(w.message)]

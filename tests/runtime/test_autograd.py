@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import copy
+import functools
 
 import pytest
 import torch
@@ -96,3 +97,47 @@ def test_what_the_loss_does_not_reach_keeps_no_gradient_as_in_eager(parallel):
     ref_optimizer.step()
     for (name, param), ref in zip(model.named_parameters(), reference.parameters()):
         torch.testing.assert_close(param, ref, msg=name)
+
+
+@pytest.mark.parametrize("through", ["backend", "compiled_module"])
+def test_a_compiled_training_step_does_not_trace_harmonys_own_backward(through, monkeypatch):
+    """forward, loss.backward() and optimizer.step() under one torch.compile: autograd runs the
+    backward at Dynamo's graph break with Dynamo's frame callback on; harmony's backward (the
+    runtime, frame by frame) was traced and its pieces handed to the backend (to harmony's own
+    backend: compiled as models). It runs as it is, and the step trains as eager does."""
+    import torch._dynamo.convert_frame as convert_frame
+
+    traced = []
+    convert = convert_frame.ConvertFrameAssert.__call__
+
+    def recording(self, frame, *args, **kwargs):
+        if "harmony_fx" in frame.f_code.co_filename:
+            traced.append(frame.f_code.co_name)
+        return convert(self, frame, *args, **kwargs)
+
+    monkeypatch.setattr(convert_frame.ConvertFrameAssert, "__call__", recording)
+    torch._dynamo.reset()
+    model, x, _ = _compiled()
+    reference = copy.deepcopy(model)
+    y = torch.randn(8, 10)
+    run = harmony_fx.compile(model, (x,), devices=["host:0"], pack_boundaries=[0, 2, 4]) \
+        if through == "compiled_module" else model
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, reference)]
+
+    def step(module, optimizer):
+        loss = torch.nn.functional.mse_loss(module(x), y)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        return loss
+
+    compiled = torch.compile(functools.partial(step, run, optimizers[0]), backend="harmony" if through == "backend"
+                             else "eager", options={"devices": ["host:0"]} if through == "backend" else None)
+    try:
+        for _ in range(2):
+            torch.testing.assert_close(compiled(), step(reference, optimizers[1]), rtol=1e-5, atol=1e-6)
+    finally:
+        torch._dynamo.reset()
+    for param, ref in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(param, ref, rtol=1e-5, atol=1e-6)
+    assert traced == []
