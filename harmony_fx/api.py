@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import inspect
 import warnings
 from typing import Any, Callable, Sequence
 
@@ -87,6 +88,31 @@ def _the_models(method: str) -> Callable[..., Any]:
     return on_the_model
 
 
+class _Forward:
+    """``hm.forward``: the call (a script's ``model.forward(x)`` runs harmony, not the bare model
+    eagerly), with the model's forward's signature: code that reads it (transformers' ``Trainer``
+    keeps the dataset's columns the forward names and drops the rest) read ``(*args, **kwargs)``.
+    Read from the class (``HarmonyModule.forward``) it is the call's own function."""
+
+    def __get__(self, module: "HarmonyModule | None", owner: type | None = None) -> Callable[..., Any]:
+        if module is None:
+            return _call
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            return module(*args, **kwargs)
+
+        try:
+            forward.__signature__ = inspect.signature(module.model.forward)  # type: ignore[attr-defined]
+        except (TypeError, ValueError):  # a forward with no signature to read (a builtin)
+            pass
+        forward.__doc__ = _call.__doc__
+        return forward
+
+
+def _call(self: "HarmonyModule", *args: Any, **kwargs: Any) -> Any:
+    """The call (a script's ``model.forward(x)`` runs harmony, not the bare model eagerly)."""
+    return self(*args, **kwargs)
+
+
 class HarmonyModule(nn.Module):
     """A compiled model: call it like the model; ``loss.backward()`` runs the harmony backward.
 
@@ -135,8 +161,22 @@ class HarmonyModule(nn.Module):
                 "the model's forward. Set it on the model (hm.model.forward = ...), whose new forward the next call "
                 "captures; with accelerate, prepare the model first, then compile it (accelerator.prepare sets an "
                 "autocast forward on the module it is given).")
+        elif "model" in self.__dict__ and name not in self.__dict__ and not hasattr(type(self), name):
+            # the model's, as a read of it is (``__getattr__``): a flag its forward reads (hm.use_aux = False,
+            # torchvision's model.aux_logits = False) or its methods do (hm.generation_config = ...) was kept
+            # here, read back as set, and never seen by the model; a submodule or parameter goes into the
+            # dicts this module shares with the model, as before. nn.Module's own (its hook dicts, the
+            # _compiled_call_impl of hm.compile()) and this class's properties stay this module's.
+            setattr(self.model, name, value)
         else:
             super().__setattr__(name, value)
+
+    def __delattr__(self, name: str) -> None:
+        if name not in _OWN_ATTRIBUTES and name not in self.__dict__ and not hasattr(type(self), name) \
+                and "model" in self.__dict__:
+            delattr(self.model, name)
+        else:
+            super().__delattr__(name)
 
     def __deepcopy__(self, memo: dict) -> "HarmonyModule":
         """A copy of the model, compiled with the same options on its first call (a teacher copy,
@@ -267,6 +307,16 @@ class HarmonyModule(nn.Module):
 
     def _load_from_state_dict(self, *args: Any, **kwargs: Any) -> None:
         self.model._load_from_state_dict(*args, **kwargs)  # a parent's load_state_dict(): the model's own
+
+    # the names named_modules() and named_parameters() give are the model's: looked up in the model,
+    # since this module's own attributes (``model``, ``layers``, ``device``) would shadow a submodule
+    # of that name (a Hugging Face LlamaForCausalLM's ``model``: PEFT's get_peft_model(hm) failed)
+    def get_submodule(self, target: str) -> nn.Module:
+        return self if target == "" else self.model.get_submodule(target)
+
+    set_submodule = _the_models("set_submodule")
+    get_parameter = _the_models("get_parameter")
+    get_buffer = _the_models("get_buffer")
 
     # hooks on the model, where the capture sees them (this module's __call__ runs harmony's
     # program, not nn.Module's, so a hook kept here would never run)
@@ -439,9 +489,7 @@ class HarmonyModule(nn.Module):
         module = self._last = self.for_batch(args, kwargs)
         return module._run(args, kwargs)
 
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        """The call (a script's ``model.forward(x)`` runs harmony, not the bare model eagerly)."""
-        return self(*args, **kwargs)
+    forward = _Forward()
 
     def __repr__(self) -> str:
         return f"HarmonyModule(\n  (model): {repr(self.model).replace(chr(10), chr(10) + '  ')}\n)"
@@ -605,4 +653,5 @@ def _needs_grad(key: CallKey, model: nn.Module, args: tuple, kwargs: dict) -> bo
 
 # what exists once the model is compiled (asking for it before says so, instead of a bare AttributeError)
 _AFTER_COMPILING = frozenset(
-    name for name, value in vars(HarmonyModule).items() if isinstance(value, property) and not name.startswith("_"))
+    name for name, value in vars(HarmonyModule).items()
+    if isinstance(value, property) and not name.startswith("_"))

@@ -4,6 +4,7 @@ from __future__ import annotations
 import copy
 import functools
 import gc
+import inspect
 import re
 
 import pytest
@@ -539,6 +540,98 @@ def test_a_parents_dtype_reaches_its_compiled_part_and_a_device_leaves_it_on_the
     assert compiled.head.weight.is_meta and compiled.encoder.model[0].weight.device.type == "cpu"
 
 
+def test_update_bn_of_an_ema_of_a_parent_says_how_to_run_its_compiled_part_plainly():
+    """``update_bn(loader, AveragedModel(parent))`` where the parent holds a compiled part: the
+    refusal named ``hm.model`` or ``.module.model``, which a parent has not, and not that the
+    refused ``update_bn`` leaves every BatchNorm's momentum None. Followed (the part's model in its
+    place for the call, the momentum set back), the statistics and outputs are eager's."""
+    torch.manual_seed(0)
+    loader = [torch.randn(6, 8) for _ in range(3)]
+    ema, eager_ema = (torch.optim.swa_utils.AveragedModel(_Classifier(compiled=c)) for c in (True, False))
+    with pytest.raises(harmony_fx.CaptureError, match=r"leaves it None: set each BatchNorm's momentum back.*for a "
+                                                      r"parent module holding a compiled part, put that part's \.model "
+                                                      r"in its place for the call"):
+        torch.optim.swa_utils.update_bn(loader, ema)
+    compiled_part = ema.module.encoder
+    ema.module.encoder = compiled_part.model
+    torch.optim.swa_utils.update_bn(loader, ema)
+    ema.module.encoder = compiled_part
+    compiled_part.model[1].momentum = 0.1
+    torch.optim.swa_utils.update_bn(loader, eager_ema)
+    torch.testing.assert_close(compiled_part.model[1].running_var, eager_ema.module.encoder[1].running_var)
+    assert compiled_part.model[1].momentum == eager_ema.module.encoder[1].momentum
+    with torch.no_grad():
+        torch.testing.assert_close(ema.eval()(loader[0]), eager_ema.eval()(loader[0]))
+
+
+class _WithAux(nn.Module):
+    """A flag its forward reads, set by scripts on the model they hold (torchvision's ``aux_logits``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body, self.aux = nn.Linear(8, 8), nn.Linear(8, 8)
+        self.use_aux = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.body(x))
+        return h + self.aux(h) if self.use_aux else h
+
+    def describe(self) -> str:
+        return f"aux={self.use_aux}"
+
+
+def test_an_attribute_set_on_the_compiled_module_is_the_models():
+    """``hm.use_aux = False`` was kept on the compiled module: read back through it as set, while
+    the model's forward (captured on the first call) and its methods went on with the old value,
+    and the outputs differed from eager's without a word. It is set on the model, as a read of
+    ``hm.use_aux`` is the model's; a submodule set on it is the model's as before; del too."""
+    torch.manual_seed(0)
+    model = _WithAux()
+    reference = copy.deepcopy(model)
+    hm = harmony_fx.compile(model, devices=["host:0"], pack_boundaries=[0, 1])
+    hm.use_aux, reference.use_aux = False, False
+    assert model.use_aux is False and "use_aux" not in hm.__dict__ and hm.describe() == "aux=False"
+    x = torch.randn(4, 8)
+    hm(x).square().mean().backward()
+    reference(x).square().mean().backward()
+    assert_grads_equal(model, reference)
+    hm.extra = nn.Linear(2, 2)
+    assert model.extra is hm.extra and "extra" in dict(hm.named_modules())
+    hm.compile()  # nn.Module's own attribute (_compiled_call_impl) stays here: on the model, capturing it recursed
+    assert model._compiled_call_impl is None
+    hm(x.double().float()[:3]).square().mean().backward()  # another batch size: compiles the model again
+    del hm.use_aux
+    assert not hasattr(model, "use_aux")
+
+
+class _Keywords(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(8, 3)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, labels=None):
+        out = self.proj(input_ids * attention_mask[..., None])
+        return out if labels is None else F.cross_entropy(out.flatten(0, 1), labels.flatten())
+
+
+def test_the_compiled_modules_forward_has_the_models_signature():
+    """``inspect.signature(hm.forward)`` was ``(*args, **kwargs)``: transformers' ``Trainer(model=hm)``
+    keeps only the dataset's columns the forward names, so it dropped every column and refused
+    ("No columns in the dataset match the model's forward method signature"). It is the model's;
+    ``hm.forward(...)`` still runs harmony."""
+    torch.manual_seed(0)
+    model = _Keywords()
+    reference = copy.deepcopy(model)
+    hm = harmony_fx.compile(model, devices=["host:0"])
+    assert list(inspect.signature(hm.forward).parameters) == ["input_ids", "attention_mask", "labels"]
+    assert callable(harmony_fx.HarmonyModule.forward)
+    x, mask, labels = torch.randn(4, 5, 8), torch.ones(4, 5), torch.randint(0, 3, (4, 5))
+    hm.forward(input_ids=x, attention_mask=mask, labels=labels).backward()
+    assert "compiled" in hm.__dict__
+    reference(input_ids=x, attention_mask=mask, labels=labels).backward()
+    assert_grads_equal(model, reference)
+
+
 class _RenamedWeight(nn.Module):
     """A model that loads checkpoints of an older version, whose weight was called ``w``."""
 
@@ -577,6 +670,37 @@ def test_a_hook_registered_on_the_compiled_module_is_the_models():
     torch.testing.assert_close(hm(x), 2 * before)
     handle.remove()
     torch.testing.assert_close(hm(x), before)
+
+
+class _WithChildCalledModel(nn.Module):
+    """The shape of a Hugging Face ``LlamaForCausalLM``: a child called ``model``, a head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.model, self.lm_head = nn.Sequential(nn.Linear(8, 8), nn.ReLU()), nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.model(x))
+
+
+def test_the_names_the_compiled_module_lists_are_looked_up_in_the_model():
+    """``named_modules()`` gives the model's names (``model.0``), but the compiled module's own
+    ``model`` attribute shadowed the child of that name: ``get_submodule('model.0')`` raised, and so
+    did PEFT's ``get_peft_model(hm)``, which finds each target by its name so. Each name listed is
+    found, and a module set by name replaces the model's, which the next call captures."""
+    torch.manual_seed(0)
+    wrapped = _WithChildCalledModel()
+    reference = copy.deepcopy(wrapped)
+    hm, x = harmony_fx.compile(wrapped, devices=["host:0"]), torch.randn(4, 8)
+    for name, module in hm.named_modules():
+        assert hm.get_submodule(name) is (hm if name == "" else module)
+    for name, param in hm.named_parameters():
+        assert hm.get_parameter(name) is param
+    hm.set_submodule("model.0", nn.Linear(8, 8))
+    reference.model[0] = copy.deepcopy(wrapped.model[0])
+    hm(x).square().mean().backward()
+    reference(x).square().mean().backward()
+    assert_grads_equal(wrapped, reference)
 
 
 def test_a_forward_set_on_the_compiled_module_is_refused_naming_the_models():

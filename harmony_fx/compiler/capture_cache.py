@@ -33,6 +33,7 @@ from torch import nn
 from torch.fx._lazy_graph_module import _make_graph_module, _use_lazy_graph_module
 
 from harmony_fx.compiler.variants import Variant, capture_variant
+from harmony_fx.frontend.backward_hooks import refuse_tensor_hooks
 from harmony_fx.frontend.guards import CallKey, attribute_facts
 from harmony_fx.ir import meta
 
@@ -50,6 +51,8 @@ def cached_capture(model: nn.Module, size: int | None, args: tuple, kwargs: dict
     key = (size, target, dtype, CallKey.of(model, args, kwargs), attribute_facts(model))
     kept = _captures.setdefault(model, collections.OrderedDict())
     if key in kept:
+        # kept by a compile with no backward, where a hook the forward registers is moot
+        refuse_tensor_hooks(kept[key].captured.tensor_hooks)
         kept.move_to_end(key)
         return dataclasses.replace(_with_masters(_copy(kept[key]), model), reused=True)
     variant = capture_variant(model, size, args, kwargs, target, dtype)

@@ -69,6 +69,7 @@ from harmony_fx.compiler.variants import (
 )
 from harmony_fx.config import CompileOptions, format_size
 from harmony_fx.frontend import microbatch
+from harmony_fx.frontend.backward_hooks import without_a_backward
 from harmony_fx.frontend.capture import CaptureError, raised_when_run
 from harmony_fx.ir import meta
 from harmony_fx.lowering.tier_io import insert_tier_io
@@ -111,7 +112,8 @@ def compile_program(model: nn.Module, args: tuple, kwargs: dict, options: Compil
     ``no_grad``, with no backward after them; ``reuse``: the compile of a larger call of the same
     model and state, whose packing this one takes (``options`` then fix its decisions:
     ``Compiled.decisions``) without a FakeTensor run where its peak provably bounds this one's."""
-    with collections_skip_the_heap():
+    # with no backward after the calls (forward_only), a hook the forward registers on a tensor is moot
+    with collections_skip_the_heap(), without_a_backward(forward_only):
         return _compile_program(model, args, kwargs, options, trainer=trainer, updates=updates, optimizer=optimizer,
                                 forward_only=forward_only, reuse=reuse)
 

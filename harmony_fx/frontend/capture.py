@@ -46,7 +46,7 @@ from harmony_fx.ir import meta
 from harmony_fx.ir.autograd_functions import custom_backwards
 from harmony_fx.ir.values import fakes_of
 from harmony_fx.frontend.backward_hooks import (
-    hooks_registered_in_forward, refuse_module_backward_hooks, refuse_tensor_hooks,
+    hooks_registered_in_forward, refuse_forward_hooks_keeping_tensors, refuse_module_backward_hooks, refuse_tensor_hooks,
 )
 from harmony_fx.frontend.attribute_reads import Reads, reads_recorded
 from harmony_fx.frontend.attribute_writes import tensor_attribute_writes_said
@@ -94,6 +94,9 @@ class Captured:
     reductions: dict[str, ScalarReduction] = dataclasses.field(default_factory=dict)
     caches_off: bool = False  # a config's use_cache was off while capturing (``frontend.key_value_caches``)
     attribute_reads: Reads = dataclasses.field(default_factory=Reads)
+    # the model's lines that registered a hook on a tensor in the forward: moot in a compile with no
+    # backward, refused in any other (``frontend.backward_hooks``; a kept capture is checked again)
+    tensor_hooks: tuple[str, ...] = ()
 
 
 def capture(model: nn.Module, args: tuple, kwargs: dict | None = None, stack_traces: bool = False,
@@ -110,6 +113,7 @@ def capture(model: nn.Module, args: tuple, kwargs: dict | None = None, stack_tra
     kwargs = dict(kwargs or {})
     refuse_module_backward_hooks(model)
     _refuse_script_modules(model)
+    _refuse_plain_tensor_parameters(model)
     with _grads_set_aside(model), _python_draws_noted(model), tensor_attribute_writes_said(model) as said, \
             _meta_failures_unlogged(), hooks_registered_in_forward() as hooks, \
             key_value_caches_off(model, kwargs) as caches_off, reads_recorded(model) as reads:
@@ -118,12 +122,14 @@ def capture(model: nn.Module, args: tuple, kwargs: dict | None = None, stack_tra
             captured, found = _bounded_capture(model, args, kwargs, True, dtype)
         said.gm = captured.gm if captured is not None else None
     refuse_tensor_hooks(hooks)
+    refuse_forward_hooks_keeping_tensors(model)
     if found is not None:
         raise refusal(found)
     _refuse_state_requiring_grad(captured)
     captured.reductions = _scalar_reductions(captured.gm, {**captured.params, **captured.buffers})
     captured.caches_off = caches_off
     captured.attribute_reads = reads
+    captured.tensor_hooks = tuple(hooks)
     return captured
 
 
@@ -158,6 +164,21 @@ def _refuse_state_requiring_grad(captured: Captured) -> None:
                 "attribute, a buffer or a global): eager gives it a gradient, harmony_fx trains parameters only. "
                 "Register it as one (self.scale = nn.Parameter(...)), or call requires_grad_(False) on it if it is "
                 "not meant to train.")
+
+
+def _refuse_plain_tensor_parameters(model: nn.Module) -> None:
+    """A parameter slot holding a plain tensor: ``torch.func.functional_call`` (``torch.nn.utils.
+    stateless``) puts the tensors it is given there for the call. Export refused it with a message
+    about control flow; harmony_fx trains the model's own parameters, its packs' host weights."""
+    for name, tensor in model.named_parameters(remove_duplicate=False):
+        if not isinstance(tensor, nn.Parameter):
+            raise CaptureError(
+                f"the parameter {name!r} of {type(model).__name__} is a plain tensor, not an nn.Parameter: "
+                "torch.func.functional_call (torch.nn.utils.stateless) puts the tensors it is given in the modules' "
+                "parameters for the call, and harmony_fx runs and trains the model's own parameters, which it holds "
+                "as the packs' weights. Call functional_call on the plain model (hm.model), which runs eagerly, or "
+                "copy the values into the parameters (with torch.no_grad(): param.copy_(value)) and call the "
+                "compiled module.")
 
 
 def _refuse_script_modules(model: nn.Module) -> None:
@@ -534,8 +555,11 @@ def _cumulative_batch_norm(model: nn.Module) -> str:
     return (f"module {name or '(the model)'} (a {type(module).__name__}) has momentum=None, a cumulative average: "
             "torch reads float(num_batches_tracked) in Python, which no graph can hold; give it a number "
             "(momentum=0.1, torch's default), or use torch.compile(model, backend='harmony'), whose Dynamo "
-            "graphs take that value as an input. torch.optim.swa_utils.update_bn sets it on every BatchNorm: give "
-            "update_bn the plain model (hm.model, or an AveragedModel's .module.model), which it runs eagerly.")
+            "graphs take that value as an input. torch.optim.swa_utils.update_bn sets it on every BatchNorm (and, "
+            "stopped here, leaves it None: set each BatchNorm's momentum back, e.g. to 0.1): give update_bn the "
+            "plain model (hm.model, or an AveragedModel's .module.model), which it runs eagerly; for a parent module "
+            "holding a compiled part, put that part's .model in its place for the call (parent.encoder = "
+            "parent.encoder.model; update_bn(loader, parent); then the compiled part back).")
 
 
 def _is_in(path: str, folder: pathlib.Path) -> bool:

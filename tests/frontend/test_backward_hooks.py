@@ -113,3 +113,77 @@ def test_through_torch_compile_a_module_backward_hook_runs_as_in_eager():
     torch.compile(model, backend="harmony", options={"devices": ["host:0"]})(x).sum().backward()
     reference(x).sum().backward()
     assert_grads_equal(model, reference)
+
+
+def test_a_hook_registered_in_forward_is_moot_in_a_call_under_no_grad():
+    """A compile for calls under ``no_grad`` (an eval loop) captures with grad on, so a forward that
+    registers a hook where its tensor requires grad did so in the capture only: it was refused,
+    though no backward follows. It runs as eager; a call with a backward after it is still refused,
+    also where it would take the capture the ``no_grad`` call kept."""
+    torch.manual_seed(0)
+    model = _ClipsInForward()
+    reference = copy.deepcopy(model)
+    hm = harmony_fx.compile(model, devices=["host:0"], microbatches=1)
+    x = torch.randn(4, 8)
+    with torch.no_grad():
+        torch.testing.assert_close(hm(x), reference(x))
+    with pytest.raises(ValueError, match=r"registers a hook on a tensor it makes, at \S+test_backward_hooks.py:\d+ in "
+                                         r"forward: hidden.register_hook"):
+        hm(x)
+
+
+@pytest.mark.parametrize("grad", [False, True], ids=["no_grad", "training"])
+def test_flop_counter_mode_around_a_compiled_module_gives_eagers_numbers(grad):
+    """``FlopCounterMode`` (Lightning's model summary runs the example input under it, under
+    ``no_grad``) tracks modules with global forward hooks that register a hook on each module's
+    output, only noting which module the backward is in: they were refused as the model's own,
+    naming the caller's line. They are dropped; outputs and gradients are eager's."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    model = _model()
+    reference = copy.deepcopy(model)
+    hm = harmony_fx.compile(model, devices=["host:0"], microbatches=1, pack_boundaries=(0, 2))
+    x = torch.randn(4, 8)
+    for module in (hm, reference):
+        with FlopCounterMode(display=False), torch.set_grad_enabled(grad):
+            out = module(x)
+            if grad:
+                out.square().sum().backward()
+        if module is hm:
+            result = out
+    torch.testing.assert_close(result, out)
+    if grad:
+        assert_grads_equal(model, reference)
+
+
+class _GradCam:
+    """Keeps a layer's output as an attribute (Grad-CAM's activations)."""
+
+    def __init__(self, layer: nn.Module) -> None:
+        self.activations = None
+        layer.register_forward_hook(self.keep)
+
+    def keep(self, module, args, output) -> None:
+        self.activations = output
+
+
+@pytest.mark.parametrize("keeper", ["dict in a closure", "object's attribute"])
+def test_a_forward_hook_that_keeps_a_modules_output_is_refused(keeper):
+    """A hook's Python runs once, at capture, on FakeTensors: ``features['relu'] = out`` (feature
+    extraction, Grad-CAM, a perceptual loss) left a FakeTensor in the caller's dict, never the
+    call's activation, and a loss computed from it was a FakeTensor: refused, saying what to do.
+    A hook that returns a new output (the graph keeps its ops) still runs as eager."""
+    model = _model()
+    if keeper == "dict in a closure":
+        features: dict = {}
+        model[1].register_forward_hook(lambda module, args, out: features.__setitem__("relu", out))
+    else:
+        _GradCam(model[1])
+    with pytest.raises(ValueError, match=r"a forward hook on the module '1' \(ReLU\), .*keeps a tensor of the forward.*"
+                                         r"create_feature_extractor"):
+        _compile(model, torch.randn(4, 8))
+    model, x = _model(), torch.randn(4, 8)
+    reference = copy.deepcopy(model)
+    for m in (model, reference):
+        m[1].register_forward_hook(lambda module, args, out: out * 2)
+    torch.testing.assert_close(_compile(model, x)(x), reference(x))

@@ -316,6 +316,26 @@ def test_a_torchscript_module_is_refused_naming_it():
         harmony_fx.compile(model, (torch.randn(4, 8),), devices=["host:0"])
 
 
+def test_functional_call_on_the_compiled_module_is_refused_saying_what_to_call_instead():
+    """``torch.func.functional_call(hm, params, x)`` (or on a parent holding it) puts plain tensors in
+    the model's parameter slots for the call: the capture it sets off was refused by export with
+    advice about Python control flow. Refused naming the parameter and functional_call; the
+    compiled module works as before once the call has put the parameters back."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    reference = copy.deepcopy(model)
+    hm = harmony_fx.compile(model, devices=["host:0"])
+    parent = nn.Sequential(hm, nn.Tanh())
+    x = torch.randn(4, 8)
+    params = {name: value.detach().clone().requires_grad_() for name, value in parent.named_parameters()}
+    with pytest.raises(CaptureError, match=r"the parameter '0.weight' of Sequential is a plain tensor, not an "
+                                           r"nn.Parameter: torch.func.functional_call .*hm.model"):
+        torch.func.functional_call(parent, params, (x,))
+    hm(x).sum().backward()
+    reference(x).sum().backward()
+    assert_grads_equal(model, reference)
+
+
 def test_a_cumulative_batch_norm_is_named_with_what_to_do():
     """``momentum=None``: torch divides by ``float(num_batches_tracked)``, which export cannot keep
     in a graph; the advice was about control flow on tensor values."""
