@@ -17,6 +17,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import _disable_current_modes
 
 from harmony_fx import calibrate, pictures
 from harmony_fx.calibrate import spec_for
@@ -200,7 +201,7 @@ class HarmonyModule(nn.Module):
         # the graph is captured with grad on whatever the caller's mode (a forward-only program is
         # the lowering's choice, not the graph's), under the caller's autocast and training flags;
         # frozen_to_bf16 converts the frozen weights first, and puts them back if compiling fails
-        with torch.inference_mode(False), torch.enable_grad(), _outside_the_callers_autograd(), frozen_in_compute_dtype(
+        with torch.inference_mode(False), torch.enable_grad(), _outside_the_callers_modes(), frozen_in_compute_dtype(
                 self.model, self.options.compute_dtype, self.options.frozen_to_bf16):
             options = self.options if reuse is None else reuse.decisions()
             self.compiled: Compiled = compile_program(self.model, args, kwargs, options, **self._roles,
@@ -623,16 +624,18 @@ def _outside_inference_mode(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
 
 
 @contextlib.contextmanager
-def _outside_the_callers_autograd():
+def _outside_the_callers_modes():
     """Compiling runs the forward on FakeTensors, many times: not under the caller's anomaly mode
-    (its checks need values: every compile failed) nor its saved-tensor hooks (a non-reentrant
+    (its checks need values: every compile failed), its saved-tensor hooks (a non-reentrant
     ``torch.utils.checkpoint`` around the call counted those runs' saved tensors as the call's, and
-    its recompute raised). Both are the caller's again when the compile ends."""
+    its recompute raised) nor its dispatch modes (a ``FlopCounterMode`` around the first call, as in
+    Lightning's model summary, counted every such run: 8.5x eager's flops). All are the caller's
+    again when the compile ends."""
     callers = torch._C._autograd._top_saved_tensors_default_hooks(False)
     # only where the caller has some: functorch's grad refuses to run under any (a model using it is
     # refused in words at capture)
     hooks = torch.autograd.graph.saved_tensors_hooks(_same, _same) if callers is not None else contextlib.nullcontext()
-    with torch.autograd.set_detect_anomaly(False), hooks:
+    with torch.autograd.set_detect_anomaly(False), hooks, _disable_current_modes():
         yield
 
 

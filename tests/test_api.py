@@ -712,6 +712,25 @@ def test_a_forward_set_on_the_compiled_module_is_refused_naming_the_models():
         hm.forward = lambda x: x
 
 
+def test_a_flop_counter_around_calls_counts_eagers_flops_and_compiles_nothing_more():
+    """``FlopCounterMode`` (Lightning's model summary) around a call: it counted the compile's
+    FakeTensor runs and the host's calibration (8.5x eager's flops), and its module tracker's global
+    hooks changed the call's key, so every new counter compiled again. Compiling runs outside the
+    caller's dispatch modes, and the tracker's hooks are not keyed."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    torch.manual_seed(0)
+    model, x = MLPChain(width=16, depth=3), torch.randn(4, 16)
+    with FlopCounterMode(display=False) as eager:
+        model(x)
+    hm = harmony_fx.compile(model, devices=["host:0"])
+    for _ in range(2):  # the first call compiles, the second runs the program
+        with FlopCounterMode(display=False) as counted:
+            hm(x)
+        assert counted.get_total_flops() == eager.get_total_flops()
+    assert len(hm.variants) == 1
+
+
 def test_a_compiled_module_given_to_harmony_again_is_refused_naming_its_model():
     """As the model, or as a part of it, of ``compile`` and ``Trainer``: capturing would run its
     own program on FakeTensors."""

@@ -47,6 +47,7 @@ import types
 import torch
 from torch import nn
 from torch.utils import _pytree as pytree
+from torch.utils.module_tracker import ModuleTracker
 
 from harmony_fx.frontend.attribute_reads import Reads
 from harmony_fx.runtime.ambient import Autocast
@@ -140,8 +141,9 @@ def _mode(key: CallKey) -> str:
 
 def module_state(model: nn.Module) -> tuple:
     hooks = torch.nn.modules.module
-    facts: list = [_hook_ids(hooks._global_forward_hooks, hooks._global_forward_pre_hooks,
-                             hooks._global_backward_hooks, hooks._global_backward_pre_hooks)]
+    facts: list = [_hook_ids(*({key: hook for key, hook in hook_dict.items() if not _observes(hook)}
+                               for hook_dict in (hooks._global_forward_hooks, hooks._global_forward_pre_hooks,
+                                                 hooks._global_backward_hooks, hooks._global_backward_pre_hooks)))]
     stack = [model]
     while stack:
         module = stack.pop()
@@ -166,6 +168,13 @@ def module_state(model: nn.Module) -> tuple:
                     facts.append((id(buffer), "uninitialized"))
         stack.extend(module._modules.values())
     return tuple(facts)
+
+
+def _observes(hook: object) -> bool:
+    """A global module hook of torch's ``ModuleTracker`` (``FlopCounterMode``'s, entered anew for
+    each count: Lightning's model summary): it notes which module runs, which the graph does not
+    hold, and keyed it compiled every call under a new counter again."""
+    return isinstance(getattr(hook, "__self__", None), ModuleTracker)
 
 
 def _hook_ids(*hook_dicts: dict) -> tuple:
