@@ -737,7 +737,8 @@ def test_a_compiled_module_given_to_harmony_again_is_refused_naming_its_model():
     hm = harmony_fx.compile(MLPChain(width=8, depth=2), devices=["host:0"])
     parent = nn.Sequential(hm, nn.Linear(8, 2))
     x = torch.randn(4, 8)
-    with pytest.raises(TypeError, match=r"compiled already \(a HarmonyModule\): give it that module's model, hm\.model"):
+    with pytest.raises(TypeError,
+                       match=r"compiled already \(a HarmonyModule\): give it that module's model, hm\.model"):
         harmony_fx.compile(hm)
     with pytest.raises(TypeError, match=r"the module '0' of Sequential is a harmony_fx compiled module"):
         harmony_fx.compile(parent, (x,))

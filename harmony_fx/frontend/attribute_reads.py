@@ -46,9 +46,6 @@ class Reads:
         module, name = self.pairs[index]
         return f"{type(module()).__name__}.{name}"
 
-    def __len__(self) -> int:
-        return len(self.pairs)
-
 
 _MISSING = ("missing",)
 

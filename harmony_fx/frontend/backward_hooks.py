@@ -126,8 +126,8 @@ def refuse_forward_hooks_keeping_tensors(model: nn.Module) -> None:
                     "of the forward (features[name] = output): under harmony_fx a hook's Python runs once, when the "
                     "model is captured, on FakeTensors, so what it kept is one of those and no call replaces it. "
                     "Return the tensor from the model instead (torchvision.models.feature_extraction."
-                    "create_feature_extractor, timm's features_only=True or forward_intermediates), or keep the hook on "
-                    "an eager model.")
+                    "create_feature_extractor, timm's features_only=True or forward_intermediates), or keep the hook "
+                    "on an eager model.")
 
 
 def _held_by(hook: Any) -> list:
@@ -146,7 +146,8 @@ def _held_by(hook: Any) -> list:
             held.append(cell.cell_contents)
         except ValueError:  # an empty cell
             pass
-    held += [*(getattr(function, "__defaults__", None) or ()), *(getattr(function, "__kwdefaults__", None) or {}).values()]
+    held += [*(getattr(function, "__defaults__", None) or ()),
+             *(getattr(function, "__kwdefaults__", None) or {}).values()]
     code, names = getattr(function, "__code__", None), getattr(function, "__globals__", {})
     if code is not None:
         held += [names[name] for name in code.co_names if name in names and not isinstance(names[name], type(os))]

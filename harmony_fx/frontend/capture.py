@@ -46,7 +46,8 @@ from harmony_fx.ir import meta
 from harmony_fx.ir.autograd_functions import custom_backwards
 from harmony_fx.ir.values import fakes_of
 from harmony_fx.frontend.backward_hooks import (
-    hooks_registered_in_forward, refuse_forward_hooks_keeping_tensors, refuse_module_backward_hooks, refuse_tensor_hooks,
+    hooks_registered_in_forward, refuse_forward_hooks_keeping_tensors, refuse_module_backward_hooks,
+    refuse_tensor_hooks,
 )
 from harmony_fx.frontend.attribute_reads import Reads, reads_recorded
 from harmony_fx.frontend.attribute_writes import tensor_attribute_writes_said
