@@ -162,22 +162,26 @@ class HarmonyModule(nn.Module):
                 "the model's forward. Set it on the model (hm.model.forward = ...), whose new forward the next call "
                 "captures; with accelerate, prepare the model first, then compile it (accelerator.prepare sets an "
                 "autocast forward on the module it is given).")
-        elif "model" in self.__dict__ and name not in self.__dict__ and not hasattr(type(self), name):
-            # the model's, as a read of it is (``__getattr__``): a flag its forward reads (hm.use_aux = False,
-            # torchvision's model.aux_logits = False) or its methods do (hm.generation_config = ...) was kept
-            # here, read back as set, and never seen by the model; a submodule or parameter goes into the
-            # dicts this module shares with the model, as before. nn.Module's own (its hook dicts, the
-            # _compiled_call_impl of hm.compile()) and this class's properties stay this module's.
+        elif self._is_the_models(name):
             setattr(self.model, name, value)
         else:
             super().__setattr__(name, value)
 
     def __delattr__(self, name: str) -> None:
-        if name not in _OWN_ATTRIBUTES and name not in self.__dict__ and not hasattr(type(self), name) \
-                and "model" in self.__dict__:
+        if self._is_the_models(name):
             delattr(self.model, name)
         else:
             super().__delattr__(name)
+
+    def _is_the_models(self, name: str) -> bool:
+        """Whether an attribute set or deleted here is the model's, as a read of it is (``__getattr__``):
+        a flag its forward reads (hm.use_aux = False) or its methods do (hm.generation_config = ...) was
+        kept here, read back as set, and never seen by the model. Not harmony's own attributes, nor
+        what is this module's already (nn.Module's hook dicts), nor this class's (its properties,
+        nn.Module's ``_compiled_call_impl`` of hm.compile()); a submodule or parameter set here goes
+        into the dicts shared with the model either way."""
+        return ("model" in self.__dict__ and name not in _OWN_ATTRIBUTES and name not in self.__dict__
+                and not hasattr(type(self), name))
 
     def __deepcopy__(self, memo: dict) -> "HarmonyModule":
         """A copy of the model, compiled with the same options on its first call (a teacher copy,
@@ -656,5 +660,4 @@ def _needs_grad(key: CallKey, model: nn.Module, args: tuple, kwargs: dict) -> bo
 
 # what exists once the model is compiled (asking for it before says so, instead of a bare AttributeError)
 _AFTER_COMPILING = frozenset(
-    name for name, value in vars(HarmonyModule).items()
-    if isinstance(value, property) and not name.startswith("_"))
+    name for name, value in vars(HarmonyModule).items() if isinstance(value, property) and not name.startswith("_"))

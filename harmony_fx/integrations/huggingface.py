@@ -185,12 +185,13 @@ class HarmonyTrainer(transformers.Trainer):
                 loss = harmony.step(batch, microbatch_weights=[weight] * len(batches))
             else:
                 own_mean = not passed or not self._reads_num_items_in(batch)
+                means_apart = own_mean and len(batches) > 1  # transformers adds the batches' own means
                 weights = _weights_of_batch_means(harmony.microbatch_sizes(batch), batch, batches, adds) \
-                    if own_mean and len(batches) > 1 else None
+                    if means_apart else None
                 if weights is not None:
                     loss = harmony.step(batch, microbatch_weights=weights)
                 else:
-                    if own_mean and len(batches) > 1:
+                    if means_apart:
                         self._warn_of_one_mean(batches)
                     loss = harmony.step(batch, loss_scale=len(batches)) if adds and own_mean else harmony.step(batch)
         return loss.detach().to(self.args.device)
