@@ -3,15 +3,18 @@
 The graph holds each such value as a constant: a flag (PEFT's ``_disable_adapters`` and
 ``merged_adapters``, timm's ``grad_checkpointing``), a number (``self.scale``, a BatchNorm's
 ``momentum``), a string or a function. ``frontend.guards`` keys every call on their values, so a
-change captures again, as Dynamo guards what it read. (A value read from a plain object the module
-holds, such as a Hugging Face config, is not followed: only the modules' own attributes.)
+change captures again, as Dynamo guards what it read.
 
 ``reads_recorded(model)`` records, while it is open, each read of a module's own attribute (one in
 its ``__dict__``): ``nn.Module`` has no ``__getattribute__`` of its own, so one set on it for the
 capture sees every read of every module class that does not define its own, and is removed after.
 What ``nn.Module`` itself keeps (hooks, the parameter and submodule dicts, ``training``) is keyed
-elsewhere. Of what was read, ``Reads.values()`` keeps the reads whose value is plain (numbers,
-strings, flags, enums, dtypes, functions, and tuples, lists, sets and dicts of those).
+elsewhere. A plain object a module holds (a Hugging Face config, a dataclass of settings) is
+followed the same way: its class gets a recording ``__getattribute__`` for the capture, and a read
+of ``self.config.output_hidden_states`` is kept as the path from the module, read again through the
+module (a config replaced by another is read anew). Of what was read, ``Reads.values()`` keeps the
+reads whose value is plain (numbers, strings, flags, enums, dtypes, functions, and tuples, lists,
+sets and dicts of those).
 """
 from __future__ import annotations
 
@@ -29,30 +32,36 @@ _MODULE_INTERNALS = frozenset(vars(nn.Module())) | {"forward", "__dict__", "__cl
 _PLAIN = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device, torch.layout,
           torch.memory_format, torch.Size, enum.Enum, types.FunctionType, types.BuiltinFunctionType, type)
 _ITEMS = 64  # a longer container is not a flag or a setting: not keyed
+_HEAP_TYPE = 1 << 9  # Py_TPFLAGS_HEAPTYPE: a class defined in Python, whose __getattribute__ can be set
 
 
 class Reads:
-    """The (module, attribute name) pairs a capture read, whose values are plain; each module held
-    weakly (a capture kept for the next compile must not keep its model alive: ``compiler.capture_cache``)."""
+    """The (module, attribute path) pairs a capture read, whose values are plain: a path of one name
+    is the module's own attribute, a longer one goes on through the plain objects it holds
+    (``("config", "use_cache")``). Each module is held weakly (a capture kept for the next compile
+    must not keep its model alive: ``compiler.capture_cache``)."""
 
-    def __init__(self, pairs: tuple[tuple[weakref.ref, str], ...] = ()) -> None:
+    def __init__(self, pairs: tuple[tuple[weakref.ref, tuple[str, ...]], ...] = ()) -> None:
         self.pairs = pairs
 
     def values(self) -> tuple:
         """Each read's value now (``_MISSING`` for an attribute deleted since), as a key compares them."""
-        return tuple(_fact(_attribute(module, name)) for module, name in self.pairs)
+        return tuple(_fact(_attribute(module, path)) for module, path in self.pairs)
 
     def describe(self, index: int) -> str:
-        module, name = self.pairs[index]
-        return f"{type(module()).__name__}.{name}"
+        module, path = self.pairs[index]
+        return ".".join((type(module()).__name__,) + path)
 
 
 _MISSING = ("missing",)
 
 
-def _attribute(module: weakref.ref, name: str) -> object:
+def _attribute(module: weakref.ref, path: tuple[str, ...]) -> object:
     alive = module()
-    return _MISSING if alive is None else alive.__dict__.get(name, _MISSING)
+    value = _MISSING if alive is None else alive.__dict__.get(path[0], _MISSING)
+    for name in path[1:]:
+        value = _MISSING if value is _MISSING else getattr(value, name, _MISSING)
+    return value
 
 
 def _fact(value: object) -> object:
@@ -79,6 +88,24 @@ def _is_plain(value: object, depth: int = 0) -> bool:
     return False
 
 
+def _is_held_object(value: object) -> bool:
+    """A plain object whose attributes a forward may read as settings: an instance of a Python class
+    with a ``__dict__``, not torch's own (a tensor, a module, an fx graph) and not a container."""
+    cls = type(value)
+    return (bool(cls.__flags__ & _HEAP_TYPE) and cls.__dictoffset__ != 0
+            and not cls.__module__.startswith("torch")
+            and not isinstance(value, (nn.Module, torch.Tensor, type, enum.Enum, BaseException, types.FunctionType,
+                                       types.MethodType, tuple, list, dict, set, frozenset)))
+
+
+def _is_computed(cls: type, name: str) -> bool:
+    """``name`` is a property or method of ``cls`` (what it reads inside is recorded as it reads it)."""
+    for klass in cls.__mro__:
+        if name in klass.__dict__:
+            return hasattr(type(klass.__dict__[name]), "__get__")
+    return False
+
+
 _recording: dict[int, nn.Module] | None = None  # while reads_recorded is open: the modules it records, by id
 
 
@@ -91,15 +118,43 @@ def note_clone(clone: nn.Module, original: nn.Module) -> None:
 
 @contextlib.contextmanager
 def reads_recorded(model: nn.Module):
-    """Yields a ``Reads``, filled when the block ends with what the block read of ``model``'s modules."""
+    """Yields a ``Reads``, filled when the block ends with what the block read of ``model``'s modules
+    and of the plain objects they hold."""
     global _recording
     modules = {id(module): module for module in model.modules()}
-    read: dict[tuple[int, str], None] = {}  # in the order first read
+    read: dict[tuple[int, tuple[str, ...]], None] = {}  # in the order first read
+    held: dict[int, tuple[object, int, tuple[str, ...]]] = {}  # id -> (object, module id, path to it)
+    patched: list[tuple[type, object]] = []  # each class given a recording __getattribute__, and its own before
+
+    def follow(value: object, module: int, path: tuple[str, ...]) -> None:
+        if id(value) in held or not _is_held_object(value):
+            return
+        held[id(value)] = (value, module, path)  # the object kept: its id stays its own while recording
+        cls = type(value)
+        if getattr(cls.__getattribute__, "_records_reads", False):
+            return
+        own, original = cls.__dict__.get("__getattribute__"), cls.__getattribute__
+
+        def recording_held(self, name, original=original):
+            value = original(self, name)
+            entry = held.get(id(self))
+            if entry is not None and not name.startswith("__") and not _is_computed(type(self), name):
+                read[entry[1], entry[2] + (name,)] = None
+                follow(value, entry[1], entry[2] + (name,))
+            return value
+
+        recording_held._records_reads = True
+        try:
+            cls.__getattribute__ = recording_held
+        except (TypeError, AttributeError):  # a class that refuses new attributes: its reads are not followed
+            return
+        patched.append((cls, own))
 
     def recording(self, name):
         value = object.__getattribute__(self, name)
         if name not in _MODULE_INTERNALS and id(self) in modules and name in object.__getattribute__(self, "__dict__"):
-            read[id(self), name] = None
+            read[id(self), (name,)] = None
+            follow(value, id(self), (name,))
         return value
 
     reads = Reads()
@@ -110,7 +165,12 @@ def reads_recorded(model: nn.Module):
         yield reads
     finally:
         del nn.Module.__getattribute__
+        for cls, own in reversed(patched):
+            if own is None:
+                del cls.__getattribute__
+            else:
+                cls.__getattribute__ = own
         _recording = None
-        pairs = dict.fromkeys((modules[key], name) for key, name in read)  # a clone's and its original's: one
-        reads.pairs = tuple((weakref.ref(module), name) for module, name in pairs
-                            if _is_plain(module.__dict__.get(name, _MISSING)))
+        pairs = dict.fromkeys((modules[key], path) for key, path in read)  # a clone's and its original's: one
+        reads.pairs = tuple((weakref.ref(module), path) for module, path in pairs
+                            if _is_plain(_attribute(weakref.ref(module), path)))

@@ -16,21 +16,22 @@ A graph captured from ``model(*args, **kwargs)`` holds, besides the batch size:
 - the default dtype, which every factory without a dtype makes (``torch.arange(1.0)``, ``ones``);
 - what the module itself says its graph bakes in (``_harmony_guarded_values()``): the Trainer's
   loss function's plain Python values (an annealed loss weight in a schedule dict);
-- the values of the modules' plain attributes the forward read while it was captured
-  (``frontend.attribute_reads``: ``self.scale``, PEFT's ``merged_adapters``), given as ``reads``.
+- the values of the modules' plain attributes the forward read while it was captured, and of the
+  plain objects they hold (``frontend.attribute_reads``: ``self.scale``, PEFT's ``merged_adapters``,
+  a Hugging Face config's ``output_hidden_states``), given as ``reads``.
 
 ``CallKey.of(model, args, kwargs)`` reads all of it; ``HarmonyModule`` keeps one compiled program
 per key, so a change captures and plans again once, and switching back finds the earlier program.
 Reading the key walks the module tree (no ``named_modules`` bookkeeping): about 0.1 ms for a model
 of a hundred parameters, measured in ``benchmarks/test_guards.py``.
 
-What cannot be seen from here: a value read from a plain object a module holds (a Hugging Face
-config's ``use_cache``), or an attribute the first capture did not read (a branch it did not take):
-it is baked in at capture, as in ``torch.export``. (A tensor held as a plain attribute is not: export
+What cannot be seen from here: an attribute the first capture did not read (a branch it did not
+take), or one read from an object held in a container (a dict of configs): it is baked in at
+capture, as in ``torch.export``. (A tensor held as a plain attribute is not: export
 lifts it to a placeholder, read at every call, so an in-place change to it is seen.) Reading every
 attribute on every call would cost milliseconds, and walk whatever a module holds (a Lightning
 module's trainer, whose counters move every step): only what the capture read is read again (about
-0.25 ms a call for the thousand reads of a 59-block GPT-2).
+0.3 ms a call for the thousand reads of a 59-block GPT-2).
 
 ``attribute_facts(model)`` reads those too, once per compile rather than per call (about 10 ms for
 a 59-block GPT-2): every submodule's class and its plain attributes, following plain objects it

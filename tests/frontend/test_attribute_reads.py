@@ -1,10 +1,12 @@
-"""frontend.attribute_reads: a module attribute the forward read while captured is held by the graph
+"""frontend.attribute_reads: a module attribute the forward read while captured, or an attribute of a
+plain object a module holds (a settings dataclass, a Hugging Face config), is held by the graph
 as a constant, so a change to it compiles again (as eager computes with the new value), and switching
 back finds the program compiled before; an attribute the forward does not read compiles nothing;
 recording leaves ``nn.Module`` as it was, whatever the capture did."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -64,6 +66,61 @@ def test_an_attribute_the_forward_does_not_read_compiles_nothing():
     assert len(hm.variants) == 1
 
 
+@dataclasses.dataclass
+class _Knobs:
+    gain: float = 2.0
+    unused: int = 0  # nothing in the forward reads it
+
+
+class _HoldsKnobs(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+        self.knobs = _Knobs()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x) * self.knobs.gain
+
+
+def test_an_attribute_of_a_plain_object_a_module_holds_is_keyed_through_the_module():
+    torch.manual_seed(0)
+    model = _HoldsKnobs()
+    hm, x = harmony_fx.compile(model, devices=["host:0"]), torch.randn(4, 8)
+    hm(x)
+    model.knobs.unused += 1
+    hm(x)
+    assert len(hm.variants) == 1
+    model.knobs.gain = 3.0
+    torch.testing.assert_close(hm(x), model.linear(x) * 3.0)
+    assert len(hm.variants) == 2 and "_HoldsKnobs.knobs.gain" in list(hm.variants[1][1].passes)[-1].decision
+    model.knobs = _Knobs(gain=-1.0)  # another object in its place is read anew
+    torch.testing.assert_close(hm(x), -model.linear(x))
+    assert len(hm.variants) == 3
+    assert "__getattribute__" not in vars(_Knobs)
+
+
+def test_a_hugging_face_config_changed_after_compiling_computes_as_eager():
+    """GPT-2's forward reads ``config.output_hidden_states`` and its kin: before, a graph captured
+    without hidden states went on returning none after the config asked for them, silently."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_layer=2, n_embd=16, n_head=2, vocab_size=50, n_positions=16, resid_pdrop=0.0,
+                                     embd_pdrop=0.0, attn_pdrop=0.0)
+    model = transformers.GPT2LMHeadModel(config)
+    reference = copy.deepcopy(model)
+    hm, ids = harmony_fx.compile(model, devices=["host:0"]), torch.randint(0, 50, (2, 8))
+    hm(input_ids=ids, labels=ids)
+    for changed in (model, reference):
+        changed.config.output_hidden_states = True
+    out, expected = hm(input_ids=ids, labels=ids), reference(input_ids=ids, labels=ids)
+    assert len(out.hidden_states) == len(expected.hidden_states) == 3
+    for mine, theirs in zip(out.hidden_states, expected.hidden_states):
+        torch.testing.assert_close(mine, theirs)
+    torch.testing.assert_close(out.loss, expected.loss)
+    assert "__getattribute__" in vars(transformers.PretrainedConfig)  # its own, given back
+    assert "__getattribute__" not in vars(type(config))
+
+
 def test_peft_merging_or_disabling_frozen_adapters_computes_as_eager():
     """PEFT's LoRA layers branch on ``merged_adapters`` and ``_disable_adapters``: after
     ``merge_adapter()`` the graph captured before added the adapters' product to weights that
@@ -108,5 +165,11 @@ def test_recording_leaves_nn_module_as_it_was_even_when_the_block_raises():
     assert "__getattribute__" not in vars(nn.Module)
     with reads_recorded(model) as reads:
         model(torch.randn(2, 8))
-    assert {name for _, name in reads.pairs} >= {"scale", "rectify", "activation"}
-    assert "steps_seen" not in {name for _, name in reads.pairs}
+    assert {path for _, path in reads.pairs} >= {("scale",), ("rectify",), ("activation",)}
+    assert ("steps_seen",) not in {path for _, path in reads.pairs}
+    held = _HoldsKnobs()
+    with pytest.raises(RuntimeError, match="in the block"):
+        with reads_recorded(held):
+            held(torch.randn(2, 8))
+            raise RuntimeError("in the block")
+    assert "__getattribute__" not in vars(_Knobs) and "__getattribute__" not in vars(nn.Module)
