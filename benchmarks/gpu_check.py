@@ -287,7 +287,7 @@ def run_gpt(kind: str, state_path: str, quick: bool) -> dict:
         result.update(bytes_moved=moved, bytes_planned=hm.plan.predicted_bytes,
                       bytes_equal_plan=moved == hm.plan.predicted_bytes,
                       predicted_peak=hm.plan.predicted_peak["cuda:0"], budget=hm.plan.budget,
-                      simulated_seconds=simulate_module(hm, device_spec(hm.device, hm.budget)).seconds)
+                      simulated_seconds=simulate_module(hm, device_spec(hm.devices[0], hm.budget)).seconds)
     if kind == "harmony":
         result.update(update_seconds=trainer.stats.update_seconds, exposed_update_seconds=trainer.stats.update_exposed_seconds,
                       undo_seconds=trainer.stats.undo_seconds)

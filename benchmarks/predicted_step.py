@@ -75,7 +75,7 @@ def run_case(name: str, steps: int, parts: bool) -> dict:
         trainer.step(((x,), y))
         seconds.append(time.perf_counter() - started)
     measured = statistics.median(seconds[2:])
-    spec, host = calibrate.spec_for(hm.device, hm.budget), calibrate.host_spec()
+    spec, host = calibrate.spec_for(hm.devices[0], hm.budget), calibrate.host_spec()
     predicted = simulate_module(hm, spec, host).seconds
     row = {"case": name, "packs": len(hm.packs), "microbatches": len(hm.mb_sizes), "measured": measured,
            "fastest": min(seconds[2:]), "predicted": predicted, "ratio": measured / predicted,
@@ -89,7 +89,7 @@ def run_case(name: str, steps: int, parts: bool) -> dict:
         row["parts"] = step_breakdown(stats.spans, step, stats.update_exposed_seconds)
         row["parts_step"] = step
         row["update_seconds"] = stats.update_seconds
-        recorded = simulate_module(hm, calibrate.spec_for(hm.device, hm.budget, recorded=True), host)
+        recorded = simulate_module(hm, calibrate.spec_for(hm.devices[0], hm.budget, recorded=True), host)
         row["predicted_parts"] = _simulated_parts(recorded)
         row["predicted_recorded"] = recorded.seconds
         row["predicted_update"] = sum(end - start for _, stream, _, start, end in recorded.spans if stream == "host")

@@ -51,7 +51,7 @@ def test_runtime_cost_per_task():
     model, idx, target = _setup(8)
     hm = harmony_fx.compile(model, (idx,), devices=["host:0"], microbatches=4, track_memory=False,
                             memory_budget=int(0.25 * 54_094_600))
-    streams = hm.device.streams
+    streams = hm.devices[0].streams
     submit, run = streams.submit, Runtime.run
     seconds = {"work": 0.0, "programs": 0.0, "items": 0}
 

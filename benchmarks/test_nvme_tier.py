@@ -120,7 +120,7 @@ def test_exposed_io(benchmark, what):
                 trainer.flush()
                 waited = [stats.tier_wait_seconds for stats in steps]
                 busy = [stats.tier_seconds for stats in steps]
-                predicted = simulate_module(trainer.hm, spec_for(trainer.hm.device),
+                predicted = simulate_module(trainer.hm, spec_for(trainer.hm.devices[0]),
                                             HostSpec(nvme_read=read, nvme_write=write)).seconds
                 results[name] = (_median(seconds), _median(waited), _median(busy), predicted,
                                  trainer.plan.tier_bytes, trainer.stats.tier_staged_peak)

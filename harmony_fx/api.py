@@ -314,7 +314,7 @@ class HarmonyModule(nn.Module):
         self.model._load_from_state_dict(*args, **kwargs)  # a parent's load_state_dict(): the model's own
 
     # the names named_modules() and named_parameters() give are the model's: looked up in the model,
-    # since this module's own attributes (``model``, ``layers``, ``device``) would shadow a submodule
+    # since this module's own attributes (``model``, ``packs``, ``plan``) would shadow a submodule
     # of that name (a Hugging Face LlamaForCausalLM's ``model``: PEFT's get_peft_model(hm) failed)
     def get_submodule(self, target: str) -> nn.Module:
         return self if target == "" else self.model.get_submodule(target)
@@ -423,11 +423,11 @@ class HarmonyModule(nn.Module):
         tracked = any(isinstance(device, HostDevice) and device.track_memory for device in last.devices)
 
         def predict():
-            spec = spec_for(last.device, last.budget, tracked=tracked, recorded=True)
+            spec = spec_for(last.devices[0], last.budget, tracked=tracked, recorded=True)
             return simulate_module(last, spec, calibrate.host_spec())
 
         predicted = predict()
-        if isinstance(last.device, HostDevice):
+        if isinstance(last.devices[0], HostDevice):
             measured = max((end for *_, end in last.stats.spans), default=0.0)
             if measured and calibrate.check_prediction(measured, predicted.seconds):
                 predicted = predict()
@@ -435,7 +435,6 @@ class HarmonyModule(nn.Module):
 
     # the artifact's parts, by the names people and tests know
     devices = property(lambda self: list(self.compiled.devices))
-    device = property(lambda self: self.compiled.devices[0])
     budget = property(lambda self: self.compiled.budget)
     schedule = property(lambda self: self.compiled.schedule)
     layout = property(lambda self: self.compiled.layout)
@@ -445,7 +444,6 @@ class HarmonyModule(nn.Module):
     device_microbatches = property(lambda self: list(self.compiled.layout.device_microbatches))
     update_arrivals = property(lambda self: self.compiled.layout.update_arrivals)
     captured = property(lambda self: self.compiled.captured)
-    layers = property(lambda self: list(self.compiled.layers))
     packs = property(lambda self: self.compiled.packs)
     signature = property(lambda self: self.compiled.signature)
     batch_analysis = property(lambda self: self.compiled.batch_analysis)

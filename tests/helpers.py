@@ -117,7 +117,7 @@ def train_step(entry: ZooEntry, budget_fraction: float, devices: Sequence[str] |
     reference_loss = entry.loss_fn(reference(*ref_inputs), ref_target)
     reference_loss.backward()
     return StepResult(entry, budget_fraction, budget, need, hm, model, reference, inputs, target,
-                      loss.detach(), reference_loss.detach().cpu(), witness.peak_of(hm.device))
+                      loss.detach(), reference_loss.detach().cpu(), witness.peak_of(hm.devices[0]))
 
 
 @functools.lru_cache(maxsize=None)

@@ -9,7 +9,7 @@ storage object dies. It sees what the kernels hand back before anything in harmo
 
     with DeviceMemoryWitness() as witness:
         loss = hm(x).sum(); loss.backward()
-    assert witness.peak_of(hm.device) == hm.stats.peak_bytes["host:0"] <= budget
+    assert witness.peak_of(hm.devices[0]) == hm.stats.peak_bytes["host:0"] <= budget
 """
 from __future__ import annotations
 

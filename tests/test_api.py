@@ -36,7 +36,7 @@ def test_training_step_matches_eager(name, fraction):
 def test_measured_peak_within_budget(name, fraction):
     """The runtime's peak (whose tracker would raise past the budget) against an independent count."""
     result = cached_train_step(name, fraction)
-    peak = result.hm.stats.peak_bytes[result.hm.device.name]
+    peak = result.hm.stats.peak_bytes[result.hm.devices[0].name]
     assert 0 < peak == result.witnessed_peak <= result.budget
 
 
@@ -71,7 +71,7 @@ def test_generated_code_moves_data_between_packs(name, fraction):
 @pytest.mark.parametrize("name,fraction", CASES)
 def test_device_holds_nothing_after_the_step(name, fraction):
     hm = cached_train_step(name, fraction).hm
-    assert hm.device.live_bytes() == 0
+    assert hm.devices[0].live_bytes() == 0
 
 
 # ---------------------------------------------------------------------- several steps with an optimizer
@@ -124,7 +124,7 @@ def test_no_grad_call_matches_eager_and_leaves_no_grads(name):
     assert not out.requires_grad
     assert all(p.grad is None for p in model.parameters())
     assert_buffers_equal(model, reference)  # a forward in train mode updates BatchNorm statistics once
-    assert hm.device.live_bytes() == 0
+    assert hm.devices[0].live_bytes() == 0
 
 
 class DictNet(nn.Module):
@@ -268,7 +268,7 @@ def test_microbatched_step_matches_eager():
     result = _microbatched_step()
     assert result.hm.num_microbatches == 4
     assert_step_equal(result)
-    assert result.witnessed_peak == result.hm.stats.peak_bytes[result.hm.device.name] <= result.budget
+    assert result.witnessed_peak == result.hm.stats.peak_bytes[result.hm.devices[0].name] <= result.budget
     # input-batch grouping: the weights of each pack come in once for all microbatches
     weight_prefetches = [a for a in result.hm.forward_actions
                          if a.kind.name == "PREFETCH" and a.key.kind.name == "WEIGHTS"]
@@ -286,9 +286,9 @@ def _out_of_memory_in_forward(hm, inputs) -> str:
     Only the text is kept: the exception's traceback holds the frames, and so the device tensors, of
     the failed task until the garbage collector breaks the cycle.
     """
-    tracker = hm.device.tracker
+    tracker = hm.devices[0].tracker
     cap = tracker.cap
-    tracker.cap = hm.plan.predicted_peak[hm.device.name] // 2
+    tracker.cap = hm.plan.predicted_peak[hm.devices[0].name] // 2
     try:
         with pytest.raises(harmony_fx.DeviceOutOfMemoryError, match="forward") as info:
             hm(*inputs)
@@ -322,7 +322,7 @@ def test_after_out_of_memory_the_next_step_is_clean():
     reference, _, _ = entry.build(0)
     hm = harmony_fx.compile(model, inputs, memory_budget=eager_bytes("small_cnn") // 2)
     _out_of_memory_in_forward(hm, inputs)
-    assert hm.device.live_bytes() == 0
+    assert hm.devices[0].live_bytes() == 0
     torch.manual_seed(SEED)
     entry.loss_fn(hm(*inputs), target).backward()
     torch.manual_seed(SEED)
@@ -602,6 +602,24 @@ def test_an_attribute_set_on_the_compiled_module_is_the_models():
     hm(x.double().float()[:3]).square().mean().backward()  # another batch size: compiles the model again
     del hm.use_aux
     assert not hasattr(model, "use_aux")
+
+
+def test_the_models_device_and_layers_are_read_through_the_compiled_module():
+    """``hm.device`` was harmony's first device (a ``HostDevice``): a script's ``x.to(model.device)``,
+    as Hugging Face examples write it, failed; ``hm.layers`` was the plan's layers where the model's
+    own ``self.layers`` was meant. Both are the model's, as any other attribute."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=50, n_positions=16)
+    hm = harmony_fx.compile(transformers.GPT2LMHeadModel(config), devices=["host:0"])
+    ids = torch.randint(0, 50, (2, 8))
+    assert hm.device == torch.device("cpu") and hm(input_ids=ids.to(hm.device)).logits.shape == (2, 8, 50)
+    assert hm.devices[0].name == "host:0"
+    stack = nn.Sequential()
+    stack.layers = nn.ModuleList([nn.Linear(4, 4), nn.Linear(4, 4)])
+    compiled = harmony_fx.compile(stack, devices=["host:0"])
+    assert compiled.layers is stack.layers
+    with pytest.raises(AttributeError):  # a module without one has none, as eager
+        compiled.device
 
 
 class _Keywords(nn.Module):

@@ -175,7 +175,7 @@ def test_delays_on_the_copy_streams_leave_results_bitwise_unchanged():
         model, x, y = _gpt()
         hm = harmony_fx.compile(model, x, devices=["cuda:0"], compile_packs=False,
                                 microbatches=2, memory_budget="512KiB")
-        streams, submit = hm.device.streams, hm.device.streams.submit
+        streams, submit = hm.devices[0].streams, hm.devices[0].streams.submit
 
         def slow(stream, work, _submit=submit, _delay=delay):
             if _delay and stream.value in ("h2d", "d2h", "peer"):
@@ -199,7 +199,7 @@ def test_bf16_on_cuda_is_close_to_fp32_and_moves_what_it_planned():
     ref_loss.backward()
     torch.testing.assert_close(loss, ref_loss.detach().cpu(), rtol=2e-2, atol=0)
     assert hm.stats.as_dict()["bytes_by_kind"] == hm.plan.predicted_bytes
-    assert hm.device.staging.allocations > 0  # the bf16 casts went into reused pinned buffers
+    assert hm.devices[0].staging.allocations > 0  # the bf16 casts went into reused pinned buffers
 
 
 def test_allocator_peaks_within_the_budget_over_two_iterations():
@@ -222,7 +222,7 @@ def test_spans_are_gpu_time_not_issue_time():
     hm = harmony_fx.compile(model, x, devices=["cuda:0"], compile_packs=False,
                             microbatches=2, memory_budget="512KiB", timeline=True)
     _gpt_loss(hm(x), y).backward()  # warm up: the allocator, cuBLAS
-    streams, submit = hm.device.streams, hm.device.streams.submit
+    streams, submit = hm.devices[0].streams, hm.devices[0].streams.submit
     held = []
 
     def held_up(stream, work):

@@ -130,7 +130,7 @@ def test_budget_below_the_minimum_names_the_minimum_which_then_works():
         F.cross_entropy(hm(x), target).backward()
     F.cross_entropy(reference(x), target).backward()
     assert_grads_equal(model, reference)
-    assert witness.peak_of(hm.device) == hm.stats.peak_bytes[hm.device.name] <= minimum
+    assert witness.peak_of(hm.devices[0]) == hm.stats.peak_bytes[hm.devices[0].name] <= minimum
 
 
 # ---------------------------------------------------------------------- batches unlike the example
@@ -388,7 +388,7 @@ def _fail_on_call(monkeypatch, number: int, when: str, error: type[BaseException
 @pytest.mark.parametrize("optimizer_name", ["sgd", "adam"])
 def test_an_error_in_any_task_leaves_the_step_undone(optimizer_name, monkeypatch):
     with _twin_trainers(optimizer_name) as ((trainer, model, optimizer), (reference, ref_model, ref_optimizer)):
-        device = trainer.hm.device
+        device = trainer.hm.devices[0]
         trainer.step(_batch(seed=1))  # the optimizer has state to keep from here on
         reference.step(_batch(seed=1))
         num_ops = len(trainer.hm.forward_actions + trainer.hm.backward_actions)  # one op call per action
@@ -482,7 +482,7 @@ def test_skip_nonfinite_needs_atomic_steps():
 
 def test_out_of_memory_names_the_pack_the_planned_peak_and_the_budget():
     with _twin_trainers("adam") as ((trainer, model, optimizer), (reference, ref_model, ref_optimizer)):
-        device = trainer.hm.device
+        device = trainer.hm.devices[0]
         planned = trainer.plan.predicted_peak[device.name]
         trainer.step(_batch(seed=1))
         reference.step(_batch(seed=1))
@@ -524,7 +524,7 @@ def test_ctrl_c_in_a_task_leaves_the_step_undone_and_no_thread_running(monkeypat
                 trainer.step(_batch(seed=2))
         assert set(threading.enumerate()) == threads
         _assert_state_equal(model, optimizer, saved)
-        assert trainer.hm.device.live_bytes() == 0
+        assert trainer.hm.devices[0].live_bytes() == 0
         trainer.step(_batch(seed=2))
         reference.step(_batch(seed=2))
         _assert_twins(model, optimizer, ref_model, ref_optimizer)

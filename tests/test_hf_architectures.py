@@ -63,7 +63,7 @@ def test_an_architecture_trains_like_eager_at_its_smallest_budget(name, memory_w
     # a batch shown apart is cut without the warning that the results may differ
     assert any("cannot show" in str(w.message) for w in caught) == (name in KEPT_WHOLE and options["microbatches"] > 1)
     _assert_steps_as_eager(name, hm, model, reference, batch)
-    assert memory_witness.peak_of(hm.device) == hm.stats.peak_bytes[hm.device.name] <= budget
+    assert memory_witness.peak_of(hm.devices[0]) == hm.stats.peak_bytes[hm.devices[0].name] <= budget
 
 
 # with transformers' defaults: dropout, stochastic depth (Swin, BEiT), the key/value cache; Wav2Vec2's

@@ -58,7 +58,7 @@ def test_three_sgd_steps_match_eager_at_a_quarter_of_the_memory(name, memory_wit
         expected.loss.backward()
         assert all(p.grad is not None for p in model.parameters()), f"step {step}: a parameter has no gradient"
         assert_grads_equal(model, reference, RTOL, ATOL)
-        assert memory_witness.peak_of(hm.device) == hm.stats.peak_bytes[hm.device.name] <= budget
+        assert memory_witness.peak_of(hm.devices[0]) == hm.stats.peak_bytes[hm.devices[0].name] <= budget
         optimizer.step()
         optimizer.zero_grad()
         ref_optimizer.step()
@@ -182,8 +182,8 @@ def test_larger_forward_microbatches_train_like_one_size(name, memory_witness):
                                      microbatches=microbatches, memory_budget=budget)
         try:
             loss = trainer.step(batch)
-            assert memory_witness.peak_of(trainer.hm.device) == trainer.stats.peak_bytes[trainer.hm.device.name] \
-                == trainer.plan.predicted_peak[trainer.hm.device.name] <= budget
+            assert memory_witness.peak_of(trainer.hm.devices[0]) == trainer.stats.peak_bytes[trainer.hm.devices[0].name] \
+                == trainer.plan.predicted_peak[trainer.hm.devices[0].name] <= budget
         finally:
             trainer.close()
         results.append((loss, [p.detach().clone() for p in model.parameters()], trainer.plan.forward_microbatches))

@@ -54,7 +54,7 @@ def test_recording_counts_an_untracked_host_devices_memory_for_the_recorded_call
     stats = step()
     assert stats.spans and "host:0" not in stats.peak_bytes and not stats.memory
     hm.record_timeline(False)
-    assert "host:0" not in step().peak_bytes and not hm.device.track_memory
+    assert "host:0" not in step().peak_bytes and not hm.devices[0].track_memory
 
 
 @pytest.mark.parametrize("memory", [True, False])
@@ -76,5 +76,5 @@ def test_the_plot_predicts_the_run_in_the_mode_it_ran(tmp_path, monkeypatch, mem
         return
     hm.plot_memory(tmp_path / "memory.png")
     ((spec, host),) = specs
-    assert spec == calibrate.spec_for(hm.device, tracked=True, recorded=True) and host == calibrate.host_spec()
+    assert spec == calibrate.spec_for(hm.devices[0], tracked=True, recorded=True) and host == calibrate.host_spec()
     assert checked == [max(end for *_, end in hm.stats.spans)]

@@ -136,7 +136,7 @@ def test_bf16_moves_half_the_weight_bytes_of_fp32():
 
 def test_bf16_measured_bytes_and_peak_equal_the_plan():
     _, _, _, trainer, _, _, fp32_trainer = _gpt_runs()
-    device = trainer.hm.device.name
+    device = trainer.hm.devices[0].name
     assert trainer.stats.as_dict()["bytes_by_kind"] == trainer.plan.predicted_bytes
     assert fp32_trainer.stats.as_dict()["bytes_by_kind"] == fp32_trainer.plan.predicted_bytes
     assert trainer.stats.peak_bytes[device] == trainer.plan.predicted_peak[device]

@@ -72,7 +72,7 @@ def test_no_weight_crosses_and_the_activations_move_as_without_residency():
     assert resident_hm.plan.bytes_d2h == sum(n for (d, _), n in resident_moved.items() if d == "d2h")
     assert "weights resident on host:0" in str(resident_hm.plan)
     # and the simulation of its step, which the GPU check sets beside the measured one
-    simulated = simulate_module(resident_hm, spec_for(resident_hm.device, resident_hm.budget))
+    simulated = simulate_module(resident_hm, spec_for(resident_hm.devices[0], resident_hm.budget))
     assert {k: n for k, n in simulated.bytes_moved.items() if n} == resident_moved
 
 

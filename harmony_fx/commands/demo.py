@@ -157,7 +157,7 @@ def _train(args: argparse.Namespace) -> int:
     trainer.plot_memory(plot)
     hm = trainer.hm
     step_seconds = _steady(result.harmony_times) or result.explained_seconds
-    measured_here = hm.device.torch_device.type != "cuda"
+    measured_here = hm.devices[0].torch_device.type != "cuda"
     predicted = _predicted(hm, simulate_module, calibrate)
     if measured_here and step_seconds and calibrate.check_prediction(step_seconds, predicted):
         predicted = _predicted(hm, simulate_module, calibrate)
@@ -256,7 +256,7 @@ def _print_times(args: argparse.Namespace, hm, result: _Run, tokens: int, step_s
         for name, value in result.parts.items():
             print(f"    {name:<18} {value * 1e3:7.1f} ms  {notes[name]}")
     if predicted and step_seconds:
-        where = "this machine's calibration" if measured_here else f"the {calibrate.spec_for(hm.device).name} preset"
+        where = "this machine's calibration" if measured_here else f"the {calibrate.spec_for(hm.devices[0]).name} preset"
         print(f"  predicted {predicted * 1e3:.1f} ms a step (simulated on {where}); measured "
               f"{step_seconds / predicted:.2f}x of it")
     if measured_here:
@@ -292,7 +292,7 @@ def _steady(seconds: list[float]) -> float:
 
 def _predicted(hm, simulate_module, calibrate) -> float:
     """An untracked, unrecorded step of ``hm``, simulated on its device's spec and this host."""
-    return simulate_module(hm, calibrate.spec_for(hm.device, hm.budget), calibrate.host_spec()).seconds
+    return simulate_module(hm, calibrate.spec_for(hm.devices[0], hm.budget), calibrate.host_spec()).seconds
 
 
 def _across(args: argparse.Namespace) -> int:

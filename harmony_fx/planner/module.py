@@ -19,7 +19,7 @@ __all__ = ["simulate_module", "eager_seconds"]
 
 def simulate_module(hm, spec: DeviceSpec, host: HostSpec = HostSpec()) -> Simulation:
     """Simulate one iteration of ``hm`` (a ``HarmonyModule``) on ``spec``: its device's, for a
-    prediction of what it measures (``harmony_fx.calibrate.spec_for(hm.device, hm.budget)``: its
+    prediction of what it measures (``harmony_fx.calibrate.spec_for(hm.devices[0], hm.budget)``: its
     GPU's preset, or this machine measured for a HostDevice)."""
     size = hm.mb_sizes[0] or _batch_of(hm)
     # captured in the compute dtype: the graph's bytes are the devices' (no itemsize to apply)
@@ -48,7 +48,7 @@ def eager_seconds(hm, spec: DeviceSpec) -> float:
 
 
 def _device_type(hm) -> str:
-    return hm.device.torch_device.type
+    return hm.devices[0].torch_device.type
 
 
 def _batch_of(hm) -> int:

@@ -45,7 +45,7 @@ def test_the_readme_example_lists_every_stage_with_its_time():
     decisions = {stage.name: stage.decision for stage in hm.passes}
     assert f"{len(hm.packs)} pack(s)" in decisions["plan packs"]
     assert f"{2 * len(hm.devices)} program(s)" in decisions["codegen"]
-    assert hm.device.name in decisions["resolve devices"]
+    assert hm.devices[0].name in decisions["resolve devices"]
 
 
 def test_fixed_options_skip_the_search_stages():

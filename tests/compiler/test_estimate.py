@@ -108,8 +108,8 @@ def test_with_dropout_the_peak_is_the_real_runs_too():
     hm, x, target = _compiled(model, microbatches=2)
     assert all(pack.random for pack in hm.packs)
     estimate = _estimate(hm, 0)
-    assert hm.device.live_bytes() == 0  # the estimate ran on a device of its own
-    assert estimate.peak == _witnessed_step(hm, x, target).peak_of(hm.device)
+    assert hm.devices[0].live_bytes() == 0  # the estimate ran on a device of its own
+    assert estimate.peak == _witnessed_step(hm, x, target).peak_of(hm.devices[0])
 
 
 def test_a_capped_run_stops_where_it_passes_the_cap():

@@ -187,9 +187,9 @@ def test_compile_with_the_named_smallest_budget_succeeds(memory_witness):
     assert smallest == int(match.group(1).replace(",", "")) > 1000
 
     hm = harmony_fx.compile(model, (x,), memory_budget=smallest)
-    assert hm.plan.predicted_peak[hm.device.name] <= smallest
+    assert hm.plan.predicted_peak[hm.devices[0].name] <= smallest
     torch.nn.functional.cross_entropy(hm(x), target).backward()
-    assert memory_witness.peak_of(hm.device) == hm.stats.peak_bytes[hm.device.name] <= smallest
+    assert memory_witness.peak_of(hm.devices[0]) == hm.stats.peak_bytes[hm.devices[0].name] <= smallest
     assert all(p.grad is not None for p in model.parameters())
 
     with pytest.raises(BudgetTooSmallError):  # and it is the smallest with one microbatch

@@ -145,10 +145,10 @@ def test_a_call_whose_backward_never_comes_frees_the_device_when_its_output_dies
     try:
         with DeviceMemoryWitness() as witness:
             output = hm(x)
-            assert witness.live_of(hm.device) > 0  # the last pack, kept for a backward
+            assert witness.live_of(hm.devices[0]) > 0  # the last pack, kept for a backward
             predictions = output.argmax(-1)
             del output
-        assert witness.live_of(hm.device) == 0 and predictions.shape == (4,)
+        assert witness.live_of(hm.devices[0]) == 0 and predictions.shape == (4,)
     finally:
         if was_enabled:
             gc.enable()

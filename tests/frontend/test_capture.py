@@ -269,7 +269,7 @@ def test_symbolic_trace_fallback_trains_like_eager(monkeypatch, name):
     missing = [n.name for n in result.hm.captured.gm.graph.nodes if n.op != "output" and meta.VAL not in n.meta]
     assert not missing
     assert_step_equal(result)
-    assert result.witnessed_peak == result.hm.stats.peak_bytes[result.hm.device.name] <= result.budget
+    assert result.witnessed_peak == result.hm.stats.peak_bytes[result.hm.devices[0].name] <= result.budget
     assert result.hm.stats.as_dict()["bytes_by_kind"] == result.hm.plan.predicted_bytes
 
 

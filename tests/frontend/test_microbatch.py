@@ -152,7 +152,7 @@ def test_microbatched_bytes_equal_plan(name, num_microbatches):
     assert measured == hm.plan.predicted_bytes
     assert measured["h2d/weights"] > 0 and measured["d2h/wgrad"] > 0
     assert hm.plan.microbatches == num_microbatches
-    assert hm.stats.peak_bytes[hm.device.name] == hm.plan.predicted_peak[hm.device.name]
+    assert hm.stats.peak_bytes[hm.devices[0].name] == hm.plan.predicted_peak[hm.devices[0].name]
 
 
 @pytest.mark.parametrize("name", list(MODELS))

@@ -105,7 +105,7 @@ def test_values_of_data_dependent_size_train_like_eager_within_the_budget(model,
         torch.testing.assert_close(loss, expected)
         for param, eager in zip(module.parameters(), reference.parameters()):
             torch.testing.assert_close(param.grad, eager.grad)
-        assert memory_witness.peak_of(hm.device) == hm.stats.peak_bytes[hm.device.name] <= budget
+        assert memory_witness.peak_of(hm.devices[0]) == hm.stats.peak_bytes[hm.devices[0].name] <= budget
 
 
 class _Combinations(nn.Module):

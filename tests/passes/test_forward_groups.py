@@ -17,12 +17,12 @@ from tests.helpers import ZOO, assert_step_equal, train_step
 def test_grouped_forward_matches_eager_and_its_plan(name, microbatches):
     entry = ZOO[name]
     model, inputs, _ = entry.build(0)
-    layers = len(harmony_fx.compile(model, inputs, microbatches=1, pack_boundaries=(0,)).layers)
+    layers = len(harmony_fx.compile(model, inputs, microbatches=1, pack_boundaries=(0,)).compiled.layers)
     boundaries = tuple(range(0, layers, max(layers // 4, 1)))[:4]
     result = train_step(entry, 1.0, microbatches=microbatches, pack_boundaries=boundaries, forward_groups=(0, 2))
     assert_step_equal(result)
     hm = result.hm
-    assert hm.stats.peak_bytes[hm.device.name] == hm.plan.predicted_peak[hm.device.name]
+    assert hm.stats.peak_bytes[hm.devices[0].name] == hm.plan.predicted_peak[hm.devices[0].name]
     assert dict(hm.stats.bytes_by_kind) == {tuple(k.split("/")): n for k, n in hm.plan.predicted_bytes.items()}
     # the two groups' weights come in together, before the group's first task
     forward = hm.forward_actions
@@ -48,7 +48,7 @@ def test_pipeline_groups_match_eager_and_continue_the_wrap(name):
     forward on d0 and d1, and the backward continues the wrap from the last pack's device."""
     entry = ZOO[name]
     model, inputs, _ = entry.build(0)
-    layers = len(harmony_fx.compile(model, inputs, microbatches=1, pack_boundaries=(0,)).layers)
+    layers = len(harmony_fx.compile(model, inputs, microbatches=1, pack_boundaries=(0,)).compiled.layers)
     boundaries = tuple(range(0, layers, max(layers // 4, 1)))[:4]
     result = train_step(entry, 1.0, devices=["host:0", "host:1"], parallel="pp", microbatches=1,
                         pack_boundaries=boundaries, forward_groups=(0, 2))

@@ -192,7 +192,7 @@ def test_a_pack_cut_between_a_subgraph_and_its_op_copies_the_subgraph():
     model = _TargetWithoutGrad()
     reference = copy.deepcopy(model)
     x = torch.randn(4, 8)
-    layers = len(harmony_fx.compile(model, (x,), devices=["host:0"], microbatches=1).layers)
+    layers = len(harmony_fx.compile(model, (x,), devices=["host:0"], microbatches=1).compiled.layers)
     hm = harmony_fx.compile(model, (x,), devices=["host:0"], microbatches=1, pack_boundaries=tuple(range(layers)))
     subgraph = next(node for node in hm.captured.gm.graph.nodes if node.op == "get_attr")
     assert subgraph.meta[meta.LAYER] < min(user.meta[meta.LAYER] for user in subgraph.users)  # the cut tested

@@ -36,7 +36,7 @@ def test_simulation_is_consistent_with_the_planning_run(name: str, mode: str, fr
     model, inputs, target = entry.build(0)
     hm = harmony_fx.compile(model, inputs, memory_budget=int(eager_bytes(name) * fraction), devices=devices,
                             parallel=parallel, microbatches=microbatches)
-    predicted = simulate_module(hm, spec_for(hm.device, hm.budget))
+    predicted = simulate_module(hm, spec_for(hm.devices[0], hm.budget))
     entry.loss_fn(hm(*inputs), target).backward()
 
     assert predicted.bytes_moved == dict(hm.stats.bytes_by_kind)
@@ -63,7 +63,7 @@ def test_simulation_of_larger_forward_microbatches(mode: str) -> None:
                                  microbatches={"forward": 2, "backward": 8}, pack_boundaries=(0, 2, 4, 6),
                                  devices=devices, parallel=parallel)
     try:
-        predicted = simulate_module(trainer.hm, spec_for(trainer.hm.device))
+        predicted = simulate_module(trainer.hm, spec_for(trainer.hm.devices[0]))
         trainer.step(batch)
         assert predicted.bytes_moved == dict(trainer.hm.stats.bytes_by_kind)
         assert predicted.seconds > 0

@@ -141,7 +141,7 @@ def test_missing_host_wait_for_a_result_is_refused(program):
 
 def test_check_peak():
     hm = _compiled()
-    device = hm.device.name
+    device = hm.devices[0].name
     peak = hm.plan.predicted_peak[device]
     check_peak(peak, peak, device)
     check_peak(peak, None, device)
@@ -227,7 +227,7 @@ def test_budget_below_the_static_peak_is_refused():
     boundaries = [min(pack.layers) for pack in hm.packs]
     candidate = hm.compiled.candidate
     assert list(candidate.boundaries) == boundaries
-    device, peak, at = hm.device.name, candidate.peaks[0], candidate.estimates[0].peak_at
+    device, peak, at = hm.devices[0].name, candidate.peaks[0], candidate.estimates[0].peak_at
     assert peak == hm.plan.predicted_peak[device]
     index, action = at
     assert action.kind in (K.PREFETCH, K.FWD, K.RECOMPUTE, K.BWD, K.RECV)  # what takes memory

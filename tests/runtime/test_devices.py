@@ -178,7 +178,7 @@ def test_bf16_weight_copies_reuse_one_buffer_per_weight_across_iterations():
     for _ in range(3):
         hm(torch.randn(8, 16)).float().sum().backward()
     weights = [p for p in model.parameters()]
-    staging = hm.device.staging
+    staging = hm.devices[0].staging
     assert staging.allocations == len(weights)  # three iterations, two copies of each pack but the last
     assert staging.nbytes == sum(p.numel() * 2 for p in weights)
     prefetches = sum(1 for a in hm.forward_actions + hm.backward_actions if a.kind.name == "PREFETCH"

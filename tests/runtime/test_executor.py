@@ -14,7 +14,7 @@ def test_spans_and_busy_time_come_from_the_device_clock():
     model = MLPChain(width=16, depth=4)
     x = torch.randn(8, 16)
     hm = harmony_fx.compile(model, x, devices=["host:0"], microbatches=2, pack_boundaries=(0, 2), timeline=True)
-    hm.device.streams = TickingStreams()
+    hm.devices[0].streams = TickingStreams()
     hm(x).sum().backward()
     spans = hm.stats.spans
     assert spans and all(end - start == 1.0 for _, _, _, start, end in spans)
@@ -42,7 +42,7 @@ def test_a_device_sharing_host_memory_trains_like_eager(name):
     reference_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-3)
     trainer = harmony_fx.Trainer(model, entry.loss_fn, optimizer, (inputs, target), devices=["host:0"],
                                  memory_budget=budget, microbatches=1, track_memory=False)
-    assert trainer.hm.device.shares_host_memory and len(trainer.hm.packs) > 2
+    assert trainer.hm.devices[0].shares_host_memory and len(trainer.hm.packs) > 2
     for _ in range(3):
         torch.manual_seed(0)
         loss = trainer.step((inputs, target))
@@ -110,7 +110,7 @@ def test_clipping_scales_each_weight_gradient_once_when_autograd_shared_them():
     trainer = harmony_fx.Trainer(model, loss_fn, torch.optim.SGD(model.parameters(), lr=0.1), (x, target),
                                  devices=["host:0"], microbatches=1, max_grad_norm=0.01, pack_boundaries=[0, 1, 5],
                                  track_memory=False)  # gradients handed over as autograd made them
-    assert trainer.hm.device.shares_host_memory
+    assert trainer.hm.devices[0].shares_host_memory
     trainer.step((x, target))
     optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
     loss_fn(reference(x), target).backward()

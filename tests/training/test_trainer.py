@@ -129,10 +129,10 @@ def test_trainer_steps_equal_eager(name, optimizer_name, clip, fraction, memory_
         assert trainer.step_count == STEPS
         # the last step moved what the plan predicted and stayed within the budget
         assert trainer.stats.as_dict()["bytes_by_kind"] == trainer.plan.predicted_bytes
-        device = trainer.hm.device.name
-        assert memory_witness.peak_of(trainer.hm.device) == trainer.stats.peak_bytes[device] <= budget
+        device = trainer.hm.devices[0].name
+        assert memory_witness.peak_of(trainer.hm.devices[0]) == trainer.stats.peak_bytes[device] <= budget
         assert trainer.stats.peak_bytes[device] == trainer.plan.predicted_peak[device]
-        assert trainer.hm.device.live_bytes() == 0
+        assert trainer.hm.devices[0].live_bytes() == 0
     finally:
         trainer.close()
 
@@ -459,7 +459,7 @@ def test_small_gpt_learns_to_copy_the_previous_token_under_a_quarter_budget(memo
     try:
         assert len(trainer.hm.packs) >= 3
         losses = [trainer.step(batch()).item() for _ in range(150)]
-        assert memory_witness.peak_of(trainer.hm.device) <= budget
+        assert memory_witness.peak_of(trainer.hm.devices[0]) <= budget
     finally:
         trainer.close()
     assert losses[0] > 3.5  # about log(64) at the start

@@ -52,7 +52,7 @@ def test_five_adamw_steps_equal_host_memory_bitwise_and_hold_less(tmp_path):
     # plan (sized before the first step) agree, and so does the simulation of the program
     stored = sum(t[5] for entry in manifest["packs"].values() for t in entry["tensors"])
     assert tiered.stats.tier_bytes == {"read": stored, "write": stored} and stored == tiered.plan.tier_bytes
-    simulated = simulate_module(tiered.hm, spec_for(tiered.hm.device)).bytes_moved
+    simulated = simulate_module(tiered.hm, spec_for(tiered.hm.devices[0])).bytes_moved
     assert simulated[("nvme", "read")] == simulated[("nvme", "write")] == stored
     # what was in flight at once, as the tier counted it, within the plan's staging
     assert 0 < tiered.stats.tier_staged_peak <= tiered.hm.compiled.host_memory.needs.staging
