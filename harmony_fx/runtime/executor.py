@@ -375,7 +375,13 @@ class Runtime:
                     grads = iter(torch.autograd.grad(roots, targets, root_grads, allow_unused=True)
                                  if roots and targets else [None] * len(targets))
             del roots, root_grads, inputs
-            stored: set[int] = set()
+            # AccumulateGrad takes autograd's tensor as a weight's first ``.grad`` where no other
+            # tensor object holds it, and so it takes a view of that buffer handed to an input
+            # (``table[None] + emb.reshape(1, 6, -1)`` on a one-sample microbatch gives the weight
+            # and ``emb`` views of one gradient): the next microbatch's ``+=`` into the weight's
+            # ``.grad`` would then write into the input's gradient, so such an input's is copied
+            stored: set[int] = ({storage_key(w.grad) for w in weight_targets if w.grad is not None}
+                                if summed_by_autograd else set())
             for name, x in input_targets:
                 leaf_grads = []
                 for leaf in pytrees.leaves(x):

@@ -120,3 +120,36 @@ def test_clipping_scales_each_weight_gradient_once_when_autograd_shared_them():
         # the clipped gradients are ~1e-3: compared relative to their own size
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-12, msg=name)
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-7, msg=name)
+
+
+class _ScaleShift(torch.nn.Module):
+    """DiT/PixArt's modulation: ``table[None] + emb.reshape(B, 2, -1)`` with ``emb`` from the pack
+    before. On a one-sample microbatch nothing is summed over the batch, so autograd hands the
+    table's gradient and ``emb``'s as two views of one buffer (each a tensor of its own)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = torch.nn.Linear(4, 8)
+        self.table = torch.nn.Parameter(torch.randn(2, 4))
+
+    def forward(self, x, t):
+        emb = self.emb(t)
+        shift, scale = (self.table[None] + emb.reshape(x.shape[0], 2, -1)).chunk(2, dim=1)
+        return x * (1 + scale) + shift
+
+
+def test_an_input_gradient_in_a_weights_gradient_buffer_is_not_added_into():
+    """AccumulateGrad keeps the table's first microbatch gradient as autograd made it, a view of
+    the buffer ``emb``'s gradient is a view of too: the second microbatch's ``+=`` into the
+    table's ``.grad`` must not reach ``emb``'s gradient, still held for the pack before."""
+    import copy
+
+    torch.manual_seed(0)
+    model, x, t = _ScaleShift(), torch.randn(2, 3, 4), torch.randn(2, 4)
+    reference = copy.deepcopy(model)
+    hm = harmony_fx.compile(model, (x, t), devices=["host:0"], microbatches=2, pack_boundaries=(0, 1))
+    assert len(hm.packs) == 2 and hm.mb_sizes == [1, 1]
+    hm(x, t).square().sum().backward()
+    reference(x, t).square().sum().backward()
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-5, msg=name)
