@@ -38,13 +38,23 @@ def argument_dims(model: nn.Module, args: tuple, kwargs: dict, batch_dims: int |
     tensor (a scalar) has no batch dim: every microbatch gets it whole."""
     if isinstance(batch_dims, int):
         return pytree.tree_map(lambda x: _batch_dim(x, batch_dims) if isinstance(x, torch.Tensor) else x, (args, kwargs))
-    bound = inspect.signature(model.forward).bind(*args, **kwargs)
-    unknown = set(batch_dims) - set(bound.arguments)
+    signature = inspect.signature(model.forward)
+    bound = signature.bind(*args, **kwargs).arguments
+    # the keywords a ``**kwargs`` takes are named by their own names (or, as a whole, by its name:
+    # the Trainer's LossModel passes {"args": ..., "kwargs": {...}})
+    var_keyword = next((name for name, p in signature.parameters.items() if p.kind is p.VAR_KEYWORD), None)
+    taken = dict(bound.get(var_keyword, {}))
+    unknown = set(batch_dims) - set(bound) - set(taken)
     if unknown:
+        named = [name for name in bound if name != var_keyword] + list(taken)
         raise ValueError(f"batch_dims names {sorted(unknown)}, which are not arguments of this call; "
-                         f"the arguments are {list(bound.arguments)}")
-    dims_by_name = {name: _dims_like(value, batch_dims.get(name, 0)) for name, value in bound.arguments.items()}
-    positional = tuple(dims_by_name[name] for name in list(bound.arguments)[: len(args)])
+                         f"the arguments are {named}")
+    dims_by_name = {name: _dims_like(value, batch_dims.get(name, 0)) for name, value in bound.items()
+                    if name != var_keyword}
+    if var_keyword in bound:
+        each = {key: batch_dims.get(key, 0) for key in taken}
+        dims_by_name.update(_dims_like(taken, batch_dims.get(var_keyword, each)))
+    positional = tuple(dims_by_name[name] for name in list(bound)[: len(args)])
     keyword = {name: dims_by_name[name] for name in kwargs}
     return positional, keyword
 

@@ -342,6 +342,36 @@ def test_trainer_with_a_shared_input_named_in_batch_dims_equals_eager():
         torch.testing.assert_close(param.detach(), ref.detach(), rtol=RTOL, atol=ATOL)
 
 
+def test_trainer_with_a_dict_batch_and_a_shared_input_named_in_batch_dims_equals_eager():
+    """A dict batch is the LossModel's ``**kwargs``: ``batch_dims`` names its keys (Flux's
+    ``img_ids``, shared by the batch) as the model's own arguments."""
+    model, reference, x, bias, target, x_ref, bias_ref = _shared_bias_setup(False, False)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    trainer = harmony_fx.Trainer(model, F.cross_entropy, optimizer, ({"x": x, "bias": bias}, target),
+                                 microbatches=2, batch_dims={"bias": None}, pack_boundaries=(0, 2, 4))
+    try:
+        loss = trainer.step(({"x": x, "bias": bias}, target))
+    finally:
+        trainer.close()
+    ref_loss = F.cross_entropy(reference(x_ref, bias_ref), target)
+    ref_loss.backward()
+    torch.optim.SGD(reference.parameters(), lr=0.1).step()
+    torch.testing.assert_close(loss, ref_loss.detach(), rtol=RTOL, atol=ATOL)
+    for param, ref in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(param.detach(), ref.detach(), rtol=RTOL, atol=ATOL)
+
+
+def test_batch_dims_names_a_keyword_a_forwards_kwargs_takes():
+    class Wrapper(nn.Module):
+        def forward(self, x, **kwargs):
+            return x + kwargs["bias"]
+
+    x, bias = torch.randn(10, 4), torch.randn(4)
+    assert microbatch.argument_dims(Wrapper(), (x,), {"bias": bias}, {"bias": None}) == ((0,), {"bias": None})
+    with pytest.raises(ValueError, match=r"not arguments of this call; the arguments are \['x', 'bias'\]"):
+        microbatch.argument_dims(Wrapper(), (x,), {"bias": bias}, {"nope": None})
+
+
 def test_a_sum_divided_by_the_batch_size_is_a_mean_over_samples():
     """``kl_div(reduction="batchmean")`` divides by the batch size: each microbatch's graph divides
     by its own, so the microbatches are weighted by their sizes, not added."""
