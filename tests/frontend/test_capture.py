@@ -114,6 +114,30 @@ def test_data_dependent_control_flow_is_refused_with_advice():
     assert isinstance(info.value, ValueError) and harmony_fx.CaptureError is CaptureError
 
 
+class _SampledLatent(nn.Module):
+    """A VAE's ``latent_dist.sample(generator=g)``: the noise drawn from a generator passed in, or
+    made in the forward."""
+
+    def __init__(self, seed: int | None = None) -> None:
+        super().__init__()
+        self.enc, self.seed = nn.Linear(4, 8), seed
+
+    def forward(self, x, generator=None):
+        if self.seed is not None:
+            generator = torch.Generator().manual_seed(self.seed)
+        mean, logvar = self.enc(x).chunk(2, dim=-1)
+        return mean + (0.5 * logvar).exp() * torch.randn(mean.shape, generator=generator)
+
+
+@pytest.mark.parametrize("seed", [None, 3], ids=["passed-in", "made-in-forward"])
+def test_a_generator_in_the_forward_is_refused_naming_it(seed):
+    """The advice was about control flow and caches."""
+    kwargs = {"generator": torch.Generator().manual_seed(0)} if seed is None else {}
+    with pytest.raises(harmony_fx.CaptureError, match=r"What to try: the forward uses a torch.Generator.*"
+                                                       r"torch.manual_seed.*pass it in as a tensor"):
+        harmony_fx.compile(_SampledLatent(seed), (torch.randn(4, 4),), example_kwargs=kwargs, devices=["host:0"])
+
+
 def test_inputs_the_model_itself_raises_on_are_named_not_taken_for_a_tracing_problem():
     """Three features into a linear of four raise eagerly too (as float token ids into an embedding
     do, where torch's meta kernels check the dtype: 2.13, not 2.11); the message was advice about
