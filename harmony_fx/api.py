@@ -78,7 +78,8 @@ _SHARED_WITH_THE_MODEL = ("_parameters", "_buffers", "_non_persistent_buffers_se
 
 # HarmonyModule's own attributes: set as plain attributes, never registered in the shared dicts
 _OWN_ATTRIBUTES = frozenset({"model", "options", "_roles", "_by_key", "_last", "_timeline_memory", "compiled",
-                             "session", "calls", "_key", "_stages_after", "_reads"})
+                             "session", "calls", "_key", "_stages_after", "_reads", "_previous_key",
+                             "_value_compiles"})
 
 
 def _the_models(method: str) -> Callable[..., Any]:
@@ -148,6 +149,8 @@ class HarmonyModule(nn.Module):
         self._timeline_memory = True  # a recorded timeline counts a HostDevice's memory (``record_timeline``)
         # the modules' plain attributes the first capture read, whose values every call's key holds
         self._reads: Reads | None = None
+        self._previous_key: CallKey | None = None  # the last call's
+        self._value_compiles = 0  # calls in a row that each compiled for a new constant's value
         if example_args is not None:
             self._compile(example_args, example_kwargs or {})
 
@@ -199,6 +202,7 @@ class HarmonyModule(nn.Module):
                  reuse: Compiled | None = None) -> None:
         """Capture and plan for ``(args, kwargs)``; ``reuse``: the compile of a larger call in the
         same state, whose packing is taken where it fits (``compile_program``)."""
+        refuse_compiled_modules(self.model)  # set on the model since compile(): a cycle no capture ends
         key = key or CallKey.of(self.model, args, kwargs)
         forward_only = not self._roles["trainer"] and not _needs_grad(key, self.model, args, kwargs)
         args, kwargs = _outside_inference_mode(args, kwargs)
@@ -520,20 +524,30 @@ class HarmonyModule(nn.Module):
         kept for the next ones. ``roles``: what a module compiled for another key does otherwise
         (``updates=False``)."""
         key = CallKey.of(self.model, args, kwargs, self._reads)
-        if key == self._key:
-            return self
-        module = self._by_key.get(key)
-        if module is None:
-            module = self._by_key[key] = self._compile_for(key, args, kwargs, roles)
-            self._by_key[module._key] = module
-            if len(self._by_key) == MANY_VARIANTS + 1:
-                changed = "; ".join(key.changes_from(self._key, self.model, self._reads)) or "nothing it can name"
-                warnings.warn(
-                    f"harmony_fx: this module has compiled for {len(self._by_key)} call states (train/eval, no_grad, "
-                    "autocast, parameters, input shapes, values passed in), each kept with its graphs and buffers; "
-                    f"this call differs from the first in: {changed}. If the sequence length changes with every "
-                    "batch, pad to a multiple (DataCollatorWithPadding(..., pad_to_multiple_of=64)) to bound how "
-                    "many lengths are compiled.", stacklevel=3)
+        previous, self._previous_key = self._previous_key, key
+        module = self if key == self._key else self._by_key.get(key)
+        if module is not None:
+            self._value_compiles = 0
+            return module
+        module = self._by_key[key] = self._compile_for(key, args, kwargs, roles)
+        self._by_key[module._key] = module
+        self._value_compiles = self._value_compiles + 1 if previous and key.values_changed(previous) else 0
+        if self._value_compiles == VALUES_IN_A_ROW:
+            changes = key.changes_from(previous, self.model, self._reads)
+            warnings.warn(
+                f"harmony_fx: each of the last {VALUES_IN_A_ROW} calls compiled the model again (captured and "
+                f"planned it), for a new value of a Python number the graph holds as a constant: "
+                f"{'; '.join(changes)}.", stacklevel=3)
+        if len(self._by_key) == MANY_VARIANTS + 1:
+            changes = key.changes_from(self._key, self.model, self._reads)
+            padding = (" If the sequence length changes with every batch, pad to a multiple (DataCollatorWithPadding"
+                       "(..., pad_to_multiple_of=64)) to bound how many lengths are compiled."
+                       if "the inputs' shapes, dtypes or structure" in changes else "")
+            warnings.warn(
+                f"harmony_fx: this module has compiled for {len(self._by_key)} call states (train/eval, no_grad, "
+                "autocast, parameters, input shapes, values passed in, attributes the forward reads), each kept "
+                "with its graphs and buffers; this call differs from the first in: "
+                f"{'; '.join(changes) or 'nothing it can name'}.{padding}", stacklevel=3)
         return module
 
     def _compile_for(self, key: CallKey, args: tuple, kwargs: dict, roles: dict) -> "HarmonyModule":
@@ -604,6 +618,11 @@ def refuse_compiled_modules(model: nn.Module) -> None:
             raise TypeError(
                 "harmony_fx was given a module it compiled already (a HarmonyModule): give it that module's model, "
                 "hm.model, with the options you want.")
+        if module.model is model:
+            raise TypeError(
+                f"the module {name!r} of {type(model).__name__} is that model's own compiled module, set on it after "
+                "compiling: the model now holds itself (a cycle nothing can walk). Keep the compiled module outside "
+                f"the model it compiled: del model.{name}, and hold it in a variable or on another object.")
         raise TypeError(
             f"the module {name!r} of {type(model).__name__} is a harmony_fx compiled module, which runs its own "
             "program where a capture needs the model's Python code: compile the outer model whole, with that part "
@@ -612,6 +631,9 @@ def refuse_compiled_modules(model: nn.Module) -> None:
 
 # past this many compiled call states a module warns (as Dynamo's recompile limit): each holds its graphs
 MANY_VARIANTS = 8
+# this many calls in a row, each compiling for a new value of a number (a timestep passed as an int,
+# a step counter the forward reads), warn: such a value compiles at every call
+VALUES_IN_A_ROW = 3
 
 
 def _outside_inference_mode(args: tuple, kwargs: dict) -> tuple[tuple, dict]:

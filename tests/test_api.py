@@ -764,6 +764,19 @@ def test_a_compiled_module_given_to_harmony_again_is_refused_naming_its_model():
         harmony_fx.Trainer(parent, F.mse_loss, torch.optim.SGD(parent.parameters(), lr=0.1), (x, torch.randn(4, 2)))
 
 
+def test_a_compiled_module_set_on_its_own_model_is_refused_at_the_next_call():
+    """``model.compiled = hm`` makes the model hold itself (the compiled module shares its
+    submodules): the next call's key walked the cycle until memory ran out (15 GB in a Lightning
+    module keeping its strategy's compiled step). The walks stop at a module seen before, and
+    the compile the changed model needs refuses, saying what to do."""
+    model = MLPChain(width=8, depth=2)
+    hm, x = harmony_fx.compile(model, devices=["host:0"]), torch.randn(4, 8)
+    hm(x)
+    model.compiled = hm
+    with pytest.raises(TypeError, match=r"'compiled' of MLPChain is that model's own compiled module.*del model"):
+        hm(x)
+
+
 class _Small(nn.Module):
     def __init__(self) -> None:
         super().__init__()

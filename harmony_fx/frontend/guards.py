@@ -87,6 +87,14 @@ class CallKey:
             return False
         return all(_without_shape(a) == _without_shape(b) for a, b in zip(self.inputs[1:], other.inputs[1:]))
 
+    def values_changed(self, other: "CallKey") -> bool:
+        """A Python value the graph holds as a constant differs from ``other``'s: an input that is
+        not a tensor, or a module attribute the forward read."""
+        if self.attributes != other.attributes:
+            return True
+        return self.inputs[0] == other.inputs[0] and any(
+            a != b for a, b in zip(self.inputs[1:], other.inputs[1:]) if not _is_tensor_fact(a))
+
     def changes_from(self, other: "CallKey", model: nn.Module, reads: Reads | None = None) -> list[str]:
         """What differs from ``other``, in words a person reads (for the compile log); ``reads``:
         what ``attributes`` were read from."""
@@ -101,8 +109,7 @@ class CallKey:
                            else "the modules' training flags, parameters, buffers or hooks")
         if self.inputs != other.inputs:
             values = [(a, b) for a, b in zip(self.inputs[1:], other.inputs[1:]) if a != b]
-            tensors = [fact for pair in values for fact in pair
-                       if isinstance(fact, tuple) and len(fact) == 4 and isinstance(fact[0], torch.Size)]
+            tensors = [fact for pair in values for fact in pair if _is_tensor_fact(fact)]
             if self.inputs[0] == other.inputs[0] and values and not tensors:
                 changes.append(f"the value of an input that is not a tensor ({values[0][1]!r} -> {values[0][0]!r}; "
                                "the graph holds it as a constant: pass a number that changes every call as a "
@@ -121,7 +128,9 @@ class CallKey:
             changed = [i for i, (now, was) in enumerate(zip(self.attributes, other.attributes)) if now != was]
             named = (f"{reads.describe(changed[0])}: {_short(other.attributes[changed[0]][-1])} -> "
                      f"{_short(self.attributes[changed[0]][-1])}") if changed and reads is not None else "one of them"
-            changes.append(f"a module attribute the forward reads ({named}; the graph holds it as a constant)")
+            changes.append(f"a module attribute the forward reads ({named}; the graph holds it as a constant: a "
+                           "number that changes every step is cheaper as a tensor, a buffer updated in place, or "
+                           "read outside the forward)")
         return changes
 
 
@@ -130,8 +139,12 @@ def _short(value: object, limit: int = 60) -> str:
     return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
+def _is_tensor_fact(fact: object) -> bool:
+    return isinstance(fact, tuple) and len(fact) == 4 and isinstance(fact[0], torch.Size)
+
+
 def _without_shape(fact: object) -> object:
-    if isinstance(fact, tuple) and len(fact) == 4 and isinstance(fact[0], torch.Size):
+    if _is_tensor_fact(fact):
         return (len(fact[0]),) + fact[1:]  # a tensor's: its number of dims, dtype, device, requires_grad
     return fact
 
@@ -145,9 +158,12 @@ def module_state(model: nn.Module) -> tuple:
     facts: list = [_hook_ids(*({key: hook for key, hook in hook_dict.items() if not _observes(hook)}
                                for hook_dict in (hooks._global_forward_hooks, hooks._global_forward_pre_hooks,
                                                  hooks._global_backward_hooks, hooks._global_backward_pre_hooks)))]
-    stack = [model]
+    stack, seen = [model], set()
     while stack:
         module = stack.pop()
+        if id(module) in seen:  # a module reached twice (shared, or a cycle: a compiled module set on its model)
+            continue
+        seen.add(id(module))
         facts.append(module.training)
         forward = module.__dict__.get("forward")  # the instance's own (accelerate's autocast wrapper)
         if forward is not None:
@@ -213,9 +229,12 @@ def attribute_facts(model: nn.Module) -> tuple:
     torch's default dtype."""
     memo: dict[tuple[int, int], object] = {}
     facts: list = [torch.get_default_dtype()]
-    stack = [model]
+    stack, seen = [model], set()
     while stack:
         module = stack.pop()
+        if id(module) in seen:
+            continue
+        seen.add(id(module))
         facts.append((type(module), getattr(type(module), "forward", None)))
         facts.extend((name, _fact(value, 1, memo)) for name, value in vars(module).items()
                      if name not in _MODULE_INTERNALS)

@@ -12,8 +12,9 @@ under the memory budget, the user's optimizer on the host, overlapped with the b
 
 Capture: ``training_step(batch, batch_idx)`` is the model's forward plus arbitrary code (a loss, a
 reshape, ``self.log``), so it is wrapped as the forward of a module (``_StepModule``) and captured
-whole, once, at the first batch: Python values it reads (``batch_idx``, ``self.current_epoch``)
-keep their first values. ``self.log`` would store the graph's traced tensors in Lightning's results,
+whole, once, at the first batch: ``batch_idx`` keeps its first value, and what the step reads
+through the module (``self.current_epoch``, from Lightning's trainer) is keyed as any attribute a
+forward reads (a new epoch compiles the step again). ``self.log`` would store the graph's traced tensors in Lightning's results,
 so while a step is captured its calls are recorded instead and replayed after every step: a logged
 loss with the step's loss, a Python number as it is. Validation, test and predict steps are compiled
 the same way and run forward-only; there the logged tensors are outputs of the graph, replayed with

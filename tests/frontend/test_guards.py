@@ -4,6 +4,7 @@ eager copy of the same model."""
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -342,13 +343,45 @@ class _Scaled(nn.Module):
 
 
 def test_a_number_passed_in_that_changes_every_call_is_named_in_the_warning():
-    """A Python number (a token count as an int) is a constant of the graph: each value compiles
-    anew, and the warning blamed the sequence length."""
+    """A Python number (a token count as an int, a diffusion sampler's timestep) is a constant of
+    the graph: each value compiles anew, and the warning blamed the sequence length, or came only
+    at the ninth call state. The third call in a row that compiles for a new value says so."""
     hm = harmony_fx.compile(_Scaled(), devices=["host:0"])
     x = torch.randn(2, 4)
+    with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for scale in (1, 2, 1, 2, 3, 4, 5):  # back to a value compiled before: no compile, the count starts again
+            torch.testing.assert_close(hm(x, scale), hm.model.linear(x) * scale)
+            if scale < 5:
+                assert not any("calls compiled the model again" in str(w.message) for w in caught)
+    early = [w for w in caught if "each of the last 3 calls compiled the model again" in str(w.message)]
+    assert len(early) == 1 and "(4 -> 5; the graph holds it as a constant: pass a number" in str(early[0].message)
     with torch.no_grad(), pytest.warns(UserWarning, match=r"the value of an input that is not a tensor.*0-dim tensor"):
-        for scale in range(1, 11):
+        for scale in range(6, 11):
             hm(x, scale)
+    hm.close()
+
+
+class _Counting(nn.Module):
+    """A forward that reads a step counter the training loop moves (a warm-up scale)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+        self.step = 0
+
+    def forward(self, x):
+        return self.linear(x) * min(1.0, (self.step + 1) / 10)
+
+
+def test_an_attribute_that_changes_every_call_computes_as_eager_and_is_named_in_the_warning():
+    model = _Counting()
+    hm, x = harmony_fx.compile(model, devices=["host:0"]), torch.randn(2, 4)
+    with torch.no_grad(), pytest.warns(UserWarning, match=r"_Counting.step: 2 -> 3.*a buffer updated in place") as caught:
+        for step in range(10):
+            model.step = step
+            torch.testing.assert_close(hm(x), model.linear(x) * min(1.0, (step + 1) / 10))
+    assert not any("pad_to_multiple_of" in str(w.message) for w in caught)
     hm.close()
 
 

@@ -161,6 +161,24 @@ def test_losses_equal_lightnings_own_with_a_scheduler_and_clipping_under_a_budge
     assert strategy.harmony_trainer is None  # closed at the end of fit
 
 
+class _Curriculum(Regressor):
+    """A loss whose weight grows with the epoch, read from Lightning's trainer in the step."""
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return nn.functional.mse_loss(self(x), y) * (1 + self.current_epoch)
+
+
+def test_a_step_reading_the_epoch_computes_with_each_epochs_value():
+    """``self.current_epoch`` is read through the module from Lightning's trainer: the captured step
+    held epoch 0's weight for every epoch after, silently. Each epoch's value is keyed (the step is
+    compiled again once per epoch), so the losses are Lightning's own."""
+    eager, _ = _fit("auto", 3, module_class=_Curriculum)
+    harmony, _ = _fit(HarmonyStrategy(memory_budget=_budget()), 3, module_class=_Curriculum)
+    assert len(harmony.losses) == len(eager.losses) == 12
+    torch.testing.assert_close(torch.tensor(harmony.losses), torch.tensor(eager.losses), rtol=RTOL, atol=0)
+
+
 def test_a_resumed_run_continues_as_the_unbroken_one(tmp_path):
     unbroken, _ = _fit(HarmonyStrategy(), 4)
     first, _ = _fit(HarmonyStrategy(), 2, callbacks=[L.pytorch.callbacks.ModelCheckpoint(tmp_path, save_last=True)])
