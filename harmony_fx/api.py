@@ -608,10 +608,26 @@ class HarmonyModule(nn.Module):
         return self.session.run_iteration(per_mb, on_update, output_grads, on_tier, grad_buffers)
 
 
-def refuse_compiled_modules(model: nn.Module) -> None:
+def refuse_compiled_modules(model: nn.Module, door: str = "harmony_fx.compile") -> None:
     """A module harmony_fx compiled already, as the model or inside it: it runs its own program,
-    which no capture can trace (export would run it on FakeTensors)."""
+    which no capture can trace (export would run it on FakeTensors). And a ``DistributedDataParallel``
+    (what ``accelerate``'s ``prepare`` returns under torchrun): its forward runs DDP's reducer and
+    collectives, which no capture can trace either, and a compiled graph would leave its gradient
+    all-reduce out."""
+    from torch.nn.parallel import DistributedDataParallel
+
     for name, module in model.named_modules():
+        if isinstance(module, DistributedDataParallel):
+            where = "" if not name else f" as its module {name!r}"
+            what = (f"{door} was given a DistributedDataParallel{where}: its forward runs DDP's reducer and "
+                    "collectives, which harmony_fx cannot capture into a graph. ")
+            if door == "harmony_fx.Trainer":
+                raise TypeError(what + "The Trainer trains across processes itself (it sums each pack's gradients "
+                                "over torchrun's process group): give it the model DDP wraps (ddp.module).")
+            raise TypeError(what + "Compile the model inside and let DDP wrap the compiled module, "
+                            "DDP(harmony_fx.compile(model)); after accelerate's prepare, ddp.module = "
+                            "harmony_fx.compile(ddp.module), then call the DDP module as before (its reducer sees "
+                            "the gradients harmony's backward hands to autograd).")
         if not isinstance(module, HarmonyModule):
             continue
         if not name:

@@ -107,7 +107,7 @@ class Trainer:
                             "step and updates each pack as its gradients arrive: use an optimizer whose step "
                             "takes no closure (SGD, Adam, AdamW, ...), or harmony_fx.compile with your own loop.")
         refuse_meta_state(model)  # named as the user names it, before the loss wraps it
-        refuse_compiled_modules(model)
+        refuse_compiled_modules(model, "harmony_fx.Trainer")
         # what is captured and trained: the model, and a loss_fn that is a module (learnable loss weights)
         captured = {id(p) for p in LossModel(model, loss_fn).parameters()}
         foreign = [i for group in optimizer.param_groups for i, p in enumerate(group["params"]) if id(p) not in captured]
@@ -228,6 +228,8 @@ class Trainer:
         as before the call, and every ``param.grad`` is ``None``. After it, ``param.grad`` holds this
         step's gradients (as the optimizer stepped them, clipped with ``max_grad_norm``), in tensors
         the next step writes its gradients into."""
+        if self._cross is not None:  # before any collective: hooks added since the Trainer was made too
+            self._cross.refuse_gradient_hooks(self.model)
         args, kwargs = self._loss_model.call_of(batch)
         hm = self._module_for(args, kwargs)
         if self._pending is not None and self._pending.io.committed.done():

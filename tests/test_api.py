@@ -979,3 +979,34 @@ def test_a_buffer_changed_in_place_between_the_forward_and_backward_is_refused()
     model.scale.mul_(0.5)
     with pytest.raises(RuntimeError, match=r"model's 'scale' was modified by an in-place operation"):
         out.backward()
+
+
+def test_a_distributed_data_parallel_given_to_harmony_is_refused_saying_to_wrap_the_compiled_module():
+    """``accelerate``'s ``prepare`` under torchrun returns a ``DistributedDataParallel``: compiled
+    after it (the order for one process), capture failed on DDP's forward with advice about control
+    flow and caches. Refused by name, saying where the compiled module goes; the Trainer, which
+    trains across processes itself, says to give it the model DDP wraps. Wrapped around the
+    compiled module, DDP trains as eager DDP does."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        model, reference = MLPChain(width=8, depth=3), MLPChain(width=8, depth=3)
+        reference.load_state_dict(model.state_dict())
+        x = torch.randn(4, 8)
+        wrapped = DDP(model)
+        with pytest.raises(TypeError, match=r"harmony_fx\.compile was given a DistributedDataParallel: .*"
+                                            r"DDP\(harmony_fx\.compile\(model\)\).*ddp\.module = harmony_fx\.compile"):
+            harmony_fx.compile(wrapped, (x,), devices=["host:0"])
+        with pytest.raises(TypeError, match=r"as its module '0'"):
+            harmony_fx.compile(nn.Sequential(wrapped, nn.Linear(8, 2)), (x,), devices=["host:0"])
+        with pytest.raises(TypeError, match=r"harmony_fx\.Trainer was given a DistributedDataParallel: .*ddp\.module"):
+            harmony_fx.Trainer(wrapped, F.mse_loss, torch.optim.SGD(model.parameters(), lr=0.1), (x, torch.randn(4, 8)))
+        wrapped.module = harmony_fx.compile(model, devices=["host:0"], memory_budget="64KiB")
+        wrapped(x).square().mean().backward()
+        DDP(reference)(x).square().mean().backward()
+        assert_grads_equal(model, reference)
+    finally:
+        dist.destroy_process_group()

@@ -112,6 +112,26 @@ class CrossProcessUpdates:
             for param, chunk in zip(buffers.params, buffers.chunks):
                 self.shards[id(param)].copy_(param.detach().reshape(-1)[chunk.start:chunk.stop])
 
+    def refuse_gradient_hooks(self, model: nn.Module) -> None:
+        """Sharded, no rank holds a parameter's whole summed gradient (each has its chunk), so a hook
+        on it (``register_hook``, ``register_post_accumulate_grad_hook``) has nothing to run on: refused
+        before the step, rather than skipped. Replicated, each rank runs it on the summed gradient."""
+        if not self.cluster.shard_optimizer:
+            return
+        for buffers in self.buffers.values():
+            for param in buffers.params:
+                kinds = [kind for kind, hooks in (("register_hook", getattr(param, "_backward_hooks", None)),
+                                                  ("register_post_accumulate_grad_hook",
+                                                   getattr(param, "_post_accumulate_grad_hooks", None))) if hooks]
+                if kinds:
+                    name = next((n for n, p in model.named_parameters(remove_duplicate=False) if p is param), "?")
+                    raise ValueError(
+                        f"Trainer.step: the parameter {name!r} has a gradient hook "
+                        f"({' and '.join(kinds)}), which shard_optimizer=True (the default across processes) cannot "
+                        "run: each rank holds 1/N of the summed gradient, not the whole gradient the hook is "
+                        "given. Pass shard_optimizer=False (each rank then runs the hook on the gradient summed "
+                        "over the ranks), or remove the hook.")
+
     def updated_params(self, params: Sequence[nn.Parameter]) -> list[nn.Parameter]:
         """What the optimizer steps for ``params``: their chunks when sharded."""
         return [self.shards.get(id(p), p) for p in params]

@@ -239,3 +239,34 @@ def test_the_buffers_the_forward_updates_are_rank_0s_on_every_rank(tmp_path, one
     for buffer, expected in zip(ranks[0]["buffers"][0], reference.buffers()):
         torch.testing.assert_close(buffer, expected)
     assert int(ranks[0]["buffers"][1][2]) == 2  # num_batches_tracked: one update a step
+
+
+@pytest.mark.parametrize("kind", ["register_hook", "register_post_accumulate_grad_hook"])
+def test_a_gradient_hook_is_refused_with_sharded_state_and_runs_replicated(one_rank_group, kind):
+    """Sharded, each rank holds a chunk of the summed gradient and the optimizer steps the chunks: a
+    hook on the parameter has no whole gradient to run on, and was skipped, silently (a pruning mask
+    not applied). It is refused, naming the parameter; replicated, it runs on the summed gradient,
+    as in one process (here it zeroes the head's gradient, so SGD leaves the head as it was)."""
+    import harmony_fx
+
+    def trainer_of(**across):
+        model, batches = scenarios.model_and_batches(1, steps=2)
+        head = model.h[1].mlp[2].weight
+        if kind == "register_hook":
+            head.register_hook(torch.zeros_like)
+        else:
+            head.register_post_accumulate_grad_hook(lambda p: p.grad.zero_())
+        trainer = harmony_fx.Trainer(model, scenarios.loss_fn, torch.optim.SGD(model.parameters(), lr=0.5),
+                                     batches[0], devices=["host:0"], pack_boundaries=scenarios.PACKS, **across)
+        return trainer, batches, head
+
+    trainer, batches, head = trainer_of(process_group=one_rank_group, shard_optimizer=True)
+    before = head.detach().clone()
+    with pytest.raises(ValueError, match=r"'h.1.mlp.2.weight' has a gradient hook .*shard_optimizer=False"):
+        trainer.step(batches[0])
+    assert torch.equal(head, before)
+    trainer, batches, head = trainer_of(process_group=one_rank_group, shard_optimizer=False)
+    before = head.detach().clone()
+    for batch in batches:
+        trainer.step(batch)
+    assert torch.equal(head, before)
