@@ -325,32 +325,17 @@ def test_ungrouped_microbatched_step_equals_eager(name):
     assert moved["h2d/weights"] > _run(name, 4)[0].stats.as_dict()["bytes_by_kind"]["h2d/weights"]
 
 
-def test_trainer_with_a_shared_input_named_in_batch_dims_equals_eager():
-    model, reference, x, bias, target, x_ref, bias_ref = _shared_bias_setup(False, False)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    trainer = harmony_fx.Trainer(model, F.cross_entropy, optimizer, ((x, bias), target), microbatches=2,
-                                 batch_dims={"bias": None}, pack_boundaries=(0, 2, 4))
-    try:
-        loss = trainer.step(((x, bias), target))
-    finally:
-        trainer.close()
-    ref_loss = F.cross_entropy(reference(x_ref, bias_ref), target)
-    ref_loss.backward()
-    torch.optim.SGD(reference.parameters(), lr=0.1).step()
-    torch.testing.assert_close(loss, ref_loss.detach(), rtol=RTOL, atol=ATOL)
-    for param, ref in zip(model.parameters(), reference.parameters()):
-        torch.testing.assert_close(param.detach(), ref.detach(), rtol=RTOL, atol=ATOL)
-
-
-def test_trainer_with_a_dict_batch_and_a_shared_input_named_in_batch_dims_equals_eager():
+@pytest.mark.parametrize("as_dict", [False, True], ids=["tuple", "dict"])
+def test_trainer_with_a_shared_input_named_in_batch_dims_equals_eager(as_dict):
     """A dict batch is the LossModel's ``**kwargs``: ``batch_dims`` names its keys (Flux's
     ``img_ids``, shared by the batch) as the model's own arguments."""
     model, reference, x, bias, target, x_ref, bias_ref = _shared_bias_setup(False, False)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    trainer = harmony_fx.Trainer(model, F.cross_entropy, optimizer, ({"x": x, "bias": bias}, target),
-                                 microbatches=2, batch_dims={"bias": None}, pack_boundaries=(0, 2, 4))
+    inputs = {"x": x, "bias": bias} if as_dict else (x, bias)
+    trainer = harmony_fx.Trainer(model, F.cross_entropy, optimizer, (inputs, target), microbatches=2,
+                                 batch_dims={"bias": None}, pack_boundaries=(0, 2, 4))
     try:
-        loss = trainer.step(({"x": x, "bias": bias}, target))
+        loss = trainer.step((inputs, target))
     finally:
         trainer.close()
     ref_loss = F.cross_entropy(reference(x_ref, bias_ref), target)
