@@ -10,6 +10,12 @@ flag, each parameter's and buffer's identity, dtype, shape and ``requires_grad``
 hooks, the inputs' structure, shapes and dtypes, every non-tensor input) and ``attribute_facts``
 (each module's class, its plain attributes and the objects it holds, such as a Hugging Face config).
 
+``attribute_facts`` follows instance attributes only, a few levels deep; a value the capture read
+further off (a class-level default read through an instance, a setting five objects down) is
+checked on a hit: the capture's own reads (``frontend.attribute_reads``) must give the values they
+gave when it was captured, else it is captured again, as ``CallKey``, which keys every call on
+those reads, compiles again.
+
 What no key sees: the code of a function the forward calls, changed in place (a module-level
 function patched). ``harmony_fx.reset()`` forgets every capture kept.
 
@@ -50,15 +56,16 @@ def cached_capture(model: nn.Module, size: int | None, args: tuple, kwargs: dict
     (then its ``reused`` is true)."""
     key = (size, target, dtype, CallKey.of(model, args, kwargs), attribute_facts(model))
     kept = _captures.setdefault(model, collections.OrderedDict())
-    if key in kept:
+    # each kept with the values its reads gave when captured: a value the key does not reach, read again
+    if key in kept and kept[key][1] == kept[key][0].captured.attribute_reads.values():
         # kept by a compile with no backward, where a hook the forward registers is moot
-        refuse_tensor_hooks(kept[key].captured.tensor_hooks)
+        refuse_tensor_hooks(kept[key][0].captured.tensor_hooks)
         kept.move_to_end(key)
-        return dataclasses.replace(_with_masters(_copy(kept[key]), model), reused=True)
+        return dataclasses.replace(_with_masters(_copy(kept[key][0]), model), reused=True)
     variant = capture_variant(model, size, args, kwargs, target, dtype)
     # read again: capturing runs the forward, which materializes a lazy module's parameters
-    kept[(size, target, dtype, CallKey.of(model, args, kwargs), attribute_facts(model))] = _without_masters(
-        _copy(variant), model)
+    kept[(size, target, dtype, CallKey.of(model, args, kwargs), attribute_facts(model))] = (
+        _without_masters(_copy(variant), model), variant.captured.attribute_reads.values())
     while len(kept) > _KEPT_PER_MODEL:
         kept.popitem(last=False)
     return variant

@@ -6,8 +6,10 @@ The graph holds each such value as a constant: a flag (PEFT's ``_disable_adapter
 change captures again, as Dynamo guards what it read.
 
 ``reads_recorded(model)`` records, while it is open, each read of a module's own attribute (one in
-its ``__dict__``): ``nn.Module`` has no ``__getattribute__`` of its own, so one set on it for the
-capture sees every read of every module class that does not define its own, and is removed after.
+its ``__dict__``, or a plain class-level default its class holds and the instance does not override,
+as transformers' ``GradientCheckpointingLayer.gradient_checkpointing``): ``nn.Module`` has no
+``__getattribute__`` of its own, so one set on it for the capture sees every read of every module
+class that does not define its own, and is removed after.
 What ``nn.Module`` itself keeps (hooks, the parameter and submodule dicts, ``training``) is keyed
 elsewhere. A plain object a module holds (a Hugging Face config, a dataclass of settings) is
 followed the same way: its class gets a recording ``__getattribute__`` for the capture, and a read
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import threading
 import types
 import weakref
 
@@ -59,6 +62,8 @@ _MISSING = ("missing",)
 def _attribute(module: weakref.ref, path: tuple[str, ...]) -> object:
     alive = module()
     value = _MISSING if alive is None else alive.__dict__.get(path[0], _MISSING)
+    if value is _MISSING and alive is not None:  # a class-level default the instance does not override
+        value = _class_value(type(alive), path[0])
     for name in path[1:]:
         value = _MISSING if value is _MISSING else getattr(value, name, _MISSING)
     return value
@@ -98,6 +103,19 @@ def _is_held_object(value: object) -> bool:
                                        types.MethodType, tuple, list, dict, set, frozenset)))
 
 
+def _class_value(cls: type, name: str) -> object:
+    """A plain value ``cls`` holds as ``name`` (a class-level default, ``negate = False``, read through
+    an instance that does not set its own), else ``_MISSING``: not a method, property or other
+    descriptor, and not ``nn.Module``'s own (``dump_patches``, ``_version``)."""
+    for klass in cls.__mro__:
+        if klass is nn.Module:
+            return _MISSING
+        if name in klass.__dict__:
+            value = klass.__dict__[name]
+            return _MISSING if hasattr(type(value), "__get__") else value
+    return _MISSING
+
+
 def _is_computed(cls: type, name: str) -> bool:
     """``name`` is a property or method of ``cls`` (what it reads inside is recorded as it reads it)."""
     for klass in cls.__mro__:
@@ -107,6 +125,10 @@ def _is_computed(cls: type, name: str) -> bool:
 
 
 _recording: dict[int, nn.Module] | None = None  # while reads_recorded is open: the modules it records, by id
+# one capture records at a time: the patched ``__getattribute__``s are global, so another thread's
+# capture waits for this one's to end (the thread that holds it: ``_owner``)
+_one_at_a_time = threading.Lock()
+_owner: int | None = None
 
 
 def note_clone(clone: nn.Module, original: nn.Module) -> None:
@@ -152,14 +174,18 @@ def reads_recorded(model: nn.Module):
 
     def recording(self, name):
         value = object.__getattribute__(self, name)
-        if name not in _MODULE_INTERNALS and id(self) in modules and name in object.__getattribute__(self, "__dict__"):
+        if name not in _MODULE_INTERNALS and id(self) in modules and (
+                name in object.__getattribute__(self, "__dict__") or _class_value(type(self), name) is not _MISSING):
             read[id(self), (name,)] = None
             follow(value, id(self), (name,))
         return value
 
+    global _owner
     reads = Reads()
-    assert _recording is None and "__getattribute__" not in vars(nn.Module), "reads_recorded is not reentrant"
-    _recording = modules
+    assert _owner != threading.get_ident(), "reads_recorded is not reentrant"
+    _one_at_a_time.acquire()
+    assert _recording is None and "__getattribute__" not in vars(nn.Module)
+    _owner, _recording = threading.get_ident(), modules
     nn.Module.__getattribute__ = recording
     try:
         yield reads
@@ -170,7 +196,8 @@ def reads_recorded(model: nn.Module):
                 del cls.__getattribute__
             else:
                 cls.__getattribute__ = own
-        _recording = None
+        _recording = _owner = None
+        _one_at_a_time.release()
         pairs = dict.fromkeys((modules[key], path) for key, path in read)  # a clone's and its original's: one
         reads.pairs = tuple((weakref.ref(module), path) for module, path in pairs
                             if _is_plain(_attribute(weakref.ref(module), path)))

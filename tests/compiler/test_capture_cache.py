@@ -136,6 +136,54 @@ def test_what_the_graph_bakes_in_changed_captures_again(captures, change):
     _assert_like_eager(model, hm, x, target)
 
 
+class _Defaults:
+    """Settings whose value is a class-level default, not in the instance's ``__dict__``."""
+
+    scale = 2.0
+
+
+class _Deep:
+    def __init__(self, **values) -> None:
+        self.__dict__.update(values)
+
+
+class _ReadsFarOff(nn.Module):
+    """Its forward reads settings ``attribute_facts`` does not reach: a class-level default of a held
+    object, and a value five objects down."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.second = nn.Linear(8, 16), nn.Linear(16, 4)
+        self.defaults = _Defaults()
+        self.deep = _Deep(a=_Deep(b=_Deep(c=_Deep(scale=1.0))))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.second(torch.relu(self.first(x) * self.defaults.scale * self.deep.a.b.c.scale))
+
+
+def _change_class_default(model: nn.Module) -> None:
+    _Defaults.scale = 3.0
+
+
+def _change_far_setting(model: nn.Module) -> None:
+    model.deep.a.b.c.scale = -1.0
+
+
+@pytest.mark.parametrize("change", [_change_class_default, _change_far_setting])
+def test_a_value_read_beyond_the_keys_reach_captures_again(captures, change):
+    """Before, ``CallKey`` saw the change and compiled again, but the capture kept for the old value
+    was handed back: the new compile computed the old numbers, silently."""
+    model, (x, target) = _ReadsFarOff(), _batch()
+    hm = _compile(model, x)
+    hm(x)
+    try:
+        change(model)
+        _assert_like_eager(model, hm, x, target)
+        assert captures == [None, None] and len(hm.variants) == 2
+    finally:
+        _Defaults.scale = 2.0
+
+
 def test_a_tensor_attribute_changed_in_place_is_read_by_the_capture_kept(captures):
     """Export lifts a tensor attribute to a placeholder, read at every call: the capture is kept,
     and the values are the new ones."""

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import threading
 
 import pytest
 import torch
@@ -99,6 +100,42 @@ def test_an_attribute_of_a_plain_object_a_module_holds_is_keyed_through_the_modu
     assert "__getattribute__" not in vars(_Knobs)
 
 
+class _ClassDefault(nn.Module):
+    """A flag its class holds as a default (as transformers' ``GradientCheckpointingLayer``), set on
+    an instance, or on the class, after compiling."""
+
+    negate = False
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.linear(x)
+        return -y if self.negate else y
+
+
+def test_a_class_level_default_the_forward_read_is_keyed_set_on_the_instance_or_the_class():
+    """Before, only a module's own ``__dict__`` was recorded: a class-level default overridden on
+    the instance after compiling went on computing the captured value, silently."""
+    torch.manual_seed(0)
+    model = _ClassDefault()
+    hm, x = harmony_fx.compile(model, devices=["host:0"]), torch.randn(4, 8)
+    torch.testing.assert_close(hm(x), model.linear(x))
+    model.negate = True
+    torch.testing.assert_close(hm(x), -model.linear(x))
+    assert len(hm.variants) == 2 and "_ClassDefault.negate" in list(hm.variants[1][1].passes)[-1].decision
+    del model.negate
+    hm(x)
+    assert len(hm.variants) == 2  # back to the first
+    try:
+        _ClassDefault.negate = True
+        torch.testing.assert_close(hm(x), -model.linear(x))
+    finally:
+        _ClassDefault.negate = False
+    assert "__getattribute__" not in vars(nn.Module)
+
+
 def test_a_hugging_face_config_changed_after_compiling_computes_as_eager():
     """GPT-2's forward reads ``config.output_hidden_states`` and its kin: before, a graph captured
     without hidden states went on returning none after the config asked for them, silently."""
@@ -173,3 +210,27 @@ def test_recording_leaves_nn_module_as_it_was_even_when_the_block_raises():
             held(torch.randn(2, 8))
             raise RuntimeError("in the block")
     assert "__getattribute__" not in vars(_Knobs) and "__getattribute__" not in vars(nn.Module)
+
+
+def test_a_compile_in_another_thread_waits_for_the_capture_recording_reads():
+    """The recording ``__getattribute__`` is global: a second thread's compile used to fail on an
+    internal assertion ("reads_recorded is not reentrant"); it waits for the first capture now."""
+    torch.manual_seed(0)
+    first, second, x = _Settings(), _Settings(), torch.randn(4, 8)
+    entered, leave = threading.Event(), threading.Event()
+
+    def record_first() -> None:
+        with reads_recorded(first):
+            entered.set()
+            leave.wait(timeout=30)
+
+    thread = threading.Thread(target=record_first)
+    thread.start()
+    entered.wait(timeout=30)
+    threading.Timer(0.2, leave.set).start()
+    hm = harmony_fx.compile(second, devices=["host:0"])
+    torch.testing.assert_close(hm(x), second(x))
+    thread.join()
+    second.scale = -1.0
+    torch.testing.assert_close(hm(x), second(x))
+    assert "__getattribute__" not in vars(nn.Module)
