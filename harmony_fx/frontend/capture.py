@@ -53,6 +53,7 @@ from harmony_fx.frontend.attribute_reads import Reads, reads_recorded
 from harmony_fx.frontend.attribute_writes import tensor_attribute_writes_said
 from harmony_fx.frontend.compute_dtype import fake_in, in_compute_dtype
 from harmony_fx.frontend.causal_masks import causal_masks_applied
+from harmony_fx.frontend.checkpoint_regions import checkpoints_as_plain_calls
 from harmony_fx.frontend.decomposition_fixes import decomposition_fixes
 from harmony_fx.frontend.functorch_regions import inline_vmap_regions
 from harmony_fx.frontend.key_value_caches import key_value_caches_off
@@ -693,7 +694,7 @@ def _capture_with_export(model: nn.Module, args: tuple, kwargs: dict, stack_trac
     # export recompiles its graph's Python code after each of its passes (7 times, 0.1 s each for a
     # 59-block GPT-2), and nothing here runs that code: generated once, when first asked for
     with warnings.catch_warnings(), decomposition_fixes(), _stack_traces(stack_traces), custom_backwards(), \
-            _use_lazy_graph_module(True), causal_masks_applied():
+            _use_lazy_graph_module(True), causal_masks_applied(), checkpoints_as_plain_calls():
         # nn.RNN/LSTM/GRU re-assign their own _flat_weights on every call: torch's advice to register
         # them as buffers is about torch's code, not the user's
         warnings.filterwarnings("ignore", message=r"The tensor attributes (\S+\._flat_weights\[\d+\](, )?)+ were")
