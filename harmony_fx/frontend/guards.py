@@ -104,9 +104,12 @@ class CallKey:
         if self.autocast != other.autocast:
             changes.append(self.autocast.describe())
         if self.module_state != other.module_state:
-            training = {m.training for m in model.modules()}
-            changes.append("train mode" if training == {True} else "eval mode" if training == {False}
-                           else "the modules' training flags, parameters, buffers or hooks")
+            if _training_flags(self.module_state) != _training_flags(other.module_state):
+                training = {m.training for m in model.modules()}
+                changes.append("train mode" if training == {True} else "eval mode" if training == {False}
+                               else "the modules' training flags")
+            else:
+                changes.append("the modules' parameters, buffers or hooks")
         if self.inputs != other.inputs:
             values = [(a, b) for a, b in zip(self.inputs[1:], other.inputs[1:]) if a != b]
             tensors = [fact for pair in values for fact in pair if _is_tensor_fact(fact)]
@@ -128,15 +131,21 @@ class CallKey:
             changed = [i for i, (now, was) in enumerate(zip(self.attributes, other.attributes)) if now != was]
             named = (f"{reads.describe(changed[0])}: {_short(other.attributes[changed[0]][-1])} -> "
                      f"{_short(self.attributes[changed[0]][-1])}") if changed and reads is not None else "one of them"
-            changes.append(f"a module attribute the forward reads ({named}; the graph holds it as a constant: a "
-                           "number that changes every step is cheaper as a tensor, a buffer updated in place, or "
-                           "read outside the forward)")
+            number = bool(changed) and self.attributes[changed[0]][0] in (int, float)
+            changes.append(f"a module attribute the forward reads ({named}; the graph holds it as a constant"
+                           + (": a number that changes every step is cheaper as a tensor, a buffer updated in place, "
+                              "or read outside the forward)" if number else ")"))
         return changes
 
 
 def _short(value: object, limit: int = 60) -> str:
     text = repr(value)
     return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def _training_flags(module_state: tuple) -> tuple:
+    """The modules' ``training`` flags of a ``module_state`` (its only plain bools)."""
+    return tuple(fact for fact in module_state if fact is True or fact is False)
 
 
 def _is_tensor_fact(fact: object) -> bool:
@@ -169,8 +178,11 @@ def module_state(model: nn.Module) -> tuple:
         if forward is not None:
             facts.append(("forward", id(forward)))
         if module._forward_hooks or module._forward_pre_hooks or module._backward_hooks or module._backward_pre_hooks:
-            facts.append(_hook_ids(module._forward_hooks, module._forward_pre_hooks, module._backward_hooks,
-                                   module._backward_pre_hooks))
+            hooks = _hook_ids(*({key: hook for key, hook in hook_dict.items() if not _observes(hook)}
+                                for hook_dict in (module._forward_hooks, module._forward_pre_hooks,
+                                                  module._backward_hooks, module._backward_pre_hooks)))
+            if any(hooks):
+                facts.append(hooks)
         for param in module._parameters.values():
             if param is not None:
                 try:
@@ -188,10 +200,14 @@ def module_state(model: nn.Module) -> tuple:
 
 
 def _observes(hook: object) -> bool:
-    """A global module hook of torch's ``ModuleTracker`` (``FlopCounterMode``'s, entered anew for
-    each count: Lightning's model summary): it notes which module runs, which the graph does not
-    hold, and keyed it compiled every call under a new counter again."""
-    return isinstance(getattr(hook, "__self__", None), ModuleTracker)
+    """A hook that changes nothing the graph holds, so not keyed: a global module hook of torch's
+    ``ModuleTracker`` (``FlopCounterMode``'s, entered anew for each count: Lightning's model summary),
+    which notes which module runs (keyed, each new counter compiled again); and transformers'
+    output-capturing hook, installed on the first call that asks for hidden states or attentions and
+    never removed, which does nothing unless the call asks (the config flags that ask are keyed:
+    turning them off again compiled a third time)."""
+    return (isinstance(getattr(hook, "__self__", None), ModuleTracker)
+            or getattr(hook, "__qualname__", "").endswith("install_output_capuring_hook.<locals>.output_capturing_hook"))
 
 
 def _hook_ids(*hook_dicts: dict) -> tuple:

@@ -385,6 +385,27 @@ def test_an_attribute_that_changes_every_call_computes_as_eager_and_is_named_in_
     hm.close()
 
 
+def test_transformers_output_capturing_hooks_are_not_keyed():
+    """transformers 5 installs forward hooks on the first call asking for hidden states and never
+    removes them; they do nothing unless a call asks (the config flag, keyed). Keyed, turning the
+    flag off again compiled a third time, and the log blamed "train mode"."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=50, n_positions=16)
+    model = transformers.GPT2LMHeadModel(config)
+    hm, ids = harmony_fx.compile(model, devices=["host:0"]), torch.randint(0, 50, (2, 8))
+    hm(input_ids=ids)
+    model.config.output_hidden_states = True
+    assert len(hm(input_ids=ids).hidden_states) == 2
+    model.config.output_hidden_states = False
+    assert hm(input_ids=ids).hidden_states is None
+    modules = list({id(m): m for _, m in hm.variants}.values())
+    assert len(modules) == 2 and "output_hidden_states: False -> True" in list(modules[1].passes)[-1].decision
+    model.transformer.h[0].mlp.c_fc.weight.requires_grad_(False)  # not a training flag: said as it is
+    hm(input_ids=ids)
+    assert "the modules' parameters, buffers or hooks" in list(hm.variants[-1][1].passes)[-1].decision
+    hm.close()
+
+
 def test_the_module_methods_act_on_the_wrapped_model():
     model, _, hm = _pair()
     assert hm.eval() is hm and not model.training and not hm.training
