@@ -106,6 +106,11 @@ class Trainer:
                             "(optimizer.step(closure)); harmony_fx.Trainer runs the forward and backward once a "
                             "step and updates each pack as its gradients arrive: use an optimizer whose step "
                             "takes no closure (SGD, Adam, AdamW, ...), or harmony_fx.compile with your own loop.")
+        if getattr(optimizer, "is_second_order", False) is True:  # timm's convention (AdaHessian)
+            raise TypeError(f"{type(optimizer).__name__} is a second-order optimizer: its step differentiates the "
+                            "gradients again (Hessian-vector products, after loss.backward(create_graph=True)); "
+                            "harmony_fx.Trainer computes first-order gradients once a step and keeps no graph of "
+                            "them: use a first-order optimizer (AdamW, SGD, ...).")
         refuse_meta_state(model)  # named as the user names it, before the loss wraps it
         refuse_compiled_modules(model, "harmony_fx.Trainer")
         # what is captured and trained: the model, and a loss_fn that is a module (learnable loss weights)
@@ -120,8 +125,10 @@ class Trainer:
         self.optimizer = optimizer
         self.max_grad_norm = max_grad_norm
         # each pack updated as its gradients arrive: not with a global norm to clip by, nor with an
-        # optimizer whose step is more than each parameter's own update (stepped once, at the end)
-        self._per_pack = max_grad_norm is None and steps_per_parameter(optimizer)
+        # optimizer whose step is more than each parameter's own update, nor with step pre-hooks,
+        # which see every gradient before the step (stepped once, at the end)
+        self._per_pack = (max_grad_norm is None and steps_per_parameter(optimizer)
+                          and not StepHooks.has_pre_hooks(optimizer))
         self.skip_nonfinite = skip_nonfinite
         self.atomic = atomic
         self.skipped_steps: list[int] = []  # the step numbers skipped for a non-finite loss
@@ -228,6 +235,16 @@ class Trainer:
         as before the call, and every ``param.grad`` is ``None``. After it, ``param.grad`` holds this
         step's gradients (as the optimizer stepped them, clipped with ``max_grad_norm``), in tensors
         the next step writes its gradients into."""
+        if self._per_pack and not steps_per_parameter(self.optimizer):
+            raise ValueError(f"{type(self.optimizer).__name__}.step was replaced on the optimizer after the Trainer was "
+                             "made; the Trainer steps it once per pack, which would run the new step once a pack: "
+                             "replace it before making the Trainer (which then steps it once, after the backward), "
+                             "or set optimizer.harmony_steps_per_parameter = True if it is each parameter's own update")
+        if self._per_pack and StepHooks.has_pre_hooks(self.optimizer):
+            raise ValueError("a step pre-hook was registered (on the optimizer, or torch's global one) after the "
+                             "Trainer was made, which updates each pack during the backward, before the pre-hook "
+                             "could see every gradient: register it before making the Trainer (which then steps "
+                             "the optimizer once, after the backward, the pre-hooks right before)")
         if self._cross is not None:  # before any collective: hooks added since the Trainer was made too
             self._cross.refuse_gradient_hooks(self.model)
         args, kwargs = self._loss_model.call_of(batch)
@@ -269,7 +286,7 @@ class Trainer:
             # batch cut into other packs than its files
             if not self._per_pack or (self._tier is not None and hm is not self.hm):
                 started = time.perf_counter()
-                stats.grad_norm = self._updater.update_all(groups, runtime.host_grads, undo)
+                stats.grad_norm = self._updater.update_all(groups, runtime.host_grads, undo, hooks.run_pre)
                 stats.update_seconds = stats.update_exposed_seconds = time.perf_counter() - started
             if self.cluster is not None:
                 # each rank updated its buffers (BatchNorm statistics) from its own share: rank 0's
@@ -409,26 +426,29 @@ class NonFiniteLossError(FloatingPointError, ValueError):
 
 def _state_bytes(optimizer: torch.optim.Optimizer) -> Callable[[nn.Parameter], int]:
     """Bytes of the optimizer's state tensors for a parameter, the ones the NVMe tier takes
-    (``runtime.tier.on_tier_entry``), known before the first step makes them: per parameter group,
-    an optimizer of the same class and settings steps a small parameter once, and the state it makes
-    per element scales to each parameter."""
-    per_element: dict[int, float] = {}
+    (``runtime.tier.on_tier_entry``), known before the first step makes them: per parameter group
+    and number of dims (Muon steps matrices only; Adafactor factors them), an optimizer of the same
+    class and settings steps a small parameter of that many dims once, and the state it makes per
+    element scales to each parameter."""
+    per_element: dict[tuple[int, int], float] = {}
     accepted = inspect.signature(type(optimizer).__init__).parameters
     for index, group in enumerate(optimizer.param_groups):
         settings = {k: v for k, v in group.items() if k != "params" and k in accepted}
-        dtype = group["params"][0].dtype if group["params"] else torch.float32
-        probe = nn.Parameter(torch.zeros(8, dtype=dtype))
-        probe.grad = torch.zeros_like(probe)
-        try:
-            twin = type(optimizer)([probe], **settings)
-            twin.step()
-        except Exception as error:  # noqa: BLE001 - any optimizer; say which one could not be sized
-            raise ValueError(f"nvme_path=/host_memory=: cannot tell how much state {type(optimizer).__name__} keeps "
-                             f"(stepping a copy of it failed: {error}); train without the tier") from error
-        per_element[index] = sum(v.numel() * v.element_size() for v in twin.state[probe].values()
-                                 if on_tier_entry(v)) / probe.numel()
+        kinds = {(max(p.ndim, 1), p.dtype) for p in group["params"]} or {(1, torch.float32)}
+        for ndim, dtype in kinds:
+            probe = nn.Parameter(torch.zeros((8,) * ndim, dtype=dtype))
+            probe.grad = torch.zeros_like(probe)
+            try:
+                twin = type(optimizer)([probe], **settings)
+                twin.step()
+            except Exception as error:  # noqa: BLE001 - any optimizer; say which one could not be sized
+                raise ValueError(f"nvme_path=/host_memory=: cannot tell how much state {type(optimizer).__name__} "
+                                 f"keeps (stepping a copy of it on a {ndim}-dim parameter failed: {error}); train "
+                                 "without nvme_path and host_memory") from error
+            per_element[index, ndim] = sum(v.numel() * v.element_size() for v in twin.state[probe].values()
+                                           if on_tier_entry(v)) / probe.numel()
     group_of = {id(p): index for index, group in enumerate(optimizer.param_groups) for p in group["params"]}
-    return lambda param: int(per_element.get(group_of.get(id(param)), 0.0) * param.numel())
+    return lambda param: int(per_element.get((group_of.get(id(param)), max(param.ndim, 1)), 0.0) * param.numel())
 
 
 def _check_tier_across(cluster: Cluster, per_pack: bool) -> None:
@@ -438,7 +458,7 @@ def _check_tier_across(cluster: Cluster, per_pack: bool) -> None:
                          "pass shard_optimizer=False, or leave it out (sharded state on the tier is not supported yet)")
     if not per_pack:
         raise ValueError("nvme_path= across processes needs the per-pack updates, which max_grad_norm (or an "
-                         "optimizer other than torch's own) turns off (in one process the tier then streams through "
+                         "optimizer other than torch's own, or its step pre-hooks) turns off (in one process the tier then streams through "
                          "the final update); clip without the tier, or train in one process")
 
 

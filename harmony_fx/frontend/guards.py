@@ -26,7 +26,8 @@ Reading the key walks the module tree (no ``named_modules`` bookkeeping): about 
 of a hundred parameters, measured in ``benchmarks/test_guards.py``.
 
 What cannot be seen from here: an attribute the first capture did not read (a branch it did not
-take), or one read from an object held in a container (a dict of configs): it is baked in at
+take), or one read from an object held in a container (a dict of configs) or from one whose reads
+cannot be recorded (``__slots__`` without ``__dict__``, torch's own objects): it is baked in at
 capture, as in ``torch.export``. (A tensor held as a plain attribute is not: export
 lifts it to a placeholder, read at every call, so an in-place change to it is seen.) Reading every
 attribute on every call would cost milliseconds, and walk whatever a module holds (a Lightning

@@ -44,9 +44,25 @@ def steps_per_parameter(optimizer: torch.optim.Optimizer) -> bool:
     """Whether ``optimizer.step()`` over some parameters then over the others equals one step over
     all: torch's own optimizers (state in ``optimizer.state[p]``, one update per parameter), not a
     subclass or wrapper whose step may count steps, or sum over a group, outside that state, unless
-    it says so (``harmony_steps_per_parameter = True``, on its class or itself)."""
+    it says so (``harmony_steps_per_parameter = True``, on its class or itself). A ``step`` set on the
+    optimizer itself (a wrapper that counts its calls, warms up, clips) would run once a pack: it is
+    stepped once, as torch's own (``torch.optim.Adafactor``, ``Muon``, whose module is ``torch.optim``)
+    are not; the LR schedulers' wrapper, which only notes that ``step`` was called, is no such step."""
     said = getattr(optimizer, "harmony_steps_per_parameter", None)
-    return type(optimizer).__module__.startswith("torch.optim.") if said is None else bool(said)
+    if said is not None:
+        return bool(said)
+    module = type(optimizer).__module__
+    return (module == "torch.optim" or module.startswith("torch.optim.")) and _steps_as_its_class(optimizer)
+
+
+def _steps_as_its_class(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer.step`` is its class's ``step``, seen through the LR schedulers' wrapper."""
+    step = vars(optimizer).get("step")
+    if step is None:
+        return True
+    if getattr(step, "_wrapped_by_lr_sched", False):
+        step = getattr(step, "__wrapped__", None)  # the class's function, as the wrapper calls it
+    return getattr(step, "__func__", step) is type(optimizer).step
 
 
 class Updater:
@@ -76,11 +92,13 @@ class Updater:
             self._step(pack, params, undo)
         return time.perf_counter() - started, waited
 
-    def update_all(self, groups: dict[int, list[nn.Parameter]], grads: dict, undo) -> float | None:
+    def update_all(self, groups: dict[int, list[nn.Parameter]], grads: dict, undo,
+                   before_step: Callable[[], None] | None = None) -> float | None:
         """Every pack's update after the backward: the gradients summed over the ranks, clipped to
-        ``max_grad_norm`` by their global norm, then the update (the tier's packs streamed in turn,
-        then the rest). Returns that norm before clipping (``None`` without ``max_grad_norm``), the
-        figure a training log shows."""
+        ``max_grad_norm`` by their global norm, ``before_step`` (the optimizer's step pre-hooks, which
+        see those gradients, as around eager's ``optimizer.step()``), then the update (the tier's
+        packs streamed in turn, then the rest). Returns that norm before clipping (``None`` without
+        ``max_grad_norm``), the figure a training log shows."""
         cross = self.cross
         norm = None
         if cross is None:
@@ -94,6 +112,8 @@ class Updater:
                 _run_gradient_hooks(cross.buffers[pack].params)
             if self.max_grad_norm is not None:
                 norm = cross.clip_grad_norm_(self.max_grad_norm)
+        if before_step is not None:
+            before_step()
         if self.tier is None:
             _update(self.optimizer, None, undo)
         else:
@@ -251,24 +271,37 @@ class StepHooks:
     and torch's global ones (``torch.optim.optimizer.register_optimizer_step_pre_hook``, ``..._post_hook``),
     once a Trainer step, as around one ``optimizer.step()``, each seeing every parameter: the step
     updates pack by pack, each update an ``optimizer.step()`` over that pack's parameters, which
-    would run every hook once a pack. ``hold()`` runs the pre-hooks (the global ones first, as torch
-    does) and takes every hook off; ``release(done)`` puts them back and, for a step done (not
-    undone), runs the post-hooks (the optimizer's own first)."""
+    would run every hook once a pack. ``hold()`` takes every hook off; ``run_pre()`` runs the
+    pre-hooks (the global ones first, as torch does) once every gradient is set, as eager runs them
+    after the backward (they may read or change the gradients: a clip, gradient centralization), so
+    an optimizer with pre-hooks is stepped once, after the backward (``has_pre_hooks``);
+    ``release(done)`` puts them back and, for a step done (not undone), runs the post-hooks (the
+    optimizer's own first)."""
 
     def __init__(self, optimizer: torch.optim.Optimizer) -> None:
         self._optimizer = optimizer
         self._held: dict[str, list[tuple[dict, dict]]] = {}  # "pre"/"post" -> (a hooks' dict, what it held)
 
+    @staticmethod
+    def _dicts(optimizer: torch.optim.Optimizer) -> dict[str, tuple]:
+        module = importlib.import_module("torch.optim.optimizer")  # not an attribute of torch.optim
+        return {"pre": (getattr(module, "_global_optimizer_pre_hooks", None),
+                        getattr(optimizer, "_optimizer_step_pre_hooks", None)),
+                "post": (getattr(optimizer, "_optimizer_step_post_hooks", None),
+                         getattr(module, "_global_optimizer_post_hooks", None))}
+
+    @classmethod
+    def has_pre_hooks(cls, optimizer: torch.optim.Optimizer) -> bool:
+        return any(cls._dicts(optimizer)["pre"])
+
     def hold(self) -> None:
-        optimizer, module = self._optimizer, importlib.import_module("torch.optim.optimizer")  # not an attribute
-        for kind, dicts in (("pre", (getattr(module, "_global_optimizer_pre_hooks", None),
-                                     getattr(optimizer, "_optimizer_step_pre_hooks", None))),
-                            ("post", (getattr(optimizer, "_optimizer_step_post_hooks", None),
-                                      getattr(module, "_global_optimizer_post_hooks", None)))):
+        for kind, dicts in self._dicts(self._optimizer).items():
             self._held[kind] = [(hooks, dict(hooks)) for hooks in dicts if hooks is not None]
             for hooks, _ in self._held[kind]:
                 hooks.clear()
-        self._run(self._held["pre"])
+
+    def run_pre(self) -> None:
+        self._run(self._held.get("pre", ()))
 
     def release(self, done: bool) -> None:
         held, self._held = self._held, {}

@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import threading
+import types
 
 import pytest
 import torch
@@ -98,6 +99,12 @@ def test_an_attribute_of_a_plain_object_a_module_holds_is_keyed_through_the_modu
     torch.testing.assert_close(hm(x), -model.linear(x))
     assert len(hm.variants) == 3
     assert "__getattribute__" not in vars(_Knobs)
+    held_whole = _HoldsKnobs()
+    held_whole.knobs = types.SimpleNamespace(gain=0.5, unused=0)  # a C class, read whole
+    hm = harmony_fx.compile(held_whole, devices=["host:0"])
+    hm(x)
+    held_whole.knobs.gain = 4.0
+    torch.testing.assert_close(hm(x), held_whole.linear(x) * 4.0)
 
 
 class _ClassDefault(nn.Module):
