@@ -12,7 +12,8 @@ as transformers' ``GradientCheckpointingLayer.gradient_checkpointing``): ``nn.Mo
 class that does not define its own, and is removed after.
 What ``nn.Module`` itself keeps (hooks, the parameter and submodule dicts, ``training``) is keyed
 elsewhere. A plain object a module holds (a Hugging Face config, a dataclass of settings) is
-followed the same way: its class gets a recording ``__getattribute__`` for the capture, and a read
+followed the same way (a ``types.SimpleNamespace``, whose C class cannot record, is read whole):
+its class gets a recording ``__getattribute__`` for the capture, and a read
 of ``self.config.output_hidden_states`` is kept as the path from the module, read again through the
 module (a config replaced by another is read anew). Of what was read, ``Reads.values()`` keeps the
 reads whose value is plain (numbers, strings, flags, enums, dtypes, functions, and tuples, lists,
@@ -149,6 +150,9 @@ def reads_recorded(model: nn.Module):
     patched: list[tuple[type, object]] = []  # each class given a recording __getattribute__, and its own before
 
     def follow(value: object, module: int, path: tuple[str, ...]) -> None:
+        if type(value) is types.SimpleNamespace:  # a C class, whose reads cannot be recorded: all of it
+            read.update(dict.fromkeys((module, path + (name,)) for name in vars(value)))
+            return
         if id(value) in held or not _is_held_object(value):
             return
         held[id(value)] = (value, module, path)  # the object kept: its id stays its own while recording
