@@ -236,8 +236,8 @@ class Trainer:
         step's gradients (as the optimizer stepped them, clipped with ``max_grad_norm``), in tensors
         the next step writes its gradients into."""
         if self._per_pack and not steps_per_parameter(self.optimizer):
-            raise ValueError(f"{type(self.optimizer).__name__}.step was replaced on the optimizer after the Trainer was "
-                             "made; the Trainer steps it once per pack, which would run the new step once a pack: "
+            raise ValueError(f"{type(self.optimizer).__name__}.step was replaced on the optimizer after the Trainer "
+                             "was made; the Trainer steps it once per pack, which would run the new step once a pack: "
                              "replace it before making the Trainer (which then steps it once, after the backward), "
                              "or set optimizer.harmony_steps_per_parameter = True if it is each parameter's own update")
         if self._per_pack and StepHooks.has_pre_hooks(self.optimizer):
@@ -458,8 +458,8 @@ def _check_tier_across(cluster: Cluster, per_pack: bool) -> None:
                          "pass shard_optimizer=False, or leave it out (sharded state on the tier is not supported yet)")
     if not per_pack:
         raise ValueError("nvme_path= across processes needs the per-pack updates, which max_grad_norm (or an "
-                         "optimizer other than torch's own, or its step pre-hooks) turns off (in one process the tier then streams through "
-                         "the final update); clip without the tier, or train in one process")
+                         "optimizer other than torch's own, or its step pre-hooks) turns off (in one process the "
+                         "tier then streams through the final update); clip without the tier, or train in one process")
 
 
 def _cluster(process_group, shard_optimizer: bool | None, timeout: float | None) -> Cluster | None:

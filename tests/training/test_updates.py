@@ -15,7 +15,7 @@ import harmony_fx
 
 from harmony_fx.distributed.updates import TurnOrder
 from harmony_fx.training.transaction import Undo
-from harmony_fx.training.updates import Updater
+from harmony_fx.training.updates import Updater, steps_per_parameter
 
 
 def _model_and_grads(seed: int = 0):
@@ -132,10 +132,56 @@ def test_the_optimizers_step_hooks_run_once_a_step_seeing_every_parameter(max_gr
             handle.remove()
 
 
+def _centralized(model: nn.Module) -> torch.optim.Optimizer:
+    """SGD with gradient centralization in a step pre-hook, which reads and changes the gradients:
+    it ran before the backward, on none the first step and the last step's after, so its change
+    was overwritten by the new gradients."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+
+    def centralize(opt, args, kwargs):
+        for group in opt.param_groups:
+            for param in group["params"]:
+                if param.grad is not None and param.ndim > 1:
+                    param.grad.sub_(param.grad.mean(dim=1, keepdim=True))
+
+    optimizer.register_step_pre_hook(centralize)
+    return optimizer
+
+
+@pytest.mark.parametrize("max_grad_norm", [None, 1.0])
+def test_a_step_pre_hook_sees_and_changes_this_steps_gradients(max_grad_norm):
+    optimizer, _, _, _ = _steps(_centralized, max_grad_norm=max_grad_norm)
+
+
+def test_a_step_pre_hook_registered_after_the_trainer_was_made_is_refused():
+    model = _mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    batch = (torch.randn(8, 16), torch.randint(0, 4, (8,)))
+    trainer = harmony_fx.Trainer(model, F.cross_entropy, optimizer, batch, pack_boundaries=[0, 2, 4],
+                                 devices=["host:0"])
+    optimizer.register_step_pre_hook(lambda opt, args, kwargs: None)
+    with pytest.raises(ValueError, match="pre-hook was registered .* after the Trainer was made"):
+        trainer.step(batch)
+
+
 def test_an_optimizer_that_steps_with_a_closure_is_refused_with_what_to_use():
     model = nn.Linear(4, 2)
     with pytest.raises(TypeError, match="closure.*SGD, Adam"):
         harmony_fx.Trainer(model, F.mse_loss, torch.optim.LBFGS(model.parameters()),
+                           (torch.randn(2, 4), torch.randn(2, 2)))
+
+
+class _SecondOrder(torch.optim.SGD):
+    """timm's ``Adahessian`` says so: its step takes Hessian-vector products of the gradients, which
+    failed inside the update ("element 0 of tensors does not require grad")."""
+
+    is_second_order = True
+
+
+def test_a_second_order_optimizer_is_refused_with_what_to_use():
+    model = nn.Linear(4, 2)
+    with pytest.raises(TypeError, match="_SecondOrder is a second-order optimizer.*first-order optimizer"):
+        harmony_fx.Trainer(model, F.mse_loss, _SecondOrder(model.parameters(), lr=0.1),
                            (torch.randn(2, 4), torch.randn(2, 2)))
 
 
@@ -253,3 +299,48 @@ def test_a_loss_modules_own_parameters_train_with_the_model_as_in_eager():
     assert loss.log_var.abs().min() > 0  # it moved
     for param, expected in zip(model.parameters(), reference.parameters()):
         torch.testing.assert_close(param.detach(), expected.detach(), rtol=1e-5, atol=1e-6)
+
+
+def _warmed_up_by_its_calls(model: nn.Module) -> torch.optim.Optimizer:
+    """SGD whose ``step``, set on the optimizer itself, counts its calls and warms the lr up by them
+    (a clip-then-step wrapper is the same case): it ran once a pack, three times a step here."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    inner, optimizer.calls = optimizer.step, 0
+
+    def step(*args, **kwargs):
+        optimizer.calls += 1
+        for group in optimizer.param_groups:
+            group["lr"] = 0.1 * min(1.0, optimizer.calls / 3)
+        return inner(*args, **kwargs)
+
+    optimizer.step = step
+    return optimizer
+
+
+def test_a_step_set_on_the_optimizer_itself_runs_once_a_step():
+    optimizer, reference_optimizer, _, _ = _steps(_warmed_up_by_its_calls)
+    assert optimizer.calls == reference_optimizer.calls == 3
+
+
+def test_a_step_set_on_the_optimizer_after_the_trainer_was_made_is_refused():
+    model = _mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    batch = (torch.randn(8, 16), torch.randint(0, 4, (8,)))
+    trainer = harmony_fx.Trainer(model, F.cross_entropy, optimizer, batch, pack_boundaries=[0, 2, 4],
+                                 devices=["host:0"])
+    optimizer.step = lambda *args, **kwargs: None
+    with pytest.raises(ValueError, match="SGD.step was replaced.*before making the Trainer"):
+        trainer.step(batch)
+
+
+def test_which_optimizers_step_per_parameter():
+    model = _mlp()
+    adam = torch.optim.Adam(model.parameters())
+    assert steps_per_parameter(adam)
+    torch.optim.lr_scheduler.LambdaLR(adam, lambda step: 1.0)  # its wrapper of step only notes the call
+    assert steps_per_parameter(adam)
+    assert not steps_per_parameter(_warmed_up_by_its_calls(model))
+    assert not steps_per_parameter(_CountingSGD(model.parameters(), lr=0.1))
+    # torch's own whose module is torch.optim itself: each parameter's own update too
+    assert steps_per_parameter(torch.optim.Adafactor(model.parameters()))
+    _steps(lambda model: torch.optim.Adafactor(model.parameters(), lr=1e-2, weight_decay=0.01))
