@@ -143,7 +143,7 @@ def note_clone(clone: nn.Module, original: nn.Module) -> None:
 def reads_recorded(model: nn.Module):
     """Yields a ``Reads``, filled when the block ends with what the block read of ``model``'s modules
     and of the plain objects they hold."""
-    global _recording
+    global _recording, _owner
     modules = {id(module): module for module in model.modules()}
     read: dict[tuple[int, tuple[str, ...]], None] = {}  # in the order first read
     held: dict[int, tuple[object, int, tuple[str, ...]]] = {}  # id -> (object, module id, path to it)
@@ -184,24 +184,27 @@ def reads_recorded(model: nn.Module):
             follow(value, id(self), (name,))
         return value
 
-    global _owner
     reads = Reads()
     assert _owner != threading.get_ident(), "reads_recorded is not reentrant"
-    _one_at_a_time.acquire()
-    assert _recording is None and "__getattribute__" not in vars(nn.Module)
-    _owner, _recording = threading.get_ident(), modules
-    nn.Module.__getattribute__ = recording
-    try:
-        yield reads
-    finally:
-        del nn.Module.__getattribute__
-        for cls, own in reversed(patched):
-            if own is None:
-                del cls.__getattribute__
-            else:
-                cls.__getattribute__ = own
-        _recording = _owner = None
-        _one_at_a_time.release()
-        pairs = dict.fromkeys((modules[key], path) for key, path in read)  # a clone's and its original's: one
-        reads.pairs = tuple((weakref.ref(module), path) for module, path in pairs
-                            if _is_plain(_attribute(weakref.ref(module), path)))
+    with _one_at_a_time:
+        assert _recording is None and "__getattribute__" not in vars(nn.Module)
+        _owner, _recording = threading.get_ident(), modules
+        nn.Module.__getattribute__ = recording
+        try:
+            yield reads
+        finally:
+            _restore(patched)
+            _recording = _owner = None
+    pairs = dict.fromkeys((modules[key], path) for key, path in read)  # a clone's and its original's: one
+    reads.pairs = tuple((weakref.ref(module), path) for module, path in pairs
+                        if _is_plain(_attribute(weakref.ref(module), path)))
+
+
+def _restore(patched: list[tuple[type, object]]) -> None:
+    """``nn.Module`` and each class patched, as they were: its own ``__getattribute__`` or none."""
+    del nn.Module.__getattribute__
+    for cls, own in reversed(patched):
+        if own is None:
+            del cls.__getattribute__
+        else:
+            cls.__getattribute__ = own
