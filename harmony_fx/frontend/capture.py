@@ -452,8 +452,10 @@ def _scalar_reductions(gm: fx.GraphModule, state: dict[str, torch.Tensor]) -> di
             and node.meta[meta.VAL].dim() == 0}
 
 
-# export's words for a torch.Generator (passed in, or made in the forward): a script object it cannot lift
-_CUSTOM_OBJECT = "unsupported exported input kind InputKind.CUSTOM_OBJ"
+# export's words for a torch.Generator passed in or made in the forward, which it cannot lift: a script
+# object (torch 2.13), or a type it names (torch 2.11: "Unsupported input type <class 'torch._C.Generator'>",
+# "argument of type: <class 'torch._C.Generator'>")
+_GENERATOR = ("unsupported exported input kind InputKind.CUSTOM_OBJ", "<class 'torch._C.Generator'>")
 # export's words for a value it could not trace through, left as a constant: autograd.grad in the
 # forward, vmap's out_dims (torch 2.11-2.13)
 _FAKE_CONSTANT = "found a fake tensor in the exported program constant"
@@ -646,7 +648,7 @@ def _advice(export_error: Exception, trace_error: Exception | None = None) -> st
         return (f"the model returns a {match.group(1)}, which harmony_fx cannot take apart into tensors; return "
                 "tensors, tuples, lists, dicts or dataclasses, or register the type with "
                 "torch.utils._pytree.register_pytree_node.")
-    if _CUSTOM_OBJECT in text:
+    if any(words in text for words in _GENERATOR):
         return ("the forward uses a torch.Generator (a generator=... argument, or one it makes: diffusers' "
                 "latent_dist.sample(generator=g), AutoencoderKL(x, sample_posterior=True, generator=g)), which "
                 "export keeps as an object no graph can run. Draw without it (harmony_fx replays the default "
