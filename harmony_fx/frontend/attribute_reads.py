@@ -104,25 +104,32 @@ def _is_held_object(value: object) -> bool:
                                        types.MethodType, tuple, list, dict, set, frozenset)))
 
 
+def _class_attribute(cls: type, name: str, stop: type | None = None) -> object:
+    """What ``cls`` (or the first class of its MRO before ``stop`` that has it) holds as ``name``,
+    else ``_MISSING``."""
+    for klass in cls.__mro__:
+        if klass is stop:
+            break
+        if name in klass.__dict__:
+            return klass.__dict__[name]
+    return _MISSING
+
+
+def _is_descriptor(value: object) -> bool:
+    return value is not _MISSING and hasattr(type(value), "__get__")
+
+
 def _class_value(cls: type, name: str) -> object:
     """A plain value ``cls`` holds as ``name`` (a class-level default, ``negate = False``, read through
     an instance that does not set its own), else ``_MISSING``: not a method, property or other
     descriptor, and not ``nn.Module``'s own (``dump_patches``, ``_version``)."""
-    for klass in cls.__mro__:
-        if klass is nn.Module:
-            return _MISSING
-        if name in klass.__dict__:
-            value = klass.__dict__[name]
-            return _MISSING if hasattr(type(value), "__get__") else value
-    return _MISSING
+    value = _class_attribute(cls, name, stop=nn.Module)
+    return _MISSING if _is_descriptor(value) else value
 
 
 def _is_computed(cls: type, name: str) -> bool:
     """``name`` is a property or method of ``cls`` (what it reads inside is recorded as it reads it)."""
-    for klass in cls.__mro__:
-        if name in klass.__dict__:
-            return hasattr(type(klass.__dict__[name]), "__get__")
-    return False
+    return _is_descriptor(_class_attribute(cls, name))
 
 
 _recording: dict[int, nn.Module] | None = None  # while reads_recorded is open: the modules it records, by id

@@ -165,9 +165,8 @@ def _mode(key: CallKey) -> str:
 
 def module_state(model: nn.Module) -> tuple:
     hooks = torch.nn.modules.module
-    facts: list = [_hook_ids(*({key: hook for key, hook in hook_dict.items() if not _observes(hook)}
-                               for hook_dict in (hooks._global_forward_hooks, hooks._global_forward_pre_hooks,
-                                                 hooks._global_backward_hooks, hooks._global_backward_pre_hooks)))]
+    facts: list = [_hook_ids(hooks._global_forward_hooks, hooks._global_forward_pre_hooks,
+                             hooks._global_backward_hooks, hooks._global_backward_pre_hooks)]
     stack, seen = [model], set()
     while stack:
         module = stack.pop()
@@ -179,11 +178,10 @@ def module_state(model: nn.Module) -> tuple:
         if forward is not None:
             facts.append(("forward", id(forward)))
         if module._forward_hooks or module._forward_pre_hooks or module._backward_hooks or module._backward_pre_hooks:
-            hooks = _hook_ids(*({key: hook for key, hook in hook_dict.items() if not _observes(hook)}
-                                for hook_dict in (module._forward_hooks, module._forward_pre_hooks,
-                                                  module._backward_hooks, module._backward_pre_hooks)))
-            if any(hooks):
-                facts.append(hooks)
+            own = _hook_ids(module._forward_hooks, module._forward_pre_hooks, module._backward_hooks,
+                            module._backward_pre_hooks)
+            if any(own):
+                facts.append(own)
         for param in module._parameters.values():
             if param is not None:
                 try:
@@ -212,8 +210,9 @@ def _observes(hook: object) -> bool:
 
 
 def _hook_ids(*hook_dicts: dict) -> tuple:
-    """The hooks registered, by their handles' ids (a hook added or removed changes them)."""
-    return tuple(tuple(hooks) for hooks in hook_dicts)
+    """The hooks registered, by their handles' ids (a hook added or removed changes them), less
+    those that change nothing the graph holds (``_observes``)."""
+    return tuple(tuple(key for key, hook in hooks.items() if not _observes(hook)) for hooks in hook_dicts)
 
 
 def input_facts(args: tuple, kwargs: dict) -> tuple:
