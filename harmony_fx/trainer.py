@@ -146,6 +146,9 @@ class Trainer:
         if compile_options.nvme_path is not None and shard_optimizer is None:
             shard_optimizer = False  # the tier takes each rank's whole state (sharded state on it: not yet)
         self.cluster = _cluster(process_group, shard_optimizer, collective_timeout)
+        if self.cluster is not None:  # every rank starts from rank 0's model, as under DDP (Cluster.take_rank0s)
+            self.cluster.take_rank0s([*self._loss_model.parameters(), *self._loss_model.buffers()],
+                                     "the start from rank 0's parameters and buffers")
         if compile_options.nvme_path is not None and self.cluster is not None:
             _check_tier_across(self.cluster, self._per_pack)
         facts = None

@@ -125,6 +125,22 @@ class Cluster:
         """Rank 0's ``tensor`` on every rank, in place."""
         self._collective(lambda: dist.broadcast(tensor, src=0, group=self.control_group), what)
 
+    def take_rank0s(self, tensors: Sequence[torch.Tensor], what: str) -> list[int]:
+        """Rank 0's values of ``tensors`` on every rank, in place, as DDP's constructor broadcasts
+        the model's: a randomly initialised head on a pretrained body (a fresh seed per process)
+        would otherwise train as a different replica on each rank, the same update applied to
+        different weights. Only the tensors whose fingerprint (sum and norm) differs on some rank
+        are sent: a model every rank loaded from one checkpoint sends nothing. Returns their indices."""
+        mine = torch.tensor([_fingerprint(tensor) for tensor in tensors], dtype=torch.float64).reshape(-1, 2)
+        every = torch.empty(self.world * mine.numel(), dtype=torch.float64)
+        self._collective(lambda: _all_gather()(every, mine.flatten(), group=self.control_group), what)
+        every = every.view(self.world, *mine.shape)
+        # NaN != NaN: a tensor holding one is sent, harmlessly
+        differing = (every != every[0]).any(dim=2).any(dim=0).nonzero().flatten().tolist()
+        for index in differing:
+            self.broadcast(tensors[index].detach(), what)
+        return differing
+
     # ------------------------------------------------------------------ the update thread's
     def all_reduce(self, tensor: torch.Tensor, what: str) -> None:
         self._collective(lambda: dist.all_reduce(tensor, group=self.worker_group), what)
@@ -197,6 +213,19 @@ def _end(owned: dict) -> None:
                 dist.destroy_process_group(group)
             except ValueError:  # "Invalid process group": destroyed already
                 pass
+
+
+def _fingerprint(tensor: torch.Tensor) -> tuple[float, float]:
+    """A tensor's sum and norm, computed without a copy of a floating-point tensor. Ranks holding
+    the same values get the same figures where they reduce in the same order (a server whose
+    threads split the sum otherwise may send a tensor needlessly); different values of one sum and
+    one norm would be missed, which random initialisations never give."""
+    if tensor.is_complex():
+        tensor = torch.view_as_real(tensor)
+    if not tensor.is_floating_point():
+        tensor = tensor.to(torch.float64)  # integer and bool buffers: small
+    with torch.no_grad():
+        return (float(tensor.sum(dtype=torch.float64)), float(torch.linalg.vector_norm(tensor)))
 
 
 def _all_gather():

@@ -88,6 +88,20 @@ def train(rank: int, world: int, out: pathlib.Path, shard_optimizer: bool = True
             "tier_bytes": trainer.plan.tier_bytes}
 
 
+def different_start(rank: int, world: int, out: pathlib.Path) -> dict:
+    """Each rank's model differs from rank 0's in a parameter (as a head initialised with each
+    process's own seed) and a buffer; the Trainer starts every rank from rank 0's."""
+    model, batches = model_and_batches(world)
+    with torch.no_grad():
+        next(model.parameters()).add_(rank)
+    model.register_buffer("seen", torch.full((3,), rank))
+    trainer = harmony_fx.Trainer(model, loss_fn, optimizer_of(model), local(batches[0], rank), devices=["host:0"],
+                                 microbatches=MICROBATCHES, pack_boundaries=PACKS, shard_optimizer=False)
+    start = {name: value.detach().clone() for name, value in model.state_dict().items()}
+    losses = [trainer.step(local(batch, rank)).clone() for batch in batches[:2]]
+    return {"start": start, "losses": losses, "params": [p.detach().clone() for p in model.parameters()]}
+
+
 def closed(rank: int, world: int, out: pathlib.Path) -> dict:
     """Steps and a checkpoint, then ``close``: the two groups the Trainer made are destroyed there,
     their gloo threads joined, and closing again, or after the caller destroyed every group, is

@@ -60,3 +60,19 @@ def test_a_trainer_left_open_has_its_groups_ended_before_the_interpreter_finaliz
     for rank, result in enumerate(launch.run("left_open", 2, tmp_path)):
         assert result["open"] > result["callers"] > 0
         assert torch.load(tmp_path / f"exit{rank}.pt") == 0
+
+
+def test_every_rank_starts_from_rank_0s_model(tmp_path):
+    """As DDP's constructor: a rank whose parameters or buffers differ takes rank 0's (a head each
+    process initialised with its own seed would otherwise train as a different replica per rank)."""
+    from tests.distributed import scenarios
+
+    model, _ = scenarios.model_and_batches(2)
+    rank0 = {**model.state_dict(), "seen": torch.zeros(3, dtype=torch.int64)}
+    ranks = launch.run("different_start", 2, tmp_path)
+    for rank in ranks:
+        assert rank["start"].keys() == rank0.keys()
+        for name, value in rank0.items():
+            torch.testing.assert_close(rank["start"][name], value, rtol=0, atol=0, msg=name)
+    for ours, theirs in zip(ranks[0]["params"] + ranks[0]["losses"], ranks[1]["params"] + ranks[1]["losses"]):
+        torch.testing.assert_close(ours, theirs, rtol=0, atol=0)
