@@ -1,7 +1,8 @@
 """The scripts in ``examples/`` run as a user runs them (a subprocess, torchrun for the distributed one)
 and train equal to eager: each prints its final loss beside eager's, and exits 1 if they differ.
 Slow (a fresh interpreter and torch each, about a minute in all): CI runs the Lightning and torchrun ones
-with ``-m slow``, the Hugging Face one (35 s) is in ``-m extended``."""
+with ``-m slow`` (the Hugging Face one under torchrun too), the Hugging Face one in one process (35 s) is in
+``-m extended``."""
 from __future__ import annotations
 
 import os
@@ -42,10 +43,22 @@ def test_torchrun_example_trains_across_two_processes_equal_to_one_eager_process
     assert harmony == pytest.approx(eager, rel=1e-5)
 
 
+def test_hf_example_under_torchrun_fine_tunes_equal_to_transformers_trainer_with_ddp():
+    pytest.importorskip("accelerate")
+    pytest.importorskip("peft")
+    out = _run("-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(EXAMPLES / "hf_finetune.py"),
+               "--steps", "4")
+    _assert_hf_example_equal(out)
+
+
 def test_hf_example_fine_tunes_equal_to_transformers_trainer():
     pytest.importorskip("accelerate")
     pytest.importorskip("peft")
     out = _run(str(EXAMPLES / "hf_finetune.py"), "--steps", "4")
+    _assert_hf_example_equal(out)
+
+
+def _assert_hf_example_equal(out: str) -> None:
     for run in ("full fine-tune", "LoRA (peft)"):
         eager, harmony, eager_eval, harmony_eval = map(float, re.search(rf"{re.escape(run)}\s+(\S+)\s+(\S+)\s+(\S+)\s+(\S+)",
                                                                         out).groups())

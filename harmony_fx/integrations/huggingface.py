@@ -32,6 +32,11 @@ Checkpoints are transformers' own (weights, ``optimizer.pt``, ``scheduler.pt``, 
 ``trainer_state.json``): harmony's state between steps is the model's host tensors and the
 optimizer's state, which those files hold, so ``resume_from_checkpoint`` continues identically.
 
+Under torchrun (or ``accelerate launch``) each process steps on its share of the data as a
+``harmony_fx.Trainer`` across the processes, which sums each pack's gradients over them; accelerate
+does not wrap the model in DDP (``create_accelerator_and_postprocess``), and each process's
+microbatches weigh as transformers' DDP step weighs its loss (``_scale_across_processes``).
+
 What a harmony step cannot honor is refused when the trainer is made, with what to do instead
 (``_refusals``; the texts are listed in ``docs/integrations.md``). Harmony's options come from
 ``harmony_options`` over the ``HARMONY_FX_*`` environment variables (``config.options_from_environment``).
@@ -114,6 +119,29 @@ class HarmonyTrainer(transformers.Trainer):
     def _move_model_to_device(self, model: nn.Module, device: torch.device) -> None:
         """Never: harmony streams the weights to the devices it computes on."""
 
+    def create_accelerator_and_postprocess(self) -> None:
+        super().create_accelerator_and_postprocess()
+        # under torchrun harmony sums each pack's gradients over the processes itself (harmony_fx.Trainer
+        # across processes): accelerate's prepare must not wrap the model in DistributedDataParallel,
+        # whose reducer would hold gradient buckets the size of every trainable parameter (host memory
+        # harmony never uses) and whose constructor sends the whole model. Its evaluation mode prepares
+        # a model as for training but for that wrapping.
+        prepare_model = self.accelerator.prepare_model
+
+        def prepare_model_unwrapped(model: nn.Module, device_placement: bool | None = None,
+                                    evaluation_mode: bool = False) -> nn.Module:
+            return prepare_model(model, device_placement=device_placement, evaluation_mode=True)
+
+        self.accelerator.prepare_model = prepare_model_unwrapped
+        # evaluation hands transformers the compiled module (prediction_step): unwrapped, it is the model,
+        # whose class transformers reads (a causal LM's labels are shifted for label smoothing)
+        unwrap_model = self.accelerator.unwrap_model
+
+        def unwrap_compiled(model: nn.Module, *args: Any, **kwargs: Any) -> nn.Module:
+            return unwrap_model(model.model if isinstance(model, HarmonyModule) else model, *args, **kwargs)
+
+        self.accelerator.unwrap_model = unwrap_compiled
+
     def _build_accelerator_args(self, **kwargs: Any) -> dict[str, Any]:
         arguments = super()._build_accelerator_args(**kwargs)
         # accelerate would move the model and each batch to the GPU and wrap the forward in autocast:
@@ -175,13 +203,14 @@ class HarmonyTrainer(transformers.Trainer):
         decided = getattr(self, "loss_is_scaled_for_ga", None)
         # transformers' rule; where it is false, it divides each batch's loss by their number
         adds = passed if decided is None else decided
+        outside, world = self._scale_across_processes(passed), self.args.world_size
         with self._autocast(), warnings.catch_warnings():
             # the microbatches are transformers' own batches, each computed apart as it computes them (its
             # dropout draws, a contrastive loss over each batch, BatchNorm's statistics): nothing to warn of
             warnings.simplefilter("ignore", MicrobatchesComputeApart)
             harmony = self._harmony_for(batch)
             if self._batches_are_microbatches(batches):
-                weight = 1.0 if adds else 1.0 / len(batches)
+                weight = (1.0 if adds else 1.0 / len(batches)) * outside / world
                 loss = harmony.step(batch, microbatch_weights=[weight] * len(batches))
             else:
                 own_mean = not passed or not self._reads_num_items_in(batch)
@@ -189,12 +218,25 @@ class HarmonyTrainer(transformers.Trainer):
                 weights = _weights_of_batch_means(harmony.microbatch_sizes(batch), batch, batches, adds) \
                     if means_apart else None
                 if weights is not None:
-                    loss = harmony.step(batch, microbatch_weights=weights)
+                    loss = harmony.step(batch, microbatch_weights=[w * outside / world for w in weights])
                 else:
                     if means_apart:
                         self._warn_of_one_mean(batches)
-                    loss = harmony.step(batch, loss_scale=len(batches)) if adds and own_mean else harmony.step(batch)
+                    # harmony's own reduction is over every process's batch already: no 1/world
+                    loss = harmony.step(batch, loss_scale=(len(batches) if adds and own_mean else 1) * outside)
         return loss.detach().to(self.args.device)
+
+    def _scale_across_processes(self, passed: bool) -> int:
+        """Under torchrun, what transformers multiplies each process's loss by outside the model: the
+        number of processes where ``num_items_in_batch`` counts every process's labelled tokens
+        (``average_tokens_across_devices``) and reached the loss, as its DDP step averages the
+        processes' gradients (1/N) and so needs N times each; harmony sums them, so each process's
+        weights are this over N. Inside a ``compute_loss`` harmony captures, transformers' own code
+        multiplies (in the graph): 1 here. Else 1."""
+        world = self.args.world_size
+        if world == 1 or not (self.args.average_tokens_across_devices and passed) or self._trained() is not self.model:
+            return 1
+        return world
 
     def _warn_of_one_mean(self, batches: list[dict]) -> None:
         """Once per trainer: the step's batches ran as one batch and the loss is the model's own mean
@@ -253,8 +295,11 @@ class HarmonyTrainer(transformers.Trainer):
             options = dict(self._harmony_options)
             options.setdefault("microbatches", self.args.gradient_accumulation_steps)
             max_grad_norm = self.args.max_grad_norm if self.args.max_grad_norm and self.args.max_grad_norm > 0 else None
+            # across processes the optimizer state stays whole on every process: transformers saves
+            # optimizer.pt from the main process alone
+            across = {"shard_optimizer": False} if self.args.world_size > 1 else {}
             self.harmony = Trainer(self._trained(), None, self._host_optimizer, batch, max_grad_norm=max_grad_norm,
-                                   **options)
+                                   **across, **options)
         return self.harmony
 
     def _trained(self) -> nn.Module:
@@ -365,11 +410,16 @@ class _SteppedByHarmony(torch.optim.Optimizer):
 
 
 def _with_training_arguments(options: dict[str, Any], args: transformers.TrainingArguments) -> dict[str, Any]:
-    """Harmony's options with what ``TrainingArguments`` says about them."""
+    """Harmony's options with what ``TrainingArguments`` says about them. Under torchrun each process
+    computes on its own GPU (``cuda:LOCAL_RANK``, transformers' ``args.device``; without GPUs, a
+    HostDevice) unless ``devices`` names others: harmony's default in one process, every GPU, would
+    put every process on all of them."""
     if args.bf16 and options.get("precision") is not None:
         raise ValueError(f"{DOOR}: TrainingArguments(bf16=True) (bfloat16 autocast, as transformers.Trainer) and "
                          f"harmony_options precision={options['precision']!r} (harmony's own weights-and-transfers "
                          "precision) are two kinds of mixed precision; pass one of them")
+    if args.world_size > 1 and options.get("devices") is None:
+        options = {**options, "devices": [str(args.device)] if args.device.type == "cuda" else ["host:0"]}
     return options
 
 
@@ -415,9 +465,6 @@ def _refusals(args: transformers.TrainingArguments, trainer_arguments: Mapping[s
     if any(kind in optim.lower() for kind in ("lomo", "galore", "apollo")):
         refused.append(f"optim={optim!r} updates inside the backward or projects gradients itself; harmony "
                        "runs an ordinary torch optimizer on the host: choose e.g. optim='adamw_torch'")
-    if args.world_size > 1:
-        refused.append("several processes (torchrun/accelerate launch): HarmonyTrainer runs in one process and "
-                       "spreads it over the GPUs in harmony_options['devices']; launch one process")
     from transformers.trainer_seq2seq import Seq2SeqTrainer  # the class itself, wherever its name was rebound
 
     if getattr(args, "predict_with_generate", False) and not isinstance(trainer_arguments.get("self"), Seq2SeqTrainer):

@@ -278,12 +278,18 @@ def _class_weighted_loss(outputs, labels, num_items_in_batch=None):
 
 
 def test_label_smoothing_is_captured_with_the_model(tmp_path):
-    """transformers smooths the labels in compute_loss, outside the model (it was refused)."""
-    arguments = {"eval_strategy": "no", "save_strategy": "no", "max_steps": 3, "label_smoothing_factor": 0.1}
-    _, eager_steps, _ = _train(transformers.Trainer, build_hf_model("llama"), tmp_path / "eager", arguments=arguments)
-    _, steps, _ = _train(HarmonyTrainer, build_hf_model("llama"), tmp_path / "harmony", arguments=arguments,
-                         harmony_options={"memory_budget": "1MiB"})
+    """transformers smooths the labels in compute_loss, outside the model (it was refused); its
+    evaluation shifts a causal LM's labels as transformers does, which it decides from the model's
+    class (the compiled module's was unshifted: 0.5 below eager's)."""
+    arguments = {"eval_strategy": "steps", "eval_steps": 3, "save_strategy": "no", "max_steps": 3,
+                 "label_smoothing_factor": 0.1}
+    _, eager_steps, eager_evaluations = _train(transformers.Trainer, build_hf_model("llama"), tmp_path / "eager",
+                                               arguments=arguments)
+    _, steps, evaluations = _train(HarmonyTrainer, build_hf_model("llama"), tmp_path / "harmony", arguments=arguments,
+                                   harmony_options={"memory_budget": "1MiB"})
     _assert_same_steps(steps, eager_steps)
+    assert [step for step, _ in evaluations] == [step for step, _ in eager_evaluations] == [3]
+    assert evaluations[0][1] == pytest.approx(eager_evaluations[0][1], rel=RTOL)
 
 
 def test_a_compute_loss_func_is_what_the_step_trains_on(tmp_path):
@@ -672,3 +678,40 @@ def test_a_callback_changing_gradients_before_the_step_is_refused_with_the_hook_
     trainer.add_callback(_ZeroTheFirstLayersGradients())
     with pytest.raises(ValueError, match=r"_ZeroTheFirstLayersGradients\.on_pre_optimizer_step.*register_hook"):
         trainer.train()
+
+
+def test_under_torchrun_each_step_equals_transformers_trainer_with_ddp(tmp_path):
+    """Two processes (torchrun, gloo): ``HarmonyTrainer`` sums each pack's gradients over them where
+    ``transformers.Trainer`` has DDP average them; each step's loss and gradient norm, each
+    evaluation and the final parameters are eager's on every process, for a loss over every process's
+    labelled tokens, one over each process's own (``average_tokens_across_devices=False``) and a
+    classifier's batch mean whose head each process initialised with its own seed; a run resumed from
+    the checkpoint rank 0 saved continues as the unbroken one."""
+    import json
+    import os
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",
+                           "tests.integrations.across_processes", str(tmp_path)], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    ranks = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2)]
+    for results in ranks:
+        for case in ("llama", "classifier", "per-process tokens"):
+            eager, harmony = results[f"{case} eager"], results[f"{case} harmony"]
+            assert harmony["packs"] > 1
+            assert eager["wrapped in"] == "DistributedDataParallel" and harmony["wrapped in"] != eager["wrapped in"]
+            assert harmony["steps"].keys() == eager["steps"].keys() and len(eager["steps"]) == 4
+            for step, ((loss, norm), (eager_loss, eager_norm)) in zip(eager["steps"], zip(harmony["steps"].values(),
+                                                                                          eager["steps"].values())):
+                assert loss == pytest.approx(eager_loss, rel=RTOL), f"{case}, step {step}"
+                assert norm == pytest.approx(eager_norm, rel=1e-4), f"{case}, step {step}"
+            assert harmony["evaluations"] == pytest.approx(eager["evaluations"], rel=RTOL)
+            assert harmony["parameters"] == pytest.approx(eager["parameters"], rel=1e-4, abs=1e-4), case
+        assert len(results["llama eager"]["evaluations"]) == 2
+        assert max(norm for _, norm in results["llama eager"]["steps"].values()) > 1.0  # max_grad_norm clipped
+        resumed, unbroken = results["llama resumed"], results["llama harmony"]
+        assert resumed["steps"].keys() == unbroken["steps"].keys()
+        assert sum(resumed["steps"].values(), []) == pytest.approx(sum(unbroken["steps"].values(), []), rel=1e-6)
+        assert resumed["parameters"] == pytest.approx(unbroken["parameters"], rel=1e-6)
+    assert ranks[0]["llama harmony"]["parameters"] == ranks[1]["llama harmony"]["parameters"]  # one model
