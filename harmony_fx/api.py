@@ -498,6 +498,11 @@ class HarmonyModule(nn.Module):
 
     forward = _Forward()
 
+    def _get_name(self) -> str:
+        """The model's: what libraries read as the model's kind, as they read its forward's signature
+        (transformers' Trainer shifts a causal LM's labels for label smoothing by its class's name)."""
+        return self.model._get_name()
+
     def __repr__(self) -> str:
         return f"HarmonyModule(\n  (model): {repr(self.model).replace(chr(10), chr(10) + '  ')}\n)"
 

@@ -292,6 +292,19 @@ def test_label_smoothing_is_captured_with_the_model(tmp_path):
     assert evaluations[0][1] == pytest.approx(eager_evaluations[0][1], rel=RTOL)
 
 
+def test_transformers_trainer_given_the_compiled_module_smooths_a_causal_lms_shifted_labels(tmp_path):
+    """``transformers.Trainer(model=hm)``: transformers decides from the model's class name whether to
+    shift the labels it smooths; it read the compiled module's and smoothed them unshifted (5.22
+    against 4.86 at the first step, silently)."""
+    import harmony_fx
+
+    arguments = {"eval_strategy": "no", "save_strategy": "no", "max_steps": 2, "label_smoothing_factor": 0.1}
+    _, eager_steps, _ = _train(transformers.Trainer, build_hf_model("llama"), tmp_path / "eager", arguments=arguments)
+    hm = harmony_fx.compile(build_hf_model("llama"), memory_budget="1MiB")
+    _, steps, _ = _train(transformers.Trainer, hm, tmp_path / "harmony", arguments=arguments)
+    _assert_same_steps(steps, eager_steps)
+
+
 def test_a_compute_loss_func_is_what_the_step_trains_on(tmp_path):
     """``compute_loss_func`` was refused; it is captured with the model, as an override is."""
     arguments = {"eval_strategy": "no", "save_strategy": "no", "max_steps": 3}
