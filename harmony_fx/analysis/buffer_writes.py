@@ -20,7 +20,7 @@ from torch import fx
 from harmony_fx.analysis.aliasing import alias_base
 from harmony_fx.ir import meta
 
-__all__ = ["first_buffer_write", "written_buffers", "written_arguments", "written_by"]
+__all__ = ["first_buffer_write", "written_buffers", "written_arguments", "written_by", "running_statistics"]
 
 
 # BatchNorm's own buffers: per microbatch, or per device as DDP keeps them, by design
@@ -83,3 +83,22 @@ def written_by(node: fx.Node, unknown_writes_all: bool = True) -> list[fx.Node]:
         return [operand for operand, placeholder in zip(operands, placeholders)
                 if isinstance(operand, fx.Node) and placeholder in written]
     return [arg for arg in node.all_input_nodes if arg.op != "get_attr"] if unknown_writes_all else []
+
+
+def running_statistics(node: fx.Node) -> list[fx.Node]:
+    """A batch or instance norm's running statistics arguments, where it updates them in place
+    (training), which ``aten.batch_norm``'s schema does not say; not in eval mode, where its
+    ``training`` (``use_input_stats``) argument is a constant ``False``."""
+    if not isinstance(node.target, torch._ops.OpOverload):
+        return []
+    name = node.target._schema.name.split("::")[-1]
+    if "batch_norm" not in name and "instance_norm" not in name:
+        return []
+    arguments = node.target._schema.arguments
+    for index, argument in enumerate(arguments):
+        if argument.name in ("training", "use_input_stats"):
+            value = node.args[index] if index < len(node.args) else node.kwargs.get(argument.name)
+            if value is False:
+                return []
+    return [arg for arg, schema_arg in zip(node.args, arguments)
+            if isinstance(arg, fx.Node) and schema_arg.name in ("running_mean", "running_var")]

@@ -43,7 +43,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from harmony_fx.analysis.reductions import ScalarReduction, scalar_reduction
 from harmony_fx.ir import meta
-from harmony_fx.ir.autograd_functions import custom_backwards
+from harmony_fx.ir.autograd_functions import FunctionUnderVmap, custom_backwards
 from harmony_fx.ir.values import fakes_of
 from harmony_fx.frontend.backward_hooks import (
     hooks_registered_in_forward, refuse_forward_hooks_keeping_tensors, refuse_module_backward_hooks,
@@ -251,6 +251,13 @@ def _capture(model: nn.Module, args: tuple, kwargs: dict, stack_traces: bool, dt
             captured = _capture_with_symbolic_trace(model, args, kwargs, dtype)
             _refuse_derivatives_traced(captured.gm, model)
         except Exception as trace_error:  # noqa: BLE001
+            taken = next((name for module in model.modules() if isinstance(module, fx.GraphModule)
+                          for name in [_derivative_taken(module.graph)] if name is not None), None)
+            if taken is not None:
+                # Dynamo's graph of a forward that takes a derivative (torch.func.grad: functorch's
+                # nesting ops), which trips functorch's own assertion when run on fakes below
+                trace_error = _DerivativeInForward(f"the forward calls {taken}")
+                raise CaptureError(_capture_failure_message(model, export_error, trace_error, kwargs)) from export_error
             own = raised_when_run(model, args, kwargs)
             if own is not None:
                 refused = CaptureError(
@@ -276,6 +283,22 @@ def _refuse_derivatives_traced(gm: fx.GraphModule, model: nn.Module) -> None:
                 or (node.op == "call_method" and node.target == "backward"):
             name = node.target if node.op == "call_method" else f"{module}.{node.target.__name__}"
             raise _DerivativeInForward(f"the forward calls {name}")
+
+
+# what Dynamo's graph holds of a derivative taken in the forward (torch.func.grad, vjp, jvp, jacrev)
+_DERIVATIVE_CALLS = frozenset({"_autograd_grad", "_grad_increment_nesting", "_jvp_increment_nesting", "grad"})
+
+
+def _derivative_taken(graph: fx.Graph) -> str | None:
+    """The first call in ``graph`` that takes a derivative, named; ``None`` where none does."""
+    for node in graph.nodes:
+        name = getattr(node.target, "__name__", "")
+        module = getattr(node.target, "__module__", None) or ""
+        if node.op == "call_function" and name in _DERIVATIVE_CALLS and module.startswith(("torch._functorch",
+                                                                                          "torch._C._functorch",
+                                                                                          "torch.autograd")):
+            return f"{module}.{name}"
+    return None
 
 
 class _DerivativeInForward(CaptureError):
@@ -531,7 +554,15 @@ def _random_layer_drop(model: nn.Module, export_error: Exception) -> str:
 
 def _what_to_try(model: nn.Module, export_error: Exception, trace_error: Exception | None = None) -> str:
     return (_cumulative_batch_norm(model) or _random_layer_drop(model, export_error) or _packed_sequence(export_error)
-            or _advice(export_error, trace_error))
+            or _function_under_vmap(export_error) or _advice(export_error, trace_error))
+
+
+def _function_under_vmap(export_error: Exception) -> str:
+    """A model's own autograd Function applied inside ``torch.vmap``: what to do instead."""
+    error: BaseException | None = export_error
+    while error is not None and not isinstance(error, FunctionUnderVmap):
+        error = error.__cause__ or error.__context__
+    return "" if error is None else error.advice
 
 
 def _packed_sequence(export_error: Exception) -> str:

@@ -39,7 +39,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from harmony_fx.ir.values import differentiable
 
-__all__ = ["custom_backwards", "recording", "record", "AUTOGRAD_FUNCTION", "draws_random"]
+__all__ = ["custom_backwards", "recording", "record", "AUTOGRAD_FUNCTION", "draws_random", "FunctionUnderVmap"]
 
 _LIBRARY = torch.library.Library("harmony_fx", "FRAGMENT")
 _LIBRARY.define("autograd_function(str key, Tensor[] tensors) -> Tensor[]")
@@ -107,6 +107,22 @@ def record(name: str, run: Callable[..., Any], args: tuple, kwargs: dict) -> Any
     return pytree.tree_unflatten(out, call.out_spec)
 
 
+class FunctionUnderVmap(TypeError):
+    """A model's own Function applied inside ``torch.vmap`` (its ``vmap`` staticmethod or
+    ``generate_vmap_rule``): its node cannot be batched, and export, tracing through it instead,
+    would keep its forward's ops and drop its backward (a straight-through estimator's gradient
+    silently zero)."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(
+            f"the forward applies its own torch.autograd.Function {name} inside torch.vmap (or another torch.func "
+            "transform): harmony_fx keeps a "
+            "Function's own backward as one node of the graph, which vmap cannot batch (tracing through it instead "
+            f"would differentiate {name}'s forward and silently drop its backward)")
+        self.advice = (f"apply {name} to the whole batch outside torch.vmap (its forward and backward then see the "
+                       "batch dim).")
+
+
 def _recorded_apply(cls, *args, **kwargs):
     if recording() and cls is torch.utils.checkpoint.CheckpointFunction:
         run_function, _preserve_rng_state, *inputs = args
@@ -116,6 +132,8 @@ def _recorded_apply(cls, *args, **kwargs):
             return run_function(*inputs)
     if not recording() or cls.__module__.split(".")[0] == "torch":
         return _original_apply(cls, *args, **kwargs)
+    if torch._C._functorch.maybe_current_level() is not None:
+        raise FunctionUnderVmap(cls.__qualname__)
     return record(cls.__qualname__, functools.partial(_original_apply, cls), args, kwargs)
 
 

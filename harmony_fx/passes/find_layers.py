@@ -36,7 +36,7 @@ import torch
 from torch import fx
 
 from harmony_fx.analysis.aliasing import alias_base, alias_chain
-from harmony_fx.analysis.buffer_writes import written_by
+from harmony_fx.analysis.buffer_writes import running_statistics, written_by
 from harmony_fx.analysis.requires_grad import requires_grad_of
 from harmony_fx.ir import meta
 from harmony_fx.ir.values import leaves
@@ -157,8 +157,11 @@ def _handed_back(node: fx.Node) -> fx.Node | None:
 def _written_state_accesses(gm: fx.GraphModule) -> dict[fx.Node, set[int]]:
     """For each parameter or buffer the graph writes in place, the layers of every node that reads
     it or a view of it. They form one layer: the pack that writes a buffer holds its own copy, which
-    another pack reading it would fetch before the write came back to the host."""
-    written = {base for node in gm.graph.nodes for arg in written_by(node, unknown_writes_all=False)
+    another pack reading it would fetch before the write came back to the host, and would recompute
+    with after it (a BatchNorm's running statistics count as written: QAT's fused ConvBn reads
+    ``bn.running_var`` to scale its weight before its BatchNorm updates it)."""
+    written = {base for node in gm.graph.nodes
+               for arg in written_by(node, unknown_writes_all=False) + running_statistics(node)
                for base in [alias_base(arg)] if base.op == "placeholder" and meta.role_of(base) != meta.Role.INPUT}
     accesses: dict[fx.Node, set[int]] = {}
     for node in gm.graph.nodes:

@@ -27,7 +27,7 @@ from torch import fx
 from torch.fx._lazy_graph_module import _make_graph_module, _use_lazy_graph_module
 
 from harmony_fx.analysis.aliasing import alias_base
-from harmony_fx.analysis.buffer_writes import written_arguments
+from harmony_fx.analysis.buffer_writes import running_statistics, written_arguments
 from harmony_fx.analysis.random_ops import draws_random
 from harmony_fx.analysis.requires_grad import requires_grad_of
 from harmony_fx.ir import meta
@@ -142,23 +142,6 @@ def _build_pack(gm, layers, pack_index, start, stop, nodes, masters) -> Pack:
     )
 
 
-def _op_name(node: fx.Node) -> str:
-    target = node.target
-    if isinstance(target, torch._ops.OpOverload):
-        return target._schema.name.split("::")[-1]
-    return getattr(target, "__name__", str(target))
-
-
-def _updates_statistics(node: fx.Node) -> bool:
-    """Whether a batch or instance norm updates its running statistics: not in eval mode, where its
-    ``training`` (``use_input_stats``) argument is a constant ``False``."""
-    for index, argument in enumerate(node.target._schema.arguments):
-        if argument.name in ("training", "use_input_stats"):
-            value = node.args[index] if index < len(node.args) else node.kwargs.get(argument.name)
-            return value is not False
-    return True
-
-
 def _read_before_written(members, outputs, mutated, masters, master_to_buffer) -> tuple[str, ...]:
     """The mutated buffers whose value as the pack begins reaches one of its ``outputs``: followed
     from each buffer's placeholder through every op's arguments, and into what an op writes in
@@ -172,7 +155,7 @@ def _read_before_written(members, outputs, mutated, masters, master_to_buffer) -
             if arg not in reaches and arg.op == "placeholder":
                 buffer = master_to_buffer.get(id(masters.get(arg.name)))
                 reaches[arg] = frozenset({buffer}) if buffer in mutated else frozenset()
-        statistics = _running_statistics(node)
+        statistics = set(running_statistics(node))
         read = frozenset().union(*(reaches.get(arg, frozenset()) for arg in node.all_input_nodes
                                    if arg not in statistics))
         reaches[node] = read
@@ -181,16 +164,6 @@ def _read_before_written(members, outputs, mutated, masters, master_to_buffer) -
                 reaches[written] = reaches.get(written, frozenset()) | read
     found = frozenset().union(*(reaches.get(node, frozenset()) for node in outputs))
     return tuple(name for name in mutated if name in found)
-
-
-def _running_statistics(node: fx.Node) -> set[fx.Node]:
-    """A batch or instance norm's running statistics arguments, where it updates them (training)."""
-    if not isinstance(node.target, torch._ops.OpOverload):
-        return set()
-    if not ("batch_norm" in _op_name(node) or "instance_norm" in _op_name(node)) or not _updates_statistics(node):
-        return set()
-    return {arg for arg, schema_arg in zip(node.args, node.target._schema.arguments)
-            if isinstance(arg, fx.Node) and schema_arg.name in ("running_mean", "running_var")}
 
 
 def _written_args(node: fx.Node) -> list[fx.Node]:
@@ -207,7 +180,7 @@ def _mutated_buffers(members, buffer_names, masters, master_to_buffer) -> tuple[
     mutated = []
     for node in members:
         # aten.batch_norm updates running statistics without saying so in its schema
-        written = _written_args(node) + sorted(_running_statistics(node), key=lambda arg: arg.name)
+        written = _written_args(node) + sorted(running_statistics(node), key=lambda arg: arg.name)
         for arg in written:  # through a view: self.stats[0] += x writes the buffer
             name = master_to_buffer.get(id(masters.get(alias_base(arg).name)))
             if name is not None and name not in mutated:

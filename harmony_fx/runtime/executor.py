@@ -465,6 +465,8 @@ class Runtime:
     def _write_buffers(self, pairs) -> None:
         with self._host_lock:  # several devices may write the same master
             for master, copy in pairs:
+                if master.shape != copy.shape:  # resized in place by the forward, as eager resizes it (a
+                    master.resize_(copy.shape)  # QAT observer's min/max, empty until its first call)
                 master.copy_(copy)
 
     def _add_host_value(self, key: Key, value: torch.Tensor) -> None:

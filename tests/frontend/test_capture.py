@@ -408,6 +408,23 @@ def test_a_derivative_in_the_forward_is_refused_in_words(how):
     assert "as it would called eagerly" not in str(refused.value)
 
 
+@pytest.mark.parametrize("how", ["torch.func.grad", "vmap of torch.func.grad"])
+def test_a_derivative_in_the_forward_is_refused_in_words_through_torch_compile(how):
+    """Dynamo's graph holds functorch's nesting ops: run on fakes they tripped functorch's internal
+    assertion ('wrapper == nullptr INTERNAL ASSERT FAILED'), refused as what the model raises
+    called eagerly (it does not) with advice about the inputs' dtypes."""
+    model, x = _InputGradient("torch.func.grad"), torch.randn(4, 8)
+    if how.startswith("vmap"):
+        energy = lambda sample: model.out(torch.tanh(model.linear(sample))).sum()  # noqa: E731
+        model.forward = lambda x: torch.vmap(torch.func.grad(energy))(x)
+    model(x.clone())  # eager runs it
+    torch._dynamo.reset()
+    with pytest.raises(harmony_fx.CaptureError, match=r"(?s)_grad_increment_nesting.*computes a derivative inside its "
+                                                      r"forward.*outside the compiled model") as refused:
+        torch.compile(model, backend="harmony", options={"devices": ["host:0"]})(x)
+    assert "as it would called eagerly" not in str(refused.value)
+
+
 class _ForcesOfAnEnergy(nn.Module):
     """forces = -dE/dx of an input that requires grad: torch.fx.symbolic_trace records the call whole."""
 

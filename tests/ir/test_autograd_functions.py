@@ -167,3 +167,73 @@ def test_reentrant_checkpointing_trains_like_eager(first):
     torch.testing.assert_close(loss, ref_loss)
     assert_grads_equal(model, reference)
     assert (model.middle.weight.grad is None) == (not first)
+
+
+class _RoundWithVmapRule(torch.autograd.Function):
+    """A straight-through rounding (its backward is not its forward's derivative) that torch.vmap
+    batches by its generated rule (``generate_vmap_rule``, ``setup_context``)."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(x, levels):
+        return torch.round(x * levels) / levels
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(inputs[0])
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        return grad * (x.abs() < 0.5).to(grad.dtype) + 0.5 * grad, None
+
+
+class _ScaleWithVmap(torch.autograd.Function):
+    """Its own ``vmap`` staticmethod, and a backward that doubles the input's gradient."""
+
+    @staticmethod
+    def forward(x, w):
+        return x * w
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(*inputs)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, w = ctx.saved_tensors
+        return 2 * grad * w, (grad * x).sum_to_size(w.shape)
+
+    @staticmethod
+    def vmap(info, in_dims, x, w):
+        x = x.movedim(in_dims[0], 0)
+        return _ScaleWithVmap.apply(x, w), 0
+
+
+class _FunctionsUnderVmap(nn.Module):
+    def __init__(self, first: bool) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(8, 8) for _ in range(3))
+        self.w = nn.Parameter(torch.randn(8))
+        self.first = first
+
+    def forward(self, x):
+        x = torch.tanh(self.layers[0](x))
+        if self.first:
+            x = torch.vmap(_RoundWithVmapRule.apply, in_dims=(0, None))(x, 4.0)
+        x = torch.vmap(_ScaleWithVmap.apply, in_dims=(0, None))(self.layers[1](x), self.w)
+        return self.layers[2](x).square().mean()
+
+
+@pytest.mark.parametrize("function", ["generated rule", "vmap staticmethod"])
+def test_a_function_applied_inside_vmap_is_refused_naming_it(function):
+    """vmap has no batching rule for the recorded node: the capture failed, advising to remove
+    control flow; and tracing through the Function would have dropped its backward (the round's
+    gradient silently zero). Refused, naming the Function and what to do."""
+    model = _FunctionsUnderVmap(first=function == "generated rule")
+    name = "_RoundWithVmapRule" if function == "generated rule" else "_ScaleWithVmap"
+    with pytest.raises(ValueError, match=f"(?s)applies its own torch.autograd.Function {name} inside torch.vmap "
+                                         f".*apply {name} to the whole batch outside torch.vmap"):
+        harmony_fx.compile(model, (torch.randn(8, 8),), devices=["host:0"])
+    assert torch.autograd.Function.__dict__["apply"] is not None and not autograd_functions.recording()

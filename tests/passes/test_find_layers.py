@@ -179,3 +179,60 @@ def test_a_stage_of_unlike_blocks_needs_the_budget_of_a_stage_of_like_ones_and_m
     nn.functional.cross_entropy(reference(x), y).backward()
     for (name, p), q in zip(model.named_parameters(), reference.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+class _ConvScaledByRunningStd(nn.Module):
+    """QAT's fused ConvBn (``torch.ao.nn.intrinsic.qat.ConvBnReLU2d``): the conv's weight is scaled by
+    ``bn.weight / sqrt(bn.running_var + eps)`` before the BatchNorm, which then updates
+    ``running_var`` in place."""
+
+    def __init__(self, channels: int) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(channels, channels, 3, padding=1, bias=False)
+        self.bn = nn.BatchNorm2d(channels)
+
+    def forward(self, x):
+        scale = self.bn.weight / torch.sqrt(self.bn.running_var + self.bn.eps)
+        conv = nn.functional.conv2d(x, self.conv.weight * scale.reshape(-1, 1, 1, 1), padding=1)
+        return torch.relu(self.bn(conv / scale.reshape(1, -1, 1, 1)))
+
+
+class _TwoScaledConvs(nn.Module):
+    """Its modules named, not in a container: a layer per op, as QAT's prepared models are."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem, self.first, self.second = nn.Conv2d(3, 8, 3, padding=1), _ConvScaledByRunningStd(8), \
+            _ConvScaledByRunningStd(8)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x):
+        return self.head(self.second(self.first(self.stem(x))).mean((2, 3)))
+
+
+def test_a_norms_running_statistic_read_before_the_norm_updates_it_is_in_the_norms_layer():
+    """The read of ``running_var`` and the BatchNorm were cut into two packs: the first pack's
+    recompute read the statistic the second had updated, and its weight's gradient was silently
+    off (4% on QAT's ConvBnReLU2d), the loss and every later gradient eager's."""
+    torch.manual_seed(0)
+    model = _TwoScaledConvs()
+    reference = copy.deepcopy(model)
+    x = torch.randn(4, 3, 8, 8)
+    with pytest.raises(BudgetTooSmallError) as refused:
+        harmony_fx.compile(copy.deepcopy(model), (x,), memory_budget=1, devices=["host:0"], microbatches=1)
+    hm = harmony_fx.compile(model, (x,), memory_budget=refused.value.smallest_budget, devices=["host:0"],
+                            microbatches=1)
+    assert len(hm.packs) >= 4
+    reads = {name for pack in hm.packs for name in pack.buffers if name.endswith("running_var")}
+    assert len(reads) == 2 and all(sum(name in pack.buffers for pack in hm.packs) == 1 for name in reads)
+    for _ in range(2):
+        for p in (*model.parameters(), *reference.parameters()):
+            p.grad = None
+        loss, expected = hm(x).square().mean(), reference(x).square().mean()
+        torch.testing.assert_close(loss, expected)
+        loss.backward()
+        expected.backward()
+        for (name, param), ref in zip(model.named_parameters(), reference.parameters()):
+            torch.testing.assert_close(param.grad, ref.grad, rtol=1e-5, atol=1e-7, msg=lambda m: f"{name}: {m}")
+        for (name, buffer), ref in zip(model.named_buffers(), reference.buffers()):
+            torch.testing.assert_close(buffer, ref, msg=lambda m: f"{name}: {m}")

@@ -153,3 +153,53 @@ def test_an_input_gradient_in_a_weights_gradient_buffer_is_not_added_into():
     reference(x, t).square().sum().backward()
     for (name, p), q in zip(model.named_parameters(), reference.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize("track_memory", [False, True])
+def test_a_buffer_the_forward_resizes_in_place_is_resized_on_the_host_as_in_eager(track_memory):
+    """Quantization-aware training (``prepare_qat`` with the default qconfig): each per-channel
+    weight observer's min/max buffers start empty and its first forward resizes them in place
+    (``aten.fused_moving_avg_obs_fake_quant``); writing the new values back into the host's
+    empty buffers raised 'The size of tensor a (0) must match the size of tensor b (16)'."""
+    import copy
+    import warnings
+
+    import torch.ao.quantization as tq
+    from torch import nn
+
+    from tests.helpers import assert_buffers_equal, assert_grads_equal
+
+    class Quantized(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.quant, self.dequant = tq.QuantStub(), tq.DeQuantStub()
+            self.layers = nn.ModuleList(nn.Linear(8 if i == 0 else 16, 16) for i in range(3))
+
+        def forward(self, x):
+            x = self.quant(x)
+            for layer in self.layers:
+                x = torch.relu(layer(x))
+            return self.dequant(x)
+
+    torch.manual_seed(0)
+    model = Quantized().train()
+    model.qconfig = tq.get_default_qat_qconfig("fbgemm")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch.ao.quantization's deprecation
+        tq.prepare_qat(model, inplace=True)
+    reference = copy.deepcopy(model)
+    assert model.layers[0].weight_fake_quant.activation_post_process.min_val.shape == (0,)
+    hm = harmony_fx.compile(model, torch.randn(4, 8), devices=["host:0"], microbatches=1, pack_boundaries=(0, 2, 4),
+                            track_memory=track_memory)
+    assert len(hm.packs) == 3
+    for step in range(2):
+        x = torch.randn(4, 8)
+        for p in (*model.parameters(), *reference.parameters()):
+            p.grad = None
+        loss, expected = hm(x).square().mean(), reference(x).square().mean()
+        torch.testing.assert_close(loss, expected)
+        loss.backward()
+        expected.backward()
+        assert_grads_equal(model, reference)
+        assert_buffers_equal(model, reference)
+    assert model.layers[0].weight_fake_quant.activation_post_process.min_val.shape == (16,)
