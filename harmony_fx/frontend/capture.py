@@ -553,8 +553,8 @@ def _random_layer_drop(model: nn.Module, export_error: Exception) -> str:
 
 
 def _what_to_try(model: nn.Module, export_error: Exception, trace_error: Exception | None = None) -> str:
-    return (_cumulative_batch_norm(model) or _random_layer_drop(model, export_error) or _packed_sequence(export_error)
-            or _function_under_vmap(export_error) or _advice(export_error, trace_error))
+    return (_cumulative_batch_norm(model) or _unfused_fake_quantize(model) or _random_layer_drop(model, export_error)
+            or _packed_sequence(export_error) or _function_under_vmap(export_error) or _advice(export_error, trace_error))
 
 
 def _function_under_vmap(export_error: Exception) -> str:
@@ -597,6 +597,21 @@ def _cumulative_batch_norm(model: nn.Module) -> str:
             "plain model (hm.model, or an AveragedModel's .module.model), which it runs eagerly; for a parent module "
             "holding a compiled part, put that part's .model in its place for the call (parent.encoder = "
             "parent.encoder.model; update_bn(loader, parent); then the compiled part back).")
+
+
+def _unfused_fake_quantize(model: nn.Module) -> str:
+    """Quantization-aware training with torch.ao's version-0 qconfig: each ``FakeQuantize`` branches
+    in Python on its ``observer_enabled``/``fake_quant_enabled`` buffers, which no capture can keep
+    in a graph; version 1's fused ``FusedMovingAvgObsFakeQuantize`` computes the same in one op."""
+    from torch.ao.quantization import FakeQuantize
+
+    found = [name for name, module in model.named_modules() if type(module) is FakeQuantize and module.training]
+    if not found:
+        return ""
+    return (f"module {found[0]} is a torch.ao.quantization.FakeQuantize (the version-0 QAT qconfig), which branches "
+            "in Python on its observer_enabled and fake_quant_enabled buffers: prepare the model with "
+            "get_default_qat_qconfig(backend) (version 1: FusedMovingAvgObsFakeQuantize, one op harmony_fx captures), "
+            "or use torch.compile(model, backend='harmony'), whose Dynamo graphs split at those branches.")
 
 
 def _is_in(path: str, folder: pathlib.Path) -> bool:

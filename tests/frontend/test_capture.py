@@ -371,6 +371,25 @@ def test_a_cumulative_batch_norm_is_named_with_what_to_do():
     assert "torch.where" not in message
 
 
+def test_version_0_quantization_aware_training_is_named_with_what_to_do():
+    """torch.ao's version-0 QAT qconfig: each FakeQuantize branches on its buffers' values in Python;
+    the advice was to use torch.where, inside torch's own code. Version 1 (fused observers) trains."""
+    import warnings
+
+    import torch.ao.quantization as tq
+
+    model = nn.Sequential(tq.QuantStub(), nn.Linear(8, 8), nn.ReLU(), tq.DeQuantStub()).train()
+    model.qconfig = tq.get_default_qat_qconfig("fbgemm", version=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch.ao.quantization's deprecation
+        tq.prepare_qat(model, inplace=True)
+    with pytest.raises(harmony_fx.CaptureError) as info:
+        harmony_fx.compile(model, (torch.randn(4, 8),), microbatches=1)
+    message = str(info.value)
+    assert "is a torch.ao.quantization.FakeQuantize (the version-0 QAT qconfig)" in message
+    assert "get_default_qat_qconfig(backend) (version 1" in message and "torch.where" not in message
+
+
 def test_a_path_export_shortened_is_named_whole():
     """Export names a frame's file by a shortened path (``mp/sweep/t13.py`` for ``/tmp/sweep/t13.py``)."""
     from harmony_fx.frontend.capture import _full_path
