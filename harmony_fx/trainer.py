@@ -30,6 +30,7 @@ import inspect
 import os
 import pathlib
 import time
+import weakref
 from typing import Any, Callable, Sequence
 
 import torch
@@ -189,6 +190,9 @@ class Trainer:
                                               pin_memory=any(d.torch_device.type == "cuda" for d in self.hm.devices))
         self._updater = Updater(optimizer, max_grad_norm, self._tier, self._cross, self._grad_buffers)
         self._state = TrainingState(model, optimizer, self._tier, self._cross, self.cluster)
+        # the model's and optimizer's own state_dict() read the tier too (weakly: hooks outlive nothing)
+        flush = weakref.WeakMethod(self.flush)
+        self._tier_hooks = self._state.hook_tier(lambda: flush()()) if self._tier is not None else []
 
     # ------------------------------------------------------------------ what people look at
     @property
@@ -416,6 +420,8 @@ class Trainer:
             if self._tier is not None:
                 self._tier.masters_to_host()
         finally:
+            for hook in self._tier_hooks:
+                hook.remove()
             try:
                 self.hm.close()
             finally:

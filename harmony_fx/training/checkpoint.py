@@ -7,16 +7,22 @@ saved by the forward of the same iteration, and each iteration starts with no sa
 
 ``TrainingState`` reads and writes that state wherever it lives (host memory, the NVMe tier, a
 rank's chunks of a sharded optimizer); the one-file form is here, the folders any number of
-processes read are ``checkpoint_folders``.
+processes read are ``checkpoint_folders``. With the NVMe tier it also makes the model's and the
+optimizer's own ``state_dict()`` whole (``hook_tier``): a user's checkpoint code (``torch.save({"model":
+model.state_dict(), "optimizer": optimizer.state_dict()})``, transformers' checkpoints) gets the
+state the tier holds, read back, where it got host memory's alone (no moments for the tier's packs,
+the bf16 copies for their masters); loading into them is refused, naming the trainer's own load.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import os
 import random
 import tempfile
-from typing import Any
+import weakref
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
@@ -42,11 +48,66 @@ class TrainingState:
     tier: StateTier | None = None
     cross: CrossProcessUpdates | None = None
     cluster: Cluster | None = None
+    _own_calls: int = 0  # > 0 while this class calls the model's and optimizer's state_dict itself
+
+    @contextlib.contextmanager
+    def own_calls(self) -> Iterator[None]:
+        """This class's own calls of ``state_dict``/``load_state_dict``, which the hooks leave alone."""
+        self._own_calls += 1
+        try:
+            yield
+        finally:
+            self._own_calls -= 1
+
+    def hook_tier(self, settle: Callable[[], None]) -> list:
+        """Make ``optimizer.state_dict()`` and ``model.state_dict()`` hold what the NVMe tier holds
+        (read back from its committed files once ``settle`` has waited for the last step's), and refuse
+        their ``load_state_dict``, which would fill host memory the tier's next reads ignore. Returns
+        the hooks' handles (removed at the trainer's ``close``)."""
+        ref = weakref.ref(self)  # the hooks must not keep the trainer's state alive
+
+        def outside(state: "TrainingState | None") -> bool:
+            return state is not None and state.tier is not None and state._own_calls == 0
+
+        def optimizer_state(optimizer, state_dict):
+            state = ref()
+            if not outside(state):
+                return None
+            settle()
+            params = [p for group in optimizer.param_groups for p in group["params"]]
+            for index, param in enumerate(params):  # the indices torch's state_dict gives parameters
+                stored = state.tier.stored(param)
+                if stored:  # a new dict: the packed state's dicts are the optimizer's own
+                    state_dict["state"][index] = {**state_dict["state"].get(index, {}), **stored}
+            return state_dict
+
+        def model_state(module, state_dict, prefix, local_metadata):
+            state = ref()
+            if outside(state) and state.tier.masters:
+                settle()
+                for name, param in module.named_parameters(remove_duplicate=False):  # a tied weight: each name
+                    if id(param) in state.tier.masters and param.dtype == state.tier.compute_dtype:
+                        state_dict[prefix + name] = state.tier.stored_master(param)
+
+        def refuse_load(what: str):
+            def refuse(*args):
+                if outside(ref()):
+                    raise ValueError(f"{what}.load_state_dict while a harmony_fx.Trainer keeps its state on the NVMe "
+                                     "tier: the trainer's next steps read the tier, not what would be loaded. Load "
+                                     "with trainer.load(path) or trainer.load_state_dict(...), which put the state on "
+                                     "the tier, or call trainer.close() first.")
+            return refuse
+
+        return [self.optimizer.register_state_dict_post_hook(optimizer_state),
+                self.optimizer.register_load_state_dict_pre_hook(refuse_load("optimizer")),
+                self.model.register_state_dict_post_hook(model_state),
+                self.model.register_load_state_dict_pre_hook(refuse_load("model"))]
 
     def model_state(self, copied: bool = True) -> dict[str, torch.Tensor]:
         """``model.state_dict()`` (``copied``: its tensors cloned), with the fp32 masters on the NVMe
         tier read back into it (host memory holds their bf16 copies)."""
-        state = {name: t.detach().clone() if copied else t for name, t in self.model.state_dict().items()}
+        with self.own_calls():
+            state = {name: t.detach().clone() if copied else t for name, t in self.model.state_dict().items()}
         if self.tier is not None and self.tier.masters:
             for name, param in self.model.named_parameters(remove_duplicate=False):  # a tied weight: each name
                 if id(param) in self.tier.masters and name in state:
@@ -55,7 +116,8 @@ class TrainingState:
 
     def model_state_like(self) -> dict[str, torch.Tensor]:
         """The shapes and dtypes of ``model_state()``, on the meta device (nothing read)."""
-        state = {name: torch.empty_like(t, device="meta") for name, t in self.model.state_dict().items()}
+        with self.own_calls():
+            state = {name: torch.empty_like(t, device="meta") for name, t in self.model.state_dict().items()}
         masters = self.tier.masters if self.tier is not None else frozenset()
         for name, param in self.model.named_parameters(remove_duplicate=False):
             if name in state and id(param) in masters:  # its master's dtype: the gradient's
@@ -64,7 +126,8 @@ class TrainingState:
 
     def optimizer_state_dict(self) -> dict[str, Any]:
         """``optimizer.state_dict()``, copied, with the state on the NVMe tier read back into it."""
-        state_dict = copy.deepcopy(self.optimizer.state_dict())
+        with self.own_calls():
+            state_dict = copy.deepcopy(self.optimizer.state_dict())
         if self.tier is not None:
             params = [p for group in self.optimizer.param_groups for p in group["params"]]
             for index, param in enumerate(params):  # the indices torch's state_dict gives parameters
@@ -107,12 +170,14 @@ class TrainingState:
             self.tier.masters_to_host()
         try:
             # the optimizer first: it checks its parameter groups before changing anything
-            self.optimizer.load_state_dict(state_dict["optimizer"])
+            with self.own_calls():
+                self.optimizer.load_state_dict(state_dict["optimizer"])
         except BaseException:
             if self.tier is not None:
                 self.tier.masters_from_host()
             raise
-        self.model.load_state_dict(state_dict["model"])  # copy_ under no_grad: the tensors stay the same objects
+        with self.own_calls():  # copy_ under no_grad: the tensors stay the same objects
+            self.model.load_state_dict(state_dict["model"])
         set_rng_states(state_dict["rng"])
         step_count = state_dict["step_count"]
         if self.tier is not None:

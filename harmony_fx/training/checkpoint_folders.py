@@ -76,7 +76,8 @@ def load(training: TrainingState, path: str | os.PathLike) -> int:
     stored = dcp.FileSystemReader(folder).read_metadata().state_dict_metadata
     if training.tier is not None:
         training.tier.masters_to_host()  # what the model loads into; store_all moves them back
-    model_state = training.model.state_dict()
+    with training.own_calls():
+        model_state = training.model.state_dict()
     expected = {f"model.{name}" for name in model_state}
     found = {key for key in stored if key.startswith("model.")}
     if expected != found:

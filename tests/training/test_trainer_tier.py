@@ -189,6 +189,30 @@ def test_resume_from_save_is_bit_identical(tmp_path, folder):
     _assert_same(first, resumed)
 
 
+def test_the_optimizers_own_state_dict_holds_the_tiers_state(tmp_path):
+    """A user's checkpoint code (``torch.save(optimizer.state_dict())``, transformers' ``optimizer.pt``)
+    got host memory's state alone: the tier's packs without their moments, silently. It is the whole
+    state now, as a trainer without a tier gives it, read after the last step's writes; the optimizer
+    keeps in host memory what it kept. Loading into it, which the tier's next reads would ignore, is
+    refused naming the trainer's own load, until the trainer is closed."""
+    reference, tiered = four_pack_trainer(), four_pack_trainer(nvme_path=tmp_path)
+    for batch in regression_batches(2):
+        reference.step(batch)
+        tiered.step(batch)  # its last writes still under way
+    held = _held_state_bytes(tiered.optimizer)
+    ours, theirs = tiered.optimizer.state_dict(), reference.optimizer.state_dict()
+    assert ours["state"].keys() == theirs["state"].keys() and len(theirs["state"]) == len(list(tiered.model.parameters()))
+    for index, state in theirs["state"].items():
+        assert ours["state"][index].keys() == state.keys() == {"step", "exp_avg", "exp_avg_sq"}
+        assert all(torch.equal(ours["state"][index][key], value) for key, value in state.items())
+    assert _held_state_bytes(tiered.optimizer) == held < _held_state_bytes(reference.optimizer)
+    for load in (lambda: tiered.optimizer.load_state_dict(theirs), lambda: tiered.model.load_state_dict({})):
+        with pytest.raises(ValueError, match=r"NVMe tier: .*Load with trainer.load\(path\)"):
+            load()
+    tiered.close()
+    tiered.optimizer.load_state_dict(theirs)
+
+
 @pytest.mark.parametrize("optimizer, options", [
     (lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9), {}),
     (lambda params: torch.optim.Adam(params, lr=1e-2, amsgrad=True, foreach=True), {}),

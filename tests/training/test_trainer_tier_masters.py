@@ -68,6 +68,11 @@ def test_masters_follow_the_state_and_train_like_host_memory_bitwise(tmp_path):
         state_only.step(batch)
     tiered.flush()
     _assert_same(reference, tiered)
+    # the model's own state_dict() (a user's checkpoint, save_pretrained) holds the fp32 masters the tier
+    # keeps, as the reference's parameters are: it held their bf16 copies
+    own = tiered.model.state_dict()
+    assert all(own[name].dtype == torch.float32 and torch.equal(own[name], p)
+               for name, p in reference.model.state_dict().items())
     # host memory held for weights between steps, counted from the tensors, is what each plan says:
     # fp32 masters and their staged bf16 copies without the masters on the tier, bf16 copies alone with
     for trainer in (state_only, tiered):
