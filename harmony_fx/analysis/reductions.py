@@ -106,6 +106,7 @@ class ScalarReduction:
 _PASS_THROUGH = {aten.alias.default, aten.clone.default, aten.view.default, aten.reshape.default,
                  aten.squeeze.default, aten.to.dtype, aten._to_copy.default, aten.contiguous.default,
                  aten.detach.default, aten.neg.default}
+_SCALED = {aten.mul.Tensor, aten.div.Tensor, aten.mul_.Tensor, aten.div_.Tensor}  # by a number, when one is
 _REDUCTIONS = {aten.sum.default, aten.sum.dim_IntList, aten.mean.default, aten.mean.dim}
 _LABELLED_LOSSES = {aten.cross_entropy_loss.default, aten.nll_loss_nd.default, aten.nll_loss.default,
                     aten.nll_loss2d.default, aten.nll_loss_forward.default}
@@ -163,12 +164,13 @@ def _terms(gm: fx.GraphModule, node: fx.Node, divisor: float | None, origin: fx.
         target = node.target
         if target in _PASS_THROUGH or (target in _REDUCTIONS and _is_scalar(node.args[0])):
             node = node.args[0]  # a sum or mean of one number is that number (loss.sum() of a mean)
-        elif target in (aten.mul.Tensor, aten.div.Tensor) and any(isinstance(a, (int, float)) for a in node.args[:2]):
+        elif target in _SCALED and any(isinstance(a, (int, float)) for a in node.args[:2]):
+            # in place too: transformers' Trainer.compute_loss ends with ``loss *= num_processes``
             (factor,) = [a for a in node.args[:2] if isinstance(a, (int, float))]
             (node,) = [a for a in node.args[:2] if isinstance(a, fx.Node)]
             if factor == 0:
                 return []  # nothing of it reaches the output
-            if target is aten.div.Tensor:
+            if target in (aten.div.Tensor, aten.div_.Tensor):
                 divisor = _scaled(divisor, factor)
             else:  # a factor (beta * kl): not taken for one over the batch size it may happen to equal
                 scale = _scaled(scale, factor)

@@ -43,6 +43,7 @@ What a harmony step cannot honor is refused when the trainer is made, with what 
 """
 from __future__ import annotations
 
+import contextlib
 import inspect
 import itertools
 import warnings
@@ -50,6 +51,8 @@ from typing import Any, Mapping
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor
+from torch._subclasses.functional_tensor import FunctionalTensor
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -62,7 +65,7 @@ except ImportError as error:  # an optional extra: say how to get it
 from harmony_fx.api import HarmonyModule, compile as harmony_compile
 from harmony_fx.compiler.driver import MicrobatchesComputeApart
 from harmony_fx.config import check_option_names, option_names, with_environment
-from harmony_fx.frontend.capture import buffers_put_back
+from harmony_fx.frontend.capture import CaptureError, buffers_put_back
 from harmony_fx.ir.values import fakes_of
 from harmony_fx.trainer import Trainer
 
@@ -93,8 +96,13 @@ class HarmonyTrainer(transformers.Trainer):
     """
 
     def __init__(self, *args: Any, harmony_options: Mapping[str, Any] | None = None, **kwargs: Any) -> None:
-        bound = inspect.signature(transformers.Trainer.__init__).bind(self, *args, **kwargs).arguments
-        training_args = bound.get("args") or transformers.TrainingArguments(output_dir="tmp_trainer")
+        # the next __init__ in the class's MRO: transformers.Trainer's, or that of the Trainer subclass it
+        # is combined with (class HarmonySFTTrainer(HarmonyTrainer, trl.SFTTrainer)), whose parameters
+        # (peft_config, ref_model) and their order are its own
+        signature = inspect.signature(super().__init__)
+        call = signature.bind(*args, **kwargs)
+        training_args = call.arguments.get("args") or transformers.TrainingArguments(output_dir="tmp_trainer")
+        bound = {**call.arguments, "self": self}
         options = dict(harmony_options or {})
         check_option_names(options, [*option_names(), *_TRAINER_OPTIONS], DOOR, elsewhere={
             "max_grad_norm": "transformers' own: set TrainingArguments(max_grad_norm=...)",
@@ -113,7 +121,9 @@ class HarmonyTrainer(transformers.Trainer):
         self._reads_num_items: bool | None = None  # whether the model's loss reads num_items_in_batch
         self._with_compute_loss: _WithComputeLoss | None = None  # the model inside a compute_loss override
         self._warned_one_mean = False  # _warn_of_one_mean said it once
-        super().__init__(**{**{name: value for name, value in bound.items() if name != "self"}, "args": training_args})
+        if "args" in signature.parameters:
+            call.arguments["args"] = training_args
+        super().__init__(*call.args, **call.kwargs)
 
     # ------------------------------------------------------------------ the model stays on the host
     def _move_model_to_device(self, model: nn.Module, device: torch.device) -> None:
@@ -204,12 +214,15 @@ class HarmonyTrainer(transformers.Trainer):
         # transformers' rule; where it is false, it divides each batch's loss by their number
         adds = passed if decided is None else decided
         outside, world = self._scale_across_processes(passed), self.args.world_size
-        with self._autocast(), warnings.catch_warnings():
-            # the microbatches are transformers' own batches, each computed apart as it computes them (its
-            # dropout draws, a contrastive loss over each batch, BatchNorm's statistics): nothing to warn of
-            warnings.simplefilter("ignore", MicrobatchesComputeApart)
+        apart = self._batches_are_microbatches(batches)
+        with self._autocast(), warnings.catch_warnings(), self._compute_loss_captured():
+            if apart:
+                # the microbatches are transformers' own batches, each computed apart as it computes them (its
+                # dropout draws, a contrastive loss over each batch, BatchNorm's statistics): nothing to warn of.
+                # Where they cut a batch (an epoch's last step), harmony's warning is the caller's to see
+                warnings.simplefilter("ignore", MicrobatchesComputeApart)
             harmony = self._harmony_for(batch)
-            if self._batches_are_microbatches(batches):
+            if apart:
                 weight = (1.0 if adds else 1.0 / len(batches)) * outside / world
                 loss = harmony.step(batch, microbatch_weights=[weight] * len(batches))
             else:
@@ -237,6 +250,34 @@ class HarmonyTrainer(transformers.Trainer):
         if world == 1 or not (self.args.average_tokens_across_devices and passed) or self._trained() is not self.model:
             return 1
         return world
+
+    @contextlib.contextmanager
+    def _compute_loss_captured(self):
+        """Around a harmony step, which may capture a ``compute_loss`` override with the model (its first
+        step, a new batch shape): what the override records besides the loss while it is captured (TRL's
+        metrics, ``.item()`` of a FakeTensor) is a symbol of the capture, not a number, and is dropped from
+        the trainer's attributes (``_drop_symbols``), so that the log and ``trainer_state.json`` hold no
+        symbol; an override that cannot be captured (a Python branch on such a value) is refused with
+        what to do."""
+        before = dict(vars(self))
+        try:
+            yield
+        except CaptureError as error:
+            trained = self._trained()
+            if not isinstance(trained, _WithComputeLoss) or self.compute_loss_func is not None:
+                raise
+            owner = next(cls for cls in type(self).__mro__ if cls is not HarmonyTrainer and "compute_loss" in vars(cls))
+            raise CaptureError(
+                f"{error}\nHarmonyTrainer captures {owner.__qualname__}.compute_loss with the model, once, and trains "
+                "on the loss it returns; it could not be captured (above). Where it does more than compute the loss "
+                "(TRL's trainers compute the metrics they log with .item() and branch on them), give your class a "
+                "compute_loss that computes the loss alone; for the loss the model computes from its labels "
+                "(SFTTrainer's default, loss_type='nll'): def compute_loss(self, model, inputs, return_outputs=False, "
+                "num_items_in_batch=None): return transformers.Trainer.compute_loss(self, model, inputs, "
+                "return_outputs, num_items_in_batch)"
+            ) from error
+        finally:
+            _drop_symbols(self, before)
 
     def _warn_of_one_mean(self, batches: list[dict]) -> None:
         """Once per trainer: the step's batches ran as one batch and the loss is the model's own mean
@@ -305,9 +346,12 @@ class HarmonyTrainer(transformers.Trainer):
     def _trained(self) -> nn.Module:
         """What harmony captures and trains: the model, or with a subclass's ``compute_loss``
         override, a ``compute_loss_func`` or label smoothing, the model inside ``compute_loss``
-        (``_WithComputeLoss``), so that the loss it computes is the one trained on, as in transformers."""
-        owner = next(cls for cls in type(self).__mro__ if "compute_loss" in vars(cls))
-        if owner is HarmonyTrainer and self.compute_loss_func is None and self.label_smoother is None:
+        (``_WithComputeLoss``), so that the loss it computes is the one trained on, as in transformers.
+        The override may come before ``HarmonyTrainer`` in the MRO (a subclass) or after it (a class of
+        both, ``class HarmonySFTTrainer(HarmonyTrainer, trl.SFTTrainer)``): ``HarmonyTrainer``'s own
+        only hands transformers' on."""
+        owner = next(cls for cls in type(self).__mro__ if cls is not HarmonyTrainer and "compute_loss" in vars(cls))
+        if owner is transformers.Trainer and self.compute_loss_func is None and self.label_smoother is None:
             return self.model
         if self._with_compute_loss is None or self._with_compute_loss.model is not self.model:
             self._with_compute_loss = _WithComputeLoss(self.model, self.compute_loss)
@@ -454,7 +498,8 @@ def _refusals(args: transformers.TrainingArguments, trainer_arguments: Mapping[s
                        "harmony_options={'devices': [...], 'memory_budget': ...}")
     if getattr(args, "activation_checkpointing", False) or getattr(args, "gradient_checkpointing", False):
         refused.append("activation (gradient) checkpointing: harmony chooses what to recompute under its "
-                       "memory budget; drop activation_checkpointing/gradient_checkpointing")
+                       "memory budget; drop activation_checkpointing/gradient_checkpointing (pass "
+                       "gradient_checkpointing=False where it is on by default, as in TRL's SFTConfig, DPOConfig, ...)")
     if args.auto_find_batch_size:
         refused.append("auto_find_batch_size=True: harmony fits a batch to the memory budget by its microbatches; "
                        "set per_device_train_batch_size and harmony_options={'memory_budget': ...}")
@@ -484,6 +529,39 @@ def _refuse_unsupported(args: transformers.TrainingArguments, trainer_arguments:
     refused = _refusals(args, trainer_arguments, options)
     if refused:
         raise ValueError("HarmonyTrainer cannot honor " + "; ".join(refused) + ".")
+
+
+def _symbolic(value: Any) -> bool:
+    """A value of a capture: a symbolic number (``.item()`` of a FakeTensor) or a tensor without data."""
+    if isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+        return True
+    return isinstance(value, (FakeTensor, FunctionalTensor))
+
+
+def _drop_symbols(trainer: HarmonyTrainer, before: Mapping[str, Any]) -> None:
+    """Take the capture's values out of ``trainer``'s attributes: an attribute that became one gets its
+    value from ``before`` back (a token count), and one is removed from the dicts and lists an
+    attribute holds, two levels deep (TRL's ``_metrics[mode][name]`` lists), with a list it leaves
+    empty (a mean over it would divide by 0)."""
+    def emptied(container: Any, depth: int) -> bool:
+        """Drop the symbols in ``container``; whether that left it empty."""
+        if isinstance(container, dict):
+            for key in [key for key, value in container.items()
+                        if _symbolic(value) or depth and emptied(value, depth - 1)]:
+                del container[key]
+        elif isinstance(container, list) and any(_symbolic(value) for value in container):
+            container[:] = [value for value in container if not _symbolic(value)]
+            return not container
+        return False
+
+    for name, value in list(vars(trainer).items()):
+        if _symbolic(value):
+            if name in before:
+                setattr(trainer, name, before[name])
+            else:
+                delattr(trainer, name)
+        else:
+            emptied(value, 2)
 
 
 def _forward_reads(model: nn.Module, batch: dict[str, Any], key: str) -> bool:

@@ -177,3 +177,17 @@ def test_a_tensor_made_at_the_batchs_size_and_written_with_the_batch_is_a_mean_o
 
     reduction, _ = _reduction(loss, torch.randn(6, 3))
     assert reduction.combine == Combine.MEAN and reduction.count({}) == 30
+
+
+def _scaled_in_place(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    loss = F.mse_loss(out, target)
+    loss *= 3  # as transformers' Trainer.compute_loss ends: loss *= num_processes
+    return loss
+
+
+def test_a_mean_scaled_in_place_by_a_number_is_that_mean_scaled() -> None:
+    """``mul_`` by a number was not read: the output was 'one number per microbatch' that harmony could not put
+    back together, and a Trainer's microbatches were averaged by size (a loss over num_items_in_batch a third
+    of eager's, over 3 microbatches)."""
+    reduction, _ = _reduction(_scaled_in_place, torch.randn(6, 3))
+    assert reduction.combine == Combine.MEAN and reduction.scale == 3 and reduction.count({}) == 18

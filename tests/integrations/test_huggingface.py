@@ -247,6 +247,8 @@ def test_a_classifier_whose_loss_ignores_num_items_adds_its_batch_losses_as_tran
 @pytest.mark.parametrize("overrides,match", [
     ({"torch_compile": True}, r"torch_compile=True: HarmonyTrainer compiles the model itself; drop torch_compile"),
     ({"auto_find_batch_size": True}, r"auto_find_batch_size=True: harmony fits a batch to the memory budget"),
+    ({"gradient_checkpointing": True}, r"activation \(gradient\) checkpointing: .*\(pass gradient_checkpointing=False "
+                                       r"where it is on by default, as in TRL's SFTConfig"),
 ])
 def test_what_a_harmony_step_cannot_honor_is_refused_with_what_to_do(tmp_path, overrides, match):
     with pytest.raises(ValueError, match="HarmonyTrainer cannot honor " + match):
@@ -728,3 +730,174 @@ def test_under_torchrun_each_step_equals_transformers_trainer_with_ddp(tmp_path)
         assert sum(resumed["steps"].values(), []) == pytest.approx(sum(unbroken["steps"].values(), []), rel=1e-6)
         assert resumed["parameters"] == pytest.approx(unbroken["parameters"], rel=1e-6)
     assert ranks[0]["llama harmony"]["parameters"] == ranks[1]["llama harmony"]["parameters"]  # one model
+
+
+class _WithReference(transformers.Trainer):
+    """A Trainer subclass of the kind TRL's are: an argument of its own before ``args`` (DPOTrainer's
+    ``ref_model``) and a ``compute_loss`` of its own (the model's loss plus a term from the reference)."""
+
+    def __init__(self, model, ref_model=None, args=None, **kwargs):
+        self.ref_model = ref_model
+        super().__init__(model=model, args=args, **kwargs)
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        outputs = model(**inputs, num_items_in_batch=num_items_in_batch)
+        loss = outputs.loss + 0.1 * outputs.logits.logsumexp(-1).square().mean()
+        return (loss, outputs) if return_outputs else loss
+
+
+def test_a_trainer_subclass_after_harmony_trainer_gets_its_arguments_and_its_compute_loss_is_trained_on(tmp_path):
+    """``class HarmonyX(HarmonyTrainer, X)`` (as docs/integrations.md says, and as TRL's trainers are
+    combined): X's own arguments were refused (bound to transformers.Trainer's signature: a TypeError
+    naming ``ref_model``), and X's compute_loss was skipped for the model's own loss, silently (it
+    followed HarmonyTrainer's own in the MRO)."""
+    arguments = {"eval_strategy": "no", "save_strategy": "no", "max_steps": 3}
+    reference = build_hf_model("llama", seed=1)
+    _, eager_steps, _ = _train(_WithReference, build_hf_model("llama"), tmp_path / "eager", arguments=arguments,
+                               ref_model=reference)
+    combined = type("HarmonyWithReference", (HarmonyTrainer, _WithReference), {})
+    trainer, steps, _ = _train(combined, build_hf_model("llama"), tmp_path / "harmony", arguments=arguments,
+                               ref_model=reference, harmony_options={"memory_budget": "1MiB"})
+    assert trainer.ref_model is reference
+    _assert_same_steps(steps, eager_steps)
+
+
+class _CallsSuper:
+    """An override that computes transformers' own loss (``loss *= num_processes`` in place, at its end)."""
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+
+
+def test_an_epochs_last_short_step_through_a_compute_loss_override_steps_as_transformers(tmp_path):
+    """11 samples in batches of 4, 2 a step: each epoch's last step is one batch of 3, which harmony cuts
+    into microbatches and weighs by how the loss reduces. transformers' compute_loss ends in an in-place
+    ``loss *= 1``, which the analysis did not read: the microbatches were averaged, and that step's loss
+    and gradients were a third of transformers', silently (the warning saying so was filtered)."""
+    arguments = {"eval_strategy": "no", "save_strategy": "no", "max_steps": -1, "num_train_epochs": 2}
+    data = functools.partial(_Tokens, 11, seed=0)
+    _, eager_steps, _ = _train(type("Eager", (_CallsSuper, transformers.Trainer), {}), build_hf_model("llama"),
+                               tmp_path / "eager", train_data=data(), arguments=arguments)
+    _, steps, _ = _train(type("Harmony", (_CallsSuper, HarmonyTrainer), {}), build_hf_model("llama"),
+                         tmp_path / "harmony", train_data=data(), arguments=arguments,
+                         harmony_options={"memory_budget": "1MiB"})
+    assert len(steps) == 4
+    _assert_same_steps(steps, eager_steps)
+
+
+class _Metered:
+    """An override that records metrics as TRL's trainers do: ``.item()`` of tensors, into a dict of
+    lists that ``log`` averages, and a running count; while harmony captures it they are symbols."""
+
+    def __init__(self, *args, **kwargs):
+        self.metrics = {}
+        super().__init__(*args, **kwargs)
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        loss, outputs = super().compute_loss(model, inputs, True, num_items_in_batch)
+        self.metrics.setdefault("logit_mean", []).append(outputs.logits.mean().item())
+        self.tokens = getattr(self, "tokens", 0) + inputs["attention_mask"].sum().item()
+        return (loss, outputs) if return_outputs else loss
+
+    def log(self, logs, start_time=None):
+        logs.update({key: sum(values) / len(values) for key, values in self.metrics.items()})
+        self.metrics = {}
+        super().log(logs, start_time)
+
+
+def test_what_a_captured_compute_loss_records_besides_the_loss_is_dropped_not_left_as_symbols(tmp_path):
+    """The capture's ``.item()`` values (SymFloat, SymInt) stayed in the trainer's attributes: the log
+    showed them (``FloatTrueDiv(zuf0, 1.0)``) and writing trainer_state.json at a checkpoint raised
+    inside torch ("Cannot access data pointer of Tensor")."""
+    arguments = {"eval_strategy": "no", "save_strategy": "steps", "save_steps": 2, "max_steps": 3}
+    trainer_class = type("Harmony", (_Metered, HarmonyTrainer), {})
+    trainer, steps, _ = _train(trainer_class, build_hf_model("llama"), tmp_path / "harmony", arguments=arguments,
+                               harmony_options={"memory_budget": "1MiB"})
+    _, eager_steps, _ = _train(type("Eager", (_Metered, transformers.Trainer), {}),
+                               build_hf_model("llama"), tmp_path / "eager", arguments=arguments)
+    _assert_same_steps(steps, eager_steps)
+    assert (tmp_path / "harmony" / "checkpoint-2" / "trainer_state.json").exists()
+    numbers = [value for entry in trainer.state.log_history for value in entry.values()]
+    assert all(isinstance(value, (int, float, str)) for value in numbers)
+    assert isinstance(getattr(trainer, "tokens", 0), int)
+
+
+class _BranchesOnAValue:
+    """An override that branches on a tensor's value to log it, as TRL's SFTTrainer and DPOTrainer do."""
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        loss = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        self.last = loss.item() if loss > 0 else 0.0
+        return loss
+
+
+def test_a_compute_loss_that_cannot_be_captured_is_refused_with_what_to_do(tmp_path):
+    from harmony_fx.frontend.capture import CaptureError
+
+    with pytest.raises(CaptureError, match=r"HarmonyTrainer captures _BranchesOnAValue.compute_loss with the model.*"
+                                           r"give your class a compute_loss that computes the loss alone"):
+        _train(type("Harmony", (_BranchesOnAValue, HarmonyTrainer), {}), build_hf_model("llama"), tmp_path,
+               arguments={"eval_strategy": "no", "save_strategy": "no", "max_steps": 1},
+               harmony_options={"memory_budget": "1MiB"})
+
+
+def _trl_words(size: int, seed: int):
+    """A tokenizer over a few words and a dataset of short texts of them, for TRL's trainers."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    words = "the cat sat on a mat and dog ran to park while birds sang of joy in warm sun".split()
+    tokenizer = Tokenizer(models.WordLevel(unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.train_from_iterator([" ".join(words)],
+                                  trainers.WordLevelTrainer(special_tokens=["<pad>", "<eos>", "<unk>"]))
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="<pad>", eos_token="<eos>",
+                                                unk_token="<unk>")
+    generator = torch.Generator().manual_seed(seed)
+    rows = [" ".join(words[i] for i in torch.randint(len(words), (int(n),), generator=generator))
+            for n in torch.randint(4, 12, (size,), generator=generator)]
+    return fast, rows
+
+
+def test_trl_trainers_combined_with_harmony_trainer_train_on_their_own_loss_or_are_refused_saying_how(tmp_path):
+    """TRL's RewardTrainer (its Bradley-Terry loss over chosen and rejected) steps as without harmony;
+    SFTTrainer's compute_loss (metrics it branches on) is refused with a compute_loss to use instead,
+    which then steps as SFTTrainer."""
+    trl = pytest.importorskip("trl")
+    datasets = pytest.importorskip("datasets")
+    from harmony_fx.frontend.capture import CaptureError
+
+    tokenizer, texts = _trl_words(24, seed=0)
+    common = dict(output_dir=str(tmp_path), per_device_train_batch_size=4, max_steps=3, learning_rate=3e-3,
+                  logging_steps=1, save_strategy="no", report_to=[], seed=0, disable_tqdm=True, use_cpu=True,
+                  gradient_checkpointing=False, bf16=False, max_length=16)
+
+    def model(classifier=False):
+        torch.manual_seed(0)
+        config = transformers.LlamaConfig(vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                          num_attention_heads=4, max_position_embeddings=64, use_cache=False,
+                                          pad_token_id=tokenizer.pad_token_id, num_labels=1)
+        return (transformers.LlamaForSequenceClassification if classifier else transformers.LlamaForCausalLM)(config)
+
+    def losses(trainer_class, data, config, classifier=False, **kwargs):
+        trainer = trainer_class(model=model(classifier), args=config, train_dataset=data, processing_class=tokenizer,
+                                **kwargs)
+        trainer.train()
+        return {e["step"]: (e["loss"], e["learning_rate"], e["grad_norm"])
+                for e in trainer.state.log_history if "loss" in e}
+
+    options = {"harmony_options": {"memory_budget": "1MiB"}}
+    pairs = datasets.Dataset.from_list([{"chosen": a, "rejected": b} for a, b in zip(texts[::2], texts[1::2])])
+    config = trl.RewardConfig(**common)
+    _assert_same_steps(losses(type("H", (HarmonyTrainer, trl.RewardTrainer), {}), pairs, config, True, **options),
+                       losses(trl.RewardTrainer, pairs, config, True))
+
+    text = datasets.Dataset.from_list([{"text": t} for t in texts])
+    config = trl.SFTConfig(**common)
+    with pytest.raises(CaptureError, match="HarmonyTrainer captures SFTTrainer.compute_loss"):
+        losses(type("H", (HarmonyTrainer, trl.SFTTrainer), {}), text, config, **options)
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        return transformers.Trainer.compute_loss(self, model, inputs, return_outputs, num_items_in_batch)
+
+    advised = type("H", (HarmonyTrainer, trl.SFTTrainer), {"compute_loss": compute_loss})
+    _assert_same_steps(losses(advised, text, config, **options), losses(trl.SFTTrainer, text, config))
