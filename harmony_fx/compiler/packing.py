@@ -164,7 +164,9 @@ def plan_packs(layer_costs: Sequence[int], evaluate: Callable[[list[int]], C], p
         if fits(boundaries):
             return list(boundaries), tried[boundaries]
     if not name_smallest:
-        least = min([peak_of(candidate) for candidate in tried.values()] or [budget - margin + 1]) + margin
+        # each candidate's peak where it ran (at least it, where cut short), else its bound
+        least = min(peak_of(tried[c]) if c in tried else bound(c, None) if bound is not None else budget - margin + 1
+                    for c in candidates) + margin
         raise BudgetTooSmallError(f"plan_packs: no packing fits the memory budget of {budget:,} bytes; these "
                                   f"packings need at least {least:,} bytes", least)
     # nothing fits. The smallest budget named is the least peak of the most packs (run in full) and

@@ -121,6 +121,14 @@ def test_runs_are_cut_short_at_the_budget_and_the_smallest_is_run_in_full():
         plan_packs(costs, evaluate, lambda peak: peak, 6, margin=2, cut_short=True, name_smallest=False)
     assert all(limit == 4 for _, limit in calls)
 
+    # where the bounds rule every candidate out, none runs, and the least of them is what is needed
+    # (it said the budget plus one byte, beside another schedule's smallest budget of megabytes)
+    calls.clear()
+    with pytest.raises(BudgetTooSmallError, match="need at least 22 bytes"):
+        plan_packs(costs, evaluate, lambda peak: peak, 6, margin=2, cut_short=True, name_smallest=False,
+                   bound=lambda boundaries, limit: 60 - 10 * len(boundaries))
+    assert calls == []
+
     calls.clear()
     with pytest.raises(CountedWhenAsked) as info:  # a schedule to fall back on, and its refusal if that fails
         plan_packs(costs, evaluate, lambda peak: peak, 6, margin=2, cut_short=True, name_smallest="when asked")
