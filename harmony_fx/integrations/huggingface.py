@@ -654,6 +654,14 @@ def _padded(key: str, values: list[torch.Tensor], pad_token_id: int, padding_sid
         raise ValueError(f"the batches of one optimizer step have {key!r} of shapes "
                          f"{[tuple(v.shape) for v in values]}, which differ past the sequence dim; harmony runs "
                          "them as one batch: give them one shape (e.g. padding='max_length')")
+    if "attention_mask" not in batches[0] and "position_ids" in batches[0] and values[0].shape[0] == 1:
+        # padding-free batches: each one row of sequences laid end to end, told apart by their
+        # position_ids; padding one to another's length would add a sequence of padding
+        raise ValueError(f"the batches of one optimizer step are padding-free (one row of "
+                         f"{sorted({v.shape[1] for v in values})} tokens, sequences told apart by position_ids: "
+                         "DataCollatorWithFlattening, TRL's padding_free or packing) and harmony runs them as one "
+                         "batch, which would need them of one length: use gradient_accumulation_steps=1 with a larger "
+                         "per_device_train_batch_size, or batches of one length (TRL's packing_strategy='wrapped')")
     if "attention_mask" not in batches[0] or padding_side != "right":
         raise ValueError("the batches of one optimizer step are padded to different lengths "
                          f"({sorted({v.shape[1] for v in values})}) and harmony runs them as one batch, padded to the "

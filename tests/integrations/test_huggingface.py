@@ -178,6 +178,21 @@ def test_batches_padded_to_changing_lengths_equal_eager(tmp_path):
     assert len(trainer.harmony.hm.variants) == 3  # one program per step's length (12, 14, 16)
 
 
+def test_padding_free_batches_of_a_step_are_refused_saying_what_to_do(tmp_path):
+    """``DataCollatorWithFlattening`` (TRL's ``padding_free``): each batch is one row of sequences
+    end to end; two of different lengths cannot be one batch, and padding one would add a sequence of
+    padding. The advice was to pass the attention mask or pad every batch alike, which such a
+    collator cannot do."""
+    data = _Tokens(8, seed=3, lengths=[5, 9, 7, 6, 12, 4, 8, 10])
+    arguments = {"eval_strategy": "no", "save_strategy": "no", "max_steps": 1, "per_device_train_batch_size": 2,
+                 "train_sampling_strategy": "sequential"}
+    with pytest.raises(ValueError, match=r"padding-free \(one row of \[\d+, \d+\] tokens.*"
+                                         r"gradient_accumulation_steps=1 with a larger per_device_train_batch_size"):
+        _train(HarmonyTrainer, build_hf_model("llama"), tmp_path, train_data=data,
+               collator=transformers.DataCollatorWithFlattening(), arguments=arguments,
+               harmony_options={"memory_budget": "1MiB"})
+
+
 class _Labelled(torch.utils.data.Dataset):
     """Random token sequences with a class each, for a sequence classifier."""
 
