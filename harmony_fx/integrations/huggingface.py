@@ -517,10 +517,6 @@ def _refusals(args: transformers.TrainingArguments, trainer_arguments: Mapping[s
                        "returns logits, not generated tokens; make a class of both, class HarmonySeq2SeqTrainer("
                        "HarmonyTrainer, Seq2SeqTrainer): pass (its loss runs through harmony, generate() eagerly "
                        "on the host model, outside the memory budget), or pass predict_with_generate=False")
-    if (args.save_strategy != "no" or args.resume_from_checkpoint) and options.get("nvme_path") is not None:
-        refused.append("nvme_path with checkpoints: transformers' checkpoint files hold the optimizer state in host "
-                       "memory, not the NVMe tier's; pass save_strategy='no', or train with harmony_fx.Trainer, whose "
-                       "save and load read the tier")
     return refused
 
 

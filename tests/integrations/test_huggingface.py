@@ -127,6 +127,25 @@ def test_a_resumed_run_continues_as_the_unbroken_one(runs):
     assert [loss for _, loss in resumed_evaluations] == pytest.approx([loss for _, loss in evaluations], rel=1e-6)
 
 
+def test_checkpoints_with_the_optimizer_state_on_the_nvme_tier_resume_as_the_unbroken_run(runs, tmp_path):
+    """``harmony_options={"nvme_path": ...}``: transformers' checkpoint files hold the whole optimizer
+    state, the tier's read back (it was refused: they held host memory's alone); a run resumed from
+    step 5 continues as the unbroken run without a tier."""
+    _, (_, steps, evaluations), _ = runs
+    options = {"memory_budget": "1MiB", "nvme_path": str(tmp_path / "tier")}
+    folder = tmp_path / "tiered"
+    trainer, tiered_steps, _ = _train(HarmonyTrainer, build_hf_model("llama"), folder, harmony_options=options)
+    assert trainer.harmony.plan.tier_packs
+    _assert_same_steps(tiered_steps, steps, rtol=1e-6)
+    saved = torch.load(folder / "checkpoint-5" / "optimizer.pt", weights_only=True)["state"]
+    assert len(saved) == len(list(trainer.model.parameters())) and all("exp_avg" in s for s in saved.values())
+    options["nvme_path"] = str(tmp_path / "tier-resumed")
+    _, resumed_steps, resumed_evaluations = _train(HarmonyTrainer, build_hf_model("llama", seed=7), tmp_path / "resumed",
+                                                   resume=str(folder / "checkpoint-5"), harmony_options=options)
+    _assert_same_steps(resumed_steps, steps, rtol=1e-6)
+    assert [loss for _, loss in resumed_evaluations] == pytest.approx([loss for _, loss in evaluations], rel=1e-6)
+
+
 def test_lora_equals_transformers_trainer_and_moves_only_the_adapters_gradients(tmp_path, monkeypatch):
     """A ``peft`` LoRA model: the same losses as eager's; the weight gradients leaving the device
     are the adapters' bytes, and the optimizer holds state for them alone. The options come from
