@@ -412,13 +412,15 @@ class Trainer:
 
     def close(self) -> None:
         """Wait for the last step's state to reach the NVMe tier (``flush``), put the fp32 masters
-        the tier held back into the model's parameters (which held their bf16 copies), and stop the
+        the tier held back into the model's parameters (which held their bf16 copies) and its
+        optimizer state back into the optimizer (which needs host memory for all of it), and stop the
         device's stream threads (each step's update worker stops with the step) and, across
         processes, the two gloo groups the Trainer made (their threads joined)."""
         try:
             self.flush()
             if self._tier is not None:
                 self._tier.masters_to_host()
+                self._tier.state_to_host()
         finally:
             for hook in self._tier_hooks:
                 hook.remove()

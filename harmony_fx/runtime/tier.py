@@ -330,6 +330,17 @@ class StateTier:
             if param.dtype == self.compute_dtype:
                 param.data = self.stored_master(param)
 
+    def state_to_host(self) -> None:
+        """Every tiered parameter's optimizer state back in the optimizer (read from the committed
+        files), as before ``store_all`` moved it, once: the tier then holds nothing (a trainer's
+        ``close``, after which the optimizer steps on its own)."""
+        for pack, params in self.packs.items():
+            for param in params:
+                stored = self.stored(param)
+                if stored:
+                    self.optimizer.state.setdefault(param, {}).update(stored)
+        self.committed = {}
+
     def masters_from_host(self) -> None:
         """Undo ``masters_to_host`` where nothing was loaded into the masters: the tier's committed
         files hold them still, so each parameter goes back to its bf16 copy without a write."""

@@ -213,6 +213,20 @@ def test_the_optimizers_own_state_dict_holds_the_tiers_state(tmp_path):
     tiered.optimizer.load_state_dict(theirs)
 
 
+def test_close_gives_the_optimizer_its_state_back(tmp_path):
+    """After ``close`` the optimizer steps on its own (or in a new trainer, as HarmonyTrainer's next
+    ``train()`` makes one): its state was the tier's files' alone, the moments gone from it."""
+    reference, tiered = four_pack_trainer(), four_pack_trainer(nvme_path=tmp_path)
+    for batch in regression_batches(2):
+        reference.step(batch)
+        tiered.step(batch)
+    tiered.close()
+    tiered.close()  # twice: nothing more
+    for p, q in zip(reference.model.parameters(), tiered.model.parameters()):
+        ours, theirs = tiered.optimizer.state[q], reference.optimizer.state[p]
+        assert ours.keys() == theirs.keys() and all(torch.equal(ours[key], theirs[key]) for key in theirs)
+
+
 @pytest.mark.parametrize("optimizer, options", [
     (lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9), {}),
     (lambda params: torch.optim.Adam(params, lr=1e-2, amsgrad=True, foreach=True), {}),
