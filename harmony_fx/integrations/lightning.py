@@ -14,11 +14,11 @@ Capture: ``training_step(batch, batch_idx)`` is the model's forward plus arbitra
 reshape, ``self.log``), so it is wrapped as the forward of a module (``_StepModule``) and captured
 whole, once, at the first batch: ``batch_idx`` keeps its first value, and what the step reads
 through the module (``self.current_epoch``, from Lightning's trainer) is keyed as any attribute a
-forward reads (a new epoch compiles the step again). ``self.log`` would store the graph's traced tensors in Lightning's results,
-so while a step is captured its calls are recorded instead and replayed after every step: a logged
-loss with the step's loss, a Python number as it is. Validation, test and predict steps are compiled
-the same way and run forward-only; there the logged tensors are outputs of the graph, replayed with
-their values.
+forward reads (a new epoch compiles the step again). ``self.log`` would store the graph's traced
+tensors in Lightning's results, so while a step is captured its calls are recorded instead and
+replayed after every step: a logged loss with the step's loss, a Python number as it is.
+Validation, test and predict steps are compiled the same way and run forward-only; there the
+logged tensors are outputs of the graph, replayed with their values.
 
 Lightning still runs everything around the step: ``configure_optimizers`` (one optimizer, with its
 LR schedulers, stepped by Lightning between harmony's steps), ``gradient_clip_val`` (harmony's
@@ -28,6 +28,11 @@ plus its step counter and RNG states: a resumed run continues identically), logg
 Lightning's ``MixedPrecision`` wraps each step (fp32 weights, gradients and optimizer state), on the
 device type harmony computes on. What a harmony step cannot honor is refused before training starts,
 with what to do instead (see ``_refuse_unsupported`` and ``_precision_problems``).
+
+The strategy is Lightning's DDP strategy less its DDP wrapper, so that several processes
+(``L.Trainer(devices=N)``, torchrun) are launched, grouped and given their shares of the data as
+Lightning does for DDP, while harmony sums the gradients; one process is as a single-device
+strategy (no launcher, no process group, the loaders' own samplers).
 """
 from __future__ import annotations
 
@@ -47,7 +52,7 @@ except ImportError as error:  # an optional extra: say how to get it
 from lightning.pytorch.accelerators import CPUAccelerator
 from lightning.pytorch.callbacks import GradientAccumulationScheduler
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
-from lightning.pytorch.strategies import SingleDeviceStrategy
+from lightning.pytorch.strategies import DDPStrategy, ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.enums import GradClipAlgorithmType
 
@@ -64,8 +69,8 @@ _TRAINER_OPTIONS = ("loss_reduction", "skip_nonfinite", "atomic")
 _REFUSED_OPTIONS = {
     "max_grad_norm": "set L.Trainer(gradient_clip_val=...) instead (harmony clips by the global norm as Lightning "
                      "does)",
-    "process_group": "HarmonyStrategy trains in one process; to train across processes, run harmony_fx.Trainer "
-                     "under torchrun (examples/torchrun_train.py)",
+    "process_group": "several processes are Lightning's to launch and group: L.Trainer(devices=N, num_nodes=M), "
+                     "or torchrun; HarmonyStrategy trains across them",
 }
 _REFUSED_OPTIONS["shard_optimizer"] = _REFUSED_OPTIONS["collective_timeout"] = _REFUSED_OPTIONS["process_group"]
 # the checkpoint key of harmony's own state (its step counter and RNG states; the weights and
@@ -74,7 +79,7 @@ _CHECKPOINT_KEY = "harmony_fx"
 _PREFIX = "module."  # the LightningModule's names inside _StepModule
 
 
-class HarmonyStrategy(SingleDeviceStrategy):
+class HarmonyStrategy(DDPStrategy):
     """``L.Trainer(strategy=HarmonyStrategy(**options))``: every training step is a
     ``harmony_fx.Trainer`` step; validation, test and predict steps run forward-only through
     ``harmony_fx.compile``. ``options`` are ``harmony_fx.compile``'s (``memory_budget``, ``devices``,
@@ -85,7 +90,14 @@ class HarmonyStrategy(SingleDeviceStrategy):
     ``L.Trainer(precision="bf16-mixed")`` runs every step harmony runs under bfloat16 autocast, as
     Lightning does without harmony (fp32 weights); ``HarmonyStrategy(precision="bf16")`` is
     harmony's own bfloat16 (weights and transfers in bf16, fp32 masters on the host). Lightning's
-    other precisions are refused (``_precision_problems``)."""
+    other precisions are refused (``_precision_problems``).
+
+    Several processes (``L.Trainer(devices=N, num_nodes=M)`` on CPUs, or torchrun) are launched and
+    grouped by Lightning as for its DDP strategy, each on its share of the data (its distributed
+    sampler): the steps are a ``harmony_fx.Trainer`` across them, which sums each pack's gradients
+    over the processes (the model is never wrapped in DDP), each computing on its own GPU
+    (``cuda:LOCAL_RANK``, or a HostDevice) unless ``devices`` names others; the optimizer state stays
+    whole on each, as Lightning saves it from rank 0. One process (the default) sets up no process group."""
 
     strategy_name = "harmony"
 
@@ -96,8 +108,9 @@ class HarmonyStrategy(SingleDeviceStrategy):
         check_option_names(options, list(option_names()) + list(_TRAINER_OPTIONS), "HarmonyStrategy")
         options = with_environment(options)  # HARMONY_FX_MEMORY_BUDGET=8GiB python train.py; the code's win
         # the accelerator is the CPU whatever the machine has: Lightning keeps the model and the
-        # batches there, and harmony moves what the plan says to the devices in ``options``
-        super().__init__(device="cpu", accelerator=CPUAccelerator())
+        # batches there, and harmony moves what the plan says to the devices in ``options``; across
+        # processes harmony's own gloo groups carry the host tensors
+        super().__init__(accelerator=CPUAccelerator(), process_group_backend="gloo")
         self.trainer_options = {k: v for k, v in options.items() if k in _TRAINER_OPTIONS}
         self.compile_options = {k: v for k, v in options.items() if k not in _TRAINER_OPTIONS}
         self._harmony: harmony_fx.Trainer | None = None  # built at the first training batch
@@ -113,12 +126,51 @@ class HarmonyStrategy(SingleDeviceStrategy):
         return self._harmony
 
     # ------------------------------------------------------------------ setting up
+    # one process (the default) is as Lightning's single-device strategy: no launcher (which sets
+    # torch's thread count), no process group, the data loaders' own samplers
+    @property
+    def _across_processes(self) -> bool:
+        return self.num_nodes * self.num_processes > 1
+
+    def _configure_launcher(self) -> None:
+        if self._across_processes:
+            super()._configure_launcher()
+
+    def setup_environment(self) -> None:
+        if self._across_processes:
+            super().setup_environment()  # DDP's: the process group
+        else:
+            ParallelStrategy.setup_environment(self)
+
+    def connect(self, model: "pl.LightningModule") -> None:
+        super().connect(model)
+        if not self._across_processes:
+            # Lightning takes every DDPStrategy for distributed and would give the data loaders a
+            # DistributedSampler of one replica, another order than their own sampler's
+            model.trainer._accelerator_connector.use_distributed_sampler = False
+
     def setup(self, trainer: "pl.Trainer") -> None:
         self._close()
         # before Lightning's setup, which converts the module's weights for a '-true' precision
         _refuse(_precision_problems(trainer, self))
-        super().setup(trainer)
+        if self._across_processes:
+            super().setup(trainer)
+        else:  # without DDP's start from rank 0's weights, which needs the process group
+            ParallelStrategy.setup(self, trainer)
         _refuse_unsupported(trainer, self)
+
+    def configure_ddp(self) -> None:
+        """Nothing: harmony sums each pack's gradients over the processes itself."""
+
+    def _setup_model(self, model: nn.Module) -> nn.Module:
+        return model  # never wrapped in DistributedDataParallel (configure_ddp)
+
+    def _own_devices(self) -> dict[str, Any]:
+        """Across processes, each computes on its own GPU unless ``devices`` names others (harmony's
+        default in one process, every GPU, would put every process on all of them)."""
+        if not self._across_processes or self.compile_options.get("devices") is not None:
+            return {}
+        return {"devices": [f"cuda:{self.local_rank}"] if visible_gpus() else ["host:0"]}
 
     def _autocast(self) -> contextlib.AbstractContextManager:
         """``precision="bf16-mixed"``: bfloat16 autocast on the device types harmony computes on,
@@ -157,8 +209,10 @@ class HarmonyStrategy(SingleDeviceStrategy):
         module = self.lightning_module
         self._step_module = _StepModule(module, "training_step", spec, (batch_idx,))
         clip = module.trainer.gradient_clip_val or None
+        # across processes the optimizer state stays whole on each: Lightning saves rank 0's
+        across = {"shard_optimizer": False} if self._across_processes else {}
         harmony = harmony_fx.Trainer(self._step_module, None, self.optimizers[0], tuple(leaves), max_grad_norm=clip,
-                                     **self.trainer_options, **self.compile_options)
+                                     **across, **self.trainer_options, **self.compile_options, **self._own_devices())
         self._step_module.warn_unreplayable_logs()
         if self._resume is not None:
             # the checkpoint's values and step counter; its RNG states were put back at the restore
@@ -196,7 +250,7 @@ class HarmonyStrategy(SingleDeviceStrategy):
         key = (method, spec, indices[1:])
         if key not in self._forward_only:
             step_module = _StepModule(self.lightning_module, method, spec, indices, logs_out=True)
-            options = {**self.compile_options, "microbatches": None}
+            options = {**self.compile_options, **self._own_devices(), "microbatches": None}
             self._forward_only[key] = (step_module, harmony_fx.compile(step_module, **options))
         step_module, compiled = self._forward_only[key]
         with self._autocast():  # compiled at its first call, under the autocast it runs with
@@ -381,13 +435,6 @@ def _overrides(module: "pl.LightningModule", name: str) -> bool:
 def _refuse_unsupported(trainer: "pl.Trainer", strategy: HarmonyStrategy) -> None:
     """What a harmony step cannot do as Lightning would, refused before training starts."""
     problems = _training_problems(trainer, strategy) if trainer.state.fn == TrainerFn.FITTING else []
-    # a single-device strategy's trainer.num_devices is always 1: what was asked for is the connector's
-    devices = len(getattr(trainer._accelerator_connector, "_parallel_devices", None) or [None])
-    if devices != 1 or trainer.num_nodes != 1:
-        problems.append(f"devices={devices}, num_nodes={trainer.num_nodes}: HarmonyStrategy trains in one "
-                        "process, whose GPUs harmony's own option names (HarmonyStrategy(devices=['cuda:0', "
-                        "'cuda:1'])); leave L.Trainer's devices and num_nodes at 1, and to train across processes run "
-                        "harmony_fx.Trainer under torchrun")
     _refuse(problems)
 
 

@@ -277,7 +277,6 @@ class _Hooked(Regressor):
     (Regressor, {"precision": "16-mixed"}, r"precision='16-mixed': float16 autocast needs a gradient scaler"),
     (Regressor, {"precision": "bf16-true"}, r"precision='bf16-true': it converts the module's weights"),
     (Regressor, {"precision": "64-true"}, r"precision='64-true': HarmonyStrategy honors precision='32-true' and"),
-    (Regressor, {"devices": 2}, "devices=2, num_nodes=1: HarmonyStrategy trains in one process"),
     (_Hooked, {}, "_Hooked.on_after_backward is overridden but is never called"),
 ])
 def test_what_a_harmony_step_cannot_do_is_refused_before_training(module_class, trainer_options, expected):
@@ -306,7 +305,7 @@ def _assert_refused(module, strategy, trainer_options, expected):
 
 @pytest.mark.parametrize("options,expected", [
     ({"max_grad_norm": 1.0}, r"does not take max_grad_norm: set L.Trainer\(gradient_clip_val=...\)"),
-    ({"process_group": None}, "does not take process_group: HarmonyStrategy trains in one process"),
+    ({"process_group": None}, "does not take process_group: several processes are Lightning.s to launch"),
     ({"memory_budgt": 10}, "unknown option 'memory_budgt' \\(did you mean 'memory_budget'\\?\\)"),
 ])
 def test_options_lightning_sets_or_that_do_not_exist_are_refused(options, expected):
@@ -365,3 +364,27 @@ def test_bf16_mixed_is_autocast_as_in_lightnings_own():
                                    rtol=RTOL, atol=1e-7, msg=lambda m: f"{name}: {m}")
     assert min(peaks.packs) >= 2
     assert {p.dtype for p in harmony.parameters()} == {torch.float32}
+
+
+def test_under_torchrun_training_equals_lightnings_ddp(tmp_path):
+    """Two processes (torchrun, gloo; Lightning reads them from the environment): HarmonyStrategy sums
+    each pack's gradients over them where Lightning's DDP strategy averages them; the final weights
+    are DDP's on both processes, and each step's loss is the mean of DDP's processes' own (the step's
+    loss is over every process's share). Lightning launching the processes itself
+    (``L.Trainer(devices=2)`` from a script) runs the same code in each."""
+    import json
+    import os
+    import subprocess
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",
+                           "tests.integrations.lightning_across_processes", str(tmp_path)], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    ranks = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2)]
+    for results in ranks:
+        assert results["packs"] >= 2 and len(results["harmony losses"]) == 4
+        assert results["harmony losses"] == pytest.approx(results["ddp mean losses"], rel=RTOL)
+        assert results["harmony parameters"] == pytest.approx(results["ddp parameters"], rel=1e-4, abs=1e-5)
+        assert results["wrapped in"] == "Regressor"
+    assert ranks[0]["harmony parameters"] == ranks[1]["harmony parameters"]
