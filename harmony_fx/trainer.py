@@ -184,8 +184,10 @@ class Trainer:
         if self.cluster is not None:
             self.cluster.same_everywhere(
                 [(pack, [names[id(p)] for p in params]) for pack, params in sorted(self._groups.items())],
-                "how the model is cut into packs; give every rank the same batch size, memory_budget and options "
-                "(or the same pack_boundaries)")
+                "how the model is cut into packs, planned for each rank's example batch; give every rank an example "
+                "batch of the same shapes (batch size and sequence length: a first batch padded alike on every rank, "
+                "e.g. padding='max_length' or pad_to_multiple_of; later batches may differ), the same memory_budget "
+                "and options (or the same pack_boundaries)")
             self._cross = CrossProcessUpdates(self.cluster, optimizer, self._groups, self._grad_buffers,
                                               pin_memory=any(d.torch_device.type == "cuda" for d in self.hm.devices))
         self._updater = Updater(optimizer, max_grad_norm, self._tier, self._cross, self._grad_buffers)
@@ -280,6 +282,7 @@ class Trainer:
             with updates:
                 runtime = hm.run_iteration(per_mb, updates.on_pack, batch_loss.output_grads,
                                            self._on_tier if self._tier is not None else None, self._grad_buffers)
+                updates.finish(runtime)
             stats = self._stats = StepStats(hm.stats, update_exposed_seconds=updates.exposed_seconds)
             stats.update_seconds, stats.tier_wait_seconds = updates.results()  # re-raises an update's error
             # in microbatch order, over every rank's microbatches

@@ -235,8 +235,11 @@ class HarmonyTrainer(transformers.Trainer):
                 else:
                     if means_apart:
                         self._warn_of_one_mean(batches)
-                    # harmony's own reduction is over every process's batch already: no 1/world
-                    loss = harmony.step(batch, loss_scale=(len(batches) if adds and own_mean else 1) * outside)
+                    # a mean of the model's own is over every process's batch already (harmony's normaliser
+                    # counts every rank's): no 1/world. A loss over num_items_in_batch is each rank's sum,
+                    # which harmony adds over the ranks where transformers' DDP step averages them: 1/world
+                    scale = (len(batches) if adds and own_mean else 1) * outside / (1 if own_mean else world)
+                    loss = harmony.step(batch, loss_scale=scale)
         return loss.detach().to(self.args.device)
 
     def _scale_across_processes(self, passed: bool) -> int:

@@ -164,6 +164,13 @@ class PackUpdates:
         self._lock = threading.Lock()
         cross = updater.cross
         self.turns = TurnOrder(cross.order) if cross is not None else None
+        # across processes every rank issues the collectives pack by pack in the example's packing
+        # (cross.order); a module cut into other packs (a batch of another shape, planned afresh on this
+        # rank alone) lands its gradients as its packs complete, and updates in that packing once they
+        # all have (finish): its own packs' turns would update some parameters with this rank's
+        # gradient alone, or wait for packs of the example's that never complete here
+        self._deferred = cross is not None and _packing(groups) != _packing(
+            {pack: cross.buffers[pack].params for pack in cross.order})
         self._futures: list[concurrent.futures.Future] = []
         self._workers = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="harmony-update")
         self.exposed_seconds = 0.0  # the time the step waited for its updates once the iteration ended
@@ -175,6 +182,9 @@ class PackUpdates:
             if self._arrived[pack] < self._needed:
                 return
             complete = self._landing.pop(pack)
+            if self._deferred:
+                self._futures.append(self._workers.submit(lambda: (0.0, land(complete))))
+                return
             if self.turns is None or pack not in self.updater.cross.buffers:
                 self._submit(pack, complete, runtime.host_grads)
                 return
@@ -188,6 +198,18 @@ class PackUpdates:
         tier_waited = land(copies)  # the copies' host work sums the gradients into ``grads``
         seconds, waited = self.updater.update_pack(pack, self.groups.get(pack, []), grads, self.undo)
         return seconds, tier_waited + waited
+
+    def finish(self, runtime) -> None:
+        """After the iteration: where the module's packs are not the example's (``_deferred``), every
+        pack of the example's updates now, in the order every rank takes them, after the landings
+        queued before (one worker). Nothing where no pack was handed over (no per-pack updates)."""
+        if not self._deferred or not self._arrived:
+            return
+        cross = self.updater.cross
+        for pack in cross.order:
+            for turn, _ in self.turns.arrive(pack, None):  # taken: a step failing after this stands in for none
+                self._futures.append(self._workers.submit(
+                    self.updater.update_pack, turn, cross.buffers[turn].params, runtime.host_grads, self.undo))
 
     def __enter__(self) -> "PackUpdates":
         return self
@@ -264,6 +286,10 @@ def step_subset(optimizer: torch.optim.Optimizer, params: Sequence[nn.Parameter]
     finally:
         for group, original in zip(optimizer.param_groups, saved):
             group["params"] = original
+
+
+def _packing(groups: dict[int, Sequence[nn.Parameter]]) -> dict[int, list[int]]:
+    return {pack: [id(param) for param in params] for pack, params in groups.items() if params}
 
 
 class StepHooks:

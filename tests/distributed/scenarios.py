@@ -355,6 +355,43 @@ def uneven(rank: int, world: int, out: pathlib.Path) -> dict:
     return {"losses": losses, "params": [p.detach().clone() for p in model.parameters()]}
 
 
+def other_packs(rank: int, world: int, out: pathlib.Path, shard_optimizer: bool = False) -> dict:
+    """Two steps under a memory budget, without clipping (each pack updated as its gradients arrive):
+    at the second, rank 1 has twice the samples, a batch its plan cuts into other packs than the
+    example's (planned afresh on rank 1 alone). Every rank's parameters after each step."""
+    model, batches = other_packs_batches()
+    trainer = harmony_fx.Trainer(model, loss_fn, torch.optim.SGD(model.parameters(), lr=0.1), batches[0][rank],
+                                 devices=["host:0"], memory_budget="300KiB", shard_optimizer=shard_optimizer)
+    params, packs = [], []
+    for step in batches:
+        trainer.step(step[rank])
+        params.append([p.detach().clone() for p in model.parameters()])
+        packs.append(sorted(trainer._last_hm.update_groups()))
+    trainer.close()
+    return {"params": params, "packs": packs, "example packs": sorted(trainer._groups)}
+
+
+def other_packs_batches():
+    """The model and, per step, each rank's batch: 4 samples each, then 4 and 8."""
+    model, batches = model_and_batches(2, steps=3)
+    (x0, y0), (x1, y1), (x2, y2) = batches
+    return model, [[(x0[:4], y0[:4]), (x0[4:], y0[4:])], [(x1[:4], y1[:4]), (torch.cat([x1[4:], x2[:4]]),
+                                                                             torch.cat([y1[4:], y2[:4]]))]]
+
+
+def other_packs_eager() -> list:
+    """The same steps in one process, eagerly: each step's loss the mean over every rank's samples."""
+    model, batches = other_packs_batches()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    params = []
+    for step in batches:
+        optimizer.zero_grad()
+        loss_fn(model(torch.cat([x for x, _ in step])), torch.cat([y for _, y in step])).backward()
+        optimizer.step()
+        params.append([p.detach().clone() for p in model.parameters()])
+    return params
+
+
 def batch_norm(rank: int, world: int, out: pathlib.Path) -> dict:
     """A BatchNorm model, two steps on each rank's own share: the running statistics each rank holds
     after each step."""

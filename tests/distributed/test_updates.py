@@ -102,6 +102,21 @@ def test_uneven_shares_weigh_by_their_sizes(tmp_path, one_thread):
         torch.testing.assert_close(rank["params"], reference["params"], rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("shard_optimizer", [False, True])
+def test_a_rank_whose_batch_is_cut_into_other_packs_updates_as_every_rank(tmp_path, one_thread, shard_optimizer):
+    """Rank 1's second batch is twice as large and its plan cuts the model into other packs than the
+    example's. Replicated, rank 1 updated the packs the example lacks with its own gradient, then
+    again with the summed one: the replicas differed from the second step, silently. Its gradients
+    now land as its packs complete and update in the example's packs, in every rank's order."""
+    ranks = launch.run("other_packs", 2, tmp_path, shard_optimizer=shard_optimizer, timeout=30)
+    assert ranks[1]["packs"][1] != ranks[1]["example packs"]  # the case: rank 1's second step, other packs
+    eager = scenarios.other_packs_eager()
+    for rank in ranks:
+        for step, (params, expected) in enumerate(zip(rank["params"], eager), 1):
+            torch.testing.assert_close(params, expected, rtol=1e-5, atol=1e-6, msg=lambda m: f"step {step}: {m}")
+    assert all(torch.equal(a, b) for a, b in zip(ranks[0]["params"][-1], ranks[1]["params"][-1]))
+
+
 def test_a_packs_gradients_travel_while_earlier_packs_run_their_backward(tmp_path):
     for rank in launch.run("overlap", 2, tmp_path):
         assert rank["overlapped"]  # the first pack's collective started before an earlier pack's backward

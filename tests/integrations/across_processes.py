@@ -52,6 +52,10 @@ def main(out: pathlib.Path) -> None:
         results[f"per-process tokens {name}"] = _run(trainer_class, build_hf_model("llama"), out / f"t{name}",
                                                      _Tokens(64, seed=0), save_strategy="no", eval_strategy="no",
                                                      average_tokens_across_devices=False)
+        # 28 samples a process in batches of 4: the epoch's 4th step holds one batch of gradient_accumulation_steps=2
+        # (the loss over num_items_in_batch, each process's sum, which DDP averages: it was world_size times eager's)
+        results[f"last step of one batch {name}"] = _run(trainer_class, build_hf_model("llama"), out / f"l{name}",
+                                                         _Tokens(56, seed=0), save_strategy="no", eval_strategy="no")
     results["llama resumed"] = _run(HarmonyTrainer, build_hf_model("llama", seed=7), out / "resumed",
                                     _Tokens(64, seed=0), resume=str(out / "harmony" / "checkpoint-2"))
     (out / f"rank{rank}.json").write_text(json.dumps(results))

@@ -734,8 +734,9 @@ def test_under_torchrun_each_step_equals_transformers_trainer_with_ddp(tmp_path)
     ``transformers.Trainer`` has DDP average them; each step's loss and gradient norm, each
     evaluation and the final parameters are eager's on every process, for a loss over every process's
     labelled tokens, one over each process's own (``average_tokens_across_devices=False``) and a
-    classifier's batch mean whose head each process initialised with its own seed; a run resumed from
-    the checkpoint rank 0 saved continues as the unbroken one."""
+    classifier's batch mean whose head each process initialised with its own seed, and an epoch's last
+    step holding fewer batches than gradient_accumulation_steps (it was world_size times eager's); a
+    run resumed from the checkpoint rank 0 saved continues as the unbroken one."""
     import json
     import os
 
@@ -746,7 +747,7 @@ def test_under_torchrun_each_step_equals_transformers_trainer_with_ddp(tmp_path)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
     ranks = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2)]
     for results in ranks:
-        for case in ("llama", "classifier", "per-process tokens"):
+        for case in ("llama", "classifier", "per-process tokens", "last step of one batch"):
             eager, harmony = results[f"{case} eager"], results[f"{case} harmony"]
             assert harmony["packs"] > 1
             assert eager["wrapped in"] == "DistributedDataParallel" and harmony["wrapped in"] != eager["wrapped in"]
