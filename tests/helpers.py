@@ -162,6 +162,19 @@ def assert_buffers_equal(model: nn.Module, reference: nn.Module, rtol: float = R
                                    msg=lambda m: f"buffer {name}: {m}")
 
 
+def assert_backward_equal(hm: nn.Module, model: nn.Module, reference: nn.Module, x: torch.Tensor) -> None:
+    """One forward and backward of ``hm`` (compiled from ``model``) and of ``reference`` (eager) on
+    ``x``, the loss the output's mean square: the losses, every gradient and every buffer equal."""
+    for p in (*model.parameters(), *reference.parameters()):
+        p.grad = None
+    loss, expected = hm(x).square().mean(), reference(x).square().mean()
+    torch.testing.assert_close(loss, expected)
+    loss.backward()
+    expected.backward()
+    assert_grads_equal(model, reference)
+    assert_buffers_equal(model, reference)
+
+
 def assert_step_equal(result: StepResult) -> None:
     torch.testing.assert_close(result.loss, result.reference_loss, rtol=RTOL, atol=ATOL)
     assert_grads_equal(result.model, result.reference)

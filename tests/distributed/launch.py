@@ -2,6 +2,8 @@
 
 ``run(scenario, world, tmp_path, **options)`` starts ``python -m tests.distributed.launch`` once per
 rank and returns each rank's result (what the scenario saved). Scenarios live in ``scenarios.py``.
+``torchrun(module, tmp_path)`` runs a script under torchrun itself, for the integrations that read
+its environment (transformers, Lightning).
 """
 from __future__ import annotations
 
@@ -46,6 +48,20 @@ def finish(processes: list[subprocess.Popen], out: pathlib.Path, timeout: float 
 
 def run(scenario: str, world: int, out: pathlib.Path, dying: dict[int, int] | None = None, **options) -> list[dict]:
     return finish(start(scenario, world, out, **options), out, dying=dying)
+
+
+def torchrun(module: str, out: pathlib.Path, processes: int = 2) -> list[dict]:
+    """``python -m torch.distributed.run --standalone --nproc_per_node=N -m module out``, as a user
+    launches a script (torchrun sets each process's environment, which the libraries read); each
+    rank's result, what ``module`` wrote to ``<out>/rank<r>.json``."""
+    import json
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                           f"--nproc_per_node={processes}", "-m", module, str(out)], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    return [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(processes)]
 
 
 def _main(scenario: str, rank: int, world: int, port: int, out: str) -> None:

@@ -737,15 +737,9 @@ def test_under_torchrun_each_step_equals_transformers_trainer_with_ddp(tmp_path)
     classifier's batch mean whose head each process initialised with its own seed, and an epoch's last
     step holding fewer batches than gradient_accumulation_steps (it was world_size times eager's); a
     run resumed from the checkpoint rank 0 saved continues as the unbroken one."""
-    import json
-    import os
+    from tests.distributed.launch import torchrun
 
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",
-                           "tests.integrations.across_processes", str(tmp_path)], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
-    ranks = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2)]
+    ranks = torchrun("tests.integrations.across_processes", tmp_path)
     for results in ranks:
         for case in ("llama", "classifier", "per-process tokens", "last step of one batch"):
             eager, harmony = results[f"{case} eager"], results[f"{case} harmony"]

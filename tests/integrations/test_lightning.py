@@ -372,16 +372,9 @@ def test_under_torchrun_training_equals_lightnings_ddp(tmp_path):
     are DDP's on both processes, and each step's loss is the mean of DDP's processes' own (the step's
     loss is over every process's share). Lightning launching the processes itself
     (``L.Trainer(devices=2)`` from a script) runs the same code in each."""
-    import json
-    import os
-    import subprocess
+    from tests.distributed.launch import torchrun
 
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",
-                           "tests.integrations.lightning_across_processes", str(tmp_path)], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
-    ranks = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2)]
+    ranks = torchrun("tests.integrations.lightning_across_processes", tmp_path)
     for results in ranks:
         assert results["packs"] >= 2 and len(results["harmony losses"]) == 4
         assert results["harmony losses"] == pytest.approx(results["ddp mean losses"], rel=RTOL)

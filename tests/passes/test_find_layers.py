@@ -11,7 +11,7 @@ import harmony_fx
 from harmony_fx.compiler.packing import BudgetTooSmallError
 from harmony_fx.ir import meta
 from harmony_fx.passes.find_layers import find_layers
-from tests.helpers import ZOO, prepared
+from tests.helpers import ZOO, assert_backward_equal, prepared
 
 
 def _compute_nodes(gm: fx.GraphModule) -> list[str]:
@@ -226,13 +226,4 @@ def test_a_norms_running_statistic_read_before_the_norm_updates_it_is_in_the_nor
     reads = {name for pack in hm.packs for name in pack.buffers if name.endswith("running_var")}
     assert len(reads) == 2 and all(sum(name in pack.buffers for pack in hm.packs) == 1 for name in reads)
     for _ in range(2):
-        for p in (*model.parameters(), *reference.parameters()):
-            p.grad = None
-        loss, expected = hm(x).square().mean(), reference(x).square().mean()
-        torch.testing.assert_close(loss, expected)
-        loss.backward()
-        expected.backward()
-        for (name, param), ref in zip(model.named_parameters(), reference.parameters()):
-            torch.testing.assert_close(param.grad, ref.grad, rtol=1e-5, atol=1e-7, msg=lambda m: f"{name}: {m}")
-        for (name, buffer), ref in zip(model.named_buffers(), reference.buffers()):
-            torch.testing.assert_close(buffer, ref, msg=lambda m: f"{name}: {m}")
+        assert_backward_equal(hm, model, reference, x)

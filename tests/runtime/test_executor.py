@@ -167,7 +167,7 @@ def test_a_buffer_the_forward_resizes_in_place_is_resized_on_the_host_as_in_eage
     import torch.ao.quantization as tq
     from torch import nn
 
-    from tests.helpers import assert_buffers_equal, assert_grads_equal
+    from tests.helpers import assert_backward_equal
 
     class Quantized(nn.Module):
         def __init__(self) -> None:
@@ -194,12 +194,5 @@ def test_a_buffer_the_forward_resizes_in_place_is_resized_on_the_host_as_in_eage
     assert len(hm.packs) == 3
     for step in range(2):
         x = torch.randn(4, 8)
-        for p in (*model.parameters(), *reference.parameters()):
-            p.grad = None
-        loss, expected = hm(x).square().mean(), reference(x).square().mean()
-        torch.testing.assert_close(loss, expected)
-        loss.backward()
-        expected.backward()
-        assert_grads_equal(model, reference)
-        assert_buffers_equal(model, reference)
+        assert_backward_equal(hm, model, reference, x)
     assert model.layers[0].weight_fake_quant.activation_post_process.min_val.shape == (16,)
