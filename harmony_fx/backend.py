@@ -445,7 +445,7 @@ class _Compiled:
         if key not in self.modules:
             refusal = self.refusals.get(key)
             if refusal is not None:
-                raise refusal.with_traceback(None)
+                raise _detached(refusal)
             module = _DynamoGraph(self.gm, self.inputs, args)
             try:
                 hm = harmony_compile(module, tuple(activations), **self.options)
@@ -508,8 +508,22 @@ class _Compiled:
                            "microbatches, which can fit a smaller budget")
         error.add_note("harmony_fx: remembered for this graph at these shapes and options: later calls raise "
                        "it again without planning")
-        self.refusals[key] = error
+        self.refusals[key] = _detached(error)  # raising it would keep the call's frames, its inputs, alive
         return error
+
+
+def _detached(error: BaseException) -> BaseException:
+    """A copy of ``error`` (its message, attributes such as ``smallest_budget``, notes and cause) without
+    a traceback: a remembered refusal raised as it is would hold the frames of the last call that raised
+    it, and with them that call's inputs, for as long as the graph lives."""
+    copy = type(error).__new__(type(error), *error.args)
+    copy.__dict__.update(error.__dict__)
+    if "__notes__" in error.__dict__:
+        copy.__notes__ = list(error.__notes__)
+    if error.__cause__ is not None:
+        copy.__cause__ = _detached(error.__cause__)
+    copy.__suppress_context__ = error.__suppress_context__
+    return copy
 
 
 # programs one graph keeps for the states Dynamo runs it for, and the bytes of those states' tensors

@@ -476,6 +476,29 @@ def test_a_refused_budget_is_remembered_for_the_same_graph_and_shapes(monkeypatc
     assert len(compiles) == 2
 
 
+def test_a_remembered_refusal_keeps_no_call_and_its_inputs_alive():
+    """The refusal kept for a graph's shapes holds no traceback: a loop that catches the refusal and
+    drops the batch gets the batch's memory back, as eager would."""
+    import gc
+    import weakref
+
+    from harmony_fx import BudgetTooSmallError
+
+    torch.manual_seed(0)
+    compiled = torch.compile(MLPChain(width=16, depth=4), backend="harmony",
+                             options={"memory_budget": 1000, "devices": ["host:0"]})
+    inputs = []
+    for _ in range(2):  # planned, then from memory
+        x = torch.randn(8, 16)
+        inputs.append(weakref.ref(x))
+        with pytest.raises(BudgetTooSmallError) as info:
+            compiled(x)
+        assert info.value.smallest_budget > 1000
+        del x, info
+    gc.collect()
+    assert [ref() for ref in inputs] == [None, None]
+
+
 class _FlattensPerSample(nn.Module):
     """``x.view(x.shape[0], -1)``: Dynamo's static graph bakes the batch size into the view."""
 

@@ -6,6 +6,7 @@ forward, loss and backward as one task per microbatch without its weights leavin
 """
 from __future__ import annotations
 
+import functools
 import inspect
 from typing import Any, Callable, Sequence
 
@@ -141,7 +142,11 @@ class BatchLoss:
         """Each microbatch's weighted loss, read from what the iteration left on the host. A
         microbatch of weight 0 shares 0: its mean is over nothing (every label ignored: NaN), and
         eager's mean over the whole batch never sees it (``microbatch.merge_scalars`` alike)."""
-        return [w * host_values[Key(KeyKind.ACT, self.name, mb)].detach().float() if w != 0 else torch.zeros(())
+        losses = {mb: host_values[Key(KeyKind.ACT, self.name, mb)].detach()
+                  for mb, w in enumerate(self.weights) if w != 0}
+        # fp32 at least (a bf16 loss is summed in fp32); a float64 model's loss stays float64, as eager's
+        dtype = functools.reduce(torch.promote_types, [loss.dtype for loss in losses.values()], torch.float32)
+        return [w * losses[mb].to(dtype) if w != 0 else torch.zeros((), dtype=dtype)
                 for mb, w in enumerate(self.weights)]
 
 

@@ -148,7 +148,7 @@ class StepTransaction:
         if failed:
             raise StepFailedElsewhere(f"Trainer.step: step {self.step} failed on rank(s) "
                                       f"{', '.join(map(str, failed))}; it was undone here too")
-        return [torch.tensor(share, dtype=torch.float32) for share in everyone]
+        return [torch.tensor(share, dtype=shares[0].dtype if shares else torch.float32) for share in everyone]
 
     def commit(self, stats) -> "PendingStep | None":
         """The step succeeded: the sharded weights gathered are written, and the tier's files are

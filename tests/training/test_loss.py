@@ -193,6 +193,24 @@ def test_a_loss_scale_multiplies_the_steps_loss_and_every_gradient():
         torch.testing.assert_close(param.grad, 3 * ref.grad, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("microbatches", [1, 2])
+def test_a_float64_models_loss_comes_back_in_float64_as_eager_computes_it(microbatches):
+    """A float64 model's step returns eager's float64 loss, not the loss rounded to float32."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 4)).double()
+    reference = copy.deepcopy(model)
+    x, target = torch.randn(6, 8, dtype=torch.float64), torch.randint(0, 4, (6,))
+    trainer = harmony_fx.Trainer(model, F.cross_entropy, torch.optim.SGD(model.parameters(), lr=0.0), (x, target),
+                                 devices=["host:0"], microbatches=microbatches)
+    try:
+        loss = trainer.step((x, target))
+    finally:
+        trainer.close()
+    expected = F.cross_entropy(reference(x), target)
+    assert loss.dtype == torch.float64
+    torch.testing.assert_close(loss, expected.detach(), rtol=1e-12, atol=1e-12)
+
+
 def test_a_microbatch_whose_every_label_is_ignored_adds_nothing_to_the_steps_loss():
     """Its mean is over no label (NaN); eager's mean over the whole batch never sees it, and the
     step's loss and updates are eager's (a masked prompt, a padded tail)."""
