@@ -96,6 +96,10 @@ class Trainer:
         # before anything else, so that a misspelled max_grad_norm is named as the Trainer's, not CompileOptions'
         own = [name for name, p in inspect.signature(Trainer.__init__).parameters.items() if p.kind is p.KEYWORD_ONLY]
         check_option_names(options, own + list(option_names()), "harmony_fx.Trainer")
+        if not (hasattr(optimizer, "param_groups") and callable(getattr(optimizer, "step", None))):
+            raise TypeError(f"harmony_fx.Trainer steps an optimizer over the model's parameters (a torch.optim "
+                            f"optimizer, e.g. torch.optim.AdamW(model.parameters())); got {optimizer!r}. To run the "
+                            "forward and backward without one, use harmony_fx.compile(model, ...) and a loop of your own.")
         if skip_nonfinite and not atomic:
             raise ValueError("skip_nonfinite=True needs atomic=True: skipping a step puts back the updates the "
                              "backward already made, from the copies atomic=False does not keep")

@@ -486,6 +486,13 @@ def test_optimizer_over_another_models_parameters_is_refused():
         harmony_fx.Trainer(model, F.cross_entropy, torch.optim.SGD(other.parameters(), lr=0.1), (x, target))
 
 
+def test_no_optimizer_is_refused_saying_what_to_pass():
+    """``Trainer(model, loss_fn, None, ...)`` failed on an AttributeError inside the Trainer."""
+    model, x, target = _small()
+    with pytest.raises(TypeError, match=r"steps an optimizer .* got None.* use harmony_fx.compile"):
+        harmony_fx.Trainer(model, F.cross_entropy, None, (x, target))
+
+
 def test_optimizer_with_one_foreign_parameter_is_refused():
     model, x, target = _small()
     stray = torch.nn.Parameter(torch.zeros(3))
