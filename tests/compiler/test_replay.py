@@ -6,6 +6,7 @@ leaves other bytes than its record makes the run start again without replays; pa
 random numbers replay like the others."""
 from __future__ import annotations
 
+import collections
 import copy
 
 import pytest
@@ -131,3 +132,49 @@ def test_a_backward_that_hands_on_no_gradient_replays_as_none():
     torch.testing.assert_close(loss, expected.detach(), rtol=1e-5, atol=1e-6)
     for param, ref in zip(model.parameters(), reference.parameters()):
         torch.testing.assert_close(param.grad, ref.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_the_holders_of_each_storage_are_counted_as_values_come_and_go():
+    """``_held_elsewhere`` asks at every task whether another key holds a storage of the task's values:
+    counted as the device's values change (a scan of every value made the planning run of n
+    microbatches O(n^2)), the count is what a scan finds, after every kind of change."""
+    from hypothesis import given, settings, strategies as st
+
+    from harmony_fx.compiler.replay import _Holders, _storages
+    from harmony_fx.ir.tracking import storage_key
+    from harmony_fx.program.actions import Key, KeyKind
+
+    bases = [torch.zeros(8) for _ in range(3)]
+    # values: a tensor, a view of another's storage, a tuple of two, None
+    kinds = [lambda b: bases[b], lambda b: bases[b][2:], lambda b: (bases[b], bases[(b + 1) % 3][:1]), lambda b: None]
+    keys = [Key(KeyKind.ACT, f"v{i}", 0) for i in range(4)]
+    operation = st.tuples(st.sampled_from(["set", "pop", "del", "update", "setdefault", "clear"]),
+                          st.integers(0, 3), st.integers(0, 3), st.integers(0, 2))
+
+    @settings(max_examples=60, deadline=None)
+    @given(st.lists(operation, max_size=12))
+    def check(operations):
+        values = _Holders({})
+        for name, key, kind, base in operations:
+            key, value = keys[key], kinds[kind](base)
+            if name == "set":
+                values[key] = value
+            elif name == "pop":
+                values.pop(key, None)
+            elif name == "del" and key in values:
+                del values[key]
+            elif name == "update":
+                values.update({key: value})
+            elif name == "setdefault":
+                values.setdefault(key, value)
+            elif name == "clear":
+                values.clear()
+            scanned = collections.Counter(storage for value in values.values() for storage in _storages(value))
+            assert +values.holders == scanned
+        for key in keys:  # held elsewhere: by a key other than this one
+            mine = _storages(values.get(key))
+            scan = any(storage_key(leaf) in mine for other, value in values.items() if other != key
+                       for leaf in replay._tensors(value))
+            assert any(values.holders[storage] > 1 for storage in mine) == scan
+
+    check()
