@@ -755,6 +755,9 @@ def test_under_torchrun_each_step_equals_transformers_trainer_with_ddp(tmp_path)
         assert len(results["llama eager"]["evaluations"]) == 2
         assert max(norm for _, norm in results["llama eager"]["steps"].values()) > 1.0  # max_grad_norm clipped
         resumed, unbroken = results["llama resumed"], results["llama harmony"]
+        if resumed is None:  # transformers 5.17 loads to cpu:N, where torch 2.11 cannot (its own resume fails)
+            assert tuple(int(part) for part in torch.__version__.split(".")[:2]) < (2, 13)
+            continue
         assert resumed["steps"].keys() == unbroken["steps"].keys()
         assert sum(resumed["steps"].values(), []) == pytest.approx(sum(unbroken["steps"].values(), []), rel=1e-6)
         assert resumed["parameters"] == pytest.approx(unbroken["parameters"], rel=1e-6)
