@@ -196,7 +196,7 @@ class Trainer:
                                               pin_memory=any(d.torch_device.type == "cuda" for d in self.hm.devices))
         self._updater = Updater(optimizer, max_grad_norm, self._tier, self._cross, self._grad_buffers)
         self._state = TrainingState(model, optimizer, self._tier, self._cross, self.cluster)
-        # the model's and optimizer's own state_dict() read the tier too (weakly: hooks outlive nothing)
+        # the model's and optimizer's own state_dict() read the tier too (the hooks hold the trainer weakly)
         flush = weakref.WeakMethod(self.flush)
         self._tier_hooks = self._state.hook_tier(lambda: flush()()) if self._tier is not None else []
 

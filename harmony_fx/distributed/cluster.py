@@ -125,12 +125,12 @@ class Cluster:
         """Rank 0's ``tensor`` on every rank, in place."""
         self._collective(lambda: dist.broadcast(tensor, src=0, group=self.control_group), what)
 
-    def take_rank0s(self, tensors: Sequence[torch.Tensor], what: str) -> list[int]:
+    def take_rank0s(self, tensors: Sequence[torch.Tensor], what: str) -> None:
         """Rank 0's values of ``tensors`` on every rank, in place, as DDP's constructor broadcasts
         the model's: a randomly initialised head on a pretrained body (a fresh seed per process)
         would otherwise train as a different replica on each rank, the same update applied to
         different weights. Only the tensors whose fingerprint (sum and norm) differs on some rank
-        are sent: a model every rank loaded from one checkpoint sends nothing. Returns their indices."""
+        are sent: a model every rank loaded from one checkpoint sends nothing."""
         mine = torch.tensor([_fingerprint(tensor) for tensor in tensors], dtype=torch.float64).reshape(-1, 2)
         every = torch.empty(self.world * mine.numel(), dtype=torch.float64)
         self._collective(lambda: _all_gather()(every, mine.flatten(), group=self.control_group), what)
@@ -139,7 +139,6 @@ class Cluster:
         differing = (every != every[0]).any(dim=2).any(dim=0).nonzero().flatten().tolist()
         for index in differing:
             self.broadcast(tensors[index].detach(), what)
-        return differing
 
     # ------------------------------------------------------------------ the update thread's
     def all_reduce(self, tensor: torch.Tensor, what: str) -> None:

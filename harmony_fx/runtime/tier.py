@@ -334,7 +334,7 @@ class StateTier:
         """Every tiered parameter's optimizer state back in the optimizer (read from the committed
         files), as before ``store_all`` moved it, once: the tier then holds nothing (a trainer's
         ``close``, after which the optimizer steps on its own)."""
-        for pack, params in self.packs.items():
+        for params in self.packs.values():
             for param in params:
                 stored = self.stored(param)
                 if stored:
