@@ -92,7 +92,7 @@ class HarmonyStrategy(DDPStrategy):
     harmony's own bfloat16 (weights and transfers in bf16, fp32 masters on the host). Lightning's
     other precisions are refused (``_precision_problems``).
 
-    Several processes (``L.Trainer(devices=N, num_nodes=M)`` on CPUs, or torchrun) are launched and
+    Several processes (``L.Trainer(devices=N, num_nodes=M)``, or torchrun) are launched and
     grouped by Lightning as for its DDP strategy, each on its share of the data (its distributed
     sampler): the steps are a ``harmony_fx.Trainer`` across them, which sums each pack's gradients
     over the processes (the model is never wrapped in DDP), each computing on its own GPU
