@@ -57,11 +57,12 @@ def cached_capture(model: nn.Module, size: int | None, args: tuple, kwargs: dict
     key = (size, target, dtype, CallKey.of(model, args, kwargs), attribute_facts(model))
     kept = _captures.setdefault(model, collections.OrderedDict())
     # each kept with the values its reads gave when captured: a value the key does not reach, read again
-    if key in kept and kept[key][1] == kept[key][0].captured.attribute_reads.values():
+    held, values = kept.get(key, (None, None))
+    if held is not None and values == held.captured.attribute_reads.values():
         # kept by a compile with no backward, where a hook the forward registers is moot
-        refuse_tensor_hooks(kept[key][0].captured.tensor_hooks)
+        refuse_tensor_hooks(held.captured.tensor_hooks)
         kept.move_to_end(key)
-        return dataclasses.replace(_with_masters(_copy(kept[key][0]), model), reused=True)
+        return dataclasses.replace(_with_masters(_copy(held), model), reused=True)
     variant = capture_variant(model, size, args, kwargs, target, dtype)
     # read again: capturing runs the forward, which materializes a lazy module's parameters
     kept[(size, target, dtype, CallKey.of(model, args, kwargs), attribute_facts(model))] = (

@@ -344,14 +344,12 @@ class _Holders(dict):
         self._count(dict.__getitem__(self, key), -1)
         dict.__delitem__(self, key)
 
-    _ABSENT = object()
-
     def pop(self, key, default=_ABSENT):
         if key in self:
             value = dict.pop(self, key)
             self._count(value, -1)
             return value
-        if default is _Holders._ABSENT:
+        if default is _ABSENT:
             raise KeyError(key)
         return default
 
