@@ -198,6 +198,7 @@ class PendingStep:
         """Wait for the commit; if it failed, undo this step and return its error (noted on
         ``failure`` too, the error of a step that failed meanwhile)."""
         error = self.io.committed.exception()  # a Ctrl-C here leaves the pending step as it is
+        self.io.drain()  # the commit was the writer's last work: its threads end now, not after we return
         if error is None:
             self.committed()
             return None

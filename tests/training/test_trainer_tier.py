@@ -8,6 +8,7 @@ bit.
 from __future__ import annotations
 
 import json
+import threading
 
 import pytest
 import torch
@@ -225,6 +226,16 @@ def test_close_gives_the_optimizer_its_state_back(tmp_path):
     for p, q in zip(reference.model.parameters(), tiered.model.parameters()):
         ours, theirs = tiered.optimizer.state[q], reference.optimizer.state[p]
         assert ours.keys() == theirs.keys() and all(torch.equal(ours[key], theirs[key]) for key in theirs)
+
+
+def test_close_returns_after_the_tiers_threads_have_ended(tmp_path):
+    """A step's reader and writer threads end once its state is committed; ``close`` (and every
+    ``flush``) waits for them, so nothing of the trainer runs after it returns."""
+    tiered = four_pack_trainer(nvme_path=tmp_path)
+    for batch in regression_batches(3):
+        tiered.step(batch)
+    tiered.close()
+    assert [t.name for t in threading.enumerate() if t.name.startswith("harmony-io")] == []
 
 
 @pytest.mark.parametrize("optimizer, options", [
