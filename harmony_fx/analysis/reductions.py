@@ -187,12 +187,13 @@ def _terms(gm: fx.GraphModule, node: fx.Node, divisor: float | None, origin: fx.
         elif target in (aten.add.Tensor, aten.sub.Tensor) and len(node.args) == 2:
             left, right = node.args
             alpha = node.kwargs.get("alpha", 1)
-            right_terms = [] if alpha == 0 else (
+            right_terms = [] if alpha == 0 or _is_zero(right) else (
                 _terms(gm, right, divisor, origin, state, scale if alpha == 1 else _scaled(scale, alpha))
                 if isinstance(right, fx.Node)
                 else [_SHARED])
-            return (_terms(gm, left, divisor, origin, state, scale) if isinstance(left, fx.Node) else [_SHARED]) \
-                + right_terms
+            left_terms = [] if _is_zero(left) else (
+                _terms(gm, left, divisor, origin, state, scale) if isinstance(left, fx.Node) else [_SHARED])
+            return left_terms + right_terms
         elif target is operator.getitem and node.args[1] == 0 and node.args[0].target is aten.nll_loss_forward.default:
             node = node.args[0]  # (loss, total_weight)
         else:
@@ -201,6 +202,11 @@ def _terms(gm: fx.GraphModule, node: fx.Node, divisor: float | None, origin: fx.
     if reduction.combine is None:
         return [reduction]
     return [dataclasses.replace(reduction, node=node.name, scale=scale, divisor=divisor)]
+
+
+def _is_zero(value: Any) -> bool:
+    # a sum begun at 0 (``aux = 0; aux = aux + term``) adds nothing every microbatch would repeat
+    return isinstance(value, (int, float)) and value == 0
 
 
 def _scaled(value: float | None, factor: float) -> float:

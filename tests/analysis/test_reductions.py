@@ -116,6 +116,13 @@ def test_a_number_made_without_any_size_stays_a_constant() -> None:
     assert reduction.combine == Combine.LINEAR and reduction.shared
 
 
+def test_a_sum_begun_at_zero_adds_nothing_shared() -> None:
+    """``aux = 0; aux = aux + term`` (a MoE router's loss summed over layers) is the term alone: the 0
+    was taken for a constant every microbatch adds, and a cut by hand was refused."""
+    reduction, _ = _reduction(lambda out, target: 0 + (out - target).pow(2).mean() - 0, torch.randn(6, 3))
+    assert reduction.combine == Combine.MEAN and reduction.count({}) == 18
+
+
 def test_a_linear_combination_of_means_keeps_its_terms() -> None:
     reduction, _ = _reduction(lambda out, target: (out - target).pow(2).mean() + 0.5 * out.abs().mean(),
                               torch.randn(6, 3))
