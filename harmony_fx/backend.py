@@ -61,7 +61,7 @@ from torch.utils import _pytree as pytree
 
 from harmony_fx.api import MANY_VARIANTS, HarmonyModule, compile as harmony_compile
 from harmony_fx.compiler.packing import BudgetTooSmallError
-from harmony_fx.config import CompileOptions, check_option_names, option_names, with_environment
+from harmony_fx.config import HOST_STATE_OPTIONS, CompileOptions, check_option_names, option_names, with_environment
 from harmony_fx.frontend.capture import CaptureError
 from harmony_fx.frontend.refusals import model_line
 from harmony_fx.ir import autograd_functions, meta
@@ -92,7 +92,11 @@ def harmony(gm: fx.GraphModule, example_inputs: Sequence[Any], *, options: dict 
         raise ValueError(f"torch.compile(mode={mode!r}) has no meaning for the harmony backend; pass harmony's "
                          f"settings as options={{...}} (any of {', '.join(sorted(option_names()))}).")
     check_option_names(options or {}, option_names(), 'torch.compile(backend="harmony") options')
-    options = with_environment(options)  # HARMONY_FX_* variables: a script run under a budget unedited
+    # HARMONY_FX_* variables: a script run under a budget unedited. HARMONY_FX_NVME_PATH and
+    # HARMONY_FX_HOST_MEMORY are for the Trainer's doors (the optimizer's state), which a script
+    # may use beside torch.compile: not refused here, where the user passed neither
+    options = {**{name: value for name, value in with_environment(None).items() if name not in HOST_STATE_OPTIONS},
+               **(options or {})}
     if not any(node.op in ("call_function", "call_method", "call_module") for node in gm.graph.nodes):
         return gm  # a fragment between graph breaks that computes nothing (it hands values on): as it is
     _warn_at_dynamos_last_compile()

@@ -14,13 +14,18 @@ from harmony_fx.commands import calibrate, demo, plan
 __all__ = ["main"]
 
 
+def parser(**options) -> argparse.ArgumentParser:
+    """The command line's parser (``options``: ``argparse.ArgumentParser``'s, such as ``exit_on_error``)."""
+    made = argparse.ArgumentParser(prog="harmony-fx", description="harmony_fx: train models larger than GPU memory",
+                                   **options)
+    commands = made.add_subparsers(dest="command", required=True)
+    for command in (demo, plan, calibrate):
+        command.add_parser(commands)
+    return made
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="harmony-fx", description="harmony_fx: train models larger than GPU memory")
-    commands = parser.add_subparsers(dest="command", required=True)
-    demo.add_parser(commands)
-    plan.add_parser(commands)
-    calibrate.add_parser(commands)
-    args = parser.parse_args(argv)
+    args = parser().parse_args(argv)
     return {"demo": demo.run, "plan": plan.run, "calibrate": calibrate.run}[args.command](args)
 
 

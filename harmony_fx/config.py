@@ -237,6 +237,9 @@ def option_names() -> tuple[str, ...]:
 # ``harmony_fx.Trainer``'s own options (it steps the optimizer): at a door that does not, where they go
 TRAINER_OPTIONS = ("max_grad_norm", "loss_reduction", "skip_nonfinite", "atomic", "process_group", "shard_optimizer",
                    "collective_timeout")
+# options that size the optimizer's host state (compile options a Trainer reads): a door's forward-only
+# compile, or one beside a Trainer (the backend, reading the environment), leaves them out
+HOST_STATE_OPTIONS = ("nvme_path", "host_memory")
 _PROCESS_OPTIONS = ("process_group", "shard_optimizer", "collective_timeout")
 _WHERE_PROCESS_OPTIONS_GO = ("an option of harmony_fx.Trainer, which trains across processes: run it under torchrun "
                              "(examples/torchrun_train.py)")

@@ -445,6 +445,22 @@ def test_options_come_from_the_environment_where_the_code_passes_none(monkeypatc
     assert hm.num_microbatches == 2
 
 
+def test_the_trainers_environment_variables_are_not_refused_by_the_backend(monkeypatch, tmp_path):
+    """HARMONY_FX_NVME_PATH and HARMONY_FX_HOST_MEMORY size the Trainer's host state (HarmonyTrainer,
+    HarmonyStrategy): a torch.compile in the same script runs without them, where it refused them
+    as options it was never passed."""
+    monkeypatch.setenv("HARMONY_FX_NVME_PATH", str(tmp_path))
+    monkeypatch.setenv("HARMONY_FX_HOST_MEMORY", "1GiB")
+    torch.manual_seed(0)
+    model = MLPChain(width=16, depth=4)
+    reference = copy.deepcopy(model)
+    x = torch.randn(8, 16)
+    torch.compile(model, backend="harmony")(x).sum().backward()
+    reference(x).sum().backward()
+    for param, ref in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(param.grad, ref.grad, rtol=RTOL, atol=ATOL)
+
+
 def test_a_refused_budget_is_remembered_for_the_same_graph_and_shapes(monkeypatch):
     """Dynamo calls the compiled frame again on every call: a budget no packing fits is refused
     once by planning and after that from memory, the same error; another shape is planned anew."""

@@ -64,7 +64,7 @@ except ImportError as error:  # an optional extra: say how to get it
 
 from harmony_fx.api import HarmonyModule, compile as harmony_compile
 from harmony_fx.compiler.driver import MicrobatchesComputeApart
-from harmony_fx.config import check_option_names, option_names, with_environment
+from harmony_fx.config import HOST_STATE_OPTIONS, check_option_names, option_names, with_environment
 from harmony_fx.frontend.capture import CaptureError, buffers_put_back
 from harmony_fx.ir.values import fakes_of
 from harmony_fx.trainer import Trainer
@@ -382,7 +382,7 @@ class HarmonyTrainer(transformers.Trainer):
         if self._forward_module is None:
             # the NVMe tier and host_memory are the optimizer's: a forward holds no state
             options = {k: v for k, v in self._harmony_options.items()
-                       if k not in (*_TRAINER_OPTIONS, "nvme_path", "host_memory")}
+                       if k not in (*_TRAINER_OPTIONS, *HOST_STATE_OPTIONS)}
             self._forward_module = harmony_compile(self.model, **options)
         return self._forward_module
 

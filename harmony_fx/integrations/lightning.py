@@ -57,7 +57,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.enums import GradClipAlgorithmType
 
 import harmony_fx
-from harmony_fx.config import check_option_names, option_names, with_environment
+from harmony_fx.config import HOST_STATE_OPTIONS, check_option_names, option_names, with_environment
 from harmony_fx.runtime.devices import visible_gpus
 from harmony_fx.training.checkpoint import get_rng_states, set_rng_states
 
@@ -250,7 +250,9 @@ class HarmonyStrategy(DDPStrategy):
         key = (method, spec, indices[1:])
         if key not in self._forward_only:
             step_module = _StepModule(self.lightning_module, method, spec, indices, logs_out=True)
-            options = {**self.compile_options, **self._own_devices(), "microbatches": None}
+            # the NVMe tier and host_memory are the optimizer's: a forward-only step holds no state
+            options = {**{k: v for k, v in self.compile_options.items() if k not in HOST_STATE_OPTIONS},
+                       **self._own_devices(), "microbatches": None}
             self._forward_only[key] = (step_module, harmony_fx.compile(step_module, **options))
         step_module, compiled = self._forward_only[key]
         with self._autocast():  # compiled at its first call, under the autocast it runs with

@@ -239,6 +239,14 @@ def test_validation_test_and_predict_run_forward_only_through_harmony():
     assert all(param.grad is None for param in module.parameters())
 
 
+def test_validation_runs_beside_a_training_step_on_an_nvme_tier(tmp_path):
+    """``nvme_path`` (and ``host_memory``) are the Trainer's, for the optimizer's state: the
+    forward-only compile of ``validation_step`` does not take them (it refused them)."""
+    _, trainer = _fit(HarmonyStrategy(nvme_path=str(tmp_path / "tier")), 1)
+    assert {"train_loss", "val_loss"} <= trainer.logged_metrics.keys()
+    assert any((tmp_path / "tier").iterdir())  # the optimizer's state went to the tier
+
+
 def test_a_tensor_logged_besides_the_loss_is_warned_about():
     class LogsAnother(Regressor):
         def training_step(self, batch, batch_idx):
