@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import harmony_fx
+from harmony_fx.config import CompileOptions
 from harmony_fx.models import MLPChain
 from tests.helpers import (
     SEED, ZOO, assert_buffers_equal, assert_grads_equal, assert_step_equal, cached_train_step, eager_bytes,
@@ -421,7 +422,11 @@ def test_a_copy_of_a_compiled_module_is_its_models_copy_compiled_the_same_way(ho
         buffer = io.BytesIO()
         torch.save(hm, buffer)
         buffer.seek(0)
-        copied = torch.load(buffer, weights_only=False)
+        # torch.load's default (weights_only=True) loads it with harmony's two classes allowed beside the
+        # model's, as README says
+        allowed = {type(module) for module in model.modules()} | {harmony_fx.HarmonyModule, CompileOptions}
+        with torch.serialization.safe_globals(list(allowed)):
+            copied = torch.load(buffer)
     assert copied.model is not model and copied.options == hm.options
     copied(x).square().mean().backward()
     hm(x).square().mean().backward()

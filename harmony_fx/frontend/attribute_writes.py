@@ -5,7 +5,9 @@ model then runs its graph, which assigns nothing, and torch.export puts the attr
 was. Said in harmony's words (export's own warning asks to register a buffer, which would not help):
 return the tensor as an output instead. Python numbers and flags a forward sets (a call counter,
 Funnel's ``seq_len``) are not said: libraries set them as scratch state, and README says a forward's
-Python side effects run once; nor is a weight ``weight_norm`` or ``spectral_norm`` computes each call.
+Python side effects run once; nor is a weight ``weight_norm`` or ``spectral_norm`` computes each call,
+nor a list of the module's own parameters (``nn.LSTM``/``nn.GRU``/``nn.RNN`` remake ``_flat_weights``
+from their weights when they find them changed, as they are while export holds its own).
 
 A registered buffer the forward replaces by a new tensor (``self.count = self.count + 1``; ConViT's
 ``self.rel_indices = ...``) is said too, apart: torch.export drops the assignment (no buffer
@@ -60,6 +62,15 @@ def _identity(container, item) -> tuple:
     return (item[0], id(item[1])) if isinstance(container, dict) else (id(item),)
 
 
+def _only_own_parameters(module: nn.Module, container) -> bool:
+    """Every tensor in ``container`` is one of ``module``'s own parameters: ``nn.RNNBase``'s
+    ``_flat_weights``, which its forward remakes from the weights export swapped in. Nothing of a
+    call's values is kept there (the model's own parameters are put back after the capture)."""
+    own = {id(parameter) for parameter in module._parameters.values() if parameter is not None}
+    tensors = [leaf for leaf in pytree.tree_leaves(_contents(container)) if isinstance(leaf, torch.Tensor)]
+    return bool(tensors) and all(id(tensor) in own for tensor in tensors)
+
+
 def _holds_new_tensors(container, before: list | None) -> bool:
     """A tensor in ``container`` that was not in it before the forward (by identity)."""
     known = {_identity(container, item) for item in before or ()}
@@ -94,7 +105,7 @@ def tensor_attribute_writes_said(model: nn.Module) -> Iterator[CapturedGraph]:
         if isinstance(value, torch.Tensor):
             return before.get(name, {}).get(key) is not value and not _derived_from_parameters(module, key)
         return isinstance(value, _CONTAINERS) and key not in _MODULES_OWN and \
-            _holds_new_tensors(value, contents.get((name, key)))
+            _holds_new_tensors(value, contents.get((name, key))) and not _only_own_parameters(module, value)
 
     def after_forward(*_) -> None:
         for name, module in model.named_modules():
