@@ -12,6 +12,7 @@ import contextlib
 import copy
 import dataclasses
 import inspect
+import threading
 import warnings
 from typing import Any, Callable, Sequence
 
@@ -30,6 +31,7 @@ from harmony_fx.config import CompileOptions, check_option_names, format_size, o
 from harmony_fx.frontend import microbatch
 from harmony_fx.frontend.attribute_reads import Reads
 from harmony_fx.frontend.calls import Calls
+from harmony_fx.frontend.capture import CaptureError
 from harmony_fx.frontend.frozen import frozen_in_compute_dtype
 from harmony_fx.frontend.guards import CallKey
 from harmony_fx.planner.module import simulate_module
@@ -74,6 +76,10 @@ def _warn_weights_stay_on_the_host(call: str) -> None:
 
 # the model's dicts a compiled module shares (nn.Module's recursion over them reaches the model's
 # weights and submodules under their own names)
+# the models whose compiled module this thread is calling: a call from inside one (its model's forward
+# calling it) would capture itself without end
+_models_running = threading.local()
+
 _SHARED_WITH_THE_MODEL = ("_parameters", "_buffers", "_non_persistent_buffers_set", "_modules")
 
 # HarmonyModule's own attributes: set as plain attributes, never registered in the shared dicts
@@ -491,10 +497,21 @@ class HarmonyModule(nn.Module):
     @torch.compiler.disable(reason="a harmony_fx module runs its own compiled program: call it outside "
                                    "fullgraph=True, or compile the model with torch.compile(model, backend='harmony')")
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if "compiled" not in self.__dict__:
-            self._compile(args, kwargs)
-        module = self._last = self.for_batch(args, kwargs)
-        return module._run(args, kwargs)
+        running = _models_running.__dict__.setdefault("ids", set())
+        if id(self.model) in running:
+            raise CaptureError(
+                f"harmony_fx: {self.model._get_name()}'s forward calls its own compiled module (a forward set on the "
+                "model that calls the compiled module?): the compiled module runs the model's forward, so it would "
+                "call itself without end, as the model called eagerly would. Compile the module whose forward does "
+                "the work, and call the compiled module from outside it.")
+        running.add(id(self.model))
+        try:
+            if "compiled" not in self.__dict__:
+                self._compile(args, kwargs)
+            module = self._last = self.for_batch(args, kwargs)
+            return module._run(args, kwargs)
+        finally:
+            running.discard(id(self.model))
 
     forward = _Forward()
 

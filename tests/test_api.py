@@ -1015,3 +1015,17 @@ def test_a_distributed_data_parallel_given_to_harmony_is_refused_saying_to_wrap_
         assert_grads_equal(model, reference)
     finally:
         dist.destroy_process_group()
+
+
+def test_a_forward_that_calls_its_own_compiled_module_is_refused_in_words():
+    """A forward set on the model that calls the compiled module recursed into the capture and was
+    reported as an internal assertion (``reads_recorded is not reentrant``) with advice on dtypes."""
+    layer = nn.Linear(4, 4)
+    hm = harmony_fx.compile(layer, devices=["host:0"])
+    layer.forward = lambda t: hm(t)
+    with pytest.raises(ValueError, match=r"Linear's forward calls its own compiled module") as raised:
+        hm(torch.randn(2, 4))
+    assert "dtypes" not in str(raised.value)
+    del layer.forward  # the class's forward again: the module compiles and runs
+    x = torch.randn(2, 4)
+    torch.testing.assert_close(hm(x), x @ layer.weight.T + layer.bias)

@@ -259,6 +259,8 @@ def _capture(model: nn.Module, args: tuple, kwargs: dict, stack_traces: bool, dt
                 trace_error = _DerivativeInForward(f"the forward calls {taken}")
                 raise CaptureError(_capture_failure_message(model, export_error, trace_error, kwargs)) from export_error
             own = raised_when_run(model, args, kwargs)
+            if isinstance(own, CaptureError):  # harmony's own words (the forward calls its compiled module)
+                raise own
             if own is not None:
                 refused = CaptureError(
                     f"{type(model).__name__} raises on these inputs, as it would called eagerly: "
