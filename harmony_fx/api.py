@@ -596,7 +596,12 @@ class HarmonyModule(nn.Module):
                 how = f"{packing} does not serve here ({kind.__name__}: {first_line}...): planned afresh"
                 module.__dict__.pop("compiled", None)
         if "compiled" not in module.__dict__:  # no packing to reuse, or it did not fit
-            module._compile(args, kwargs, key)
+            try:
+                module._compile(args, kwargs, key)
+            except BudgetTooSmallError as error:
+                error.add_note(f"harmony_fx: this call was planned afresh, as it differs from the first call "
+                               f"({self.calls.describe_inputs()}), which fits the budget, in: {changes}")
+                raise
         module._stages_after.add("guards", 0.0, f"a new call state ({changes}): {how}")
         module.record_timeline(self.session.recording, memory=self._timeline_memory)
         return module

@@ -1029,3 +1029,19 @@ def test_a_forward_that_calls_its_own_compiled_module_is_refused_in_words():
     del layer.forward  # the class's forward again: the module compiles and runs
     x = torch.randn(2, 4)
     torch.testing.assert_close(hm(x), x @ layer.weight.T + layer.bias)
+
+
+def test_a_later_call_that_does_not_fit_says_it_was_planned_afresh_and_how_it_differs():
+    """A module compiled near its smallest budget, called with a larger batch: the refusal named a budget
+    the user thought they had met, without saying that this call, not the first, was planned."""
+    torch.manual_seed(0)
+    model = MLPChain(width=64, depth=6)
+    x = torch.randn(4, 64)
+    with pytest.raises(harmony_fx.BudgetTooSmallError) as smallest:
+        harmony_fx.compile(model, (x,), memory_budget=1, devices=["host:0"])
+    hm = harmony_fx.compile(model, memory_budget=smallest.value.smallest_budget, devices=["host:0"])
+    hm(x).sum().backward()
+    with pytest.raises(harmony_fx.BudgetTooSmallError) as refused:
+        hm(torch.randn(64, 64))
+    (note,) = [note for note in refused.value.__notes__ if "planned afresh" in note]
+    assert "differs from the first call (x (4, 64))" in note and "shapes" in note
