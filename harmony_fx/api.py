@@ -42,6 +42,7 @@ from harmony_fx.runtime.devices import HostDevice
 from harmony_fx.runtime.executor import Runtime
 from harmony_fx.runtime.host import GradientBuffers
 from harmony_fx.runtime.session import Iteration, Session
+from harmony_fx.user_frames import user_stacklevel
 
 __all__ = ["compile", "HarmonyModule"]
 
@@ -71,7 +72,7 @@ def _warn_weights_stay_on_the_host(call: str) -> None:
     warnings.warn(
         f"harmony_fx: {call} on a compiled model leaves its weights in host memory, where harmony_fx keeps "
         "them: each pack goes onto the devices compile(devices=...) named, as the plan says (a model larger than "
-        "the device would not fit there whole). Inputs may be on the host or on a device.", stacklevel=3)
+        "the device would not fit there whole). Inputs may be on the host or on a device.", stacklevel=user_stacklevel())
 
 
 # the model's dicts a compiled module shares (nn.Module's recursion over them reaches the model's
@@ -559,7 +560,7 @@ class HarmonyModule(nn.Module):
             warnings.warn(
                 f"harmony_fx: each of the last {VALUES_IN_A_ROW} calls compiled the model again (captured and "
                 f"planned it), for a new value of a Python number the graph holds as a constant: "
-                f"{'; '.join(changes)}.", stacklevel=3)
+                f"{'; '.join(changes)}.", stacklevel=user_stacklevel())
         if len(self._by_key) == MANY_VARIANTS + 1:
             changes = key.changes_from(self._key, self.model, self._reads)
             padding = (" If the sequence length changes with every batch, pad to a multiple (DataCollatorWithPadding"
@@ -569,7 +570,7 @@ class HarmonyModule(nn.Module):
                 f"harmony_fx: this module has compiled for {len(self._by_key)} call states (train/eval, no_grad, "
                 "autocast, parameters, input shapes, values passed in, attributes the forward reads), each kept "
                 "with its graphs and buffers; this call differs from the first in: "
-                f"{'; '.join(changes) or 'nothing it can name'}.{padding}", stacklevel=3)
+                f"{'; '.join(changes) or 'nothing it can name'}.{padding}", stacklevel=user_stacklevel())
         return module
 
     def _compile_for(self, key: CallKey, args: tuple, kwargs: dict, roles: dict) -> "HarmonyModule":

@@ -65,6 +65,7 @@ from harmony_fx.config import HOST_STATE_OPTIONS, CompileOptions, check_option_n
 from harmony_fx.frontend.capture import CaptureError
 from harmony_fx.frontend.refusals import model_line
 from harmony_fx.ir import autograd_functions, meta
+from harmony_fx.user_frames import user_stacklevel
 
 __all__ = ["harmony"]
 
@@ -246,7 +247,7 @@ def _warn_at_dynamos_last_compile() -> None:
                   "config.recompile_limit): a call in a new state after this one (a new sequence length, a new "
                   "batch size) runs eagerly, outside harmony and its memory budget. Compile with dynamic=True "
                   "(shapes that change do not compile again), pad the inputs to a few lengths, or raise the limit.",
-                  stacklevel=3)
+                  stacklevel=user_stacklevel())
 
 
 def _num_microbatches(options: dict) -> int:
@@ -471,7 +472,7 @@ class _Compiled:
                     "planned anew, its graphs and buffers kept); dynamic=True spares Dynamo's recompiles, not "
                     "harmony's plans. If the sequence length changes with every batch, pad to a multiple "
                     "(DataCollatorWithPadding(..., pad_to_multiple_of=64)) to bound how many lengths are compiled.",
-                    stacklevel=2)
+                    stacklevel=user_stacklevel())
         self.modules[key] = self.modules.pop(key)  # the most recently used last
         return self.modules[key][1](*activations)
 
@@ -501,7 +502,7 @@ class _Compiled:
                     f"with assign=True, numbers passed in) than the {_PROGRAMS_KEPT} programs or "
                     f"{_STATE_BYTES_KEPT >> 30} GiB of their tensors harmony keeps for it; the least recently used "
                     "are let go and compiled again if they come back. A number that changes every call is cheaper as "
-                    "a tensor.", stacklevel=3)
+                    "a tensor.", stacklevel=user_stacklevel())
 
     def _remembered(self, key: tuple, error: Exception) -> Exception:
         """``error``, kept to be raised again at the next call with ``key``: it cannot change for the

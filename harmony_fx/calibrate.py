@@ -63,6 +63,7 @@ from harmony_fx.planner.profile import profile_graph
 from harmony_fx.planner.specs import DeviceSpec, HostSpec, get_spec as preset, host_measured
 from harmony_fx.runtime.autograd import HarmonyFunction
 from harmony_fx.runtime.session import Session
+from harmony_fx.user_frames import user_stacklevel
 
 __all__ = ["Calibration", "measure_host", "checked", "host_calibration", "host_figures", "check_prediction",
            "recalibrate",
@@ -277,7 +278,7 @@ def _check() -> tuple[Calibration, tuple[str, ...]]:
             shown = "; ".join(left[:2]) + (f"; and {len(left) - 2} more" if len(left) > 2 else "")
             warnings.warn(f"harmony_fx: this machine's calibration is doubtful ({shown}); predicted times may be "
                           "off. `harmony-fx calibrate` shows it; `--refresh` on a quiet machine measures it again.",
-                          stacklevel=3)
+                          stacklevel=user_stacklevel())
     return calibration, tuple(reasons)
 
 

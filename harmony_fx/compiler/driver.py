@@ -80,6 +80,7 @@ from harmony_fx.program.actions import Action, ActionKind, KeyKind
 from harmony_fx.program.codegen import generate_program
 from harmony_fx.program.verify import check_peak, verify_packs
 from harmony_fx.runtime.devices import CudaDevice, HostDevice, resolve_devices
+from harmony_fx.user_frames import user_stacklevel
 
 __all__ = ["compile_program", "refuse_meta_state"]
 
@@ -669,7 +670,7 @@ def _compare_a_cut_by_hand(whole: Variant, variants: dict, layout: Layout, analy
         warnings.warn(
             f"harmony_fx: microbatches={layout.num_microbatches} cuts the batch, but {error.reason}: the results (loss "
             "and gradients) may differ from eager's; microbatches=1, or None (the planner keeps such a batch "
-            "whole), computes eager's.", MicrobatchesComputeApart, stacklevel=2)
+            "whole), computes eager's.", MicrobatchesComputeApart, stacklevel=user_stacklevel())
 
 
 def _weigh_the_loss(example: _Example, variants: dict, layout: Layout, batch_reductions: dict | None) -> None:
@@ -921,14 +922,14 @@ def _warn_if_cut_changes_results(layout: Layout, analysis: BatchAnalysis, gm: fx
             f"harmony_fx: microbatches={layout.num_microbatches} cuts the batch, but harmony_fx cannot show "
             f"that microbatches compute what the whole batch does: {analysis.reason.rstrip('.')}. The results "
             "(loss and gradients) may differ from eager's; microbatches=1, or None (the planner keeps such a "
-            "batch whole), computes eager's.", MicrobatchesComputeApart, stacklevel=2)
+            "batch whole), computes eager's.", MicrobatchesComputeApart, stacklevel=user_stacklevel())
     elif layout.num_microbatches > 1 and (draw := next((n for n in gm.graph.nodes if draws_random(n)), None)):
         warnings.warn(
             f"harmony_fx: microbatches={layout.num_microbatches} cuts the batch of a model that draws random "
             f"numbers ({meta.describe(draw)}): each microbatch draws its own, in another order than eager's one "
             "draw for the batch, so the loss and gradients equal eager's in distribution, not in value (as under "
             "gradient accumulation); microbatches=1, or None (the planner keeps such a batch whole), draws as "
-            "eager does.", RandomDrawsPerMicrobatch, stacklevel=2)
+            "eager does.", RandomDrawsPerMicrobatch, stacklevel=user_stacklevel())
     elif layout.num_microbatches > 1 and (write := first_buffer_write(gm)) is not None:
         warnings.warn(
             f"harmony_fx: microbatches={layout.num_microbatches} cuts the batch of a model that updates a buffer in "
@@ -936,7 +937,7 @@ def _warn_if_cut_changes_results(layout: Layout, analysis: BatchAnalysis, gm: fx
             "before left, where eager updates it once for the batch, so the results differ from eager's; "
             "microbatches=1, or None (the planner keeps such a batch whole; over several devices, in a pipeline: "
             "not parallel='dp', which gives each device its own), computes eager's.", MicrobatchesComputeApart,
-            stacklevel=2)
+            stacklevel=user_stacklevel())
 
 
 class MicrobatchesComputeApart(UserWarning):

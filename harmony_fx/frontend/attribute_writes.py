@@ -29,6 +29,7 @@ from torch import fx, nn
 from torch.utils import _pytree as pytree
 
 from harmony_fx.analysis.buffer_writes import written_buffers
+from harmony_fx.user_frames import user_stacklevel
 
 __all__ = ["tensor_attribute_writes_said"]
 
@@ -135,11 +136,11 @@ def tensor_attribute_writes_said(model: nn.Module) -> Iterator[CapturedGraph]:
             "(`self.buf = ...`) when called; the compiled model runs its graph, which does not, so the buffer keeps "
             "the value it had before compiling where eager's changes. Write into the buffer in place instead "
             "(`self.buf.copy_(...)`, `self.buf.add_(1)`), which harmony_fx keeps as it keeps BatchNorm's running "
-            "statistics, or return the tensor as one of the model's outputs.", stacklevel=4)
+            "statistics, or return the tensor as one of the model's outputs.", stacklevel=user_stacklevel())
     if assigned:
         warnings.warn(
             f"harmony_fx: the model's forward keeps a tensor in the attribute {', '.join(sorted(set(assigned)))} at "
             "each call (assigns it, or adds it to a list or dict there); the compiled model runs its graph, which "
             "does not (after a call the attribute holds what it held before compiling). Return the tensor as one of "
             "the model's outputs instead, or use torch.compile(model, backend='harmony'), which replays them.",
-            stacklevel=4)
+            stacklevel=user_stacklevel())

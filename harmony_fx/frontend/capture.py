@@ -60,6 +60,7 @@ from harmony_fx.frontend.key_value_caches import key_value_caches_off
 from harmony_fx.frontend.random_branches import RandomBranchError, certain_random_branches
 from harmony_fx.frontend.refusals import first_refused, refusal
 from harmony_fx.passes.bound_sizes import bound_sizes
+from harmony_fx.user_frames import user_stacklevel
 
 __all__ = ["Captured", "capture", "CaptureError", "raised_when_run", "buffers_put_back"]
 
@@ -220,7 +221,7 @@ def _python_draws_noted(model: nn.Module):
             "of the one call that captured it, and every step takes the branches they chose (the same layers "
             "dropped, the same choice made). Draw with torch (torch.rand) and use the numbers in tensor ops "
             "(a mask, torch.where), which the graph draws anew every call, or set the probability that uses "
-            "them to 0.", stacklevel=4)
+            "them to 0.", stacklevel=user_stacklevel())
 
 
 def _same_numpy_state(state: tuple, other: tuple) -> bool:

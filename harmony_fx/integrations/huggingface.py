@@ -68,6 +68,7 @@ from harmony_fx.config import HOST_STATE_OPTIONS, check_option_names, option_nam
 from harmony_fx.frontend.capture import CaptureError, buffers_put_back
 from harmony_fx.ir.values import fakes_of
 from harmony_fx.trainer import Trainer
+from harmony_fx.user_frames import user_stacklevel
 
 __all__ = ["HarmonyTrainer"]
 
@@ -308,7 +309,7 @@ class HarmonyTrainer(transformers.Trainer):
                       f"are the mean over the step's {sum(counts)} labelled tokens or samples, where "
                       "transformers.Trainer "
                       f"adds each batch's own mean (over {counts}), so they differ from transformers'. To step as "
-                      f"transformers does, {advice}.", UserWarning, stacklevel=3)
+                      f"transformers does, {advice}.", UserWarning, stacklevel=user_stacklevel())
 
     def _batches_are_microbatches(self, batches: list[dict]) -> bool:
         """Whether harmony cuts the step's batch into exactly its batches: as many microbatches as

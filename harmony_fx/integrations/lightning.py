@@ -60,6 +60,7 @@ import harmony_fx
 from harmony_fx.config import HOST_STATE_OPTIONS, check_option_names, option_names, with_environment
 from harmony_fx.runtime.devices import visible_gpus
 from harmony_fx.training.checkpoint import get_rng_states, set_rng_states
+from harmony_fx.user_frames import user_stacklevel
 
 __all__ = ["HarmonyStrategy"]
 
@@ -356,7 +357,7 @@ class _StepModule(nn.Module):
         if dropped:
             warnings.warn(f"HarmonyStrategy: {self.method} logs {', '.join(map(repr, dropped))}, tensors that are not "
                           "the loss it returns; a harmony step returns only the loss, so they are not logged. Log "
-                          "them in validation_step (whose logged tensors are outputs of its graph).", stacklevel=3)
+                          "them in validation_step (whose logged tensors are outputs of its graph).", stacklevel=user_stacklevel())
 
     def replay_logs(self, module: "pl.LightningModule", loss: torch.Tensor | None = None,
                     values: tuple = ()) -> None:
