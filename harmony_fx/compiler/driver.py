@@ -275,7 +275,8 @@ def _with_least_memory(log: StageLog, stages, least: CompileOptions, refusal: Bu
                    f"is {smallest:,} bytes ({format_size(smallest)}), with {which} ({other}). Raise memory_budget "
                    "to at least that, or use a smaller batch or shorter inputs.")
         replacement = BudgetTooSmallError(message, smallest)
-        raise (_say_what_was_tried(replacement, tried) if tried else replacement) from error
+        # it names both counts: the sample-per-microbatch refusal chained under it would only repeat one
+        raise (_say_what_was_tried(replacement, tried) if tried else replacement) from None
     except Exception as error:  # noqa: BLE001 - the options' own refusal stands, saying what was tried
         refusal = _counted(refusal)
         if (own := _own_where_it_fits(stages, refusal.smallest_budget, budget)) is not None:

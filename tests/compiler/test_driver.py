@@ -189,6 +189,8 @@ def test_a_refusal_names_the_smaller_of_one_microbatch_and_one_sample_each(batch
         assert 1 not in runs_in_full and re.search(r"one microbatch needs at least [\d.]+ KiB", str(refusal))
     assert (whole < each) == (fewest == "one microbatch")
     assert f"smallest budget that fits is {min(whole, each):,} bytes" in str(refusal)
+    # it names both counts: no internal refusal ("... not counted yet") chained under it in the traceback
+    assert refusal.__cause__ is None and refusal.__suppress_context__
     assert re.search(rf"fits is {min(whole, each):,} bytes \([^)]*\), with {fewest}", str(refusal)), refusal
     hm = harmony_fx.compile(model, (x,), memory_budget=refusal.smallest_budget)
     reference = copy.deepcopy(model)
