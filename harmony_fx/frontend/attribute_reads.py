@@ -11,7 +11,8 @@ as transformers' ``GradientCheckpointingLayer.gradient_checkpointing``): ``nn.Mo
 ``__getattribute__`` of its own, so one set on it for the capture sees every read of every module
 class that does not define its own, and is removed after.
 What ``nn.Module`` itself keeps (hooks, the parameter and submodule dicts, ``training``) is keyed
-elsewhere. A plain object a module holds (a Hugging Face config, a dataclass of settings) is
+elsewhere. A plain object a module holds (a Hugging Face config, a dataclass of settings, with
+``__slots__`` or a ``__dict__``) is
 followed the same way (a ``types.SimpleNamespace``, whose C class cannot record, is read whole):
 its class gets a recording ``__getattribute__`` for the capture, and a read
 of ``self.config.output_hidden_states`` is kept as the path from the module, read again through the
@@ -96,12 +97,17 @@ def _is_plain(value: object, depth: int = 0) -> bool:
 
 def _is_held_object(value: object) -> bool:
     """A plain object whose attributes a forward may read as settings: an instance of a Python class
-    with a ``__dict__``, not torch's own (a tensor, a module, an fx graph) and not a container."""
+    with a ``__dict__`` or ``__slots__`` (``@dataclass(slots=True)``), not torch's own (a tensor, a
+    module, an fx graph) and not a container."""
     cls = type(value)
-    return (bool(cls.__flags__ & _HEAP_TYPE) and cls.__dictoffset__ != 0
+    return (bool(cls.__flags__ & _HEAP_TYPE) and (cls.__dictoffset__ != 0 or _has_slots(cls))
             and not cls.__module__.startswith("torch")
             and not isinstance(value, (nn.Module, torch.Tensor, type, enum.Enum, BaseException, types.FunctionType,
                                        types.MethodType, tuple, list, dict, set, frozenset)))
+
+
+def _has_slots(cls: type) -> bool:
+    return any("__slots__" in vars(klass) for klass in cls.__mro__[:-1])  # object itself has none
 
 
 def _class_attribute(cls: type, name: str, stop: type | None = None) -> object:
@@ -128,8 +134,10 @@ def _class_value(cls: type, name: str) -> object:
 
 
 def _is_computed(cls: type, name: str) -> bool:
-    """``name`` is a property or method of ``cls`` (what it reads inside is recorded as it reads it)."""
-    return _is_descriptor(_class_attribute(cls, name))
+    """``name`` is a property or method of ``cls`` (what it reads inside is recorded as it reads it);
+    a slot (``__slots__``' member descriptor) holds a value, as a ``__dict__`` entry does."""
+    attribute = _class_attribute(cls, name)
+    return _is_descriptor(attribute) and not isinstance(attribute, types.MemberDescriptorType)
 
 
 _recording: dict[int, nn.Module] | None = None  # while reads_recorded is open: the modules it records, by id

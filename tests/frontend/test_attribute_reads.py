@@ -107,6 +107,32 @@ def test_an_attribute_of_a_plain_object_a_module_holds_is_keyed_through_the_modu
     torch.testing.assert_close(hm(x), held_whole.linear(x) * 4.0)
 
 
+@dataclasses.dataclass(slots=True)
+class _SlotKnobs:
+    gain: float = 2.0
+
+
+class _PlainSlots:
+    __slots__ = ("gain",)
+
+    def __init__(self) -> None:
+        self.gain = 2.0
+
+
+@pytest.mark.parametrize("knobs", [_SlotKnobs, _PlainSlots], ids=["dataclass-slots", "__slots__"])
+def test_an_object_with_slots_a_module_holds_is_keyed_too(knobs):
+    """No ``__dict__``: its reads were not recorded (a slot looked like a property), and a change after
+    compiling kept the captured value, silently."""
+    torch.manual_seed(0)
+    model = _HoldsKnobs()
+    model.knobs = knobs()
+    hm, x = harmony_fx.compile(model, devices=["host:0"]), torch.randn(4, 8)
+    hm(x)
+    model.knobs.gain = 3.0
+    torch.testing.assert_close(hm(x), model.linear(x) * 3.0)
+    assert len(hm.variants) == 2 and "__getattribute__" not in vars(knobs)
+
+
 class _ClassDefault(nn.Module):
     """A flag its class holds as a default (as transformers' ``GradientCheckpointingLayer``), set on
     an instance, or on the class, after compiling."""
