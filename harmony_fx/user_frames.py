@@ -12,11 +12,9 @@ import sys
 
 import torch
 
-import harmony_fx
-
 __all__ = ["user_stacklevel"]
 
-_OURS = (os.path.dirname(harmony_fx.__file__) + os.sep, os.path.dirname(torch.__file__) + os.sep)
+_OURS = (os.path.dirname(__file__) + os.sep, os.path.dirname(torch.__file__) + os.sep)
 
 
 def user_stacklevel() -> int:

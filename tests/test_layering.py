@@ -19,7 +19,8 @@ PACKAGE = pathlib.Path(harmony_fx.__file__).parent
 # Lowest first. A name is a top-level module or subpackage of harmony_fx ("__init__": the package's
 # own); a module may import its own layer's and any lower layer's modules, never a higher layer's.
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("config", "trace", "tier_policy", "models"),  # leaves: options, trace files, the tier's policy, models
+    # leaves: options, trace files, the tier's policy, models, where a warning points
+    ("config", "trace", "tier_policy", "models", "user_frames"),
     ("ir",),
     ("analysis",),
     ("program",),
