@@ -163,6 +163,8 @@ def reads_recorded(model: nn.Module):
     read: dict[tuple[int, tuple[str, ...]], None] = {}  # in the order first read
     held: dict[int, tuple[object, int, tuple[str, ...]]] = {}  # id -> (object, module id, path to it)
     patched: list[tuple[type, object]] = []  # each class given a recording __getattribute__, and its own before
+    followed: dict[tuple[int, tuple[str, ...]], object] = {}  # each read recorded -> the value it followed
+    class_defaults: dict[tuple[type, str], bool] = {}  # (class, name) -> whether it is a plain class-level default
 
     def follow(value: object, module: int, path: tuple[str, ...]) -> None:
         if type(value) is types.SimpleNamespace:  # a C class, whose reads cannot be recorded: all of it
@@ -192,11 +194,24 @@ def reads_recorded(model: nn.Module):
         patched.append((cls, own))
 
     def recording(self, name):
+        # every attribute read of every module during the export (about 100,000 for 59 GPT-2 blocks)
+        # comes here: what was recorded and followed once is not again
         value = object.__getattribute__(self, name)
-        if name not in _MODULE_INTERNALS and id(self) in modules and (
-                name in object.__getattribute__(self, "__dict__") or _class_value(type(self), name) is not _MISSING):
-            read[id(self), (name,)] = None
-            follow(value, id(self), (name,))
+        if name in _MODULE_INTERNALS or id(self) not in modules:
+            return value
+        key = (id(self), (name,))
+        if followed.get(key, _MISSING) is value:
+            return value
+        if name not in object.__getattribute__(self, "__dict__"):
+            cls = type(self)
+            default = class_defaults.get((cls, name))
+            if default is None:
+                default = class_defaults[cls, name] = _class_value(cls, name) is not _MISSING
+            if not default:
+                return value
+        read[key] = None
+        followed[key] = value
+        follow(value, id(self), (name,))
         return value
 
     reads = Reads()
