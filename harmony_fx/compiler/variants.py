@@ -227,6 +227,13 @@ def check_outputs_alike(whole: Variant, part: Variant, batch: int,
     adds dims by their sizes (``squeeze()`` drops a one-sample microbatch's batch dim), or writes a
     size as a number (``h.expand(5, 5, 5)``), makes outputs that cannot be joined as the batch's."""
     outputs = [graph.find_nodes(op="output")[0].args[0] for graph in (whole.captured.gm.graph, part.captured.gm.graph)]
+    if len(outputs[0]) != len(outputs[1]):  # paired by position, each would be compared with another output
+        raise ValueError(
+            f"the model returns {len(outputs[0])} values on the whole batch of {batch} and {len(outputs[1])} on a "
+            f"microbatch of {part.size}: an output is a list or tuple with one entry per sample (as Llava's "
+            "image_outputs.pooler_output, one tensor per image), so the microbatches' outputs cannot be joined as "
+            "the batch's. Use microbatches=1, or None (the planner keeps such a batch whole); or return the "
+            "entries stacked along the batch dim.")
     for position, (ours, theirs) in enumerate(zip(*outputs)):
         a, b = (node.meta.get(meta.VAL) if isinstance(node, fx.Node) else None for node in (ours, theirs))
         dim = (output_dims or {}).get(position)

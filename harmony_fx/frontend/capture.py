@@ -426,13 +426,18 @@ def _bounded_capture(model: nn.Module, args: tuple, kwargs: dict, stack_traces: 
 
 
 _COMPARISONS = {operator.le, operator.lt, operator.ge, operator.gt, operator.eq, operator.ne}
+# what a check passes its read through before comparing: ``torch._check_tensor_all(cond)`` (transformers'
+# ``torch_compilable_check``, e.g. a vision-language model's image-token count) is captured as
+# _is_all_true -> item -> sym_ite(item, 1, 0) -> ge/le/eq -> _assert_scalar
+_CHECK_STEPS = {torch.sym_ite, torch.sym_not, operator.not_}
 _ASSERT = torch.ops.aten._assert_scalar.default
 _METADATA_CHECK = torch.ops.aten._assert_tensor_metadata.default
 
 
 def _drop_value_asserts(gm: fx.GraphModule) -> None:
     """A value read into Python only to assert on it (XLM's ``assert lengths.max().item() <= slen``,
-    captured as ``item`` -> ``le`` -> ``_assert_scalar``) sizes and computes nothing, but the
+    captured as ``item`` -> ``le`` -> ``_assert_scalar``; transformers' ``torch_compilable_check`` of a
+    vision-language model's image-token count, through ``sym_ite``) sizes and computes nothing, but the
     planning run on FakeTensors cannot read it: the read, its comparisons and the assertion are
     dropped, and what only the read used. The check is then not made (eager's would raise)."""
     reads = [(read, checks) for target in (torch.ops.aten.item.default, torch.ops.aten._local_scalar_dense.default)
@@ -462,7 +467,7 @@ def _asserted_only(read: fx.Node) -> set[fx.Node]:
     reached, frontier = {read}, [read]
     while frontier:
         for user in frontier.pop().users:
-            if user.target not in _COMPARISONS and user.target is not _ASSERT:
+            if user.target not in _COMPARISONS and user.target not in _CHECK_STEPS and user.target is not _ASSERT:
                 return set()
             if user not in reached:
                 reached.add(user)
@@ -502,8 +507,9 @@ _CACHE_IN_INPUT = re.compile(r"Unsupported input type <class '([\w.]*Cache)'>")
 _DATA_DEPENDENT = ("data-dependent", "data dependent", "GuardOnDataDependentSymNode")
 # export names the user frame it stopped in: "Caused by: (path/model.py:1062 in forward)"
 _CAUSED_BY = re.compile(r"Caused by: \(([^()\n]+?:\d+ in \w+)\)")
-# a data-dependent guard names the user's frame it came from, with its code
-_RAISED_BY = re.compile(r'The following call raised this error:\n\s*File "([^"\n]+)", line (\d+), in (\w+)\n\s*(\S[^\n]*)')
+# a data-dependent guard names the user's frame it came from, with its code (the function may be
+# Python's own name for a comprehension or lambda: Qwen2-VL's split is in a ``<listcomp>``)
+_RAISED_BY = re.compile(r'The following call raised this error:\n\s*File "([^"\n]+)", line (\d+), in ([\w<>]+)\n\s*(\S[^\n]*)')
 
 
 def _capture_failure_message(model: nn.Module, export_error: Exception, trace_error: Exception,
@@ -639,6 +645,9 @@ def _where_and_labels(export_error: Exception, kwargs: dict) -> str:
     # torch's tracing machinery (export's own __torch_function__, fx, Dynamo) is where every such
     # stop is seen from, not a function of torch's the model called
     inside = [frame for frame in inside if not frame.startswith(_TRACING_MACHINERY)]
+    # a guard raised in export's own machinery (LLaVA-NeXT's min()/max() of sizes read from image_sizes)
+    # names no frame of the model: the innermost the error passed through does
+    where = where or _innermost_model_frame(export_error, torch_dir, ours)
     text = f" The model's code at {where[0]}." if where else ""
     if inside:
         text += (f" Export stopped inside torch's own code (torch/{inside[0]}: a check of its inputs' values, as "
@@ -648,6 +657,20 @@ def _where_and_labels(export_error: Exception, kwargs: dict) -> str:
         text += (" If that is the loss computed from labels, call the model without labels and compute the loss "
                  "from its logits outside (harmony_fx.Trainer's loss_fn(output, target)).")
     return text
+
+
+def _innermost_model_frame(error: BaseException | None, torch_dir: pathlib.Path, ours: pathlib.Path) -> list[str]:
+    """``path:line in function: code`` of the innermost frame ``error`` (or what caused it) passed
+    through outside torch, harmony_fx and generated code; none where there is none."""
+    while error is not None:
+        frames = [frame for frame in traceback.extract_tb(error.__traceback__)
+                  if not frame.filename.startswith("<") and not pathlib.Path(frame.filename).is_relative_to(torch_dir)
+                  and not _is_in(frame.filename, ours)]
+        if frames:
+            frame = frames[-1]
+            return [f"{frame.filename}:{frame.lineno} in {frame.name}: {(frame.line or '').strip()}"]
+        error = error.__cause__ or error.__context__
+    return []
 
 
 _TRACING_MACHINERY = ("_export/", "export/", "fx/", "_dynamo/", "_subclasses/", "utils/_python_dispatch",

@@ -93,3 +93,37 @@ def test_a_microbatch_of_one_whose_graph_drops_a_copy_written_into_is_refused():
     with pytest.raises(ValueError, match=r"microbatch of 1 sample.*drops 'contiguous'.*at least 2 samples"):
         harmony_fx.compile(_WritesIntoACopy(), (torch.randn(3, 12),), devices=["host:0"], microbatches=2)
     harmony_fx.compile(_WritesIntoACopy(), (torch.randn(4, 12),), devices=["host:0"], microbatches=2)  # 2 and 2
+
+
+class _PerSampleList(nn.Module):
+    """Returns a list with one tensor per sample (Llava's ``image_outputs.pooler_output``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.second = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.first(x)
+        return {"loss": self.second(h).pow(2).mean(), "per_sample": list(h.unbind(0)), "hidden": h}
+
+
+def test_an_output_list_as_long_as_the_batch_is_refused_for_what_it_is():
+    """A cut by hand of a model returning one tensor per sample: the two graphs return 6 and 4
+    values, so pairing them by position compared other outputs, and the refusal spoke of squeeze()
+    and expand; it says what differs, and the planner keeps such a batch whole."""
+    torch.manual_seed(0)
+    x = torch.randn(4, 3, 8)
+    with pytest.warns(harmony_fx.MicrobatchesComputeApart), \
+            pytest.raises(ValueError, match=r"returns 6 values on the whole batch of 4 and 4 on a microbatch of 2"):
+        harmony_fx.compile(_PerSampleList(), (x,), devices=["host:0"], microbatches=2)
+    model = _PerSampleList()
+    reference = copy.deepcopy(model)
+    hm = harmony_fx.compile(model, (x,), devices=["host:0"])
+    assert hm.num_microbatches == 1
+    out, expected = hm(x), reference(x)
+    assert len(out["per_sample"]) == 4
+    out["loss"].backward()
+    expected["loss"].backward()
+    torch.testing.assert_close(out["loss"], expected["loss"])
+    for param, ref in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(param.grad, ref.grad)

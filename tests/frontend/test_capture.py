@@ -114,6 +114,54 @@ def test_data_dependent_control_flow_is_refused_with_advice():
     assert isinstance(info.value, ValueError) and harmony_fx.CaptureError is CaptureError
 
 
+class _VarlenSplit(nn.Module):
+    """Qwen2-VL's vision attention: each image's patches attended apart, split by sizes read from a
+    tensor whose length is itself data-dependent (``repeat_interleave`` of the grid), in a list
+    comprehension."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+
+    def forward(self, x, grid_thw):
+        lengths = torch.repeat_interleave(grid_thw[:, 1] * grid_thw[:, 2], grid_thw[:, 0])
+        h = self.proj(x)
+        parts = [torch.split(t, lengths.tolist(), dim=0) for t in (h, h * 2)]
+        return sum(torch.cat([p.softmax(0) for p in pieces]).sum() for pieces in parts)
+
+
+def test_a_refusal_names_the_models_line_in_a_comprehension():
+    """Export names the frame it stopped in as ``in <listcomp>``: the refusal names that line of the
+    model (it named only torch's ``unbind``, with advice about a loss)."""
+    with pytest.raises(harmony_fx.CaptureError) as info:
+        harmony_fx.compile(_VarlenSplit(), (torch.randn(8, 8), torch.tensor([[1, 2, 2], [1, 2, 2]])),
+                           devices=["host:0"], microbatches=1)
+    assert "test_capture.py:" in str(info.value) and "torch.split(t, lengths.tolist(), dim=0)" in str(info.value)
+
+
+class _AnyResolution(nn.Module):
+    """LLaVA-NeXT's anyres: a scale from sizes read out of ``image_sizes``, taken with Python's ``min``
+    (which export's own machinery evaluates, so its message names no frame of the model)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+
+    def forward(self, x, image_sizes):
+        height, width = image_sizes[0].tolist()
+        scale = min(28 / width, 28 / height)
+        return self.proj(x).sum() * 2 if scale > 1 else self.proj(x).sum()
+
+
+def test_a_refusal_names_the_models_line_where_exports_message_names_none():
+    """The model's line comes from the error's own traceback where export's message names none (the
+    refusal said only what to try in general, and about a loss)."""
+    with pytest.raises(harmony_fx.CaptureError) as info:
+        harmony_fx.compile(_AnyResolution(), (torch.randn(2, 8), torch.tensor([[28, 14], [28, 14]])),
+                           devices=["host:0"], microbatches=1)
+    assert "test_capture.py:" in str(info.value) and "scale = min(28 / width, 28 / height)" in str(info.value)
+
+
 class _SampledLatent(nn.Module):
     """A VAE's ``latent_dist.sample(generator=g)``: the noise drawn from a generator passed in, or
     made in the forward."""
@@ -563,6 +611,48 @@ def test_a_value_read_only_to_assert_on_it_is_dropped_not_refused():
     loss = hm(ids)
     loss.backward()
     expected = reference(ids)
+    expected.backward()
+    torch.testing.assert_close(loss, expected)
+    assert_grads_equal(model, reference)
+
+
+class _ImageTokens(nn.Module):
+    """A vision-language model's merge: image features scattered into the image tokens' places,
+    after transformers' ``torch_compilable_check`` of their count (``torch._check_tensor_all`` when
+    traced)."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed, self.vision, self.head = nn.Embedding(16, 8), nn.Linear(12, 8), nn.Linear(8, 16)
+
+    def forward(self, ids, pixels):
+        h = self.embed(ids)
+        features = self.vision(pixels)
+        mask = (ids == 3).unsqueeze(-1)
+        torch._check_tensor_all(mask.sum() * h.shape[-1] == features.numel())
+        h = h.masked_scatter(mask, features)
+        return F.cross_entropy(self.head(torch.tanh(h)).flatten(0, 1), ids.flatten())
+
+
+def test_a_tensor_check_of_values_is_dropped_not_refused():
+    """``torch._check_tensor_all(cond)`` is captured as _is_all_true -> item -> sym_ite -> compare ->
+    _assert_scalar: a check that sizes nothing, dropped as the plain assert above (Llava, PaliGemma
+    and every vision-language model of transformers 5 check their image tokens so; it was refused as
+    a read into Python)."""
+    torch.manual_seed(0)
+    model = _ImageTokens()
+    reference = copy.deepcopy(model)
+    ids = torch.randint(4, 16, (4, 6), generator=torch.Generator().manual_seed(1))
+    ids[:, 1:3] = 3
+    pixels = torch.randn(4, 2, 12)
+    graph = capture(model, (ids, pixels)).gm.graph
+    assert not [n for n in graph.nodes if n.target in (torch.ops.aten.item.default, torch.ops.aten._is_all_true.default)]
+    budget = smallest_budget(model, (ids, pixels), devices=["host:0"], microbatches=1)
+    hm = harmony_fx.compile(model, (ids, pixels), memory_budget=budget, devices=["host:0"], microbatches=1)
+    assert len(hm.packs) > 1
+    loss = hm(ids, pixels)
+    loss.backward()
+    expected = reference(ids, pixels)
     expected.backward()
     torch.testing.assert_close(loss, expected)
     assert_grads_equal(model, reference)
