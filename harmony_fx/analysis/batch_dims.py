@@ -1274,17 +1274,17 @@ def _per_sample_norm(node: fx.Node, c: _Context) -> _Dims:
 
 
 def _attention(node: fx.Node, c: _Context) -> _Dims:
+    """Each sample's query attends over its own keys and values; a query, key or value every sample
+    shares (BLIP-2's learned queries, expanded to the batch) is the same for each, as a shared
+    operand of a broadcast is."""
     q, k, v = node.args[:3]
-    rank = len(_shape(q))
-    found = set()
+    if all(c.dim(arg) is None for arg in (q, k, v)):
+        raise _mixed(node, "attends over a query, key and value every sample shares")
     for arg in (q, k, v):
         dim = c.dim(arg)
-        if dim is None or dim >= len(_shape(arg)) - 2:
-            raise _mixed(node, "attends along the batch dim (or over a shared query, key or value)")
-        found.add(dim + rank - len(_shape(arg)))
-    if len(found) != 1:
-        raise _mixed(node, "attends over values batched along different dims")
-    (dim,) = found
+        if dim is not None and dim >= len(_shape(arg)) - 2:
+            raise _mixed(node, "attends along the batch dim")
+    dim = _broadcast(node, [q, k, v], c, _shape(q))
     mask = _argument(node, "attn_mask")
     if isinstance(mask, fx.Node):
         _broadcast(node, [mask], c, _shape(q), dim=dim)

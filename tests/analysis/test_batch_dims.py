@@ -211,6 +211,9 @@ def test_writes_in_place_that_mix_samples_are_found(fn, why):
     # each sample normalised apart, but the running statistics take the batch's mean (once a step)
     (lambda h, m: F.instance_norm(h.view(6, 2, 2), torch.zeros(2), torch.ones(2), use_input_stats=True).view(6, 4),
      "InstanceNorm with track_running_stats"),
+    # a query shared whole that differs along the batch dim: a microbatch would take another's rows
+    (lambda h, m: F.scaled_dot_product_attention(torch.arange(48.0).view(6, 2, 4) / 48, h.view(6, 1, 4),
+                                                 h.view(6, 1, 4)).sum(1), "varies along the batch dim"),
     # windows of two samples each (Tensor.unfold along the batch)
     (lambda h, m: h.unfold(0, 2, 2).sum(-1).repeat(2, 1), "cuts windows along the batch dim"),
 ])
@@ -278,6 +281,11 @@ def test_ops_that_mix_samples_are_found(fn, why):
     lambda h, m: torch.max(h, torch.zeros(4)) + torch.min(h, h.flip(1)),
     # attention scores as q @ k.mT; ravel and reshape_as
     lambda h, m: (h.view(6, 2, 2) @ h.view(6, 2, 2).mT).reshape(6, 4) + h.ravel().reshape_as(h),
+    # learned queries every sample shares (BLIP-2's Q-former: a parameter expanded to the batch) attending
+    # over each sample's keys and values: the batch was kept whole
+    lambda h, m: F.scaled_dot_product_attention(torch.arange(8.0).view(1, 2, 4).expand(6, 2, 4) / 8,
+                                                h.view(6, 1, 4).repeat(1, 3, 1), h.view(6, 1, 4).repeat(1, 3, 1)
+                                                ).sum(1),
     # patches of each sample (Tensor.unfold along its other dims: a ViT's patchify, a signal's frames)
     lambda h, m: h.unfold(1, 2, 2).sum(-1).repeat(1, 2) + h.view(6, 2, 2).unfold(2, 1, 1).reshape(6, 4),
 ])
