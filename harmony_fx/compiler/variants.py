@@ -15,6 +15,7 @@ from typing import Mapping, Sequence
 
 import torch
 from torch import fx, nn
+from torch.utils import _pytree as pytree
 
 from harmony_fx.analysis.aliasing import aliased, written_arguments
 from harmony_fx.analysis.requires_grad import annotate_requires_grad
@@ -237,17 +238,40 @@ def check_outputs_alike(whole: Variant, part: Variant, batch: int,
     for position, (ours, theirs) in enumerate(zip(*outputs)):
         a, b = (node.meta.get(meta.VAL) if isinstance(node, fx.Node) else None for node in (ours, theirs))
         dim = (output_dims or {}).get(position)
-        if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and (
-                a.dim() != b.dim() or sum(x != y for x, y in zip(a.shape, b.shape)) > 1
+        if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
+            continue
+        scaled = [i for i, (x, y) in enumerate(zip(a.shape, b.shape)) if x != y and x * part.size == y * batch]
+        if a.dim() == b.dim() and len(scaled) == 2 and sum(x != y for x, y in zip(a.shape, b.shape)) == 2:
+            raise ValueError(
+                f"the model's {_output_name(whole.captured, position, len(outputs[0]))} is {list(a.shape)} on the "
+                f"whole batch of {batch} and {list(b.shape)} on a microbatch of {part.size}: it pairs every sample "
+                "with every other (a similarity matrix, as CLIP's and SigLIP's logits_per_image), which microbatches "
+                "cannot compute (a contrastive loss over it mixes the samples). Use microbatches=1, or None (the "
+                "planner keeps such a batch whole).")
+        if (a.dim() != b.dim() or sum(x != y for x, y in zip(a.shape, b.shape)) > 1
                 or (dim is not None and part.size and b.shape[dim] * batch != a.shape[dim] * part.size)):
             raise ValueError(
-                f"the model's output {position} ({ours.name}) is {list(a.shape)} on the whole batch of {batch} and "
+                f"the model's {_output_name(whole.captured, position, len(outputs[0]))} is {list(a.shape)} on the "
+                f"whole batch of {batch} and "
                 f"{list(b.shape)} on a microbatch of {part.size}: an op drops or adds dims by their sizes (squeeze() "
                 "without a dim drops a one-sample microbatch's batch dim), writes the batch size as a number "
                 "(h.expand(5, 5, 5)), or sizes another dim by the batch (an input whose dim 0 is not a batch of "
                 "samples, cut as one: name its batch dim with batch_dims=...), so the microbatches' outputs cannot "
                 "be joined as the batch's. Name the dim (squeeze(-1)), use microbatches of more than one sample, or "
                 "microbatches=1.")
+
+
+def _output_name(captured: Captured, position: int, count: int) -> str:
+    """Output ``position`` as the model returns it (``output.logits_per_image``, ``output[1]``), else by
+    its position."""
+    try:
+        structure = captured.unflatten_outputs(list(range(count)))
+        for path, leaf in pytree.tree_flatten_with_path(structure)[0]:
+            if leaf == position and path:
+                return f"output{pytree.keystr(path)}"
+    except Exception:  # noqa: BLE001 - a structure that cannot hold numbers in its tensors' places: by position
+        pass
+    return f"output {position}"
 
 
 # ops that only lay values out, which export keeps or drops by the sizes it sees

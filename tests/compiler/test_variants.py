@@ -127,3 +127,23 @@ def test_an_output_list_as_long_as_the_batch_is_refused_for_what_it_is():
     torch.testing.assert_close(out["loss"], expected["loss"])
     for param, ref in zip(model.parameters(), reference.parameters()):
         torch.testing.assert_close(param.grad, ref.grad)
+
+
+class _Contrastive(nn.Module):
+    """CLIP's shape: every image against every text, ``[B, B]`` logits and a loss over them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.image, self.text = nn.Linear(8, 4), nn.Linear(8, 4)
+
+    def forward(self, x, y):
+        logits = self.image(x) @ self.text(y).T
+        return {"loss": F.cross_entropy(logits, torch.arange(x.shape[0])), "logits_per_image": logits}
+
+
+def test_an_output_pairing_every_sample_with_every_other_is_refused_by_its_name():
+    """The refusal spoke of "output 1 (t_1)" and of squeeze() and expand for CLIP's logits."""
+    x, y = torch.randn(4, 8), torch.randn(4, 8)
+    with pytest.warns(harmony_fx.MicrobatchesComputeApart), pytest.raises(
+            ValueError, match=r"output\['logits_per_image'\] is \[4, 4\] .* pairs every sample with every other"):
+        harmony_fx.compile(_Contrastive(), (x, y), devices=["host:0"], microbatches=2)
