@@ -72,15 +72,16 @@ def _warn_weights_stay_on_the_host(call: str) -> None:
     warnings.warn(
         f"harmony_fx: {call} on a compiled model leaves its weights in host memory, where harmony_fx keeps "
         "them: each pack goes onto the devices compile(devices=...) named, as the plan says (a model larger than "
-        "the device would not fit there whole). Inputs may be on the host or on a device.", stacklevel=user_stacklevel())
+        "the device would not fit there whole). Inputs may be on the host or on a device.",
+        stacklevel=user_stacklevel())
 
 
-# the model's dicts a compiled module shares (nn.Module's recursion over them reaches the model's
-# weights and submodules under their own names)
 # the models whose compiled module this thread is calling: a call from inside one (its model's forward
 # calling it) would capture itself without end
 _models_running = threading.local()
 
+# the model's dicts a compiled module shares (nn.Module's recursion over them reaches the model's
+# weights and submodules under their own names)
 _SHARED_WITH_THE_MODEL = ("_parameters", "_buffers", "_non_persistent_buffers_set", "_modules")
 
 # HarmonyModule's own attributes: set as plain attributes, never registered in the shared dicts

@@ -216,7 +216,8 @@ def test_every_marker_is_read_and_names_a_reason_or_a_given():
         lines = path.read_text().splitlines()
         for i, line in enumerate(lines):
             if line.strip().startswith("<!--") and re.search(r"not run|given", line):
-                assert _MARKER.match(line.strip()), f"{path.name}:{i + 1}: write <!-- not run: why --> or <!-- given: NAME -->"
+                assert _MARKER.match(line.strip()), \
+                    f"{path.name}:{i + 1}: write <!-- not run: why --> or <!-- given: NAME -->"
                 assert i + 1 < len(lines) and lines[i + 1].startswith("```python"), \
                     f"{path.name}:{i + 1}: the marker must be the line right before a ```python fence"
                 kind, value = _MARKER.match(line.strip()).groups()
@@ -291,7 +292,8 @@ def test_the_defaults_docs_options_states_are_the_codes():
     for name, stated in _options_table().items():
         literal = _LITERAL.match(stated)
         expected = eval(literal.group(1)) if literal else None  # noqa: S307 - a literal from our own docs
-        assert defaults[name] == expected, f"docs/options.md: {name}'s default is {stated!r}, the code's {defaults[name]!r}"
+        assert defaults[name] == expected, \
+            f"docs/options.md: {name}'s default is {stated!r}, the code's {defaults[name]!r}"
 
 
 def test_every_option_the_readme_lists_exists():
@@ -300,7 +302,8 @@ def test_every_option_the_readme_lists_exists():
     while re.search(r"\([^()]*\)", listed):  # what the parentheses say about an option is not one
         listed = re.sub(r"\([^()]*\)", "", listed)
     names = set(re.findall(r"`(\w+)`", listed)) - {"Trainer"}
-    assert names and not names - set(config.option_names()), f"README lists {sorted(names - set(config.option_names()))}"
+    unknown = names - set(config.option_names())
+    assert names and not unknown, f"README lists options harmony_fx does not take: {sorted(unknown)}"
 
 
 def test_the_environment_variables_the_docs_name_are_the_codes():

@@ -509,7 +509,8 @@ _DATA_DEPENDENT = ("data-dependent", "data dependent", "GuardOnDataDependentSymN
 _CAUSED_BY = re.compile(r"Caused by: \(([^()\n]+?:\d+ in \w+)\)")
 # a data-dependent guard names the user's frame it came from, with its code (the function may be
 # Python's own name for a comprehension or lambda: Qwen2-VL's split is in a ``<listcomp>``)
-_RAISED_BY = re.compile(r'The following call raised this error:\n\s*File "([^"\n]+)", line (\d+), in ([\w<>]+)\n\s*(\S[^\n]*)')
+_RAISED_BY = re.compile(r'The following call raised this error:\n\s*File "([^"\n]+)", line (\d+), '
+                        r'in ([\w<>]+)\n\s*(\S[^\n]*)')
 
 
 def _capture_failure_message(model: nn.Module, export_error: Exception, trace_error: Exception,

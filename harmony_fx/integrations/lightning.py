@@ -357,7 +357,8 @@ class _StepModule(nn.Module):
         if dropped:
             warnings.warn(f"HarmonyStrategy: {self.method} logs {', '.join(map(repr, dropped))}, tensors that are not "
                           "the loss it returns; a harmony step returns only the loss, so they are not logged. Log "
-                          "them in validation_step (whose logged tensors are outputs of its graph).", stacklevel=user_stacklevel())
+                          "them in validation_step (whose logged tensors are outputs of its graph).",
+                          stacklevel=user_stacklevel())
 
     def replay_logs(self, module: "pl.LightningModule", loss: torch.Tensor | None = None,
                     values: tuple = ()) -> None:

@@ -168,5 +168,6 @@ def test_a_list_of_activations_beside_a_recurrent_layer_is_still_named():
             self.states = [out]
             return self.head(out).sum(-1)
 
-    said = [message for message in _warnings_of_compile(_KeepsItsStates()) if "keeps a tensor in the attribute" in message]
+    said = [message for message in _warnings_of_compile(_KeepsItsStates())
+            if "keeps a tensor in the attribute" in message]
     assert len(said) == 1 and "states" in said[0] and "_flat_weights" not in said[0]
