@@ -11,7 +11,14 @@ import operator
 import torch
 from torch import fx
 
+from harmony_fx.ir import meta
+
 __all__ = ["written_arguments", "aliased", "alias_chain", "alias_base"]
+
+# ops whose schema promises a new tensor but which return their first argument itself where it has
+# the result's dtype and device already (``x.type_as(y)`` is ``x.to(y)``): an in-place op on the
+# result writes into the argument (torchtune's Gemma 2: ``q = rope(q).type_as(x); q.mul_(scaling)``)
+_SELF_WHEN_SAME_TYPE = frozenset({torch.ops.aten.type_as.default})
 
 
 def written_arguments(node: fx.Node) -> list[fx.Node]:
@@ -39,6 +46,11 @@ def aliased(node: fx.Node) -> fx.Node | None:
         return node.args[0] if aliased(node.args[0]) is not None else None
     if not isinstance(node.target, torch._ops.OpOverload):
         return None
+    if node.target in _SELF_WHEN_SAME_TYPE:
+        value, source = node.meta.get(meta.VAL), node.args[0].meta.get(meta.VAL)
+        same = (isinstance(value, torch.Tensor) and isinstance(source, torch.Tensor)
+                and (value.dtype, value.device) == (source.dtype, source.device))
+        return node.args[0] if same else None
     returns = node.target._schema.returns
     return node.args[0] if returns and returns[0].alias_info is not None else None
 

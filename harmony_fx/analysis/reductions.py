@@ -7,6 +7,8 @@ turns it into one coefficient per microbatch):
 
 * a mean over labelled items (``cross_entropy``, ``nll_loss``): weighted by how many labels each
   microbatch has that are not ``ignore_index`` (counted on the host from the labels input);
+  the same for a sum over the batch divided by its count of such labels (torchtune's
+  ``CEWithChunkedOutputLoss``: ``sum of cross_entropy(..., reduction="sum") / (labels != -100).sum()``);
 * a mean over all elements (``mean``, ``mse_loss``, ...): weighted by the number of elements;
 * a sum: every coefficient is 1;
 * a mean or sum scaled by a number (``kl_div(reduction="batchmean")``, ``loss.sum() / x.numel()``,
@@ -178,13 +180,17 @@ def _terms(gm: fx.GraphModule, node: fx.Node, divisor: float | None, origin: fx.
             inputs, made = _sources(node.args[1])
             if made and not inputs:
                 return [_unknown_size(origin, made[0], "divides by")]
+            if not made and (mean := _sum_over_labelled(gm, node, origin, state)) is not None:
+                return [dataclasses.replace(mean, scale=scale, divisor=divisor)]
             if made or any(_sized(placeholder) for placeholder in inputs):
                 break
             # divided by a number every microbatch has whole (a 0-dim input such as transformers'
             # num_items_in_batch, the whole batch's labelled tokens): each microbatch's value is its
             # share of the batch's, weighed as the dividend is
             node = node.args[0]
-        elif target in (aten.add.Tensor, aten.sub.Tensor) and len(node.args) == 2:
+        elif len(node.args) == 2 and (target in (aten.add.Tensor, aten.sub.Tensor) or (
+                # ``total += term`` (torchtune's chunked cross entropy), into a value nothing else reads
+                target in (aten.add_.Tensor, aten.sub_.Tensor) and len(node.args[0].users) == 1)):
             left, right = node.args
             alpha = node.kwargs.get("alpha", 1)
             right_terms = [] if alpha == 0 or _is_zero(right) else (
@@ -202,6 +208,42 @@ def _terms(gm: fx.GraphModule, node: fx.Node, divisor: float | None, origin: fx.
     if reduction.combine is None:
         return [reduction]
     return [dataclasses.replace(reduction, node=node.name, scale=scale, divisor=divisor)]
+
+
+def _sum_over_labelled(gm: fx.GraphModule, node: fx.Node, origin: fx.Node,
+                       state: Mapping[str, torch.Tensor] | None) -> ScalarReduction | None:
+    """A sum over the batch divided by the batch's count of labels that are not ``ignore_index``
+    (torchtune's ``CEWithChunkedOutputLoss``: cross entropies with ``reduction="sum"`` added up,
+    over ``(labels != ignore_index).sum()``): a mean over labelled items, each microbatch weighed
+    by its own count, since both the sum and the count add up over the microbatches. ``None`` where
+    ``node`` (a ``div``) is not that."""
+    count = _unwrapped(node.args[1])
+    if (count.op != "call_function" or count.target not in (aten.sum.default, aten.sum.dim_IntList)
+            or not _is_scalar(count)):
+        return None
+    compared = count.args[0]
+    if (not isinstance(compared, fx.Node) or compared.target is not aten.ne.Scalar
+            or not isinstance(compared.args[0], fx.Node)):
+        return None
+    ignore_index = compared.args[1]
+    terms = _terms(gm, node.args[0], None, origin, state)
+    if not terms or any(term is _SHARED or term.combine != Combine.SUM or term.scale is not None
+                        or term.divisor is not None for term in terms):
+        return None
+    try:
+        labels = _function_of(gm, compared.args[0], "labels", state)
+    except ValueError as error:
+        return ScalarReduction(None, why=str(error))
+    read = (_reshaped_from(compared.args[0]).name, ignore_index, None)
+    return ScalarReduction(Combine.MEAN, lambda inputs: int((labels(inputs) != ignore_index).sum()), labels=read,
+                           node=node.name)
+
+
+def _unwrapped(node: fx.Node) -> fx.Node:
+    """``node`` through ops that leave a number as it is (a count cast to float is the same count)."""
+    while node.op == "call_function" and node.target in _PASS_THROUGH and isinstance(node.args[0], fx.Node):
+        node = node.args[0]
+    return node
 
 
 def _is_zero(value: Any) -> bool:

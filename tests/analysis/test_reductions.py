@@ -198,3 +198,47 @@ def test_a_mean_scaled_in_place_by_a_number_is_that_mean_scaled() -> None:
     of eager's, over 3 microbatches)."""
     reduction, _ = _reduction(_scaled_in_place, torch.randn(6, 3))
     assert reduction.combine == Combine.MEAN and reduction.scale == 3 and reduction.count({}) == 18
+
+
+def _chunked_cross_entropy(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """torchtune's ``CEWithChunkedOutputLoss``: sums of cross entropies added with ``+=``, over the
+    count of labels that are not ignored."""
+    total_elements = (target != -100).sum()
+    total = 0.0
+    for logits, labels in zip(out.chunk(2, dim=1), target.chunk(2, dim=1)):  # along the sequence
+        total += F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1), reduction="sum")
+    return total / total_elements
+
+
+def test_sums_over_the_count_of_labels_kept_are_a_mean_over_those_labels() -> None:
+    """It was 'one number per microbatch' harmony could not put back together: the planner kept the
+    batch whole, and a cut by hand weighed microbatches by size (a microbatch with no label: NaN)."""
+    labels = torch.tensor([0, 1, -100, 2, -100, 1])
+    reduction, _ = _reduction(lambda out, target: _chunked_cross_entropy(out[:, None], target[:, None]), labels)
+    assert reduction.combine == Combine.MEAN
+    assert reduction.count({"target": labels}) == 4 and reduction.count({"target": torch.tensor([-100, -100])}) == 0
+
+
+@pytest.mark.filterwarnings("error::harmony_fx.MicrobatchesComputeApart")
+def test_sums_over_the_count_of_labels_kept_train_as_eager_in_microbatches() -> None:
+    import copy
+
+    import harmony_fx
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 3))
+    eager = copy.deepcopy(model)
+    x = torch.randn(4, 2, 4)  # [batch, sequence, features]
+    for labels in (torch.tensor([[0, 1], [-100, 2], [-100, -100], [1, 1]]),
+                   torch.tensor([[0, 1], [2, -100], [-100, -100], [-100, -100]])):  # a microbatch with no label
+        trainer = harmony_fx.Trainer(model, _chunked_cross_entropy, torch.optim.SGD(model.parameters(), lr=0.1),
+                                     (x, labels), microbatches=2, devices=["host:0"])
+        optimizer = torch.optim.SGD(eager.parameters(), lr=0.1)
+        loss = trainer.step((x, labels))
+        optimizer.zero_grad()
+        expected = _chunked_cross_entropy(eager(x), labels)
+        expected.backward()
+        optimizer.step()
+        torch.testing.assert_close(torch.as_tensor(float(loss)), expected.detach())
+        for ours, theirs in zip(model.parameters(), eager.parameters()):
+            torch.testing.assert_close(ours, theirs)
