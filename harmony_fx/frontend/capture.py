@@ -519,13 +519,19 @@ def _capture_failure_message(model: nn.Module, export_error: Exception, trace_er
         text = str(err).strip().splitlines()
         return f"{type(err).__name__}: {text[0] if text else ''}"
 
+    where = _where_and_labels(export_error, kwargs)
+    if re.search(r"The model's code at [^\n]*: assert ", where):
+        # an assert on a tensor's value (torchtune's KVCache.update), not a branch to write with torch.where
+        advice = ("an assert reads a tensor's value into Python, which export cannot capture: write it as "
+                  "torch._check(condition.item()), which harmony_fx captures and drops (the check is then not made "
+                  "while it runs), or move it out of forward.")
+    else:
+        advice = _what_to_try(model, export_error, trace_error)
     return (
         f"harmony_fx could not capture {type(model).__name__} as a graph.\n"
         f"  torch.export (non-strict) failed with   {first_line(export_error)}\n"
         f"  torch.fx.symbolic_trace failed with     {first_line(trace_error)}\n"
-        "What to try: "
-        f"{_what_to_try(model, export_error, trace_error)}"
-        f"{_where_and_labels(export_error, kwargs)}"
+        f"What to try: {advice}{where}"
     )
 
 

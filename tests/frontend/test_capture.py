@@ -685,3 +685,28 @@ def test_a_branch_on_values_inside_an_autograd_function_names_the_models_line():
         harmony_fx.compile(Model(), (torch.randn(4, 8),), devices=["host:0"])
     assert "harmony_fx/ir" not in str(refused.value)
     assert "test_capture.py" in str(refused.value) and "in forward" in str(refused.value)
+
+
+class _AssertsOnAValue(nn.Module):
+    """torchtune's KVCache.update: ``assert (self.cache_pos[0] + seq_len) <= self.k_cache.shape[2]``."""
+
+    def __init__(self, checked: bool) -> None:
+        super().__init__()
+        self.linear, self.checked = nn.Linear(4, 4), checked
+        self.register_buffer("position", torch.zeros(1, dtype=torch.long))
+
+    def forward(self, x):
+        if self.checked:  # as the refusal says to write it
+            torch._check(((self.position[0] + x.shape[0]) <= 100).item())
+        else:
+            assert (self.position[0] + x.shape[0]) <= 100
+        return self.linear(x)
+
+
+def test_an_assert_on_a_tensors_value_is_refused_with_advice_for_an_assert_that_works():
+    """The advice was for a branch ("compute both branches and pick with torch.where")."""
+    x = torch.randn(2, 4)
+    with pytest.raises(CaptureError, match=r"an assert reads a tensor's value.*torch\._check\(condition\.item\(\)\)"):
+        harmony_fx.compile(_AssertsOnAValue(checked=False), devices=["host:0"])(x)
+    model = _AssertsOnAValue(checked=True)
+    torch.testing.assert_close(harmony_fx.compile(model, devices=["host:0"])(x), model.linear(x))
