@@ -241,18 +241,18 @@ def check_outputs_alike(whole: Variant, part: Variant, batch: int,
         if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
             continue
         scaled = [i for i, (x, y) in enumerate(zip(a.shape, b.shape)) if x != y and x * part.size == y * batch]
+        name = f"{_output_name(whole.captured, position, len(outputs[0]))} ({ours.name})"
         if a.dim() == b.dim() and len(scaled) == 2 and sum(x != y for x, y in zip(a.shape, b.shape)) == 2:
             raise ValueError(
-                f"the model's {_output_name(whole.captured, position, len(outputs[0]))} is {list(a.shape)} on the "
-                f"whole batch of {batch} and {list(b.shape)} on a microbatch of {part.size}: it pairs every sample "
+                f"the model's {name} is {list(a.shape)} on the whole batch of {batch} and {list(b.shape)} on a "
+                f"microbatch of {part.size}: it pairs every sample "
                 "with every other (a similarity matrix, as CLIP's and SigLIP's logits_per_image), which microbatches "
                 "cannot compute (a contrastive loss over it mixes the samples). Use microbatches=1, or None (the "
                 "planner keeps such a batch whole).")
         if (a.dim() != b.dim() or sum(x != y for x, y in zip(a.shape, b.shape)) > 1
                 or (dim is not None and part.size and b.shape[dim] * batch != a.shape[dim] * part.size)):
             raise ValueError(
-                f"the model's {_output_name(whole.captured, position, len(outputs[0]))} is {list(a.shape)} on the "
-                f"whole batch of {batch} and "
+                f"the model's {name} is {list(a.shape)} on the whole batch of {batch} and "
                 f"{list(b.shape)} on a microbatch of {part.size}: an op drops or adds dims by their sizes (squeeze() "
                 "without a dim drops a one-sample microbatch's batch dim), writes the batch size as a number "
                 "(h.expand(5, 5, 5)), or sizes another dim by the batch (an input whose dim 0 is not a batch of "

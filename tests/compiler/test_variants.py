@@ -145,5 +145,5 @@ def test_an_output_pairing_every_sample_with_every_other_is_refused_by_its_name(
     """The refusal spoke of "output 1 (t_1)" and of squeeze() and expand for CLIP's logits."""
     x, y = torch.randn(4, 8), torch.randn(4, 8)
     with pytest.warns(harmony_fx.MicrobatchesComputeApart), pytest.raises(
-            ValueError, match=r"output\['logits_per_image'\] is \[4, 4\] .* pairs every sample with every other"):
+            ValueError, match=r"output\['logits_per_image'\] \(matmul\) is \[4, 4\] .* pairs every sample with every other"):
         harmony_fx.compile(_Contrastive(), (x, y), devices=["host:0"], microbatches=2)
