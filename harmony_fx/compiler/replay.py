@@ -157,7 +157,7 @@ class ReplayingProbe(Probe):
         graph = [graph.inputs, graph.outputs] if isinstance(graph, _ReplayedGraph) else list(graph)
         signature = ("BWD", made_by, tuple(i for i, name in enumerate(pack.act_inputs) if name in wanted),
                      _layout([graph] + [values.get(key) for key in dropped[1:]]), _layout(read),
-                     tuple(_grad_state(weight, read[1]) for weight in weights),
+                     _grad_states(weights, read[1]),
                      self._held_elsewhere(dropped))
         del graph
 
@@ -376,6 +376,8 @@ class _Holders(dict):
 
 
 def _tensors(value: object) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):  # most values: asked at every task, where a pytree walk costs
+        return [value]
     if isinstance(value, _ReplayedGraph):
         value = [value.inputs, value.outputs, value.kept]
     return [leaf for leaf in pytree.tree_leaves(value) if isinstance(leaf, torch.Tensor)]
@@ -410,10 +412,11 @@ def _unwrap(value: object) -> object:
     return value
 
 
-def _grad_state(weight: torch.Tensor, summed: object) -> object:
-    if weight.grad is None:
-        return None
-    return next((i for i, leaf in enumerate(pytree.tree_leaves(summed)) if leaf is weight.grad), "other")
+def _grad_states(weights: Sequence[torch.Tensor], summed: object) -> tuple:
+    """Per weight, where its ``.grad`` is among the summed gradients ``summed`` (``None``: it has none;
+    ``"other"``: another tensor)."""
+    index = {id(leaf): i for i, leaf in reversed(list(enumerate(pytree.tree_leaves(summed))))}
+    return tuple(None if weight.grad is None else index.get(id(weight.grad), "other") for weight in weights)
 
 
 def _template(value: object, made: dict[int, int], bases: dict[int, tuple],

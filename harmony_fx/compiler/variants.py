@@ -247,8 +247,9 @@ def check_outputs_alike(whole: Variant, part: Variant, batch: int,
                 f"the model's {name} is {list(a.shape)} on the whole batch of {batch} and {list(b.shape)} on a "
                 f"microbatch of {part.size}: it pairs every sample "
                 "with every other (a similarity matrix, as CLIP's and SigLIP's logits_per_image), which microbatches "
-                "cannot compute (a contrastive loss over it mixes the samples). Use microbatches=1, or None (the "
-                "planner keeps such a batch whole).")
+                "cannot compute (a contrastive loss over it mixes the samples). Where an input's dim 0 is not a batch "
+                "of samples (an unbatched sequence), name each input's batch dim with batch_dims=...; otherwise use "
+                "microbatches=1, or None (the planner keeps such a batch whole).")
         if (a.dim() != b.dim() or sum(x != y for x, y in zip(a.shape, b.shape)) > 1
                 or (dim is not None and part.size and b.shape[dim] * batch != a.shape[dim] * part.size)):
             raise ValueError(

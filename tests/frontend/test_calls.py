@@ -189,7 +189,7 @@ def test_outputs_that_cannot_be_joined_along_their_dim_say_which_and_what_to_do(
     [2, 2], and joining them raised torch.cat's own size error; refused at compile, by the shapes
     the whole batch's graph gives it."""
     attention, q = nn.MultiheadAttention(8, 2), torch.randn(5, 8)
-    refused = r"output 1 \(\w+\) is \[5, 5\] on the whole batch of 5 and \[3, 3\].*batch_dims.*microbatches=1"
+    refused = r"output\[1\] \(\w+\) is \[5, 5\] on the whole batch of 5 and \[3, 3\].*batch_dims.*microbatches=1"
     with warnings.catch_warnings(), pytest.raises(ValueError, match=refused):
         warnings.simplefilter("ignore", harmony_fx.MicrobatchesComputeApart)  # said at compile
         harmony_fx.compile(attention, (q, q, q), devices=["host:0"], microbatches=2)
