@@ -295,7 +295,7 @@ class Trainer:
                 raise NonFiniteLossError(
                     f"Trainer.step: the loss of step {self.step_count} is {loss.item()}; the step was undone "
                     "(weights and optimizer state are as before it). Lower the learning rate, check the batch, "
-                    "or pass skip_nonfinite=True to skip such steps.")
+                    "or pass skip_nonfinite=True to skip such steps.", loss.item())
             # the programs update nothing with clipping (the norm is global), nor with the tier on a
             # batch cut into other packs than its files
             if not self._per_pack or (self._tier is not None and hm is not self.hm):
@@ -439,7 +439,12 @@ class Trainer:
 
 
 class NonFiniteLossError(FloatingPointError, ValueError):
-    """A step's loss is NaN or infinite (the step was undone, or skipped with ``skip_nonfinite``)."""
+    """A step's loss is NaN or infinite (the step was undone, or skipped with ``skip_nonfinite``);
+    ``loss``: that value."""
+
+    def __init__(self, message: str, loss: float) -> None:
+        super().__init__(message)
+        self.loss = loss
 
 
 def _state_bytes(optimizer: torch.optim.Optimizer) -> Callable[[nn.Parameter], int]:

@@ -67,7 +67,7 @@ from harmony_fx.compiler.driver import MicrobatchesComputeApart
 from harmony_fx.config import HOST_STATE_OPTIONS, check_option_names, option_names, with_environment
 from harmony_fx.frontend.capture import CaptureError, buffers_put_back
 from harmony_fx.ir.values import fakes_of
-from harmony_fx.trainer import Trainer
+from harmony_fx.trainer import NonFiniteLossError, Trainer
 from harmony_fx.user_frames import user_stacklevel
 
 __all__ = ["HarmonyTrainer"]
@@ -216,7 +216,8 @@ class HarmonyTrainer(transformers.Trainer):
         adds = passed if decided is None else decided
         outside, world = self._scale_across_processes(passed), self.args.world_size
         apart = self._batches_are_microbatches(batches)
-        with self._autocast(), warnings.catch_warnings(), self._compute_loss_captured():
+        with (self._autocast(), warnings.catch_warnings(), self._compute_loss_captured(),
+              self._nonfinite_named()):
             if apart:
                 # the microbatches are transformers' own batches, each computed apart as it computes them (its
                 # dropout draws, a contrastive loss over each batch, BatchNorm's statistics): nothing to warn of.
@@ -242,6 +243,20 @@ class HarmonyTrainer(transformers.Trainer):
                     scale = (len(batches) if adds and own_mean else 1) * outside / (1 if own_mean else world)
                     loss = harmony.step(batch, loss_scale=scale)
         return loss.detach().to(self.args.device)
+
+    @contextlib.contextmanager
+    def _nonfinite_named(self):
+        """A non-finite loss named by the step transformers logs (``global_step + 1``), not harmony's own
+        count (from 0, and anew at every ``train()``: a resumed run names neither), with the option
+        where this door takes it (``harmony_options``)."""
+        try:
+            yield
+        except NonFiniteLossError as error:
+            raise NonFiniteLossError(
+                f"HarmonyTrainer: the loss of step {self.state.global_step + 1} (transformers' count, as logged) is "
+                f"{error.loss}; the step was undone (weights and optimizer state are as before it). Lower the learning "
+                "rate, check the step's batches, or pass harmony_options={'skip_nonfinite': True} to skip such "
+                "steps (transformers.Trainer would step on).", error.loss) from error
 
     def _scale_across_processes(self, passed: bool) -> int:
         """Under torchrun, what transformers multiplies each process's loss by outside the model: the

@@ -16,6 +16,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import harmony_fx
+
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
@@ -686,6 +688,20 @@ def test_skip_nonfinite_skips_the_steps_it_says_and_the_run_goes_on(tmp_path):
     assert trainer.harmony.skipped_steps == [1, 2]
     norms = [entry["grad_norm"] for entry in trainer.state.log_history if "grad_norm" in entry]
     assert norms[0] > 0 and all(math.isnan(norm) for norm in norms[1:])
+
+
+def test_a_nonfinite_loss_is_named_by_transformers_step_and_the_option_this_door_takes(tmp_path):
+    """The second step's batch has no labelled token (its loss is nan): the error named harmony's own
+    count from 0 ("step 1", where transformers logs step 2; anew at every train(), so a resumed run
+    named neither) and said "pass skip_nonfinite=True", which HarmonyTrainer takes in harmony_options."""
+    arguments = _arguments(tmp_path, gradient_accumulation_steps=1, max_steps=3, eval_strategy="no",
+                           save_strategy="no", train_sampling_strategy="sequential")
+    trainer = HarmonyTrainer(model=build_hf_model("llama"), args=arguments, train_dataset=_UnlabelledAfterTheFirst(),
+                             harmony_options={"memory_budget": "1MiB"})
+    with pytest.raises(harmony_fx.NonFiniteLossError, match=r"the loss of step 2 \(transformers' count, as logged\) "
+                       r"is nan;.*harmony_options=\{'skip_nonfinite': True\}"):
+        trainer.train()
+    assert trainer.state.global_step == 1
 
 
 def test_training_again_on_the_same_trainer_moves_the_parameters_as_transformers_does(tmp_path):
