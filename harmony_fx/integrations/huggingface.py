@@ -348,6 +348,14 @@ class HarmonyTrainer(transformers.Trainer):
         norm = self.harmony.stats.grad_norm
         return torch.tensor(float("nan") if norm is None else norm)
 
+    def _get_grad_norm(self, model: nn.Module, grad_norm: Any = None) -> Any:
+        """Without clipping transformers takes the norm of the parameters' gradients: NaN, as with
+        clipping, for a step ``skip_nonfinite`` skipped (it has none: 0.0 would read as a step)."""
+        skipped = self.harmony is not None and self.harmony.skipped_steps[-1:] == [self.harmony.step_count - 1]
+        if grad_norm is None and skipped:
+            return float("nan")
+        return super()._get_grad_norm(model, grad_norm)
+
     def _harmony_for(self, batch: dict) -> Trainer:
         if self.harmony is None:
             if self.optimizer is None:

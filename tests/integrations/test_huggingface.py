@@ -677,11 +677,13 @@ class _UnlabelledAfterTheFirst(torch.utils.data.Dataset):
         return {"input_ids": self.ids[index], "labels": labels}
 
 
-def test_skip_nonfinite_skips_the_steps_it_says_and_the_run_goes_on(tmp_path):
+@pytest.mark.parametrize("max_grad_norm", [1.0, 0.0])
+def test_skip_nonfinite_skips_the_steps_it_says_and_the_run_goes_on(tmp_path, max_grad_norm):
     """transformers reads the clipped norm after every step (max_grad_norm=1.0 by default): a step
-    harmony skipped has none, and the run died on torch.tensor(None)."""
+    harmony skipped has none, and the run died on torch.tensor(None). Without clipping it takes the
+    norm of the parameters' gradients, which a skipped step leaves None: it logged 0.0, as a step."""
     arguments = _arguments(tmp_path, gradient_accumulation_steps=1, max_steps=3, eval_strategy="no",
-                           save_strategy="no", train_sampling_strategy="sequential")
+                           save_strategy="no", train_sampling_strategy="sequential", max_grad_norm=max_grad_norm)
     trainer = HarmonyTrainer(model=build_hf_model("llama"), args=arguments, train_dataset=_UnlabelledAfterTheFirst(),
                              harmony_options={"memory_budget": "1MiB", "skip_nonfinite": True})
     trainer.train()
