@@ -507,6 +507,11 @@ class _Compiled:
     def _remembered(self, key: tuple, error: Exception) -> Exception:
         """``error``, kept to be raised again at the next call with ``key``: it cannot change for the
         same graph, shapes and options."""
+        if isinstance(error, BudgetTooSmallError):
+            error.add_note("harmony_fx: this is the smallest budget of one graph Dynamo made of the model; where it "
+                           "breaks the model into several (a hook, a print, data-dependent Python), each is planned "
+                           "when Dynamo first runs it and may need more: torch._dynamo.explain(model)(*inputs) lists "
+                           "them, and harmony_fx.compile(model) plans a model it captures whole at once")
         if self.static_batch and isinstance(error, BudgetTooSmallError):
             error.add_note("harmony_fx: Dynamo baked the batch size into this graph, so it runs as one microbatch; "
                            "compiled with torch.compile(..., dynamic=True), harmony may cut the batch into "
