@@ -686,11 +686,13 @@ def _padded(key: str, values: list[torch.Tensor], pad_token_id: int, padding_sid
                          "batch, which would need them of one length: use gradient_accumulation_steps=1 with a larger "
                          "per_device_train_batch_size, or batches of one length (TRL's packing_strategy='wrapped')")
     if "attention_mask" not in batches[0] or padding_side != "right":
+        fix = ("pad on the right (tokenizer.padding_side = 'right' for training)" if "attention_mask" in batches[0]
+               else "pass the attention mask")
         raise ValueError("the batches of one optimizer step are padded to different lengths "
                          f"({sorted({v.shape[1] for v in values})}) and harmony runs them as one batch, padded to the "
-                         "longest: that keeps the numbers only with an attention_mask and right padding. Pass the "
-                         "attention mask, pad on the right, or pad every batch alike (pad_to_multiple_of=..., "
-                         "padding='max_length')")
+                         f"longest: that keeps the numbers only with an attention_mask and right padding. So {fix}, "
+                         "or pad every batch to one length (padding='max_length', max_length=...; "
+                         "pad_to_multiple_of only where it makes them one)")
     length = max(value.shape[1] for value in values)
     fill = _PAD_VALUES.get(key, pad_token_id if key == "input_ids" else 0)
     return [torch.nn.functional.pad(value, (0, 0) * (value.dim() - 2) + (0, length - value.shape[1]), value=fill)

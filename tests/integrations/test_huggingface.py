@@ -951,3 +951,19 @@ def test_trl_trainers_combined_with_harmony_trainer_train_on_their_own_loss_or_a
 
     advised = type("H", (HarmonyTrainer, trl.SFTTrainer), {"compute_loss": compute_loss})
     _assert_same_steps(losses(advised, text, config, **options), losses(trl.SFTTrainer, text, config))
+
+
+@pytest.mark.parametrize("mask, side, fix", [
+    (True, "left", r"So pad on the right \(tokenizer\.padding_side = 'right'"),
+    (False, "right", r"So pass the attention mask"),
+])
+def test_batches_of_one_step_padded_apart_are_refused_saying_which_fix_applies(mask, side, fix):
+    """The advice listed every fix (pad_to_multiple_of among them, which a script passing 8 already
+    did) whichever was missing."""
+    from harmony_fx.integrations.huggingface import _one_batch
+
+    batches = [{"input_ids": torch.ones(2, length, dtype=torch.long)} for length in (16, 24)]
+    for batch in batches if mask else ():
+        batch["attention_mask"] = torch.ones_like(batch["input_ids"])
+    with pytest.raises(ValueError, match=rf"padded to different lengths \(\[16, 24\]\).*{fix}"):
+        _one_batch(batches, pad_token_id=0, padding_side=side)
