@@ -37,6 +37,7 @@ import torch
 from torch import fx, nn
 from torch._subclasses.fake_tensor import DynamicOutputShapeException
 from torch.fx._lazy_graph_module import _use_lazy_graph_module
+from torch.fx.experimental.symbolic_shapes import cast_symbool_to_symint_guardless
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -428,8 +429,9 @@ def _bounded_capture(model: nn.Module, args: tuple, kwargs: dict, stack_traces: 
 _COMPARISONS = {operator.le, operator.lt, operator.ge, operator.gt, operator.eq, operator.ne}
 # what a check passes its read through before comparing: ``torch._check_tensor_all(cond)`` (transformers'
 # ``torch_compilable_check``, e.g. a vision-language model's image-token count) is captured as
-# _is_all_true -> item -> sym_ite(item, 1, 0) -> ge/le/eq -> _assert_scalar
-_CHECK_STEPS = {torch.sym_ite, torch.sym_not, operator.not_}
+# _is_all_true -> item -> sym_ite(item, 1, 0) -> ge/le/eq -> _assert_scalar (torch 2.11: item ->
+# cast_symbool_to_symint_guardless -> eq -> _assert_scalar)
+_CHECK_STEPS = {torch.sym_ite, torch.sym_not, operator.not_, cast_symbool_to_symint_guardless}
 _ASSERT = torch.ops.aten._assert_scalar.default
 _METADATA_CHECK = torch.ops.aten._assert_tensor_metadata.default
 
