@@ -512,10 +512,10 @@ class _Compiled:
                            "breaks the model into several (a hook, a print, data-dependent Python), each is planned "
                            "when Dynamo first runs it and may need more: torch._dynamo.explain(model)(*inputs) lists "
                            "them, and harmony_fx.compile(model) plans a model it captures whole at once")
-        if self.static_batch and isinstance(error, BudgetTooSmallError):
-            error.add_note("harmony_fx: Dynamo baked the batch size into this graph, so it runs as one microbatch; "
-                           "compiled with torch.compile(..., dynamic=True), harmony may cut the batch into "
-                           "microbatches, which can fit a smaller budget")
+            if self.static_batch:
+                error.add_note("harmony_fx: Dynamo baked the batch size into this graph, so it runs as one "
+                               "microbatch; compiled with torch.compile(..., dynamic=True), harmony may cut the batch "
+                               "into microbatches, which can fit a smaller budget")
         error.add_note("harmony_fx: remembered for this graph at these shapes and options: later calls raise "
                        "it again without planning")
         self.refusals[key] = _detached(error)  # raising it would keep the call's frames, its inputs, alive
