@@ -442,8 +442,8 @@ class NonFiniteLossError(FloatingPointError, ValueError):
     """A step's loss is NaN or infinite (the step was undone, or skipped with ``skip_nonfinite``);
     ``loss``: that value."""
 
-    def __init__(self, message: str, loss: float) -> None:
-        super().__init__(message)
+    def __init__(self, message: str, loss: float = float("nan")) -> None:
+        super().__init__(message)  # args: the message alone, so a pickled copy (another rank's) unpickles
         self.loss = loss
 
 

@@ -225,18 +225,11 @@ def _sum_over_labelled(gm: fx.GraphModule, node: fx.Node, origin: fx.Node,
     if (not isinstance(compared, fx.Node) or compared.target is not aten.ne.Scalar
             or not isinstance(compared.args[0], fx.Node)):
         return None
-    ignore_index = compared.args[1]
     terms = _terms(gm, node.args[0], None, origin, state)
     if not terms or any(term is _SHARED or term.combine != Combine.SUM or term.scale is not None
                         or term.divisor is not None for term in terms):
         return None
-    try:
-        labels = _function_of(gm, compared.args[0], "labels", state)
-    except ValueError as error:
-        return ScalarReduction(None, why=str(error))
-    read = (_reshaped_from(compared.args[0]).name, ignore_index, None)
-    return ScalarReduction(Combine.MEAN, lambda inputs: int((labels(inputs) != ignore_index).sum()), labels=read,
-                           node=node.name)
+    return dataclasses.replace(_labels_kept(gm, compared.args[0], compared.args[1], state), node=node.name)
 
 
 def _unwrapped(node: fx.Node) -> fx.Node:
@@ -336,16 +329,15 @@ def _mean_over_labels(gm: fx.GraphModule, loss: fx.Node, state: Mapping[str, tor
     if isinstance(target, torch.Tensor) and target.is_floating_point():
         # class probabilities (soft targets): torch's mean is over every sample, whatever the weights
         return _mean_over_elements(loss.args[1])
-    ignore_index = _argument(loss, "ignore_index")
+    ignore_index, weight = _argument(loss, "ignore_index"), _argument(loss, "weight")
+    if weight is None:
+        return _labels_kept(gm, loss.args[1], ignore_index, state)
     try:
         labels = _function_of(gm, loss.args[1], "labels", state)
-        weight = _argument(loss, "weight")
-        class_weights = None if weight is None else _function_of(gm, weight, "class weights", state, inputs=False)
+        class_weights = _function_of(gm, weight, "class weights", state, inputs=False)
     except ValueError as error:
         return ScalarReduction(None, why=str(error))
-    read = (_reshaped_from(loss.args[1]).name, ignore_index, None if weight is None else weight.name)
-    if class_weights is None:
-        return ScalarReduction(Combine.MEAN, lambda inputs: int((labels(inputs) != ignore_index).sum()), labels=read)
+    read = (_reshaped_from(loss.args[1]).name, ignore_index, weight.name)
 
     def weight_of_kept(inputs: Mapping[str, torch.Tensor]) -> float:
         kept = labels(inputs)
@@ -353,6 +345,18 @@ def _mean_over_labels(gm: fx.GraphModule, loss: fx.Node, state: Mapping[str, tor
         return float(class_weights({}).detach().to("cpu", torch.float64)[kept.to("cpu")].sum())
 
     return ScalarReduction(Combine.MEAN, weight_of_kept, labels=read)
+
+
+def _labels_kept(gm: fx.GraphModule, labels: fx.Node, ignore_index: int,
+                 state: Mapping[str, torch.Tensor] | None) -> ScalarReduction:
+    """A mean over the labels ``labels`` holds that are not ``ignore_index``: each microbatch weighed
+    by how many it has."""
+    try:
+        count = _function_of(gm, labels, "labels", state)
+    except ValueError as error:
+        return ScalarReduction(None, why=str(error))
+    return ScalarReduction(Combine.MEAN, lambda inputs: int((count(inputs) != ignore_index).sum()),
+                           labels=(_reshaped_from(labels).name, ignore_index, None))
 
 
 # ops whose result holds its input's values, each once: labels reshaped by each term of a loss

@@ -240,21 +240,21 @@ def check_outputs_alike(whole: Variant, part: Variant, batch: int,
         dim = (output_dims or {}).get(position)
         if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
             continue
-        scaled = [i for i, (x, y) in enumerate(zip(a.shape, b.shape)) if x != y and x * part.size == y * batch]
-        name = f"{_output_name(whole.captured, position, len(outputs[0]))} ({ours.name})"
-        if a.dim() == b.dim() and len(scaled) == 2 and sum(x != y for x, y in zip(a.shape, b.shape)) == 2:
+        differ = [i for i, (x, y) in enumerate(zip(a.shape, b.shape)) if x != y]
+        if a.dim() == b.dim() and len(differ) == 2 and all(a.shape[i] * part.size == b.shape[i] * batch
+                                                           for i in differ):
             raise ValueError(
-                f"the model's {name} is {list(a.shape)} on the whole batch of {batch} and {list(b.shape)} on a "
-                f"microbatch of {part.size}: it pairs every sample "
-                "with every other (a similarity matrix, as CLIP's and SigLIP's logits_per_image), which microbatches "
-                "cannot compute (a contrastive loss over it mixes the samples). Where an input's dim 0 is not a batch "
-                "of samples (an unbatched sequence), name each input's batch dim with batch_dims=...; otherwise use "
+                f"the model's {_output_name(whole, position, ours)} is {list(a.shape)} on the whole batch of {batch} "
+                f"and {list(b.shape)} on a microbatch of {part.size}: it pairs every sample with every other (a "
+                "similarity matrix, as CLIP's and SigLIP's logits_per_image), which microbatches cannot compute (a "
+                "contrastive loss over it mixes the samples). Where an input's dim 0 is not a batch of samples (an "
+                "unbatched sequence), name each input's batch dim with batch_dims=...; otherwise use "
                 "microbatches=1, or None (the planner keeps such a batch whole).")
-        if (a.dim() != b.dim() or sum(x != y for x, y in zip(a.shape, b.shape)) > 1
+        if (a.dim() != b.dim() or len(differ) > 1
                 or (dim is not None and part.size and b.shape[dim] * batch != a.shape[dim] * part.size)):
             raise ValueError(
-                f"the model's {name} is {list(a.shape)} on the whole batch of {batch} and "
-                f"{list(b.shape)} on a microbatch of {part.size}: an op drops or adds dims by their sizes (squeeze() "
+                f"the model's {_output_name(whole, position, ours)} is {list(a.shape)} on the whole batch of {batch} "
+                f"and {list(b.shape)} on a microbatch of {part.size}: an op drops or adds dims by their sizes (squeeze() "
                 "without a dim drops a one-sample microbatch's batch dim), writes the batch size as a number "
                 "(h.expand(5, 5, 5)), or sizes another dim by the batch (an input whose dim 0 is not a batch of "
                 "samples, cut as one: name its batch dim with batch_dims=...), so the microbatches' outputs cannot "
@@ -262,17 +262,18 @@ def check_outputs_alike(whole: Variant, part: Variant, batch: int,
                 "microbatches=1.")
 
 
-def _output_name(captured: Captured, position: int, count: int) -> str:
-    """Output ``position`` as the model returns it (``output.logits_per_image``, ``output[1]``), else by
-    its position."""
+def _output_name(variant: Variant, position: int, node: fx.Node) -> str:
+    """Output ``position`` (made by ``node``) as the model returns it (``output['logits_per_image']
+    (matmul)``), else by its position (``output 0 (squeeze)``)."""
+    count = len(variant.captured.gm.graph.find_nodes(op="output")[0].args[0])
     try:
-        structure = captured.unflatten_outputs(list(range(count)))
+        structure = variant.captured.unflatten_outputs(list(range(count)))
         for path, leaf in pytree.tree_flatten_with_path(structure)[0]:
             if leaf == position and path:
-                return f"output{pytree.keystr(path)}"
+                return f"output{pytree.keystr(path)} ({node.name})"
     except Exception:  # noqa: BLE001 - a structure that cannot hold numbers in its tensors' places: by position
         pass
-    return f"output {position}"
+    return f"output {position} ({node.name})"
 
 
 # ops that only lay values out, which export keeps or drops by the sizes it sees
