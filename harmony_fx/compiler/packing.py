@@ -369,6 +369,9 @@ class PackingBounds:
         variant = context.variants[context.layout.mb_sizes[0]]
         self._context = context
         self._passed_at = 0  # the first layer of the pack whose bound last passed a limit
+        # each pack's bound, by (start, end, previous): a search's candidates share most of their
+        # packs (of 113 packings of a 114-layer model, 13,000 packs, 660 distinct)
+        self._packs: dict[tuple[int, int, int | None], int] = {}
         shapes, masters = context.shapes, variant.masters
         nodes = variant.nodes
         self._read_after = last_readers(variant.captured.gm, variant.layers)
@@ -442,10 +445,12 @@ class PackingBounds:
         if limit is not None:
             packs.insert(0, packs.pop(bisect.bisect_right(boundaries, self._passed_at) - 1))
         bound = 0
-        for start, end, previous in packs:
-            bound = max(bound, self._pack(start, end, previous))
+        for pack in packs:
+            if pack not in self._packs:
+                self._packs[pack] = self._pack(*pack)
+            bound = max(bound, self._packs[pack])
             if limit is not None and bound > limit:
-                self._passed_at = start
+                self._passed_at = pack[0]
                 break
         return bound
 

@@ -11,7 +11,8 @@ is met and records what it did to the device's memory; after that it replays the
 2. the keys it drops (a recompute's inputs, a backward's graph and gradients), so that what dies
    with them dies, as in the real run;
 3. the values it leaves: fresh storages of the recorded sizes, or views of what it read where the
-   real values were views, laid out as the real ones (shape, strides, offset, dtype); a recompute's
+   real values were views, or what it read itself where the real value was that tensor, laid out
+   as the real ones (shape, strides, offset, dtype); a recompute's
    graph keeps the bytes of the storages the real graph alone kept (autograd's saved tensors), as
    one storage (they die together, with the graph); a backward's summed weight gradients are the
    weights' ``.grad`` again.
@@ -37,7 +38,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import weakref
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import torch
 from torch.utils import _pytree as pytree
@@ -87,6 +88,11 @@ class TaskRecords:
         if key is None:
             key = self._structures[gm] = structure_key(gm)
         return key
+
+
+class _Sources(NamedTuple):
+    by_storage: dict[int, tuple[int, torch.dtype]]  # storage key -> (leaf index, dtype) of its first leaf
+    by_identity: dict[int, int]                      # id of a leaf it read -> its index
 
 
 class _ReplayedGraph:
@@ -212,7 +218,7 @@ class ReplayingProbe(Probe):
             # then what it makes is made: live bytes never pass the recorded peak on the way
             sources = pytree.tree_leaves(read) + self._dropped_leaves(dropped)
             viewed = {item[1] for template in record.writes if template is not None for item in template[1]
-                      if item[0] == "source"}
+                      if item[0] in ("source", "same")}
             sources = [leaf if i in viewed else None for i, leaf in enumerate(sources)]
             for key in dropped:
                 self.device_values.pop(key, None)
@@ -240,7 +246,7 @@ class ReplayingProbe(Probe):
         except _Unreplayable:
             records._records[signature] = None
 
-    def _record(self, before: int, mark: int, sources: dict[int, tuple[int, torch.dtype]], writes: Sequence[Key],
+    def _record(self, before: int, mark: int, sources: _Sources, writes: Sequence[Key],
                 prior: dict, graph: bool, weights: Sequence[torch.Tensor]) -> _Record:
         tracker = self.device.tracker
         made = tracker.storages_since(mark)
@@ -288,14 +294,18 @@ class ReplayingProbe(Probe):
                          empty_fake(spec[1], spec[2], spec[3], self.target))
                 for spec in record.storages]
 
-    def _sources(self, read: list, dropped: Sequence[Key]) -> dict[int, tuple[int, torch.dtype]]:
+    def _sources(self, read: list, dropped: Sequence[Key]) -> _Sources:
         """What a task may leave views of: the leaves it reads, then those it drops, by storage:
-        ``{storage key: (leaf index, dtype)}`` (no tensor: one held here would outlive the drop)."""
-        sources: dict[int, tuple[int, torch.dtype]] = {}
-        for i, leaf in enumerate(pytree.tree_leaves(read) + self._dropped_leaves(dropped)):
+        ``{storage key: (leaf index, dtype)}`` (no tensor: one held here would outlive the drop),
+        and the leaves it reads by identity (``read`` holds them until the record is made, so an
+        id is not reused meanwhile)."""
+        by_storage: dict[int, tuple[int, torch.dtype]] = {}
+        read_leaves = pytree.tree_leaves(read)
+        for i, leaf in enumerate(read_leaves + self._dropped_leaves(dropped)):
             if isinstance(leaf, torch.Tensor):
-                sources.setdefault(storage_key(leaf), (i, leaf.dtype))
-        return sources
+                by_storage.setdefault(storage_key(leaf), (i, leaf.dtype))
+        by_identity = {id(leaf): i for i, leaf in enumerate(read_leaves) if isinstance(leaf, torch.Tensor)}
+        return _Sources(by_storage, by_identity)
 
     def _dropped_leaves(self, keys: Sequence[Key]) -> list:
         """The leaves of the values of ``keys``, a graph as ``[inputs, outputs]`` whether replayed or not."""
@@ -419,17 +429,20 @@ def _grad_states(weights: Sequence[torch.Tensor], summed: object) -> tuple:
     return tuple(None if weight.grad is None else index.get(id(weight.grad), "other") for weight in weights)
 
 
-def _template(value: object, made: dict[int, int], bases: dict[int, tuple],
-              sources: dict[int, tuple[int, torch.dtype]]) -> tuple:
-    """How to rebuild ``value``: per leaf, a constant, or a tensor laid out over the ``i``-th storage
-    the task made (whose base tensor's layout goes into ``bases``) or over the storage of the
-    ``i``-th leaf it read or dropped (``sources``: storage -> that leaf and its dtype); a view where
-    the real one was a view (``_base``: the runtime owns a gradient as it is only where it is none)."""
+def _template(value: object, made: dict[int, int], bases: dict[int, tuple], sources: _Sources) -> tuple:
+    """How to rebuild ``value``: per leaf, a constant, the ``i``-th leaf the task read itself (a
+    weight's ``.grad`` a later microbatch added to in place, in the tuple the runtime makes anew),
+    or a tensor laid out over the ``i``-th storage the task made (whose base tensor's layout goes
+    into ``bases``) or over the storage of the ``i``-th leaf it read or dropped; a view where the
+    real one was a view (``_base``: the runtime owns a gradient as it is only where it is none)."""
     leaves, spec = pytree.tree_flatten(value)
     items = []
     for leaf in leaves:
         if not isinstance(leaf, torch.Tensor):
             items.append(("value", leaf))
+            continue
+        if id(leaf) in sources.by_identity:
+            items.append(("same", sources.by_identity[id(leaf)]))
             continue
         key = storage_key(leaf)
         layout = (tuple(leaf.shape), leaf.stride(), leaf.storage_offset(), leaf.dtype, leaf.requires_grad,
@@ -443,8 +456,8 @@ def _template(value: object, made: dict[int, int], bases: dict[int, tuple],
             if bases.setdefault(made[key], base) != base:
                 raise _Unreplayable  # two bases on one storage
             items.append(("made", made[key], *layout))
-        elif key in sources and sources[key][1] == leaf.dtype:
-            items.append(("source", sources[key][0], *layout))
+        elif key in sources.by_storage and sources.by_storage[key][1] == leaf.dtype:
+            items.append(("source", sources.by_storage[key][0], *layout))
         else:
             raise _Unreplayable
     return spec, tuple(items)
@@ -462,8 +475,8 @@ def _build(template: tuple, storages: list[torch.Tensor], sources: list, unused:
     spec, items = template
     leaves = []
     for item in items:
-        if item[0] == "value":
-            leaves.append(item[1])
+        if item[0] in ("value", "same"):
+            leaves.append(item[1] if item[0] == "value" else sources[item[1]])
             continue
         source, index, shape, stride, offset, dtype, requires_grad, is_view = item
         base = storages[index] if source == "made" else sources[index]

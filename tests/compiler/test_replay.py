@@ -178,3 +178,34 @@ def test_the_holders_of_each_storage_are_counted_as_values_come_and_go():
             assert any(values.holders[storage] > 1 for storage in mine) == scan
 
     check()
+
+
+def test_a_later_microbatch_leaves_each_weight_grad_the_tensor_the_real_run_leaves(monkeypatch):
+    """Autograd adds a later microbatch's weight gradients into ``.grad`` in place: the real run's
+    ``.grad`` stays one tensor across a pack's microbatches, and a replayed backward keeps it
+    (not a new alias of its storage, which costs a tensor and a ``.grad`` set per weight and
+    microbatch). Seen per pack and microbatch: whether each weight's ``.grad`` is the tensor the
+    pack's previous microbatch left."""
+    from harmony_fx.runtime.executor import Runtime
+
+    torch.manual_seed(0)
+    hm = _compiled(MLPChain(width=16, depth=6), torch.randn(12, 16), pack_boundaries=tuple(range(7)), microbatches=4)
+    kept = []
+    original = Runtime.bwd
+
+    def noting(self, pack_index, mb):
+        weights = self.device_values[replay.Key(replay.KeyKind.WEIGHTS, self.packs_for_mb[mb][pack_index].name)]
+        before = [weight.grad for weight in weights]
+        event = original(self, pack_index, mb)
+        kept.append((pack_index, mb, tuple(weight.grad is grad for weight, grad in zip(weights, before))))
+        return event
+
+    monkeypatch.setattr(Runtime, "bwd", noting)
+    _estimates(hm, None)
+    executed, kept[:] = list(kept), []
+    records = TaskRecords()
+    _estimates(hm, records)
+    _estimates(hm, records)  # every task but the last pack's replays
+    assert records.replayed > records.ran
+    assert kept[len(kept) // 2:] == executed
+    assert any(all(same) and same for _, mb, same in executed if mb > 0)  # the pattern is not vacuous
