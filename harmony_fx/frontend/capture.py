@@ -507,6 +507,8 @@ _CACHE_IN_OUTPUT = re.compile(r"Found <class '([\w.]*Cache)'> in output")
 _UNKNOWN_OUTPUT = re.compile(r"Found <class '([\w.]+)'> in output")
 _CACHE_IN_INPUT = re.compile(r"Unsupported input type <class '([\w.]*Cache)'>")
 _DATA_DEPENDENT = ("data-dependent", "data dependent", "GuardOnDataDependentSymNode")
+# export's symptom of a value read into a Python int (int(t.max()) + 1 as a size), not a branch
+_SIZED_BY_VALUE = "Could not extract specialized integer from data-dependent expression"
 # export names the user frame it stopped in: "Caused by: (path/model.py:1062 in forward)"
 _CAUSED_BY = re.compile(r"Caused by: \(([^()\n]+?:\d+ in \w+)\)")
 # a data-dependent guard names the user's frame it came from, with its code (the function may be
@@ -739,6 +741,11 @@ def _advice(export_error: Exception, trace_error: Exception | None = None) -> st
         return (f"{text.strip()} makes a tensor whose size depends on its inputs' values (ctc_loss's, on the "
                 "target lengths), which export cannot capture: compute it outside the model, on the outputs of "
                 "the compiled module (harmony_fx.Trainer: in loss_fn).")
+    if _SIZED_BY_VALUE in text:
+        return ("the forward turns a tensor's value into a Python number (int(t.max()), t.item(), t.tolist()) that "
+                "sizes a tensor or picks a slice, which no graph of fixed sizes can hold: pass that number in as an "
+                "argument, or fix it (a pooling over a batch vector, as torch_geometric's global_mean_pool(x, batch, "
+                "size=num_graphs), takes the count of graphs), or compute that part outside the compiled model.")
     if any(marker in text for marker in _DATA_DEPENDENT):
         return ("Python control flow depends on a tensor's values (if x.sum() > 0: ...); compute both branches "
                 "and pick with torch.where, or move the choice out of forward.")

@@ -23,7 +23,8 @@ from torch.utils import _pytree as pytree
 
 from harmony_fx.analysis.reductions import Combine, ScalarReduction
 
-__all__ = ["microbatch_sizes", "argument_dims", "batch_size", "split_call", "merge", "scalar_weights", "merge_scalars"]
+__all__ = ["microbatch_sizes", "refuse_nested_inputs", "argument_dims", "batch_size", "split_call", "merge",
+           "scalar_weights", "merge_scalars"]
 
 
 
@@ -31,6 +32,21 @@ def microbatch_sizes(batch: int, num: int) -> list[int]:
     if num > batch:
         raise ValueError(f"cannot cut a batch of {batch} into {num} microbatches: use at most {batch} microbatches")
     return [batch // num + (1 if i < batch % num else 0) for i in range(num)]
+
+
+def refuse_nested_inputs(model: nn.Module, args: tuple, kwargs: dict) -> None:
+    """A nested tensor input (``torch.nested``; ``is_nested``) is refused, naming its argument:
+    capturing runs the forward on FakeTensors, which a nested tensor's fake copy fails (an
+    assertion in torch's nested code, which read as the model's own error), and no dim of it cuts
+    its samples into microbatches."""
+    call = (args, kwargs)
+    for path, leaf in pytree.tree_flatten_with_path(call)[0]:
+        if isinstance(leaf, torch.Tensor) and leaf.is_nested:
+            name = _argument_name(path, call, model)
+            raise ValueError(
+                f"the input {name!r} is a nested tensor (torch.nested, layout={leaf.layout}): harmony_fx captures and "
+                "cuts dense tensors only. Pass the padded batch instead (x.to_padded_tensor(0.0), with the lengths "
+                "or a mask), and mask the padding where it matters (attention's mask, the loss).")
 
 
 def argument_dims(model: nn.Module, args: tuple, kwargs: dict, batch_dims: int | dict) -> tuple[tuple, dict]:
@@ -82,25 +98,33 @@ def batch_size(call: tuple[tuple, dict], dims: tuple[tuple, dict], model: nn.Mod
     """The size of the inputs along their batch dims; where they disagree, a ``ValueError`` naming
     each input's (by the argument ``model.forward`` binds it to, where ``model`` is given)."""
     leaves, _ = pytree.tree_flatten_with_path(call)
-    found = [(path, x.shape[d], d) for (path, x), d in zip(leaves, pytree.tree_leaves(dims))
+    found = [(path, x.shape[d], d, _holds_indices(x)) for (path, x), d in zip(leaves, pytree.tree_leaves(dims))
              if isinstance(x, torch.Tensor) and isinstance(d, int)]
     if not found:
         raise ValueError("no input is cut along a batch dim (batch_dims gives None for every one), so there is "
                          "nothing to cut into microbatches: pass microbatches=1, or None (the planner keeps a batch "
                          "it cannot cut whole).")
-    sizes = {size for _, size, _ in found}
+    sizes = {size for _, size, _, _ in found}
     if len(sizes) != 1:
-        named = [(_argument_name(path, call, model), size, dim) for path, size, dim in found]
+        named = [(_argument_name(path, call, model), size, dim, indices) for path, size, dim, indices in found]
         # the size most inputs have, the first input's where tied
-        most = max((s for _, s, _ in named), key=lambda size: sum(s == size for _, s, _ in named))
-        listed = ", ".join(f"{name} has {size} along dim {dim}" for name, size, dim in dict.fromkeys(named))
-        shared = ", ".join(dict.fromkeys(f"{name!r}: None" for name, size, _ in named if size != most))
+        most = max((s for _, s, _, _ in named), key=lambda size: sum(s == size for _, s, _, _ in named))
+        listed = ", ".join(f"{name} has {size} along dim {dim}" for name, size, dim, _ in dict.fromkeys(named))
+        # an integer input of another size holds indices (a graph's edge_index, offsets): shared whole,
+        # each microbatch would index the whole batch, so it is no example of what to share
+        shared = ", ".join(dict.fromkeys(f"{name!r}: None" for name, size, _, indices in named
+                                         if size != most and not indices))
+        example = f": e.g. batch_dims={{{shared}}}" if shared else ""
         raise ValueError(f"the inputs split into microbatches disagree on the batch size: {listed}. Where the batch "
                          "is not a dim of each input (a graph batch's edge_index, EmbeddingBag offsets, a list of "
                          "samples), no dim cuts it: pass microbatches=None (the planner keeps such a batch whole) or "
                          "1. Otherwise say which dim of each input is the batch with batch_dims, None for an input "
-                         f"every microbatch shares whole (a [time, time] mask, a bias): e.g. batch_dims={{{shared}}}.")
+                         f"every microbatch shares whole (a [time, time] mask, a bias){example}.")
     return sizes.pop()
+
+
+def _holds_indices(x: torch.Tensor) -> bool:
+    return not x.is_floating_point() and not x.is_complex() and x.dtype != torch.bool
 
 
 def _argument_name(path: tuple, call: tuple[tuple, dict], model: nn.Module | None) -> str:

@@ -267,6 +267,29 @@ def test_a_branch_on_values_names_the_models_line_and_no_function_of_torchs():
     assert "torch's own code" not in message
 
 
+class _SizedByValue(nn.Module):
+    """A pooling over a batch vector that counts the graphs from its values (torch_geometric's
+    ``global_mean_pool(x, batch)`` without ``size``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(8, 4)
+
+    def forward(self, x, batch):
+        graphs = int(batch.max()) + 1
+        return torch.zeros(graphs, 4).index_add(0, batch, self.linear(x))
+
+
+def test_a_size_read_from_values_is_told_to_come_in_as_a_number():
+    """The advice was a branch's (torch.where), which does not apply to a size (sweep qq)."""
+    with pytest.raises(harmony_fx.CaptureError) as refused:
+        harmony_fx.compile(_SizedByValue(), (torch.randn(10, 8), torch.tensor([0, 0, 1, 1, 1, 2, 2, 3, 3, 3])),
+                           devices=["host:0"], microbatches=1)
+    message = str(refused.value)
+    assert "graphs = int(batch.max()) + 1" in message and "pass that number in as an argument" in message
+    assert "torch.where" not in message
+
+
 class _ConnectionistLoss(nn.Module):
     def __init__(self) -> None:
         super().__init__()

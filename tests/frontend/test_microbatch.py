@@ -226,11 +226,44 @@ def test_splitting_a_shared_input_along_dim_0_is_refused():
         harmony_fx.compile(model, (x, bias), microbatches=2)
 
 
+def test_an_index_input_of_another_size_is_no_example_of_what_to_share():
+    """A graph batch: node features [12, 16] and edge_index [2, 24]. Sharing edge_index whole (the
+    refusal's example before) gave each microbatch indices into the whole batch: torch's IndexError
+    from inside a pack (sweep qq). An integer input is not offered; a float one still is."""
+    class Graph(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = nn.Linear(16, 4)
+
+        def forward(self, x, edge_index, bias):
+            return torch.zeros_like(x[:, :4]).index_add(0, edge_index[1], self.linear(x)[edge_index[0]]) + bias
+
+    x, edges, bias = torch.randn(12, 16), torch.randint(0, 12, (2, 24)), torch.randn(4)
+    with pytest.raises(ValueError, match=r"disagree on the batch size: x has 12 along dim 0, edge_index has 2 along "
+                                         r"dim 0, bias has 4 along dim 0\..*: e\.g\. batch_dims=\{'bias': None\}\.\n"):
+        harmony_fx.compile(Graph(), (x, edges, bias), microbatches=2)
+    with pytest.raises(ValueError, match=r"a bias\)\.\n"):  # no example left to give
+        harmony_fx.compile(Graph(), (x, edges, bias), microbatches=2, batch_dims={"bias": None})
+
+
 def test_no_input_left_to_cut_is_said_so():
     """Every input shared (the advice above followed for each): a Python error (max() of nothing)."""
     model, _, x, bias, _, _, _ = _shared_bias_setup(False, False)
     with pytest.raises(ValueError, match=r"no input is cut along a batch dim.*microbatches=1, or None"):
         harmony_fx.compile(model, (x, bias), microbatches=2, batch_dims={"x": None, "bias": None})
+
+
+@pytest.mark.parametrize("microbatches", [1, None, 2])
+def test_a_nested_tensor_input_is_refused_naming_it(microbatches):
+    """A jagged batch (torch.nested) runs eagerly; capturing it failed in torch's nested code on
+    FakeTensors, said as if the model raised eagerly (or, cut, torch's split refused dim 0): now the
+    input is named with what to pass instead (sweep qq)."""
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3))
+    nested = torch.nested.nested_tensor([torch.randn(n, 8) for n in (3, 5, 2, 4)], layout=torch.jagged)
+    model(nested)  # eager takes it
+    with pytest.raises(ValueError, match=r"the input 'input' is a nested tensor \(torch.nested, layout=torch.jagged\)"
+                                         r".*to_padded_tensor"):
+        harmony_fx.compile(model, (nested,), microbatches=microbatches, memory_budget=1 << 20, devices=["host:0"])
 
 
 def test_input_that_requires_grad_gets_eager_grad_with_microbatches():
