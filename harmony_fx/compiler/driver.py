@@ -782,7 +782,7 @@ def _analyze_the_cut(example: _Example, variants: dict, layout: Layout, whole: V
         if layout.mb_sizes != (None,) and max(layout.mb_sizes) > 1:
             largest = max(layout.mb_sizes)
             return _analyze_batch(variants[largest], largest, example.flat_dims)
-        return BatchAnalysis(False, str(error))
+        return BatchAnalysis(False, getattr(error, "finding", str(error)))
     assert whole is not None, "a batch with one size has its whole graph"
     return _analyze_batch(whole, batch, example.flat_dims)
 

@@ -94,6 +94,15 @@ def _batch_dim(tensor: torch.Tensor, dim: int | None) -> int | None:
     return dim % tensor.dim()
 
 
+class BatchSizesDisagree(ValueError):
+    """The inputs cut into microbatches disagree on the batch size; ``finding``: what disagrees,
+    without the advice (a batch the planner keeps whole is explained by it)."""
+
+    def __init__(self, finding: str, message: str) -> None:
+        super().__init__(message)
+        self.finding = finding
+
+
 def batch_size(call: tuple[tuple, dict], dims: tuple[tuple, dict], model: nn.Module | None = None) -> int:
     """The size of the inputs along their batch dims; where they disagree, a ``ValueError`` naming
     each input's (by the argument ``model.forward`` binds it to, where ``model`` is given)."""
@@ -115,11 +124,12 @@ def batch_size(call: tuple[tuple, dict], dims: tuple[tuple, dict], model: nn.Mod
         shared = ", ".join(dict.fromkeys(f"{name!r}: None" for name, size, _, indices in named
                                          if size != most and not indices))
         example = f": e.g. batch_dims={{{shared}}}" if shared else ""
-        raise ValueError(f"the inputs split into microbatches disagree on the batch size: {listed}. Where the batch "
-                         "is not a dim of each input (a graph batch's edge_index, EmbeddingBag offsets, a list of "
-                         "samples), no dim cuts it: pass microbatches=None (the planner keeps such a batch whole) or "
-                         "1. Otherwise say which dim of each input is the batch with batch_dims, None for an input "
-                         f"every microbatch shares whole (a [time, time] mask, a bias){example}.")
+        finding = f"the inputs split into microbatches disagree on the batch size: {listed}"
+        raise BatchSizesDisagree(finding, (
+            f"{finding}. Where the batch is not a dim of each input (a graph batch's edge_index, EmbeddingBag "
+            "offsets, a list of samples), no dim cuts it: pass microbatches=None (the planner keeps such a batch "
+            "whole) or 1. Otherwise say which dim of each input is the batch with batch_dims, None for an input every "
+            f"microbatch shares whole (a [time, time] mask, a bias){example}."))
     return sizes.pop()
 
 

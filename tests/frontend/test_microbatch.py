@@ -618,3 +618,19 @@ def test_terms_weighed_differently_only_at_run_time_are_refused_then():
     labels[:3] = -100
     with pytest.raises(ValueError, match="weigh differently"):
         hm(x, labels)
+
+
+def test_a_batch_kept_whole_for_sizes_that_disagree_is_explained_without_the_advice():
+    """The planner keeps a graph batch whole: ``explain()`` said so with the whole refusal, whose
+    advice (pass microbatches=None or 1) the user had followed (sweep qq)."""
+    class Graph(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = nn.Linear(16, 4)
+
+        def forward(self, x, edge_index):
+            return torch.zeros_like(x[:, :4]).index_add(0, edge_index[1], self.linear(x)[edge_index[0]]).sum()
+
+    hm = harmony_fx.compile(Graph(), (torch.randn(12, 16), torch.randint(0, 12, (2, 24))), devices=["host:0"])
+    line = next(line for line in hm.explain().splitlines() if line.startswith("batch: "))
+    assert line.endswith("disagree on the batch size: x has 12 along dim 0, edge_index has 2 along dim 0"), line
