@@ -390,7 +390,21 @@ def _tensors(value: object) -> list[torch.Tensor]:
         return [value]
     if isinstance(value, _ReplayedGraph):
         value = [value.inputs, value.outputs, value.kept]
-    return [leaf for leaf in pytree.tree_leaves(value) if isinstance(leaf, torch.Tensor)]
+    found: list[torch.Tensor] = []
+    _collect_tensors(value, found)
+    return found
+
+
+def _collect_tensors(value: object, found: list[torch.Tensor]) -> None:
+    """The tensors among ``pytree.tree_leaves(value)``, in its order; plain lists and tuples (a
+    task's values, a graph's inputs and outputs) walked here, at a fraction of pytree's cost."""
+    if type(value) is list or type(value) is tuple:
+        for item in value:
+            _collect_tensors(item, found)
+    elif isinstance(value, torch.Tensor):
+        found.append(value)
+    elif value is not None:
+        found.extend(leaf for leaf in pytree.tree_leaves(value) if isinstance(leaf, torch.Tensor))
 
 
 def _storages(value: object) -> set:
