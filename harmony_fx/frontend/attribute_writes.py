@@ -31,7 +31,7 @@ from torch.utils import _pytree as pytree
 from harmony_fx.analysis.buffer_writes import written_buffers
 from harmony_fx.user_frames import user_stacklevel
 
-__all__ = ["tensor_attribute_writes_said"]
+__all__ = ["new_tensors_taken_back", "tensor_attribute_writes_said"]
 
 # export warns "The tensor attribute self.x was assigned during export. Such attributes must be
 # registered as buffers": harmony says it instead
@@ -78,6 +78,37 @@ def _holds_new_tensors(container, before: list | None) -> bool:
     return any(_identity(container, item) not in known
                and any(isinstance(leaf, torch.Tensor) for leaf in pytree.tree_leaves(item))
                for item in _contents(container))
+
+
+@contextlib.contextmanager
+def new_tensors_taken_back(model: nn.Module) -> Iterator[None]:
+    """Around one ``torch.export.export`` of ``model``: export puts back the attributes and buffers it
+    swapped, but not a tensor the forward set where there was none: an attribute it made
+    (``self.cache = ...``) or a buffer registered as ``None`` and filled on the first call
+    (x-transformers' ``AlibiPositionalBias`` caches its bias so). That tensor is export's FakeTensor:
+    left in the model, the next export (of a microbatch, or of the next call, whose key holds the
+    buffers) reads it as the model's buffer, and the calls return FakeTensors for the loss and the
+    gradients. Taken back after each export, so the model holds what it held before, as
+    ``tensor_attribute_writes_said`` says."""
+    attributes = {name: set(module.__dict__) for name, module in model.named_modules()}
+    buffers = {name: dict(module._buffers) for name, module in model.named_modules()}
+    try:
+        yield
+    finally:
+        for name, module in model.named_modules():
+            if name not in attributes:  # a module the forward made: nothing of the model's own
+                continue
+            for key in [key for key, value in module.__dict__.items()
+                        if key not in attributes[name] and isinstance(value, torch.Tensor)]:
+                del module.__dict__[key]
+            held = buffers[name]
+            for key in [key for key, value in module._buffers.items()
+                        if isinstance(value, torch.Tensor) and held.get(key) is None]:
+                if key in held:
+                    module._buffers[key] = None
+                else:
+                    del module._buffers[key]
+                    module._non_persistent_buffers_set.discard(key)
 
 
 class CapturedGraph:

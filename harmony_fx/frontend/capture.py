@@ -51,7 +51,7 @@ from harmony_fx.frontend.backward_hooks import (
     refuse_tensor_hooks,
 )
 from harmony_fx.frontend.attribute_reads import Reads, reads_recorded
-from harmony_fx.frontend.attribute_writes import tensor_attribute_writes_said
+from harmony_fx.frontend.attribute_writes import new_tensors_taken_back, tensor_attribute_writes_said
 from harmony_fx.frontend.compute_dtype import fake_in, in_compute_dtype
 from harmony_fx.frontend.causal_masks import causal_masks_applied
 from harmony_fx.frontend.checkpoint_regions import checkpoints_as_plain_calls
@@ -789,7 +789,8 @@ def _capture_with_export(model: nn.Module, args: tuple, kwargs: dict, stack_trac
         # them as buffers is about torch's code, not the user's
         warnings.filterwarnings("ignore", message=r"The tensor attributes (\S+\._flat_weights\[\d+\](, )?)+ were")
         module, call = (model, (args, kwargs)) if traced is None else (traced.module, (traced.args, traced.kwargs))
-        with certain_random_branches(module) if certain_draws else contextlib.nullcontext():
+        with certain_random_branches(module) if certain_draws else contextlib.nullcontext(), \
+                new_tensors_taken_back(module):
             exported = torch.export.export(module, *call, strict=False)
     signature = exported.graph_signature
     unsupported = [spec for spec in signature.output_specs if spec.kind != OutputKind.USER_OUTPUT]

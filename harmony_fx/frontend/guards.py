@@ -194,7 +194,7 @@ def module_state(model: nn.Module) -> tuple:
                     facts.append((id(buffer), buffer.dtype, buffer.shape))
                 except RuntimeError:
                     facts.append((id(buffer), "uninitialized"))
-        stack.extend(module._modules.values())
+        stack.extend(child for child in module._modules.values() if child is not None)  # None: a slot left empty
     return tuple(facts)
 
 

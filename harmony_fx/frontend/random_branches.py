@@ -7,9 +7,10 @@ probability is zero, and branches on it::
         continue
 
 ``torch.export`` cannot trace ``bool()`` of a value it does not know (a data-dependent guard), so
-such a model would not capture at all. A draw of ``torch.rand``/``torch.rand_like`` lies in [0, 1):
-compared with a number outside (0, 1) its outcome is the same every call, and ``bool()`` (or
-``.item()``) of that comparison is answered here with it. The draw and the comparison stay in the
+such a model would not capture at all. A draw of ``torch.rand``/``torch.rand_like`` (or
+``tensor.uniform_()`` on [0, 1)) lies in [0, 1): compared with a number outside (0, 1) its outcome is
+the same every call, and ``bool()`` (or ``.item()``) of that comparison, or of an element of it (a
+draw per layer, iterated), is answered here with it. The draw and the comparison stay in the
 graph, so the program consumes the random numbers eager consumes (a dropout after it gets eager's
 mask). A comparison whose outcome really is random (a layer drop of 0.3) cannot be a graph, whose
 layers are the same every step: ``bool()`` of it raises ``RandomBranchError`` (the comparison and
@@ -68,21 +69,37 @@ class _CertainDraws(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         name = getattr(func, "__name__", None)
-        if name in ("__bool__", "item") and args:
-            held, outcome, comparison, number = self.compared.get(id(args[0]), (None, None, "", 0.0))
-            if held is args[0]:
-                if outcome is None:
-                    raise RandomBranchError(comparison, number)
-                return outcome
+        if name in ("__bool__", "item") and args and (found := self._compared(args[0])) is not None:
+            _, outcome, comparison, number = found
+            if outcome is None:
+                raise RandomBranchError(comparison, number)
+            return outcome
         out = func(*args, **(kwargs or {}))
-        if any(func is draw for draw in _DRAWS):
+        if any(func is draw for draw in _DRAWS) or (func is torch.Tensor.uniform_ and _on_unit(args, kwargs)):
             self.draws[id(out)] = out
         elif name in _OUTCOMES and len(args) == 2 and self._is_draw(args[0]) and _is_number(args[1]):
             self.compared[id(out)] = (out, _OUTCOMES[name](args[1]), _SYMBOLS[name.strip("_")], args[1])
+        elif name in ("__getitem__", "unbind") and args and self._compared(args[0]) is not None:
+            # an element of a comparison (a draw per layer, iterated: CaiT's layer drop) has its outcome
+            _, *facts = self._compared(args[0])
+            for element in out if isinstance(out, tuple) else (out,):
+                self.compared[id(element)] = (element, *facts)
         return out
+
+    def _compared(self, value: object) -> tuple | None:
+        found = self.compared.get(id(value))
+        return found if found is not None and found[0] is value else None
 
     def _is_draw(self, value: object) -> bool:
         return isinstance(value, torch.Tensor) and self.draws.get(id(value)) is value
+
+
+def _on_unit(args: tuple, kwargs: dict | None) -> bool:
+    """``tensor.uniform_(from, to)`` draws on [0, 1) (its defaults)."""
+    bounds = {"from": 0.0, "to": 1.0}
+    bounds.update(zip(("from", "to"), args[1:]))
+    bounds.update(kwargs or {})
+    return bounds["from"] == 0 and bounds["to"] == 1
 
 
 def _is_number(value: object) -> bool:

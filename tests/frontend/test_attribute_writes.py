@@ -3,10 +3,12 @@ from __future__ import annotations
 
 import warnings
 
+import pytest
 import torch
 from torch import nn
 
 import harmony_fx
+from tests.helpers import assert_grads_equal
 
 
 class _KeepsItsAttention(nn.Module):
@@ -171,3 +173,51 @@ def test_a_list_of_activations_beside_a_recurrent_layer_is_still_named():
     said = [message for message in _warnings_of_compile(_KeepsItsStates())
             if "keeps a tensor in the attribute" in message]
     assert len(said) == 1 and "states" in said[0] and "_flat_weights" not in said[0]
+
+
+class _CachesItsBias(nn.Module):
+    """x-transformers' AlibiPositionalBias: a buffer registered as None, filled on the first call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("slopes", torch.ones(1), persistent=False)
+        self.register_buffer("bias", None, persistent=False)
+
+    def forward(self, n: int) -> torch.Tensor:
+        if self.bias is not None and self.bias.shape[-1] >= n:
+            return self.bias[..., :n, :n]
+        self.register_buffer("bias", (torch.arange(n)[:, None] - torch.arange(n)).abs() * self.slopes,
+                             persistent=False)
+        return self.bias
+
+
+class _BiasedByACache(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin, self.pos = nn.Linear(4, 4), _CachesItsBias()
+
+    def forward(self, x):
+        self.lin.last = x.sum()  # an attribute the module did not have
+        return self.lin(x) @ self.pos(x.shape[1])
+
+
+def test_a_tensor_the_capture_sets_where_the_model_had_none_is_taken_back():
+    """export puts back what it swapped, not a buffer the forward filled where it was None, nor an
+    attribute it made: its FakeTensor stayed in the model, which then computed FakeTensors eagerly
+    (and a compile again, at the budget a refusal named, captured it as the buffer's value)."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 4)
+    model, reference = _BiasedByACache(), _BiasedByACache()
+    reference.load_state_dict(model.state_dict())
+    reference(x).square().mean().backward()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(harmony_fx.BudgetTooSmallError) as refused:
+            harmony_fx.compile(model, devices=["host:0"], memory_budget=1)(x)
+        assert model.pos.bias is None and "last" not in model.lin.__dict__
+        compiled = harmony_fx.compile(model, devices=["host:0"], memory_budget=refused.value.smallest_budget)
+        loss = compiled(x).square().mean()
+    loss.backward()
+    assert type(loss) is torch.Tensor and model.pos.bias is None
+    assert_grads_equal(model, reference)
+    assert type(model(x)) is torch.Tensor  # the model, called eagerly after compiling

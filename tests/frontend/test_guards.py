@@ -514,3 +514,27 @@ def test_a_backward_hook_added_after_compiling_is_refused_at_the_next_call():
     model[4].register_full_backward_hook(lambda *args: None)
     with pytest.raises(ValueError, match="has a backward hook"):
         hm(x)
+
+
+class _WithAnEmptySlot(nn.Module):
+    """x-transformers leaves its blocks' optional norms None (``register_module(name, None)``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.register_module("post_norm", None)
+
+    def forward(self, x):
+        x = self.lin(x)
+        return x if self.post_norm is None else self.post_norm(x)
+
+
+def test_a_child_slot_holding_none_is_keyed_as_eager_skips_it():
+    """module_state walked ``_modules`` with its None entries: AttributeError at every call."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 4)
+    model, reference = _WithAnEmptySlot(), _WithAnEmptySlot()
+    reference.load_state_dict(model.state_dict())
+    reference(x).square().mean().backward()
+    harmony_fx.compile(model, devices=["host:0"])(x).square().mean().backward()
+    assert_grads_equal(model, reference)

@@ -91,6 +91,36 @@ def test_a_draw_whose_outcome_is_random_is_still_refused():
     assert "torch.where, or move" not in str(refused.value)
 
 
+class _LayersDroppedTogether(nn.Module):
+    """vit-pytorch's CaiT: one ``uniform_`` draw per layer, compared at once, then iterated."""
+
+    def __init__(self, layer_dropout: float) -> None:
+        super().__init__()
+        self.layer_dropout = layer_dropout
+        self.layers = nn.ModuleList(nn.Linear(8, 8) for _ in range(3))
+
+    def forward(self, x):
+        to_drop = torch.zeros(len(self.layers)).uniform_(0.0, 1.0) < self.layer_dropout
+        for layer, drop in zip(self.layers, to_drop):
+            if not drop:
+                x = torch.tanh(layer(x))
+        return x
+
+
+def test_a_draw_per_layer_iterated_is_taken_or_refused_as_one_draw():
+    """At probability 0 every element's outcome is certain: captured, eager's numbers. Above it, the
+    refusal says what to set to 0 (it gave a branch's advice: the elements were not known draws)."""
+    torch.manual_seed(0)
+    model, x = _LayersDroppedTogether(0.0), torch.randn(4, 8)
+    reference = copy.deepcopy(model)
+    loss = harmony_fx.compile(model, (x,), microbatches=1, devices=["host:0"])(x).pow(2).sum()
+    loss.backward()
+    reference(x).pow(2).sum().backward()
+    assert_grads_equal(model, reference, rtol=1e-6, atol=1e-6)
+    with pytest.raises(CaptureError, match=r"Set that probability to 0 \(model\.layer_dropout, now 0\.2\)"):
+        capture(_LayersDroppedTogether(0.2), (x,))
+
+
 def test_a_hugging_face_layer_drop_names_the_config_that_holds_it():
     """Wav2Vec2 with transformers' default layerdrop (0.1): skips each layer at random in training."""
     pytest.importorskip("transformers")
