@@ -12,6 +12,9 @@ compile with what to do instead (not a failure deep in planning, or a wrong resu
   pack on FakeTensors, which cannot choose the branch;
 * **sparse gradients** (``nn.Embedding(sparse=True)``): the runtime moves dense gradients between
   the host and the devices;
+* **a matmul or convolution of two floating dtypes** (a float32 value meeting bfloat16 weights under
+  ``precision="bf16"``, where the model casts to float32 itself): FakeTensors run it on shapes alone,
+  and the kernel would raise at the first call;
 * **a functorch transform other than vmap** left in the graph (``torch.func.jvp``'s forward-mode
   nesting): derivatives inside the forward, which the packs' backward does not replay
   (``frontend.functorch_regions`` turns a ``torch.vmap`` into the batched ops it computes).
@@ -33,6 +36,7 @@ from harmony_fx.frontend.functorch_regions import functorch_call
 from harmony_fx.ir import meta
 from harmony_fx.ir.tracking import SIZED_AT_MOST
 from harmony_fx.passes.bound_sizes import unbacked_symbols
+from harmony_fx.runtime.ambient import Autocast
 
 __all__ = ["first_refused", "refusal", "model_line"]
 
@@ -90,6 +94,13 @@ def first_refused(gm: fx.GraphModule) -> tuple[fx.Node, Callable[[str], str]] | 
                 f"the model makes a tensor whose size depends on its values ({op}), with no largest size "
                 f"harmony_fx can plan for, at {where}: harmony_fx plans packs, stash and budget for the largest "
                 "sizes, on tensors without values. " + _FIXED_SIZE_ADVICE.get(op, _SELECT_ADVICE))
+        if (dtypes := _mixed_operand_dtypes(node)) is not None:
+            return node, lambda where, op=node.target._schema.name.split("::")[-1]: (
+                f"the model's {op} at {where} takes {dtypes[0]} and {dtypes[1]} tensors, which its kernel refuses "
+                "(eager raises 'mat1 and mat2 must have the same dtype' when it runs). Under precision='bf16' the "
+                "weights and inputs are bfloat16 while the model casts this value to float32 itself (.float(), "
+                "a complex value's .abs()): cast it back to its weight's dtype (.to(layer.weight.dtype)), or train "
+                "under torch.autocast instead of precision='bf16'.")
         if _sparse_gradient(node):
             return node, lambda where: (
                 f"the model asks for sparse gradients at {where} (sparse=True): harmony_fx moves dense "
@@ -106,6 +117,25 @@ _FIXED_SIZE_ADVICE = {
     "repeat_interleave": "Repeat by a Python int or a tuple of ints, or gather with a fixed-size index; or "
                          + _SELECT_ADVICE[0].lower() + _SELECT_ADVICE[1:],
 }
+
+
+# ops whose kernels take one floating dtype for every tensor operand (mat1 and mat2, input and weight)
+_ONE_DTYPE = {getattr(torch.ops.aten, name) for name in (
+    "mm", "bmm", "addmm", "baddbmm", "addbmm", "addmv", "mv", "matmul", "linear", "conv1d", "conv2d", "conv3d",
+    "convolution", "conv_transpose1d", "conv_transpose2d", "conv_transpose3d")}
+
+
+def _mixed_operand_dtypes(node: fx.Node) -> tuple[torch.dtype, torch.dtype] | None:
+    """Two dtypes among the floating tensor operands of an op in ``_ONE_DTYPE`` (FakeTensors run
+    it on shapes alone, so the capture and the planning take it; the kernel raises at the first
+    call), or ``None``. Not under autocast, which the graph records before its casts: they are made
+    as each pack runs."""
+    if node.target.overloadpacket not in _ONE_DTYPE or Autocast.current().enabled:
+        return None
+    dtypes = list(dict.fromkeys(value.dtype for arg in node.args if isinstance(arg, fx.Node)
+                                if isinstance(value := arg.meta.get(meta.VAL), torch.Tensor)
+                                and (value.is_floating_point() or value.is_complex())))
+    return (dtypes[0], dtypes[1]) if len(dtypes) > 1 else None
 
 
 def _unsized_without_values(node: fx.Node) -> bool:

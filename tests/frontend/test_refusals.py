@@ -150,3 +150,31 @@ def test_an_rnn_given_a_packed_sequence_is_refused_saying_what_to_do_instead():
     """Export stops inside torch's LSTM; the advice was about control flow and caches."""
     with pytest.raises(harmony_fx.CaptureError, match=r"PackedSequence .* mask the padding .*allow_rnn = True"):
         harmony_fx.compile(_PackedLSTM(), (torch.randn(4, 6, 8), torch.tensor([6, 3, 5, 2])), devices=["host:0"])
+
+
+class _Float32Head(nn.Module):
+    """A bfloat16 body and a head the model casts to float32 itself (sweep ss)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body, self.head = nn.Linear(16, 16), nn.Linear(16, 4)
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.body(x)).float())
+
+
+def test_a_float32_value_meeting_bfloat16_weights_is_refused_at_compile():
+    """Under precision="bf16" the head's weight is bfloat16 and its input the model's float32:
+    FakeTensors take the linear on shapes, and the first call raised torch's 'mat1 and mat2 must
+    have the same dtype' from inside a pack, naming no line. Under autocast the same model runs
+    (autocast casts as each pack runs)."""
+    x = torch.randn(4, 16)
+    with pytest.raises(ValueError, match=r"the model's linear at 'return self\.head\(torch\.tanh\(self\.body\(x\)\)"
+                                         r"\.float\(\)\)'.*takes torch\.float32 and torch\.bfloat16 tensors.*"
+                                         r"torch\.autocast instead of precision='bf16'"):
+        harmony_fx.compile(_Float32Head(), (x,), precision="bf16", devices=["host:0"], microbatches=1)
+    model = _Float32Head()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = harmony_fx.compile(model, (x,), devices=["host:0"], microbatches=1)(x)
+        expected = model(x)
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
