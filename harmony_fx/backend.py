@@ -63,7 +63,7 @@ from harmony_fx.api import MANY_VARIANTS, HarmonyModule, compile as harmony_comp
 from harmony_fx.compiler.packing import BudgetTooSmallError
 from harmony_fx.config import HOST_STATE_OPTIONS, CompileOptions, check_option_names, option_names, with_environment
 from harmony_fx.frontend.capture import CaptureError
-from harmony_fx.frontend.refusals import model_line
+from harmony_fx.frontend.refusals import MixedDtypes, model_line
 from harmony_fx.ir import autograd_functions, meta
 from harmony_fx.user_frames import user_stacklevel
 
@@ -456,7 +456,7 @@ class _Compiled:
                 hm = harmony_compile(module, tuple(activations), **self.options)
             except BudgetTooSmallError as error:
                 raise self._remembered(key, error)
-            except CaptureError as error:
+            except (CaptureError, MixedDtypes) as error:
                 baked = _wide_casts_dynamo_baked(self.gm, self.options)
                 if baked is None:
                     raise

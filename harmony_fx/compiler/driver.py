@@ -70,7 +70,7 @@ from harmony_fx.compiler.variants import (
 from harmony_fx.config import CompileOptions, format_size
 from harmony_fx.frontend import microbatch
 from harmony_fx.frontend.backward_hooks import without_a_backward
-from harmony_fx.frontend.capture import CaptureError, raised_when_run
+from harmony_fx.frontend.capture import CaptureError, raised_when_run, register_dataclasses
 from harmony_fx.ir import meta
 from harmony_fx.lowering.tier_io import insert_tier_io
 from harmony_fx.passes.split_packs import annotate_packs
@@ -135,6 +135,7 @@ def _compile_program(model: nn.Module, args: tuple, kwargs: dict, options: Compi
             _refuse_resident_in_trainer()
         _reserve_resident_gradients(model, devices[0], options)
     microbatch.refuse_nested_inputs(model, args, kwargs)
+    register_dataclasses((args, kwargs))  # a batch object's tensors: inputs to capture and cut, not a leaf
     dims = microbatch.argument_dims(model, args, kwargs, options.batch_dims)
     flat_dims = tuple(d for x, d in zip(microbatch.pytree.tree_leaves((args, kwargs)), microbatch.pytree.tree_leaves(dims))
                       if isinstance(x, torch.Tensor))

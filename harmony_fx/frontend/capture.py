@@ -63,7 +63,7 @@ from harmony_fx.frontend.refusals import first_refused, refusal
 from harmony_fx.passes.bound_sizes import bound_sizes
 from harmony_fx.user_frames import user_stacklevel
 
-__all__ = ["Captured", "capture", "CaptureError", "raised_when_run", "buffers_put_back"]
+__all__ = ["Captured", "capture", "CaptureError", "raised_when_run", "buffers_put_back", "register_dataclasses"]
 
 
 class CaptureError(ValueError):
@@ -394,27 +394,37 @@ def _register_output_dataclasses(model: nn.Module, args: tuple, kwargs: dict) ->
             output = model(*fake_args, **fake_kwargs)
     except Exception:  # noqa: BLE001 - then export's own error stands
         return False
+    found, seen = register_dataclasses(output)
+    return bool(found) or bool(seen - known)
+
+
+def register_dataclasses(value: Any) -> tuple[set[type], set[type]]:
+    """Register with pytree every dataclass type in ``value`` (through tuples, lists, dicts and
+    dataclasses) that it does not know; the types registered, and every dataclass type seen. An
+    input that is a dataclass (a batch object) is registered before anything reads the call's
+    structure: as a pytree leaf, export refuses it, and its tensors are neither inputs the graph
+    reads nor ones a microbatch cuts."""
     found: dict[type, None] = {}
     seen: set[type] = set()
 
-    def visit(value: Any) -> None:
-        if dataclasses.is_dataclass(value) and not isinstance(value, type):
-            seen.add(type(value))
-            if type(value) not in pytree.SUPPORTED_NODES:
-                found[type(value)] = None
-            for field in dataclasses.fields(value):
-                visit(getattr(value, field.name))
-        elif isinstance(value, (tuple, list)):
-            for item in value:
-                visit(item)
-        elif isinstance(value, dict):
-            for item in value.values():
-                visit(item)
+    def visit(item: Any) -> None:
+        if dataclasses.is_dataclass(item) and not isinstance(item, type):
+            seen.add(type(item))
+            if type(item) not in pytree.SUPPORTED_NODES:
+                found[type(item)] = None
+            for field in dataclasses.fields(item):
+                visit(getattr(item, field.name))
+        elif isinstance(item, (tuple, list)):
+            for child in item:
+                visit(child)
+        elif isinstance(item, dict):
+            for child in item.values():
+                visit(child)
 
-    visit(output)
+    visit(value)
     for cls in found:
         torch.export.register_dataclass(cls)
-    return bool(found) or bool(seen - known)
+    return set(found), seen
 
 
 def _bounded_capture(model: nn.Module, args: tuple, kwargs: dict, stack_traces: bool, dtype: torch.dtype | None):

@@ -38,7 +38,7 @@ from harmony_fx.ir.tracking import SIZED_AT_MOST
 from harmony_fx.passes.bound_sizes import unbacked_symbols
 from harmony_fx.runtime.ambient import Autocast
 
-__all__ = ["first_refused", "refusal", "model_line"]
+__all__ = ["first_refused", "refusal", "model_line", "MixedDtypes"]
 
 _CONTROL_FLOW = {"cond", "while_loop"}
 # ops that hand a tensor's value to Python as a number
@@ -130,7 +130,8 @@ def _mixed_operand_dtypes(node: fx.Node) -> tuple[torch.dtype, torch.dtype] | No
     it on shapes alone, so the capture and the planning take it; the kernel raises at the first
     call), or ``None``. Not under autocast, which the graph records before its casts: they are made
     as each pack runs."""
-    if node.target.overloadpacket not in _ONE_DTYPE or Autocast.current().enabled:
+    if (not isinstance(node.target, torch._ops.OpOverload) or node.target.overloadpacket not in _ONE_DTYPE
+            or Autocast.current().enabled):
         return None
     dtypes = list(dict.fromkeys(value.dtype for arg in node.args if isinstance(arg, fx.Node)
                                 if isinstance(value := arg.meta.get(meta.VAL), torch.Tensor)
@@ -184,11 +185,17 @@ def _inner_writer(node: fx.Node, written: fx.Node) -> fx.Node:
     return node
 
 
+class MixedDtypes(ValueError):
+    """A matmul or convolution of two floating dtypes (``first_refused``): through ``torch.compile``
+    under ``precision="bf16"``, the backend says it as a cast Dynamo baked in."""
+
+
 def refusal(found: tuple[fx.Node, Callable[[str], str]]) -> ValueError:
     """The error for what ``first_refused`` found."""
     node, message = found
     line = model_line(node)
-    return ValueError(message(f"{line!r} (node {meta.describe(node)})" if line else f"node {meta.describe(node)}"))
+    error = MixedDtypes if _mixed_operand_dtypes(node) is not None else ValueError
+    return error(message(f"{line!r} (node {meta.describe(node)})" if line else f"node {meta.describe(node)}"))
 
 
 def model_line(node: fx.Node) -> str | None:

@@ -733,3 +733,47 @@ def test_an_assert_on_a_tensors_value_is_refused_with_advice_for_an_assert_that_
         harmony_fx.compile(_AssertsOnAValue(checked=False), devices=["host:0"])(x)
     model = _AssertsOnAValue(checked=True)
     torch.testing.assert_close(harmony_fx.compile(model, devices=["host:0"])(x), model.linear(x))
+
+
+@dataclasses.dataclass
+class _BatchInput:
+    x: torch.Tensor
+    shift: torch.Tensor
+    scale: float = 1.0
+
+
+class _TakesBatchObject(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(16, 16) for _ in range(4))
+
+    def forward(self, batch: _BatchInput):
+        h = batch.x * batch.scale - batch.shift
+        for layer in self.layers:
+            h = torch.tanh(layer(h))
+        return h
+
+
+@pytest.mark.parametrize("microbatches", [2, 1])
+def test_a_dataclass_input_is_captured_and_cut_as_its_tensors(microbatches):
+    """A batch object (a plain dataclass of tensors) as the input: export refused it as a type pytree
+    does not know (the refusal advising about control flow and caches), and with microbatches=2 it
+    was "no input is cut along a batch dim". Its type is taught to pytree before the call's
+    structure is read, as an output dataclass's is: its tensors are the inputs, cut into
+    microbatches, and a float field is keyed on as a plain float input is."""
+    torch.manual_seed(0)
+    model = _TakesBatchObject()
+    reference = copy.deepcopy(model)
+    hm = harmony_fx.compile(model, memory_budget=4000, devices=["host:0"], microbatches=microbatches)
+    for scale in (1.0, 2.5):
+        x = torch.randn(4, 16, requires_grad=True)
+        shift = torch.randn(4, 16)
+        ref_x = x.detach().clone().requires_grad_()
+        model.zero_grad(set_to_none=True), reference.zero_grad(set_to_none=True)
+        loss = hm(_BatchInput(x, shift, scale)).pow(2).sum()
+        loss.backward()
+        ref_loss = reference(_BatchInput(ref_x, shift, scale)).pow(2).sum()
+        ref_loss.backward()
+        torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
+        assert_grads_equal(model, reference, rtol=1e-5, atol=1e-6, inputs=(x,), ref_inputs=(ref_x,))
+    assert len(hm.packs) >= 2 and len(hm.variants) == 2 and len(hm.calls.mb_sizes) == microbatches
