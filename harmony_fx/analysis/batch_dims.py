@@ -111,9 +111,9 @@ def analyze_batch_dims(gm: fx.GraphModule, input_dims: Mapping[str, int | None],
             continue  # a parameter or buffer returned as it is: the caller gets it back, nothing is joined
         if dim is None:
             return BatchAnalysis(False, f"the output {arg.name} does not depend on the batch: every microbatch "
-                                        "would compute it whole (under torch.compile, a value made inside the model "
-                                        "that Dynamo hands across a graph break, such as an attention mask)",
-                                 joinable=False)
+                                        "would compute it whole (a parameter's slice, a constant the model makes; "
+                                        "under torch.compile, a value made inside the model that Dynamo hands "
+                                        "across a graph break, such as an attention mask)", joinable=False)
         if arg in context.sorted:
             return BatchAnalysis(False, f"the output {arg.name} holds the batch's rows in a sorted order",
                                  joinable=False)

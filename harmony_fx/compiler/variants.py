@@ -237,9 +237,17 @@ def check_outputs_alike(whole: Variant, part: Variant, batch: int,
             "entries stacked along the batch dim.")
     for position, (ours, theirs) in enumerate(zip(*outputs)):
         a, b = (node.meta.get(meta.VAL) if isinstance(node, fx.Node) else None for node in (ours, theirs))
-        dim = (output_dims or {}).get(position)
+        dim = (output_dims or {}).get(position, 0)  # what the call joins it along (``Compiled.output_dims``)
         if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
             continue
+        if dim is not None and a.dim() > 0 and a.shape == b.shape and part.size and part.size < batch:
+            raise ValueError(
+                f"the model's {_output_name(whole, position, ours)} is {list(a.shape)} on the whole batch of {batch} "
+                f"and {list(b.shape)} on a microbatch of {part.size}: it does not grow with the batch (a reduction "
+                "over the samples, as x.mean(0); a value no sample reaches, as a parameter's slice; the batch size "
+                "written as a number, as h.expand(5, 5, 5)), so the microbatches' outputs, joined along its dim "
+                f"{dim}, would not be the batch's. Use microbatches=1, or None (the planner keeps such a batch "
+                "whole); or return the per-sample values and reduce them after the call.")
         differ = [i for i, (x, y) in enumerate(zip(a.shape, b.shape)) if x != y]
         if a.dim() == b.dim() and len(differ) == 2 and all(a.shape[i] * part.size == b.shape[i] * batch
                                                            for i in differ):
@@ -251,7 +259,8 @@ def check_outputs_alike(whole: Variant, part: Variant, batch: int,
                 "unbatched sequence), name each input's batch dim with batch_dims=...; otherwise use "
                 "microbatches=1, or None (the planner keeps such a batch whole).")
         if (a.dim() != b.dim() or len(differ) > 1
-                or (dim is not None and part.size and b.shape[dim] * batch != a.shape[dim] * part.size)):
+                or (dim is not None and dim < min(a.dim(), b.dim()) and part.size
+                    and b.shape[dim] * batch != a.shape[dim] * part.size)):
             raise ValueError(
                 f"the model's {_output_name(whole, position, ours)} is {list(a.shape)} on the whole batch of {batch} "
                 f"and {list(b.shape)} on a microbatch of {part.size}: an op drops or adds dims by their sizes (squeeze() "

@@ -3,6 +3,7 @@ does, or the cut is refused (a planner's falls back to the batch whole)."""
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -147,3 +148,34 @@ def test_an_output_pairing_every_sample_with_every_other_is_refused_by_its_name(
     with pytest.warns(harmony_fx.MicrobatchesComputeApart), pytest.raises(
             ValueError, match=r"output\['logits_per_image'\] \(matmul\) is \[4, 4\] .* pairs every sample with every other"):
         harmony_fx.compile(_Contrastive(), (x, y), devices=["host:0"], microbatches=2)
+
+
+class _ReturnsWhatTheBatchDoesNotGrow(nn.Module):
+    def __init__(self, what: str) -> None:
+        super().__init__()
+        self.what = what
+        self.layers = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8))
+
+    def forward(self, x):
+        h = self.layers(x)
+        return h, h.mean(0) if self.what == "mean" else self.layers[0].weight[:2] * 1
+
+
+@pytest.mark.parametrize("what, says", [
+    ("mean", r"output\[1\] \(mean\) is \[8\] on the whole batch of 4 and \[8\] on a microbatch of 2: it does not "
+             r"grow with the batch"),
+    ("parameter", r"the output mul does not depend on the batch: every microbatch would compute it whole \(a "
+                  r"parameter's slice"),
+])
+def test_an_output_that_does_not_grow_with_the_batch_is_refused_where_a_cut_would_join_it(what, says):
+    """A cut by hand warned that results may differ, then joined the microbatches' [8] column means
+    along dim 0: [16] where eager returns [8] (sweep tt). The planner keeps such a batch whole."""
+    x = torch.randn(4, 8)
+    with pytest.raises(ValueError, match=says):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", harmony_fx.MicrobatchesComputeApart)
+            harmony_fx.compile(_ReturnsWhatTheBatchDoesNotGrow(what), (x,), devices=["host:0"], microbatches=2)
+    model = _ReturnsWhatTheBatchDoesNotGrow(what)
+    out, expected = harmony_fx.compile(model, (x,), devices=["host:0"])(x), model(x)
+    assert [o.shape for o in out] == [e.shape for e in expected]
+    torch.testing.assert_close(out, expected)
