@@ -134,8 +134,8 @@ def _compile_program(model: nn.Module, args: tuple, kwargs: dict, options: Compi
         if trainer or updates or optimizer is not None:
             _refuse_resident_in_trainer()
         _reserve_resident_gradients(model, devices[0], options)
-    microbatch.refuse_nested_inputs(model, args, kwargs)
     register_dataclasses((args, kwargs))  # a batch object's tensors: inputs to capture and cut, not a leaf
+    microbatch.refuse_inputs_not_taken_apart(model, args, kwargs)
     dims = microbatch.argument_dims(model, args, kwargs, options.batch_dims)
     flat_dims = tuple(d for x, d in zip(microbatch.pytree.tree_leaves((args, kwargs)), microbatch.pytree.tree_leaves(dims))
                       if isinstance(x, torch.Tensor))

@@ -23,7 +23,7 @@ from torch.utils import _pytree as pytree
 
 from harmony_fx.analysis.reductions import Combine, ScalarReduction
 
-__all__ = ["microbatch_sizes", "refuse_nested_inputs", "argument_dims", "batch_size", "split_call", "merge",
+__all__ = ["microbatch_sizes", "refuse_inputs_not_taken_apart", "argument_dims", "batch_size", "split_call", "merge",
            "scalar_weights", "merge_scalars"]
 
 
@@ -34,19 +34,27 @@ def microbatch_sizes(batch: int, num: int) -> list[int]:
     return [batch // num + (1 if i < batch % num else 0) for i in range(num)]
 
 
-def refuse_nested_inputs(model: nn.Module, args: tuple, kwargs: dict) -> None:
-    """A nested tensor input (``torch.nested``; ``is_nested``) is refused, naming its argument:
-    capturing runs the forward on FakeTensors, which a nested tensor's fake copy fails (an
-    assertion in torch's nested code, which read as the model's own error), and no dim of it cuts
-    its samples into microbatches."""
+def refuse_inputs_not_taken_apart(model: nn.Module, args: tuple, kwargs: dict) -> None:
+    """Inputs the capture cannot take apart into dense tensors, refused naming their argument: a
+    nested tensor (``torch.nested``: capturing runs the forward on FakeTensors, which its fake copy
+    fails, in an assertion of torch's that read as the model's own error; and no dim of it cuts its
+    samples into microbatches), and a container pytree does not know (a ``dict`` or ``list``
+    subclass, a ``UserDict`` as transformers' ``BatchEncoding``: one opaque leaf, which export
+    refuses and no microbatch cuts)."""
     call = (args, kwargs)
     for path, leaf in pytree.tree_flatten_with_path(call)[0]:
         if isinstance(leaf, torch.Tensor) and leaf.is_nested:
-            name = _argument_name(path, call, model)
             raise ValueError(
-                f"the input {name!r} is a nested tensor (torch.nested, layout={leaf.layout}): harmony_fx captures and "
-                "cuts dense tensors only. Pass the padded batch instead (x.to_padded_tensor(0.0), with the lengths "
-                "or a mask), and mask the padding where it matters (attention's mask, the loss).")
+                f"the input {_argument_name(path, call, model)!r} is a nested tensor (torch.nested, "
+                f"layout={leaf.layout}): harmony_fx captures and cuts dense tensors only. Pass the padded batch "
+                "instead (x.to_padded_tensor(0.0), with the lengths or a mask), and mask the padding where it "
+                "matters (attention's mask, the loss).")
+        if isinstance(leaf, (Mapping, list, tuple)):
+            raise ValueError(
+                f"the input {_argument_name(path, call, model)!r} is a {type(leaf).__qualname__}, a container "
+                "torch's pytree does not know, so its tensors cannot be captured or cut into microbatches: pass them "
+                "as keyword arguments (model(**batch)) or in a plain dict or list (dict(batch)), or register the "
+                "type with torch.utils._pytree.register_pytree_node.")
 
 
 def argument_dims(model: nn.Module, args: tuple, kwargs: dict, batch_dims: int | dict) -> tuple[tuple, dict]:

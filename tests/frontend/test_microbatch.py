@@ -2,6 +2,7 @@
 with ``microbatches=M`` giving eager's loss and gradients with the bytes the plan predicts."""
 from __future__ import annotations
 
+import collections
 import copy
 import functools
 
@@ -264,6 +265,35 @@ def test_a_nested_tensor_input_is_refused_naming_it(microbatches):
     with pytest.raises(ValueError, match=r"the input 'input' is a nested tensor \(torch.nested, layout=torch.jagged\)"
                                          r".*to_padded_tensor"):
         harmony_fx.compile(model, (nested,), microbatches=microbatches, memory_budget=1 << 20, devices=["host:0"])
+
+
+class _DictSubclass(dict):
+    pass
+
+
+@pytest.mark.parametrize("container", [_DictSubclass, collections.UserDict, lambda **tensors: [*tensors.values()]],
+                         ids=["dict-subclass", "UserDict", "plain-list"])
+def test_an_input_container_pytree_does_not_know_is_refused_naming_it(container):
+    """A dict subclass or a UserDict (transformers' BatchEncoding) is one opaque leaf to pytree:
+    export refused it with advice about control flow and caches (sweep tt). Named now with what to
+    pass instead; a plain list is taken apart and trains."""
+    class Reads(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = nn.Linear(8, 8)
+
+        def forward(self, batch):
+            a, b = (batch["a"], batch["b"]) if not isinstance(batch, list) else batch
+            return self.linear(a - b)
+
+    batch = container(a=torch.randn(4, 8), b=torch.randn(4, 8))
+    if isinstance(batch, list):
+        model = Reads()
+        torch.testing.assert_close(harmony_fx.compile(model, devices=["host:0"])(batch), model(batch))
+        return
+    with pytest.raises(ValueError, match=rf"the input 'batch' is a {type(batch).__name__}, a container torch's "
+                                         r"pytree does not know.*model\(\*\*batch\)"):
+        harmony_fx.compile(Reads(), (batch,), devices=["host:0"])
 
 
 def test_input_that_requires_grad_gets_eager_grad_with_microbatches():
