@@ -51,7 +51,16 @@ def first_refused(gm: fx.GraphModule) -> tuple[fx.Node, Callable[[str], str]] | 
         for written in written_by(node, unknown_writes_all=False):  # inside a no_grad region too
             base = alias_base(written)
             if base.op == "placeholder" and meta.role_of(base) == meta.Role.INPUT:
-                return _inner_writer(node, written), lambda where, name=base.name: (
+                writer = _inner_writer(node, written)
+                if "register_buffer(" in (model_line(writer) or ""):
+                    # torch.export (2.13) records a buffer the root module registers in its forward (a cache
+                    # filled on the first call) as a copy into an input: the write is the registration's
+                    return writer, lambda where: (
+                        f"the model registers a buffer in its forward, at {where} (a cache filled on the first "
+                        "call), which torch.export records as a write into an input where the module is the model "
+                        "itself: register it in __init__ with its value (or at the largest size it needs, sliced "
+                        "per call), or compute it in each call without keeping it.")
+                return writer, lambda where, name=base.name: (
                     f"the model modifies its input {name!r} in place at {where}; harmony_fx runs the model on "
                     "copies of its inputs, so the change would not reach your tensor. Compute a new tensor "
                     f"instead (e.g. {name} = {name} + 1 rather than {name}.add_(1)), or clone the input first.")

@@ -178,3 +178,22 @@ def test_a_float32_value_meeting_bfloat16_weights_is_refused_at_compile():
         out = harmony_fx.compile(model, (x,), devices=["host:0"], microbatches=1)(x)
         expected = model(x)
     torch.testing.assert_close(out, expected, rtol=0, atol=0)
+
+
+class _RegistersItsCache(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+        self.register_buffer("bias", None, persistent=False)
+
+    def forward(self, x):
+        if self.bias is None or self.bias.shape[0] < x.shape[1]:
+            self.register_buffer("bias", torch.arange(x.shape[1], dtype=x.dtype), persistent=False)
+        return self.linear(x) + self.bias[: x.shape[1]]
+
+
+def test_a_buffer_the_root_module_registers_in_its_forward_is_named_as_such():
+    """torch.export records it as a copy into the model's input: the refusal said the model modifies
+    its input 'x' in place, which it does not (sweep rr)."""
+    with pytest.raises(ValueError, match=r"the model registers a buffer in its forward, at 'self\.register_buffer"):
+        harmony_fx.compile(_RegistersItsCache(), (torch.randn(4, 8),), devices=["host:0"], microbatches=1)
