@@ -602,7 +602,7 @@ class HarmonyModule(nn.Module):
                 module._compile(args, kwargs, key)
             except BudgetTooSmallError as error:
                 error.add_note(f"harmony_fx: this call was planned afresh, as it differs from the first call "
-                               f"({self.calls.describe_inputs()}), which fits the budget, in: {changes}")
+                               f"({self.calls.describe_call()}), which fits the budget, in: {changes}")
                 raise
         module._stages_after.add("guards", 0.0, f"a new call state ({changes}): {how}")
         module.record_timeline(self.session.recording, memory=self._timeline_memory)

@@ -1045,3 +1045,19 @@ def test_a_later_call_that_does_not_fit_says_it_was_planned_afresh_and_how_it_di
         hm(torch.randn(64, 64))
     (note,) = [note for note in refused.value.__notes__ if "planned afresh" in note]
     assert "differs from the first call (x (4, 64))" in note and "shapes" in note
+
+
+def test_a_later_call_that_does_not_fit_names_the_first_call_whole_not_its_microbatch():
+    """A first call cut into microbatches, then a longer one that does not fit: the note named the first
+    call by its first microbatch's shapes (``x (2, 64)`` for a batch of 8), a call the user never made."""
+    torch.manual_seed(0)
+    model = MLPChain(width=64, depth=6)
+    x = torch.randn(8, 64)
+    with pytest.raises(harmony_fx.BudgetTooSmallError) as smallest:
+        harmony_fx.compile(model, (x,), memory_budget=1, microbatches=4, devices=["host:0"])
+    hm = harmony_fx.compile(model, memory_budget=smallest.value.smallest_budget, microbatches=4, devices=["host:0"])
+    hm(x).sum().backward()
+    with pytest.raises(harmony_fx.BudgetTooSmallError) as refused:
+        hm(torch.randn(256, 64))
+    (note,) = [note for note in refused.value.__notes__ if "planned afresh" in note]
+    assert "differs from the first call (x (8, 64))" in note, note

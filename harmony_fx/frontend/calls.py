@@ -77,7 +77,15 @@ class Calls:
         return sum(shape.numel() for shape, _, _ in self.compiled.input_specs) * len(self.mb_sizes)
 
     def describe_inputs(self) -> str:
+        """The example's first microbatch's inputs and their shapes."""
         return ", ".join(f"{name} {tuple(shape)}" for name, (shape, _, _) in zip(self.inputs, self.compiled.input_specs))
+
+    def describe_call(self) -> str:
+        """The example call's inputs and their shapes, whole (the batch dim the call's, not a microbatch's)."""
+        whole = self.batch_size
+        return ", ".join(
+            f"{name} {tuple(shape) if dim is None else tuple(whole if d == dim else n for d, n in enumerate(shape))}"
+            for name, (shape, _, _), dim in zip(self.inputs, self.compiled.input_specs, self.compiled.flat_dims))
 
     def split(self, args: tuple, kwargs: dict) -> list[list[torch.Tensor]]:
         """The flat tensor inputs of each microbatch, checked against the example."""

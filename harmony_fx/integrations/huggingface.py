@@ -64,6 +64,7 @@ except ImportError as error:  # an optional extra: say how to get it
 
 from harmony_fx.api import HarmonyModule, compile as harmony_compile
 from harmony_fx.compiler.driver import MicrobatchesComputeApart
+from harmony_fx.compiler.packing import BudgetTooSmallError
 from harmony_fx.config import HOST_STATE_OPTIONS, check_option_names, option_names, with_environment
 from harmony_fx.frontend.capture import CaptureError, buffers_put_back
 from harmony_fx.ir.values import fakes_of
@@ -366,8 +367,16 @@ class HarmonyTrainer(transformers.Trainer):
             # across processes the optimizer state stays whole on every process: transformers saves
             # optimizer.pt from the main process alone
             across = {"shard_optimizer": False} if self.args.world_size > 1 else {}
-            self.harmony = Trainer(self._trained(), None, self._host_optimizer, batch, max_grad_norm=max_grad_norm,
-                                   **across, **options)
+            try:
+                self.harmony = Trainer(self._trained(), None, self._host_optimizer, batch,
+                                       max_grad_norm=max_grad_norm, **across, **options)
+            except BudgetTooSmallError as error:
+                if "microbatches" not in self._harmony_options:
+                    error.add_note(
+                        "HarmonyTrainer: each of transformers' batches is one microbatch (microbatches="
+                        "gradient_accumulation_steps). For smaller microbatches with the same samples a step, lower "
+                        "per_device_train_batch_size and raise gradient_accumulation_steps alike.")
+                raise
         return self.harmony
 
     def _trained(self) -> nn.Module:

@@ -967,3 +967,15 @@ def test_batches_of_one_step_padded_apart_are_refused_saying_which_fix_applies(m
         batch["attention_mask"] = torch.ones_like(batch["input_ids"])
     with pytest.raises(ValueError, match=rf"padded to different lengths \(\[16, 24\]\).*{fix}"):
         _one_batch(batches, pad_token_id=0, padding_side=side)
+
+
+def test_a_budget_refusal_says_how_to_get_smaller_microbatches_through_transformers(tmp_path):
+    """Each of transformers' batches is one microbatch: the refusal spoke of "more microbatches" without
+    saying how to get them here (sweep ww)."""
+    import harmony_fx
+
+    with pytest.raises(harmony_fx.BudgetTooSmallError) as refused:
+        _train(HarmonyTrainer, build_hf_model("llama"), tmp_path, harmony_options={"memory_budget": 1},
+               arguments={"eval_strategy": "no", "save_strategy": "no", "max_steps": 1})
+    assert any("lower per_device_train_batch_size and raise gradient_accumulation_steps" in note
+               for note in refused.value.__notes__)
