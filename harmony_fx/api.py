@@ -366,7 +366,9 @@ class HarmonyModule(nn.Module):
 
     @property
     def plan(self):
-        return self.compiled.plan
+        """The plan of the last call, the one ``stats`` measured (a call of new shapes or state is
+        planned afresh; before any call, the example's); the first call's is ``compiled.plan``."""
+        return self._last.compiled.plan
 
     @property
     def stats(self):

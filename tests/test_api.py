@@ -1061,3 +1061,17 @@ def test_a_later_call_that_does_not_fit_names_the_first_call_whole_not_its_micro
         hm(torch.randn(256, 64))
     (note,) = [note for note in refused.value.__notes__ if "planned afresh" in note]
     assert "differs from the first call (x (8, 64))" in note, note
+
+
+def test_the_plan_is_the_last_calls_as_the_stats_are():
+    """A call of new shapes is planned afresh: ``hm.stats`` measured it while ``hm.plan`` was the first
+    call's, so a measured peak above ``hm.plan.predicted_peak`` read as a budget kept badly (sweep ww)."""
+    torch.manual_seed(0)
+    model = MLPChain(width=64, depth=6)
+    hm = harmony_fx.compile(model, memory_budget="4MiB", devices=["host:0"], microbatches=1, track_memory=True)
+    peaks = []
+    for batch in (4, 32, 4):
+        hm(torch.randn(batch, 64)).sum().backward()
+        assert hm.stats.peak_bytes["host:0"] == hm.plan.predicted_peak["host:0"], batch
+        peaks.append(hm.plan.predicted_peak["host:0"])
+    assert peaks[0] == peaks[2] < peaks[1] and hm.compiled.plan.predicted_peak["host:0"] == peaks[0]
