@@ -206,6 +206,7 @@ def _python_draws_noted(model: nn.Module):
     numpy = sys.modules.get("numpy")  # a model drawing from numpy has imported it
     python_state = random.getstate()
     numpy_state = numpy.random.get_state() if numpy is not None else None
+    torch_state = torch.get_rng_state()  # the graph's draws run on fakes: only a reseed changes it
     try:
         yield
     finally:
@@ -213,9 +214,17 @@ def _python_draws_noted(model: nn.Module):
             ("random", random.getstate() != python_state),
             ("numpy.random", numpy_state is not None and not _same_numpy_state(numpy.random.get_state(), numpy_state)),
         ) if changed]
+        reseeded = not torch.equal(torch.get_rng_state(), torch_state)
         random.setstate(python_state)
         if numpy_state is not None:
             numpy.random.set_state(numpy_state)
+        torch.set_rng_state(torch_state)
+    if reseeded:
+        warnings.warn(
+            f"{type(model).__name__} sets torch's random generator in forward (torch.manual_seed, "
+            "torch.set_rng_state): the captured graph keeps no trace of it, so every call draws on from the "
+            "generator as the caller left it, where eager draws from the state the forward set. Seed before "
+            "calling the model instead.", stacklevel=user_stacklevel())
     if drew:
         warnings.warn(
             f"{type(model).__name__} draws from {' and '.join(drew)} in forward: the captured graph keeps the numbers "

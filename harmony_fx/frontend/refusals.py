@@ -11,7 +11,8 @@ compile with what to do instead (not a failure deep in planning, or a wrong resu
 * **control flow on values as an operator** (``torch.cond``, ``while_loop``): planning runs each
   pack on FakeTensors, which cannot choose the branch;
 * **sparse gradients** (``nn.Embedding(sparse=True)``): the runtime moves dense gradients between
-  the host and the devices;
+  the host and the devices; likewise **a sparse value** (``x.to_sparse()``), which it moves, stashes
+  and counts as dense tensors;
 * **a matmul or convolution of two floating dtypes** (a float32 value meeting bfloat16 weights under
   ``precision="bf16"``, where the model casts to float32 itself): FakeTensors run it on shapes alone,
   and the kernel would raise at the first call;
@@ -29,6 +30,7 @@ from typing import Callable
 
 import torch
 from torch import fx
+from torch.utils import _pytree as pytree
 
 from harmony_fx.analysis.aliasing import alias_base
 from harmony_fx.analysis.buffer_writes import written_by
@@ -114,6 +116,12 @@ def first_refused(gm: fx.GraphModule) -> tuple[fx.Node, Callable[[str], str]] | 
             return node, lambda where: (
                 f"the model asks for sparse gradients at {where} (sparse=True): harmony_fx moves dense "
                 "gradients between the host and the devices. Use sparse=False (and a dense optimizer).")
+        if any(isinstance(leaf, torch.Tensor) and leaf.layout != torch.strided
+               for leaf in pytree.tree_leaves(node.meta.get(meta.VAL))):
+            return node, lambda where, op=node.target._schema.name.split("::")[-1]: (
+                f"the model makes a sparse tensor ({op}) at {where}: harmony_fx moves, stashes and counts dense "
+                "tensors between packs and the host. Keep the value dense in the model (return it dense and call "
+                ".to_sparse() on the output, outside the compiled model).")
     return None
 
 

@@ -25,10 +25,15 @@ __all__ = ["AllocationTracker", "storage_key", "tensor_bytes", "SIZED_AT_MOST"]
 
 
 def storage_key(tensor: torch.Tensor) -> int:
+    """The storage ``tensor`` is in (a sparse tensor, which has none: its values')."""
+    if tensor.layout != torch.strided:
+        return storage_key(_sparse_parts(tensor)[-1])
     return tensor.untyped_storage()._cdata
 
 
 def tensor_bytes(tensor: torch.Tensor) -> int:
+    if tensor.layout != torch.strided:
+        return sum(tensor_bytes(part) for part in _sparse_parts(tensor))
     return tensor.untyped_storage().nbytes()
 
 
@@ -52,7 +57,12 @@ class AllocationTracker:
 
     def register(self, tensor: torch.Tensor, nbytes: int | None = None) -> torch.Tensor:
         """Count ``tensor``'s storage until the storage dies (once, however many tensors share it);
-        ``nbytes``: its size, where the tensor's own storage does not tell (see ``_TrackingMode``)."""
+        ``nbytes``: its size, where the tensor's own storage does not tell (see ``_TrackingMode``). A
+        sparse tensor has no storage of its own: its indices and values are counted."""
+        if tensor.layout != torch.strided:
+            for part in _sparse_parts(tensor):
+                self.register(part)
+            return tensor
         storage = tensor.untyped_storage()
         key = storage._cdata
         with self._lock:
@@ -88,6 +98,15 @@ class AllocationTracker:
     def mode(self) -> "_TrackingMode":
         """A dispatch mode that registers every tensor produced while it is active."""
         return _TrackingMode(self)
+
+
+def _sparse_parts(tensor: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The dense tensors a sparse one holds its indices and values in."""
+    if tensor.layout == torch.sparse_coo:
+        return tensor._indices(), tensor._values()
+    if tensor.layout in (torch.sparse_csr, torch.sparse_bsr):
+        return tensor.crow_indices(), tensor.col_indices(), tensor.values()
+    return tensor.ccol_indices(), tensor.row_indices(), tensor.values()
 
 
 class _TrackingMode(TorchDispatchMode):
@@ -181,8 +200,10 @@ def _compact(tensor: torch.Tensor, input_storages) -> torch.Tensor:
     """``tensor``, or a copy of it in a storage of its own size where a kernel handed back a view
     into a larger buffer of its own (CPU ``mse_loss`` returns its scalar in the storage of the
     elementwise losses): the buffer would otherwise stay alive as long as the result, unseen by a
-    plan made from shapes. Results that alias an input are left as they are."""
-    if tensor.untyped_storage().nbytes() <= _extent(tensor) or storage_key(tensor) in input_storages:
+    plan made from shapes. Results that alias an input are left as they are, and sparse ones (their
+    parts are their own)."""
+    if (tensor.layout != torch.strided or tensor.untyped_storage().nbytes() <= _extent(tensor)
+            or storage_key(tensor) in input_storages):
         return tensor
     return tensor.clone()
 

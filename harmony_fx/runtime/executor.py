@@ -370,6 +370,9 @@ class Runtime:
                 if summed_by_autograd:
                     if roots and targets:
                         torch.autograd.backward(roots, root_grads)
+                    for target in targets:
+                        if target.grad is not None and target.grad._is_zerotensor():
+                            target.grad = _materialized(target.grad)
                     grads = iter([target.grad for target in targets])
                 else:
                     grads = iter(torch.autograd.grad(roots, targets, root_grads, allow_unused=True)
@@ -392,6 +395,7 @@ class Runtime:
                     if grad is None:  # no root reaches it: eager's autograd has no gradient there either
                         leaf_grads.append(None)
                         continue
+                    grad = _materialized(grad)
                     if storage_key(grad) in stored:
                         # autograd hands one tensor to several inputs (e.g. both sides of an add);
                         # each key must own its gradient, since each is added to in place later
@@ -408,6 +412,7 @@ class Runtime:
                     grad = next(grads) if weight.requires_grad else None
                     if grad is None:
                         continue
+                    grad = _materialized(grad)
                     # summed over microbatches in the master's gradient dtype (fp32 under bf16 compute):
                     # each microbatch's gradient is rounded once, not the running sum at every step
                     if accumulated[i] is not None:
@@ -524,6 +529,14 @@ def _roots(outputs: Sequence[object], grads: Sequence[object]) -> tuple[list[tor
                 roots.append(leaf)
                 root_grads.append(leaf_grad)
     return roots, root_grads
+
+
+def _materialized(grad: torch.Tensor) -> torch.Tensor:
+    """``grad`` with memory where autograd gave its storage-less zero (a ZeroTensor: ``sgn``'s
+    gradient of a real tensor): kept as a weight's ``.grad`` (AccumulateGrad takes it as the first
+    microbatch's) or handed to the pack before as its output's gradient (which makes its weights'
+    alike), the next microbatch's ``+=`` could not write it. Planning counted it whole."""
+    return torch.zeros_like(grad) if grad._is_zerotensor() else grad
 
 
 def _differentiable(value: object) -> list[torch.Tensor]:

@@ -175,3 +175,30 @@ def test_a_python_draw_in_forward_is_said_and_its_generator_put_back(draw):
 def test_a_model_drawing_only_with_torch_is_not_warned_about(recwarn):
     capture(_LayerDrop(0.0), (torch.randn(4, 8),))
     assert not [w for w in recwarn if "draws from" in str(w.message)]
+
+
+class _Reseeding(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+
+    def forward(self, x):
+        torch.manual_seed(42)  # as torch's own OpInfo wrappers of random ops do: run once, at capture
+        return F.dropout(self.linear(x), 0.5, True)
+
+
+def test_a_forward_reseeding_torch_is_said_and_the_generator_put_back():
+    """Eager draws each call's mask from seed 42; the graph keeps no ``manual_seed`` and draws on
+    from the caller's generator: said, and capturing leaves the caller's generator as it was."""
+    model, x = _Reseeding(), torch.randn(4, 8)
+    torch.manual_seed(3)
+    expected = torch.rand(4)
+    torch.manual_seed(3)
+    with pytest.warns(UserWarning, match="sets torch's random generator in forward"):
+        capture(model, (x,))
+    assert torch.equal(torch.rand(4), expected)  # as if nothing had reseeded it
+
+
+def test_a_model_drawing_with_torch_without_reseeding_is_not_warned_about(recwarn):
+    capture(nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.5)), (torch.randn(4, 8),))
+    assert not [w for w in recwarn if "random generator" in str(w.message)]

@@ -59,6 +59,15 @@ class _Branches(nn.Module):
         return torch.cond(h.sum() > 0, lambda t: t.relu(), lambda t: t.tanh(), (h,))
 
 
+class _SparseValue(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.linear(x).to_sparse()
+
+
 class _SparseEmbedding(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -122,11 +131,13 @@ def test_a_write_inside_no_grad_is_refused_as_one_outside(what, says):
     (_Branches, lambda: (torch.randn(4, 8),), r"runs torch\.cond.*torch\.where", "return torch.cond("),
     (_SparseEmbedding, lambda: (torch.randint(0, 20, (4, 5)),), r"sparse gradients.*sparse=False",
      "self.linear(self.embedding(ids))"),
+    (_SparseValue, lambda: (torch.randn(4, 8),), r"makes a sparse tensor \(to_sparse\).*dense",
+     "self.linear(x).to_sparse()"),
     (_RenormedEmbedding, lambda: (torch.randint(0, 20, (4, 5)),), r"parameter 'embedding\.weight' in place.*"
      r"max_norm.*outside the forward", "self.linear(self.embedding(ids))"),
     (_CountsInPython, lambda: (torch.randn(4, 8),), r"reads a tensor's value into Python.*Keep it a tensor",
      "positive = (hidden > 0).sum().tolist()"),
-], ids=["unbounded size", "bincount", "bincount of a fixed size", "torch.cond", "sparse gradients", "a parameter written", "a value read"])
+], ids=["unbounded size", "bincount", "bincount of a fixed size", "torch.cond", "sparse gradients", "a sparse value", "a parameter written", "a value read"])
 def test_a_construct_harmony_cannot_run_is_refused_naming_the_line(model, inputs, says, line):
     torch.manual_seed(0)
     with pytest.raises(ValueError, match=says) as refused:

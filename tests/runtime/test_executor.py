@@ -155,6 +155,31 @@ def test_an_input_gradient_in_a_weights_gradient_buffer_is_not_added_into():
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-5, msg=name)
 
 
+class _Sign(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.ones(1, 6))
+
+    def forward(self, x):
+        return torch.sgn(x * self.w) + x * self.w.sgn()
+
+
+def test_a_storage_less_zero_gradient_sums_over_microbatches_like_eager():
+    """``sgn`` of a real tensor hands autograd's storage-less zero (a ZeroTensor) back as its
+    gradient: passed on to the pack before as its output's gradient, it became the weight's first
+    ``.grad``, which the second microbatch's ``+=`` could not write ("ZeroTensors are immutable")."""
+    import copy
+
+    torch.manual_seed(0)
+    model, x = _Sign(), torch.randn(4, 6)
+    reference = copy.deepcopy(model)
+    hm = harmony_fx.compile(model, (x,), devices=["host:0"], microbatches=2, pack_boundaries=(0, 1))
+    assert len(hm.packs) == 2
+    hm(x).square().sum().backward()
+    reference(x).square().sum().backward()
+    torch.testing.assert_close(model.w.grad, reference.w.grad)
+
+
 @pytest.mark.parametrize("track_memory", [False, True])
 def test_a_buffer_the_forward_resizes_in_place_is_resized_on_the_host_as_in_eager(track_memory):
     """Quantization-aware training (``prepare_qat`` with the default qconfig): each per-channel
