@@ -308,7 +308,8 @@ class ReplayingProbe(Probe):
         return _Sources(by_storage, by_identity)
 
     def _dropped_leaves(self, keys: Sequence[Key]) -> list:
-        """The leaves of the values of ``keys``, a graph as ``[inputs, outputs]`` whether replayed or not."""
+        """The tensors of the values of ``keys``, a graph as ``[inputs, outputs]`` whether replayed or
+        not (a record's sources index them, after the leaves the task read)."""
         values = []
         for key in keys:
             value = self.device_values.get(key)
@@ -317,7 +318,7 @@ class ReplayingProbe(Probe):
             elif key.kind == KeyKind.GRAPH and value is not None:
                 value = list(value)
             values.append(value)
-        return pytree.tree_leaves(values)
+        return _tensors(values)
 
     def _weights(self, pack) -> list:
         return self.device_values[Key(KeyKind.WEIGHTS, pack.name)]
