@@ -409,21 +409,29 @@ def _register_output_dataclasses(model: nn.Module, args: tuple, kwargs: dict) ->
 
 def register_dataclasses(value: Any) -> tuple[set[type], set[type]]:
     """Register with pytree every dataclass type in ``value`` (through tuples, lists, dicts and
-    dataclasses) that it does not know; the types registered, and every dataclass type seen. An
-    input that is a dataclass (a batch object) is registered before anything reads the call's
-    structure: as a pytree leaf, export refuses it, and its tensors are neither inputs the graph
-    reads nor ones a microbatch cuts."""
-    found: dict[type, None] = {}
+    dataclasses) that it does not know, and every ``dict`` or ``list`` subclass its constructor
+    rebuilds from its items (``_register_rebuilt``); the types registered, and every such type seen.
+    An input that is one (a batch object) is registered before anything reads the call's structure:
+    as a pytree leaf, export refuses it, and its tensors are neither inputs the graph reads nor ones
+    a microbatch cuts; an output that is one comes back as its own type."""
+    found: set[type] = set()
     seen: set[type] = set()
 
     def visit(item: Any) -> None:
         if dataclasses.is_dataclass(item) and not isinstance(item, type):
             seen.add(type(item))
             if type(item) not in pytree.SUPPORTED_NODES:
-                found[type(item)] = None
+                torch.export.register_dataclass(type(item))
+                found.add(type(item))
             for field in dataclasses.fields(item):
                 visit(getattr(item, field.name))
-        elif isinstance(item, (tuple, list)):
+            return
+        if isinstance(item, (dict, list)) and type(item) not in (dict, list):
+            if type(item) not in pytree.SUPPORTED_NODES and _register_rebuilt(item):
+                found.add(type(item))
+            if type(item) in pytree.SUPPORTED_NODES:  # one left a leaf is not seen: another try cannot help
+                seen.add(type(item))
+        if isinstance(item, (tuple, list)):
             for child in item:
                 visit(child)
         elif isinstance(item, dict):
@@ -431,9 +439,36 @@ def register_dataclasses(value: Any) -> tuple[set[type], set[type]]:
                 visit(child)
 
     visit(value)
-    for cls in found:
-        torch.export.register_dataclass(cls)
-    return set(found), seen
+    return found, seen
+
+
+def _register_rebuilt(item: dict | list) -> bool:
+    """Register ``type(item)``, a ``dict`` or ``list`` subclass, with pytree, where its constructor
+    given ``item``'s items rebuilds it (the same type, the same items, the same attributes): a
+    ``defaultdict`` (its factory first) or a class taking other arguments stays a leaf."""
+    cls = type(item)
+    keys = list(item.keys()) if isinstance(item, dict) else None
+    try:
+        rebuilt = cls(zip(keys, item.values())) if keys is not None else cls(list(item))
+        same = (type(rebuilt) is cls and len(rebuilt) == len(item) and vars(rebuilt).keys() == vars(item).keys()
+                and all(a is b for a, b in zip(rebuilt.values() if keys is not None else rebuilt,
+                                               item.values() if keys is not None else item))
+                and (keys is None or list(rebuilt.keys()) == keys))
+    except Exception:  # noqa: BLE001 - a constructor of other arguments: not rebuilt, a leaf as before
+        return False
+    if not same:
+        return False
+    if keys is not None:
+        pytree.register_pytree_node(
+            cls, lambda d: (list(d.values()), list(d.keys())), lambda values, names: cls(zip(names, values)),
+            flatten_with_keys_fn=lambda d: ([(pytree.MappingKey(k), v) for k, v in d.items()], list(d.keys())),
+            serialized_type_name=f"{cls.__module__}.{cls.__qualname__}")
+    else:
+        pytree.register_pytree_node(
+            cls, lambda items: (list(items), None), lambda values, _: cls(values),
+            flatten_with_keys_fn=lambda items: ([(pytree.SequenceKey(i), v) for i, v in enumerate(items)], None),
+            serialized_type_name=f"{cls.__module__}.{cls.__qualname__}")
+    return True
 
 
 def _bounded_capture(model: nn.Module, args: tuple, kwargs: dict, stack_traces: bool, dtype: torch.dtype | None):

@@ -777,3 +777,37 @@ def test_a_dataclass_input_is_captured_and_cut_as_its_tensors(microbatches):
         torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
         assert_grads_equal(model, reference, rtol=1e-5, atol=1e-6, inputs=(x,), ref_inputs=(ref_x,))
     assert len(hm.packs) >= 2 and len(hm.variants) == 2 and len(hm.calls.mb_sizes) == microbatches
+
+
+class _Outputs(dict):
+    pass
+
+
+class _Pair(list):
+    pass
+
+
+class _ReturnsItsOwnContainers(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.second = nn.Linear(8, 8), nn.Linear(8, 4)
+
+    def forward(self, x):
+        hidden = torch.tanh(self.first(x))
+        logits = self.second(hidden)
+        return _Outputs(logits=logits, hidden=hidden), _Pair([logits, hidden])
+
+
+def test_a_dict_or_list_subclass_returned_comes_back_as_its_own_type():
+    """Export refused the type, and symbolic_trace, which the capture fell back to, returned torch.fx's
+    immutable_dict and immutable_list, whose items cannot be set (sweep tt)."""
+    torch.manual_seed(0)
+    model, x = _ReturnsItsOwnContainers(), torch.randn(4, 8)
+    reference = copy.deepcopy(model)
+    outputs, pair = harmony_fx.compile(model, (x,), devices=["host:0"], pack_boundaries=(0, 1), microbatches=2)(x)
+    expected, expected_pair = reference(x)
+    assert type(outputs) is _Outputs and list(outputs) == ["logits", "hidden"] and type(pair) is _Pair
+    outputs["extra"] = outputs["logits"]  # as the user's own type allows
+    (outputs["logits"].sum() + pair[1].square().sum()).backward()
+    (expected["logits"].sum() + expected_pair[1].square().sum()).backward()
+    assert_grads_equal(model, reference, rtol=1e-5, atol=1e-6)

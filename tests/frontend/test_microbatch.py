@@ -271,12 +271,18 @@ class _DictSubclass(dict):
     pass
 
 
-@pytest.mark.parametrize("container", [_DictSubclass, collections.UserDict, lambda **tensors: [*tensors.values()]],
-                         ids=["dict-subclass", "UserDict", "plain-list"])
-def test_an_input_container_pytree_does_not_know_is_refused_naming_it(container):
-    """A dict subclass or a UserDict (transformers' BatchEncoding) is one opaque leaf to pytree:
-    export refused it with advice about control flow and caches (sweep tt). Named now with what to
-    pass instead; a plain list is taken apart and trains."""
+class _NeedsAFactory(collections.defaultdict):
+    pass
+
+
+@pytest.mark.parametrize("container", [_DictSubclass, lambda **tensors: [*tensors.values()],
+                                       collections.UserDict, lambda **tensors: _NeedsAFactory(None, tensors)],
+                         ids=["dict-subclass", "plain-list", "UserDict", "defaultdict-subclass"])
+def test_an_input_container_is_taken_apart_or_refused_naming_it(container):
+    """A dict subclass is one opaque leaf to pytree: export refused it with advice about control flow
+    and caches (sweep tt). One its constructor rebuilds from its items is taken apart (and cut into
+    microbatches); one it does not (a defaultdict's factory comes first; a UserDict, as transformers'
+    BatchEncoding, is no dict) is named, with what to pass instead."""
     class Reads(nn.Module):
         def __init__(self):
             super().__init__()
@@ -287,9 +293,10 @@ def test_an_input_container_pytree_does_not_know_is_refused_naming_it(container)
             return self.linear(a - b)
 
     batch = container(a=torch.randn(4, 8), b=torch.randn(4, 8))
-    if isinstance(batch, list):
+    if isinstance(batch, (_DictSubclass, list)):
         model = Reads()
-        torch.testing.assert_close(harmony_fx.compile(model, devices=["host:0"])(batch), model(batch))
+        out = harmony_fx.compile(model, devices=["host:0"], microbatches=2)(batch)
+        torch.testing.assert_close(out, model(batch))
         return
     with pytest.raises(ValueError, match=rf"the input 'batch' is a {type(batch).__name__}, a container torch's "
                                          r"pytree does not know.*model\(\*\*batch\)"):
