@@ -70,7 +70,7 @@ from harmony_fx.compiler.variants import (
 from harmony_fx.config import CompileOptions, format_size
 from harmony_fx.frontend import microbatch
 from harmony_fx.frontend.backward_hooks import without_a_backward
-from harmony_fx.frontend.capture import CaptureError, raised_when_run, register_dataclasses
+from harmony_fx.frontend.capture import CaptureError, raised_when_run, register_containers
 from harmony_fx.ir import meta
 from harmony_fx.lowering.tier_io import insert_tier_io
 from harmony_fx.passes.split_packs import annotate_packs
@@ -134,7 +134,7 @@ def _compile_program(model: nn.Module, args: tuple, kwargs: dict, options: Compi
         if trainer or updates or optimizer is not None:
             _refuse_resident_in_trainer()
         _reserve_resident_gradients(model, devices[0], options)
-    register_dataclasses((args, kwargs))  # a batch object's tensors: inputs to capture and cut, not a leaf
+    register_containers((args, kwargs))  # a batch object's tensors: inputs to capture and cut, not a leaf
     microbatch.refuse_inputs_not_taken_apart(model, args, kwargs)
     dims = microbatch.argument_dims(model, args, kwargs, options.batch_dims)
     flat_dims = tuple(d for x, d in zip(microbatch.pytree.tree_leaves((args, kwargs)), microbatch.pytree.tree_leaves(dims))

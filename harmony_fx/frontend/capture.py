@@ -63,7 +63,7 @@ from harmony_fx.frontend.refusals import first_refused, refusal
 from harmony_fx.passes.bound_sizes import bound_sizes
 from harmony_fx.user_frames import user_stacklevel
 
-__all__ = ["Captured", "capture", "CaptureError", "raised_when_run", "buffers_put_back", "register_dataclasses"]
+__all__ = ["Captured", "capture", "CaptureError", "raised_when_run", "buffers_put_back", "register_containers"]
 
 
 class CaptureError(ValueError):
@@ -357,10 +357,11 @@ def raised_when_run(model: nn.Module, args: tuple, kwargs: dict) -> Exception | 
 def _export_trying_again(model: nn.Module, args: tuple, kwargs: dict, stack_traces: bool,
                          dtype: torch.dtype | None) -> Captured:
     """``_capture_with_export``, again where what failed can be helped: a data-dependent guard (a
-    branch on a random draw whose outcome is certain: ``random_branches``), a plain dataclass in
-    the output (taught to pytree, found by its type in one FakeTensor run, not by export's message,
-    whose wording changes between torch versions: 2.11 raises "unhashable type" where 2.13 says
-    "Found <class> in output"). Each help is tried once; the first try costs other models nothing."""
+    branch on a random draw whose outcome is certain: ``random_branches``), a plain dataclass or a
+    ``dict``/``list`` subclass in the output (taught to pytree, found by its type in one FakeTensor
+    run, not by export's message, whose wording changes between torch versions: 2.11 raises
+    "unhashable type" where 2.13 says "Found <class> in output"). Each help is tried once; the first
+    try costs other models nothing."""
     certain_draws = registered = False
     guarded: Exception | None = None
     while True:
@@ -369,7 +370,7 @@ def _export_trying_again(model: nn.Module, args: tuple, kwargs: dict, stack_trac
         except Exception as error:  # noqa: BLE001 - raised again unless a help is left to try
             if not certain_draws and _guards_on_data(error):
                 certain_draws, guarded = True, error
-            elif not registered and _register_output_dataclasses(model, args, kwargs):
+            elif not registered and _register_output_containers(model, args, kwargs):
                 registered = True
             elif guarded is not None and _random_branch(error) is not None:
                 raise guarded from error  # export's error names the model's line; the branch, what to set to 0
@@ -390,9 +391,10 @@ def _guards_on_data(error: BaseException | None) -> bool:
     return False
 
 
-def _register_output_dataclasses(model: nn.Module, args: tuple, kwargs: dict) -> bool:
-    """Register with pytree (``torch.export.register_dataclass``) every dataclass type in the model's
-    output that pytree does not know, found by one run on FakeTensors; whether any output type is
+def _register_output_containers(model: nn.Module, args: tuple, kwargs: dict) -> bool:
+    """Register with pytree every dataclass type and rebuildable ``dict``/``list`` subclass in the
+    model's output that pytree does not know (``register_containers``), found by one run on
+    FakeTensors; whether any output type is
     known now that was not before. The registration is process-wide, as Hugging Face's own for
     ``ModelOutput``, which registers itself when made outside a trace: a ``ModelOutput`` class first
     imported while something was traced (``torch.compiler.is_compiling()``) is never registered by
@@ -403,11 +405,11 @@ def _register_output_dataclasses(model: nn.Module, args: tuple, kwargs: dict) ->
             output = model(*fake_args, **fake_kwargs)
     except Exception:  # noqa: BLE001 - then export's own error stands
         return False
-    found, seen = register_dataclasses(output)
+    found, seen = register_containers(output)
     return bool(found) or bool(seen - known)
 
 
-def register_dataclasses(value: Any) -> tuple[set[type], set[type]]:
+def register_containers(value: Any) -> tuple[set[type], set[type]]:
     """Register with pytree every dataclass type in ``value`` (through tuples, lists, dicts and
     dataclasses) that it does not know, and every ``dict`` or ``list`` subclass its constructor
     rebuilds from its items (``_register_rebuilt``); the types registered, and every such type seen.

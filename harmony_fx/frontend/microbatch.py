@@ -40,7 +40,7 @@ def refuse_inputs_not_taken_apart(model: nn.Module, args: tuple, kwargs: dict) -
     fails, in an assertion of torch's that read as the model's own error; and no dim of it cuts its
     samples into microbatches), and a container pytree does not know (a ``UserDict`` as
     transformers' ``BatchEncoding``, a ``dict`` or ``list`` subclass its constructor does not rebuild
-    from its items, ``capture.register_dataclasses``: one opaque leaf, which export refuses and no
+    from its items, ``capture.register_containers``: one opaque leaf, which export refuses and no
     microbatch cuts)."""
     call = (args, kwargs)
     for path, leaf in pytree.tree_flatten_with_path(call)[0]:
