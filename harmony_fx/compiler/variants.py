@@ -242,8 +242,7 @@ def check_outputs_alike(whole: Variant, part: Variant, batch: int,
             continue
         if dim is not None and a.dim() > 0 and a.shape == b.shape and part.size and part.size < batch:
             raise ValueError(
-                f"the model's {_output_name(whole, position, ours)} is {list(a.shape)} on the whole batch of {batch} "
-                f"and {list(b.shape)} on a microbatch of {part.size}: it does not grow with the batch (a reduction "
+                f"{_output_shapes(whole, part, position, ours, batch)}: it does not grow with the batch (a reduction "
                 "over the samples, as x.mean(0); a value no sample reaches, as a parameter's slice; the batch size "
                 "written as a number, as h.expand(5, 5, 5)), so the microbatches' outputs, joined along its dim "
                 f"{dim}, would not be the batch's. Use microbatches=1, or None (the planner keeps such a batch "
@@ -252,8 +251,7 @@ def check_outputs_alike(whole: Variant, part: Variant, batch: int,
         if a.dim() == b.dim() and len(differ) == 2 and all(a.shape[i] * part.size == b.shape[i] * batch
                                                            for i in differ):
             raise ValueError(
-                f"the model's {_output_name(whole, position, ours)} is {list(a.shape)} on the whole batch of {batch} "
-                f"and {list(b.shape)} on a microbatch of {part.size}: it pairs every sample with every other (a "
+                f"{_output_shapes(whole, part, position, ours, batch)}: it pairs every sample with every other (a "
                 "similarity matrix, as CLIP's and SigLIP's logits_per_image), which microbatches cannot compute (a "
                 "contrastive loss over it mixes the samples). Where an input's dim 0 is not a batch of samples (an "
                 "unbatched sequence), name each input's batch dim with batch_dims=...; otherwise use "
@@ -262,13 +260,20 @@ def check_outputs_alike(whole: Variant, part: Variant, batch: int,
                 or (dim is not None and dim < min(a.dim(), b.dim()) and part.size
                     and b.shape[dim] * batch != a.shape[dim] * part.size)):
             raise ValueError(
-                f"the model's {_output_name(whole, position, ours)} is {list(a.shape)} on the whole batch of {batch} "
-                f"and {list(b.shape)} on a microbatch of {part.size}: an op drops or adds dims by their sizes (squeeze() "
-                "without a dim drops a one-sample microbatch's batch dim), writes the batch size as a number "
+                f"{_output_shapes(whole, part, position, ours, batch)}: an op drops or adds dims by their sizes "
+                "(squeeze() without a dim drops a one-sample microbatch's batch dim), writes the batch size as a number "
                 "(h.expand(5, 5, 5)), or sizes another dim by the batch (an input whose dim 0 is not a batch of "
                 "samples, cut as one: name its batch dim with batch_dims=...), so the microbatches' outputs cannot "
                 "be joined as the batch's. Name the dim (squeeze(-1)), use microbatches of more than one sample, or "
                 "microbatches=1.")
+
+
+def _output_shapes(whole: Variant, part: Variant, position: int, node: fx.Node, batch: int) -> str:
+    """How a refusal names output ``position`` and its shapes on the whole batch and on ``part``."""
+    shapes = [variant.captured.gm.graph.find_nodes(op="output")[0].args[0][position].meta[meta.VAL].shape
+              for variant in (whole, part)]
+    return (f"the model's {_output_name(whole, position, node)} is {list(shapes[0])} on the whole batch of {batch} "
+            f"and {list(shapes[1])} on a microbatch of {part.size}")
 
 
 def _output_name(variant: Variant, position: int, node: fx.Node) -> str:

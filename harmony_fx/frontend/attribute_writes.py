@@ -90,18 +90,17 @@ def new_tensors_taken_back(model: nn.Module) -> Iterator[None]:
     buffers) reads it as the model's buffer, and the calls return FakeTensors for the loss and the
     gradients. Taken back after each export, so the model holds what it held before, as
     ``tensor_attribute_writes_said`` says."""
-    attributes = {name: set(module.__dict__) for name, module in model.named_modules()}
-    buffers = {name: dict(module._buffers) for name, module in model.named_modules()}
+    before = {name: (set(module.__dict__), dict(module._buffers)) for name, module in model.named_modules()}
     try:
         yield
     finally:
         for name, module in model.named_modules():
-            if name not in attributes:  # a module the forward made: nothing of the model's own
+            if name not in before:  # a module the forward made: nothing of the model's own
                 continue
+            attributes, held = before[name]
             for key in [key for key, value in module.__dict__.items()
-                        if key not in attributes[name] and isinstance(value, torch.Tensor)]:
+                        if key not in attributes and isinstance(value, torch.Tensor)]:
                 del module.__dict__[key]
-            held = buffers[name]
             for key in [key for key, value in module._buffers.items()
                         if isinstance(value, torch.Tensor) and held.get(key) is None]:
                 if key in held:

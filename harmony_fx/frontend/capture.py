@@ -448,29 +448,29 @@ def _register_rebuilt(item: dict | list) -> bool:
     """Register ``type(item)``, a ``dict`` or ``list`` subclass, with pytree, where its constructor
     given ``item``'s items rebuilds it (the same type, the same items, the same attributes): a
     ``defaultdict`` (its factory first) or a class taking other arguments stays a leaf."""
-    cls = type(item)
-    keys = list(item.keys()) if isinstance(item, dict) else None
+    cls, mapping = type(item), isinstance(item, dict)
+    children = _items(item)
+    rebuild = (lambda pairs: cls(pairs)) if mapping else (lambda pairs: cls(value for _, value in pairs))
     try:
-        rebuilt = cls(zip(keys, item.values())) if keys is not None else cls(list(item))
-        same = (type(rebuilt) is cls and len(rebuilt) == len(item) and vars(rebuilt).keys() == vars(item).keys()
-                and all(a is b for a, b in zip(rebuilt.values() if keys is not None else rebuilt,
-                                               item.values() if keys is not None else item))
-                and (keys is None or list(rebuilt.keys()) == keys))
+        rebuilt = rebuild(children)
+        again = _items(rebuilt)
+        same = (type(rebuilt) is cls and vars(rebuilt).keys() == vars(item).keys() and len(again) == len(children)
+                and all(k == j and v is w for (k, v), (j, w) in zip(again, children)))
     except Exception:  # noqa: BLE001 - a constructor of other arguments: not rebuilt, a leaf as before
         return False
-    if not same:
-        return False
-    if keys is not None:
+    if same:
+        key = pytree.MappingKey if mapping else pytree.SequenceKey
         pytree.register_pytree_node(
-            cls, lambda d: (list(d.values()), list(d.keys())), lambda values, names: cls(zip(names, values)),
-            flatten_with_keys_fn=lambda d: ([(pytree.MappingKey(k), v) for k, v in d.items()], list(d.keys())),
+            cls, lambda x: ([v for _, v in _items(x)], [k for k, _ in _items(x)]),
+            lambda values, keys: rebuild(zip(keys, values)),
+            flatten_with_keys_fn=lambda x: ([(key(k), v) for k, v in _items(x)], [k for k, _ in _items(x)]),
             serialized_type_name=f"{cls.__module__}.{cls.__qualname__}")
-    else:
-        pytree.register_pytree_node(
-            cls, lambda items: (list(items), None), lambda values, _: cls(values),
-            flatten_with_keys_fn=lambda items: ([(pytree.SequenceKey(i), v) for i, v in enumerate(items)], None),
-            serialized_type_name=f"{cls.__module__}.{cls.__qualname__}")
-    return True
+    return same
+
+
+def _items(container: dict | list) -> list[tuple]:
+    """``(key, value)`` of a dict, ``(index, value)`` of a list: what pytree flattens it to, with its keys."""
+    return list(container.items()) if isinstance(container, dict) else list(enumerate(container))
 
 
 def _bounded_capture(model: nn.Module, args: tuple, kwargs: dict, stack_traces: bool, dtype: torch.dtype | None):
